@@ -1,0 +1,333 @@
+from flywheel.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    EVENT_KIND_STATE_CHANGED: _ClassVar[EventKind]
+    EVENT_KIND_VERSION_COMMITTED: _ClassVar[EventKind]
+    EVENT_KIND_COMPONENT_REGISTERED: _ClassVar[EventKind]
+    EVENT_KIND_COMPONENT_EXPIRED: _ClassVar[EventKind]
+    EVENT_KIND_TRANSFER_STARTED: _ClassVar[EventKind]
+    EVENT_KIND_TRANSFER_FINISHED: _ClassVar[EventKind]
+    EVENT_KIND_SYNC_REQUESTED: _ClassVar[EventKind]
+
+class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
+    TRANSFER_STATE_PENDING: _ClassVar[TransferState]
+    TRANSFER_STATE_COMMITTED: _ClassVar[TransferState]
+    TRANSFER_STATE_ABORTED: _ClassVar[TransferState]
+EVENT_KIND_UNSPECIFIED: EventKind
+EVENT_KIND_STATE_CHANGED: EventKind
+EVENT_KIND_VERSION_COMMITTED: EventKind
+EVENT_KIND_COMPONENT_REGISTERED: EventKind
+EVENT_KIND_COMPONENT_EXPIRED: EventKind
+EVENT_KIND_TRANSFER_STARTED: EventKind
+EVENT_KIND_TRANSFER_FINISHED: EventKind
+EVENT_KIND_SYNC_REQUESTED: EventKind
+TRANSFER_STATE_UNSPECIFIED: TransferState
+TRANSFER_STATE_PENDING: TransferState
+TRANSFER_STATE_COMMITTED: TransferState
+TRANSFER_STATE_ABORTED: TransferState
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("identity", "step", "weight_version")
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    identity: _common_pb2.ComponentIdentity
+    step: int
+    weight_version: int
+    def __init__(self, identity: _Optional[_Union[_common_pb2.ComponentIdentity, _Mapping]] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("lease_seconds", "state", "latest_version")
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    state: _common_pb2.ComponentState
+    latest_version: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., latest_version: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("id", "step", "weight_version")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    step: int
+    weight_version: int
+    def __init__(self, id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("state", "latest_version")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    state: _common_pb2.ComponentState
+    latest_version: int
+    def __init__(self, state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., latest_version: _Optional[int] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetStateRequest(_message.Message):
+    __slots__ = ("id", "state", "expected_state")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_STATE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    state: _common_pb2.ComponentState
+    expected_state: _common_pb2.ComponentState
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., expected_state: _Optional[_Union[_common_pb2.ComponentState, str]] = ...) -> None: ...
+
+class SetStateResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: _common_pb2.ComponentState
+    def __init__(self, state: _Optional[_Union[_common_pb2.ComponentState, str]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("ids", "send_initial")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    SEND_INITIAL_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    send_initial: bool
+    def __init__(self, ids: _Optional[_Iterable[str]] = ..., send_initial: _Optional[bool] = ...) -> None: ...
+
+class WatchResponse(_message.Message):
+    __slots__ = ("kind", "component", "latest_version", "method", "location", "sequence", "unix_ms")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    kind: EventKind
+    component: _common_pb2.ComponentStatus
+    latest_version: int
+    method: _common_pb2.SyncMethod
+    location: str
+    sequence: int
+    unix_ms: int
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., component: _Optional[_Union[_common_pb2.ComponentStatus, _Mapping]] = ..., latest_version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., location: _Optional[str] = ..., sequence: _Optional[int] = ..., unix_ms: _Optional[int] = ...) -> None: ...
+
+class ConfigurePolicyRequest(_message.Message):
+    __slots__ = ("style", "method", "sync_interval", "sync_offset", "sync_timeout_seconds")
+    STYLE_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    SYNC_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    SYNC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SYNC_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    style: _common_pb2.SyncStyle
+    method: _common_pb2.SyncMethod
+    sync_interval: int
+    sync_offset: int
+    sync_timeout_seconds: float
+    def __init__(self, style: _Optional[_Union[_common_pb2.SyncStyle, str]] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., sync_interval: _Optional[int] = ..., sync_offset: _Optional[int] = ..., sync_timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class ConfigurePolicyResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NeedSyncRequest(_message.Message):
+    __slots__ = ("id", "step")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    step: int
+    def __init__(self, id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class NeedSyncResponse(_message.Message):
+    __slots__ = ("need_sync", "version", "state", "method")
+    NEED_SYNC_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    need_sync: bool
+    version: int
+    state: _common_pb2.ComponentState
+    method: _common_pb2.SyncMethod
+    def __init__(self, need_sync: _Optional[bool] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ...) -> None: ...
+
+class PushWeightsRequest(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: _common_pb2.WeightManifest
+    chunk: _common_pb2.WeightChunk
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.WeightChunk, _Mapping]] = ...) -> None: ...
+
+class PushWeightsResponse(_message.Message):
+    __slots__ = ("version", "bytes", "kept_versions")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEPT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    bytes: int
+    kept_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., kept_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PullWeightsRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class PullWeightsResponse(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: _common_pb2.WeightManifest
+    chunk: _common_pb2.WeightChunk
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.WeightChunk, _Mapping]] = ...) -> None: ...
+
+class RegisterCheckpointRequest(_message.Message):
+    __slots__ = ("version", "path", "trainer_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    path: str
+    trainer_id: str
+    def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ..., trainer_id: _Optional[str] = ...) -> None: ...
+
+class RegisterCheckpointResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class GetCheckpointRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class GetCheckpointResponse(_message.Message):
+    __slots__ = ("version", "path")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    path: str
+    def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class AllocateGroupRequest(_message.Message):
+    __slots__ = ("version", "trainer_id", "rollout_ids", "timeout_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    trainer_id: str
+    rollout_ids: _containers.RepeatedScalarFieldContainer[str]
+    timeout_seconds: float
+    def __init__(self, version: _Optional[int] = ..., trainer_id: _Optional[str] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class GroupMember(_message.Message):
+    __slots__ = ("id", "rank")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    rank: int
+    def __init__(self, id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class AllocateGroupResponse(_message.Message):
+    __slots__ = ("group_id", "rendezvous_address", "world_size", "backend", "members", "deadline_unix_ms", "version")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    rendezvous_address: str
+    world_size: int
+    backend: str
+    members: _containers.RepeatedCompositeFieldContainer[GroupMember]
+    deadline_unix_ms: int
+    version: int
+    def __init__(self, group_id: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., deadline_unix_ms: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ReportTransferRequest(_message.Message):
+    __slots__ = ("group_id", "id", "success", "error")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    id: str
+    success: bool
+    error: str
+    def __init__(self, group_id: _Optional[str] = ..., id: _Optional[str] = ..., success: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReportTransferResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: TransferState
+    def __init__(self, state: _Optional[_Union[TransferState, str]] = ...) -> None: ...
+
+class GetTransferRequest(_message.Message):
+    __slots__ = ("group_id", "wait_seconds")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    wait_seconds: float
+    def __init__(self, group_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class GetTransferResponse(_message.Message):
+    __slots__ = ("state", "error")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    state: TransferState
+    error: str
+    def __init__(self, state: _Optional[_Union[TransferState, str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VersionInfo(_message.Message):
+    __slots__ = ("version", "method", "bytes", "in_memory", "path", "committed_unix_ms")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    method: _common_pb2.SyncMethod
+    bytes: int
+    in_memory: bool
+    path: str
+    committed_unix_ms: int
+    def __init__(self, version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., bytes: _Optional[int] = ..., in_memory: _Optional[bool] = ..., path: _Optional[str] = ..., committed_unix_ms: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("components", "versions", "latest_version", "policy")
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    components: _containers.RepeatedCompositeFieldContainer[_common_pb2.ComponentStatus]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
+    latest_version: int
+    policy: ConfigurePolicyRequest
+    def __init__(self, components: _Optional[_Iterable[_Union[_common_pb2.ComponentStatus, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., latest_version: _Optional[int] = ..., policy: _Optional[_Union[ConfigurePolicyRequest, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,268 @@
+from flywheel.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LossKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOSS_KIND_UNSPECIFIED: _ClassVar[LossKind]
+    LOSS_KIND_GRPO: _ClassVar[LossKind]
+    LOSS_KIND_DAPO: _ClassVar[LossKind]
+    LOSS_KIND_PPO_CLIP: _ClassVar[LossKind]
+
+class LossAggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOSS_AGGREGATION_UNSPECIFIED: _ClassVar[LossAggregation]
+    LOSS_AGGREGATION_TOKEN_MEAN: _ClassVar[LossAggregation]
+    LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN: _ClassVar[LossAggregation]
+    LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM: _ClassVar[LossAggregation]
+
+class LogprobModel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGPROB_MODEL_UNSPECIFIED: _ClassVar[LogprobModel]
+    LOGPROB_MODEL_POLICY: _ClassVar[LogprobModel]
+    LOGPROB_MODEL_REFERENCE: _ClassVar[LogprobModel]
+LOSS_KIND_UNSPECIFIED: LossKind
+LOSS_KIND_GRPO: LossKind
+LOSS_KIND_DAPO: LossKind
+LOSS_KIND_PPO_CLIP: LossKind
+LOSS_AGGREGATION_UNSPECIFIED: LossAggregation
+LOSS_AGGREGATION_TOKEN_MEAN: LossAggregation
+LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN: LossAggregation
+LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM: LossAggregation
+LOGPROB_MODEL_UNSPECIFIED: LogprobModel
+LOGPROB_MODEL_POLICY: LogprobModel
+LOGPROB_MODEL_REFERENCE: LogprobModel
+
+class LossSpec(_message.Message):
+    __slots__ = ("kind", "clip_low", "clip_high", "kl_coef", "entropy_coef", "aggregation", "is_cap")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
+    CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
+    KL_COEF_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    IS_CAP_FIELD_NUMBER: _ClassVar[int]
+    kind: LossKind
+    clip_low: float
+    clip_high: float
+    kl_coef: float
+    entropy_coef: float
+    aggregation: LossAggregation
+    is_cap: float
+    def __init__(self, kind: _Optional[_Union[LossKind, str]] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., aggregation: _Optional[_Union[LossAggregation, str]] = ..., is_cap: _Optional[float] = ...) -> None: ...
+
+class TrainBatch(_message.Message):
+    __slots__ = ("input_ids", "attention_mask", "loss_mask", "advantages", "behaviour_logprobs", "weight_versions", "old_logprobs", "ref_logprobs")
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    BEHAVIOUR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    OLD_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    input_ids: _common_pb2.Tensor
+    attention_mask: _common_pb2.Tensor
+    loss_mask: _common_pb2.Tensor
+    advantages: _common_pb2.Tensor
+    behaviour_logprobs: _common_pb2.Tensor
+    weight_versions: _common_pb2.Tensor
+    old_logprobs: _common_pb2.Tensor
+    ref_logprobs: _common_pb2.Tensor
+    def __init__(self, input_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., loss_mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., behaviour_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weight_versions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("model_name", "parameter_count", "trainable_parameter_count", "dtype", "device", "step", "weight_version", "ready")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    parameter_count: int
+    trainable_parameter_count: int
+    dtype: _common_pb2.DType
+    device: str
+    step: int
+    weight_version: int
+    ready: bool
+    def __init__(self, model_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., trainable_parameter_count: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., device: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class ForwardBackwardRequest(_message.Message):
+    __slots__ = ("batch", "loss", "expected_step")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    batch: TrainBatch
+    loss: LossSpec
+    expected_step: int
+    def __init__(self, batch: _Optional[_Union[TrainBatch, _Mapping]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., expected_step: _Optional[int] = ...) -> None: ...
+
+class ForwardBackwardResponse(_message.Message):
+    __slots__ = ("metrics", "loss_tokens")
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    metrics: _containers.RepeatedCompositeFieldContainer[_common_pb2.Metric]
+    loss_tokens: int
+    def __init__(self, metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ..., loss_tokens: _Optional[int] = ...) -> None: ...
+
+class OptimStepRequest(_message.Message):
+    __slots__ = ("expected_step",)
+    EXPECTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    expected_step: int
+    def __init__(self, expected_step: _Optional[int] = ...) -> None: ...
+
+class OptimStepResponse(_message.Message):
+    __slots__ = ("step", "weight_version", "grad_norm", "learning_rate")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    weight_version: int
+    grad_norm: float
+    learning_rate: float
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+
+class TrainStepRequest(_message.Message):
+    __slots__ = ("batch", "loss", "micro_batch_size", "expected_step")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    batch: TrainBatch
+    loss: LossSpec
+    micro_batch_size: int
+    expected_step: int
+    def __init__(self, batch: _Optional[_Union[TrainBatch, _Mapping]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., micro_batch_size: _Optional[int] = ..., expected_step: _Optional[int] = ...) -> None: ...
+
+class TrainStepResponse(_message.Message):
+    __slots__ = ("metrics", "step", "weight_version", "tokens")
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    metrics: _containers.RepeatedCompositeFieldContainer[_common_pb2.Metric]
+    step: int
+    weight_version: int
+    tokens: int
+    def __init__(self, metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class ComputeLogprobsRequest(_message.Message):
+    __slots__ = ("batch", "model", "micro_batch_size")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    batch: TrainBatch
+    model: LogprobModel
+    micro_batch_size: int
+    def __init__(self, batch: _Optional[_Union[TrainBatch, _Mapping]] = ..., model: _Optional[_Union[LogprobModel, str]] = ..., micro_batch_size: _Optional[int] = ...) -> None: ...
+
+class ComputeLogprobsResponse(_message.Message):
+    __slots__ = ("logprobs", "weight_version")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _common_pb2.Tensor
+    weight_version: int
+    def __init__(self, logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ("directory", "remove_previous", "client_state")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STATE_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    remove_previous: bool
+    client_state: bytes
+    def __init__(self, directory: _Optional[str] = ..., remove_previous: _Optional[bool] = ..., client_state: _Optional[bytes] = ...) -> None: ...
+
+class SaveCheckpointResponse(_message.Message):
+    __slots__ = ("path", "step", "size_bytes")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    step: int
+    size_bytes: int
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class LoadCheckpointRequest(_message.Message):
+    __slots__ = ("path", "latest")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    latest: bool
+    def __init__(self, path: _Optional[str] = ..., latest: _Optional[bool] = ...) -> None: ...
+
+class LoadCheckpointResponse(_message.Message):
+    __slots__ = ("path", "step", "weight_version", "client_state")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STATE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    step: int
+    weight_version: int
+    client_state: bytes
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., client_state: _Optional[bytes] = ...) -> None: ...
+
+class MemoryTarget(_message.Message):
+    __slots__ = ("synchronizer_address", "chunk_bytes", "bucket_bytes")
+    SYNCHRONIZER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    synchronizer_address: str
+    chunk_bytes: int
+    bucket_bytes: int
+    def __init__(self, synchronizer_address: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class CheckpointTarget(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
+class NcclTarget(_message.Message):
+    __slots__ = ("group_id",)
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    def __init__(self, group_id: _Optional[str] = ...) -> None: ...
+
+class ExportWeightsRequest(_message.Message):
+    __slots__ = ("method", "memory", "checkpoint", "nccl", "merge_lora")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    NCCL_FIELD_NUMBER: _ClassVar[int]
+    MERGE_LORA_FIELD_NUMBER: _ClassVar[int]
+    method: _common_pb2.SyncMethod
+    memory: MemoryTarget
+    checkpoint: CheckpointTarget
+    nccl: NcclTarget
+    merge_lora: bool
+    def __init__(self, method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., memory: _Optional[_Union[MemoryTarget, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointTarget, _Mapping]] = ..., nccl: _Optional[_Union[NcclTarget, _Mapping]] = ..., merge_lora: _Optional[bool] = ...) -> None: ...
+
+class ExportWeightsResponse(_message.Message):
+    __slots__ = ("weight_version", "bytes", "duration_seconds", "path")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    bytes: int
+    duration_seconds: float
+    path: str
+    def __init__(self, weight_version: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., path: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The four Flywheel services; run one with `python -m services.<name>`."""
