@@ -1,0 +1,103 @@
+"""Client channels with the options every Flywheel client must use.
+
+`open_channel(address)` returns a `grpc.aio.Channel` that
+- attaches `authorization: Bearer <token>` to every call (token from the
+  argument or FLYWHEEL_AUTH_TOKEN / FLYWHEEL_AUTH_TOKEN_FILE),
+- gives every call a deadline (`default_timeout` unless the caller set one:
+  a call without a deadline can hang a whole pipeline),
+- retries UNAVAILABLE with exponential backoff (gRPC's own retry machinery,
+  configured through the service config),
+- sets keepalive and message sizes the same way servers do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from flywheel.runtime.auth import resolve_token
+from flywheel.runtime.channel_options import client_options
+from flywheel.runtime.server_config import MIB
+
+DEFAULT_TIMEOUT_SECONDS = 30.0
+
+
+def retry_service_config(max_attempts: int = 5, initial_backoff_s: float = 0.2, max_backoff_s: float = 5.0) -> str:
+    """A service config that retries UNAVAILABLE on every method."""
+    return json.dumps(
+        {
+            "methodConfig": [
+                {
+                    "name": [{}],
+                    "retryPolicy": {
+                        "maxAttempts": max_attempts,
+                        "initialBackoff": f"{initial_backoff_s}s",
+                        "maxBackoff": f"{max_backoff_s}s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"],
+                    },
+                }
+            ]
+        }
+    )
+
+
+class _CallDefaults(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
+    """Adds the bearer token and a default deadline to every call."""
+
+    def __init__(self, token: str | None, default_timeout: float) -> None:
+        self._auth = (("authorization", f"Bearer {token}"),) if token else ()
+        self._default_timeout = default_timeout
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._auth)
+        timeout = details.timeout if details.timeout is not None else self._default_timeout
+        return grpc.aio.ClientCallDetails(
+            method=details.method,
+            timeout=timeout,
+            metadata=metadata,
+            credentials=details.credentials,
+            wait_for_ready=details.wait_for_ready,
+        )
+
+    async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[override]
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[override]
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[override]
+        return await continuation(self._details(details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[override]
+        return await continuation(self._details(details), request_iterator)
+
+
+def open_channel(
+    address: str,
+    *,
+    token: str | None = None,
+    default_timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    max_message_bytes: int = 64 * MIB,
+    max_attempts: int = 5,
+    extra_options: Sequence[tuple[str, Any]] = (),
+) -> grpc.aio.Channel:
+    """An insecure aio channel with auth, deadlines, retries and keepalive."""
+    options = [
+        *client_options(max_message_bytes),
+        ("grpc.service_config", retry_service_config(max_attempts)),
+        *extra_options,
+    ]
+    return grpc.aio.insecure_channel(
+        address,
+        options=options,
+        interceptors=[_CallDefaults(resolve_token(token), default_timeout)],
+    )

@@ -1,0 +1,55 @@
+"""`python -m services.<name>`: parse the config, then import and run the service.
+
+Only pydantic and yaml are imported before arguments are parsed, so `--help`
+and `--print-config` answer instantly; torch, vLLM and grpc are imported by
+the service's `build` function afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from pydantic import BaseModel
+
+from flywheel.runtime.config import load_config, redacted
+from flywheel.runtime.logging import configure_logging
+
+log = logging.getLogger("flywheel.entry")
+
+
+def env_prefix(service: str) -> str:
+    """Prefix of the env variables that configure a service, e.g. FLYWHEEL_TRAINER__."""
+    return f"FLYWHEEL_{service.upper()}__"
+
+
+def run_main(
+    *,
+    service: str,
+    config_cls: type[BaseModel],
+    description: str,
+    build: str,
+    argv: Sequence[str] | None = None,
+) -> None:
+    """Entry point of a service; `build` is "module:function" returning a ServiceSpec."""
+    config = load_config(
+        config_cls, argv, prog=f"python -m services.{service}", description=description, env_prefix=env_prefix(service)
+    )
+    server = config.server  # type: ignore[attr-defined]
+    configure_logging(service, server.log_level, server.log_format)
+    log.info("config resolved", extra={"config": redacted(config)})
+
+    from flywheel.runtime.server import serve  # heavy imports only after parsing
+
+    module_name, func_name = build.split(":")
+    try:
+        spec = getattr(importlib.import_module(module_name), func_name)(config)
+        asyncio.run(serve(spec, server))
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        log.exception("%s failed", service)
+        sys.exit(1)

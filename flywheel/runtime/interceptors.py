@@ -1,0 +1,163 @@
+"""Server interceptors: bearer-token auth, and domain-error to status mapping
+(with per-method metrics).
+
+Handlers raise `flywheel.errors.FlywheelError` subclasses (or codec errors,
+which carry a `code` too); the error interceptor aborts the call with the
+matching `grpc.StatusCode` and the message as details. Handlers never have to
+know about status codes, and nothing is logged-and-swallowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from flywheel.errors import FlywheelError
+from flywheel.runtime.metrics import RPC_DURATION, RPC_REQUESTS
+
+log = logging.getLogger(__name__)
+
+# The health service must answer load balancers and probes that hold no token.
+AUTH_EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and details a domain exception should reach the client as."""
+    code_name = getattr(exc, "code", None)
+    if isinstance(exc, FlywheelError) or (isinstance(code_name, str) and code_name in grpc.StatusCode.__members__):
+        return grpc.StatusCode[code_name], str(exc)
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc) or "not implemented"
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        # A downstream call failed: pass its status on, saying where it came from.
+        return exc.code(), f"upstream call failed: {exc.details()}"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _method_name(full_method: str) -> str:
+    return full_method.rsplit("/", 1)[-1]
+
+
+def _rebuild(handler: grpc.RpcMethodHandler, unary: Callable, streaming: Callable) -> grpc.RpcMethodHandler:
+    """A handler of the same kind whose behaviour is wrapped."""
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kw)
+    return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions to status codes and records per-method count and latency."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = _method_name(details.method)
+        return _rebuild(handler, lambda b: self._unary(b, method), lambda b: self._streaming(b, method))
+
+    async def _fail(self, exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+        code, message = status_for(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("unhandled error in %s", method, exc_info=exc)
+        await context.abort(code, message)
+
+    def _record(self, method: str, started: float, code: str) -> None:
+        RPC_REQUESTS.labels(self.service, method, code).inc()
+        RPC_DURATION.labels(self.service, method).observe(time.perf_counter() - started)
+
+    @staticmethod
+    def _code_of(context: grpc.aio.ServicerContext) -> str:
+        code = context.code()
+        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+
+    def _unary(self, behaviour: Callable[..., Any], method: str) -> Callable[..., Awaitable[Any]]:
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            try:
+                result = behaviour(request, context)
+                if inspect.isawaitable(result):
+                    result = await result
+            except grpc.aio.AbortError:
+                self._record(method, started, self._code_of(context))
+                raise
+            except asyncio.CancelledError:
+                self._record(method, started, "CANCELLED")
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                self._record(method, started, status_for(exc)[0].name)
+                await self._fail(exc, context, method)
+            self._record(method, started, "OK")
+            return result
+
+        return wrapper
+
+    def _streaming(self, behaviour: Callable[..., Any], method: str) -> Callable[..., AsyncIterator[Any]]:
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            started = time.perf_counter()
+            try:
+                result = behaviour(request, context)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        yield item
+                else:
+                    # A coroutine that writes with context.write(), or a sync iterator.
+                    result = await result if inspect.isawaitable(result) else result
+                    for item in result or ():
+                        yield item
+            except grpc.aio.AbortError:
+                self._record(method, started, self._code_of(context))
+                raise
+            except asyncio.CancelledError:
+                self._record(method, started, "CANCELLED")
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self._record(method, started, status_for(exc)[0].name)
+                await self._fail(exc, context, method)
+            self._record(method, started, "OK")
+
+        return wrapper
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without `authorization: Bearer <token>` with UNAUTHENTICATED."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(given, self._expected)
+        return False
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(AUTH_EXEMPT_PREFIXES) or self._authorized(details):
+            return handler
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            yield  # pragma: no cover - makes this an async generator
+
+        return _rebuild(handler, lambda _b: deny, lambda _b: deny_stream)

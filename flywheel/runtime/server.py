@@ -1,0 +1,150 @@
+"""The gRPC server bootstrap every service runs.
+
+`serve(spec, config)`:
+1. builds a `grpc.aio` server with the error and auth interceptors, the
+   standard `grpc.health.v1` service (NOT_SERVING to begin with) and reflection;
+2. binds the port and starts /metrics;
+3. runs the service's `startup` (load a model, open a store...), and only then
+   reports SERVING and writes the ready file;
+4. on SIGTERM or SIGINT reports NOT_SERVING, stops with a grace period for
+   in-flight calls, then runs the service's `shutdown`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from flywheel.runtime.auth import resolve_token
+from flywheel.runtime.channel_options import server_options
+from flywheel.runtime.interceptors import AuthInterceptor, ErrorInterceptor
+from flywheel.runtime.metrics import BUILD_INFO, SERVICE_READY, serve_metrics
+from flywheel.runtime.server_config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+FLYWHEEL_VERSION = "0.1.0"
+
+
+@dataclass
+class ServiceSpec:
+    """What a service plugs into the bootstrap."""
+
+    #: Short name for logs and metric labels, e.g. "trainer".
+    name: str
+    #: Fully qualified proto service names, e.g. "flywheel.trainer.v1.TrainerService".
+    proto_services: Sequence[str]
+    #: Adds the servicers to the server.
+    register: Callable[[grpc.aio.Server], None]
+    #: Runs before SERVING is reported (model loading...).
+    startup: Callable[[], Awaitable[None]] | None = None
+    #: Runs after the server stopped.
+    shutdown: Callable[[], Awaitable[None]] | None = None
+    #: Extra coroutines run while serving (background loops); cancelled on stop.
+    background: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+
+@dataclass
+class RunningServer:
+    grpc_port: int
+    metrics_port: int
+
+
+def _write_ready_file(path: Path, info: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+async def serve(
+    spec: ServiceSpec,
+    config: ServerConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[RunningServer], None] | None = None,
+) -> None:
+    """Runs the service until SIGTERM/SIGINT (or `stop` is set)."""
+    token = resolve_token(
+        config.auth_token.get_secret_value() if config.auth_token else None, config.auth_token_file
+    )
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(spec.name)]
+    if token:
+        interceptors.append(AuthInterceptor(token))
+    else:
+        log.warning("no auth token configured: every client is accepted")
+
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    spec.register(server)
+    reflection.enable_server_reflection(
+        [*spec.proto_services, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    for name in ("", *spec.proto_services):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    grpc_port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if grpc_port == 0:
+        raise OSError(f"cannot bind gRPC port {config.host}:{config.port}")
+    await server.start()
+    metrics_port, metrics_server = serve_metrics(config.host, config.metrics_port)
+    BUILD_INFO.labels(spec.name, FLYWHEEL_VERSION).set(1)
+    log.info("listening", extra={"grpc_port": grpc_port, "metrics_port": metrics_port, "host": config.host})
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+
+    background: list[asyncio.Task] = []
+    try:
+        if spec.startup is not None:
+            startup = asyncio.ensure_future(spec.startup())
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({startup, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not startup.done():
+                startup.cancel()
+                log.info("stopped during startup")
+                return
+            startup.result()  # re-raises a failed startup
+        for name in ("", *spec.proto_services):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        SERVICE_READY.labels(spec.name).set(1)
+        background = [asyncio.ensure_future(make()) for make in spec.background]
+        running = RunningServer(grpc_port=grpc_port, metrics_port=metrics_port)
+        if config.ready_file is not None:
+            _write_ready_file(
+                config.ready_file,
+                {"service": spec.name, "pid": os.getpid(), "grpc_port": grpc_port, "metrics_port": metrics_port},
+            )
+        if on_ready is not None:
+            on_ready(running)
+        log.info("serving")
+        await stop.wait()
+    finally:
+        log.info("shutting down", extra={"grace_seconds": config.shutdown_grace_seconds})
+        SERVICE_READY.labels(spec.name).set(0)
+        # Health watchers see NOT_SERVING before the listener closes.
+        await health_servicer.enter_graceful_shutdown()
+        for task in background:
+            task.cancel()
+        await server.stop(config.shutdown_grace_seconds)
+        if spec.shutdown is not None:
+            await spec.shutdown()
+        metrics_server.shutdown()
+        metrics_server.server_close()
+        log.info("stopped")

@@ -1,0 +1,1 @@
+"""Controller service: runs the RL loop and reports on it."""

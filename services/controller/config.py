@@ -1,0 +1,17 @@
+"""Configuration of the controller service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from flywheel.runtime.config import StrictModel
+from flywheel.runtime.server_config import ServerConfig
+
+
+class ControllerConfig(StrictModel):
+    server: ServerConfig = Field(
+        default_factory=lambda: ServerConfig(port=50054, metrics_port=9094), description="gRPC server"
+    )
+    runs_dir: Path = Field(Path("runs"), description="parent of each run's directory (logs, metrics, checkpoints)")

@@ -1,0 +1,1 @@
+"""Rollout service (Rollout-as-a-Service): an inference engine behind gRPC and HTTP."""

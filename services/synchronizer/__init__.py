@@ -1,0 +1,1 @@
+"""Synchronizer service: component states, sync policy, versioned weight buffers."""

@@ -1,0 +1,1 @@
+"""Trainer service (Training-as-a-Service): policy, RL losses, checkpoints, weight export."""
