@@ -45,13 +45,8 @@ def retry_service_config(max_attempts: int = 5, initial_backoff_s: float = 0.2, 
     )
 
 
-class _CallDefaults(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the bearer token and a default deadline to every call."""
+class _CallDefaults:
+    """Adds the bearer token and a default deadline to a call's details."""
 
     def __init__(self, token: str | None, default_timeout: float) -> None:
         self._auth = (("authorization", f"Bearer {token}"),) if token else ()
@@ -68,15 +63,26 @@ class _CallDefaults(
             wait_for_ready=details.wait_for_ready,
         )
 
+
+# grpc.aio sorts a channel's interceptors by kind with an if/elif chain, so one
+# object implementing all four kinds would only see unary-unary calls: each
+# kind gets its own class.
+class _UnaryUnaryDefaults(_CallDefaults, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[override]
         return await continuation(self._details(details), request)
 
+
+class _UnaryStreamDefaults(_CallDefaults, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[override]
         return await continuation(self._details(details), request)
 
+
+class _StreamUnaryDefaults(_CallDefaults, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[override]
         return await continuation(self._details(details), request_iterator)
 
+
+class _StreamStreamDefaults(_CallDefaults, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[override]
         return await continuation(self._details(details), request_iterator)
 
@@ -91,13 +97,14 @@ def open_channel(
     extra_options: Sequence[tuple[str, Any]] = (),
 ) -> grpc.aio.Channel:
     """An insecure aio channel with auth, deadlines, retries and keepalive."""
-    options = [
-        *client_options(max_message_bytes),
-        ("grpc.service_config", retry_service_config(max_attempts)),
-        *extra_options,
-    ]
+    options = [*client_options(max_message_bytes), *extra_options]
+    if max_attempts > 1:  # gRPC rejects a retry policy of fewer than 2 attempts
+        options.append(("grpc.service_config", retry_service_config(max_attempts)))
     return grpc.aio.insecure_channel(
         address,
         options=options,
-        interceptors=[_CallDefaults(resolve_token(token), default_timeout)],
+        interceptors=[
+            kind(resolve_token(token), default_timeout)
+            for kind in (_UnaryUnaryDefaults, _UnaryStreamDefaults, _StreamUnaryDefaults, _StreamStreamDefaults)
+        ],
     )

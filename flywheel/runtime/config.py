@@ -162,11 +162,23 @@ def build_parser(model: type[BaseModel], prog: str, description: str, env_prefix
     return parser
 
 
+def _paths(data: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every key path in nested mappings (sections and leaves)."""
+    found = []
+    for key, value in data.items():
+        path = (*prefix, str(key))
+        found.append(path)
+        if isinstance(value, Mapping):
+            found.extend(_paths(value, path))
+    return found
+
+
 def _format_validation_error(exc: ValidationError, origins: Mapping[tuple[str, ...], str]) -> str:
     lines = []
     for err in exc.errors():
         path = tuple(str(p) for p in err["loc"])
-        where = origins.get(path, "")
+        # The value's own origin, else that of the nearest enclosing section.
+        where = next((origins[path[:n]] for n in range(len(path), 0, -1) if path[:n] in origins), "")
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
         else:
@@ -191,12 +203,8 @@ def resolve(
     if file is not None:
         file_data = read_config_file(file)
         deep_merge(data, file_data)
-        for path in leaf_fields(model):
-            node: Any = file_data
-            for part in path:
-                node = node.get(part) if isinstance(node, Mapping) else None
-            if node is not None:
-                origins[path] = f"file {file}"
+        for path in _paths(file_data):
+            origins[path] = f"file {file}"
     env_data, env_origins = env_overrides(model, os.environ if env is None else env, env_prefix)
     deep_merge(data, env_data)
     origins.update(env_origins)

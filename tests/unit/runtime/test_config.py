@@ -1,0 +1,100 @@
+"""Layered configuration: precedence, and errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flywheel.runtime.config import ConfigError, load_config, redacted, resolve
+from services.rollout.config import RolloutConfig
+from services.trainer.config import TrainerConfig
+
+PREFIX = "FLYWHEEL_TRAINER__"
+
+
+def test_defaults_file_env_cli_precedence(tmp_path: Path) -> None:
+    file = tmp_path / "trainer.yaml"
+    file.write_text("server:\n  port: 1001\n  metrics_port: 2001\n  host: 0.0.0.0\nmodel:\n  dtype: bfloat16\n")
+    env = {f"{PREFIX}SERVER__PORT": "1002", f"{PREFIX}SERVER__METRICS_PORT": "2002"}
+    config = resolve(TrainerConfig, file=file, env=env, env_prefix=PREFIX, cli={"server.port": "1003"})
+    assert config.server.port == 1003  # CLI beats env
+    assert config.server.metrics_port == 2002  # env beats file
+    assert config.server.host == "0.0.0.0"  # file beats default
+    assert config.model.dtype == "bfloat16"
+    assert config.model.device == "cpu"  # default
+    assert config.server.log_level == "INFO"
+
+
+def test_unknown_field_in_file_is_named(tmp_path: Path) -> None:
+    file = tmp_path / "trainer.yaml"
+    file.write_text("model:\n  pth: /x\n")
+    with pytest.raises(ConfigError, match=r"model\.pth: unknown field .*file"):
+        resolve(TrainerConfig, file=file, env={}, env_prefix=PREFIX)
+
+
+def test_ill_typed_env_names_field_and_variable() -> None:
+    with pytest.raises(ConfigError) as err:
+        resolve(TrainerConfig, env={f"{PREFIX}SERVER__PORT": "not-a-port"}, env_prefix=PREFIX)
+    assert "server.port" in str(err.value) and f"{PREFIX}SERVER__PORT" in str(err.value)
+
+
+def test_unknown_env_variable_with_prefix_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=f"{PREFIX}SERVER__PROT"):
+        resolve(TrainerConfig, env={f"{PREFIX}SERVER__PROT": "1"}, env_prefix=PREFIX)
+
+
+def test_env_of_other_services_is_ignored() -> None:
+    config = resolve(TrainerConfig, env={"FLYWHEEL_ROLLOUT__SERVER__PORT": "1", "PATH": "/bin"}, env_prefix=PREFIX)
+    assert config.server.port == 50052
+
+
+def test_out_of_range_value_names_field() -> None:
+    with pytest.raises(ConfigError, match=r"server\.port: .*65535.*flag --server.port"):
+        resolve(TrainerConfig, env={}, env_prefix=PREFIX, cli={"server.port": "70000"})
+
+
+def test_choice_field_rejects_unknown_value() -> None:
+    with pytest.raises(ConfigError, match=r"model\.dtype"):
+        resolve(TrainerConfig, env={}, env_prefix=PREFIX, cli={"model.dtype": "float8"})
+
+
+def test_structured_values_parse_from_cli_and_env() -> None:
+    prefix = "FLYWHEEL_ROLLOUT__"
+    config = resolve(
+        RolloutConfig,
+        env={f"{prefix}ENGINE__ARGS": '{"max_model_len": 512, "enforce_eager": true}'},
+        env_prefix=prefix,
+        cli={"engine.kind": "transformers"},
+    )
+    assert config.engine.args == {"max_model_len": 512, "enforce_eager": True}
+    assert config.engine.kind == "transformers"
+
+
+def test_cli_flags_and_unknown_flag_exit(capsys: pytest.CaptureFixture[str]) -> None:
+    config = load_config(
+        TrainerConfig, ["--server.port", "7", "--model.device", "cuda:1"], prog="t", description="", env_prefix=PREFIX, env={}
+    )
+    assert (config.server.port, config.model.device) == (7, "cuda:1")
+    with pytest.raises(SystemExit) as exit_info:
+        load_config(TrainerConfig, ["--server.prot", "7"], prog="t", description="", env_prefix=PREFIX, env={})
+    assert exit_info.value.code == 2
+    assert "--server.prot" in capsys.readouterr().err
+
+
+def test_bad_value_exits_with_message_naming_field(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        load_config(TrainerConfig, ["--server.port", "x"], prog="t", description="", env_prefix=PREFIX, env={})
+    assert exit_info.value.code == 2
+    assert "server.port" in capsys.readouterr().err
+
+
+def test_secrets_are_masked_when_logged() -> None:
+    config = resolve(TrainerConfig, env={f"{PREFIX}SERVER__AUTH_TOKEN": "hunter2"}, env_prefix=PREFIX)
+    assert config.server.auth_token.get_secret_value() == "hunter2"
+    assert "hunter2" not in str(redacted(config))
+
+
+def test_missing_config_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        resolve(TrainerConfig, file=tmp_path / "nope.yaml", env={}, env_prefix=PREFIX)
