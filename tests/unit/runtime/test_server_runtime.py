@@ -1,0 +1,162 @@
+"""The server bootstrap in-process: error mapping, deadlines, retries, ready file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from flywheel.controller.v1 import controller_pb2 as pb
+from flywheel.controller.v1 import controller_pb2_grpc as pb_grpc
+from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
+from flywheel.runtime.client import open_channel
+from flywheel.runtime.server import RunningServer, ServiceSpec, serve
+from flywheel.runtime.server_config import ServerConfig
+
+
+class CodecStyleError(Exception):
+    """Like the codec's errors: not a FlywheelError, but carries a status name."""
+
+    code = "DATA_LOSS"
+
+
+RAISES = {
+    "invalid": InvalidArgument("batch.input_ids: expected 2 dims, got 3"),
+    "precondition": FailedPrecondition("component trainer-0 is STOPPED, cannot go to WAITING_SYNC"),
+    "exhausted": ResourceExhausted("queue full"),
+    "data_loss": DataLoss("chunk 3 checksum mismatch"),
+    "codec": CodecStyleError("digest mismatch"),
+    "bug": ZeroDivisionError("division by zero"),
+    "unimplemented": NotImplementedError(),
+}
+
+
+class ScriptedController(pb_grpc.ControllerServiceServicer):
+    """Start raises what `run_id` names; Stop sleeps; StreamMetrics fails midway."""
+
+    async def Start(self, request: pb.StartRequest, context) -> pb.StartResponse:
+        raise RAISES[request.run_id]
+
+    async def Stop(self, request: pb.StopRequest, context) -> pb.StopResponse:
+        await asyncio.sleep(request.grace_seconds)
+        return pb.StopResponse()
+
+    async def StreamMetrics(self, request: pb.StreamMetricsRequest, context) -> AsyncIterator[pb.StreamMetricsResponse]:
+        yield pb.StreamMetricsResponse(step=1)
+        raise InvalidArgument("after_step: beyond the last step")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _start(port: int = 0, token: str | None = None, ready_file: Path | None = None, startup=None):
+    stop = asyncio.Event()
+    ready: asyncio.Future[RunningServer] = asyncio.get_running_loop().create_future()
+    servicer = ScriptedController()
+    spec = ServiceSpec(
+        name="test",
+        proto_services=["flywheel.controller.v1.ControllerService"],
+        register=lambda server: pb_grpc.add_ControllerServiceServicer_to_server(servicer, server),
+        startup=startup,
+    )
+    config = ServerConfig(port=port, metrics_port=0, auth_token=token, ready_file=ready_file, shutdown_grace_seconds=0.5)
+    task = asyncio.ensure_future(serve(spec, config, stop=stop, on_ready=ready.set_result))
+    return stop, task, ready
+
+
+@pytest.fixture
+async def server():
+    stop, task, ready = await _start()
+    running = await asyncio.wait_for(ready, 10)
+    yield f"127.0.0.1:{running.grpc_port}"
+    stop.set()
+    await task
+
+
+@pytest.mark.parametrize(
+    ("name", "code"),
+    [
+        ("invalid", grpc.StatusCode.INVALID_ARGUMENT),
+        ("precondition", grpc.StatusCode.FAILED_PRECONDITION),
+        ("exhausted", grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ("data_loss", grpc.StatusCode.DATA_LOSS),
+        ("codec", grpc.StatusCode.DATA_LOSS),
+        ("bug", grpc.StatusCode.INTERNAL),
+        ("unimplemented", grpc.StatusCode.UNIMPLEMENTED),
+    ],
+)
+async def test_domain_errors_become_status_codes(server: str, name: str, code: grpc.StatusCode) -> None:
+    async with open_channel(server, max_attempts=1) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.ControllerServiceStub(channel).Start(pb.StartRequest(run_id=name))
+    assert err.value.code() == code
+    if name not in ("unimplemented",):
+        assert str(RAISES[name]) in err.value.details()
+
+
+async def test_error_inside_a_stream_ends_it_with_the_mapped_status(server: str) -> None:
+    received = []
+    async with open_channel(server, max_attempts=1) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for item in pb_grpc.ControllerServiceStub(channel).StreamMetrics(pb.StreamMetricsRequest()):
+                received.append(item.step)
+    assert received == [1]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "after_step" in err.value.details()
+
+
+async def test_every_call_gets_a_default_deadline(server: str) -> None:
+    async with open_channel(server, max_attempts=1, default_timeout=0.3) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.ControllerServiceStub(channel).Stop(pb.StopRequest(grace_seconds=5))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # An explicit timeout still wins over the default.
+        await pb_grpc.ControllerServiceStub(channel).Stop(pb.StopRequest(grace_seconds=0.5), timeout=5)
+
+
+async def test_unavailable_is_retried_until_the_server_comes_up(tmp_path: Path) -> None:
+    port = _free_port()
+    async with open_channel(f"127.0.0.1:{port}", max_attempts=5) as channel:
+        call = asyncio.ensure_future(pb_grpc.ControllerServiceStub(channel).Status(pb.StatusRequest(), timeout=20))
+        await asyncio.sleep(0.6)  # the first attempts fail with UNAVAILABLE
+        stop, task, ready = await _start(port=port, ready_file=tmp_path / "ready.json")
+        await asyncio.wait_for(ready, 10)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        # It reached the server (whose Status is not implemented) instead of failing UNAVAILABLE.
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        stop.set()
+        await task
+    info = json.loads((tmp_path / "ready.json").read_text())
+    assert info["grpc_port"] == port and info["service"] == "test"
+
+
+async def test_not_serving_until_startup_finishes() -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    release = asyncio.Event()
+    port = _free_port()
+    stop, task, ready = await _start(port=port, startup=release.wait)
+    async with open_channel(f"127.0.0.1:{port}", max_attempts=1) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for _ in range(50):  # wait for the listener
+            try:
+                before = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.05)
+        assert before.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        release.set()
+        await asyncio.wait_for(ready, 10)
+        after = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+        assert after.status == health_pb2.HealthCheckResponse.SERVING
+    stop.set()
+    await task
