@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flywheel.controller.v1 import controller_pb2, controller_pb2_grpc
+import services.controller.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.runtime.server import ServiceSpec
 from services.controller.config import ControllerConfig
 from services.controller.servicer import ControllerServicer

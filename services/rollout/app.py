@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flywheel.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+import services.rollout.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.runtime.server import ServiceSpec
 from services.rollout.config import RolloutConfig
 from services.rollout.servicer import RolloutServicer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import services.synchronizer.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.runtime.server import ServiceSpec
 from flywheel.synchronizer.v1 import synchronizer_pb2, synchronizer_pb2_grpc
 from services.synchronizer.config import SynchronizerConfig

@@ -1,0 +1,35 @@
+"""Prometheus metrics of the rollout service: engine load, tokens, weight updates.
+
+Declared at import time (app.py imports this module) so that every family is
+in the first scrape, before the engine has served anything.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+WEIGHT_VERSION = Gauge(
+    "flywheel_rollout_weight_version",
+    "Weight version the engine generates with (0 for the base model).",
+)
+REQUESTS_RUNNING = Gauge(
+    "flywheel_rollout_requests_running",
+    "Generation requests the engine is decoding now.",
+)
+REQUESTS_WAITING = Gauge(
+    "flywheel_rollout_requests_waiting",
+    "Generation requests queued, waiting for the engine (or for a weight update to finish).",
+)
+PROMPT_TOKENS = Counter(
+    "flywheel_rollout_prompt_tokens_total",
+    "Prompt tokens processed.",
+)
+GENERATED_TOKENS = Counter(
+    "flywheel_rollout_generated_tokens_total",
+    "Completion tokens generated.",
+)
+UPDATE_PAUSE = Histogram(
+    "flywheel_rollout_update_pause_seconds",
+    "Time generation was paused to apply a weight update, in seconds.",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)

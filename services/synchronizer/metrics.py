@@ -1,0 +1,56 @@
+"""Prometheus metrics of the synchronizer: component states, versions, weight transfers.
+
+Declared at import time (app.py imports this module) so that every family is
+in the first scrape, before any component registers: dashboards and alerts
+then query names that exist from the start. Labelled families are
+pre-initialised for every value of their bounded label sets.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Lower-case names of the proto enums ComponentRole, ComponentState and SyncMethod.
+ROLES = ("trainer", "rollout", "controller")
+STATES = ("stopped", "running", "require_sync", "waiting_sync")
+METHODS = ("nccl", "memory", "checkpoint")
+
+COMPONENTS = Gauge(
+    "flywheel_synchronizer_components",
+    "Registered components, by role and state.",
+    ["role", "state"],
+)
+LATEST_VERSION = Gauge(
+    "flywheel_synchronizer_latest_version",
+    "Newest committed weight version (0 before the first commit).",
+)
+WEIGHTS_HELD_BYTES = Gauge(
+    "flywheel_synchronizer_weights_held_bytes",
+    "Bytes of weight versions held in memory (MEMORY method).",
+)
+WEIGHT_SYNC_DURATION = Histogram(
+    "flywheel_weight_sync_duration_seconds",
+    "Time from the start of a weight transfer to its commit on every receiver, in seconds.",
+    ["method"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)
+WEIGHT_SYNC_FAILURES = Counter(
+    "flywheel_weight_sync_failures_total",
+    "Weight transfers aborted (timeout, checksum mismatch, lost peer).",
+    ["method"],
+)
+WEIGHT_PUSH_BYTES = Counter(
+    "flywheel_weight_push_bytes_total",
+    "Weight bytes received from trainers (MEMORY method).",
+)
+WEIGHT_PULL_BYTES = Counter(
+    "flywheel_weight_pull_bytes_total",
+    "Weight bytes served to rollouts (MEMORY method).",
+)
+
+for _role in ROLES:
+    for _state in STATES:
+        COMPONENTS.labels(_role, _state)
+for _method in METHODS:
+    WEIGHT_SYNC_DURATION.labels(_method)
+    WEIGHT_SYNC_FAILURES.labels(_method)

@@ -1,0 +1,264 @@
+"""The deployment files against the real service processes.
+
+- The Grafana dashboard queries only metric names (and labels) that a live
+  `/metrics` scrape of the four services shows.
+- Every service exports the families its `services/<name>/metrics.py` declares.
+- The image's healthcheck script tells SERVING from not serving.
+- Each service started with ONLY the environment a manifest gives its
+  container (ports swapped for free ones, host 127.0.0.1, absolute paths moved
+  under a temp dir) reaches SERVING on grpc.health.v1, serves /metrics on the
+  configured port and enforces the configured auth token.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.parser import text_string_to_metric_families
+
+from flywheel.runtime.auth import TOKEN_ENV, TOKEN_FILE_ENV
+from flywheel.runtime.config import resolve
+from tests.deploy.manifests import ROOT, SERVICES, Container, clean_env, config_class
+
+START_TIMEOUT = 60.0
+DASHBOARD = ROOT / "deploy/grafana/dashboards/flywheel.json"
+HEALTHCHECK = ROOT / "deploy/docker/healthcheck.py"
+# Labels Prometheus adds itself or that histograms carry.
+IMPLICIT_LABELS = {"le", "instance", "job"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(children: list[subprocess.Popen]) -> None:
+    for child in children:
+        child.terminate()
+    for child in children:
+        try:
+            child.wait(15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
+def _health(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+
+
+def _wait(what: str, ready, child: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            pytest.fail(f"{what} exited with {child.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if ready():
+                return
+        except (OSError, grpc.RpcError):
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"{what} not ready after {START_TIMEOUT}s:\n{log.read_text()[-3000:]}")
+
+
+# ---------------------------------------------------------------- live scrape
+
+
+@pytest.fixture(scope="module")
+def scrapes(tmp_path_factory) -> Iterator[dict[str, dict]]:
+    """service -> {"text": /metrics body, "grpc_port": int}, from real processes on free ports
+    that have answered one request."""
+    tmp = tmp_path_factory.mktemp("scrape")
+    children, ready_files = [], {}
+    try:
+        for service in SERVICES:
+            ready_files[service] = tmp / f"{service}.json"
+            log = tmp / f"{service}.log"
+            argv = [sys.executable, "-m", f"services.{service}", "--server.port", "0", "--server.metrics-port", "0"]
+            argv += ["--server.ready-file", str(ready_files[service]), "--server.log-format", "text"]
+            children.append(
+                subprocess.Popen(argv, env=clean_env({}, tmp), cwd=tmp, stdout=log.open("w"), stderr=subprocess.STDOUT)
+            )
+        found = {}
+        for service, child in zip(SERVICES, children):
+            _wait(service, ready_files[service].exists, child, tmp / f"{service}.log")
+            info = json.loads(ready_files[service].read_text())
+            # One request first: RPC metrics are labelled by method and appear with traffic.
+            _call_code(info["grpc_port"], _unary_method(service), None)
+            found[service] = {"text": _scrape(info["metrics_port"]), "grpc_port": info["grpc_port"]}
+        yield found
+    finally:
+        _stop(children)
+
+
+def _samples(text: str) -> dict[str, set[str]]:
+    """sample name (with _total/_bucket/... suffixes) -> label names seen on it."""
+    samples: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, set()).update(sample.labels)
+    return samples
+
+
+def _dashboard_queries() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboard_queries_only_exported_metrics(scrapes):
+    exported: dict[str, set[str]] = {}
+    for scrape in scrapes.values():
+        for name, labels in _samples(scrape["text"]).items():
+            exported.setdefault(name, set()).update(labels)
+    queries = _dashboard_queries()
+    assert queries
+    for expr in queries:
+        names = set(re.findall(r"\bflywheel_[a-z0-9_]+\b", expr))
+        assert names, f"query uses no Flywheel metric: {expr}"
+        missing = names - set(exported)
+        assert not missing, f"{expr}: {sorted(missing)} not in any service's /metrics"
+        # Labels it groups by, selects on or prints must exist on some metric it reads.
+        labels = set(IMPLICIT_LABELS).union(*(exported[n] for n in names))
+        used = {label.strip() for group in re.findall(r"\bby \(([^)]*)\)", expr) for label in group.split(",")}
+        used |= set(re.findall(r"[{,]\s*([a-z_]+)\s*=~?", expr))
+        assert used <= labels, f"{expr}: labels {sorted(used - labels)} do not exist"
+
+
+def _declared_families(service: str) -> set[str]:
+    module = importlib.import_module(f"services.{service}.metrics")
+    families = set()
+    for value in vars(module).values():
+        if isinstance(value, MetricWrapperBase):
+            families |= {family.name for family in value.describe()}
+    return families
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_service_exports_its_metrics_module(scrapes, service):
+    declared = _declared_families(service)
+    assert declared, f"services/{service}/metrics.py declares no metrics"
+    exported = {family.name for family in text_string_to_metric_families(scrapes[service]["text"])}
+    missing = declared - exported
+    assert not missing, (
+        f"{service} does not export {sorted(missing)}: does services/{service}/app.py import its metrics module?"
+    )
+    assert "flywheel_service_ready" in exported
+
+
+def test_healthcheck_script_tells_serving_from_unreachable(scrapes, tmp_path):
+    port = scrapes["synchronizer"]["grpc_port"]
+
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        argv = [sys.executable, str(HEALTHCHECK), *args]
+        return subprocess.run(argv, check=False, env=clean_env(env or {}, tmp_path), capture_output=True, text=True)
+
+    ok = run(f"127.0.0.1:{port}")
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    from_env = run(env={"FLYWHEEL_SYNCHRONIZER__SERVER__PORT": str(port)})
+    assert from_env.returncode == 0, from_env.stderr
+    down = run(f"127.0.0.1:{_free_port()}")
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+# ---------------------------------------------------------------- manifest env only
+
+
+def localize(container: Container, tmp: Path) -> dict[str, str]:
+    """The container's env made runnable here: free ports, loopback, paths under tmp."""
+    env = {}
+    for name, value in container.env.items():
+        if name.endswith("__HOST"):
+            value = "127.0.0.1"
+        elif name.endswith("PORT"):
+            value = str(_free_port())
+        elif value.startswith("/"):
+            value = str(tmp / value.lstrip("/"))
+            Path(value).parent.mkdir(parents=True, exist_ok=True)
+        env[name] = value
+    if TOKEN_FILE_ENV in env:
+        Path(env[TOKEN_FILE_ENV]).write_text("token-from-a-mounted-secret\n")
+    return env
+
+
+def _token(env: dict[str, str]) -> str | None:
+    if env.get(TOKEN_ENV):
+        return env[TOKEN_ENV]
+    return Path(env[TOKEN_FILE_ENV]).read_text().strip() if env.get(TOKEN_FILE_ENV) else None
+
+
+def _unary_method(service: str) -> str:
+    proto = importlib.import_module(f"flywheel.{service}.v1.{service}_pb2")
+    (svc,) = proto.DESCRIPTOR.services_by_name.values()
+    method = next(m for m in svc.methods if not m.client_streaming and not m.server_streaming)
+    return f"/{svc.full_name}/{method.name}"
+
+
+def _call_code(port: int, path: str, token: str | None) -> grpc.StatusCode:
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            channel.unary_unary(path)(b"", timeout=5, metadata=metadata)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def start_from_manifest(containers: list[Container], tmp: Path) -> None:
+    started = []
+    try:
+        for c in containers:
+            home = tmp / c.name
+            home.mkdir()
+            env = localize(c, home)
+            log = home / "log"
+            # The controller's `run CONFIG` starts a training run; its server
+            # configuration is what is checked here, so it starts as a server.
+            # The image's `python` is this interpreter here.
+            argv = [sys.executable, *c.command[1:]]
+            child = subprocess.Popen(
+                argv, env=clean_env(env, home), cwd=home, stdout=log.open("w"), stderr=subprocess.STDOUT
+            )
+            config = resolve(config_class(c.service), env=env, env_prefix=c.prefix)
+            started.append((c, child, log, env, config))
+        for c, child, log, env, config in started:
+            port = config.server.port
+            _wait(c.source, lambda p=port: _health(p) == health_pb2.HealthCheckResponse.SERVING, child, log)
+            assert "flywheel_service_ready" in _scrape(config.server.metrics_port), c.source
+            token, method = _token(env), _unary_method(c.service)
+            assert token, f"{c.source}: no auth token"
+            assert _call_code(port, method, None) == grpc.StatusCode.UNAUTHENTICATED, f"{c.source}: auth is off"
+            assert _call_code(port, method, token) != grpc.StatusCode.UNAUTHENTICATED, f"{c.source}: token refused"
+    finally:
+        _stop([child for _, child, *_ in started])
+
+
+def test_services_start_with_only_the_kubernetes_env(k8s, tmp_path):
+    containers = [c for c in k8s if c.source.startswith("kubernetes/cpu ")]
+    assert sorted(c.service for c in containers) == sorted(SERVICES)
+    start_from_manifest(containers, tmp_path)
+
+
+def test_services_start_with_only_the_compose_env(composed, tmp_path):
+    containers = [c for c in composed if "gpu" not in c.raw.get("profiles", [])]
+    assert sorted(c.service for c in containers) == sorted(SERVICES)
+    start_from_manifest(containers, tmp_path)
