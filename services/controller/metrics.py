@@ -40,3 +40,65 @@ TRAINER_IDLE = Gauge(
 
 for _pool in POOLS:
     POOL_SIZE.labels(_pool)
+
+THROUGHPUT_SAMPLES = Gauge(
+    "flywheel_controller_samples_per_second",
+    "Trained samples per second since the run started.",
+)
+THROUGHPUT_TOKENS = Gauge(
+    "flywheel_controller_tokens_per_second",
+    "Trained tokens (prompt + completion) per second since the run started.",
+)
+TRAINER_STEP = Gauge(
+    "flywheel_controller_trainer_step",
+    "Trainer steps done in the current run.",
+)
+COMPONENT_BUSY = Gauge(
+    "flywheel_controller_component_busy_seconds",
+    "Seconds each component had work in flight since the run started.",
+    ["component"],
+)
+COMPONENT_IDLE = Gauge(
+    "flywheel_controller_component_idle_seconds",
+    "Seconds each component had no work in flight since the run started.",
+    ["component"],
+)
+DROPPED_GROUPS = Gauge(
+    "flywheel_controller_dropped_groups",
+    "Groups the algorithm processor dropped in the current run, by reason.",
+    ["reason"],
+)
+COMPONENTS = ("trainer", "rollout", "weight_sync")
+for _component in COMPONENTS:
+    COMPONENT_BUSY.labels(_component)
+    COMPONENT_IDLE.labels(_component)
+
+
+def update_from_step(metrics: dict[str, float]) -> None:
+    """Sets the families from one step's metrics (names as the pipeline records them)."""
+    get = metrics.get
+    if "step" in metrics:
+        TRAINER_STEP.set(metrics["step"])
+    if "throughput/samples_per_second" in metrics:
+        THROUGHPUT_SAMPLES.set(metrics["throughput/samples_per_second"])
+    if "throughput/tokens_per_second" in metrics:
+        THROUGHPUT_TOKENS.set(metrics["throughput/tokens_per_second"])
+    if "time/trainer_idle_fraction" in metrics:
+        TRAINER_IDLE.set(metrics["time/trainer_idle_fraction"])
+    POOL_SIZE.labels("trajectory").set(get("pool/trajectory", 0.0))
+    POOL_SIZE.labels("train_batch").set(get("pool/train_batch", 0.0))
+    IN_FLIGHT.set(get("rollout/in_flight", 0.0))
+    SAMPLES.inc(get("rollout/new_samples", 0.0))
+    TRAINED_TOKENS.inc(get("batch/tokens", 0.0))
+    for name, value in metrics.items():
+        if name.startswith("time/busy_seconds/"):
+            COMPONENT_BUSY.labels(name.rsplit("/", 1)[1]).set(value)
+        elif name.startswith("time/idle_seconds/"):
+            COMPONENT_IDLE.labels(name.rsplit("/", 1)[1]).set(value)
+        elif name.startswith("dropped/"):
+            DROPPED_GROUPS.labels(name.split("/", 1)[1]).set(value)
+
+
+def observe_staleness(values: list[int]) -> None:
+    for v in values:
+        STALENESS.observe(v)

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from flywheel.common.v1 import common_pb2 as flywheel_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'flywheel/controller/v1/controller.proto\x12\x16\x66lywheel.controller.v1\x1a\x1f\x66lywheel/common/v1/common.proto\"3\n\x0cStartRequest\x12\x13\n\x0b\x63onfig_yaml\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"0\n\rStartResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07run_dir\x18\x02 \x01(\t\"8\n\x0bStopRequest\x12\x12\n\ncheckpoint\x18\x01 \x01(\x08\x12\x15\n\rgrace_seconds\x18\x02 \x01(\x01\"\'\n\x0cStopResponse\x12\x17\n\x0f\x63heckpoint_path\x18\x01 \x01(\t\"\x0f\n\rStatusRequest\"_\n\x08RunError\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x10\n\x08severity\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0f\n\x07\x63ontext\x18\x04 \x01(\t\x12\x0f\n\x07unix_ms\x18\x05 \x01(\x03\"\xfa\x02\n\x0eStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12/\n\x05phase\x18\x02 \x01(\x0e\x32 .flywheel.controller.v1.RunPhase\x12-\n\x04mode\x18\x03 \x01(\x0e\x32\x1f.flywheel.controller.v1.RunMode\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x04\x12\x17\n\x0ftrainer_version\x18\x06 \x01(\x04\x12+\n\x07metrics\x18\x07 \x03(\x0b\x32\x1a.flywheel.common.v1.Metric\x12\x11\n\tpool_size\x18\x08 \x01(\r\x12\x11\n\tin_flight\x18\t \x01(\r\x12\x30\n\x06\x65rrors\x18\n \x03(\x0b\x32 .flywheel.controller.v1.RunError\x12\x37\n\ncomponents\x18\x0b \x03(\x0b\x32#.flywheel.common.v1.ComponentStatus\"*\n\x14StreamMetricsRequest\x12\x12\n\nafter_step\x18\x01 \x01(\x04\"c\n\x15StreamMetricsResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12+\n\x07metrics\x18\x02 \x03(\x0b\x32\x1a.flywheel.common.v1.Metric\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x03*\xaf\x01\n\x08RunPhase\x12\x19\n\x15RUN_PHASE_UNSPECIFIED\x10\x00\x12\x12\n\x0eRUN_PHASE_IDLE\x10\x01\x12\x16\n\x12RUN_PHASE_STARTING\x10\x02\x12\x15\n\x11RUN_PHASE_RUNNING\x10\x03\x12\x16\n\x12RUN_PHASE_STOPPING\x10\x04\x12\x17\n\x13RUN_PHASE_COMPLETED\x10\x05\x12\x14\n\x10RUN_PHASE_FAILED\x10\x06*j\n\x07RunMode\x12\x18\n\x14RUN_MODE_UNSPECIFIED\x10\x00\x12\x11\n\rRUN_MODE_SYNC\x10\x01\x12\x18\n\x14RUN_MODE_FULLY_ASYNC\x10\x02\x12\x18\n\x14RUN_MODE_BATCH_ASYNC\x10\x03\x32\x85\x03\n\x11\x43ontrollerService\x12T\n\x05Start\x12$.flywheel.controller.v1.StartRequest\x1a%.flywheel.controller.v1.StartResponse\x12Q\n\x04Stop\x12#.flywheel.controller.v1.StopRequest\x1a$.flywheel.controller.v1.StopResponse\x12W\n\x06Status\x12%.flywheel.controller.v1.StatusRequest\x1a&.flywheel.controller.v1.StatusResponse\x12n\n\rStreamMetrics\x12,.flywheel.controller.v1.StreamMetricsRequest\x1a-.flywheel.controller.v1.StreamMetricsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'flywheel/controller/v1/controller.proto\x12\x16\x66lywheel.controller.v1\x1a\x1f\x66lywheel/common/v1/common.proto\"3\n\x0cStartRequest\x12\x13\n\x0b\x63onfig_yaml\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"0\n\rStartResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07run_dir\x18\x02 \x01(\t\"8\n\x0bStopRequest\x12\x12\n\ncheckpoint\x18\x01 \x01(\x08\x12\x15\n\rgrace_seconds\x18\x02 \x01(\x01\"\'\n\x0cStopResponse\x12\x17\n\x0f\x63heckpoint_path\x18\x01 \x01(\t\"\x0f\n\rStatusRequest\"_\n\x08RunError\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x10\n\x08severity\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0f\n\x07\x63ontext\x18\x04 \x01(\t\x12\x0f\n\x07unix_ms\x18\x05 \x01(\x03\"\x8b\x03\n\x0eStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12/\n\x05phase\x18\x02 \x01(\x0e\x32 .flywheel.controller.v1.RunPhase\x12-\n\x04mode\x18\x03 \x01(\x0e\x32\x1f.flywheel.controller.v1.RunMode\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x04\x12\x17\n\x0ftrainer_version\x18\x06 \x01(\x04\x12+\n\x07metrics\x18\x07 \x03(\x0b\x32\x1a.flywheel.common.v1.Metric\x12\x11\n\tpool_size\x18\x08 \x01(\r\x12\x11\n\tin_flight\x18\t \x01(\r\x12\x30\n\x06\x65rrors\x18\n \x03(\x0b\x32 .flywheel.controller.v1.RunError\x12\x37\n\ncomponents\x18\x0b \x03(\x0b\x32#.flywheel.common.v1.ComponentStatus\x12\x0f\n\x07message\x18\x0c \x01(\t\"*\n\x14StreamMetricsRequest\x12\x12\n\nafter_step\x18\x01 \x01(\x04\"c\n\x15StreamMetricsResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12+\n\x07metrics\x18\x02 \x03(\x0b\x32\x1a.flywheel.common.v1.Metric\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x03*\xaf\x01\n\x08RunPhase\x12\x19\n\x15RUN_PHASE_UNSPECIFIED\x10\x00\x12\x12\n\x0eRUN_PHASE_IDLE\x10\x01\x12\x16\n\x12RUN_PHASE_STARTING\x10\x02\x12\x15\n\x11RUN_PHASE_RUNNING\x10\x03\x12\x16\n\x12RUN_PHASE_STOPPING\x10\x04\x12\x17\n\x13RUN_PHASE_COMPLETED\x10\x05\x12\x14\n\x10RUN_PHASE_FAILED\x10\x06*j\n\x07RunMode\x12\x18\n\x14RUN_MODE_UNSPECIFIED\x10\x00\x12\x11\n\rRUN_MODE_SYNC\x10\x01\x12\x18\n\x14RUN_MODE_FULLY_ASYNC\x10\x02\x12\x18\n\x14RUN_MODE_BATCH_ASYNC\x10\x03\x32\x85\x03\n\x11\x43ontrollerService\x12T\n\x05Start\x12$.flywheel.controller.v1.StartRequest\x1a%.flywheel.controller.v1.StartResponse\x12Q\n\x04Stop\x12#.flywheel.controller.v1.StopRequest\x1a$.flywheel.controller.v1.StopResponse\x12W\n\x06Status\x12%.flywheel.controller.v1.StatusRequest\x1a&.flywheel.controller.v1.StatusResponse\x12n\n\rStreamMetrics\x12,.flywheel.controller.v1.StreamMetricsRequest\x1a-.flywheel.controller.v1.StreamMetricsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flywheel.controller.v1.controller_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RUNPHASE']._serialized_start=943
-  _globals['_RUNPHASE']._serialized_end=1118
-  _globals['_RUNMODE']._serialized_start=1120
-  _globals['_RUNMODE']._serialized_end=1226
+  _globals['_RUNPHASE']._serialized_start=960
+  _globals['_RUNPHASE']._serialized_end=1135
+  _globals['_RUNMODE']._serialized_start=1137
+  _globals['_RUNMODE']._serialized_end=1243
   _globals['_STARTREQUEST']._serialized_start=100
   _globals['_STARTREQUEST']._serialized_end=151
   _globals['_STARTRESPONSE']._serialized_start=153
@@ -49,11 +49,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNERROR']._serialized_start=319
   _globals['_RUNERROR']._serialized_end=414
   _globals['_STATUSRESPONSE']._serialized_start=417
-  _globals['_STATUSRESPONSE']._serialized_end=795
-  _globals['_STREAMMETRICSREQUEST']._serialized_start=797
-  _globals['_STREAMMETRICSREQUEST']._serialized_end=839
-  _globals['_STREAMMETRICSRESPONSE']._serialized_start=841
-  _globals['_STREAMMETRICSRESPONSE']._serialized_end=940
-  _globals['_CONTROLLERSERVICE']._serialized_start=1229
-  _globals['_CONTROLLERSERVICE']._serialized_end=1618
+  _globals['_STATUSRESPONSE']._serialized_end=812
+  _globals['_STREAMMETRICSREQUEST']._serialized_start=814
+  _globals['_STREAMMETRICSREQUEST']._serialized_end=856
+  _globals['_STREAMMETRICSRESPONSE']._serialized_start=858
+  _globals['_STREAMMETRICSRESPONSE']._serialized_end=957
+  _globals['_CONTROLLERSERVICE']._serialized_start=1246
+  _globals['_CONTROLLERSERVICE']._serialized_end=1635
 # @@protoc_insertion_point(module_scope)

@@ -85,7 +85,7 @@ class RunError(_message.Message):
     def __init__(self, module: _Optional[str] = ..., severity: _Optional[str] = ..., message: _Optional[str] = ..., context: _Optional[str] = ..., unix_ms: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "phase", "mode", "step", "total_steps", "trainer_version", "metrics", "pool_size", "in_flight", "errors", "components")
+    __slots__ = ("run_id", "phase", "mode", "step", "total_steps", "trainer_version", "metrics", "pool_size", "in_flight", "errors", "components", "message")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class StatusResponse(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     phase: RunPhase
     mode: RunMode
@@ -108,7 +109,8 @@ class StatusResponse(_message.Message):
     in_flight: int
     errors: _containers.RepeatedCompositeFieldContainer[RunError]
     components: _containers.RepeatedCompositeFieldContainer[_common_pb2.ComponentStatus]
-    def __init__(self, run_id: _Optional[str] = ..., phase: _Optional[_Union[RunPhase, str]] = ..., mode: _Optional[_Union[RunMode, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., trainer_version: _Optional[int] = ..., metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ..., pool_size: _Optional[int] = ..., in_flight: _Optional[int] = ..., errors: _Optional[_Iterable[_Union[RunError, _Mapping]]] = ..., components: _Optional[_Iterable[_Union[_common_pb2.ComponentStatus, _Mapping]]] = ...) -> None: ...
+    message: str
+    def __init__(self, run_id: _Optional[str] = ..., phase: _Optional[_Union[RunPhase, str]] = ..., mode: _Optional[_Union[RunMode, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., trainer_version: _Optional[int] = ..., metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ..., pool_size: _Optional[int] = ..., in_flight: _Optional[int] = ..., errors: _Optional[_Iterable[_Union[RunError, _Mapping]]] = ..., components: _Optional[_Iterable[_Union[_common_pb2.ComponentStatus, _Mapping]]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StreamMetricsRequest(_message.Message):
     __slots__ = ("after_step",)

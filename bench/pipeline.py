@@ -1,0 +1,121 @@
+"""Controller pipeline throughput per mode, with simulated engines.
+
+Run manual:
+    python bench/pipeline.py                       # defaults below, ~15 s on 2 cores
+    python bench/pipeline.py --steps 60 --mean-ms 30 --sigma 1.2
+
+What runs: the real controller pipeline (loader, rollout manager, staleness
+gate, trajectory pool, GRPO processor, tensor batches, train worker,
+weight-sync controller, main loop), in real time on one asyncio loop, against
+the *simulated* engines of services/controller/simulated.py:
+  - one rollout engine; each Generate call (one task, group_size samples)
+    takes a time drawn from a lognormal with mean --mean-ms and log-std
+    --sigma (a long tail: the slowest of a batch's calls is typically 2-3x
+    the mean);
+  - a trainer whose TrainStep takes a time drawn from a normal with the
+    same mean (cv --train-cv): equal means;
+  - weight export and per-replica load of --sync-ms each (keep mode).
+The same seed, data and settings for every mode, one after the other:
+sync, batch-async with threshold 1 and 2, fully-async. Up to --in-flight
+tasks are rolled out concurrently; the trajectory pool holds twice the
+train batch (the default buffer_size_limit).
+
+Reported per mode: trained samples/s over the whole run, trainer idle
+fraction (time the trainer had no TrainStep or export running, from the
+first batch's arrival to the end: the pipeline fill before it is the same
+for every mode and is excluded), mean/max staleness of trained samples and
+groups dropped as stale. Ends with one JSON line; ratios are named
+`<mode>_vs_sync`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import statistics
+import time
+
+from services.controller.assemble import Services, build_pipeline
+from services.controller.loop import run
+from services.controller.run_config import parse_run_config
+from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant, lognormal, normal
+
+MODES = [("sync", "sync", 0), ("batch_async_1", "batch-async", 1), ("batch_async_2", "batch-async", 2), ("fully_async", "fully-async", 0)]
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40, help="trainer steps per mode")
+    ap.add_argument("--batch", type=int, default=32, help="samples per train batch")
+    ap.add_argument("--group", type=int, default=4, help="samples per task (GRPO group)")
+    ap.add_argument("--in-flight", type=int, default=16, help="tasks rolled out concurrently")
+    ap.add_argument("--mean-ms", type=float, default=40.0, help="mean Generate time = mean TrainStep time, ms")
+    ap.add_argument("--sigma", type=float, default=1.0, help="log-std of the Generate time (tail weight)")
+    ap.add_argument("--train-cv", type=float, default=0.1, help="coefficient of variation of TrainStep time")
+    ap.add_argument("--sync-ms", type=float, default=1.0, help="weight export and per-replica load time, ms")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args()
+
+
+async def one_mode(args: argparse.Namespace, mode: str, threshold: int) -> dict:
+    rng = random.Random(args.seed)
+    mean = args.mean_ms / 1000
+    items = [{"prompt": f"question {i}", "answer": str(i % 4)} for i in range(args.steps * args.batch * 4)]
+    cfg = parse_run_config({
+        "run": {"max_steps": args.steps, "seed": args.seed},
+        "data": {"train": {"items": items}},
+        "worker": {"type": "math", "group_size": args.group, "max_in_flight": args.in_flight},
+        # Every group counts (no dynamic sampling), so modes train the same number of samples.
+        "algorithm": {"name": "grpo", "train_batch_size": args.batch},
+        "mode": mode,
+        "staleness": {"threshold": threshold},
+        "checkpoint": {"at_end": False},
+        "metrics": {"jsonl": False},
+    })
+    trainer = SimulatedTrainer(train_time=normal(mean, args.train_cv, rng), export_time=constant(args.sync_ms / 1000))
+    engine = SimulatedRolloutEngine(
+        gen_time=lognormal(mean, args.sigma, rng), update_time=constant(args.sync_ms / 1000), rng=rng
+    )
+    pipeline = build_pipeline(cfg, Services(trainer, [engine]), keep_history=True, retry_backoff_seconds=0.01)
+    started = time.perf_counter()
+    summary = await run(pipeline)
+    wall = time.perf_counter() - started
+    stale = [v - s for v, versions in trainer.trained for s in versions]
+    return {
+        "samples_per_s": round(summary.samples / wall, 1),
+        "trainer_idle_fraction": round(summary.trainer_idle_fraction, 4),
+        "staleness_mean": round(statistics.fmean(stale), 3),
+        "staleness_max": max(stale),
+        "stale_groups_dropped": pipeline.processor.dropped.get("stale", 0),
+        "steps": summary.steps,
+        "wall_s": round(wall, 2),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    results = {}
+    for name, mode, threshold in MODES:
+        results[name] = asyncio.run(one_mode(args, mode, threshold))
+    print(f"Generate ~ lognormal(mean {args.mean_ms} ms, sigma {args.sigma}); TrainStep ~ normal(mean {args.mean_ms} ms, "
+          f"cv {args.train_cv}); batch {args.batch} = {args.batch // args.group} tasks x {args.group}; {args.steps} steps")
+    print(f"{'mode':<15}{'samples/s':>11}{'vs sync':>9}{'trainer idle':>14}{'stale mean':>12}{'stale max':>11}{'dropped':>9}{'wall s':>8}")
+    base = results["sync"]["samples_per_s"]
+    for name, r in results.items():
+        print(f"{name:<15}{r['samples_per_s']:>11.1f}{r['samples_per_s'] / base:>8.2f}x{r['trainer_idle_fraction']:>14.1%}"
+              f"{r['staleness_mean']:>12.2f}{r['staleness_max']:>11}{r['stale_groups_dropped']:>9}{r['wall_s']:>8.2f}")
+    figures = {
+        "workload": {"mean_ms": args.mean_ms, "sigma": args.sigma, "train_cv": args.train_cv, "batch": args.batch,
+                     "group": args.group, "in_flight": args.in_flight, "steps": args.steps},
+        **results,
+        **{f"{name}_vs_sync": round(results[name]["samples_per_s"] / base, 3) for name in results if name != "sync"},
+    }
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

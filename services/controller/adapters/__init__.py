@@ -1,0 +1,46 @@
+"""gRPC adapters: the remote services behind the controller's Protocols.
+
+`connect(config)` opens one channel per service named in the run config and
+returns the `Services` a pipeline is built from. These are the only modules
+of the controller's run that import grpc (besides the servicer).
+"""
+
+from __future__ import annotations
+
+from flywheel.runtime.auth import resolve_token
+from services.controller.adapters.health import GrpcHealthProbe
+from services.controller.adapters.rollout import GrpcRolloutEngine
+from services.controller.adapters.synchronizer import GrpcSynchronizer
+from services.controller.adapters.trainer import GrpcTrainer
+from services.controller.assemble import TRAINER_PROBE, Services
+from services.controller.run_config import RunConfig
+
+
+def connect(cfg: RunConfig, token: str | None = None) -> Services:
+    s = cfg.services
+    token = token or resolve_token(None, s.auth_token_file)
+    trainer = GrpcTrainer(
+        s.trainer.address, token=token, timeout=s.trainer.timeout_seconds,
+        remove_previous_checkpoints=cfg.checkpoint.remove_previous,
+    )
+    rollouts = [GrpcRolloutEngine(e.address, token=token, timeout=e.timeout_seconds) for e in s.rollout]
+    synchronizer = None
+    if s.synchronizer is not None:
+        synchronizer = GrpcSynchronizer(
+            s.synchronizer.address, trainer_id=s.trainer_id, token=token, timeout=s.synchronizer.timeout_seconds
+        )
+    probes = [GrpcHealthProbe(TRAINER_PROBE, s.trainer.address), *(GrpcHealthProbe(r.name, r.address) for r in rollouts)]
+    if s.synchronizer is not None:
+        probes.append(GrpcHealthProbe("synchronizer", s.synchronizer.address))
+
+    async def close() -> None:
+        for client in (trainer, *rollouts, *([synchronizer] if synchronizer else [])):
+            await client.close()
+
+    return Services(
+        trainer=trainer, rollouts=rollouts, synchronizer=synchronizer, probes=probes,
+        synchronizer_address=s.synchronizer.address if s.synchronizer else "", close=close,
+    )
+
+
+__all__ = ["GrpcHealthProbe", "GrpcRolloutEngine", "GrpcSynchronizer", "GrpcTrainer", "connect"]

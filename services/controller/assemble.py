@@ -1,0 +1,183 @@
+"""Builds a Pipeline from a RunConfig and a set of engines.
+
+`Services` is what the pipeline talks to: a trainer, rollout replicas, an
+optional synchronizer and health probes: the gRPC adapters
+(`adapters.connect`) in a real run, the simulated engines in tests and the
+benchmark. `build_pipeline` resolves every name in the config (worker type,
+reward, algorithm, tools, data files) before anything starts, and a name
+that does not resolve is a ConfigError naming its field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flywheel.runtime.config import ConfigError
+from services.controller.activity import ActivityTracker
+from services.controller.algorithms import make_algorithm
+from services.controller.balancer import EnginePool
+from services.controller.data import DataLoader, loader_from_config
+from services.controller.domain import SamplingSpec
+from services.controller.errors_report import ErrorReporter
+from services.controller.liveness import LivenessMonitor
+from services.controller.metrics_log import JsonlSink, MemorySink, MetricsLog, MetricsSink
+from services.controller.pipeline import Pipeline
+from services.controller.pool import TrajectoryPool
+from services.controller.processor import AlgorithmProcessor, TrainBatchPool
+from services.controller.protocols import HealthProbe, RolloutEngine, Synchronizer, Trainer
+from services.controller.rewards import get_reward, import_object
+from services.controller.rollouts import RolloutManager
+from services.controller.run_config import RunConfig, SamplingConfig
+from services.controller.staleness import StalenessGate
+from services.controller.train_worker import TrainWorker
+from services.controller.validation import Validator
+from services.controller.weight_sync import SyncPolicy, WeightSyncController
+from services.controller.workers import WorkerContext, worker_class
+from services.controller.workers.tools import ToolRegistry
+
+TRAINER_PROBE = "trainer"
+
+
+@dataclass
+class Services:
+    trainer: Trainer
+    rollouts: Sequence[RolloutEngine]
+    synchronizer: Synchronizer | None = None
+    #: Health probes; rollout probes are named like their replica, the
+    #: trainer's "trainer" (its failure is critical).
+    probes: Sequence[HealthProbe] = field(default_factory=list)
+    synchronizer_address: str = ""
+    #: Closes connections when the run ends.
+    close: Callable[[], Any] | None = None
+
+
+def _resolve(field_name: str, make: Callable[[], Any]) -> Any:
+    try:
+        return make()
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"{field_name}: {exc}") from None
+
+
+def sampling_spec(cfg: SamplingConfig) -> SamplingSpec:
+    return SamplingSpec(
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens,
+        stop=tuple(cfg.stop), seed=cfg.seed,
+    )
+
+
+def build_tools(cfg: RunConfig) -> ToolRegistry:
+    tools = ToolRegistry(cfg.worker.tool_timeout_seconds)
+    for i, tool in enumerate(cfg.worker.tools):
+        fn = _resolve(f"worker.tools[{i}].function", lambda t=tool: import_object(t.function))
+        _resolve(f"worker.tools[{i}].function", lambda t=tool, f=fn: tools.register(t.name, f, t.description, t.parameters))
+    return tools
+
+
+def build_pipeline(
+    cfg: RunConfig,
+    services: Services,
+    *,
+    run_dir: Path | None = None,
+    keep_history: bool = False,
+    sinks: Sequence[MetricsSink] = (),
+    retry_backoff_seconds: float = 0.5,
+) -> Pipeline:
+    worker_cls = _resolve("worker.type", lambda: worker_class(cfg.worker.type))
+    reward = _resolve("reward.name", lambda: get_reward(cfg.reward.name))
+    algorithm = _resolve("algorithm.name", lambda: make_algorithm(cfg))
+    tools = build_tools(cfg) if cfg.worker.tools else None
+    loader = _resolve(
+        "data.train", lambda: loader_from_config(cfg.data.train, seed=cfg.run.seed, epochs=cfg.data.epochs, split="train")
+    )
+    val_loader: DataLoader | None = None
+    if cfg.data.validation is not None:
+        val_loader = _resolve(
+            "data.validation", lambda: loader_from_config(cfg.data.validation, seed=cfg.run.seed, epochs=1, split="val")
+        )
+
+    tracker, errors = ActivityTracker(), ErrorReporter(cfg.errors.policy, cfg.errors.max_recorded)
+    engines = EnginePool(services.rollouts)
+    group, batch = cfg.worker.group_size, cfg.algorithm.train_batch_size
+    pool = TrajectoryPool(cfg.pool_store, cfg.pool.keys, group, cfg.buffer_size_limit, cfg.pool.count_in_flight)
+    instance = pool.instance(cfg.model.tag)
+    gate = StalenessGate(batch, cfg.staleness_limit)
+    ctx = WorkerContext(
+        engines=engines, reward=reward, reward_kwargs=dict(cfg.reward.kwargs), model_tag=cfg.model.tag,
+        chat=cfg.worker.chat, system_prompt=cfg.worker.system_prompt, max_turns=cfg.worker.max_turns,
+        tools=tools, tool_result_template=cfg.worker.tool_result_template,
+    )
+    worker = worker_cls(ctx)
+    rollouts = RolloutManager(
+        worker, loader, instance, gate, tracker, errors,
+        group_size=group, sampling=sampling_spec(cfg.worker.sampling), max_in_flight=cfg.worker.max_in_flight,
+        max_retries=cfg.worker.max_retries, timeout_seconds=cfg.worker.timeout_seconds,
+        retry_backoff_seconds=retry_backoff_seconds,
+    )
+    batches = TrainBatchPool(maxsize=1)
+    processor = AlgorithmProcessor(
+        instance, algorithm, gate, batches,
+        batch_size=batch, group_size=group, staleness_limit=cfg.staleness_limit,
+        stale_policy=cfg.staleness.policy, drop_last=cfg.data.drop_last,
+        requeue=rollouts.requeue, finish=rollouts.finish,
+    )
+    train_worker = TrainWorker(
+        services.trainer, batches, tracker, errors,
+        loss=cfg.loss, micro_batch_size=cfg.algorithm.micro_batch_size, keep_history=keep_history,
+    )
+    weight_sync = WeightSyncController(
+        services.trainer, engines, gate, tracker, errors,
+        mode=cfg.mode, method=cfg.sync.method, style=cfg.sync.style, pause_mode=cfg.sync.pause_mode,
+        timeout_seconds=cfg.sync.timeout_seconds, checkpoint_dir=cfg.sync.checkpoint_dir,
+        synchronizer=services.synchronizer, synchronizer_address=services.synchronizer_address,
+        policy=SyncPolicy(cfg.sync.interval, cfg.sync.offset),
+        pause_rollouts=rollouts.pause, resume_rollouts=rollouts.resume,
+    )
+    validator = None
+    if val_loader is not None:
+        val = cfg.validation
+        validator = Validator(
+            worker, val_loader, errors, interval=val.interval, n=val.group_size,
+            sampling=sampling_spec(val.sampling) if val.sampling else SamplingSpec(temperature=0.0, max_tokens=cfg.worker.sampling.max_tokens),
+            max_samples=val.max_samples, concurrency=cfg.worker.max_in_flight, timeout_seconds=cfg.worker.timeout_seconds,
+        )
+    liveness = None
+    if services.probes:
+        replica_names = {r.name for r in engines.replicas}
+
+        def on_change(name: str, ok: bool) -> None:
+            if name in replica_names:
+                engines.mark(name, ok)
+                if ok:
+                    weight_sync.replica_recovered(name)
+
+        liveness = LivenessMonitor(
+            services.probes, errors, interval=cfg.services.health_interval_seconds,
+            critical=[TRAINER_PROBE], on_change=on_change,
+        )
+    memory = MemorySink()
+    metrics = MetricsLog([memory, *sinks])
+    run_dir = run_dir or cfg.run.output_dir
+    if run_dir is not None and cfg.metrics.jsonl:
+        metrics.add(JsonlSink(Path(run_dir) / "metrics.jsonl"))
+    if cfg.metrics.tensorboard_dir is not None:
+        from services.controller.metrics_log import TensorBoardSink
+
+        metrics.add(_resolve("metrics.tensorboard_dir", lambda: TensorBoardSink(cfg.metrics.tensorboard_dir)))
+    if cfg.metrics.wandb_project:
+        from services.controller.metrics_log import WandbSink
+
+        metrics.add(_resolve(
+            "metrics.wandb_project",
+            lambda: WandbSink(cfg.metrics.wandb_project, cfg.run.name, cfg.model_dump(mode="json", by_alias=True)),
+        ))
+    return Pipeline(
+        config=cfg, trainer=services.trainer, engines=engines, loader=loader, pool=pool, gate=gate,
+        rollouts=rollouts, processor=processor, batches=batches, train_worker=train_worker,
+        weight_sync=weight_sync, tracker=tracker, errors=errors, metrics=metrics, memory=memory,
+        validator=validator, liveness=liveness, run_dir=Path(run_dir) if run_dir else None,
+    )

@@ -1,0 +1,148 @@
+"""Rollout replicas behind one interface: least-loaded routing and failover.
+
+`EnginePool.generate` sends a request to the healthy replica with the fewest
+requests in flight (ties broken round-robin, or by a sticky key so that the
+turns of one agent episode reuse a replica's prefix cache). If the replica is
+unreachable (`Unavailable`, `DeadlineExceeded`, a dropped connection) it is
+marked down and the request goes to the next healthy one; when none is left
+the call raises `Unavailable` and the worker retries the task later. The
+liveness monitor marks replicas up again once their health check passes.
+
+The pool also remembers each replica's weight version (from updates and from
+the versions its samples report); the staleness gate reads `min_version()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import zlib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from flywheel.errors import DeadlineExceeded, Unavailable
+from services.controller.domain import Generation, PromptInput, SamplingSpec
+from services.controller.protocols import RolloutEngine
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Errors after which a request is retried on another replica.
+FAILOVER_ERRORS = (Unavailable, DeadlineExceeded, ConnectionError, TimeoutError)
+
+
+@dataclass
+class Replica:
+    engine: RolloutEngine
+    healthy: bool = True
+    in_flight: int = 0
+    version: int = 0
+    failures: int = 0
+    last_error: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+
+class EnginePool:
+    def __init__(self, engines: Sequence[RolloutEngine]) -> None:
+        if not engines:
+            raise ValueError("at least one rollout engine is needed")
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rollout engine names must be unique, got {names}")
+        self.replicas = [Replica(e) for e in engines]
+        self._by_name = {r.name: r for r in self.replicas}
+        self._turn = itertools.count()
+        #: Called with (replica name, healthy) when a replica changes state.
+        self.on_health_change: Callable[[str, bool], None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def replica(self, name: str) -> Replica:
+        return self._by_name[name]
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    def min_version(self) -> int:
+        """Oldest weight version any healthy replica may still generate with."""
+        live = self.healthy() or self.replicas
+        return min(r.version for r in live)
+
+    def set_version(self, name: str, version: int) -> None:
+        replica = self._by_name[name]
+        replica.version = max(replica.version, version)
+
+    def mark(self, name: str, healthy: bool, error: str = "") -> None:
+        replica = self._by_name[name]
+        if replica.healthy != healthy:
+            log.warning("rollout replica %s is %s %s", name, "up" if healthy else "down", error)
+            replica.healthy = healthy
+            if self.on_health_change is not None:
+                self.on_health_change(name, healthy)
+        if error:
+            replica.last_error = error
+
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.replicas)
+
+    def _pick(self, exclude: set[str], sticky: str | None) -> Replica | None:
+        candidates = [r for r in self.replicas if r.healthy and r.name not in exclude]
+        if not candidates:
+            return None
+        if sticky is not None:
+            return candidates[zlib.crc32(sticky.encode()) % len(candidates)]
+        turn = next(self._turn)
+        # Least loaded first; the rotating offset spreads ties evenly.
+        return min(candidates, key=lambda r: (r.in_flight, (self.replicas.index(r) - turn) % len(self.replicas)))
+
+    async def call(self, fn: Callable[[RolloutEngine], Awaitable[T]], *, sticky: str | None = None) -> tuple[T, Replica]:
+        """Runs fn on a healthy replica, failing over to the others."""
+        tried: set[str] = set()
+        last: BaseException | None = None
+        while (replica := self._pick(tried, sticky)) is not None:
+            tried.add(replica.name)
+            replica.in_flight += 1
+            try:
+                return await fn(replica.engine), replica
+            except FAILOVER_ERRORS as exc:
+                replica.failures += 1
+                self.mark(replica.name, False, f"{type(exc).__name__}: {exc}")
+                last = exc
+            finally:
+                replica.in_flight -= 1
+        detail = f" (last error: {last})" if last else ""
+        raise Unavailable(f"no healthy rollout replica of {len(self.replicas)}{detail}")
+
+    async def generate(
+        self, prompts: Sequence[PromptInput], sampling: SamplingSpec, *, sticky: str | None = None
+    ) -> list[list[Generation]]:
+        results, replica = await self.call(lambda e: e.generate(prompts, sampling), sticky=sticky)
+        for per_prompt in results:
+            for g in per_prompt:
+                g.engine = replica.name
+                # Samples tell us what the replica served, even without an update call.
+                replica.version = max(replica.version, g.version_end)
+        return results
+
+    async def tokenize(
+        self, *, text: str | None = None, messages: list[dict] | None = None, add_generation_prompt: bool = True,
+        sticky: str | None = None,
+    ) -> list[int]:
+        ids, _ = await self.call(
+            lambda e: e.tokenize(text=text, messages=messages, add_generation_prompt=add_generation_prompt),
+            sticky=sticky,
+        )
+        return ids
+
+    async def refresh_versions(self) -> None:
+        """Asks every healthy replica for its version (at start and after a failover)."""
+        for replica in self.healthy():
+            try:
+                replica.version = await replica.engine.weight_version()
+            except FAILOVER_ERRORS as exc:
+                self.mark(replica.name, False, str(exc))

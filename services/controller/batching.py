@@ -1,0 +1,77 @@
+"""Trajectories -> the tensors of the trainer's TrainBatch.
+
+Each row is prompt + response token ids, right-padded to the longest row.
+Tensors follow the trainer's contract (trainer.proto `TrainBatch`):
+- input_ids, attention_mask: int64 [B, T];
+- loss_mask: float32 [B, T], 1 on response tokens the policy produced
+  (tool/environment tokens and the prompt are 0);
+- behaviour_logprobs: float32 [B, T], the sampling engine's log-prob of the
+  token *at* each position (0 elsewhere);
+- advantages: float32 [B] (one per sequence);
+- weight_versions: int64 [B], the version each sample started with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.controller.domain import Trajectory
+
+
+@dataclass
+class TrainBatch:
+    tensors: dict[str, torch.Tensor]
+    trajectories: list[Trajectory]
+    #: Trainer weight version this batch is trained at.
+    target_version: int
+    #: Per-group notes from the processor (staleness etc.), for metrics.
+    info: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return len(self.trajectories)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.tensors["attention_mask"].sum())
+
+    def staleness(self) -> list[int]:
+        return [self.target_version - t.version for t in self.trajectories]
+
+
+def build_train_batch(trajectories: Sequence[Trajectory], target_version: int, pad_id: int = 0) -> TrainBatch:
+    if not trajectories:
+        raise ValueError("cannot build an empty batch")
+    b = len(trajectories)
+    t_max = max(t.num_tokens for t in trajectories)
+    # Filled as numpy rows, converted once: per-row torch indexing costs more
+    # than the whole batch at these sizes, and this runs on the event loop.
+    input_ids = np.full((b, t_max), pad_id, dtype=np.int64)
+    attention = np.zeros((b, t_max), dtype=np.int64)
+    loss_mask = np.zeros((b, t_max), dtype=np.float32)
+    logprobs = np.zeros((b, t_max), dtype=np.float32)
+    for row, t in enumerate(trajectories):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        if p == 0:
+            raise ValueError(f"trajectory of task {t.task.id} has an empty prompt")
+        if not (len(t.response_logprobs) == len(t.response_mask) == r):
+            raise ValueError(f"trajectory of task {t.task.id}: response ids, log-probs and mask differ in length")
+        input_ids[row, :p] = t.prompt_ids
+        input_ids[row, p : p + r] = t.response_ids
+        attention[row, : p + r] = 1
+        loss_mask[row, p : p + r] = t.response_mask
+        logprobs[row, p : p + r] = t.response_logprobs
+    logprobs *= loss_mask  # behaviour log-probs only where the loss reads them
+    tensors = {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(attention),
+        "loss_mask": torch.from_numpy(loss_mask),
+        "advantages": torch.tensor([t.advantage or 0.0 for t in trajectories], dtype=torch.float32),
+        "behaviour_logprobs": torch.from_numpy(logprobs),
+        "weight_versions": torch.tensor([t.version for t in trajectories], dtype=torch.int64),
+    }
+    return TrainBatch(tensors=tensors, trajectories=list(trajectories), target_version=target_version)

@@ -1,0 +1,208 @@
+"""Domain types of the controller: tasks, generations, trajectories, rollout
+outcomes and the results of remote calls.
+
+Everything here is plain data (no grpc, no torch) so that workers, rewards,
+stores and algorithms can be written and tested without any service running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+#: A chat message as an OpenAI-style dict: {"role": ..., "content": ..., ...}.
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One row of a dataset, as handed to a rollout worker."""
+
+    #: Unique within the run: "<split>:<epoch>:<index>".
+    id: str
+    #: Row index in the dataset (stable across epochs and resumes).
+    index: int
+    #: Epoch the task was drawn in, from 0.
+    epoch: int
+    #: Text, or a list of chat messages.
+    prompt: str | list[Message]
+    #: Reference answer, when the dataset has one (math, QA).
+    answer: Any = None
+    #: The whole row, for rewards and tools that need more fields.
+    data: Mapping[str, Any] = field(default_factory=dict)
+    split: str = "train"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    #: Cut short (e.g. a weight update in ABORT mode): retry the task.
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """What an engine generates from: exactly one of text, messages, token_ids."""
+
+    request_id: str
+    text: str | None = None
+    messages: list[Message] | None = None
+    token_ids: list[int] | None = None
+    #: OpenAI-style tool definitions passed to the chat template.
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling parameters (vLLM names and meanings)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+
+
+@dataclass
+class Generation:
+    """One completion returned by a rollout engine: tokens, log-probs, versions."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    #: Log-prob of each completion token under the policy that sampled it.
+    completion_logprobs: list[float]
+    finish_reason: FinishReason
+    #: Weight version when generation started / ended (differ when the
+    #: engine moved to new weights mid-generation).
+    version_start: int
+    version_end: int
+    text: str = ""
+    #: Which replica produced it.
+    engine: str = ""
+
+
+class TrajectoryStatus(str, Enum):
+    OK = "ok"
+    FAILED = "failed"
+
+
+@dataclass
+class Trajectory:
+    """A scored, token-level episode: what the algorithm and the trainer see."""
+
+    task: Task
+    prompt_ids: list[int]
+    response_ids: list[int]
+    #: Behaviour log-prob per response token (0 where response_mask is 0).
+    response_logprobs: list[float]
+    #: 1 where the policy produced the token (trained on), 0 for tool or
+    #: environment tokens (excluded from the loss).
+    response_mask: list[int]
+    version_start: int
+    version_end: int
+    finish_reason: FinishReason = FinishReason.STOP
+    reward: float = 0.0
+    #: Named scores (e.g. "accuracy", "format"); `reward` is also recorded here.
+    scores: dict[str, float] = field(default_factory=dict)
+    text: str = ""
+    #: Index among the samples of its task, from 0.
+    sample_index: int = 0
+    #: Which model trains on it (the trajectory pool keeps one store per tag).
+    model_tag: str = "default"
+    #: Extra grouping keys for hierarchical stores (e.g. {"turn": 2}).
+    keys: dict[str, Any] = field(default_factory=dict)
+    status: TrajectoryStatus = TrajectoryStatus.OK
+    error: str | None = None
+    #: Set by the algorithm processor.
+    advantage: float | None = None
+
+    @property
+    def version(self) -> int:
+        """The version staleness is measured from: the oldest policy that contributed."""
+        return self.version_start
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def key(self, name: str) -> Any:
+        """Value of a grouping key: "task" (the task id), a `keys` entry or a task field."""
+        if name in ("task", "task_id", "prompt_id"):
+            return self.task.id
+        if name in self.keys:
+            return self.keys[name]
+        if name in self.task.data:
+            return self.task.data[name]
+        raise KeyError(f"trajectory has no grouping key {name!r}")
+
+
+class RolloutStatus(str, Enum):
+    SUCCESS = "success"
+    #: Give up on this task (recorded as an error; the task is not retried).
+    FAIL = "fail"
+    #: Put the task back at the front of the loader and try again later.
+    RE_ROLLOUT = "re-rollout"
+
+
+@dataclass
+class RolloutOutcome:
+    status: RolloutStatus
+    trajectories: list[Trajectory] = field(default_factory=list)
+    error: str | None = None
+    traceback: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What one TrainStep returned."""
+
+    step: int
+    version: int
+    tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    step: int
+    version: int
+
+
+@dataclass(frozen=True)
+class RestoredCheckpoint:
+    path: str
+    step: int
+    version: int
+    client_state: bytes
+
+
+@dataclass(frozen=True)
+class NcclGroup:
+    group_id: str
+    rendezvous_address: str
+    world_size: int
+    backend: str
+    #: Rank of each member id (the trainer is rank 0).
+    ranks: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a rollout engine takes a version from (the method's parameters)."""
+
+    method: str  # "memory" | "checkpoint" | "nccl"
+    synchronizer_address: str = ""
+    path: str = ""
+    group: NcclGroup | None = None
+
+
+@dataclass(frozen=True)
+class SyncDecision:
+    need_sync: bool
+    version: int = 0

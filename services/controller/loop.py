@@ -1,0 +1,37 @@
+"""The RL loop of one run, in the order things happen.
+
+Rollout workers generate in the background from the moment
+`start_rollouts()` is called (how far ahead of the trainer they may run is
+the mode's business: see staleness.py and weight_sync.py); the loop itself
+only consumes batches, trains, moves weights and keeps the books.
+"""
+
+from __future__ import annotations
+
+from services.controller.pipeline import Pipeline, RunSummary
+
+
+async def run(p: Pipeline) -> RunSummary:
+    await p.start()  # trainer state, resume, every replica on the trainer's weights
+    try:
+        if p.config.validation.before_training:
+            await p.validate()
+        p.start_rollouts()  # workers fill the trajectory pool; the processor makes batches
+        while not p.finished():
+            batch = await p.next_batch()  # None: data exhausted, or a stop was requested
+            if batch is None:
+                break
+            result = await p.train(batch)  # TrainStep; None if the trainer rejected the batch
+            if result is None:
+                continue
+            await p.update_weights(result)  # sync: pause + move all; async: move in the background
+            p.record(batch, result)  # metrics: JSONL, Prometheus, Status/StreamMetrics
+            if p.due_for_validation(result):
+                await p.validate()
+            if p.due_for_checkpoint(result):
+                await p.checkpoint()
+        if p.due_for_final_checkpoint():
+            await p.checkpoint()
+    finally:
+        await p.stop()
+    return p.summary()

@@ -1,0 +1,304 @@
+"""The pipeline: the run's components wired together, and the verbs the main
+loop (loop.py) calls. Each verb delegates to one component; `assemble.py`
+builds a Pipeline from a RunConfig and a set of engines (gRPC or simulated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.controller.activity import ActivityTracker, now
+from services.controller.balancer import EnginePool
+from services.controller.batching import TrainBatch
+from services.controller.data import DataLoader
+from services.controller.domain import TrainResult
+from services.controller.errors_report import ErrorReporter
+from services.controller.liveness import LivenessMonitor
+from services.controller.metrics_log import MemorySink, MetricsLog
+from services.controller.pool import TrajectoryPool
+from services.controller.processor import AlgorithmProcessor, TrainBatchPool
+from services.controller.protocols import Trainer
+from services.controller.rollouts import RolloutManager
+from services.controller.run_config import RunConfig
+from services.controller.staleness import StalenessGate
+from services.controller.train_worker import TrainWorker
+from services.controller.validation import Validator
+from services.controller.weight_sync import WeightSyncController
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    samples: int
+    tokens: int
+    wall_seconds: float
+    samples_per_second: float
+    trainer_idle_fraction: float
+    stop_reason: str
+    final_version: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Pipeline:
+    config: RunConfig
+    trainer: Trainer
+    engines: EnginePool
+    loader: DataLoader
+    pool: TrajectoryPool
+    gate: StalenessGate
+    rollouts: RolloutManager
+    processor: AlgorithmProcessor
+    batches: TrainBatchPool
+    train_worker: TrainWorker
+    weight_sync: WeightSyncController
+    tracker: ActivityTracker
+    errors: ErrorReporter
+    metrics: MetricsLog
+    memory: MemorySink
+    validator: Validator | None = None
+    liveness: LivenessMonitor | None = None
+    run_dir: Path | None = None
+    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    steps_done: int = 0
+    stop_reason: str = ""
+    #: Set by a Stop request that asks for a checkpoint.
+    checkpoint_on_stop: bool = False
+    last_checkpoint_path: str = ""
+    _background: list[asyncio.Task] = field(default_factory=list)
+    _first_batch_at: float | None = None
+    _busy_at_first_batch: float = 0.0
+    _last_record_at: float = 0.0
+    _pooled_before: int = 0
+    _last_checkpoint_step: int = -1
+
+    # -- start ----------------------------------------------------------------
+    async def start(self) -> None:
+        self.tracker.start_clock()
+        self._last_record_at = now()
+        await self.train_worker.sync_state()
+        if self.config.resume.from_ != "none":
+            await self._resume(self.config.resume.from_)
+        version = self.train_worker.version
+        self.gate.base_version = version
+        await self.engines.refresh_versions()
+        ahead = [r.name for r in self.engines.healthy() if r.version > version]
+        if ahead:
+            self.errors.report(
+                "controller", f"rollout replicas {ahead} serve weights newer than the trainer's version {version}; restart them",
+                severity="critical",
+            )
+            self.errors.raise_if_stopped()
+        await self.weight_sync.configure()
+        await self.weight_sync.bring_up_to(version)
+        if self.liveness is not None:
+            self._background.append(asyncio.ensure_future(self.liveness.run()))
+
+    async def _resume(self, source: str) -> None:
+        restored = await self.trainer.load_checkpoint(None if source == "latest" else source)
+        if restored is None:
+            log.info("no checkpoint to resume from: starting fresh")
+            return
+        self.train_worker.step, self.train_worker.version = restored.step, restored.version
+        if restored.client_state:
+            state = json.loads(restored.client_state)
+            self.loader.load_state_dict(state["loader"])
+        log.info("resumed from %s at step %d (version %d)", restored.path, restored.step, restored.version)
+
+    def start_rollouts(self) -> None:
+        self.rollouts.start()
+        self._background.append(asyncio.ensure_future(self._guard("algorithm_processor", self.processor.run())))
+
+    async def _guard(self, module: str, work: Any) -> None:
+        try:
+            await work
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a dead background component must stop the loop, not hang it
+            self.errors.report(module, exc, severity="critical")
+
+    # -- the loop's verbs -----------------------------------------------------
+    def finished(self) -> bool:
+        max_steps = self.config.run.max_steps
+        if max_steps is not None and self.steps_done >= max_steps:
+            self.stop_reason = self.stop_reason or f"reached run.max_steps = {max_steps}"
+            return True
+        if self.errors.should_stop:
+            self.stop_reason = self.errors.stop_reason or "error"
+            return True
+        if self.stop_requested.is_set():
+            self.stop_reason = self.stop_reason or "stop requested"
+            return True
+        return False
+
+    async def next_batch(self) -> TrainBatch | None:
+        if not self.batches.closed and (ready := self.batches.get_nowait()) is not None:
+            # Fast path: a waiting batch goes to the trainer before the processor
+            # (woken by the freed slot) takes the event loop to build the next one.
+            return self._arrived(ready)
+        done, batch = await self._unless_stopped(self.train_worker.next_batch())
+        return self._arrived(batch) if done else None
+
+    async def _unless_stopped(self, work: Any) -> tuple[bool, Any]:
+        """(True, result) of `work`, or (False, None) if the run is told to stop
+        first (an error policy, a Stop RPC): a hung call must not hold the run."""
+        task = asyncio.ensure_future(work)
+        stoppers = [asyncio.ensure_future(self.errors.stopped.wait()), asyncio.ensure_future(self.stop_requested.wait())]
+        await asyncio.wait([task, *stoppers], return_when=asyncio.FIRST_COMPLETED)
+        for s in stoppers:
+            s.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self.finished()  # records why
+            return False, None
+        return True, task.result()
+
+    def _arrived(self, batch: TrainBatch | None) -> TrainBatch | None:
+        if batch is None:
+            self.stop_reason = self.stop_reason or "data exhausted"
+        elif self._first_batch_at is None:
+            self._first_batch_at = now()
+            self._busy_at_first_batch = self.tracker.busy_seconds("trainer")
+        return batch
+
+    async def train(self, batch: TrainBatch) -> TrainResult | None:
+        done, result = await self._unless_stopped(self.train_worker.train(batch))
+        if not done:
+            return None
+        if result is None:
+            self.gate.batch_not_trained()
+        for task_id in {t.task.id for t in batch.trajectories}:
+            self.rollouts.finish(task_id)
+        if result is not None:
+            self.steps_done += 1
+        return result
+
+    async def update_weights(self, result: TrainResult) -> None:
+        await self.weight_sync.after_step(result)
+
+    def due_for_validation(self, result: TrainResult) -> bool:
+        return self.validator is not None and self.validator.due(result.version)
+
+    async def validate(self) -> dict[str, float]:
+        assert self.validator is not None
+        self.rollouts.pause()
+        try:
+            metrics = await self.validator.run(self.train_worker.version)
+        finally:
+            self.rollouts.resume()
+        self.metrics.write(self.train_worker.step, metrics)
+        log.info("validation at version %d: %s", self.train_worker.version, metrics)
+        return metrics
+
+    def due_for_checkpoint(self, result: TrainResult) -> bool:
+        interval = self.config.checkpoint.interval
+        return interval > 0 and result.step % interval == 0
+
+    def due_for_final_checkpoint(self) -> bool:
+        if self.steps_done == 0 or self.errors.should_stop:
+            return False
+        if self.stop_requested.is_set():
+            return self.checkpoint_on_stop
+        return self.config.checkpoint.at_end
+
+    async def checkpoint(self) -> str:
+        if self._last_checkpoint_step == self.train_worker.step:
+            return ""
+        state = {"loader": self.loader.state_dict(), "step": self.train_worker.step, "version": self.train_worker.version}
+        path = await self.trainer.save_checkpoint(json.dumps(state).encode())
+        self._last_checkpoint_step = self.train_worker.step
+        self.last_checkpoint_path = path
+        log.info("checkpoint at step %d: %s", self.train_worker.step, path)
+        return path
+
+    # -- bookkeeping ----------------------------------------------------------
+    def record(self, batch: TrainBatch, result: TrainResult) -> dict[str, float]:
+        m = self.step_metrics(batch, result)
+        self.metrics.observe_staleness(batch.staleness())
+        self.metrics.write(result.step, m)
+        return m
+
+    def step_metrics(self, batch: TrainBatch, result: TrainResult) -> dict[str, float]:
+        t = now()
+        start = self.tracker.started_at if self.tracker.started_at is not None else t
+        wall = max(t - start, 1e-9)
+        tw = self.train_worker
+        m: dict[str, float] = {"step": float(result.step), "version": float(result.version)}
+        m.update({f"train/{k}": float(v) for k, v in result.metrics.items()})
+        rewards = [tr.reward for tr in batch.trajectories]
+        m["rollout/reward_mean"] = statistics.fmean(rewards)
+        m["rollout/reward_std"] = statistics.pstdev(rewards)
+        scores: dict[str, list[float]] = defaultdict(list)
+        for tr in batch.trajectories:
+            for key, value in tr.scores.items():
+                scores[key].append(value)
+        m.update({f"rollout/{key}_mean": statistics.fmean(v) for key, v in scores.items() if key != "reward"})
+        m["rollout/response_length_mean"] = statistics.fmean(sum(tr.response_mask) for tr in batch.trajectories)
+        stale = batch.staleness()
+        m["staleness/mean"], m["staleness/min"], m["staleness/max"] = statistics.fmean(stale), float(min(stale)), float(max(stale))
+        # Samples whose weights changed while they were generated (partial rollouts).
+        m["batch/mixed_version_samples"] = float(sum(tr.version_end != tr.version_start for tr in batch.trajectories))
+        m["batch/samples"], m["batch/tokens"] = float(batch.size), float(batch.tokens)
+        m["throughput/samples_per_second"] = tw.samples_trained / wall
+        m["throughput/tokens_per_second"] = tw.tokens_trained / wall
+        m["time/step_seconds"] = t - self._last_record_at
+        self._last_record_at = t
+        m["time/trainer_idle_fraction"] = self.trainer_idle_fraction()
+        for module in ("trainer", "rollout", "weight_sync"):
+            busy = self.tracker.busy_seconds(module)
+            m[f"time/busy_seconds/{module}"] = busy
+            m[f"time/idle_seconds/{module}"] = max(0.0, wall - busy)
+        instance = self.pool.instance(self.config.model.tag)
+        m["pool/trajectory"] = float(len(instance.store))
+        m["pool/train_batch"] = float(self.batches.qsize())
+        m["rollout/in_flight"] = float(self.tracker.in_flight("rollout"))
+        pooled = self.rollouts.stats["success"] * self.config.worker.group_size
+        m["rollout/new_samples"], self._pooled_before = float(pooled - self._pooled_before), pooled
+        for key in ("success", "fail", "re-rollout", "requeued"):
+            m[f"rollout/{key.replace('-', '_')}_total"] = float(self.rollouts.stats[key])
+        for reason, count in self.processor.dropped.items():
+            m[f"dropped/{reason}"] = float(count)
+        return m
+
+    def trainer_idle_fraction(self) -> float:
+        """Idle share of the trainer's wall time since the first batch arrived
+        (the pipeline fill before it is reported separately in the summary)."""
+        if self._first_batch_at is None:
+            return 1.0
+        return self.tracker.idle_fraction("trainer", since=self._first_batch_at, busy_before=self._busy_at_first_batch)
+
+    # -- stop -----------------------------------------------------------------
+    async def stop(self) -> None:
+        await self.rollouts.stop()
+        await self.weight_sync.close()
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._background.clear()
+        self.metrics.close()
+
+    def summary(self) -> RunSummary:
+        t = now()
+        wall = t - (self.tracker.started_at if self.tracker.started_at is not None else t)
+        tw = self.train_worker
+        return RunSummary(
+            steps=self.steps_done,
+            samples=tw.samples_trained,
+            tokens=tw.tokens_trained,
+            wall_seconds=wall,
+            samples_per_second=tw.samples_trained / wall if wall > 0 else 0.0,
+            trainer_idle_fraction=self.trainer_idle_fraction(),
+            stop_reason=self.stop_reason or self.errors.stop_reason or "",
+            final_version=tw.version,
+            metrics=self.memory.latest(),
+        )

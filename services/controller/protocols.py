@@ -1,0 +1,106 @@
+"""What the pipeline needs from each remote service, as Protocols.
+
+The controller's domain code talks to these interfaces only. Two families
+implement them: the gRPC adapters (`services/controller/adapters/`, the
+product path) and the simulated engines (`services/controller/simulated.py`,
+for tests and the pipeline benchmark). A user can plug in their own (e.g. an
+in-process engine) without touching the pipeline.
+
+Errors: implementations raise `flywheel.errors` exceptions: `Unavailable` or
+`DeadlineExceeded` when a replica should be failed over, `FailedPrecondition`
+when the caller's view is out of date, anything else for real failures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from services.controller.domain import (
+    Generation,
+    NcclGroup,
+    PromptInput,
+    RestoredCheckpoint,
+    SamplingSpec,
+    SyncDecision,
+    TrainerState,
+    TrainResult,
+    WeightSource,
+)
+
+if TYPE_CHECKING:
+    from services.controller.batching import TrainBatch
+    from services.controller.run_config import LossConfig
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """Training-as-a-Service: batches in, a new weight version out."""
+
+    async def get_state(self) -> TrainerState: ...
+
+    async def train_step(
+        self, batch: TrainBatch, loss: LossConfig, *, micro_batch_size: int, expected_step: int | None
+    ) -> TrainResult: ...
+
+    async def save_checkpoint(self, client_state: bytes) -> str:
+        """Writes a checkpoint with the controller's state; returns its path."""
+        ...
+
+    async def load_checkpoint(self, path: str | None) -> RestoredCheckpoint | None:
+        """Restores `path` (None: the newest); None when there is none."""
+        ...
+
+    async def export_weights(self, source: WeightSource) -> WeightSource:
+        """Sends the live weights by source.method; returns the source rollouts load
+        from (a CHECKPOINT export fills in the path it wrote)."""
+        ...
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """One rollout replica: generation with token ids, log-probs and versions."""
+
+    #: Unique replica name (usually its address).
+    name: str
+
+    async def generate(self, prompts: Sequence[PromptInput], sampling: SamplingSpec) -> list[list[Generation]]:
+        """One list of `sampling.n` generations per prompt, in order."""
+        ...
+
+    async def tokenize(
+        self, *, text: str | None = None, messages: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+    async def weight_version(self) -> int: ...
+
+    async def update_weights(self, version: int, source: WeightSource, *, pause_mode: str) -> int:
+        """Moves to `version` all or nothing; returns the version served afterwards.
+        pause_mode: "abort" | "wait" | "keep" (what happens to in-flight requests)."""
+        ...
+
+
+@runtime_checkable
+class Synchronizer(Protocol):
+    """The sync policy and the bookkeeping of versions and transfer groups."""
+
+    async def configure_policy(
+        self, *, style: str, method: str, interval: int, offset: int, timeout_seconds: float
+    ) -> None:
+        """Sets the run's sync policy (the controller owns the run's config)."""
+        ...
+
+    async def need_sync(self, step: int) -> SyncDecision: ...
+
+    async def register_checkpoint(self, version: int, path: str) -> None: ...
+
+    async def allocate_group(self, version: int, rollout_ids: Sequence[str], timeout_seconds: float) -> NcclGroup: ...
+
+
+@runtime_checkable
+class HealthProbe(Protocol):
+    """Liveness of one remote service (gRPC health in the product path)."""
+
+    name: str
+
+    async def check(self) -> bool: ...

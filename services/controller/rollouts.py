@@ -1,0 +1,178 @@
+"""The rollout manager: keeps many rollouts in flight and routes their outcomes.
+
+Each of `max_in_flight` slots loops:
+
+    admit n samples at the staleness gate   (batch-async / sync may block here)
+    reserve room for them in the pool       (producers wait when it is full)
+    take the next task from the loader
+    worker.rollout(task)                    (tracked as in-flight activity)
+    SUCCESS    -> trajectories into the pool
+    RE_ROLLOUT -> task back at the front of the loader (retried, not lost)
+    FAIL       -> error recorded, task given up
+
+`pause()` stops slots from starting new rollouts (in-flight ones finish);
+sync mode pauses while weights move, validation while it runs. When the
+loader is empty, nothing is in flight and the pool is empty, the data is
+done: the pool is closed, which lets the processor flush and the loop end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import traceback
+from collections import Counter
+
+from services.controller.activity import ActivityTracker
+from services.controller.data import DataLoader
+from services.controller.domain import RolloutOutcome, RolloutStatus, SamplingSpec, Task, TrajectoryStatus
+from services.controller.errors_report import ErrorReporter
+from services.controller.pool import PoolInstance
+from services.controller.staleness import StalenessGate
+from services.controller.workers.base import RolloutWorker
+
+log = logging.getLogger(__name__)
+
+
+class RolloutManager:
+    def __init__(
+        self,
+        worker: RolloutWorker,
+        loader: DataLoader,
+        pool: PoolInstance,
+        gate: StalenessGate,
+        tracker: ActivityTracker,
+        errors: ErrorReporter,
+        *,
+        group_size: int,
+        sampling: SamplingSpec,
+        max_in_flight: int,
+        max_retries: int = 3,
+        timeout_seconds: float = 600.0,
+        retry_backoff_seconds: float = 0.5,
+    ) -> None:
+        self.worker, self.loader, self.pool, self.gate = worker, loader, pool, gate
+        self.tracker, self.errors = tracker, errors
+        self.group_size, self.sampling = group_size, sampling
+        self.max_in_flight, self.max_retries = max_in_flight, max_retries
+        self.timeout_seconds, self.retry_backoff_seconds = timeout_seconds, retry_backoff_seconds
+        self.retries: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter()
+        self.data_done = False
+        self._running = asyncio.Event()
+        self._running.set()
+        self._changed = asyncio.Event()
+        self._slots: list[asyncio.Task] = []
+
+    def _notify(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    # -- control -------------------------------------------------------------
+    def start(self) -> None:
+        self._slots = [asyncio.ensure_future(self._slot()) for _ in range(self.max_in_flight)]
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    async def stop(self) -> None:
+        self.gate.close()
+        for slot in self._slots:
+            slot.cancel()
+        await asyncio.gather(*self._slots, return_exceptions=True)
+        self._slots = []
+
+    # -- callbacks of the processor and the train worker ---------------------
+    def requeue(self, task: Task) -> None:
+        """Serve `task` again first (its samples were dropped as stale)."""
+        self.loader.put_back(task)
+        self.stats["requeued"] += 1
+        self._notify()
+
+    def finish(self, task_id: str) -> None:
+        self.loader.finish(task_id)
+        self._notify()
+
+    # -- the slots ------------------------------------------------------------
+    async def _slot(self) -> None:
+        n = self.group_size
+        while True:
+            await self._running.wait()
+            if not await self.gate.admit(n):
+                return  # the gate closed: the run is ending
+            await self.pool.reserve(n)
+            task = self.loader.next() if self._running.is_set() else None
+            if task is None:
+                self.gate.drop(n)
+                self.pool.release(n)
+                if self._running.is_set() and not await self._wait_for_work():
+                    return
+                continue
+            with self.tracker.track("rollout", task.id):
+                outcome = await self._run(task)
+            if self._handle(task, outcome):
+                await asyncio.sleep(self.retry_backoff_seconds)
+
+    async def _wait_for_work(self) -> bool:
+        """With the loader empty: False once the data is done, True when a task may be back."""
+        if self.loader.has_more():
+            return True
+        if self.tracker.in_flight("rollout") == 0 and len(self.pool.store) == 0:
+            if not self.data_done:
+                self.data_done = True
+                log.info("data exhausted: closing the trajectory pool")
+                self.pool.close()
+                self.gate.close()
+            return False
+        await self._changed.wait()
+        return True
+
+    async def _run(self, task: Task) -> RolloutOutcome:
+        try:
+            return await asyncio.wait_for(self.worker.rollout(task, self.group_size, self.sampling), self.timeout_seconds)
+        except TimeoutError:
+            return RolloutOutcome(RolloutStatus.RE_ROLLOUT, error=f"rollout timed out after {self.timeout_seconds:g}s")
+        except Exception as exc:  # a bug in a (user) worker must not take the run down
+            return RolloutOutcome(RolloutStatus.FAIL, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+
+    def _handle(self, task: Task, outcome: RolloutOutcome) -> bool:
+        """Routes an outcome; True when the slot should back off before its next task."""
+        n = self.group_size
+        status = outcome.status
+        if status == RolloutStatus.SUCCESS:
+            trajectories = outcome.trajectories
+            if len(trajectories) != n or any(t.status != TrajectoryStatus.OK for t in trajectories):
+                status = RolloutStatus.FAIL
+                outcome.error = outcome.error or f"worker returned {len(trajectories)} trajectories, expected {n}"
+        if status == RolloutStatus.RE_ROLLOUT:
+            self.retries[task.id] += 1
+            if self.retries[task.id] > self.max_retries:
+                status = RolloutStatus.FAIL
+                outcome.error = f"gave up after {self.max_retries} retries: {outcome.error}"
+        self.stats[status.value] += 1
+        backoff = False
+        if status == RolloutStatus.SUCCESS:
+            self.retries.pop(task.id, None)
+            self.pool.put(outcome.trajectories, reserved=n)
+        else:
+            self.gate.drop(n)
+            self.pool.release(n)
+            if status == RolloutStatus.RE_ROLLOUT:
+                self.loader.put_back(task)
+                # "no replica answered" would otherwise spin; an abort retries at once.
+                backoff = "aborted" not in (outcome.error or "")
+            else:
+                self.errors.report(
+                    "rollout_worker", outcome.error or "rollout failed", severity="error",
+                    context={"task": task.id}, traceback=outcome.traceback,
+                )
+                self.loader.finish(task.id)
+        self._notify()
+        return backoff

@@ -1,0 +1,351 @@
+"""The configuration of one run, from one YAML file.
+
+    run: {name: gsm8k-grpo, seed: 1, max_steps: 200}
+    services:
+      trainer: {address: 127.0.0.1:50052}
+      rollout: [{address: 127.0.0.1:50053}]
+      synchronizer: {address: 127.0.0.1:50051}
+    data:
+      train: {path: data/train.jsonl, prompt_key: question, answer_key: answer}
+      validation: {path: data/test.jsonl, prompt_key: question, answer_key: answer, shuffle: false}
+    worker: {type: math, group_size: 8, sampling: {temperature: 1.0, max_tokens: 512}}
+    reward: {name: math}
+    algorithm: {name: dapo, train_batch_size: 64}
+    mode: batch-async
+    staleness: {threshold: 1, policy: drop}
+    sync: {method: memory, interval: 1}
+    validation: {interval: 10, before_training: true}
+    checkpoint: {interval: 50}
+    resume: {from: latest}
+
+Every section is a `StrictModel`: a misspelt field or a bad value is a
+`ConfigError` whose message names the field (`worker.group_sise: unknown
+field`). Cross-field rules (batch divisible by group size, a validation set
+when validation is on...) are checked here too, so a run fails before it
+starts rather than halfway through. Only pydantic is imported: the service's
+`--help` stays instant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from flywheel.runtime.config import ConfigError, StrictModel, read_config_file
+
+Mode = Literal["sync", "fully-async", "batch-async"]
+
+
+class ServiceEndpoint(StrictModel):
+    address: str = Field(description="gRPC address host:port")
+    timeout_seconds: float = Field(30.0, gt=0, description="default deadline of a call, in seconds")
+
+
+class ServicesConfig(StrictModel):
+    trainer: ServiceEndpoint = Field(
+        default_factory=lambda: ServiceEndpoint(address="127.0.0.1:50052", timeout_seconds=600.0),
+        description="the trainer service",
+    )
+    rollout: list[ServiceEndpoint] = Field(
+        default_factory=lambda: [ServiceEndpoint(address="127.0.0.1:50053")],
+        min_length=1,
+        description="rollout replicas; requests are balanced over the healthy ones",
+    )
+    synchronizer: ServiceEndpoint | None = Field(
+        None, description="the synchronizer; without it the sync policy is applied locally (memory method unavailable)"
+    )
+    trainer_id: str = Field("trainer-0", description="component id of the trainer at the synchronizer")
+    health_interval_seconds: float = Field(5.0, gt=0, description="period of gRPC health checks, in seconds")
+    auth_token_file: Path | None = Field(None, description="bearer token file; falls back to env FLYWHEEL_AUTH_TOKEN")
+
+
+class ModelConfig(StrictModel):
+    name: str = Field("", description="model name or path (informational; the services load it)")
+    tag: str = Field("default", description="model tag trajectories are pooled under")
+
+
+class LoaderConfig(StrictModel):
+    format: Literal["jsonl", "parquet", "list", "hf"] | None = Field(
+        None, description="source format; inferred from path's suffix, or 'list' with items"
+    )
+    path: Path | None = Field(None, description="JSONL or Parquet file")
+    items: list[dict[str, Any]] | None = Field(None, description="rows given inline")
+    hf_name: str | None = Field(None, description="a Hugging Face dataset name (needs `datasets`)")
+    hf_split: str = Field("train", description="split of hf_name")
+    prompt_key: str = Field("prompt", description="row field holding the prompt (text or chat messages)")
+    answer_key: str | None = Field("answer", description="row field holding the reference answer")
+    shuffle: bool = Field(True, description="shuffle each epoch (seeded by run.seed + epoch)")
+    limit: int | None = Field(None, ge=1, description="use only the first N rows")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> LoaderConfig:
+        given = [name for name in ("path", "items", "hf_name") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of path, items, hf_name must be set (got {given or 'none'})")
+        return self
+
+
+class DataConfig(StrictModel):
+    train: LoaderConfig = Field(description="training tasks")
+    validation: LoaderConfig | None = Field(None, description="validation tasks (read in order, once per validation)")
+    epochs: int = Field(1, ge=1, description="passes over the training data")
+    drop_last: bool = Field(True, description="drop a final batch smaller than algorithm.train_batch_size")
+
+
+class SamplingConfig(StrictModel):
+    temperature: float = Field(1.0, ge=0, description="softmax temperature; 0 is greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass")
+    top_k: int = Field(-1, description="top-k cut-off; -1 disables")
+    max_tokens: int = Field(256, ge=1, description="completion length limit, in tokens")
+    stop: list[str] = Field(default_factory=list, description="stop strings")
+    seed: int | None = Field(None, description="sampling seed")
+
+
+class ToolConfig(StrictModel):
+    name: str = Field(description="name the model calls the tool by")
+    function: str = Field(description="'module:attr' of a sync or async Python function")
+    description: str = Field("", description="shown to the model")
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}}, description="JSON schema of the arguments"
+    )
+
+
+class WorkerConfig(StrictModel):
+    type: str = Field("simple", description="simple | math | agent | 'module:Class' of your own worker")
+    group_size: int = Field(4, ge=1, description="completions per task (the GRPO group)")
+    max_in_flight: int = Field(32, ge=1, description="tasks rolled out concurrently")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling of training rollouts")
+    chat: bool = Field(True, description="send text prompts as a user chat message (chat template applied)")
+    system_prompt: str | None = Field(None, description="system message prepended to chat prompts")
+    max_turns: int = Field(4, ge=1, description="agent: assistant turns per episode")
+    tools: list[ToolConfig] = Field(default_factory=list, description="agent: tools the model may call")
+    tool_result_template: str | None = Field(
+        None, description="agent: text a tool result is rendered as, with {result}; default ChatML tool turn"
+    )
+    tool_timeout_seconds: float = Field(60.0, gt=0, description="agent: limit of one tool call, in seconds")
+    max_retries: int = Field(3, ge=0, description="re-rollouts of one task before it is recorded as failed")
+    timeout_seconds: float = Field(600.0, gt=0, description="limit of one rollout step, in seconds")
+
+
+class RewardConfig(StrictModel):
+    name: str = Field("math", description="registered reward name or 'module:function'")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments of the reward")
+
+
+class OverlongConfig(StrictModel):
+    filter: bool = Field(False, description="exclude truncated completions from the loss (DAPO overlong filtering)")
+    penalty: bool = Field(False, description="add DAPO's soft overlong punishment to the reward")
+    max_length: int | None = Field(None, ge=1, description="length limit, in tokens; default worker.sampling.max_tokens")
+    buffer_length: int = Field(64, ge=1, description="punishment ramp length before max_length, in tokens")
+    penalty_factor: float = Field(1.0, ge=0, description="scale of the punishment (reaches -factor at max_length)")
+
+
+class LossConfig(StrictModel):
+    kind: Literal["grpo", "dapo", "ppo_clip"] | None = Field(None, description="loss; default follows algorithm.name")
+    clip_low: float = Field(0.2, ge=0, description="lower clip epsilon")
+    clip_high: float | None = Field(None, ge=0, description="upper clip epsilon; default 0.28 for dapo, else clip_low")
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference weight")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] | None = Field(
+        None, description="per-token loss aggregation; default the trainer's"
+    )
+    is_cap: float = Field(0.0, ge=0, description="truncated importance-sampling cap; 0 disables (staleness.policy=correct sets 2)")
+
+
+class AlgorithmConfig(StrictModel):
+    name: str = Field("grpo", description="grpo | dapo | 'module:function' of your own processor")
+    normalize_std: bool = Field(True, description="divide group-centred rewards by the group's std")
+    dynamic_sampling: bool | None = Field(None, description="drop groups with equal rewards and refill; default on for dapo")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="overlong handling")
+    train_batch_size: int = Field(32, ge=1, description="samples per TrainStep (a multiple of worker.group_size)")
+    micro_batch_size: int = Field(0, ge=0, description="samples per micro-batch on the trainer; 0 for all")
+    loss: LossConfig = Field(default_factory=LossConfig, description="loss sent with each TrainStep")
+
+
+class PoolConfig(StrictModel):
+    store: Literal["simple", "grouped", "hierarchical"] | None = Field(
+        None, description="trajectory store; default grouped when worker.group_size > 1"
+    )
+    keys: list[str] = Field(default_factory=lambda: ["task"], description="grouping keys (hierarchical: several)")
+    buffer_size_limit: int | None = Field(
+        None, ge=1, description="samples pooled before producers wait; default 2 x train_batch_size"
+    )
+    count_in_flight: bool = Field(
+        False, description="count rollouts in flight against buffer_size_limit too (fresher data, less overlap)"
+    )
+
+
+class StalenessConfig(StrictModel):
+    threshold: int = Field(1, ge=0, description="batch-async: most versions a trained sample may lag the trainer")
+    policy: Literal["drop", "correct"] = Field(
+        "drop", description="samples over the threshold: drop (task retried) or train with IS correction"
+    )
+
+
+class SyncConfig(StrictModel):
+    method: Literal["memory", "checkpoint", "nccl"] = Field("checkpoint", description="how weights travel")
+    style: Literal["fixed", "dynamic_by_explorer"] = Field("fixed", description="when rollouts sync")
+    interval: int = Field(1, ge=1, description="sync every N trainer steps")
+    offset: int = Field(0, ge=0, description="steps before the first sync")
+    timeout_seconds: float = Field(120.0, gt=0, description="limit of one weight transfer, in seconds")
+    pause_mode: Literal["abort", "wait", "keep"] = Field(
+        "keep", description="in-flight requests during an async update: abort (retried), wait, keep"
+    )
+    checkpoint_dir: str = Field("", description="checkpoint method: shared directory; empty for the trainer's")
+
+
+class ValidationConfig(StrictModel):
+    interval: int = Field(0, ge=0, description="validate every N weight versions; 0 never")
+    before_training: bool = Field(False, description="validate once before the first step")
+    max_samples: int | None = Field(None, ge=1, description="validate on the first N tasks only")
+    group_size: int = Field(1, ge=1, description="completions per validation task")
+    sampling: SamplingConfig | None = Field(None, description="sampling for validation; default greedy")
+
+
+class CheckpointConfig(StrictModel):
+    interval: int = Field(0, ge=0, description="checkpoint every N steps; 0 only at the end")
+    at_end: bool = Field(True, description="checkpoint when the run finishes")
+    remove_previous: bool = Field(False, description="delete older checkpoints after a save")
+
+
+class ResumeConfig(StrictModel):
+    from_: Literal["none", "latest"] | str = Field(
+        "none", alias="from", description="none | latest | a checkpoint path"
+    )
+
+
+class ErrorsConfig(StrictModel):
+    policy: Literal["stop_on_error", "stop_on_critical", "continue"] = Field(
+        "stop_on_critical", description="which recorded errors stop the run"
+    )
+    max_recorded: int = Field(1000, ge=1, description="errors kept for status")
+
+
+class MetricsConfig(StrictModel):
+    jsonl: bool = Field(True, description="write metrics.jsonl in the run directory")
+    tensorboard_dir: Path | None = Field(None, description="also write TensorBoard events here (needs tensorboard)")
+    wandb_project: str | None = Field(None, description="also log to this W&B project (needs wandb)")
+
+
+class RunSection(StrictModel):
+    name: str = Field("run", description="run name")
+    seed: int = Field(0, description="seed of data shuffling and sampling")
+    max_steps: int | None = Field(None, ge=1, description="stop after N trainer steps; default when data runs out")
+    output_dir: Path | None = Field(None, description="run directory; default <runs_dir>/<run id>")
+
+
+class RunConfig(StrictModel):
+    run: RunSection = Field(default_factory=RunSection, description="the run")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy")
+    services: ServicesConfig = Field(default_factory=ServicesConfig, description="where the services are")
+    data: DataConfig = Field(description="datasets")
+    worker: WorkerConfig = Field(default_factory=WorkerConfig, description="rollout workers")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="reward function")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="advantages and batches")
+    pool: PoolConfig = Field(default_factory=PoolConfig, description="trajectory pool")
+    mode: Mode = Field("sync", description="sync | fully-async | batch-async")
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig, description="off-policy bound")
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="weight synchronisation")
+    validation: ValidationConfig = Field(default_factory=ValidationConfig, description="validation")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
+    resume: ResumeConfig = Field(default_factory=ResumeConfig, description="resuming")
+    errors: ErrorsConfig = Field(default_factory=ErrorsConfig, description="error policy")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="metric sinks")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> RunConfig:
+        b, g = self.algorithm.train_batch_size, self.worker.group_size
+        if b % g:
+            raise ValueError(f"algorithm.train_batch_size ({b}) must be a multiple of worker.group_size ({g})")
+        if (self.validation.interval or self.validation.before_training) and self.data.validation is None:
+            raise ValueError("validation.interval / validation.before_training need data.validation")
+        if self.pool_store == "hierarchical" and len(self.pool.keys) < 2:
+            raise ValueError("pool.keys: a hierarchical store needs at least two keys")
+        if self.buffer_size_limit < b:
+            raise ValueError(f"pool.buffer_size_limit ({self.buffer_size_limit}) must be >= algorithm.train_batch_size ({b})")
+        if self.sync.method == "memory" and self.services.synchronizer is None:
+            raise ValueError("sync.method: memory needs services.synchronizer (the synchronizer holds the weights)")
+        if self.mode == "sync" and (self.sync.interval != 1 or self.sync.offset != 0):
+            raise ValueError(
+                "sync.interval / sync.offset: sync mode moves weights after every step (interval 1, offset 0); "
+                "use batch-async for less frequent syncs"
+            )
+        lag = self.sync.offset + self.sync.interval - 1
+        if self.mode == "batch-async" and self.staleness.threshold < lag:
+            raise ValueError(
+                f"staleness.threshold ({self.staleness.threshold}) must be >= sync.offset + sync.interval - 1 ({lag}): "
+                "rollouts cannot be fresher than the weights they are sent"
+            )
+        if self.worker.type == "agent" and not self.worker.tools:
+            raise ValueError("worker.tools: the agent worker needs at least one tool")
+        return self
+
+    # Resolved defaults, so every component reads the same value.
+    @property
+    def pool_store(self) -> str:
+        return self.pool.store or ("grouped" if self.worker.group_size > 1 else "simple")
+
+    @property
+    def buffer_size_limit(self) -> int:
+        return self.pool.buffer_size_limit or 2 * self.algorithm.train_batch_size
+
+    @property
+    def dynamic_sampling(self) -> bool:
+        if self.algorithm.dynamic_sampling is not None:
+            return self.algorithm.dynamic_sampling
+        return self.algorithm.name == "dapo"
+
+    @property
+    def loss(self) -> LossConfig:
+        """The loss sent with every TrainStep, defaults resolved."""
+        loss = self.algorithm.loss
+        kind = loss.kind or ("dapo" if self.algorithm.name == "dapo" else "grpo")
+        clip_high = loss.clip_high if loss.clip_high is not None else (0.28 if kind == "dapo" else loss.clip_low)
+        is_cap = loss.is_cap or (2.0 if self.mode != "sync" and self.staleness.policy == "correct" else 0.0)
+        return loss.model_copy(update={"kind": kind, "clip_high": clip_high, "is_cap": is_cap})
+
+    @property
+    def staleness_limit(self) -> int | None:
+        """The enforced bound, or None when samples may be arbitrarily stale."""
+        if self.mode == "sync":
+            return 0
+        if self.mode == "batch-async":
+            return self.staleness.threshold
+        return None
+
+
+def _format(exc: ValidationError, origin: str) -> str:
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"])
+        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        got = "" if err["type"] in ("missing", "value_error") else f" (got {err.get('input')!r})"
+        lines.append(f"{path + ': ' if path else ''}{msg}{got}")
+    return f"invalid run configuration ({origin}):\n  " + "\n  ".join(lines)
+
+
+def parse_run_config(data: dict[str, Any], origin: str = "input") -> RunConfig:
+    """Validates a run configuration; ConfigError names every bad field."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc, origin)) from None
+
+
+def load_run_config(path: Path) -> RunConfig:
+    """Reads and validates a YAML/JSON run file."""
+    return parse_run_config(read_config_file(Path(path)), f"file {path}")
+
+
+def run_config_from_yaml(text: str) -> RunConfig:
+    import yaml
+
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"run configuration: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("run configuration: the top level must be a mapping")
+    return parse_run_config(data, "request")

@@ -1,0 +1,99 @@
+"""Staleness accounting: admission of new rollouts against a version bound.
+
+Batches are assembled and trained in order, so the sample at position p of
+the run (0-based, counting only samples that end up in a batch) is trained
+at trainer version `base + p // B`. A rollout started now on weights of
+version r (the oldest a healthy replica may serve) and landing at position p
+has staleness `base + p // B - r`.
+
+`StalenessGate.admit(n)` lets n new samples start only if even the last of
+them, placed after everything already accepted *or still pending* (in
+flight, pooled, being processed), stays within the limit:
+
+    base + (accepted + pending + n - 1) // B - rollout_version <= limit
+
+Counting pending samples is what stops a burst of admissions from
+overshooting the bound. Dropped samples (failed, filtered by dynamic
+sampling) leave `pending` and free their positions. Samples that finish out
+of order can still land in a later batch than the gate planned for; the
+processor re-checks each group against its real batch version
+(`is_stale`) and drops or IS-corrects it, so the bound holds for every
+trained sample.
+
+limit 0 is on-policy (sync mode); None disables the bound (fully-async).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class StalenessGate:
+    def __init__(self, batch_size: int, limit: int | None, base_version: int = 0, rollout_version: int = 0) -> None:
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        self.batch_size, self.limit = batch_size, limit
+        self.base_version = base_version
+        self.rollout_version = rollout_version
+        #: Samples placed into train batches.
+        self.accepted = 0
+        #: Samples admitted and neither accepted nor dropped yet.
+        self.pending = 0
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    def _notify(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    @property
+    def next_batch_version(self) -> int:
+        """Trainer version of the batch being assembled now."""
+        return self.base_version + self.accepted // self.batch_size
+
+    def version_at(self, position: int) -> int:
+        return self.base_version + position // self.batch_size
+
+    def fits(self, n: int) -> bool:
+        if self.limit is None:
+            return True
+        last = self.accepted + self.pending + n - 1
+        return self.version_at(last) - self.rollout_version <= self.limit
+
+    async def admit(self, n: int) -> bool:
+        """Waits until n samples may start; False if the gate was closed meanwhile."""
+        while not self.fits(n):
+            if self.closed:
+                return False
+            await self._changed.wait()
+        if self.closed:
+            return False
+        self.pending += n
+        return True
+
+    def accept(self, n: int) -> None:
+        self.pending -= n
+        self.accepted += n
+        self._notify()
+
+    def drop(self, n: int) -> None:
+        self.pending -= n
+        self._notify()
+
+    def set_rollout_version(self, version: int) -> None:
+        if version != self.rollout_version:
+            self.rollout_version = version
+            self._notify()
+
+    def batch_not_trained(self) -> None:
+        """A batch was given up without a step: later batches train one version earlier."""
+        self.base_version -= 1
+        self._notify()
+
+    def close(self) -> None:
+        self.closed = True
+        self._notify()
+
+
+def is_stale(sample_version: int, batch_version: int, limit: int | None) -> bool:
+    return limit is not None and batch_version - sample_version > limit

@@ -1,0 +1,208 @@
+"""The weight-sync controller: after each train step, move weights to rollouts.
+
+When: the synchronizer's `NeedSync` answers (by the policy the controller
+configured at start, FIXED or DYNAMIC_BY_EXPLORER); without a synchronizer,
+`SyncPolicy` applies the FIXED rule locally: after step s when s > offset and
+(s - offset) % interval == 0. Whatever the policy says, weights move when not
+moving them would stall the run (sync mode: every step; batch-async: before
+rollouts fall more than the staleness threshold behind).
+
+How (the configured method; the trainer sends, each replica receives):
+- checkpoint: the trainer writes a safetensors directory (registered with
+  the synchronizer when there is one); replicas load the path;
+- memory: the trainer streams chunks to the synchronizer; replicas pull;
+- nccl: the synchronizer allocates a group; the trainer's broadcast and
+  every replica's receive run together.
+
+Per mode:
+- sync: rollouts are paused, in-flight ones drain (quiescence), every
+  healthy replica moves to the new version, then rollouts resume: all
+  generation after the step is on the newest weights;
+- fully-async / batch-async: the trainer's export is awaited (it is the
+  trainer's time either way), replicas load in the background and nobody
+  waits; in-flight requests follow `pause_mode` (keep: continue on the new
+  weights after the swap; wait: finish first; abort: return ABORT and are
+  retried). Updates coalesce: a replica behind by several versions jumps to
+  the newest.
+
+After every replica update the staleness gate learns the oldest version a
+healthy replica serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from services.controller.activity import ActivityTracker
+from services.controller.balancer import EnginePool, Replica
+from services.controller.domain import TrainResult, WeightSource
+from services.controller.errors_report import ErrorReporter
+from services.controller.protocols import Synchronizer, Trainer
+from services.controller.staleness import StalenessGate
+
+log = logging.getLogger(__name__)
+
+
+class SyncPolicy:
+    def __init__(self, interval: int = 1, offset: int = 0) -> None:
+        self.interval, self.offset = interval, offset
+
+    def need(self, step: int) -> bool:
+        return step > self.offset and (step - self.offset) % self.interval == 0
+
+
+class WeightSyncController:
+    def __init__(
+        self,
+        trainer: Trainer,
+        engines: EnginePool,
+        gate: StalenessGate,
+        tracker: ActivityTracker,
+        errors: ErrorReporter,
+        *,
+        mode: str,
+        method: str,
+        style: str = "fixed",
+        pause_mode: str = "keep",
+        timeout_seconds: float = 120.0,
+        checkpoint_dir: str = "",
+        synchronizer: Synchronizer | None = None,
+        synchronizer_address: str = "",
+        policy: SyncPolicy | None = None,
+        pause_rollouts: Callable[[], None] = lambda: None,
+        resume_rollouts: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.trainer, self.engines, self.gate, self.tracker, self.errors = trainer, engines, gate, tracker, errors
+        self.mode, self.method, self.style, self.pause_mode = mode, method, style, pause_mode
+        self.timeout_seconds, self.checkpoint_dir = timeout_seconds, checkpoint_dir
+        self.synchronizer, self.synchronizer_address = synchronizer, synchronizer_address
+        self.policy = policy or SyncPolicy()
+        self.pause_rollouts, self.resume_rollouts = pause_rollouts, resume_rollouts
+        self.published: tuple[int, WeightSource] | None = None
+        self.transfers = 0
+        self._kick = asyncio.Event()
+        self._updater: asyncio.Task | None = None
+
+    # -- the verbs the main loop uses ----------------------------------------
+    async def configure(self) -> None:
+        """Hands the run's policy to the synchronizer (it answers NeedSync by it)."""
+        if self.synchronizer is not None:
+            await self.synchronizer.configure_policy(
+                style=self.style, method=self.method, interval=self.policy.interval, offset=self.policy.offset,
+                timeout_seconds=self.timeout_seconds,
+            )
+
+    async def bring_up_to(self, version: int) -> None:
+        """Blocking: every healthy replica on `version` (start of a run, resume)."""
+        await self.engines.refresh_versions()
+        if all(r.version >= version for r in self.engines.healthy()):
+            self.gate.set_rollout_version(self.engines.min_version())
+            return
+        await self._transfer(version, pause_mode="wait")
+
+    async def after_step(self, result: TrainResult) -> None:
+        need = await self._need_sync(result.step)
+        if not need and not self._overdue(result.version):
+            return
+        if self.mode == "sync":
+            self.pause_rollouts()
+            try:
+                await self.tracker.wait_quiescent("rollout")
+                await self._transfer(result.version, pause_mode="wait")
+            finally:
+                self.resume_rollouts()
+        elif self.method == "nccl":
+            # Receivers must join the trainer's broadcast: the transfer is one piece.
+            await self._transfer(result.version, pause_mode=self.pause_mode)
+        else:
+            self.published = (result.version, await self._export(result.version))
+            self._start_updater()
+            self._kick.set()
+
+    async def close(self) -> None:
+        if self._updater is not None:
+            self._updater.cancel()
+            await asyncio.gather(self._updater, return_exceptions=True)
+
+    # -- how -----------------------------------------------------------------
+    def _overdue(self, version: int) -> bool:
+        """Whether waiting for the policy's next sync would stall the run: with a
+        staleness bound, rollouts on weights more than `limit` versions old can
+        fill no further batch. Sync mode (bound 0) is always overdue."""
+        if self.gate.limit is None:
+            return False
+        newest = max(self.engines.min_version(), self.published[0] if self.published else 0)
+        return version - newest > self.gate.limit
+
+    async def _need_sync(self, step: int) -> bool:
+        if self.synchronizer is not None:
+            return (await self.synchronizer.need_sync(step)).need_sync
+        return self.policy.need(step)
+
+    async def _export(self, version: int) -> WeightSource:
+        target = WeightSource(self.method, synchronizer_address=self.synchronizer_address, path=self.checkpoint_dir)
+        with self.tracker.track("trainer", f"export v{version}"):
+            source = await asyncio.wait_for(self.trainer.export_weights(target), self.timeout_seconds)
+        if self.method == "checkpoint" and self.synchronizer is not None:
+            await self.synchronizer.register_checkpoint(version, source.path)
+        return source
+
+    async def _transfer(self, version: int, *, pause_mode: str) -> None:
+        """Trainer -> every healthy replica behind `version`, awaited."""
+        behind = [r for r in self.engines.healthy() if r.version < version]
+        if not behind:
+            return
+        if self.method == "nccl":
+            assert self.synchronizer is not None, "nccl needs a synchronizer (checked by the config)"
+            group = await self.synchronizer.allocate_group(version, [r.name for r in behind], self.timeout_seconds)
+            source = WeightSource("nccl", group=group)
+            with self.tracker.track("trainer", f"broadcast v{version}"):
+                await asyncio.gather(
+                    asyncio.wait_for(self.trainer.export_weights(source), self.timeout_seconds),
+                    *(self._update(r, version, source, pause_mode) for r in behind),
+                )
+        else:
+            source = await self._export(version)
+            await asyncio.gather(*(self._update(r, version, source, pause_mode) for r in behind))
+        self.published = (version, source)
+        self._after_updates(version)
+
+    async def _update(self, replica: Replica, version: int, source: WeightSource, pause_mode: str) -> None:
+        try:
+            with self.tracker.track("weight_sync", replica.name):
+                served = await asyncio.wait_for(
+                    replica.engine.update_weights(version, source, pause_mode=pause_mode), self.timeout_seconds
+                )
+            self.engines.set_version(replica.name, served)
+            self.transfers += 1
+        except Exception as exc:
+            # The replica keeps serving its old version, so it leaves the pool
+            # until the next successful update instead of producing stale data.
+            self.engines.mark(replica.name, False, f"weight update failed: {exc}")
+            severity = "critical" if not self.engines.healthy() else "error"
+            self.errors.report("weight_sync", exc, severity=severity, context={"replica": replica.name, "version": version})
+
+    def _after_updates(self, version: int) -> None:
+        self.gate.set_rollout_version(self.engines.min_version())
+
+    def _start_updater(self) -> None:
+        if self._updater is None or self._updater.done():
+            self._updater = asyncio.ensure_future(self._update_loop())
+
+    async def _update_loop(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            assert self.published is not None
+            version, source = self.published
+            behind = [r for r in self.engines.healthy() if r.version < version]
+            await asyncio.gather(*(self._update(r, version, source, self.pause_mode) for r in behind))
+            self._after_updates(version)
+
+    def replica_recovered(self, name: str) -> None:
+        """A replica came back: bring it to the newest version before it serves."""
+        if self.published is not None and self.engines.replica(name).version < self.published[0]:
+            self._start_updater()
+            self._kick.set()

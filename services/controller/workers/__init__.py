@@ -1,0 +1,37 @@
+"""Rollout workers: task -> scored trajectories. Built-ins by name, or your own
+as 'module:Class' (a `RolloutWorker` subclass)."""
+
+from __future__ import annotations
+
+from services.controller.workers.agent import AgentRolloutWorker
+from services.controller.workers.base import RolloutWorker, WorkerContext
+from services.controller.workers.math import SingleTurnMathWorker
+from services.controller.workers.simple import SimpleRolloutWorker
+
+BUILTIN_WORKERS: dict[str, type[RolloutWorker]] = {
+    "simple": SimpleRolloutWorker,
+    "math": SingleTurnMathWorker,
+    "agent": AgentRolloutWorker,
+}
+
+
+def worker_class(name: str) -> type[RolloutWorker]:
+    if name in BUILTIN_WORKERS:
+        return BUILTIN_WORKERS[name]
+    from services.controller.rewards import import_object
+
+    cls = import_object(name)
+    if not (isinstance(cls, type) and issubclass(cls, RolloutWorker)):
+        raise ValueError(f"worker {name!r} is not a RolloutWorker subclass")
+    return cls
+
+
+__all__ = [
+    "AgentRolloutWorker",
+    "BUILTIN_WORKERS",
+    "RolloutWorker",
+    "SimpleRolloutWorker",
+    "SingleTurnMathWorker",
+    "WorkerContext",
+    "worker_class",
+]

@@ -1,0 +1,123 @@
+"""The rollout worker interface and what every worker shares.
+
+A worker turns one `Task` into a `RolloutOutcome`: `n` scored trajectories
+(one GRPO group) and a status:
+- SUCCESS: every trajectory generated and scored;
+- RE_ROLLOUT: the engine aborted a request (e.g. a weight update in ABORT
+  mode) or no replica answered: the task goes back to the front of the
+  loader and is retried, never lost;
+- FAIL: a reward raised, or the engine reported an error: the errors are
+  recorded on the trajectories and the task is given up.
+
+Write your own by subclassing `RolloutWorker` and implementing `rollout`;
+name it in the config as `worker.type: "package.module:MyWorker"`. Workers
+are async and hold no per-task state, so one instance serves every task in
+flight.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from flywheel.errors import DeadlineExceeded, Unavailable
+from services.controller.balancer import EnginePool
+from services.controller.domain import (
+    FinishReason,
+    Generation,
+    PromptInput,
+    RolloutOutcome,
+    RolloutStatus,
+    SamplingSpec,
+    Task,
+    Trajectory,
+    TrajectoryStatus,
+)
+from services.controller.rewards import RewardError, RewardFn, score
+
+
+@dataclass
+class WorkerContext:
+    """Everything a worker may use; built once per run from the config."""
+
+    engines: EnginePool
+    reward: RewardFn
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_tag: str = "default"
+    #: Send text prompts as chat messages (chat template applied by the engine).
+    chat: bool = True
+    system_prompt: str | None = None
+    max_turns: int = 4
+    #: Agent workers: the tools and how their results are rendered.
+    tools: Any = None
+    tool_result_template: str | None = None
+
+
+class RolloutWorker(ABC):
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    async def rollout(self, task: Task, n: int, sampling: SamplingSpec) -> RolloutOutcome:
+        """n trajectories of `task`, scored, with a status."""
+
+    # -- helpers shared by the built-in workers ----------------------------
+    def messages_for(self, task: Task) -> list[dict[str, Any]]:
+        if isinstance(task.prompt, list):
+            messages = [dict(m) for m in task.prompt]
+        else:
+            messages = [{"role": "user", "content": self.format_prompt(task)}]
+        if self.ctx.system_prompt and not any(m.get("role") == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": self.ctx.system_prompt})
+        return messages
+
+    def format_prompt(self, task: Task) -> str:
+        """The prompt text of a text task (subclasses add instructions)."""
+        return str(task.prompt)
+
+    def prompt_input(self, task: Task) -> PromptInput:
+        if self.ctx.chat or isinstance(task.prompt, list):
+            return PromptInput(request_id=task.id, messages=self.messages_for(task))
+        return PromptInput(request_id=task.id, text=self.format_prompt(task))
+
+    def trajectory(self, task: Task, g: Generation, index: int) -> Trajectory:
+        return Trajectory(
+            task=task,
+            prompt_ids=list(g.prompt_token_ids),
+            response_ids=list(g.completion_token_ids),
+            response_logprobs=list(g.completion_logprobs),
+            response_mask=[1] * len(g.completion_token_ids),
+            version_start=g.version_start,
+            version_end=g.version_end,
+            finish_reason=g.finish_reason,
+            text=g.text,
+            sample_index=index,
+            model_tag=self.ctx.model_tag,
+        )
+
+    async def score_all(self, task: Task, trajectories: list[Trajectory]) -> RolloutOutcome:
+        """Scores every trajectory; a reward that raises fails only its trajectory."""
+        errors = []
+        for t in trajectories:
+            try:
+                t.reward, t.scores = await score(self.ctx.reward, task, t.text, **self.ctx.reward_kwargs)
+            except RewardError as exc:
+                t.status, t.error = TrajectoryStatus.FAILED, f"reward: {exc}"
+                errors.append(f"sample {t.sample_index}: {t.error}")
+        if errors:
+            return RolloutOutcome(RolloutStatus.FAIL, trajectories, error="; ".join(errors))
+        return RolloutOutcome(RolloutStatus.SUCCESS, trajectories)
+
+
+def check_generations(generations: list[Generation]) -> RolloutOutcome | None:
+    """The outcome forced by aborted or failed generations, if any."""
+    if any(g.finish_reason == FinishReason.ABORT for g in generations):
+        return RolloutOutcome(RolloutStatus.RE_ROLLOUT, error="generation aborted")
+    if any(g.finish_reason == FinishReason.ERROR for g in generations):
+        return RolloutOutcome(RolloutStatus.FAIL, error="the engine reported an error for a generation")
+    return None
+
+
+#: Engine errors that mean "try this task again later", not "this task is bad".
+RETRYABLE = (Unavailable, DeadlineExceeded)

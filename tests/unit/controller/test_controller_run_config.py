@@ -1,0 +1,117 @@
+"""The run configuration: one YAML file, validated up front, errors name the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flywheel.runtime.config import ConfigError
+from services.controller.assemble import Services, build_pipeline
+from services.controller.run_config import load_run_config, parse_run_config, run_config_from_yaml
+from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer
+from tests.unit.controller.controller_helpers import config, items
+
+FULL = """
+run: {name: gsm8k, seed: 3, max_steps: 10}
+model: {name: tiny, tag: policy}
+services:
+  trainer: {address: 127.0.0.1:50052}
+  rollout: [{address: 127.0.0.1:50053}, {address: 127.0.0.1:50063}]
+  synchronizer: {address: 127.0.0.1:50051}
+data:
+  train: {path: TRAIN, prompt_key: question}
+  validation: {path: TRAIN, prompt_key: question, shuffle: false}
+worker: {type: math, group_size: 4, sampling: {temperature: 0.9, max_tokens: 64}}
+reward: {name: math}
+algorithm: {name: dapo, train_batch_size: 16, overlong: {penalty: true, buffer_length: 16}}
+pool: {store: grouped, keys: [task]}
+mode: batch-async
+staleness: {threshold: 2, policy: correct}
+sync: {method: memory, interval: 1}
+validation: {interval: 5, before_training: true}
+checkpoint: {interval: 5}
+resume: {from: latest}
+errors: {policy: stop_on_error}
+"""
+
+
+def write_train(tmp_path: Path) -> Path:
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
+    return path
+
+
+def test_a_whole_run_in_one_yaml_file(tmp_path: Path) -> None:
+    train = write_train(tmp_path)
+    file = tmp_path / "run.yaml"
+    file.write_text(FULL.replace("TRAIN", str(train)))
+    cfg = load_run_config(file)
+    assert cfg.mode == "batch-async" and cfg.staleness_limit == 2
+    assert [e.address for e in cfg.services.rollout] == ["127.0.0.1:50053", "127.0.0.1:50063"]
+    assert cfg.dynamic_sampling  # on by default for dapo
+    assert cfg.loss.kind == "dapo" and cfg.loss.clip_high == 0.28
+    assert cfg.loss.is_cap == 2.0  # policy "correct" turns on the IS correction
+    assert cfg.buffer_size_limit == 32  # twice the train batch
+    assert cfg.resume.from_ == "latest"
+
+
+@pytest.mark.parametrize(
+    ("change", "names"),
+    [
+        ({"worker": {"group_sise": 4}}, "worker.group_sise: unknown field"),
+        ({"mode": "semi-async"}, "mode:"),
+        ({"staleness": {"threshold": -1}}, "staleness.threshold"),
+        ({"algorithm": {"train_batch_size": 10}}, "algorithm.train_batch_size (10) must be a multiple of worker.group_size (4)"),
+        ({"validation": {"interval": 3}}, "need data.validation"),
+        ({"sync": {"method": "memory"}}, "services.synchronizer"),
+        ({"mode": "sync", "sync": {"interval": 2}}, "sync.interval"),
+        ({"mode": "batch-async", "staleness": {"threshold": 0}, "sync": {"interval": 3}}, "staleness.threshold (0)"),
+        ({"pool": {"store": "hierarchical", "keys": ["task"]}}, "pool.keys"),
+        ({"worker": {"type": "agent"}}, "worker.tools"),
+    ],
+)
+def test_bad_values_are_errors_that_name_the_field(change: dict, names: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config(**change)
+    assert names in str(err.value)
+
+
+def test_data_needs_exactly_one_source() -> None:
+    with pytest.raises(ConfigError, match="data.train: exactly one of path, items, hf_name"):
+        parse_run_config({"data": {"train": {"items": items(4), "path": "x.jsonl"}}})
+
+
+def test_yaml_text_as_the_start_rpc_sends_it() -> None:
+    cfg = run_config_from_yaml("data: {train: {items: [{prompt: hi}]}}\nworker: {group_size: 1}\nalgorithm: {train_batch_size: 1}\n")
+    assert cfg.pool_store == "simple"  # group size 1 needs no grouping
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        run_config_from_yaml("data: [unclosed")
+
+
+@pytest.mark.parametrize(
+    ("change", "names"),
+    [
+        ({"reward": {"name": "no_such_reward"}}, "reward.name: unknown reward 'no_such_reward'"),
+        ({"worker": {"type": "no.such.module:Worker"}}, "worker.type"),
+        ({"algorithm": {"name": "services.controller.algorithms:nope"}}, "algorithm.name"),
+        ({"data": {"train": {"items": None, "path": "/nonexistent/train.jsonl"}}}, "data.train"),
+        ({"data": {"train": {"items": [{"question": "x"}]}}}, "data.train: train data: rows have no field 'prompt'"),
+    ],
+)
+def test_names_that_do_not_resolve_fail_before_the_run_starts(change: dict, names: str) -> None:
+    cfg = config(**change)
+    with pytest.raises(ConfigError) as err:
+        build_pipeline(cfg, Services(SimulatedTrainer(), [SimulatedRolloutEngine()]))
+    assert names in str(err.value)
+
+
+def test_help_stays_instant_and_imports_no_torch() -> None:
+    code = "import sys, runpy; sys.argv=['x','--help'];\ntry: runpy.run_module('services.controller', run_name='__main__')\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().endswith("False"), out.stdout + out.stderr
+    assert time.perf_counter() - started < 10
