@@ -1,20 +1,113 @@
-"""Configuration of the trainer service."""
+"""Configuration of the trainer service.
+
+Imported by `python -m services.trainer` before arguments are parsed, so it
+must stay free of torch/transformers imports (`--help` answers instantly).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flywheel.runtime.config import StrictModel
 from flywheel.runtime.server_config import ServerConfig
+
+LossKindName = Literal["grpo", "dapo", "ppo_clip"]
+AggregationName = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+
+
+class LoraConfig(StrictModel):
+    enabled: bool = Field(False, description="train LoRA adapters (peft) instead of every parameter")
+    rank: int = Field(8, ge=1, description="LoRA rank r")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha (the update is scaled by alpha / rank)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description='module names that get adapters, or ["all-linear"]',
+    )
 
 
 class ModelConfig(StrictModel):
     path: Path | None = Field(None, description="HF model directory to train; none serves GetInfo only")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="parameter dtype")
     device: str = Field("cpu", description='torch device, e.g. "cpu" or "cuda:0"')
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="attention kernel of transformers")
+    cpu_threads: int = Field(
+        0, ge=0, description="torch intra-op threads; 0 keeps torch's default (one per core); set it when "
+        "several services share a machine's cores"
+    )
+    seed: int = Field(0, description="seed of torch/python/numpy RNGs at load time")
+    deterministic: bool = Field(
+        True, description="use deterministic torch kernels (exact resume; may be slower on CUDA)"
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="optional LoRA adapters")
+
+
+class ReferenceConfig(StrictModel):
+    path: Path | None = Field(
+        None, description="reference model directory for the KL term; none means the policy's initial weights"
+    )
+    preload: bool = Field(
+        False, description="load the reference at startup; otherwise on the first call that needs it (kl_coef > 0)"
+    )
+
+
+class OptimizerConfig(StrictModel):
+    lr: float = Field(1e-6, gt=0, description="peak learning rate of AdamW")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay (not applied to biases and norms)")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 to lr, in optimizer steps")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="learning-rate schedule after warm-up"
+    )
+    total_steps: int = Field(
+        0, ge=0, description="steps over which linear/cosine decay to min_lr_ratio*lr; required by those schedules"
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final learning rate of a decaying schedule, as a fraction of lr")
+    max_grad_norm: float = Field(1.0, ge=0, description="clip the global L2 gradient norm to this; 0 disables clipping")
+
+    @model_validator(mode="after")
+    def _decay_needs_total(self) -> OptimizerConfig:
+        if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"optimizer.total_steps must exceed warmup_steps for the {self.schedule} schedule")
+        return self
+
+
+class LossConfig(StrictModel):
+    """Defaults for the LossSpec fields a request leaves unset (0 / UNSPECIFIED).
+
+    kl_coef, entropy_coef and is_cap are taken from the request as they are
+    (0 there means "off"), as the proto documents.
+    """
+
+    kind: LossKindName = Field("grpo", description="loss when the request says LOSS_KIND_UNSPECIFIED")
+    clip_low: float = Field(0.2, gt=0, lt=1, description="lower clip epsilon when the request sends 0")
+    clip_high: float | None = Field(
+        None, gt=0, description="upper clip epsilon when the request sends 0; none: 0.28 for dapo, clip_low otherwise"
+    )
+    aggregation: AggregationName | None = Field(
+        None, description="aggregation when unspecified; none: seq_mean_token_mean for grpo, token_mean otherwise"
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="estimator of KL(policy || reference)")
+
+
+class LimitsConfig(StrictModel):
+    max_batch_tokens: int = Field(262_144, ge=1, description="largest B*T of one request, in tokens")
+    max_micro_batch_tokens: int = Field(
+        0, ge=0, description="largest B*T of one forward pass (micro-batch), in tokens; 0: no limit"
+    )
+    max_sequence_length: int = Field(32_768, ge=2, description="largest T of a batch, in tokens")
+
+
+class CheckpointConfig(StrictModel):
+    dir: Path = Field(Path("checkpoints"), description="where global_step_N/ directories are written")
+    keep_last: int = Field(0, ge=0, description="keep this many newest checkpoints after a save; 0 keeps all")
+    resume_latest: bool = Field(False, description="at startup, load the newest complete checkpoint under dir if any")
 
 
 class TrainerConfig(StrictModel):
@@ -22,4 +115,8 @@ class TrainerConfig(StrictModel):
         default_factory=lambda: ServerConfig(port=50052, metrics_port=9092), description="gRPC server"
     )
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
-    checkpoint_dir: Path = Field(Path("checkpoints"), description="where global_step_N/ directories are written")
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig, description="reference model for KL")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW and its schedule")
+    loss: LossConfig = Field(default_factory=LossConfig, description="loss defaults")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="batch size limits")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")

@@ -1,34 +1,158 @@
-"""gRPC servicer of the trainer: translates protobuf to the domain.
+"""gRPC servicer of the trainer: translates protobuf to the domain and back.
 
-RPCs not overridden here answer UNIMPLEMENTED (the generated base class).
+Blocking work (tensor decoding, training, checkpoints) runs in a worker thread
+so the event loop keeps answering health checks and GetInfo during a step.
+ExportWeights is not overridden yet, so it answers UNIMPLEMENTED (the
+generated base class).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from pathlib import Path
+
+from torch import Tensor
+
+from flywheel.codec.dtypes import tensor_from_proto, tensor_to_proto
 from flywheel.common.v1 import common_pb2
+from flywheel.errors import InvalidArgument
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
-from services.trainer.config import TrainerConfig
+from services.trainer import metrics as prom
+from services.trainer.training import LossRequest, TrainingEngine
 
-_DTYPES = {
+DTYPES = {
     "float32": common_pb2.DTYPE_FLOAT32,
     "bfloat16": common_pb2.DTYPE_BFLOAT16,
     "float16": common_pb2.DTYPE_FLOAT16,
 }
+LOSS_KINDS = {pb.LOSS_KIND_GRPO: "grpo", pb.LOSS_KIND_DAPO: "dapo", pb.LOSS_KIND_PPO_CLIP: "ppo_clip"}
+AGGREGATIONS = {
+    pb.LOSS_AGGREGATION_TOKEN_MEAN: "token_mean",
+    pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN: "seq_mean_token_mean",
+    pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM: "seq_mean_token_sum",
+}
+BATCH_FIELDS = tuple(f.name for f in pb.TrainBatch.DESCRIPTOR.fields)
+
+
+def batch_tensors(msg: pb.TrainBatch) -> dict[str, Tensor | None]:
+    """Decodes every tensor the batch carries; absent fields are None."""
+    out: dict[str, Tensor | None] = {}
+    for name in BATCH_FIELDS:
+        if not msg.HasField(name):
+            out[name] = None
+            continue
+        try:
+            out[name] = tensor_from_proto(getattr(msg, name))
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"batch.{name}: {exc}") from None
+    return out
+
+
+def loss_request(msg: pb.LossSpec) -> LossRequest:
+    def enum(value: int, table: dict[int, str], field: str) -> str | None:
+        if value == 0:
+            return None
+        if value not in table:
+            raise InvalidArgument(f"loss.{field}: unknown enum value {value}")
+        return table[value]
+
+    return LossRequest(
+        kind=enum(msg.kind, LOSS_KINDS, "kind"),
+        clip_low=msg.clip_low,
+        clip_high=msg.clip_high,
+        kl_coef=msg.kl_coef,
+        entropy_coef=msg.entropy_coef,
+        aggregation=enum(msg.aggregation, AGGREGATIONS, "aggregation"),
+        is_cap=msg.is_cap,
+    )
+
+
+def _metrics(values: dict[str, float]) -> list[common_pb2.Metric]:
+    return [common_pb2.Metric(name=k, value=v) for k, v in sorted(values.items())]
+
+
+def _expected(msg) -> int | None:
+    return msg.expected_step if msg.HasField("expected_step") else None
 
 
 class TrainerServicer(pb_grpc.TrainerServiceServicer):
-    def __init__(self, config: TrainerConfig) -> None:
-        self.config = config
+    def __init__(self, engine: TrainingEngine) -> None:
+        self.engine = engine
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
-        model = self.config.model
-        # No model is loaded yet: loading arrives with the trainer issue.
+        info = self.engine.info()
         return pb.GetInfoResponse(
-            model_name=str(model.path or ""),
-            dtype=_DTYPES[model.dtype],
-            device=model.device,
-            step=0,
-            weight_version=0,
-            ready=False,
+            model_name=info.model_name,
+            parameter_count=info.parameter_count,
+            trainable_parameter_count=info.trainable_count,
+            dtype=DTYPES[info.dtype],
+            device=info.device,
+            step=info.step,
+            weight_version=info.weight_version,
+            ready=info.ready,
+        )
+
+    async def ForwardBackward(self, request: pb.ForwardBackwardRequest, context) -> pb.ForwardBackwardResponse:
+        loss = loss_request(request.loss)
+        result = await asyncio.to_thread(
+            lambda: self.engine.forward_backward(batch_tensors(request.batch), loss, _expected(request))
+        )
+        prom.TOKENS.inc(result.tokens)
+        return pb.ForwardBackwardResponse(metrics=_metrics(result.metrics), loss_tokens=result.loss_tokens)
+
+    async def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
+        result = await asyncio.to_thread(self.engine.optim_step, _expected(request))
+        prom.STEP.set(result.step)
+        return pb.OptimStepResponse(
+            step=result.step, weight_version=result.weight_version,
+            grad_norm=result.grad_norm, learning_rate=result.learning_rate,
+        )
+
+    async def TrainStep(self, request: pb.TrainStepRequest, context) -> pb.TrainStepResponse:
+        loss = loss_request(request.loss)
+        started = time.perf_counter()
+        result = await asyncio.to_thread(
+            lambda: self.engine.train_step(
+                batch_tensors(request.batch), loss, request.micro_batch_size, _expected(request)
+            )
+        )
+        prom.STEP_DURATION.observe(time.perf_counter() - started)
+        prom.STEP.set(result.step)
+        prom.TOKENS.inc(result.tokens)
+        return pb.TrainStepResponse(
+            metrics=_metrics(result.metrics), step=result.step, weight_version=result.weight_version,
+            tokens=result.tokens,
+        )
+
+    async def ComputeLogprobs(self, request: pb.ComputeLogprobsRequest, context) -> pb.ComputeLogprobsResponse:
+        if request.model not in (pb.LOGPROB_MODEL_UNSPECIFIED, pb.LOGPROB_MODEL_POLICY, pb.LOGPROB_MODEL_REFERENCE):
+            raise InvalidArgument(f"model: unknown enum value {request.model}")
+        reference = request.model == pb.LOGPROB_MODEL_REFERENCE
+
+        def run():
+            logprobs, version = self.engine.compute_logprobs(
+                batch_tensors(request.batch), reference, request.micro_batch_size
+            )
+            return tensor_to_proto(logprobs), version
+
+        tensor, version = await asyncio.to_thread(run)
+        return pb.ComputeLogprobsResponse(logprobs=tensor, weight_version=version)
+
+    async def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context) -> pb.SaveCheckpointResponse:
+        directory = Path(request.directory) if request.directory else None
+        path, step, size = await asyncio.to_thread(
+            self.engine.save_checkpoint, directory, request.remove_previous, request.client_state
+        )
+        return pb.SaveCheckpointResponse(path=str(path), step=step, size_bytes=size)
+
+    async def LoadCheckpoint(self, request: pb.LoadCheckpointRequest, context) -> pb.LoadCheckpointResponse:
+        path = Path(request.path) if request.path else None
+        loaded, step, version, client_state = await asyncio.to_thread(
+            self.engine.load_checkpoint, path, request.latest
+        )
+        prom.STEP.set(step)
+        return pb.LoadCheckpointResponse(
+            path=str(loaded or ""), step=step, weight_version=version, client_state=client_state
         )

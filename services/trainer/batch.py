@@ -1,0 +1,223 @@
+"""Training batches: the validated domain form of a TrainBatch.
+
+`training_batch(...)` / `input_batch(...)` take the decoded tensors of a
+request (any may be missing) and either return a `Batch` whose tensors have
+the dtypes and shapes the training code relies on, or raise InvalidArgument /
+FailedPrecondition naming the offending field. Validation happens before any
+state is touched, so a rejected request leaves the model and optimizer as
+they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+from flywheel.errors import FailedPrecondition, InvalidArgument
+
+_INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Log-probs are <= 0; engines round, so allow a little above.
+_LOGPROB_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_batch_tokens: int
+    max_sequence_length: int
+    vocab_size: int
+
+
+@dataclass
+class Batch:
+    """Tensors of one batch, all on the same device; [B, T] unless noted."""
+
+    input_ids: Tensor  # int64
+    attention_mask: Tensor  # int64, 1 for real tokens, right-padded
+    loss_mask: Tensor | None = None  # float32
+    advantages: Tensor | None = None  # float32, per token
+    behaviour_logprobs: Tensor | None = None  # float32, 0 outside the loss mask
+    weight_versions: Tensor | None = None  # int64 [B]
+    old_logprobs: Tensor | None = None  # float32
+    ref_logprobs: Tensor | None = None  # float32
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    def rows(self, start: int, stop: int) -> Batch:
+        """The samples [start, stop) (views, no copies)."""
+        return Batch(**{f.name: _rows(getattr(self, f.name), start, stop) for f in fields(self)})
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
+
+    def with_(self, **changes: Tensor | None) -> Batch:
+        return replace(self, **changes)
+
+
+def _rows(t: Tensor | None, start: int, stop: int) -> Tensor | None:
+    return None if t is None else t[start:stop]
+
+
+def _to(t: Tensor | None, device: torch.device | str) -> Tensor | None:
+    return None if t is None else t.to(device, non_blocking=True)
+
+
+def _where(bad: Tensor) -> str:
+    """Count and first index of the True entries of `bad`, for messages."""
+    idx = [int(i) for i in bad.nonzero()[0]]
+    return f"{int(bad.sum())} value(s), first at {idx}"
+
+
+def _check_dtype(name: str, t: Tensor, allowed: tuple[torch.dtype, ...], what: str) -> None:
+    if t.dtype not in allowed:
+        raise InvalidArgument(f"batch.{name}: dtype {str(t.dtype).removeprefix('torch.')} is not {what}")
+
+
+def _check_shape(name: str, t: Tensor, shape: tuple[int, ...], ref: str) -> None:
+    if tuple(t.shape) != shape:
+        raise InvalidArgument(f"batch.{name}: shape {list(t.shape)} does not match {ref} {list(shape)}")
+
+
+def input_batch(tensors: Mapping[str, Tensor | None], limits: BatchLimits) -> Batch:
+    """Validates input_ids and attention_mask (all ComputeLogprobs reads)."""
+    ids = tensors.get("input_ids")
+    if ids is None:
+        raise InvalidArgument("batch.input_ids: missing")
+    _check_dtype("input_ids", ids, _INTS, "an integer type")
+    if ids.dim() != 2:
+        raise InvalidArgument(f"batch.input_ids: must be 2-D [B, T], got shape {list(ids.shape)}")
+    b, t = ids.shape
+    if b == 0:
+        raise InvalidArgument("batch.input_ids: the batch is empty (B = 0)")
+    if t < 2:
+        raise InvalidArgument(f"batch.input_ids: sequences need at least 2 tokens, got T = {t}")
+    if t > limits.max_sequence_length:
+        raise InvalidArgument(f"batch.input_ids: T = {t} exceeds limits.max_sequence_length = {limits.max_sequence_length}")
+    if b * t > limits.max_batch_tokens:
+        raise InvalidArgument(
+            f"batch.input_ids: {b}x{t} = {b * t} tokens exceeds limits.max_batch_tokens = {limits.max_batch_tokens}; "
+            "split the batch"
+        )
+    ids = ids.to(torch.int64)
+    out_of_vocab = (ids < 0) | (ids >= limits.vocab_size)
+    if out_of_vocab.any():
+        raise InvalidArgument(f"batch.input_ids: ids outside [0, {limits.vocab_size}): {_where(out_of_vocab)}")
+
+    mask = tensors.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(ids)
+    else:
+        _check_dtype("attention_mask", mask, (torch.bool, *_INTS), "bool or an integer type")
+        _check_shape("attention_mask", mask, (b, t), "input_ids")
+        mask = mask.to(torch.int64)
+        if ((mask != 0) & (mask != 1)).any():
+            raise InvalidArgument("batch.attention_mask: values must be 0 or 1")
+        # Right padding: once a row hits padding it stays padding (positions are 0..n-1).
+        if (mask[:, 1:] > mask[:, :-1]).any():
+            rows = (mask[:, 1:] > mask[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+            raise InvalidArgument(f"batch.attention_mask: must be right-padded (1s then 0s); rows {rows[:8]} are not")
+        if (mask[:, 0] == 0).any():
+            raise InvalidArgument("batch.attention_mask: a sample has no real tokens")
+    return Batch(input_ids=ids, attention_mask=mask)
+
+
+def _float_field(
+    tensors: Mapping[str, Tensor | None], name: str, shape: tuple[int, ...], loss_mask: Tensor, *, logprob: bool
+) -> Tensor | None:
+    t = tensors.get(name)
+    if t is None:
+        return None
+    _check_dtype(name, t, _FLOATS, "a floating-point type")
+    _check_shape(name, t, shape, "input_ids")
+    t = t.to(torch.float32)
+    selected = loss_mask > 0
+    bad = ~torch.isfinite(t) & selected
+    if bad.any():
+        raise InvalidArgument(f"batch.{name}: NaN or inf under the loss mask: {_where(bad)}")
+    if logprob and ((t > _LOGPROB_TOLERANCE) & selected).any():
+        raise InvalidArgument(f"batch.{name}: log-probs must be <= 0: {_where((t > _LOGPROB_TOLERANCE) & selected)}")
+    # Values outside the mask are ignored; zero them so 0 * NaN cannot leak in.
+    return torch.where(selected, t, torch.zeros_like(t))
+
+
+def training_batch(
+    tensors: Mapping[str, Tensor | None], limits: BatchLimits, *, weight_version: int, needs_behaviour: bool
+) -> Batch:
+    """Validates every field a ForwardBackward/TrainStep reads.
+
+    `needs_behaviour` says whether the loss reads behaviour_logprobs (always,
+    unless old_logprobs are given and the IS correction is off). Samples from
+    a weight version newer than the trainer's are a FAILED_PRECONDITION: the
+    caller's view of the run is out of date (e.g. the trainer was restored
+    from an older checkpoint).
+    """
+    batch = input_batch(tensors, limits)
+    shape = (batch.size, batch.seq_len)
+
+    loss_mask = tensors.get("loss_mask")
+    if loss_mask is None:
+        raise InvalidArgument("batch.loss_mask: missing")
+    _check_dtype("loss_mask", loss_mask, (torch.bool, *_INTS, *_FLOATS), "bool, integer or float")
+    _check_shape("loss_mask", loss_mask, shape, "input_ids")
+    loss_mask = loss_mask.to(torch.float32)
+    if not torch.isfinite(loss_mask).all() or (loss_mask < 0).any() or (loss_mask > 1).any():
+        raise InvalidArgument("batch.loss_mask: values must lie in [0, 1]")
+    on_padding = (loss_mask > 0) & (batch.attention_mask == 0)
+    if on_padding.any():
+        raise InvalidArgument(f"batch.loss_mask: selects padding (attention_mask 0): {_where(on_padding)}")
+    if (loss_mask[:, 0] > 0).any():
+        raise InvalidArgument("batch.loss_mask: position 0 has no log-prob (nothing precedes it) and must be 0")
+    if float(loss_mask.sum()) == 0:
+        raise InvalidArgument("batch.loss_mask: selects no tokens")
+
+    adv = tensors.get("advantages")
+    if adv is None:
+        raise InvalidArgument("batch.advantages: missing")
+    _check_dtype("advantages", adv, _FLOATS, "a floating-point type")
+    if tuple(adv.shape) == (batch.size,):
+        adv = adv[:, None].expand(shape)
+    elif tuple(adv.shape) != shape:
+        raise InvalidArgument(f"batch.advantages: shape {list(adv.shape)} is neither [B] = [{batch.size}] nor [B, T] = {list(shape)}")
+    adv = adv.to(torch.float32)
+    if not torch.isfinite(adv).all():
+        raise InvalidArgument(f"batch.advantages: NaN or inf: {_where(~torch.isfinite(adv))}")
+
+    behaviour = _float_field(tensors, "behaviour_logprobs", shape, loss_mask, logprob=True)
+    old = _float_field(tensors, "old_logprobs", shape, loss_mask, logprob=True)
+    ref = _float_field(tensors, "ref_logprobs", shape, loss_mask, logprob=True)
+    if needs_behaviour and behaviour is None:
+        raise InvalidArgument("batch.behaviour_logprobs: missing (the loss needs them unless old_logprobs are sent and is_cap = 0)")
+
+    versions = tensors.get("weight_versions")
+    if versions is not None:
+        _check_dtype("weight_versions", versions, _INTS, "an integer type")
+        _check_shape("weight_versions", versions, (batch.size,), "the batch size")
+        versions = versions.to(torch.int64)
+        if (versions < 0).any():
+            raise InvalidArgument("batch.weight_versions: must be >= 0")
+        if (versions > weight_version).any():
+            raise FailedPrecondition(
+                f"batch.weight_versions: samples from version {int(versions.max())} but the trainer is at "
+                f"weight version {weight_version}"
+            )
+    return batch.with_(
+        loss_mask=loss_mask,
+        advantages=adv.contiguous(),
+        behaviour_logprobs=behaviour,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        weight_versions=versions,
+    )

@@ -1,0 +1,254 @@
+"""Checkpoints: atomic `global_step_N/` directories, exact resume, keep-last-K.
+
+Layout of one checkpoint:
+
+    global_step_N/
+      model/               HF directory (config, safetensors, tokenizer):
+                           AutoModelForCausalLM.from_pretrained loads it; with
+                           LoRA the adapters are merged into these weights
+      adapter/             LoRA only: the peft adapter (what resume loads)
+      optimizer.pt         AdamW state dict
+      scheduler.pt         LR scheduler state dict
+      rng.pt, rng.json     torch (+CUDA) RNG tensors; python and numpy RNG states
+      client_state.bin     opaque bytes of the caller (e.g. a data cursor)
+      trainer_state.json   step, weight version, model, lora; written last
+
+Everything is written into a hidden `.tmp-…` sibling, fsynced, then renamed to
+`global_step_N`, so a crash never leaves a directory with the final name that
+is incomplete; `list_checkpoints` also requires trainer_state.json.
+Loading reads and checks every file before touching the live policy, so a bad
+checkpoint leaves the model and optimizer as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from services.trainer.policy import Policy, rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^global_step_(\d+)$")
+
+
+def list_checkpoints(parent: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `parent`, oldest step first."""
+    if not parent.is_dir():
+        return []
+    found = []
+    for child in parent.iterdir():
+        match = _NAME.match(child.name)
+        if match and (child / STATE_FILE).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest(parent: Path) -> Path | None:
+    found = list_checkpoints(parent)
+    return found[-1][1] if found else None
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tree_size(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def _write(policy: Policy, out: Path, client_state: bytes) -> None:
+    model_dir = out / "model"
+    if policy.lora:
+        policy.hf_model.save_pretrained(model_dir, state_dict=policy.hf_state_dict())
+        policy.model.save_pretrained(out / "adapter")
+    else:
+        policy.model.save_pretrained(model_dir)
+    if policy.tokenizer is not None:
+        policy.tokenizer.save_pretrained(model_dir)
+    torch.save(policy.optimizer.state_dict(), out / "optimizer.pt")
+    torch.save(policy.scheduler.state_dict(), out / "scheduler.pt")
+    rng = rng_state()
+    torch.save({"torch": rng["torch"], "cuda": rng.get("cuda", [])}, out / "rng.pt")
+    py_version, py_state, py_gauss = rng["python"]
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = rng["numpy"]
+    (out / "rng.json").write_text(json.dumps({
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
+    }))
+    (out / "client_state.bin").write_bytes(client_state)
+    state = {"format_version": FORMAT_VERSION, "step": policy.step, "weight_version": policy.weight_version,
+             "model": policy.name, "lora": policy.lora}
+    (out / STATE_FILE).write_text(json.dumps(state))
+
+
+def save(
+    policy: Policy, parent: Path, *, client_state: bytes = b"", keep_last: int = 0, remove_previous: bool = False
+) -> tuple[Path, int]:
+    """Writes global_step_<step> under `parent` atomically; returns (path, size in bytes)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for stale in parent.glob(".tmp-global_step_*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-save
+    final = parent / f"global_step_{policy.step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{policy.step}-", dir=parent))
+    try:
+        _write(policy, tmp, client_state)
+        _fsync_tree(tmp)
+        replaced = None
+        if final.exists():
+            # Saving the same step twice: move the old one aside first, since
+            # rename cannot replace a non-empty directory.
+            replaced = parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, replaced)
+        os.rename(tmp, final)
+        _fsync_dir(parent)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(parent, final, policy.step, keep_last, remove_previous)
+    size = _tree_size(final)
+    log.info("checkpoint saved", extra={"path": str(final), "step": policy.step, "bytes": size})
+    return final, size
+
+
+def _prune(parent: Path, keep: Path, step: int, keep_last: int, remove_previous: bool) -> None:
+    others = [(s, p) for s, p in list_checkpoints(parent) if p != keep]
+    doomed = [p for s, p in others if s < step] if remove_previous else []
+    if keep_last > 0:
+        doomed += [p for _s, p in others[: max(0, len(others) - (keep_last - 1))]]
+    for path in dict.fromkeys(doomed):
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("checkpoint removed", extra={"path": str(path)})
+
+
+def _read_safetensors(directory: Path) -> dict[str, Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise DataLoss(f"checkpoint: no safetensors files in {directory}")
+    tensors: dict[str, Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(str(file)))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise DataLoss(f"checkpoint: cannot read {file}: {exc}") from None
+    return tensors
+
+
+def _check_model_weights(policy: Policy, weights: dict[str, Tensor]) -> None:
+    live = policy.model.state_dict()
+    # Tied weights (e.g. lm_head = embed_tokens) are saved once.
+    by_storage: dict[int, list[str]] = {}
+    for name, t in live.items():
+        by_storage.setdefault(t.data_ptr(), []).append(name)
+    missing = [n for n in live if n not in weights and not any(o in weights for o in by_storage[live[n].data_ptr()])]
+    unexpected = [n for n in weights if n not in live]
+    if missing or unexpected:
+        raise InvalidArgument(
+            f"checkpoint: weights do not match the loaded model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    for name, t in weights.items():
+        if t.shape != live[name].shape or t.dtype != live[name].dtype:
+            raise InvalidArgument(
+                f"checkpoint: {name} is {t.dtype} {list(t.shape)}, the model has {live[name].dtype} {list(live[name].shape)}"
+            )
+
+
+def _check_optimizer(policy: Policy, saved: dict) -> None:
+    live = [len(g["params"]) for g in policy.optimizer.param_groups]
+    got = [len(g["params"]) for g in saved.get("param_groups", [])]
+    if live != got:
+        raise InvalidArgument(f"checkpoint: optimizer has parameter groups of sizes {got}, the model needs {live}")
+
+
+def load(policy: Policy, path: Path) -> tuple[int, int, bytes]:
+    """Restores model, optimizer, scheduler, RNG and step; returns (step, weight_version, client_state)."""
+    if not path.is_dir():
+        raise NotFound(f"checkpoint {path}: no such directory")
+    if not (path / STATE_FILE).is_file():
+        raise InvalidArgument(f"checkpoint {path}: not a complete checkpoint (no {STATE_FILE})")
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        rng_json = json.loads((path / "rng.json").read_text())
+        optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        scheduler = torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)
+        rng_tensors = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
+        client_state = (path / "client_state.bin").read_bytes()
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise DataLoss(f"checkpoint {path}: unreadable: {exc}") from None
+    if state.get("format_version") != FORMAT_VERSION:
+        raise InvalidArgument(f"checkpoint {path}: format_version {state.get('format_version')} is not {FORMAT_VERSION}")
+    if bool(state.get("lora")) != policy.lora:
+        raise FailedPrecondition(
+            f"checkpoint {path}: saved with lora={state.get('lora')} but the trainer runs with lora={policy.lora}"
+        )
+    _check_optimizer(policy, optimizer)
+    if policy.lora:
+        weights = _read_safetensors(path / "adapter")
+    else:
+        weights = _read_safetensors(path / "model")
+        _check_model_weights(policy, weights)
+
+    # Everything is read and checked: apply.
+    if policy.lora:
+        _load_adapter(policy, weights, path)
+    else:
+        with torch.no_grad():
+            policy.model.load_state_dict(weights, strict=False)
+    policy.optimizer.load_state_dict(optimizer)
+    policy.scheduler.load_state_dict(scheduler)
+    py = rng_json["python"]
+    npy = rng_json["numpy"]
+    import numpy as np
+
+    set_rng_state({
+        "python": (py[0], tuple(py[1]), py[2]),
+        "numpy": (npy[0], np.asarray(npy[1], dtype=np.uint32), npy[2], npy[3], npy[4]),
+        "torch": rng_tensors["torch"],
+        **({"cuda": rng_tensors["cuda"]} if rng_tensors.get("cuda") else {}),
+    })
+    policy.zero_grad()
+    policy.step = int(state["step"])
+    policy.weight_version = int(state["weight_version"])
+    log.info("checkpoint loaded", extra={"path": str(path), "step": policy.step})
+    return policy.step, policy.weight_version, client_state
+
+
+def _load_adapter(policy: Policy, weights: dict[str, Tensor], path: Path) -> None:
+    from peft import set_peft_model_state_dict
+
+    trainable = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
+    backup = {n: p.detach().clone() for n, p in trainable.items()}  # adapters are small
+    result = set_peft_model_state_dict(policy.model, weights)
+    unexpected = list(getattr(result, "unexpected_keys", []))
+    if unexpected:
+        with torch.no_grad():
+            for n, p in trainable.items():
+                p.copy_(backup[n])
+        raise InvalidArgument(f"checkpoint {path}: adapter weights do not match the model ({unexpected[:5]})")

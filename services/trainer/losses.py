@@ -1,0 +1,298 @@
+"""RL policy losses as pure tensor functions (GRPO, DAPO, PPO-clip, off-policy IS).
+
+Every function takes per-token tensors of shape [B, T] (log-probs of token t
+given tokens < t, a loss mask, advantages broadcast to tokens) and returns
+tensors; nothing here knows about models, optimizers or the wire.
+
+The three loss kinds share one clipped surrogate and differ in defaults:
+- GRPO: symmetric clip (0.2), seq-mean-token-mean aggregation, optional KL to a
+  reference model; advantages are group-normalised by the controller
+  (`group_advantages` is the helper it can use).
+- DAPO: asymmetric clip (ε_low 0.2, ε_high 0.28, "clip-higher"), token-mean
+  aggregation, no KL by default; its overlong reward shaping acts on rewards,
+  so it is the `overlong_penalty` hook the controller applies before
+  computing advantages.
+- PPO-clip: symmetric clip, token-mean aggregation.
+
+Off-policy correction (is_cap > 0): the samples come from the rollout's
+behaviour policy μ at some older weight version. The surrogate's ratio is then
+taken against the trainer's proximal policy π_prox (old_logprobs when the
+caller computed them, else the trainer's own current log-probs, detached), and
+each token's loss is weighted by the truncated importance weight
+min(π_prox / μ, is_cap) (truncated IS, as in verl's TIS / "decoupled PPO").
+With is_cap = 0 the ratio is taken against old_logprobs, or else against the
+behaviour log-probs directly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+KINDS = ("grpo", "dapo", "ppo_clip")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """A fully resolved loss specification (no "unset" values left)."""
+
+    kind: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    aggregation: str = "seq_mean_token_mean"
+    is_cap: float = 0.0
+    kl_estimator: str = "k3"
+
+
+def default_clip_high(kind: str, clip_low: float) -> float:
+    return 0.28 if kind == "dapo" else clip_low
+
+
+def default_aggregation(kind: str) -> str:
+    return "seq_mean_token_mean" if kind == "grpo" else "token_mean"
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def loss_denominators(mask: Tensor) -> tuple[float, float]:
+    """(tokens, sequences with at least one loss token) of a whole batch.
+
+    Computed once per batch and passed to `aggregate` for each micro-batch, so
+    the sum of micro-batch losses equals the loss of the batch in one piece.
+    """
+    per_seq = mask.sum(dim=-1)
+    return float(per_seq.sum()), float((per_seq > 0).sum())
+
+
+def aggregate(
+    values: Tensor, mask: Tensor, mode: str, *, num_tokens: float | None = None, num_seqs: float | None = None
+) -> Tensor:
+    """Reduces per-token values [B, T] to a scalar.
+
+    token_mean: Σ masked values / Σ mask over the batch.
+    seq_mean_token_mean: mean over sequences of each sequence's masked mean.
+    seq_mean_token_sum: mean over sequences of each sequence's masked sum.
+    Sequences without loss tokens do not count. `num_tokens` / `num_seqs`
+    override the denominators (the whole batch's, when this is a micro-batch).
+    """
+    masked = values * mask
+    if mode == "token_mean":
+        denom = float(mask.sum()) if num_tokens is None else num_tokens
+        return masked.sum() / max(denom, 1.0)
+    per_seq_tokens = mask.sum(dim=-1)
+    seqs = float((per_seq_tokens > 0).sum()) if num_seqs is None else num_seqs
+    if mode == "seq_mean_token_mean":
+        per_seq = masked.sum(dim=-1) / per_seq_tokens.clamp_min(1.0)
+    elif mode == "seq_mean_token_sum":
+        per_seq = masked.sum(dim=-1)
+    else:
+        raise ValueError(f"unknown aggregation {mode!r}; expected one of {AGGREGATIONS}")
+    return per_seq.sum() / max(seqs, 1.0)
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def clipped_surrogate(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """PPO's pessimistic clipped objective, as a per-token loss to minimise.
+
+    Returns (loss, ratio, clipped_low, clipped_high): the clipped_* masks mark
+    tokens where the clipped branch won, i.e. the gradient is zero because the
+    ratio left [1 - clip_low, 1 + clip_high] in the direction the advantage
+    pushes it.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clipped_high = (advantages > 0) & (ratio > 1.0 + clip_high)
+    clipped_low = (advantages < 0) & (ratio < 1.0 - clip_low)
+    return loss, ratio, clipped_low, clipped_high
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(π || π_ref) from sampled tokens (Schulman's k1/k2/k3).
+
+    k3 = π_ref/π - 1 - log(π_ref/π) is unbiased and never negative; the log
+    ratio is clamped to ±20 so one wild token cannot overflow it.
+    """
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        neg = (-log_ratio).clamp(-20.0, 20.0)
+        return torch.exp(neg) - 1.0 - neg
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+
+
+def truncated_is_weights(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> Tensor:
+    """min(π_prox / μ, cap) per token, without gradient (a correction, not a target)."""
+    log_w = (proximal_logprobs - behaviour_logprobs).detach()
+    return torch.exp(torch.clamp(log_w, max=math.log(cap)))
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the softmax over the last dimension (nats)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+# ---------------------------------------------------------------- the loss
+
+
+@dataclass
+class LossOutput:
+    """A differentiable loss plus statistics that merge across micro-batches.
+
+    `parts` are already-normalised scalars that add up across micro-batches
+    (loss, pg_loss, kl_loss, entropy_loss); `token_sums` are masked sums that
+    become means when divided by `tokens`; `minima`/`maxima` are extremes.
+    """
+
+    loss: Tensor
+    tokens: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+    token_sums: dict[str, float] = field(default_factory=dict)
+    minima: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, other: LossOutput) -> LossOutput:
+        def combine(a: dict[str, float], b: dict[str, float], op) -> dict[str, float]:
+            return {k: op(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in a.keys() | b.keys()}
+
+        return LossOutput(
+            loss=self.loss.detach() + other.loss.detach(),
+            tokens=self.tokens + other.tokens,
+            parts=combine(self.parts, other.parts, lambda x, y: x + y),
+            token_sums=combine(self.token_sums, other.token_sums, lambda x, y: x + y),
+            minima=combine(self.minima, other.minima, min),
+            maxima=combine(self.maxima, other.maxima, max),
+        )
+
+    def metrics(self) -> dict[str, float]:
+        out = dict(self.parts)
+        out.update({k: v / max(self.tokens, 1e-12) for k, v in self.token_sums.items()})
+        out.update({f"{k}_min": v for k, v in self.minima.items()})
+        out.update({f"{k}_max": v for k, v in self.maxima.items()})
+        return out
+
+
+def _masked_sum(values: Tensor, mask: Tensor) -> float:
+    return float((values.detach().float() * mask).sum())
+
+
+def policy_loss(
+    settings: LossSettings,
+    *,
+    logprobs: Tensor,
+    mask: Tensor,
+    advantages: Tensor,
+    behaviour_logprobs: Tensor | None = None,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> LossOutput:
+    """The clipped policy-gradient loss with optional IS correction, KL and entropy terms.
+
+    All tensors are [B, T] (advantages already broadcast to tokens); `mask`
+    is the float loss mask. `num_tokens`/`num_seqs` are the whole batch's
+    denominators when this is one micro-batch of it.
+    """
+    mask = mask.to(logprobs.dtype)
+    is_weights = None
+    if settings.is_cap > 0:
+        if behaviour_logprobs is None:
+            raise ValueError("behaviour_logprobs are required for the off-policy correction (is_cap > 0)")
+        proximal = old_logprobs if old_logprobs is not None else logprobs.detach()
+        is_weights = truncated_is_weights(proximal, behaviour_logprobs, settings.is_cap)
+        old = proximal
+    else:
+        old = old_logprobs if old_logprobs is not None else behaviour_logprobs
+        if old is None:
+            raise ValueError("old_logprobs or behaviour_logprobs are required")
+
+    pg, _ratio, clipped_low, clipped_high = clipped_surrogate(
+        logprobs, old, advantages, settings.clip_low, settings.clip_high
+    )
+    if is_weights is not None:
+        pg = pg * is_weights
+    agg = {"mode": settings.aggregation, "num_tokens": num_tokens, "num_seqs": num_seqs}
+    pg_loss = aggregate(pg, mask, **agg)
+    total = pg_loss
+    out = LossOutput(loss=total, tokens=float(mask.sum()))
+    out.parts["pg_loss"] = float(pg_loss.detach())
+
+    if settings.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("ref_logprobs are required when kl_coef > 0")
+        kl = kl_penalty(logprobs, ref_logprobs, settings.kl_estimator)
+        kl_loss = aggregate(kl, mask, **agg)
+        total = total + settings.kl_coef * kl_loss
+        out.parts["kl_loss"] = float(kl_loss.detach())
+        out.token_sums["kl"] = _masked_sum(kl, mask)
+    if entropy is not None:
+        out.token_sums["entropy"] = _masked_sum(entropy, mask)
+        if settings.entropy_coef > 0:
+            entropy_loss = aggregate(entropy, mask, **agg)
+            total = total - settings.entropy_coef * entropy_loss
+            out.parts["entropy_loss"] = float(entropy_loss.detach())
+
+    out.loss = total
+    out.parts["loss"] = float(total.detach())
+    log_ratio = (logprobs - old).detach()
+    out.token_sums["approx_kl"] = _masked_sum(kl_penalty(logprobs.detach(), old, "k3"), mask)
+    out.token_sums["ratio_mean"] = _masked_sum(log_ratio.exp(), mask)
+    out.token_sums["clip_fraction"] = _masked_sum((clipped_low | clipped_high).float(), mask)
+    out.token_sums["clip_fraction_low"] = _masked_sum(clipped_low.float(), mask)
+    out.token_sums["clip_fraction_high"] = _masked_sum(clipped_high.float(), mask)
+    if is_weights is not None:
+        selected = is_weights[mask > 0]
+        out.token_sums["is_weight_mean"] = _masked_sum(is_weights, mask)
+        raw = (old - behaviour_logprobs).detach()  # type: ignore[operator]
+        out.token_sums["is_truncated_fraction"] = _masked_sum((raw > math.log(settings.is_cap)).float(), mask)
+        if selected.numel():
+            out.minima["is_weight"] = float(selected.min())
+            out.maxima["is_weight"] = float(selected.max())
+    return out
+
+
+# ---------------------------------------------------------------- controller-side hooks
+
+
+def group_advantages(rewards: Tensor, group_size: int, *, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO advantages: each reward minus its group's mean (÷ group std), groups contiguous."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    groups = rewards.float().view(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if scale_by_std and group_size > 1:
+        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(rewards.shape)
+
+
+def overlong_penalty(lengths: Tensor, max_length: int, cache_length: int) -> Tensor:
+    """DAPO's soft overlong punishment, added to rewards.
+
+    0 up to max_length - cache_length tokens, then falling linearly to -1 at
+    max_length, and -1 beyond.
+    """
+    if not 0 < cache_length <= max_length:
+        raise ValueError("need 0 < cache_length <= max_length")
+    lengths = lengths.float()
+    start = max_length - cache_length
+    ramp = (start - lengths) / cache_length
+    return torch.where(lengths <= start, torch.zeros_like(lengths), torch.clamp(ramp, min=-1.0))

@@ -1,0 +1,245 @@
+"""The policy's lifecycle: model (optionally with LoRA), optimizer, schedule, reference.
+
+`Policy.load(config)` reads a causal LM from an HF directory onto the
+configured device and dtype, wraps it with peft LoRA adapters when asked
+(only adapter weights trainable), and builds AdamW with a warm-up + constant /
+linear / cosine schedule. The reference model for a KL term is loaded on first
+use (or at load with `reference.preload`); with LoRA it is the same model with
+its adapters switched off, which costs no memory.
+
+The step and weight version live here too: both advance by one per
+optimizer step and are restored from checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from services.trainer.config import OptimizerConfig, TrainerConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def lr_factor(step: int, cfg: OptimizerConfig) -> float:
+    """Multiplier of the peak learning rate for optimizer step `step` (from 0)."""
+    if step < cfg.warmup_steps:
+        # (step + 1): the first update already moves the weights.
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    decay, no_decay = [], []
+    for _name, param in model.named_parameters():
+        if param.requires_grad:
+            # Biases and norm gains (1-D) are not decayed, as in most LLM recipes.
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        # foreach=False: the per-parameter loop is bit-reproducible across runs and devices' thread counts.
+        foreach=False,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    return optimizer, scheduler
+
+
+class Policy:
+    """A loaded policy model with its optimizer state; not thread-safe (the engine serialises)."""
+
+    def __init__(self, config: TrainerConfig, model: nn.Module, tokenizer, name: str) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.device = torch.device(config.model.device)
+        self.dtype = DTYPES[config.model.dtype]
+        self.lora = config.model.lora.enabled
+        self.optimizer, self.scheduler = build_optimizer(model, config.optimizer)
+        self.step = 0
+        self.weight_version = 0
+        self._reference: nn.Module | None = None
+
+    # ------------------------------------------------------------ loading
+
+    @classmethod
+    def load(cls, config: TrainerConfig) -> Policy:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        # Progress bars would flood the service's structured log.
+        hf_logging.disable_progress_bar()
+        mcfg = config.model
+        if mcfg.path is None:
+            raise ValueError("model.path is not set")
+        if mcfg.cpu_threads:
+            torch.set_num_threads(mcfg.cpu_threads)
+        seed_everything(mcfg.seed)
+        if mcfg.deterministic:
+            # cuBLAS is deterministic only with a fixed workspace, set before CUDA starts.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            # warn_only: some CUDA kernels have no deterministic variant; CPU ones all do.
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(mcfg.path), dtype=DTYPES[mcfg.dtype], attn_implementation=mcfg.attn_implementation
+        ).to(mcfg.device)
+        model.config.use_cache = False
+        if mcfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if mcfg.lora.enabled:
+            model = _wrap_lora(model, config)
+        model.train()
+        policy = cls(config, model, _load_tokenizer(mcfg.path), str(mcfg.path))
+        if config.reference.preload:
+            policy.reference_context()  # loads it now
+        log.info(
+            "policy loaded",
+            extra={"model": policy.name, "parameters": policy.parameter_count, "trainable": policy.trainable_count,
+                   "device": str(policy.device), "dtype": mcfg.dtype, "lora": policy.lora},
+        )
+        return policy
+
+    def _load_reference(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        path = self.config.reference.path or self.config.model.path
+        ref = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=self.dtype, attn_implementation=self.config.model.attn_implementation
+        ).to(self.device)
+        ref.eval().requires_grad_(False)
+        log.info("reference model loaded", extra={"path": str(path)})
+        return ref
+
+    @contextlib.contextmanager
+    def reference_context(self) -> Iterator[nn.Module]:
+        """Yields the module that computes reference log-probs."""
+        if self.lora and self.config.reference.path is None:
+            with self.model.disable_adapter():
+                yield self.model
+            return
+        if self._reference is None:
+            self._reference = self._load_reference()
+        yield self._reference
+
+    # ------------------------------------------------------------ facts
+
+    # Cached: GetInfo reads them while a step may be running, and they never change.
+    @functools.cached_property
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @functools.cached_property
+    def trainable_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_model.get_input_embeddings().num_embeddings)
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The transformers model (below the peft wrapper when LoRA is on)."""
+        return self.model.get_base_model() if self.lora else self.model
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def has_gradients(self) -> bool:
+        return any(p.grad is not None for p in self.trainable_parameters())
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------ weights
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """Weights under their HF names; LoRA deltas merged in (out of place: the live model is untouched)."""
+        if not self.lora:
+            return self.model.state_dict()
+        from peft.tuners.lora import LoraLayer
+
+        base = self.model.get_base_model()
+        merged: dict[str, Tensor] = {}
+        for key, value in base.state_dict().items():
+            if "lora_" not in key:
+                merged[key.replace(".base_layer.", ".")] = value
+        with torch.no_grad():
+            for prefix, module in base.named_modules():
+                if isinstance(module, LoraLayer) and hasattr(module, "get_delta_weight"):
+                    weight = f"{prefix}.weight"
+                    delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
+                    merged[weight] = (merged[weight] + delta).to(merged[weight].dtype)
+        return merged
+
+
+def _wrap_lora(model: nn.Module, config: TrainerConfig) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lcfg = config.model.lora
+    targets: list[str] | str = lcfg.target_modules
+    if targets == ["all-linear"]:
+        targets = "all-linear"
+    peft_config = LoraConfig(
+        r=lcfg.rank, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout, target_modules=targets, task_type="CAUSAL_LM"
+    )
+    return get_peft_model(model, peft_config)
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        # Training needs only token ids; checkpoints just lack a tokenizer then.
+        log.warning("no tokenizer in the model directory", extra={"path": str(path), "error": str(exc)})
+        return None
+
+
+def rng_state() -> dict:
+    """Every RNG a training step may draw from (dropout, sampling in hooks)."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

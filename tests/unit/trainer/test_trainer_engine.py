@@ -1,0 +1,164 @@
+"""The training engine in-process on a tiny model: steps, micro-batches, rejections."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flywheel.errors import FailedPrecondition, InvalidArgument
+from services.trainer.forward import token_logprobs
+from services.trainer.training import LossRequest
+from tests.unit.trainer.trainer_helpers import (
+    make_batch,
+    optimizer_state,
+    parameters,
+    same_tensors,
+)
+
+GRPO = LossRequest(kind="grpo")
+
+
+def test_info(make_engine) -> None:
+    engine = make_engine()
+    info = engine.info()
+    assert info.ready and info.step == 0 and info.weight_version == 0
+    assert info.parameter_count == sum(p.numel() for p in engine.policy.model.parameters())
+    assert info.trainable_count == info.parameter_count
+    assert (info.dtype, info.device) == ("float32", "cpu")
+
+
+def test_train_step_advances_step_and_reports_metrics(make_engine) -> None:
+    engine = make_engine()
+    batch = make_batch()
+    result = engine.train_step(batch, GRPO)
+    assert (result.step, result.weight_version) == (1, 1)
+    assert result.tokens == int(batch["attention_mask"].sum())
+    assert result.loss_tokens == int(batch["loss_mask"].sum())
+    for name in ("loss", "pg_loss", "clip_fraction", "approx_kl", "entropy", "grad_norm", "learning_rate",
+                 "staleness_mean", "staleness_max"):
+        assert name in result.metrics, name
+    assert result.metrics["grad_norm"] > 0 and result.metrics["learning_rate"] == pytest.approx(1e-3)
+    assert engine.info().step == 1
+
+
+def test_micro_batches_give_the_same_step_as_the_whole_batch(make_engine) -> None:
+    batch = make_batch(batch_size=4)
+    whole, split = make_engine(), make_engine()
+    for aggregation in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+        loss = LossRequest(aggregation=aggregation, entropy_coef=0.01)
+        a = whole.train_step(batch, loss, micro_batch_size=0)
+        b = split.train_step(batch, loss, micro_batch_size=1)
+        assert b.metrics["loss"] == pytest.approx(a.metrics["loss"], abs=1e-5), aggregation
+        assert b.metrics["grad_norm"] == pytest.approx(a.metrics["grad_norm"], rel=1e-4), aggregation
+        pa, pb = parameters(whole), parameters(split)
+        # Adam's first steps are about lr * sign(grad), so rounding noise in
+        # near-zero gradients moves weights by a small fraction of lr (1e-3).
+        assert all(torch.allclose(pa[k], pb[k], atol=2e-5) for k in pa), aggregation
+
+
+def test_forward_backward_then_optim_step_equals_train_step(make_engine) -> None:
+    batch = make_batch()
+    one, two = make_engine(), make_engine()
+    accumulated = one.forward_backward(batch, GRPO, expected_step=0)
+    assert accumulated.loss_tokens == int(batch["loss_mask"].sum())
+    assert (accumulated.step, accumulated.tokens) == (0, int(batch["attention_mask"].sum()))
+    optim = one.optim_step(expected_step=0)
+    step = two.train_step(batch, GRPO)
+    assert (optim.step, optim.weight_version) == (1, 1)
+    assert accumulated.metrics["loss"] == step.metrics["loss"]
+    assert optim.grad_norm == step.metrics["grad_norm"]
+    assert same_tensors(parameters(one), parameters(two))
+
+
+def test_gradients_of_successive_forward_backward_calls_add_up(make_engine) -> None:
+    engine = make_engine()
+    engine.forward_backward(make_batch(seed=1), GRPO)
+    first = {n: p.grad.clone() for n, p in engine.policy.model.named_parameters()}
+    engine.forward_backward(make_batch(seed=2), GRPO)
+    second = {n: p.grad for n, p in engine.policy.model.named_parameters()}
+    assert any(not torch.equal(first[n], second[n]) for n in first)
+    with pytest.raises(FailedPrecondition, match="pending"):
+        engine.train_step(make_batch(), GRPO)  # would silently mix in the pending gradients
+    assert engine.optim_step().step == 1
+
+
+def test_rejected_calls_leave_model_and_optimizer_bit_identical(make_engine) -> None:
+    engine = make_engine()
+    engine.train_step(make_batch(seed=1), GRPO)  # optimizer state exists
+    params, opt = parameters(engine), optimizer_state(engine)
+    batch = make_batch()
+    nan_adv = {**batch, "advantages": torch.tensor([1.0, float("nan"), 0.0, 1.0])}
+    bad_shape = {**batch, "loss_mask": batch["loss_mask"][:, :-1]}
+    future = {**batch, "weight_versions": torch.tensor([0, 0, 0, 9])}
+    # The second micro-batch overflows to an infinite loss after the first one's backward ran.
+    overflow = {**batch, "advantages": torch.tensor([1.0, 3e38, 3e38, 3e38])}
+    calls = [
+        (InvalidArgument, "batch.advantages", lambda: engine.train_step(nan_adv, GRPO)),
+        (InvalidArgument, "batch.loss_mask", lambda: engine.forward_backward(bad_shape, GRPO)),
+        (FailedPrecondition, "batch.weight_versions", lambda: engine.train_step(future, GRPO)),
+        (FailedPrecondition, "expected_step", lambda: engine.train_step(batch, GRPO, expected_step=0)),
+        (FailedPrecondition, "expected_step", lambda: engine.optim_step(expected_step=7)),
+        (FailedPrecondition, "no accumulated gradients", lambda: engine.optim_step()),
+        (InvalidArgument, "loss.clip_low", lambda: engine.train_step(batch, LossRequest(clip_low=-0.1))),
+        (InvalidArgument, "loss.is_cap", lambda: engine.train_step(batch, LossRequest(is_cap=float("nan")))),
+        (FailedPrecondition, "loss is", lambda: engine.train_step(overflow, GRPO, micro_batch_size=1)),
+    ]
+    for error, field, call in calls:
+        with pytest.raises(error, match=field):
+            call()
+        assert same_tensors(parameters(engine), params), field
+        assert same_tensors(optimizer_state(engine), opt), field
+        assert not engine.policy.has_gradients(), field
+    assert engine.info().step == 1
+
+
+def test_micro_batch_token_limit(make_engine) -> None:
+    engine = make_engine(limits={"max_micro_batch_tokens": 24})
+    batch = make_batch(batch_size=4, seq_len=12)
+    with pytest.raises(InvalidArgument, match="max_micro_batch_tokens"):
+        engine.train_step(batch, GRPO)
+    assert engine.train_step(batch, GRPO, micro_batch_size=2).step == 1
+
+
+def test_no_model_is_a_failed_precondition(make_engine) -> None:
+    from services.trainer.config import TrainerConfig
+    from services.trainer.training import TrainingEngine
+
+    engine = TrainingEngine(TrainerConfig())
+    assert not engine.info().ready
+    with pytest.raises(FailedPrecondition, match="no model loaded"):
+        engine.train_step(make_batch(), GRPO)
+
+
+def test_compute_logprobs_and_reference(make_engine) -> None:
+    engine = make_engine()
+    batch = make_batch()
+    before, version = engine.compute_logprobs(batch)
+    assert version == 0 and before.shape == batch["input_ids"].shape and before.dtype == torch.float32
+    assert (before[:, 0] == 0).all() and (before[batch["attention_mask"] == 0] == 0).all()
+    # Token t's log-prob is log_softmax(logits at t - 1)[token t].
+    with torch.no_grad():
+        logits = engine.policy.model(input_ids=batch["input_ids"][:1, :3]).logits
+    manual = torch.log_softmax(logits[0, 1], -1)[batch["input_ids"][0, 2]]
+    assert float(before[0, 2]) == pytest.approx(float(manual), abs=1e-5)
+    in_pieces, _ = engine.compute_logprobs(batch, micro_batch_size=3)
+    assert torch.allclose(in_pieces, before, atol=1e-5)
+
+    result = engine.train_step(batch, LossRequest(kl_coef=0.1))
+    assert result.metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at step 0
+    after, version = engine.compute_logprobs(batch)
+    reference, _ = engine.compute_logprobs(batch, reference=True)
+    assert version == 1 and not torch.allclose(after, before)
+    assert torch.equal(reference, before)  # the reference stays the initial policy
+    assert engine.train_step(batch, LossRequest(kl_coef=0.1)).metrics["kl"] > 0
+
+
+def test_logprobs_ignore_padding_content(make_engine) -> None:
+    engine = make_engine()
+    ids = torch.tensor([[5, 6, 7, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 0, 0]])
+    a, _ = engine.compute_logprobs({"input_ids": ids, "attention_mask": mask})
+    b, _ = engine.compute_logprobs({"input_ids": torch.tensor([[5, 6, 7, 99, 42]]), "attention_mask": mask})
+    assert torch.allclose(a, b, atol=1e-6)
+    lp, _ = token_logprobs(engine.policy.model, ids[:, :3], mask[:, :3])
+    assert torch.allclose(a[:, :3], lp, atol=1e-5)

@@ -1,0 +1,208 @@
+"""The RL losses against values computed by hand on tiny tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.trainer.losses import (
+    LossSettings,
+    aggregate,
+    clipped_surrogate,
+    group_advantages,
+    kl_penalty,
+    loss_denominators,
+    overlong_penalty,
+    policy_loss,
+    truncated_is_weights,
+)
+
+VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # third sequence has no loss tokens
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("token_mean", (1 + 2 + 4) / 3),
+        ("seq_mean_token_mean", ((1 + 2) / 2 + 4 / 1) / 2),
+        ("seq_mean_token_sum", ((1 + 2) + 4) / 2),
+    ],
+)
+def test_aggregation_modes(mode: str, expected: float) -> None:
+    assert float(aggregate(VALUES, MASK, mode)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_micro_batches_with_global_denominators_sum_to_the_whole(mode: str) -> None:
+    tokens, seqs = loss_denominators(MASK)
+    assert (tokens, seqs) == (3.0, 2.0)
+    parts = [aggregate(VALUES[i : i + 1], MASK[i : i + 1], mode, num_tokens=tokens, num_seqs=seqs) for i in range(3)]
+    assert float(sum(parts)) == pytest.approx(float(aggregate(VALUES, MASK, mode)))
+
+
+def test_unknown_aggregation_is_an_error() -> None:
+    with pytest.raises(ValueError, match="aggregation"):
+        aggregate(VALUES, MASK, "mean")
+
+
+def _lp(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, old_logprobs) whose exp-difference is each ratio."""
+    old = torch.full((len(ratios),), -1.0)
+    return (old + torch.log(torch.tensor(ratios))).requires_grad_(True), old
+
+
+def test_clipped_surrogate_both_sides_and_gradients() -> None:
+    # ratio, advantage: clipped above, clipped below, outside-but-pessimistic (x2), inside.
+    logprobs, old = _lp([1.5, 0.5, 0.5, 1.5, 1.1])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0])
+    loss, _ratio, low, high = clipped_surrogate(logprobs, old, adv, clip_low=0.2, clip_high=0.28)
+    assert loss.tolist() == pytest.approx([-1.28, 0.8, -0.5, 1.5, -2.2], abs=1e-6)
+    assert high.tolist() == [True, False, False, False, False]
+    assert low.tolist() == [False, True, False, False, False]
+    loss.sum().backward()
+    # d(-A r)/d logp = -A r where the unclipped branch is active, 0 where clipped.
+    assert logprobs.grad.tolist() == pytest.approx([0.0, 0.0, -0.5, 1.5, -2.2], abs=1e-6)
+
+
+def test_dapo_clip_higher_lets_a_ratio_through_that_symmetric_clip_stops() -> None:
+    logprobs, old = _lp([1.25])
+    adv = torch.tensor([1.0])
+    symmetric, *_ = clipped_surrogate(logprobs, old, adv, 0.2, 0.2)
+    asymmetric, *_ = clipped_surrogate(logprobs, old, adv, 0.2, 0.28)
+    assert float(symmetric.detach()) == pytest.approx(-1.2)
+    assert float(asymmetric.detach()) == pytest.approx(-1.25)
+
+
+def test_kl_estimators() -> None:
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])  # log(pi / pi_ref) = 0.5
+    assert float(kl_penalty(logp, ref, "k1")) == pytest.approx(0.5)
+    assert float(kl_penalty(logp, ref, "k2")) == pytest.approx(0.125)
+    assert float(kl_penalty(logp, ref, "k3")) == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    assert float(kl_penalty(ref, ref, "k3")) == 0.0
+    with pytest.raises(ValueError):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_truncated_is_weights_cap_and_no_gradient() -> None:
+    proximal = torch.tensor([-1.0, -2.0], requires_grad=True)
+    behaviour = torch.tensor([-2.0, -1.0])
+    w = truncated_is_weights(proximal, behaviour, cap=2.0)
+    assert w.tolist() == pytest.approx([2.0, math.exp(-1.0)])  # e^1 truncated to 2
+    assert not w.requires_grad
+
+
+def test_off_policy_correction_hand_computed() -> None:
+    # One sequence, tokens 1 and 2 in the loss; trainer (proximal) log-probs
+    # -1, -2; behaviour -1.5, -1.5 => raw IS weights e^0.5 = 1.6487 (capped
+    # to 1.5) and e^-0.5 = 0.6065.
+    logprobs = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    behaviour = torch.tensor([[0.0, -1.5, -1.5]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    adv = torch.full((1, 3), 2.0)
+    settings = LossSettings(kind="ppo_clip", aggregation="token_mean", is_cap=1.5)
+    out = policy_loss(settings, logprobs=logprobs, mask=mask, advantages=adv, behaviour_logprobs=behaviour)
+    w2 = math.exp(-0.5)
+    # The ratio against the (detached) proximal policy is 1: loss = -A * w per token.
+    assert float(out.loss.detach()) == pytest.approx((-2 * 1.5 - 2 * w2) / 2)
+    m = out.metrics()
+    assert m["is_weight_mean"] == pytest.approx((1.5 + w2) / 2)
+    assert m["is_weight_min"] == pytest.approx(w2)
+    assert m["is_weight_max"] == pytest.approx(1.5)
+    assert m["is_truncated_fraction"] == pytest.approx(0.5)
+    assert m["clip_fraction"] == 0.0 and m["approx_kl"] == 0.0
+    out.loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, -1.5, -w2])
+
+
+def test_off_policy_correction_against_given_old_logprobs() -> None:
+    logprobs = torch.tensor([[0.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[0.0, -1.2]])
+    behaviour = torch.tensor([[0.0, -3.0]])
+    mask = torch.tensor([[0.0, 1.0]])
+    adv = torch.ones(1, 2)
+    settings = LossSettings(aggregation="token_mean", clip_low=0.5, clip_high=0.5, is_cap=2.0)
+    out = policy_loss(settings, logprobs=logprobs, mask=mask, advantages=adv, behaviour_logprobs=behaviour,
+                      old_logprobs=old)
+    ratio = math.exp(0.2)  # pi / pi_old, inside the clip range
+    assert float(out.loss.detach()) == pytest.approx(-ratio * 2.0)  # IS weight e^1.8 truncated to 2
+    assert out.metrics()["approx_kl"] == pytest.approx(math.exp(-0.2) - 1 + 0.2)
+
+
+def test_without_is_the_ratio_is_taken_against_behaviour_logprobs() -> None:
+    logprobs = torch.tensor([[0.0, -1.0, -1.0]])
+    behaviour = torch.tensor([[0.0, -1.0 - math.log(1.5), -1.0]])  # ratios 1.5 and 1
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    adv = torch.ones(1, 3)
+    out = policy_loss(LossSettings(aggregation="token_mean"), logprobs=logprobs, mask=mask, advantages=adv,
+                      behaviour_logprobs=behaviour)
+    assert float(out.loss.detach()) == pytest.approx((-1.2 - 1.0) / 2)
+    assert out.metrics()["clip_fraction"] == pytest.approx(0.5)
+    assert out.metrics()["clip_fraction_high"] == pytest.approx(0.5)
+
+
+def test_kl_and_entropy_terms_add_to_the_loss() -> None:
+    logprobs = torch.tensor([[0.0, -1.0, -2.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    adv = torch.zeros(1, 3)  # no policy-gradient term
+    ref = torch.tensor([[0.0, -1.5, -2.0]])
+    entropy = torch.tensor([[0.0, 3.0, 1.0]])
+    settings = LossSettings(aggregation="seq_mean_token_sum", kl_coef=0.1, entropy_coef=0.01, kl_estimator="k1")
+    out = policy_loss(settings, logprobs=logprobs, mask=mask, advantages=adv, behaviour_logprobs=logprobs,
+                      ref_logprobs=ref, entropy=entropy)
+    assert float(out.loss.detach()) == pytest.approx(0.1 * 0.5 - 0.01 * 4.0)
+    m = out.metrics()
+    assert m["kl_loss"] == pytest.approx(0.5) and m["kl"] == pytest.approx(0.25)
+    assert m["entropy"] == pytest.approx(2.0) and m["entropy_loss"] == pytest.approx(4.0)
+
+
+def test_masked_tokens_do_not_count() -> None:
+    logprobs = torch.tensor([[0.0, -1.0, -1.0]])
+    behaviour = torch.tensor([[0.0, -1.0, -9.0]])  # a wild value under mask 0
+    adv = torch.ones(1, 3)
+    out = policy_loss(LossSettings(aggregation="token_mean"), logprobs=logprobs,
+                      mask=torch.tensor([[0.0, 1.0, 0.0]]), advantages=adv, behaviour_logprobs=behaviour)
+    assert float(out.loss.detach()) == pytest.approx(-1.0)
+    assert out.tokens == 1.0
+
+
+def test_missing_inputs_are_errors() -> None:
+    t = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="behaviour"):
+        policy_loss(LossSettings(is_cap=2.0), logprobs=t, mask=t, advantages=t)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(LossSettings(kl_coef=0.1), logprobs=t, mask=t, advantages=t, behaviour_logprobs=t)
+
+
+def test_merged_outputs_weight_means_by_tokens() -> None:
+    settings = LossSettings(aggregation="token_mean")
+    lp = torch.tensor([[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]])
+    ent = torch.tensor([[0.0, 1.0, 1.0], [0.0, 4.0, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    adv = torch.ones(2, 3)
+    tokens, seqs = loss_denominators(mask)
+    outs = [policy_loss(settings, logprobs=lp[i:i + 1], mask=mask[i:i + 1], advantages=adv[i:i + 1],
+                        behaviour_logprobs=lp[i:i + 1], entropy=ent[i:i + 1], num_tokens=tokens, num_seqs=seqs)
+            for i in range(2)]
+    whole = policy_loss(settings, logprobs=lp, mask=mask, advantages=adv, behaviour_logprobs=lp, entropy=ent)
+    merged = outs[0].merge(outs[1]).metrics()
+    assert merged["entropy"] == pytest.approx(2.0) == pytest.approx(whole.metrics()["entropy"])
+    assert merged["loss"] == pytest.approx(whole.metrics()["loss"]) == pytest.approx(-1.0)
+
+
+def test_group_advantages() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    adv = group_advantages(rewards, group_size=4)
+    std = math.sqrt(4 * 0.25 / 3)  # unbiased std of [1, 0, 0, 1]
+    assert adv[:4].tolist() == pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std], rel=1e-5)
+    assert adv[4:].tolist() == [0.0] * 4  # a group with equal rewards teaches nothing
+    assert group_advantages(rewards, 4, scale_by_std=False)[:2].tolist() == [0.5, -0.5]
+    with pytest.raises(ValueError):
+        group_advantages(rewards, 3)
+
+
+def test_overlong_penalty() -> None:
+    lengths = torch.tensor([5, 6, 8, 10, 12])
+    assert overlong_penalty(lengths, max_length=10, cache_length=4).tolist() == [0.0, 0.0, -0.5, -1.0, -1.0]

@@ -1,0 +1,60 @@
+"""The servicer's translation of protobuf, and GetInfo never waiting on training."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from flywheel.errors import InvalidArgument
+from flywheel.trainer.v1 import trainer_pb2 as pb
+from services.trainer.client import make_loss_spec, make_train_batch
+from services.trainer.servicer import TrainerServicer, batch_tensors, loss_request
+from tests.unit.trainer.trainer_helpers import make_batch
+
+
+def test_batch_round_trip_is_bit_exact() -> None:
+    batch = make_batch()
+    decoded = batch_tensors(make_train_batch(**batch))
+    assert decoded["old_logprobs"] is None and decoded["ref_logprobs"] is None
+    for name, value in batch.items():
+        assert decoded[name].dtype == value.dtype and torch.equal(decoded[name], value), name
+
+
+def test_a_truncated_tensor_names_its_field() -> None:
+    message = make_train_batch(**make_batch())
+    message.loss_mask.data = message.loss_mask.data[:-4]
+    with pytest.raises(InvalidArgument, match=r"^batch\.loss_mask: .*bytes"):
+        batch_tensors(message)
+
+
+def test_loss_spec_translation() -> None:
+    request = loss_request(make_loss_spec("dapo", clip_high=0.3, aggregation="seq_mean_token_sum", is_cap=2.0))
+    assert (request.kind, request.aggregation, request.is_cap) == ("dapo", "seq_mean_token_sum", 2.0)
+    assert request.clip_high == pytest.approx(0.3)
+    unset = loss_request(pb.LossSpec())
+    assert unset.kind is None and unset.aggregation is None
+    with pytest.raises(InvalidArgument, match=r"loss\.kind"):
+        loss_request(pb.LossSpec(kind=42))
+    with pytest.raises(ValueError):
+        make_loss_spec("reinforce")
+
+
+async def test_get_info_answers_while_a_training_call_holds_the_engine(make_engine) -> None:
+    engine = make_engine()
+    servicer = TrainerServicer(engine)
+    request = pb.TrainStepRequest(batch=make_train_batch(**make_batch()), loss=make_loss_spec("grpo"))
+    engine._lock.acquire()  # a long training step in progress
+    try:
+        step = asyncio.ensure_future(servicer.TrainStep(request, None))
+        info = await asyncio.wait_for(servicer.GetInfo(pb.GetInfoRequest(), None), timeout=2)
+        assert info.ready and info.step == 0
+        await asyncio.sleep(0.2)
+        assert not step.done()  # serialised behind the lock
+    finally:
+        engine._lock.release()
+    response = await asyncio.wait_for(step, timeout=30)
+    assert response.step == 1 and response.tokens == int(make_batch()["attention_mask"].sum())
+    metrics = {m.name for m in response.metrics}
+    assert {"loss", "clip_fraction", "approx_kl", "entropy", "grad_norm"} <= metrics
