@@ -1,0 +1,103 @@
+"""Serialized `WeightChunk`s without the message-object copies.
+
+A `WeightChunk` message object costs two extra copies of its payload per side
+with protobuf's upb runtime: building one copies the bytes into the message
+(after a first copy out of the tensor into a `bytes`), serializing copies
+them again, and on the receiver parsing copies them into the message and
+reading `.data` copies them out once more. A transport that carries the
+serialized form as-is (gRPC method handlers with no (de)serializer) can use
+these two functions instead:
+
+* `serialize_chunk` writes a chunk's wire bytes with ONE copy of the payload,
+  straight from the tensor's memory: the small header fields are serialized
+  by protobuf, then the payload is appended as field 7. Field order is free
+  in the protobuf wire format, so any protobuf parser reads the result as the
+  same `WeightChunk`.
+* `parse_chunk` splits wire bytes into the header fields (parsed by protobuf
+  from the few header bytes) and a zero-copy memoryview of the payload.
+
+The bytes are exactly a `WeightChunk`: the two forms mix freely on one stream.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError
+
+from flywheel.codec.errors import ChunkCorrupted
+from flywheel.common.v1 import common_pb2
+
+_DATA_FIELD = 7  # WeightChunk.data
+_LEN = 2
+_DATA_TAG = bytes([(_DATA_FIELD << 3) | _LEN])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def serialize_chunk(header: common_pb2.WeightChunk, payload: memoryview | bytes) -> bytes:
+    """Wire bytes of `header` (whose data must be empty) with `payload` as its data."""
+    if header.data:
+        raise ValueError("serialize_chunk: the header's data field must be empty")
+    if not len(payload):
+        return header.SerializeToString()
+    return b"".join((header.SerializeToString(), _DATA_TAG, _varint(len(payload)), payload))
+
+
+def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise ChunkCorrupted("chunk is not a valid serialized WeightChunk: truncated varint")
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def parse_chunk(buf: bytes | bytearray | memoryview) -> tuple[common_pb2.WeightChunk, memoryview]:
+    """(header fields, payload view) of a serialized WeightChunk.
+
+    The header message has an empty `data`; the payload is a zero-copy view
+    of `buf`. Malformed bytes raise ChunkCorrupted.
+    """
+    view = memoryview(buf).cast("B")
+    header_parts: list[memoryview] = []
+    payload = view[:0]
+    i, start, size = 0, 0, len(view)
+    while i < size:
+        field_start = i
+        key, i = _read_varint(view, i)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, i = _read_varint(view, i)
+        elif wire_type == 1:
+            i += 8
+        elif wire_type == 5:
+            i += 4
+        elif wire_type == _LEN:
+            length, i = _read_varint(view, i)
+            if field == _DATA_FIELD:
+                if i + length > size:
+                    break  # reported below
+                # Protobuf semantics: the last occurrence of a bytes field wins.
+                header_parts.append(view[start:field_start])
+                payload, start = view[i : i + length], i + length
+            i += length
+        else:
+            raise ChunkCorrupted(f"chunk is not a valid serialized WeightChunk: wire type {wire_type}")
+    if i != size:
+        raise ChunkCorrupted("chunk is not a valid serialized WeightChunk: a field runs past the end")
+    header_parts.append(view[start:])
+    try:
+        header = common_pb2.WeightChunk.FromString(b"".join(header_parts))
+    except DecodeError as exc:
+        raise ChunkCorrupted(f"chunk is not a valid serialized WeightChunk: {exc}") from None
+    return header, payload

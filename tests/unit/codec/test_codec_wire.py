@@ -1,0 +1,96 @@
+"""Serialized chunks: the same WeightChunk bytes, fewer copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flywheel.codec import ChunkCorrupted, CodecError, WeightAssembler, encode_state_dict
+from flywheel.codec.wire import parse_chunk, serialize_chunk
+from flywheel.common.v1 import common_pb2
+from tests.unit.codec.codec_helpers import bits, random_tensor, same_bits, state_dicts
+
+STATE = {
+    "w": random_tensor(torch.bfloat16, (40, 7), 1),
+    "b": random_tensor(torch.float8_e5m2, (0,), 2),
+    "s": random_tensor(torch.float64, (), 3),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(state=state_dicts(), chunk=st.sampled_from([1, 5, 64, 4096]))
+def test_serialized_chunks_are_the_same_messages(state: dict[str, torch.Tensor], chunk: int) -> None:
+    enc = encode_state_dict(state, 3, 2, chunk_bytes=chunk, bucket_bytes=100)
+    messages = list(enc.chunks())
+    wire = list(enc.serialized_chunks())
+    assert [common_pb2.WeightChunk.FromString(w) for w in wire] == messages
+    dest = {k: random_tensor(v.dtype, tuple(v.shape), 7) for k, v in state.items()}
+    asm = WeightAssembler(enc.manifest, dest)
+    for w in wire:
+        asm.add_serialized(w)
+    asm.commit()
+    assert all(same_bits(dest[k], v) for k, v in state.items())
+
+
+def test_parse_accepts_protobufs_own_encoding_and_mixed_streams() -> None:
+    enc = encode_state_dict(STATE, 1, chunk_bytes=100)
+    asm = WeightAssembler(enc.manifest)
+    for i, chunk in enumerate(enc.chunks()):
+        raw = chunk.SerializeToString()  # data in the middle, not last
+        header, payload = parse_chunk(raw)
+        assert bytes(payload) == chunk.data and header.data == b""
+        header.data = bytes(payload)
+        assert header == chunk
+        asm.add_serialized(raw) if i % 2 else asm.add(chunk)
+    out = asm.commit()
+    assert all(same_bits(out[k], v) for k, v in STATE.items())
+
+
+def test_last_data_field_wins_as_in_protobuf() -> None:
+    header = common_pb2.WeightChunk(tensor_name="x", offset=3)
+    raw = serialize_chunk(header, b"first") + serialize_chunk(common_pb2.WeightChunk(), b"second")
+    parsed, payload = parse_chunk(raw)
+    reference = common_pb2.WeightChunk.FromString(raw)
+    assert bytes(payload) == reference.data == b"second"
+    assert parsed.tensor_name == "x" and parsed.offset == 3
+
+
+def test_serialize_refuses_a_header_with_data() -> None:
+    with pytest.raises(ValueError):
+        serialize_chunk(common_pb2.WeightChunk(data=b"x"), b"y")
+
+
+@settings(max_examples=150, deadline=None)
+@given(cut=st.integers(0, 400), flip=st.integers(0, 10_000))
+def test_mangled_wire_bytes_raise_codec_errors_only(cut: int, flip: int) -> None:
+    enc = encode_state_dict(STATE, 1, chunk_bytes=256)
+    raw = bytearray(next(enc.serialized_chunks()))
+    raw[flip % len(raw)] ^= 0x5A
+    dest = {k: torch.zeros_like(v) for k, v in STATE.items()}
+    asm = WeightAssembler(enc.manifest, dest)
+    try:
+        asm.add_serialized(bytes(raw[: len(raw) - cut % len(raw)]))
+        asm.commit()
+    except CodecError:
+        pass
+    else:
+        pytest.fail("mangled chunk was accepted")
+    assert all(not bits(v).any() for v in dest.values())
+
+
+def test_truncated_varint_is_data_loss() -> None:
+    with pytest.raises(ChunkCorrupted, match="not a valid serialized WeightChunk") as info:
+        parse_chunk(b"\x08\xff")
+    assert info.value.code == "DATA_LOSS"
+
+
+def test_pieces_are_headers_plus_payload_views() -> None:
+    enc = encode_state_dict(STATE, 2, chunk_bytes=64)
+    rebuilt = []
+    for header, payload in enc.pieces():
+        assert header.data == b"" and isinstance(payload, memoryview)
+        header.data = bytes(payload)
+        rebuilt.append(header)
+    assert rebuilt == list(enc.chunks())
