@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from flywheel.runtime.config import StrictModel
 from flywheel.runtime.server_config import ServerConfig
+
+
+class PolicyConfig(StrictModel):
+    """The sync policy in force until a controller calls ConfigurePolicy (a
+    policy persisted in the store wins over this after a restart)."""
+
+    style: Literal["fixed", "dynamic_by_explorer"] = Field("fixed", description="when rollouts sync")
+    method: Literal["nccl", "memory", "checkpoint"] = Field("memory", description="how weights travel")
+    interval: int = Field(
+        1, ge=1, description="FIXED: sync every this many steps; DYNAMIC: ask after this many, in steps"
+    )
+    offset: int = Field(0, ge=0, description="FIXED: steps the rollout side runs ahead before its first sync")
+    timeout_seconds: float = Field(60.0, gt=0, description="DYNAMIC: a sync request lapses after this long, in seconds")
 
 
 class SynchronizerConfig(StrictModel):
@@ -13,4 +29,48 @@ class SynchronizerConfig(StrictModel):
         default_factory=lambda: ServerConfig(port=50051, metrics_port=9091), description="gRPC server"
     )
     lease_seconds: float = Field(10.0, gt=0, description="a component silent this long is marked STOPPED, in seconds")
-    keep_versions: int = Field(2, ge=1, description="committed weight versions held in memory")
+    keep_versions: int = Field(2, ge=1, description="committed weight versions held in memory (MEMORY method)")
+    max_concurrent_pushes: int = Field(
+        2, ge=1, description="pushes staged at once; each holds up to a model's worth of memory until it ends"
+    )
+    push_idle_timeout_seconds: float = Field(
+        60.0, gt=0, description="a push that sends nothing for this long is aborted, in seconds"
+    )
+    store_path: Path | None = Field(
+        None,
+        description="SQLite file for component states, version metadata and the policy; "
+        "unset keeps them in memory only (lost on restart)",
+    )
+    rendezvous_host: str = Field(
+        "", description="host rollouts reach the trainer's NCCL/gloo rendezvous at; empty: the trainer's address host"
+    )
+    rendezvous_port_min: int = Field(29600, ge=1, le=65535, description="lowest rendezvous port handed out")
+    rendezvous_port_max: int = Field(29999, ge=1, le=65535, description="highest rendezvous port handed out")
+    group_backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="process-group backend; auto: nccl when every member has the label device=cuda*, else gloo"
+    )
+    transfer_timeout_seconds: float = Field(
+        300.0, gt=0, description="default deadline of an NCCL/gloo transfer, in seconds"
+    )
+    watch_queue_size: int = Field(
+        1024, ge=8, description="events a Watch subscriber may fall behind before it is dropped"
+    )
+    sweep_interval_seconds: float = Field(
+        0.2, gt=0, description="how often leases, sync-request timeouts and transfer deadlines are checked, in seconds"
+    )
+    checkpoint_require_manifest: bool = Field(
+        False, description="reject checkpoint directories without weight_manifest.pb"
+    )
+    checkpoint_verify_digest: bool = Field(
+        False, description="re-hash checkpoint bytes against weight_manifest.pb's digest (reads the whole checkpoint)"
+    )
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="initial sync policy")
+
+    @model_validator(mode="after")
+    def _ports_ordered(self) -> SynchronizerConfig:
+        if self.rendezvous_port_min > self.rendezvous_port_max:
+            raise ValueError(
+                f"rendezvous_port_min ({self.rendezvous_port_min}) is above "
+                f"rendezvous_port_max ({self.rendezvous_port_max})"
+            )
+        return self

@@ -48,6 +48,19 @@ WEIGHT_PULL_BYTES = Counter(
     "Weight bytes served to rollouts (MEMORY method).",
 )
 
+WEIGHT_VERSIONS_HELD = Gauge(
+    "flywheel_synchronizer_weight_versions_held",
+    "Committed weight versions whose bytes are held in memory (MEMORY method).",
+)
+WATCHERS = Gauge(
+    "flywheel_synchronizer_watchers",
+    "Open Watch streams.",
+)
+LEASE_EXPIRATIONS = Counter(
+    "flywheel_synchronizer_lease_expirations_total",
+    "Components marked STOPPED because their lease ran out.",
+)
+
 for _role in ROLES:
     for _state in STATES:
         COMPONENTS.labels(_role, _state)

@@ -18,6 +18,8 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_TRANSFER_STARTED: _ClassVar[EventKind]
     EVENT_KIND_TRANSFER_FINISHED: _ClassVar[EventKind]
     EVENT_KIND_SYNC_REQUESTED: _ClassVar[EventKind]
+    EVENT_KIND_PUSH_REQUESTED: _ClassVar[EventKind]
+    EVENT_KIND_VERSION_STAGED: _ClassVar[EventKind]
 
 class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -33,6 +35,8 @@ EVENT_KIND_COMPONENT_EXPIRED: EventKind
 EVENT_KIND_TRANSFER_STARTED: EventKind
 EVENT_KIND_TRANSFER_FINISHED: EventKind
 EVENT_KIND_SYNC_REQUESTED: EventKind
+EVENT_KIND_PUSH_REQUESTED: EventKind
+EVENT_KIND_VERSION_STAGED: EventKind
 TRANSFER_STATE_UNSPECIFIED: TransferState
 TRANSFER_STATE_PENDING: TransferState
 TRANSFER_STATE_COMMITTED: TransferState
@@ -49,14 +53,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, identity: _Optional[_Union[_common_pb2.ComponentIdentity, _Mapping]] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("lease_seconds", "state", "latest_version")
+    __slots__ = ("lease_seconds", "state", "latest_version", "push_requested")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUSH_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     state: _common_pb2.ComponentState
     latest_version: int
-    def __init__(self, lease_seconds: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., latest_version: _Optional[int] = ...) -> None: ...
+    push_requested: bool
+    def __init__(self, lease_seconds: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., latest_version: _Optional[int] = ..., push_requested: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("id", "step", "weight_version")
@@ -69,12 +75,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("state", "latest_version")
+    __slots__ = ("state", "latest_version", "push_requested")
     STATE_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUSH_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     state: _common_pb2.ComponentState
     latest_version: int
-    def __init__(self, state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., latest_version: _Optional[int] = ...) -> None: ...
+    push_requested: bool
+    def __init__(self, state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., latest_version: _Optional[int] = ..., push_requested: _Optional[bool] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("id",)
@@ -87,14 +95,16 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SetStateRequest(_message.Message):
-    __slots__ = ("id", "state", "expected_state")
+    __slots__ = ("id", "state", "expected_state", "weight_version")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_STATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: _common_pb2.ComponentState
     expected_state: _common_pb2.ComponentState
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., expected_state: _Optional[_Union[_common_pb2.ComponentState, str]] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., expected_state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class SetStateResponse(_message.Message):
     __slots__ = ("state",)
@@ -111,7 +121,7 @@ class WatchRequest(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[str]] = ..., send_initial: _Optional[bool] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
-    __slots__ = ("kind", "component", "latest_version", "method", "location", "sequence", "unix_ms")
+    __slots__ = ("kind", "component", "latest_version", "method", "location", "sequence", "unix_ms", "version", "group", "transfer_state", "message")
     KIND_FIELD_NUMBER: _ClassVar[int]
     COMPONENT_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +129,10 @@ class WatchResponse(_message.Message):
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     component: _common_pb2.ComponentStatus
     latest_version: int
@@ -126,7 +140,11 @@ class WatchResponse(_message.Message):
     location: str
     sequence: int
     unix_ms: int
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., component: _Optional[_Union[_common_pb2.ComponentStatus, _Mapping]] = ..., latest_version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., location: _Optional[str] = ..., sequence: _Optional[int] = ..., unix_ms: _Optional[int] = ...) -> None: ...
+    version: int
+    group: AllocateGroupResponse
+    transfer_state: TransferState
+    message: str
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., component: _Optional[_Union[_common_pb2.ComponentStatus, _Mapping]] = ..., latest_version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., location: _Optional[str] = ..., sequence: _Optional[int] = ..., unix_ms: _Optional[int] = ..., version: _Optional[int] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., transfer_state: _Optional[_Union[TransferState, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ConfigurePolicyRequest(_message.Message):
     __slots__ = ("style", "method", "sync_interval", "sync_offset", "sync_timeout_seconds")
@@ -155,16 +173,24 @@ class NeedSyncRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class NeedSyncResponse(_message.Message):
-    __slots__ = ("need_sync", "version", "state", "method")
+    __slots__ = ("need_sync", "version", "state", "method", "latest_version", "group", "push_requested", "request_deadline_unix_ms")
     NEED_SYNC_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    PUSH_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     need_sync: bool
     version: int
     state: _common_pb2.ComponentState
     method: _common_pb2.SyncMethod
-    def __init__(self, need_sync: _Optional[bool] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ...) -> None: ...
+    latest_version: int
+    group: AllocateGroupResponse
+    push_requested: bool
+    request_deadline_unix_ms: int
+    def __init__(self, need_sync: _Optional[bool] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., latest_version: _Optional[int] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., push_requested: _Optional[bool] = ..., request_deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
     __slots__ = ("manifest", "chunk")
@@ -185,10 +211,14 @@ class PushWeightsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., kept_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullWeightsRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "wait_seconds", "at_least")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AT_LEAST_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    wait_seconds: float
+    at_least: bool
+    def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., at_least: _Optional[bool] = ...) -> None: ...
 
 class PullWeightsResponse(_message.Message):
     __slots__ = ("manifest", "chunk")
@@ -229,16 +259,18 @@ class GetCheckpointResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class AllocateGroupRequest(_message.Message):
-    __slots__ = ("version", "trainer_id", "rollout_ids", "timeout_seconds")
+    __slots__ = ("version", "trainer_id", "rollout_ids", "timeout_seconds", "backend")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     version: int
     trainer_id: str
     rollout_ids: _containers.RepeatedScalarFieldContainer[str]
     timeout_seconds: float
-    def __init__(self, version: _Optional[int] = ..., trainer_id: _Optional[str] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    backend: str
+    def __init__(self, version: _Optional[int] = ..., trainer_id: _Optional[str] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., timeout_seconds: _Optional[float] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class GroupMember(_message.Message):
     __slots__ = ("id", "rank")
@@ -293,12 +325,16 @@ class GetTransferRequest(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class GetTransferResponse(_message.Message):
-    __slots__ = ("state", "error")
+    __slots__ = ("state", "error", "group", "confirmed")
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_FIELD_NUMBER: _ClassVar[int]
     state: TransferState
     error: str
-    def __init__(self, state: _Optional[_Union[TransferState, str]] = ..., error: _Optional[str] = ...) -> None: ...
+    group: AllocateGroupResponse
+    confirmed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, state: _Optional[_Union[TransferState, str]] = ..., error: _Optional[str] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., confirmed: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -321,13 +357,17 @@ class VersionInfo(_message.Message):
     def __init__(self, version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., bytes: _Optional[int] = ..., in_memory: _Optional[bool] = ..., path: _Optional[str] = ..., committed_unix_ms: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("components", "versions", "latest_version", "policy")
+    __slots__ = ("components", "versions", "latest_version", "policy", "transfers", "held_bytes")
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     components: _containers.RepeatedCompositeFieldContainer[_common_pb2.ComponentStatus]
     versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
     latest_version: int
     policy: ConfigurePolicyRequest
-    def __init__(self, components: _Optional[_Iterable[_Union[_common_pb2.ComponentStatus, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., latest_version: _Optional[int] = ..., policy: _Optional[_Union[ConfigurePolicyRequest, _Mapping]] = ...) -> None: ...
+    transfers: _containers.RepeatedCompositeFieldContainer[GetTransferResponse]
+    held_bytes: int
+    def __init__(self, components: _Optional[_Iterable[_Union[_common_pb2.ComponentStatus, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., latest_version: _Optional[int] = ..., policy: _Optional[_Union[ConfigurePolicyRequest, _Mapping]] = ..., transfers: _Optional[_Iterable[_Union[GetTransferResponse, _Mapping]]] = ..., held_bytes: _Optional[int] = ...) -> None: ...

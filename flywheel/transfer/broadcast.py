@@ -1,0 +1,300 @@
+"""Weight broadcast over a fresh NCCL or gloo process group (one per transfer).
+
+The synchronizer allocates the group (rendezvous "host:port", world size,
+ranks, backend, deadline); the trainer is rank 0 and calls `send`, each
+rollout process calls `receive`. Both are blocking (run them in a thread)
+and bounded by the deadline in every step:
+
+1. Rendezvous: rank 0 hosts a TCPStore on the port; everyone connects,
+   announces itself, and waits until all ranks did, polling the store's
+   `abort` key and the caller's `should_abort()` (the synchronizer's view)
+   so a transfer aborted elsewhere ends here within ~20 ms.
+2. A process group is built directly on that store (never the global
+   default group, which an engine may own) with the deadline as timeout.
+3. Tensors are packed into buckets (`flywheel.codec` bucket rules, 64-byte
+   aligned offsets) and each bucket is one broadcast. On CPU each bucket's
+   XXH3-64 goes through the store first and receivers verify it.
+4. Receivers stage into fresh bucket buffers and return views of them; the
+   caller applies them (`apply_staged`) only once the synchronizer says the
+   transfer COMMITTED, so an aborted transfer leaves the live weights alone.
+Any failure sets `abort` in the store, so peers stop waiting for this rank.
+The same code runs nccl on GPUs and gloo on CPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from flywheel.codec import DEFAULT_BUCKET_BYTES
+from flywheel.codec.layout import assign_buckets
+from flywheel.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
+
+ALIGN = 64
+_POLL_SECONDS = 0.02
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One rank's view of a transfer group."""
+
+    group_id: str
+    rendezvous_address: str
+    world_size: int
+    rank: int
+    backend: str
+    #: Deadline of the whole transfer, in seconds since the Unix epoch.
+    deadline: float
+    version: int = 0
+
+    def remaining(self, what: str) -> float:
+        left = self.deadline - time.time()
+        if left <= 0:
+            raise DeadlineExceeded(f"transfer {self.group_id}: deadline passed during {what}")
+        return left
+
+    @property
+    def host(self) -> str:
+        return self.rendezvous_address.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.rendezvous_address.rsplit(":", 1)[1])
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    nbytes: int
+
+
+def plan(metas: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int) -> tuple[list[Slot], list[int]]:
+    """Slots of every tensor and the byte size of every bucket."""
+    sizes = [torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in metas]
+    buckets = assign_buckets([-(-n // ALIGN) * ALIGN for n in sizes], bucket_bytes)
+    slots, fill = [], [0] * ((buckets[-1] + 1) if buckets else 0)
+    for (name, dtype, shape), n, b in zip(metas, sizes, buckets):
+        slots.append(Slot(name, dtype, shape, b, fill[b], n))
+        fill[b] += -(-n // ALIGN) * ALIGN
+    return slots, fill
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgument(f"unknown dtype {name!r} in the transfer metadata")
+    return dtype
+
+
+class _Session:
+    """Store rendezvous + process group of one rank; `close` tears both down."""
+
+    def __init__(self, spec: GroupSpec, should_abort: Callable[[], bool] | None) -> None:
+        self.spec, self._should_abort = spec, should_abort or (lambda: False)
+        self.store = dist.PrefixStore(f"flywheel/{spec.group_id}/", self._connect())
+        self.pg = None
+
+    def _connect(self) -> dist.TCPStore:
+        spec = self.spec
+        while True:
+            self.check("rendezvous")
+            wait = min(spec.remaining("rendezvous"), 2.0)
+            try:
+                return dist.TCPStore(
+                    spec.host, spec.port, spec.world_size, is_master=spec.rank == 0,
+                    timeout=datetime.timedelta(seconds=wait), wait_for_workers=False,
+                )
+            except (RuntimeError, dist.DistStoreError) as exc:
+                if spec.rank == 0:  # the port is taken or unbindable: nothing to wait for
+                    raise FailedPrecondition(f"transfer {spec.group_id}: cannot host the rendezvous: {exc}") from None
+
+    def check(self, what: str) -> None:
+        if self._should_abort():
+            raise Aborted(f"transfer {self.spec.group_id} was aborted (during {what})")
+
+    def _peer_aborted(self) -> str | None:
+        if self.store.check(["abort"]):
+            return self.store.get("abort").decode(errors="replace")
+        return None
+
+    def barrier(self, name: str, limit: float | None = None) -> None:
+        spec = self.spec
+        self.store.set(f"{name}/{spec.rank}", "1")
+        keys = [f"{name}/{r}" for r in range(spec.world_size)]
+        end = time.time() + (limit if limit is not None else spec.remaining(name))
+        while not self.store.check(keys):
+            self.check(name)
+            if (reason := self._peer_aborted()) is not None:
+                raise Aborted(f"transfer {spec.group_id}: a peer aborted: {reason}")
+            if time.time() > min(end, spec.deadline):
+                raise DeadlineExceeded(f"transfer {spec.group_id}: not every rank reached {name!r} in time")
+            time.sleep(_POLL_SECONDS)
+
+    def join(self) -> None:
+        self.barrier("joined")
+        timeout = datetime.timedelta(seconds=self.spec.remaining("group setup"))
+        if self.spec.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(self.store, self.spec.rank, self.spec.world_size, opts)
+        elif self.spec.backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            local = self.spec.host in _LOOPBACK
+            device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if local else (
+                dist.ProcessGroupGloo.create_default_device()
+            )
+            opts._devices = [device]
+            self.pg = dist.ProcessGroupGloo(self.store, self.spec.rank, self.spec.world_size, opts)
+        else:
+            raise InvalidArgument(f"unknown backend {self.spec.backend!r}; expected nccl or gloo")
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        work = self.pg.broadcast([buffer], opts)
+        work.wait(datetime.timedelta(seconds=self.spec.remaining("broadcast")))
+
+    def fail(self, reason: str) -> None:
+        try:
+            self.store.set("abort", f"rank {self.spec.rank}: {reason}"[:2000])
+        except Exception:  # noqa: BLE001 - best effort: the store may be gone
+            pass
+
+    def close(self) -> None:
+        pg, self.pg = self.pg, None
+        if pg is not None and hasattr(pg, "shutdown") and self.spec.backend == "nccl":
+            pg.shutdown()
+        del pg
+
+
+def _run(spec: GroupSpec, device: torch.device, should_abort, body: Callable[[_Session], object]):
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds its communicator to the current device
+    session = _Session(spec, should_abort)
+    try:
+        session.join()
+        return body(session)
+    except BaseException as exc:
+        session.fail(f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        session.close()
+
+
+def send(
+    spec: GroupSpec,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    should_abort: Callable[[], bool] | None = None,
+    on_bucket: Callable[[int], None] | None = None,
+) -> int:
+    """Rank 0: broadcasts `tensors` (in their order); returns the bytes sent."""
+    if spec.rank != 0:
+        raise InvalidArgument(f"send is for rank 0, this is rank {spec.rank}")
+    metas = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    slots, sizes = plan(metas, bucket_bytes)
+    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    checksum = device.type == "cpu"
+
+    def body(session: _Session) -> int:
+        meta = {"bucket_bytes": bucket_bytes, "checksums": checksum,
+                "tensors": [[n, str(d), list(s)] for n, d, s in metas]}
+        session.store.set("meta", json.dumps(meta))
+        buffer = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device)
+        for b, size in enumerate(sizes):
+            view = buffer[:size]
+            for slot in (s for s in slots if s.bucket == b and s.nbytes):
+                src = tensors[slot.name].detach().contiguous().reshape(-1).view(torch.uint8)
+                view[slot.offset : slot.offset + slot.nbytes].copy_(src)
+            if checksum:
+                session.store.set(f"sum/{b}", str(xxhash.xxh3_64_intdigest(view.numpy())))
+            session.check(f"bucket {b}")
+            session.broadcast(view)
+            if on_bucket is not None:
+                on_bucket(b)
+        # Receivers read bucket checksums from the store this rank hosts:
+        # keep it up until each is done (or someone aborted).
+        session.barrier("done", limit=min(spec.remaining("completion"), 60.0))
+        return sum(sizes)
+
+    return _run(spec, device, should_abort, body)
+
+
+def receive(
+    spec: GroupSpec,
+    like: Mapping[str, torch.Tensor],
+    *,
+    should_abort: Callable[[], bool] | None = None,
+    on_bucket: Callable[[int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A receiver: stages the broadcast into fresh buffers on `like`'s device.
+
+    `like` gives the names, dtypes and shapes this rank expects (its live
+    weights); a mismatch fails before any bucket moves. Returns staged
+    tensors (views into the bucket buffers) to `apply_staged` on commit.
+    """
+    if spec.rank == 0:
+        raise InvalidArgument("receive is for ranks >= 1; rank 0 sends")
+    device = next(iter(like.values())).device if like else torch.device("cpu")
+
+    def body(session: _Session) -> dict[str, torch.Tensor]:
+        meta = json.loads(session.store.get("meta"))
+        metas = [(n, _dtype(d), tuple(s)) for n, d, s in meta["tensors"]]
+        _check_like(metas, like)
+        slots, sizes = plan(metas, int(meta["bucket_bytes"]))
+        staged: dict[str, torch.Tensor] = {}
+        for b, size in enumerate(sizes):
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            session.check(f"bucket {b}")
+            session.broadcast(buffer)
+            if meta["checksums"] and device.type == "cpu":
+                want = int(session.store.get(f"sum/{b}"))
+                if xxhash.xxh3_64_intdigest(buffer.numpy()) != want:
+                    raise DataLoss(f"transfer {spec.group_id}: bucket {b} arrived corrupt (checksum mismatch)")
+            for slot in (s for s in slots if s.bucket == b):
+                raw = buffer[slot.offset : slot.offset + slot.nbytes]
+                staged[slot.name] = raw.view(slot.dtype).view(slot.shape) if slot.nbytes else torch.empty(
+                    slot.shape, dtype=slot.dtype, device=device
+                )
+            if on_bucket is not None:
+                on_bucket(b)
+        session.store.set(f"done/{spec.rank}", "1")  # rank 0 may close the store now
+        return staged
+
+    return _run(spec, device, should_abort, body)
+
+
+def _check_like(metas: list[tuple[str, torch.dtype, tuple[int, ...]]], like: Mapping[str, torch.Tensor]) -> None:
+    sent = {n: (d, s) for n, d, s in metas}
+    missing, extra = sorted(set(like) - set(sent))[:5], sorted(set(sent) - set(like))[:5]
+    if missing or extra:
+        raise InvalidArgument(
+            f"the broadcast does not match this rank's weights: missing {missing}, unexpected {extra}"
+        )
+    for name, (dtype, shape) in sent.items():
+        t = like[name]
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise InvalidArgument(
+                f"tensor {name!r}: broadcast {dtype}{list(shape)}, this rank holds {t.dtype}{list(t.shape)}"
+            )
+
+
+def apply_staged(staged: Mapping[str, torch.Tensor], destination: Mapping[str, torch.Tensor]) -> None:
+    """Copies a committed transfer's staged tensors into the live weights."""
+    with torch.no_grad():
+        for name, tensor in staged.items():
+            destination[name].copy_(tensor)

@@ -1,0 +1,207 @@
+"""Versioned weight buffers (MEMORY method) with cut-through readers.
+
+A version is held as the frames the trainer pushed (serialized manifest and
+chunk messages, see `flywheel.transfer.frames`): checksums are verified as
+each chunk lands, and the very same bytes are streamed to every reader, so
+concurrent pulls share one copy and nothing is re-serialized.
+
+A `VersionBuffer` starts STAGING and grows chunk by chunk; readers of a
+staging version stream each chunk as soon as it is verified (cut-through)
+and wait for the rest. `commit` (after the digest check) makes it visible
+as the newest version; `abort` drops its frames and fails every reader with
+ABORTED. Only committed versions count as served: a broken or abandoned push
+leaves no trace. The store keeps the newest `keep` committed versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import AsyncIterator
+
+from flywheel.common.v1 import common_pb2
+from flywheel.errors import Aborted, AlreadyExists, FlywheelError, NotFound, ResourceExhausted
+from services.synchronizer.verify import ChunkVerifier
+
+
+class Phase(enum.Enum):
+    STAGING = "staging"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+class Signal:
+    """A level-less broadcast: `wait()` returns at the next `fire()`."""
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future | None = None
+
+    def fire(self) -> None:
+        if self._future is not None and not self._future.done():
+            self._future.set_result(None)
+        self._future = None
+
+    async def wait(self) -> None:
+        if self._future is None:
+            self._future = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._future)
+
+
+class VersionBuffer:
+    def __init__(self, manifest: common_pb2.WeightManifest, manifest_frame: bytes) -> None:
+        self.verifier = ChunkVerifier(manifest)  # validates the manifest first
+        self.manifest = manifest
+        self.version = manifest.version
+        self.manifest_frame = manifest_frame
+        self.frames: list[bytes | None] = [None] * self.verifier.count
+        self.phase = Phase.STAGING
+        self.error: FlywheelError | None = None
+        self.held_bytes = len(manifest_frame)
+        self.started = time.monotonic()
+        self.committed_unix_ms = 0
+        self._changed = Signal()
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.manifest.total_bytes
+
+    def add(self, frame: bytes, chunk: common_pb2.WeightChunk, data: memoryview) -> None:
+        """Verifies a chunk (codec errors on failure) and makes its frame readable."""
+        if self.phase is not Phase.STAGING:
+            raise Aborted(f"version {self.version} is {self.phase.value}; no more chunks are accepted")
+        seq = self.verifier.check(chunk, data)
+        self.frames[seq] = frame
+        self.held_bytes += len(frame)
+        self._changed.fire()
+
+    def commit(self) -> None:
+        self.verifier.finish()
+        self.phase = Phase.COMMITTED
+        self.committed_unix_ms = int(time.time() * 1000)
+        self._changed.fire()
+
+    def abort(self, error: FlywheelError) -> None:
+        if self.phase is not Phase.STAGING:
+            return
+        self.phase, self.error = Phase.ABORTED, error
+        self.frames = []  # frees the bytes (readers hold none once they see ABORTED)
+        self.held_bytes = 0
+        self._changed.fire()
+
+    def _failure(self) -> Aborted:
+        return Aborted(f"the push of version {self.version} was aborted: {self.error}")
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The manifest frame, then every chunk frame in sequence order, as
+        they arrive; ends only once the version is committed."""
+        yield self.manifest_frame
+        for seq in range(self.verifier.count):
+            while True:
+                if self.phase is Phase.ABORTED:
+                    raise self._failure()
+                frame = self.frames[seq]
+                if frame is not None:
+                    break
+                await self._changed.wait()
+            yield frame
+        while self.phase is Phase.STAGING:
+            await self._changed.wait()
+        if self.phase is Phase.ABORTED:
+            raise self._failure()
+
+
+class WeightStore:
+    """The newest `keep` committed versions plus pushes in progress."""
+
+    def __init__(self, keep: int, max_staging: int = 2) -> None:
+        self.keep = keep
+        self.max_staging = max_staging
+        self.committed: dict[int, VersionBuffer] = {}  # ascending versions
+        self.staging: dict[int, VersionBuffer] = {}
+        #: Readers waiting for a version's push to begin: (version, at_least, future).
+        self._waiters: list[tuple[int, bool, asyncio.Future]] = []
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(b.held_bytes for b in (*self.committed.values(), *self.staging.values()))
+
+    @property
+    def newest(self) -> int:
+        return max(self.committed, default=0)
+
+    @property
+    def oldest(self) -> int:
+        return min(self.committed, default=0)
+
+    def begin(self, manifest: common_pb2.WeightManifest, manifest_frame: bytes) -> VersionBuffer:
+        if manifest.version in self.staging:
+            raise AlreadyExists(f"a push of version {manifest.version} is already in progress")
+        if len(self.staging) >= self.max_staging:
+            raise ResourceExhausted(
+                f"{len(self.staging)} pushes (versions {sorted(self.staging)}) are in progress; retry when one ends"
+            )
+        buffer = VersionBuffer(manifest, manifest_frame)
+        self.staging[buffer.version] = buffer
+        self._offer(buffer)
+        return buffer
+
+    def _offer(self, buffer: VersionBuffer) -> None:
+        # Waiters get the buffer itself, not a wake-up to look for it: a push
+        # that fails before they run still reaches them (as ABORTED).
+        for entry in list(self._waiters):
+            version, at_least, future = entry
+            if buffer.version == version or (at_least and buffer.version >= version):
+                self._waiters.remove(entry)
+                if not future.done():
+                    future.set_result(buffer)
+
+    def commit(self, buffer: VersionBuffer) -> list[int]:
+        """Verifies and commits a staging version; returns the evicted versions."""
+        buffer.commit()  # raises (and the caller aborts) on a truncated or tampered version
+        self.staging.pop(buffer.version, None)
+        self.committed[buffer.version] = buffer
+        self.committed = dict(sorted(self.committed.items()))
+        evicted = list(self.committed)[: -self.keep]
+        for version in evicted:
+            del self.committed[version]
+        for version in [v for v in self.staging if v < buffer.version]:
+            self.abort(self.staging[version], Aborted(f"superseded by version {buffer.version}"))
+        return evicted
+
+    def abort(self, buffer: VersionBuffer, error: FlywheelError) -> None:
+        buffer.abort(error)
+        if self.staging.get(buffer.version) is buffer:
+            del self.staging[buffer.version]
+
+    def find(self, version: int, at_least: bool = False) -> VersionBuffer | None:
+        """The buffer of `version`; with at_least, the newest committed one
+        >= version, else the oldest push of one in progress."""
+        if not at_least:
+            return self.committed.get(version) or self.staging.get(version)
+        if self.newest >= version:
+            return self.committed[self.newest]
+        return next((self.staging[v] for v in sorted(self.staging) if v >= version), None)
+
+    async def wait_for(self, version: int, timeout: float, at_least: bool = False) -> VersionBuffer | None:
+        """The buffer of `version` once its push begins (or None after `timeout` seconds)."""
+        found = self.find(version, at_least)
+        if found is not None:
+            return found
+        entry = (version, at_least, asyncio.get_running_loop().create_future())
+        self._waiters.append(entry)
+        try:
+            return await asyncio.wait_for(entry[2], timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+
+    def evicted_error(self, version: int) -> NotFound:
+        if not self.committed:
+            return NotFound(f"version {version} is no longer held in memory, and no version is")
+        return NotFound(
+            f"version {version} is no longer held in memory; the oldest kept is {self.oldest} "
+            f"(kept: {list(self.committed)})"
+        )

@@ -1,0 +1,186 @@
+"""What `SynchronizerClient` returns: typed results built from the responses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from flywheel import errors
+from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
+from services.synchronizer.convert import component_from_pb, group_from_pb
+from services.synchronizer.types import Component, EventKind, GroupInfo, Method, Policy, State, Style, TransferState
+
+_ERRORS = {
+    cls.code: cls
+    for cls in (
+        errors.InvalidArgument, errors.FailedPrecondition, errors.NotFound, errors.AlreadyExists,
+        errors.ResourceExhausted, errors.DataLoss, errors.DeadlineExceeded, errors.Aborted,
+        errors.Unavailable, errors.Unauthenticated,
+    )
+}
+
+
+def domain_error(exc: grpc.aio.AioRpcError, what: str) -> errors.FlywheelError:
+    """The flywheel.errors exception for a failed call (code kept, details as message)."""
+    code = exc.code().name
+    cls = _ERRORS.get(code, errors.FlywheelError)
+    err = cls(f"synchronizer {what}: {exc.details() or code}")
+    err.code = code
+    return err
+
+
+def _method(value: int) -> Method | None:
+    return Method(value) if value else None
+
+
+@dataclass(frozen=True)
+class Registration:
+    #: Heartbeat at least this often, in seconds.
+    lease_seconds: float
+    state: State
+    latest_version: int
+    #: MEMORY trainers: the synchronizer lost the newest version's bytes; push again.
+    push_requested: bool
+
+
+@dataclass(frozen=True)
+class Beat:
+    state: State
+    latest_version: int
+    push_requested: bool
+
+
+@dataclass(frozen=True)
+class SyncDecision:
+    need_sync: bool
+    #: Trainer: the version to publish; rollout: the lowest version to move to.
+    version: int
+    state: State
+    method: Method | None
+    latest_version: int
+    #: NCCL: the pending transfer this component takes part in.
+    group: GroupInfo | None
+    push_requested: bool
+    #: DYNAMIC rollouts: when the sync request lapses, ms since the epoch (0: none).
+    request_deadline_unix_ms: int
+
+    @classmethod
+    def from_pb(cls, r: pb.NeedSyncResponse) -> SyncDecision:
+        return cls(
+            r.need_sync, r.version, State(r.state), _method(r.method), r.latest_version,
+            group_from_pb(r.group) if r.HasField("group") else None, r.push_requested, r.request_deadline_unix_ms,
+        )
+
+
+@dataclass(frozen=True)
+class PushResult:
+    version: int
+    nbytes: int
+    #: Versions held after the commit, oldest first.
+    kept_versions: list[int]
+
+
+@dataclass(frozen=True)
+class PulledWeights:
+    version: int
+    #: The destination tensors (updated in place) or fresh CPU tensors.
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TransferOutcome:
+    state: TransferState
+    error: str
+    group: GroupInfo | None
+    confirmed: list[str]
+
+    @classmethod
+    def from_pb(cls, r: pb.GetTransferResponse) -> TransferOutcome:
+        state = TransferState(r.state) if r.state else TransferState.PENDING
+        return cls(state, r.error, group_from_pb(r.group) if r.HasField("group") else None, list(r.confirmed))
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: EventKind
+    sequence: int
+    unix_ms: int
+    latest_version: int
+    component: Component | None
+    version: int
+    method: Method | None
+    location: str
+    group: GroupInfo | None
+    transfer_state: TransferState | None
+    message: str
+
+    @classmethod
+    def from_pb(cls, r: pb.WatchResponse) -> WatchEvent:
+        return cls(
+            EventKind(r.kind), r.sequence, r.unix_ms, r.latest_version,
+            component_from_pb(r.component) if r.HasField("component") else None, r.version, _method(r.method),
+            r.location, group_from_pb(r.group) if r.HasField("group") else None,
+            TransferState(r.transfer_state) if r.transfer_state else None, r.message,
+        )
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    version: int
+    method: Method | None
+    nbytes: int
+    in_memory: bool
+    path: str
+    committed_unix_ms: int
+
+
+@dataclass(frozen=True)
+class SyncStatus:
+    components: list[Component]
+    versions: list[VersionInfo]
+    latest_version: int
+    policy: Policy
+    transfers: list[TransferOutcome]
+    held_bytes: int
+
+    @classmethod
+    def from_pb(cls, r: pb.StatusResponse) -> SyncStatus:
+        p = r.policy
+        policy = Policy(
+            Style(p.style) if p.style else Style.FIXED, Method(p.method) if p.method else Method.MEMORY,
+            p.sync_interval, p.sync_offset, p.sync_timeout_seconds,
+        )
+        return cls(
+            [component_from_pb(c) for c in r.components],
+            [
+                VersionInfo(v.version, _method(v.method), v.bytes, v.in_memory, v.path, v.committed_unix_ms)
+                for v in r.versions
+            ],
+            r.latest_version, policy, [TransferOutcome.from_pb(t) for t in r.transfers], r.held_bytes,
+        )
+
+    def component(self, component_id: str) -> Component | None:
+        return next((c for c in self.components if c.id == component_id), None)
+
+    def describe(self) -> str:
+        """A plain-text table for the CLI and logs."""
+        p = self.policy
+        lines = [
+            f"policy: {p.style.name.lower()} interval={p.interval} offset={p.offset} "
+            f"method={p.method.name.lower()} timeout={p.timeout_seconds:g}s",
+            f"latest version: {self.latest_version}   weights held: {self.held_bytes / 2**20:.1f} MiB",
+            f"{'component':<24}{'role':<12}{'state':<14}{'step':>8}{'version':>9}",
+        ]
+        for c in self.components:
+            lines.append(f"{c.id:<24}{c.role.name.lower():<12}{c.state.name:<14}{c.step:>8}{c.weight_version:>9}")
+        for v in self.versions:
+            where = v.path or ("in memory" if v.in_memory else "bytes not held")
+            method = v.method.name.lower() if v.method else "?"
+            lines.append(f"version {v.version}: {method}, {v.nbytes / 2**20:.1f} MiB, {where}")
+        for t in self.transfers[-5:]:
+            group = t.group.group_id if t.group else "?"
+            lines.append(f"transfer {group}: {t.state.name}{' - ' + t.error if t.error else ''}")
+        return "\n".join(lines)

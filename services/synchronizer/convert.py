@@ -1,0 +1,103 @@
+"""Protobuf <-> domain conversions, shared by the servicer and the client."""
+
+from __future__ import annotations
+
+from flywheel.common.v1 import common_pb2 as cpb
+from flywheel.errors import InvalidArgument
+from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
+from services.synchronizer.types import (
+    Component,
+    GroupInfo,
+    Identity,
+    Method,
+    Policy,
+    Role,
+    State,
+    Style,
+)
+
+
+def identity_from_pb(msg: cpb.ComponentIdentity) -> Identity:
+    if msg.role not in (r.value for r in Role):
+        raise InvalidArgument(f"identity.role: must be TRAINER, ROLLOUT or CONTROLLER, got {msg.role}")
+    try:
+        capabilities = frozenset(Method(m) for m in msg.capabilities)
+    except ValueError:
+        raise InvalidArgument(f"identity.capabilities: unknown method in {list(msg.capabilities)}") from None
+    return Identity(Role(msg.role), msg.id, msg.address, capabilities, dict(msg.labels))
+
+
+def identity_to_pb(identity: Identity) -> cpb.ComponentIdentity:
+    return cpb.ComponentIdentity(
+        role=int(identity.role), id=identity.id, address=identity.address,
+        capabilities=sorted(int(m) for m in identity.capabilities), labels=identity.labels,
+    )
+
+
+def component_to_pb(c: Component) -> cpb.ComponentStatus:
+    return cpb.ComponentStatus(
+        identity=identity_to_pb(c.identity), state=int(c.state), step=c.step,
+        weight_version=c.weight_version, last_heartbeat_unix_ms=c.last_heartbeat_ms,
+    )
+
+
+def component_from_pb(msg: cpb.ComponentStatus) -> Component:
+    identity = Identity(
+        Role(msg.identity.role) if msg.identity.role else Role.CONTROLLER, msg.identity.id, msg.identity.address,
+        frozenset(Method(m) for m in msg.identity.capabilities if m), dict(msg.identity.labels),
+    )
+    state = State(msg.state) if msg.state else State.STOPPED
+    return Component(identity, state, msg.step, msg.weight_version, msg.last_heartbeat_unix_ms)
+
+
+def state_from_pb(value: int, what: str, *, optional: bool = False) -> State | None:
+    if value == cpb.COMPONENT_STATE_UNSPECIFIED:
+        if optional:
+            return None
+        raise InvalidArgument(f"{what}: a state is required (STOPPED, RUNNING, REQUIRE_SYNC or WAITING_SYNC)")
+    try:
+        return State(value)
+    except ValueError:
+        raise InvalidArgument(f"{what}: unknown state {value}") from None
+
+
+def group_to_pb(group) -> pb.AllocateGroupResponse:
+    """`groups.Group` (or GroupInfo) -> AllocateGroupResponse."""
+    members = group.members if hasattr(group, "members") else list(group.ranks.items())
+    return pb.AllocateGroupResponse(
+        group_id=group.group_id, rendezvous_address=group.rendezvous_address, world_size=group.world_size,
+        backend=group.backend, members=[pb.GroupMember(id=cid, rank=rank) for cid, rank in members],
+        deadline_unix_ms=group.deadline_unix_ms, version=group.version,
+    )
+
+
+def group_from_pb(msg: pb.AllocateGroupResponse) -> GroupInfo | None:
+    if not msg.group_id:
+        return None
+    return GroupInfo(
+        group_id=msg.group_id, version=msg.version, rendezvous_address=msg.rendezvous_address,
+        world_size=msg.world_size, backend=msg.backend, ranks={m.id: m.rank for m in msg.members},
+        deadline_unix_ms=msg.deadline_unix_ms,
+    )
+
+
+def policy_to_pb(policy: Policy) -> pb.ConfigurePolicyRequest:
+    return pb.ConfigurePolicyRequest(
+        style=int(policy.style), method=int(policy.method), sync_interval=policy.interval,
+        sync_offset=policy.offset, sync_timeout_seconds=policy.timeout_seconds,
+    )
+
+
+def policy_from_pb(msg: pb.ConfigurePolicyRequest) -> dict:
+    """Keyword arguments for `Synchronizer.configure_policy` (zero fields: keep)."""
+    try:
+        style = Style(msg.style) if msg.style else None
+        method = Method(msg.method) if msg.method else None
+    except ValueError:
+        raise InvalidArgument(f"unknown style {msg.style} or method {msg.method}") from None
+    if msg.sync_timeout_seconds < 0:
+        raise InvalidArgument(f"sync_timeout_seconds must be positive, got {msg.sync_timeout_seconds}")
+    return dict(
+        style=style, method=method, interval=msg.sync_interval, offset=msg.sync_offset,
+        timeout_seconds=msg.sync_timeout_seconds,
+    )

@@ -1,0 +1,294 @@
+"""The synchronizer's domain service: components, policy, and the rules that
+tie them to versions and transfers.
+
+`Synchronizer` owns the registry, the version catalog, the weight store, the
+transfer groups, the event bus and the persistent store, and is the only
+place where they meet: every state change is persisted, published on Watch
+and counted in metrics through `_changed`. The weight plane (pushes, pulls,
+checkpoints, groups) is `services.synchronizer.plane.WeightPlane`, built on
+top of this object. No grpc here; the servicer translates.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from flywheel.errors import FailedPrecondition, InvalidArgument
+from services.synchronizer import metrics
+from services.synchronizer.buffers import WeightStore
+from services.synchronizer.config import SynchronizerConfig
+from services.synchronizer.events import EventBus
+from services.synchronizer.groups import Group, Transfers
+from services.synchronizer.policy import Decision, decide, validate
+from services.synchronizer.registry import Registry
+from services.synchronizer.store import Store
+from services.synchronizer.types import (
+    Component,
+    EventKind,
+    Identity,
+    Method,
+    Policy,
+    Role,
+    State,
+    Style,
+    TransferState,
+)
+from services.synchronizer.versions import VersionCatalog, VersionRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SyncAnswer:
+    """NeedSync's answer: the decision plus what the caller needs to act on it."""
+
+    decision: Decision
+    component: Component
+    method: Method
+    latest_version: int
+    group: Group | None
+    push_requested: bool
+    #: DYNAMIC rollouts waiting: when the request lapses, ms since the epoch (0: none).
+    request_deadline_unix_ms: int
+
+
+def policy_from_config(config: SynchronizerConfig) -> Policy:
+    p = config.policy
+    return Policy(Style[p.style.upper()], Method[p.method.upper()], p.interval, p.offset, p.timeout_seconds)
+
+
+class Synchronizer:
+    def __init__(self, config: SynchronizerConfig, clock=time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self.store = Store(config.store_path)
+        self.events = EventBus(config.watch_queue_size)
+        self.registry = Registry(config.lease_seconds, self._changed, clock)
+        self.catalog = VersionCatalog()
+        self.weights = WeightStore(config.keep_versions, config.max_concurrent_pushes)
+        self.transfers = Transfers(
+            host=config.rendezvous_host,
+            ports=range(config.rendezvous_port_min, config.rendezvous_port_max + 1),
+            default_timeout=config.transfer_timeout_seconds,
+            default_backend=config.group_backend,
+            on_finish=self._transfer_finished,
+            clock=clock,
+        )
+        self.policy = validate(self.store.load_policy() or policy_from_config(config))
+        self._restore()
+
+    # -- bookkeeping ---------------------------------------------------------
+
+    def _restore(self) -> None:
+        components = self.store.load_components()
+        now = self._clock()
+        for c in components:
+            # Transfers do not survive a restart: whoever was in one goes back
+            # to asking for it (rollouts) or running (trainers).
+            if c.state == State.WAITING_SYNC:
+                c.state = State.REQUIRE_SYNC if c.role == Role.ROLLOUT else State.RUNNING
+            if c.state == State.REQUIRE_SYNC:
+                c.requested_at, c.request_step = now, c.step
+        self.registry.restore(components)
+        self.catalog.restore(self.store.load_versions())
+        self.events.latest_version = self.catalog.latest
+        if components or self.catalog.records:
+            log.info(
+                "restored state",
+                extra={"components": len(components), "latest_version": self.catalog.latest,
+                       "push_requested": self.push_requested},
+            )
+        self._refresh_metrics()
+
+    def _changed(self, c: Component, kind: EventKind, message: str) -> None:
+        self.store.save_component(c)
+        version = c.awaited_version if kind == EventKind.SYNC_REQUESTED else 0
+        self.events.publish(kind, c, message=message, version=version)
+        if kind == EventKind.COMPONENT_EXPIRED:
+            metrics.LEASE_EXPIRATIONS.inc()
+        self._refresh_components()
+
+    def _refresh_components(self) -> None:
+        counts = Counter((c.role, c.state) for c in self.registry.components.values())
+        for role in (Role.TRAINER, Role.ROLLOUT, Role.CONTROLLER):
+            for state in State:
+                metrics.COMPONENTS.labels(role.name.lower(), state.name.lower()).set(counts[(role, state)])
+
+    def _refresh_metrics(self) -> None:
+        self._refresh_components()
+        metrics.LATEST_VERSION.set(self.catalog.latest)
+        metrics.WEIGHTS_HELD_BYTES.set(self.weights.held_bytes)
+        metrics.WEIGHT_VERSIONS_HELD.set(len(self.weights.committed))
+        metrics.WATCHERS.set(self.events.subscriber_count)
+
+    def commit_version(self, record: VersionRecord, *, location: str = "") -> None:
+        """Records a committed version (any method) and announces it."""
+        self.catalog.commit(record)
+        self.store.save_version(record)
+        self.store.trim_versions(min(self.catalog.records))
+        self.events.latest_version = self.catalog.latest
+        self.events.publish(
+            EventKind.VERSION_COMMITTED, version=record.version, method=record.method, location=location or record.path
+        )
+        self._refresh_metrics()
+
+    @property
+    def push_requested(self) -> bool:
+        """The newest version is a MEMORY version whose bytes are not held (lost in a restart)."""
+        record = self.catalog.latest_record()
+        return (
+            record is not None
+            and record.method == Method.MEMORY
+            and record.version not in self.weights.committed
+        )
+
+    # -- components ----------------------------------------------------------
+
+    def register(self, identity: Identity, step: int, weight_version: int) -> Component:
+        old = self.registry.components.get(identity.id)
+        if old is not None and old.state != State.STOPPED:
+            # A component registering again restarted: it left whatever it was in.
+            self.transfers.member_left(identity.id, "registered again (restarted)")
+        c = self.registry.register(identity, step, weight_version)
+        if c.role == Role.TRAINER and self.push_requested:
+            self.events.publish(
+                EventKind.PUSH_REQUESTED, c, version=self.catalog.latest,
+                message=f"the bytes of version {self.catalog.latest} were lost; push the current weights",
+            )
+        return c
+
+    def heartbeat(self, component_id: str, step: int, weight_version: int) -> Component:
+        return self.registry.heartbeat(component_id, step, weight_version)
+
+    def deregister(self, component_id: str) -> Component:
+        c = self.registry.deregister(component_id)
+        self.transfers.member_left(component_id, "deregistered")
+        return c
+
+    def set_state(
+        self, component_id: str, state: State, *, expected: State | None = None, weight_version: int = 0
+    ) -> Component:
+        c = self.registry.get(component_id)
+        self.registry.check(c, state, expected)
+        previous, version_changed = c.state, bool(weight_version) and weight_version != c.weight_version
+        if weight_version:
+            c.weight_version = weight_version
+        if c.awaited_version and c.weight_version >= c.awaited_version:
+            # Its last request is satisfied (even if it lapsed while the pull ran).
+            c.last_sync_step = max(c.last_sync_step, c.request_step)
+        if previous in (State.REQUIRE_SYNC, State.WAITING_SYNC) and state == State.RUNNING:
+            if self.transfers.pending_for(c.id) is not None:
+                self.transfers.member_left(c.id, f"went back to RUNNING at version {c.weight_version}")
+        if state == State.STOPPED:
+            self.transfers.member_left(c.id, "stopped")
+        if state != c.state:
+            self.registry.move(c, state)
+        elif version_changed:
+            self.registry.touch(c, "weight version changed")
+        return c
+
+    # -- policy --------------------------------------------------------------
+
+    def configure_policy(
+        self,
+        *,
+        style: Style | None = None,
+        method: Method | None = None,
+        interval: int = 0,
+        offset: int = 0,
+        timeout_seconds: float = 0.0,
+    ) -> Policy:
+        """Updates the policy; unset (None/0) fields keep their value, except offset."""
+        current = self.policy
+        policy = Policy(
+            style=style or current.style,
+            method=method or current.method,
+            interval=interval or current.interval,
+            offset=offset,
+            timeout_seconds=timeout_seconds or current.timeout_seconds,
+        )
+        self.policy = validate(policy)
+        self.store.save_policy(self.policy)
+        log.info("policy configured", extra={"policy": repr(self.policy)})
+        return self.policy
+
+    def need_sync(self, component_id: str, step: int) -> SyncAnswer:
+        c = self.registry.get(component_id)
+        if c.state != State.STOPPED:
+            self.registry.renew(c)  # asking is a sign of life
+        c.step = step
+        latest = self.catalog.latest
+        decision = decide(self.policy, c, step, latest, self.registry.live(Role.ROLLOUT), self.push_requested)
+        if decision.new_request:
+            c.requested_at, c.request_step, c.awaited_version = self._clock(), step, decision.version
+            self.registry.move(c, decision.state, EventKind.SYNC_REQUESTED)
+        elif decision.state != c.state:
+            self.registry.move(c, decision.state)
+        deadline = 0
+        if self.policy.style == Style.DYNAMIC_BY_EXPLORER and c.role == Role.ROLLOUT and c.requested_at is not None:
+            deadline = int((time.time() + c.requested_at + self.policy.timeout_seconds - self._clock()) * 1000)
+        return SyncAnswer(
+            decision=decision, component=replace(c), method=self.policy.method, latest_version=latest,
+            group=self.transfers.pending_for(c.id), push_requested=self.push_requested and c.role == Role.TRAINER,
+            request_deadline_unix_ms=deadline,
+        )
+
+    # -- time ----------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """Expires leases, lapses DYNAMIC sync requests, aborts late transfers."""
+        for c in self.registry.expire():
+            self.transfers.member_left(c.id, "lease expired")
+        if self.policy.style == Style.DYNAMIC_BY_EXPLORER:
+            now, timeout = self._clock(), self.policy.timeout_seconds
+            for c in self.registry.live(Role.ROLLOUT):
+                if (
+                    c.state == State.REQUIRE_SYNC
+                    and c.requested_at is not None
+                    and now - c.requested_at > timeout
+                    and self.transfers.pending_for(c.id) is None
+                ):
+                    self.registry.move(c, State.RUNNING, message=f"sync request timed out after {timeout:g}s")
+        self.transfers.sweep()
+        self._refresh_metrics()
+
+    # -- transfers (outcome side; allocation lives in the weight plane) --------
+
+    def _transfer_finished(self, group: Group) -> None:
+        committed = group.state == TransferState.COMMITTED
+        for member_id, rank in group.members:
+            c = self.registry.components.get(member_id)
+            if c is None:
+                continue
+            if committed and rank > 0 and group.version > c.weight_version:
+                c.weight_version = group.version
+                if c.weight_version >= c.awaited_version:
+                    c.last_sync_step = max(c.last_sync_step, c.request_step)
+            if c.state == State.WAITING_SYNC:
+                self.registry.move(c, State.RUNNING, message=f"transfer {group.group_id} {group.state.name.lower()}")
+            elif committed and rank > 0:
+                self.registry.touch(c, f"received version {group.version}")
+        elapsed = self._clock() - group.started
+        if committed:
+            metrics.WEIGHT_SYNC_DURATION.labels("nccl").observe(elapsed)
+            if group.version > self.catalog.latest:
+                self.commit_version(VersionRecord(group.version, Method.NCCL), location=group.group_id)
+        else:
+            metrics.WEIGHT_SYNC_FAILURES.labels("nccl").inc()
+            log.warning("transfer aborted", extra={"group_id": group.group_id, "reason": group.error})
+        self.events.publish(
+            EventKind.TRANSFER_FINISHED, version=group.version, method=Method.NCCL, location=group.group_id,
+            group=group, transfer_state=group.state, message=group.error,
+        )
+
+    def check_version(self, version: int, what: str, *, allow_equal: bool = False) -> None:
+        latest = self.catalog.latest
+        if version < 1:
+            raise InvalidArgument(f"{what}: version must be >= 1, got {version}")
+        if version < latest or (version == latest and not allow_equal):
+            raise FailedPrecondition(
+                f"{what}: version {version} is not newer than the newest committed version {latest}"
+            )

@@ -1,0 +1,158 @@
+"""The trainer's and rollouts' side of an NCCL/gloo transfer, driven through
+the synchronizer: join the group it allocated, move the weights
+(`flywheel.transfer.broadcast`), report the outcome, and apply the staged
+weights only if the synchronizer declares the transfer COMMITTED.
+
+    # trainer (rank 0)
+    outcome = await broadcast_version(sync, "trainer-0", version, model.state_dict())
+    # rollout, when NeedSync or Watch hands it a group
+    outcome = await receive_version(sync, "rollout-0", group, live_weights)
+
+While the blocking broadcast runs in a worker thread, a watcher follows the
+transfer on the synchronizer and raises the abort flag the broadcast polls,
+so a transfer that failed elsewhere (a peer's error, an expired lease, the
+deadline) stops this side at its next checkpoint instead of its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+
+import torch
+
+from flywheel.codec import DEFAULT_BUCKET_BYTES
+from flywheel.errors import FailedPrecondition, FlywheelError
+from flywheel.transfer.broadcast import GroupSpec, apply_staged, receive, send
+from services.synchronizer.client import SynchronizerClient
+from services.synchronizer.client_types import TransferOutcome
+from services.synchronizer.types import GroupInfo, State, TransferState
+
+
+def spec_for(group: GroupInfo, component_id: str) -> GroupSpec:
+    return GroupSpec(
+        group_id=group.group_id, rendezvous_address=group.rendezvous_address, world_size=group.world_size,
+        rank=group.rank_of(component_id), backend=group.backend, deadline=group.deadline_unix_ms / 1000,
+        version=group.version,
+    )
+
+
+@contextlib.asynccontextmanager
+async def _abort_flag(client: SynchronizerClient, group_id: str) -> AsyncIterator[threading.Event]:
+    """A flag raised once the synchronizer no longer holds the transfer PENDING
+    as anything but a success in the making (aborted, or unknown after a restart)."""
+    aborted = threading.Event()
+
+    async def follow() -> None:
+        while True:
+            try:
+                outcome = await client.get_transfer(group_id, wait_seconds=5.0)
+            except FlywheelError as exc:
+                if exc.code == "NOT_FOUND":
+                    aborted.set()
+                    return
+                await asyncio.sleep(0.5)  # the synchronizer is unreachable for now; keep going
+                continue
+            if outcome.state == TransferState.ABORTED:
+                aborted.set()
+            if outcome.state != TransferState.PENDING:
+                return
+
+    task = asyncio.ensure_future(follow())
+    try:
+        yield aborted
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _finish(
+    client: SynchronizerClient, group: GroupInfo, component_id: str, error: BaseException | None
+) -> TransferOutcome:
+    """Reports this side's outcome and waits for the transfer's."""
+    reason = "" if error is None else f"{type(error).__name__}: {error}"
+    await client.report_transfer(group.group_id, component_id, error is None, reason)
+    wait = max(0.0, group.deadline_unix_ms / 1000 - time.time()) + 1.0
+    return await client.get_transfer(group.group_id, wait_seconds=wait)
+
+
+async def send_in_group(
+    client: SynchronizerClient,
+    trainer_id: str,
+    group: GroupInfo,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    on_bucket: Callable[[int], None] | None = None,
+) -> TransferOutcome:
+    spec = spec_for(group, trainer_id)
+    error: BaseException | None = None
+    async with _abort_flag(client, group.group_id) as aborted:
+        try:
+            await asyncio.to_thread(
+                send, spec, tensors, bucket_bytes=bucket_bytes, should_abort=aborted.is_set, on_bucket=on_bucket
+            )
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, then the outcome decides
+            error = exc
+    return await _finish(client, group, trainer_id, error)
+
+
+async def broadcast_version(
+    client: SynchronizerClient,
+    trainer_id: str,
+    version: int,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    rollout_ids: tuple[str, ...] = (),
+    timeout_seconds: float = 0.0,
+    backend: str = "",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> TransferOutcome:
+    """Trainer: allocates a group for `version` and broadcasts `tensors` as rank 0."""
+    try:
+        group = await client.allocate_group(
+            version, trainer_id, rollout_ids, timeout_seconds=timeout_seconds, backend=backend
+        )
+    except FlywheelError:
+        # No transfer will end and release the trainer from WAITING_SYNC: do it here.
+        with contextlib.suppress(FlywheelError):
+            await client.set_state(trainer_id, State.RUNNING, expected=State.WAITING_SYNC)
+        raise
+    return await send_in_group(client, trainer_id, group, tensors, bucket_bytes=bucket_bytes)
+
+
+async def receive_version(
+    client: SynchronizerClient,
+    rollout_id: str,
+    group: GroupInfo,
+    live: Mapping[str, torch.Tensor],
+    *,
+    apply: bool = True,
+    on_bucket: Callable[[int], None] | None = None,
+) -> tuple[TransferOutcome, dict[str, torch.Tensor] | None]:
+    """Rollout: joins `group` (REQUIRE_SYNC -> WAITING_SYNC), receives into
+    staging, reports, and on COMMITTED copies the staged weights into `live`
+    (with apply) and returns them; otherwise returns None and `live` is untouched."""
+    try:
+        await client.set_state(rollout_id, State.WAITING_SYNC)
+    except FailedPrecondition:  # still RUNNING: ask first, then join
+        await client.set_state(rollout_id, State.REQUIRE_SYNC)
+        await client.set_state(rollout_id, State.WAITING_SYNC)
+    spec = spec_for(group, rollout_id)
+    staged: dict[str, torch.Tensor] | None = None
+    error: BaseException | None = None
+    async with _abort_flag(client, group.group_id) as aborted:
+        try:
+            staged = await asyncio.to_thread(receive, spec, live, should_abort=aborted.is_set, on_bucket=on_bucket)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    outcome = await _finish(client, group, rollout_id, error)
+    if outcome.state != TransferState.COMMITTED or staged is None:
+        return outcome, None  # staged buffers are dropped: the old weights stay
+    if apply:
+        await asyncio.to_thread(apply_staged, staged, live)
+    return outcome, staged

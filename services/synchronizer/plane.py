@@ -1,0 +1,207 @@
+"""The weight plane of the synchronizer: MEMORY pushes and pulls, CHECKPOINT
+registrations, NCCL group allocation and outcome queries, and the status.
+
+Versions are transactions: a push is staged, verified and only then
+committed (a failure of any kind leaves no trace and the previous newest
+version is still served); a checkpoint is announced only after its directory
+checks out; an NCCL version counts only once every receiver confirmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flywheel.common.v1 import common_pb2
+from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument, NotFound, Unavailable
+from services.synchronizer import metrics
+from services.synchronizer.buffers import VersionBuffer
+from services.synchronizer.checkpoints import verify_checkpoint
+from services.synchronizer.core import Synchronizer
+from services.synchronizer.groups import Group
+from services.synchronizer.types import Component, EventKind, Method, Policy, Role, State
+from services.synchronizer.versions import VersionRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VersionStatus:
+    record: VersionRecord
+    in_memory: bool
+
+
+@dataclass(frozen=True)
+class Status:
+    components: list[Component]
+    versions: list[VersionStatus]
+    latest_version: int
+    policy: Policy
+    transfers: list[Group]
+    held_bytes: int
+
+
+class WeightPlane:
+    def __init__(self, sync: Synchronizer) -> None:
+        self.sync = sync
+        self.weights = sync.weights
+
+    # -- MEMORY: push --------------------------------------------------------
+
+    def begin_push(self, manifest: common_pb2.WeightManifest, frame: bytes) -> VersionBuffer:
+        # A version equal to the newest is accepted only to restore bytes lost in a restart.
+        self.sync.check_version(manifest.version, "push", allow_equal=self.sync.push_requested)
+        buffer = self.weights.begin(manifest, frame)
+        self.sync.events.publish(EventKind.VERSION_STAGED, version=buffer.version, method=Method.MEMORY)
+        metrics.WEIGHTS_HELD_BYTES.set(self.weights.held_bytes)
+        return buffer
+
+    def add_chunk(self, buffer: VersionBuffer, frame: bytes, chunk: common_pb2.WeightChunk, data: memoryview) -> None:
+        buffer.add(frame, chunk, data)
+        metrics.WEIGHT_PUSH_BYTES.inc(len(data))
+
+    def commit_push(self, buffer: VersionBuffer) -> list[int]:
+        """Verifies completeness and digest, then commits; returns the kept versions."""
+        self.sync.check_version(buffer.version, "push", allow_equal=self.sync.push_requested)
+        evicted = self.weights.commit(buffer)
+        record = VersionRecord(buffer.version, Method.MEMORY, buffer.payload_bytes)
+        self.sync.commit_version(record)
+        metrics.WEIGHT_SYNC_DURATION.labels("memory").observe(time.monotonic() - buffer.started)
+        log.info(
+            "version committed", extra={"version": buffer.version, "bytes": buffer.payload_bytes, "evicted": evicted}
+        )
+        return list(self.weights.committed)
+
+    def abort_push(self, buffer: VersionBuffer, error: BaseException) -> None:
+        reason = error if isinstance(error, FlywheelError) else FailedPrecondition(f"push ended: {error!r}")
+        self.weights.abort(buffer, reason)
+        metrics.WEIGHT_SYNC_FAILURES.labels("memory").inc()
+        metrics.WEIGHTS_HELD_BYTES.set(self.weights.held_bytes)
+        log.warning("push aborted", extra={"version": buffer.version, "reason": str(error) or type(error).__name__})
+
+    # -- MEMORY: pull --------------------------------------------------------
+
+    async def open_pull(self, version: int, wait_seconds: float = 0.0, at_least: bool = False) -> VersionBuffer:
+        """The buffer to stream for `version` (0: the newest committed; with
+        at_least, the newest >= version, waiting for a push of one to begin)."""
+        catalog = self.sync.catalog
+        if at_least and version > 0:
+            if version <= catalog.latest:
+                version = 0  # the newest committed qualifies
+            else:
+                buffer = await self.weights.wait_for(version, wait_seconds, at_least=True)
+                if buffer is None:
+                    raise NotFound(f"no version >= {version} has been pushed (newest committed: {catalog.latest})")
+                return buffer
+        if version == 0:
+            record = catalog.latest_record()
+            if record is None:
+                raise NotFound("no weight version has been committed yet")
+            version = record.version
+        buffer = self.weights.find(version)
+        if buffer is not None:
+            return buffer
+        record = catalog.get(version)
+        if record is not None and record.method != Method.MEMORY:
+            where = f" at {record.path}" if record.path else ""
+            raise FailedPrecondition(f"version {version} was published by {record.method.name}{where}, not MEMORY")
+        if record is not None and version == catalog.latest:
+            raise Unavailable(
+                f"the bytes of version {version} were lost when the synchronizer restarted; "
+                "the trainer has been asked to push it again"
+            )
+        if version <= catalog.latest:
+            raise self.weights.evicted_error(version)
+        buffer = await self.weights.wait_for(version, wait_seconds) if wait_seconds > 0 else None
+        if buffer is None:
+            raise NotFound(f"version {version} has not been pushed (newest committed: {catalog.latest})")
+        return buffer
+
+    # -- CHECKPOINT ----------------------------------------------------------
+
+    async def register_checkpoint(self, version: int, path: str, trainer_id: str) -> int:
+        if not path:
+            raise InvalidArgument("path: empty")
+        existing = self.sync.catalog.get(version) if version else None
+        if existing is not None and existing.method == Method.CHECKPOINT and existing.path == path:
+            return version  # a retried registration
+        self.sync.check_version(version, "checkpoint")
+        started = time.monotonic()
+        try:
+            nbytes = await asyncio.to_thread(
+                verify_checkpoint, path, version,
+                require_manifest=self.sync.config.checkpoint_require_manifest,
+                verify_digest=self.sync.config.checkpoint_verify_digest,
+            )
+            self.sync.check_version(version, "checkpoint")  # something newer may have landed meanwhile
+        except FlywheelError:
+            metrics.WEIGHT_SYNC_FAILURES.labels("checkpoint").inc()
+            raise
+        self.sync.commit_version(VersionRecord(version, Method.CHECKPOINT, nbytes, path))
+        metrics.WEIGHT_SYNC_DURATION.labels("checkpoint").observe(time.monotonic() - started)
+        log.info("checkpoint registered", extra={"version": version, "path": path, "trainer_id": trainer_id})
+        return version
+
+    def get_checkpoint(self, version: int) -> VersionRecord:
+        if version == 0:
+            record = self.sync.catalog.newest_of(Method.CHECKPOINT)
+            if record is None:
+                raise NotFound("no checkpoint version has been registered")
+            return record
+        record = self.sync.catalog.get(version)
+        if record is None or record.method != Method.CHECKPOINT:
+            raise NotFound(f"version {version} is not a registered checkpoint")
+        return record
+
+    # -- NCCL ----------------------------------------------------------------
+
+    def _member(self, component_id: str, role: Role) -> Component:
+        c = self.sync.registry.get(component_id)
+        if c.role != role:
+            raise InvalidArgument(f"{component_id!r} is a {c.role.name.lower()}, not a {role.name.lower()}")
+        if c.state == State.STOPPED:
+            raise FailedPrecondition(f"{role.name.lower()} {component_id!r} is STOPPED")
+        return c
+
+    def allocate_group(
+        self, version: int, trainer_id: str, rollout_ids: Sequence[str], timeout: float, backend: str
+    ) -> Group:
+        trainer = self._member(trainer_id, Role.TRAINER)
+        self.sync.check_version(version, "transfer", allow_equal=True)  # equal: catching up a replica
+        if rollout_ids:
+            rollouts = [self._member(rid, Role.ROLLOUT) for rid in dict.fromkeys(rollout_ids)]
+        else:
+            rollouts = [
+                r for r in self.sync.registry.live(Role.ROLLOUT)
+                if not r.identity.capabilities or Method.NCCL in r.identity.capabilities
+            ]
+        group = self.sync.transfers.allocate(version, trainer, rollouts, timeout, backend)
+        self.sync.events.publish(
+            EventKind.TRANSFER_STARTED, version=version, method=Method.NCCL, location=group.group_id, group=group
+        )
+        log.info(
+            "group allocated", extra={"group_id": group.group_id, "members": group.members, "backend": group.backend}
+        )
+        return group
+
+    def report_transfer(self, group_id: str, component_id: str, success: bool, error: str) -> Group:
+        return self.sync.transfers.report(group_id, component_id, success, error)
+
+    async def get_transfer(self, group_id: str, wait_seconds: float) -> Group:
+        return await self.sync.transfers.wait(group_id, wait_seconds)
+
+    # -- status --------------------------------------------------------------
+
+    def status(self) -> Status:
+        s = self.sync
+        return Status(
+            components=sorted(s.registry.components.values(), key=lambda c: (c.role, c.id)),
+            versions=[VersionStatus(r, self.weights.find(r.version) is not None) for r in s.catalog.ordered()],
+            latest_version=s.catalog.latest,
+            policy=s.policy,
+            transfers=list(s.transfers.groups.values()),
+            held_bytes=self.weights.held_bytes,
+        )

@@ -1,0 +1,120 @@
+"""Persistence of component states, committed version metadata and the
+policy in a small SQLite file, so a restarted synchronizer resumes the run.
+
+Writes are tiny and rare (registrations, state changes, commits), so they run
+synchronously on the event loop; WAL mode with synchronous=NORMAL keeps each
+well under a millisecond and survives a process crash (only an OS crash may
+lose the last transaction). Weight bytes are never stored here.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import asdict
+from pathlib import Path
+
+from services.synchronizer.types import Component, Identity, Method, Policy, Role, State, Style
+from services.synchronizer.versions import VersionRecord
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS components (
+  id TEXT PRIMARY KEY, role INTEGER NOT NULL, address TEXT NOT NULL, capabilities TEXT NOT NULL,
+  labels TEXT NOT NULL, state INTEGER NOT NULL, step INTEGER NOT NULL, weight_version INTEGER NOT NULL,
+  last_heartbeat_ms INTEGER NOT NULL, last_sync_step INTEGER NOT NULL, awaited_version INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS versions (
+  version INTEGER PRIMARY KEY, method INTEGER NOT NULL, nbytes INTEGER NOT NULL, path TEXT NOT NULL,
+  committed_unix_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+class Store:
+    """SQLite-backed store; `Store(None)` keeps nothing (state is lost on restart)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._db: sqlite3.Connection | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+
+    @property
+    def enabled(self) -> bool:
+        return self._db is not None
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    # -- writes --------------------------------------------------------------
+
+    def save_component(self, c: Component) -> None:
+        if self._db is None:
+            return
+        ident = c.identity
+        self._db.execute(
+            "INSERT OR REPLACE INTO components VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                ident.id, int(ident.role), ident.address, json.dumps(sorted(int(m) for m in ident.capabilities)),
+                json.dumps(ident.labels), int(c.state), c.step, c.weight_version, c.last_heartbeat_ms,
+                c.last_sync_step, c.awaited_version,
+            ),
+        )
+
+    def save_version(self, r: VersionRecord) -> None:
+        if self._db is None:
+            return
+        self._db.execute(
+            "INSERT OR REPLACE INTO versions VALUES (?,?,?,?,?)",
+            (r.version, int(r.method), r.nbytes, r.path, r.committed_unix_ms),
+        )
+
+    def save_policy(self, policy: Policy) -> None:
+        if self._db is None:
+            return
+        value = {**asdict(policy), "style": policy.style.name, "method": policy.method.name}
+        self._db.execute("INSERT OR REPLACE INTO settings VALUES ('policy', ?)", (json.dumps(value),))
+
+    # -- reads ---------------------------------------------------------------
+
+    def load_components(self) -> list[Component]:
+        if self._db is None:
+            return []
+        rows = self._db.execute("SELECT * FROM components ORDER BY id").fetchall()
+        out = []
+        for cid, role, address, caps, labels, state, step, version, hb, last_sync, awaited in rows:
+            identity = Identity(
+                role=Role(role), id=cid, address=address,
+                capabilities=frozenset(Method(m) for m in json.loads(caps)), labels=json.loads(labels),
+            )
+            out.append(Component(
+                identity=identity, state=State(state), step=step, weight_version=version,
+                last_heartbeat_ms=hb, last_sync_step=last_sync, awaited_version=awaited,
+            ))
+        return out
+
+    def load_versions(self) -> list[VersionRecord]:
+        if self._db is None:
+            return []
+        rows = self._db.execute("SELECT * FROM versions ORDER BY version").fetchall()
+        return [VersionRecord(v, Method(m), n, p, t) for v, m, n, p, t in rows]
+
+    def load_policy(self) -> Policy | None:
+        if self._db is None:
+            return None
+        row = self._db.execute("SELECT value FROM settings WHERE key = 'policy'").fetchone()
+        if row is None:
+            return None
+        data = json.loads(row[0])
+        return Policy(**{**data, "style": Style[data["style"]], "method": Method[data["method"]]})
+
+    def trim_versions(self, keep_from: int) -> None:
+        if self._db is not None:
+            self._db.execute("DELETE FROM versions WHERE version < ?", (keep_from,))

@@ -1,0 +1,139 @@
+"""The synchronizer's vocabulary: roles, states, methods, styles, identities.
+
+Plain Python (no grpc, no protobuf) so domain modules and the typed client
+share it. Enum values equal the proto enums' numbers, so translating is
+`State(pb_value)` one way and `int(state)` the other.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from flywheel.errors import FailedPrecondition, InvalidArgument
+
+
+class Role(enum.IntEnum):
+    TRAINER = 1
+    ROLLOUT = 2
+    CONTROLLER = 3
+
+
+class State(enum.IntEnum):
+    STOPPED = 1
+    RUNNING = 2
+    REQUIRE_SYNC = 3
+    WAITING_SYNC = 4
+
+
+class Method(enum.IntEnum):
+    NCCL = 1
+    MEMORY = 2
+    CHECKPOINT = 3
+
+
+class Style(enum.IntEnum):
+    FIXED = 1
+    DYNAMIC_BY_EXPLORER = 2
+
+
+class TransferState(enum.IntEnum):
+    PENDING = 1
+    COMMITTED = 2
+    ABORTED = 3
+
+
+class EventKind(enum.IntEnum):
+    STATE_CHANGED = 1
+    VERSION_COMMITTED = 2
+    COMPONENT_REGISTERED = 3
+    COMPONENT_EXPIRED = 4
+    TRANSFER_STARTED = 5
+    TRANSFER_FINISHED = 6
+    SYNC_REQUESTED = 7
+    PUSH_REQUESTED = 8
+    VERSION_STAGED = 9
+
+
+def parse_enum(kind: type[enum.IntEnum], value: object, what: str) -> enum.IntEnum:
+    """An enum member from a member, its number or its (case-insensitive) name."""
+    try:
+        if isinstance(value, str):
+            return kind[value.strip().upper()]
+        return kind(value)
+    except (KeyError, ValueError):
+        names = ", ".join(m.name.lower() for m in kind)
+        raise InvalidArgument(f"{what}: {value!r} is not one of {names}") from None
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a component is (mirrors common.v1.ComponentIdentity)."""
+
+    role: Role
+    id: str
+    address: str = ""
+    capabilities: frozenset[Method] = frozenset()
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Component:
+    """What the synchronizer knows of one component."""
+
+    identity: Identity
+    state: State = State.RUNNING
+    step: int = 0
+    weight_version: int = 0
+    #: Wall-clock time of the last register/heartbeat, in ms since the epoch.
+    last_heartbeat_ms: int = 0
+    #: Monotonic time at which the lease ends.
+    lease_expires: float = 0.0
+    #: DYNAMIC: step at which the last satisfied sync request was made.
+    last_sync_step: int = 0
+    #: REQUIRE_SYNC: monotonic time the request was made, the step it was
+    #: made at, and the version awaited.
+    requested_at: float | None = None
+    request_step: int = 0
+    awaited_version: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.identity.id
+
+    @property
+    def role(self) -> Role:
+        return self.identity.role
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The run's sync policy: when (style, interval, offset, timeout) and how (method)."""
+
+    style: Style = Style.FIXED
+    method: Method = Method.MEMORY
+    interval: int = 1
+    offset: int = 0
+    timeout_seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A transfer's process group as participants see it (AllocateGroupResponse)."""
+
+    group_id: str
+    version: int
+    #: "host:port" of rank 0's rendezvous store.
+    rendezvous_address: str
+    world_size: int
+    #: "nccl" or "gloo".
+    backend: str
+    #: Component id -> rank (the trainer is rank 0).
+    ranks: dict[str, int]
+    #: The transfer's deadline, in ms since the Unix epoch.
+    deadline_unix_ms: int
+
+    def rank_of(self, component_id: str) -> int:
+        if component_id not in self.ranks:
+            raise FailedPrecondition(f"{component_id!r} is not a member of transfer group {self.group_id!r}")
+        return self.ranks[component_id]

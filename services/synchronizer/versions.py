@@ -1,0 +1,59 @@
+"""The catalog of committed weight versions, whatever method carried them.
+
+Versions are monotonic across methods: a MEMORY push, a CHECKPOINT
+registration or an NCCL transfer must carry a version at least as new as the
+newest committed one. Only metadata lives here (it is persisted); the bytes
+of MEMORY versions live in `buffers.WeightStore` and may be lost on restart.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from services.synchronizer.types import Method
+
+
+@dataclass
+class VersionRecord:
+    version: int
+    method: Method
+    #: Size of the weights, in bytes (0 when unknown).
+    nbytes: int = 0
+    #: Checkpoint directory (CHECKPOINT).
+    path: str = ""
+    committed_unix_ms: int = 0
+
+
+class VersionCatalog:
+    def __init__(self, max_records: int = 256) -> None:
+        self.max_records = max_records
+        self.records: dict[int, VersionRecord] = {}
+
+    @property
+    def latest(self) -> int:
+        return max(self.records, default=0)
+
+    def latest_record(self) -> VersionRecord | None:
+        return self.records.get(self.latest)
+
+    def get(self, version: int) -> VersionRecord | None:
+        return self.records.get(version or self.latest)
+
+    def newest_of(self, method: Method) -> VersionRecord | None:
+        found = [r for r in self.records.values() if r.method == method]
+        return max(found, key=lambda r: r.version) if found else None
+
+    def commit(self, record: VersionRecord) -> None:
+        if not record.committed_unix_ms:
+            record.committed_unix_ms = int(time.time() * 1000)
+        self.records[record.version] = record
+        for version in sorted(self.records)[: -self.max_records]:
+            del self.records[version]
+
+    def restore(self, records: list[VersionRecord]) -> None:
+        for r in records:
+            self.records[r.version] = r
+
+    def ordered(self) -> list[VersionRecord]:
+        return [self.records[v] for v in sorted(self.records)]

@@ -1,0 +1,190 @@
+"""MEMORY weight plane and failure handling over real gRPC: broken pushes leave
+no trace, evictions, shared cut-through reads, lease expiry mid-sync, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from flywheel.codec import encode_state_dict
+from flywheel.errors import Aborted, FailedPrecondition, NotFound
+from flywheel.runtime.client import open_channel
+from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
+from flywheel.transfer.frames import encoded_frames
+from services.synchronizer.client import SynchronizerClient
+from services.synchronizer.embedded import embedded_synchronizer
+from services.synchronizer.types import Role, State, TransferState
+from tests.unit.synchronizer.sync_helpers import corrupt, small_state
+
+
+async def raw_push(address: str, frames: list[bytes]) -> grpc.StatusCode:
+    async with open_channel(address, max_attempts=1) as channel:
+        push = channel.stream_unary(
+            "/flywheel.synchronizer.v1.SynchronizerService/PushWeights",
+            request_serializer=None, response_deserializer=pb.PushWeightsResponse.FromString,
+        )
+        try:
+            await push(iter(frames), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)) for k in a)
+
+
+async def test_broken_pushes_leave_no_trace_and_the_old_version_is_served() -> None:
+    v1, v2 = small_state(1, scale=40), small_state(2, scale=40)
+    async with embedded_synchronizer(keep_versions=2) as server, SynchronizerClient(server.address) as c:
+        await c.push_weights(v1, 1, chunk_bytes=4096)
+        frames = list(encoded_frames(encode_state_dict(v2, 2, chunk_bytes=4096)))
+        assert len(frames) > 4
+        # A reader waiting for version 2 starts streaming it while it arrives ...
+        reader = asyncio.ensure_future(c.pull_weights(2, wait_seconds=10))
+        await asyncio.sleep(0.1)
+        broken = [*frames[:3], corrupt(frames[3]), *frames[4:]]
+        assert await raw_push(server.address, broken) == grpc.StatusCode.DATA_LOSS
+        with pytest.raises(Aborted, match="push of version 2 was aborted"):
+            await reader  # ... and is told the version will never be whole
+        assert await raw_push(server.address, frames[:-1]) == grpc.StatusCode.DATA_LOSS  # truncated
+        assert await raw_push(server.address, frames[1:]) == grpc.StatusCode.INVALID_ARGUMENT  # no manifest
+        status = await c.status()
+        assert status.latest_version == 1 and [v.version for v in status.versions] == [1]
+        pulled = await c.pull_weights()
+        assert pulled.version == 1 and same(pulled.tensors, v1)
+        # The same version pushed whole afterwards is accepted.
+        assert (await c.push_weights(v2, 2, chunk_bytes=4096)).kept_versions == [1, 2]
+        with pytest.raises(FailedPrecondition, match="not newer than the newest committed version 2"):
+            await c.push_weights(v1, 2)
+        assert same((await c.pull_weights(2)).tensors, v2)
+
+
+async def test_keep_k_versions_eviction_and_shared_cut_through_pulls() -> None:
+    state = small_state(0, scale=200)
+    async with embedded_synchronizer(keep_versions=2) as server, SynchronizerClient(server.address) as c:
+        for v in (1, 2, 3):
+            await c.push_weights(state, v)
+        with pytest.raises(NotFound, match="oldest kept is 2") as info:
+            await c.pull_weights(1)
+        assert info.value.code == "NOT_FOUND"
+        held = (await c.status()).held_bytes
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        assert 2 * nbytes <= held < 2 * nbytes + 64 * 1024  # two versions, one copy each
+        # Three readers of version 4 before it exists, one push: they share its frames.
+        destinations = [{k: torch.zeros_like(t) for k, t in state.items()} for _ in range(3)]
+        readers = [asyncio.ensure_future(c.pull_weights(4, into=d, wait_seconds=10)) for d in destinations]
+        await asyncio.sleep(0.1)
+        await c.push_weights(state, 4)
+        for r, d in zip(await asyncio.gather(*readers), destinations):
+            assert r.version == 4 and r.tensors is not None and same(d, state)
+        assert (await c.status()).held_bytes == held  # still two versions
+
+
+async def test_rollout_lease_expiring_mid_sync_does_not_block_the_trainer() -> None:
+    async with embedded_synchronizer(lease_seconds=1.0, sweep_interval_seconds=0.05) as server:
+        async with SynchronizerClient(server.address) as t, SynchronizerClient(server.address) as a, \
+                SynchronizerClient(server.address) as b:
+            await t.configure_policy("fixed", "nccl", 1)
+            await t.register(Role.TRAINER, "trainer")
+            await a.register(Role.ROLLOUT, "a", capabilities=["nccl"])
+            await b.register(Role.ROLLOUT, "b", capabilities=["nccl"])
+            async with t.keep_alive("trainer"), a.keep_alive("a"):
+                beats_b = b.keep_alive("b").start()
+                group = await t.allocate_group(1, "trainer", timeout_seconds=60)
+                assert set(group.ranks) == {"trainer", "a", "b"}
+                await a.set_state("a", State.REQUIRE_SYNC)
+                await a.set_state("a", State.WAITING_SYNC)
+                await a.report_transfer(group.group_id, "a", True)
+                await beats_b.stop()  # b dies in the middle of the sync
+                started = time.monotonic()
+                await t.report_transfer(group.group_id, "trainer", True)
+                outcome = await t.get_transfer(group.group_id, wait_seconds=60)
+                waited = time.monotonic() - started
+                assert outcome.state == TransferState.ABORTED and "b left: lease expired" in outcome.error
+                assert waited < 5, f"the trainer waited {waited:.1f}s on a dead rollout (deadline 60s)"
+                status = await t.status()
+                assert {c.id: c.state for c in status.components} == {
+                    "trainer": State.RUNNING, "a": State.RUNNING, "b": State.STOPPED,
+                }
+                # The group is rebuilt without b, and the sync goes through.
+                again = await t.allocate_group(1, "trainer")
+                assert set(again.ranks) == {"trainer", "a"}
+                await a.report_transfer(again.group_id, "a", True)
+                assert (await t.get_transfer(again.group_id)).state == TransferState.COMMITTED
+                assert (await t.status()).component("a").weight_version == 1
+
+
+async def test_metrics_report_states_versions_and_bytes() -> None:
+    state = small_state(0, scale=10)
+    async with embedded_synchronizer() as server, SynchronizerClient(server.address) as c:
+        await c.register("rollout", "r-metrics")
+        await c.push_weights(state, 7)
+        await c.pull_weights(7)
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(server.metrics_url, timeout=5).read().decode())
+    assert 'flywheel_synchronizer_components{role="rollout",state="running"}' in text
+    assert "flywheel_synchronizer_latest_version 7.0" in text
+    assert "flywheel_synchronizer_weight_versions_held 1.0" in text
+    for family in ("flywheel_weight_push_bytes_total", "flywheel_weight_pull_bytes_total",
+                   "flywheel_synchronizer_weights_held_bytes", 'flywheel_weight_sync_duration_seconds_count{method="memory"}'):
+        line = next(x for x in text.splitlines() if x.startswith(family))
+        assert float(line.split()[-1]) > 0, line
+
+
+async def test_a_stalled_push_times_out_and_its_readers_are_told() -> None:
+    frames = list(encoded_frames(encode_state_dict(small_state(), 1, chunk_bytes=512)))
+
+    async def stall():
+        yield frames[0]
+        yield frames[1]
+        await asyncio.sleep(30)  # the trainer hangs
+
+    async with embedded_synchronizer(push_idle_timeout_seconds=0.3) as server, SynchronizerClient(server.address) as c:
+        reader = asyncio.ensure_future(c.pull_weights(1, wait_seconds=10))
+        await asyncio.sleep(0.1)
+        async with open_channel(server.address, max_attempts=1) as channel:
+            push = channel.stream_unary(
+                "/flywheel.synchronizer.v1.SynchronizerService/PushWeights",
+                request_serializer=None, response_deserializer=pb.PushWeightsResponse.FromString,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await push(stall(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "sent nothing for 0.3s" in info.value.details()
+        with pytest.raises(Aborted):
+            await reader
+        assert (await c.status()).held_bytes == 0
+
+
+async def test_checkpoint_versions_are_checked_then_announced(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    state = {k: v for k, v in small_state().items() if v.numel()}
+    good, bad = tmp_path / "v5", tmp_path / "v6"
+    for d in (good, bad):
+        d.mkdir()
+        save_file(state, str(d / "model.safetensors"))
+    (bad / "model.safetensors").write_bytes((bad / "model.safetensors").read_bytes()[:-7])  # a torn copy
+    async with embedded_synchronizer() as server, SynchronizerClient(server.address) as c:
+        events = c.watch(send_initial=False)
+        first = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0.1)
+        assert await c.register_checkpoint(5, str(good), "trainer") == 5
+        event = await asyncio.wait_for(first, 5)
+        assert (event.kind.name, event.version, event.location, event.method.name) == (
+            "VERSION_COMMITTED", 5, str(good), "CHECKPOINT",
+        )
+        assert await c.get_checkpoint() == (5, str(good))
+        with pytest.raises(Exception) as info:
+            await c.register_checkpoint(6, str(bad), "trainer")
+        assert info.value.code == "DATA_LOSS" and "truncated" in str(info.value)
+        with pytest.raises(FailedPrecondition, match="not newer"):
+            await c.register_checkpoint(4, str(good), "trainer")
+        assert await c.register_checkpoint(5, str(good), "trainer") == 5  # a retry is fine
+        with pytest.raises(FailedPrecondition, match="CHECKPOINT"):
+            await c.pull_weights()  # the newest version travels by path, not bytes
+        await events.aclose()

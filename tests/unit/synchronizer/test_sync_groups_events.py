@@ -1,0 +1,108 @@
+"""Transfer groups (commit/abort rules, ports, deadlines) and the Watch fan-out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flywheel.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from services.synchronizer.events import EventBus
+from services.synchronizer.groups import Group, Transfers
+from services.synchronizer.types import Component, EventKind, Identity, Role, TransferState
+
+T = Component(Identity(Role.TRAINER, "t", "10.1.2.3:50052"))
+R1, R2 = Component(Identity(Role.ROLLOUT, "r1")), Component(Identity(Role.ROLLOUT, "r2", labels={"device": "cuda:0"}))
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def transfers(ports: range = range(30000, 30003), backend: str = "auto") -> tuple[Transfers, list[Group], Clock]:
+    finished: list[Group] = []
+    clock = Clock()
+    t = Transfers(host="", ports=ports, default_timeout=10, default_backend=backend, on_finish=finished.append, clock=clock)
+    return t, finished, clock
+
+
+def test_commit_needs_every_receiver() -> None:
+    t, finished, _ = transfers()
+    g = t.allocate(7, T, [R1, R2], 0, "")
+    assert g.members == [("t", 0), ("r1", 1), ("r2", 2)] and g.world_size == 3
+    assert g.rendezvous_address == "10.1.2.3:30000" and g.backend == "gloo"  # r1 is not on cuda
+    assert t.report(g.group_id, "t", True).state == TransferState.PENDING
+    assert t.report(g.group_id, "r1", True).state == TransferState.PENDING
+    assert t.report(g.group_id, "r2", True).state == TransferState.COMMITTED
+    assert finished == [g]
+    assert t.report(g.group_id, "r2", False, "late").state == TransferState.COMMITTED  # final
+
+
+def test_one_failure_or_departure_aborts_for_everyone() -> None:
+    t, finished, _ = transfers()
+    g = t.allocate(7, T, [R1, R2], 0, "")
+    t.report(g.group_id, "r1", True)
+    assert t.report(g.group_id, "r2", False, "bucket 3 corrupt").state == TransferState.ABORTED
+    assert "r2 failed: bucket 3 corrupt" in g.error
+    g2 = t.allocate(7, T, [R1, R2], 0, "")
+    assert g2.port != g.port or g2.group_id != g.group_id
+    assert t.member_left("r1", "lease expired") == [g2] and "r1 left: lease expired" in g2.error
+    with pytest.raises(FailedPrecondition, match="not a member"):
+        t.report(g2.group_id, "stranger", True)
+    assert [x.state for x in finished] == [TransferState.ABORTED, TransferState.ABORTED]
+
+
+def test_deadline_new_group_and_ports() -> None:
+    t, finished, clock = transfers(range(30000, 30002))
+    g1 = t.allocate(1, T, [R1], 5, "")
+    g2 = t.allocate(1, T, [R2], 5, "nccl")  # supersedes g1: the trainer is in both
+    assert g1.state == TransferState.ABORTED and "superseded" in g1.error and g2.backend == "nccl"
+    g3 = t.allocate(2, Component(Identity(Role.TRAINER, "t2")), [Component(Identity(Role.ROLLOUT, "r3"))], 5, "")
+    assert {g2.port, g3.port} == {30000, 30001}
+    with pytest.raises(ResourceExhausted):
+        t.allocate(3, Component(Identity(Role.TRAINER, "t3")), [Component(Identity(Role.ROLLOUT, "r4"))], 5, "")
+    clock.now = 6
+    assert {g.group_id for g in t.sweep()} == {g2.group_id, g3.group_id} and "deadline passed" in g2.error
+    with pytest.raises(InvalidArgument):
+        t.allocate(4, T, [R1], 5, "mpi")
+    with pytest.raises(FailedPrecondition, match="at least one"):
+        t.allocate(4, T, [], 5, "")
+
+
+async def test_wait_returns_when_the_outcome_is_known() -> None:
+    t, _, _ = transfers()
+    g = t.allocate(1, T, [R1], 0, "")
+    waiter = asyncio.ensure_future(t.wait(g.group_id, 5))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    t.report(g.group_id, "r1", True)
+    assert (await asyncio.wait_for(waiter, 1)).state == TransferState.COMMITTED
+    assert (await t.wait(g.group_id, 0)).state == TransferState.COMMITTED
+
+
+async def test_slow_watcher_is_dropped_without_blocking_others() -> None:
+    bus = EventBus(queue_size=8)
+    slow, fast, only_r1 = bus.subscribe(), bus.subscribe(), bus.subscribe(["r1"])
+    got: list[int] = []
+    for i in range(20):
+        bus.publish(EventKind.STATE_CHANGED, R1 if i % 2 else R2)
+        got.append((await asyncio.wait_for(fast.get(), 1)).sequence)
+    assert got == list(range(1, 21))  # the fast watcher saw everything, in order
+    with pytest.raises(ResourceExhausted, match="watch again"):
+        await slow.get()
+    with pytest.raises(ResourceExhausted):
+        await only_r1.get()  # 10 events about r1 overflowed its 8 slots too
+    assert bus.subscriber_count == 1
+
+
+def test_event_filters() -> None:
+    bus = EventBus()
+    sub = bus.subscribe(["r2"])
+    bus.publish(EventKind.STATE_CHANGED, R1)
+    bus.publish(EventKind.VERSION_COMMITTED, version=3)
+    assert [e.kind for e in sub._queue] == [EventKind.VERSION_COMMITTED]
+    snapshot = bus.snapshot_events([R1, R2], frozenset({"r2"}))
+    assert [e.component.id for e in snapshot] == ["r2"]

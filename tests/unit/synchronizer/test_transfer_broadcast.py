@@ -1,0 +1,74 @@
+"""flywheel.transfer.broadcast over gloo, ranks as threads of this process."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from flywheel.errors import Aborted, DeadlineExceeded, InvalidArgument
+from flywheel.transfer.broadcast import GroupSpec, apply_staged, plan, receive, send
+from tests.unit.synchronizer.sync_helpers import small_state
+
+_port = iter(range(42000 + os.getpid() % 500 * 4, 42000 + os.getpid() % 500 * 4 + 4))
+
+
+def spec(rank: int, world: int, port: int, seconds: float = 20.0) -> GroupSpec:
+    return GroupSpec(f"g{port}", f"127.0.0.1:{port}", world, rank, "gloo", time.time() + seconds, 1)
+
+
+def test_plan_aligns_and_packs() -> None:
+    metas = [("a", torch.float32, (3,)), ("b", torch.bfloat16, (100,)), ("c", torch.int64, ())]
+    slots, sizes = plan(metas, 128)
+    assert [(s.bucket, s.offset, s.nbytes) for s in slots] == [(0, 0, 12), (1, 0, 200), (2, 0, 8)]
+    assert sizes == [64, 256, 64] and all(s.offset % 64 == 0 for s in slots)
+
+
+def test_two_receivers_get_the_weights_bit_exact() -> None:
+    state = small_state(3, scale=50)
+    port = next(_port)
+    live = [{k: torch.zeros_like(v) for k, v in state.items()} for _ in range(2)]
+    buckets: list[int] = []
+    with ThreadPoolExecutor(3) as pool:
+        sent = pool.submit(send, spec(0, 3, port), state, bucket_bytes=4096, on_bucket=buckets.append)
+        staged = [pool.submit(receive, spec(r + 1, 3, port), live[r]) for r in range(2)]
+        nbytes = sent.result(60)
+        results = [f.result(60) for f in staged]
+    assert nbytes >= sum(t.numel() * t.element_size() for t in state.values()) and buckets == [0, 1]
+    for got, dest in zip(results, live):
+        assert all(torch.equal(dest[k], torch.zeros_like(v)) for k, v in state.items())  # staged, not applied
+        apply_staged(got, dest)
+        for k, v in state.items():
+            assert torch.equal(dest[k].view(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+
+
+def test_a_mismatched_receiver_aborts_the_sender() -> None:
+    state = small_state()
+    port = next(_port)
+    wrong = {k: torch.zeros_like(v) for k, v in state.items()}
+    wrong["embed.weight"] = torch.zeros(2, 2, dtype=torch.bfloat16)
+    with ThreadPoolExecutor(2) as pool:
+        sent = pool.submit(send, spec(0, 2, port), state)
+        got = pool.submit(receive, spec(1, 2, port), wrong)
+        with pytest.raises(InvalidArgument, match="embed.weight"):
+            got.result(60)
+        with pytest.raises((Aborted, RuntimeError)):
+            sent.result(60)
+
+
+def test_rendezvous_honours_abort_and_deadline() -> None:
+    port = next(_port)
+    flag = threading.Event()
+    threading.Timer(0.3, flag.set).start()
+    started = time.monotonic()
+    with pytest.raises(Aborted, match="aborted"):
+        send(spec(0, 2, port), small_state(), should_abort=flag.is_set)  # the receiver never comes
+    assert time.monotonic() - started < 5
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        send(spec(0, 2, port, seconds=1.0), small_state())
+    assert time.monotonic() - started < 5
