@@ -110,6 +110,16 @@ class CheckpointConfig(StrictModel):
     resume_latest: bool = Field(False, description="at startup, load the newest complete checkpoint under dir if any")
 
 
+class SyncConfig(StrictModel):
+    synchronizer_address: str | None = Field(
+        None, description='synchronizer "host:port": CHECKPOINT exports are registered there, NCCL exports join '
+        "its groups, and a MEMORY export without an address in the request pushes there; none: not registered"
+    )
+    trainer_id: str = Field(
+        "trainer-0", min_length=1, description="this trainer's component id at the synchronizer (registrations)"
+    )
+
+
 class TrainerConfig(StrictModel):
     server: ServerConfig = Field(
         default_factory=lambda: ServerConfig(port=50052, metrics_port=9092), description="gRPC server"
@@ -120,3 +130,4 @@ class TrainerConfig(StrictModel):
     loss: LossConfig = Field(default_factory=LossConfig, description="loss defaults")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="batch size limits")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="weight export to the synchronizer")

@@ -2,8 +2,8 @@
 
 Blocking work (tensor decoding, training, checkpoints) runs in a worker thread
 so the event loop keeps answering health checks and GetInfo during a step.
-ExportWeights is not overridden yet, so it answers UNIMPLEMENTED (the
-generated base class).
+ExportWeights is checked here (method and target must agree) and carried
+out by `services.trainer.export.WeightExporter`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from flywheel.errors import InvalidArgument
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
 from services.trainer import metrics as prom
+from services.trainer.export import ExportResult, WeightExporter
 from services.trainer.training import LossRequest, TrainingEngine
 
 DTYPES = {
@@ -32,6 +33,11 @@ AGGREGATIONS = {
     pb.LOSS_AGGREGATION_TOKEN_MEAN: "token_mean",
     pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN: "seq_mean_token_mean",
     pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM: "seq_mean_token_sum",
+}
+EXPORT_TARGETS = {
+    common_pb2.SYNC_METHOD_MEMORY: "memory",
+    common_pb2.SYNC_METHOD_CHECKPOINT: "checkpoint",
+    common_pb2.SYNC_METHOD_NCCL: "nccl",
 }
 BATCH_FIELDS = tuple(f.name for f in pb.TrainBatch.DESCRIPTOR.fields)
 
@@ -78,8 +84,9 @@ def _expected(msg) -> int | None:
 
 
 class TrainerServicer(pb_grpc.TrainerServiceServicer):
-    def __init__(self, engine: TrainingEngine) -> None:
+    def __init__(self, engine: TrainingEngine, exporter: WeightExporter | None = None) -> None:
         self.engine = engine
+        self.exporter = exporter or WeightExporter(engine, engine.config.sync)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
         info = self.engine.info()
@@ -156,3 +163,33 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         return pb.LoadCheckpointResponse(
             path=str(loaded or ""), step=step, weight_version=version, client_state=client_state
         )
+
+    async def ExportWeights(self, request: pb.ExportWeightsRequest, context) -> pb.ExportWeightsResponse:
+        result = await export_weights(self.exporter, request)
+        prom.WEIGHT_VERSION.set(result.weight_version)
+        return pb.ExportWeightsResponse(
+            weight_version=result.weight_version, bytes=result.bytes,
+            duration_seconds=result.duration_seconds, path=result.path,
+        )
+
+
+async def export_weights(exporter: WeightExporter, request: pb.ExportWeightsRequest) -> ExportResult:
+    """Checks that method and target agree, then runs the export."""
+    method = request.method
+    if method not in EXPORT_TARGETS:
+        known = ", ".join(common_pb2.SyncMethod.Name(m) for m in EXPORT_TARGETS)
+        raise InvalidArgument(f"method: must be one of {known}, got {method}")
+    want = EXPORT_TARGETS[method]
+    target = request.WhichOneof("target")
+    if target is not None and target != want:
+        raise InvalidArgument(
+            f"{target}: the target does not match method {common_pb2.SyncMethod.Name(method)} (set {want} instead)"
+        )
+    if want == "memory":
+        m = request.memory
+        return await exporter.memory(
+            m.synchronizer_address, chunk_bytes=m.chunk_bytes, bucket_bytes=m.bucket_bytes, merge_lora=request.merge_lora
+        )
+    if want == "checkpoint":
+        return await exporter.checkpoint(request.checkpoint.directory, merge_lora=request.merge_lora)
+    return await exporter.nccl(request.nccl.group_id, merge_lora=request.merge_lora)

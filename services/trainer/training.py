@@ -109,6 +109,16 @@ class TrainingEngine:
         self.policy: Policy | None = None
         self._lock = threading.Lock()
 
+    @property
+    def lock(self) -> threading.Lock:
+        """The lock that serialises every use of the policy (weight exports take it
+        while they read the live parameters; `info()` never does)."""
+        return self._lock
+
+    def ready_policy(self) -> Policy:
+        """The loaded policy, or FailedPrecondition; call it holding `lock`."""
+        return self._ready(None)
+
     # ------------------------------------------------------------ lifecycle
 
     def load(self) -> None:

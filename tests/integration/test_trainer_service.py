@@ -147,7 +147,8 @@ async def test_train_resume_export_and_reject(run_service, tiny_model: Path, tmp
             assert result.metrics["loss"] == pytest.approx(losses[step - 1], abs=1e-6)
         assert (await trainer.get_info()).weight_version == 12
 
-        # ExportWeights arrives with the synchronizer.
+        # An export request without a method is rejected, naming the field.
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await trainer.stub.ExportWeights(trainer_pb2.ExportWeightsRequest())
-        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "method" in info.value.details()

@@ -1,0 +1,323 @@
+"""Weight export: the trainer's live parameters -> rollouts, in three methods.
+
+* MEMORY: the state dict is encoded by the codec and streamed as bucketed,
+  checksummed chunks to the synchronizer's PushWeights.
+* CHECKPOINT: a safetensors directory `<directory>/version_N/` (HF layout:
+  config.json, *.safetensors, tokenizer, plus `weight_manifest.pb`) is
+  written into a hidden temp sibling, fsynced and renamed, then registered
+  with the synchronizer when `sync.synchronizer_address` is configured.
+* NCCL: the trainer joins the transfer group the synchronizer allocated as
+  rank 0 and broadcasts packed buckets (gloo on CPU), via
+  `services.synchronizer.participant.send_in_group`.
+
+What is exported (`export_state`): the tensors of the model under the names
+of the HF checkpoint it was loaded from (`from_pretrained` names; tied
+duplicates such as `lm_head.weight` = `embed_tokens.weight` dropped, as
+`save_pretrained` drops them), detached from autograd. With LoRA,
+`merge_lora` exports those full weights with the adapters merged in (only
+the adapted layers are computed as new tensors; the rest are the live
+storage); without it, only the adapter weights (peft names). Without LoRA,
+`merge_lora` changes nothing: the full weights are what there is.
+
+Consistency without a second copy of the model: the codec hashes every chunk
+up front and then streams the bytes straight from each tensor's own memory,
+so the parameters must not change until the last byte has left. Copying
+them out first would double the model's memory, so instead the engine's
+training lock is held for the whole export: a training step waits for it
+(it would have to anyway for a consistent version), while GetInfo and health
+checks, which never take that lock, keep answering. The policy is switched to
+eval mode for the duration and back to train mode after. Hashing runs in a
+worker thread; the push stream builds one frame (one chunk copy, <= 4 MiB) at
+a time on the event loop, so other RPCs interleave between chunks.
+
+Versions are monotonic at the synchronizer across methods: exporting the same
+version twice, or by two methods, is refused there (FAILED_PRECONDITION),
+except a CHECKPOINT registration retried with the same path.
+
+Domain code: no grpc here beyond the synchronizer's typed client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from flywheel.codec import (
+    DEFAULT_BUCKET_BYTES,
+    MAX_CHUNK_BYTES,
+    build_manifest,
+    encode_state_dict,
+)
+from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument
+from services.synchronizer.client import SynchronizerClient
+from services.trainer.checkpoints import _fsync_dir, _fsync_tree
+from services.trainer.config import SyncConfig
+from services.trainer.policy import Policy
+from services.trainer.training import TrainingEngine
+
+log = logging.getLogger(__name__)
+
+#: Serialized WeightManifest of a checkpoint directory (read by the synchronizer and rollouts).
+MANIFEST_FILE = "weight_manifest.pb"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    weight_version: int
+    #: Bytes sent (MEMORY, NCCL) or weight bytes written (CHECKPOINT).
+    bytes: int
+    duration_seconds: float
+    #: The directory written (CHECKPOINT only).
+    path: str = ""
+
+
+# ---------------------------------------------------------------- what is exported
+
+
+def _tied_targets(model: nn.Module) -> set[str]:
+    """Names transformers treats as tied copies of another weight (not saved)."""
+    tied = getattr(model, "_tied_weights_keys", None) or ()
+    return set(tied.keys() if isinstance(tied, dict) else tied)
+
+
+def drop_tied(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Removes names that share storage with an earlier one (tied weights), as
+    save_pretrained does: the names transformers declares tied go first, else
+    the later of two names over the same memory."""
+    targets = _tied_targets(model)
+    groups: dict[tuple[int, int], list[str]] = {}
+    for name, t in state.items():
+        if t.numel():
+            groups.setdefault((t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(),
+                               t.numel() * t.element_size()), []).append(name)
+    doomed: set[str] = set()
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        declared = [n for n in names if n in targets]
+        if declared and len(declared) < len(names):
+            doomed.update(declared)
+        else:
+            doomed.update(names[1:])
+    return {n: t for n, t in state.items() if n not in doomed}
+
+
+def export_state(policy: Policy, merge_lora: bool) -> dict[str, Tensor]:
+    """The detached tensors an export sends (see the module docstring); call it
+    holding the engine's lock, and keep holding it while the result is used."""
+    if policy.lora and not merge_lora:
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach() for k, v in get_peft_model_state_dict(policy.model).items()}
+    with torch.no_grad():
+        state = policy.hf_state_dict() if policy.lora else policy.model.state_dict()
+    return drop_tied(policy.hf_model, {k: v.detach() for k, v in state.items()})
+
+
+# ---------------------------------------------------------------- the lock
+
+
+@contextlib.asynccontextmanager
+async def _hold(lock: threading.Lock) -> AsyncIterator[None]:
+    """Holds a threading lock from async code without blocking the event loop."""
+    acquiring = asyncio.ensure_future(asyncio.to_thread(lock.acquire))
+    try:
+        await asyncio.shield(acquiring)
+    except asyncio.CancelledError:
+        # The worker thread may still get the lock: give it back when it does.
+        acquiring.add_done_callback(lambda f: lock.release() if not f.cancelled() and f.result() else None)
+        raise
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def _eval_mode(policy: Policy) -> Iterator[None]:
+    policy.model.eval()
+    try:
+        yield
+    finally:
+        policy.model.train()
+
+
+# ---------------------------------------------------------------- the exporter
+
+
+class WeightExporter:
+    """Exports the engine's current weight version (blocking parts run in threads)."""
+
+    def __init__(self, engine: TrainingEngine, sync: SyncConfig) -> None:
+        self.engine = engine
+        self.sync = sync
+
+    def _client(self, address: str) -> SynchronizerClient:
+        return SynchronizerClient(address)
+
+    @contextlib.asynccontextmanager
+    async def _snapshot(self, merge_lora: bool) -> AsyncIterator[tuple[int, dict[str, Tensor]]]:
+        """(version, tensors), consistent and unchanging while the block runs."""
+        async with _hold(self.engine.lock):
+            policy = self.engine.ready_policy()
+            version = policy.weight_version
+            if version < 1:
+                raise FailedPrecondition(
+                    "weight version 0 is the initial model (rollouts load it from model.path): "
+                    "nothing to export before the first optimizer step"
+                )
+            with _eval_mode(policy):
+                state = await asyncio.to_thread(export_state, policy, merge_lora)
+                yield version, state
+
+    # -- MEMORY ------------------------------------------------------------
+
+    async def memory(
+        self, address: str = "", *, chunk_bytes: int = 0, bucket_bytes: int = 0, merge_lora: bool = False
+    ) -> ExportResult:
+        address = address or self.sync.synchronizer_address or ""
+        if not address:
+            raise InvalidArgument("memory.synchronizer_address: empty, and the trainer has no sync.synchronizer_address")
+        chunk_bytes = chunk_bytes or MAX_CHUNK_BYTES
+        if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidArgument(f"memory.chunk_bytes: must be at most {MAX_CHUNK_BYTES}, got {chunk_bytes}")
+        bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
+        started = time.perf_counter()
+        async with self._client(address) as client, self._snapshot(merge_lora) as (version, state):
+            encoded = await asyncio.to_thread(
+                encode_state_dict, state, version, chunk_bytes=chunk_bytes, bucket_bytes=bucket_bytes
+            )
+            result = await client.push_weights(encoded)
+        duration = time.perf_counter() - started
+        log.info("weights exported", extra={"method": "memory", "version": version, "bytes": result.nbytes,
+                                            "seconds": round(duration, 3), "synchronizer": address})
+        return ExportResult(version, result.nbytes, duration)
+
+    # -- CHECKPOINT --------------------------------------------------------
+
+    async def checkpoint(self, directory: str, *, merge_lora: bool = False) -> ExportResult:
+        if not directory:
+            raise InvalidArgument("checkpoint.directory: empty")
+        parent = Path(directory)
+        started = time.perf_counter()
+        async with self._snapshot(merge_lora) as (version, state):
+            policy = self.engine.ready_policy()
+            path, nbytes = await asyncio.to_thread(write_version, policy, state, version, parent, merge_lora)
+        if self.sync.synchronizer_address:
+            async with self._client(self.sync.synchronizer_address) as client:
+                await client.register_checkpoint(version, str(path), self.sync.trainer_id)
+        duration = time.perf_counter() - started
+        log.info("weights exported", extra={"method": "checkpoint", "version": version, "bytes": nbytes,
+                                            "seconds": round(duration, 3), "path": str(path)})
+        return ExportResult(version, nbytes, duration, str(path))
+
+    # -- NCCL --------------------------------------------------------------
+
+    async def nccl(self, group_id: str, *, bucket_bytes: int = 0, merge_lora: bool = False) -> ExportResult:
+        from services.synchronizer.participant import send_in_group
+        from services.synchronizer.types import TransferState
+
+        if not group_id:
+            raise InvalidArgument("nccl.group_id: empty")
+        address = self.sync.synchronizer_address
+        if not address:
+            raise FailedPrecondition("NCCL export needs the trainer's sync.synchronizer_address (set it in the config)")
+        started = time.perf_counter()
+        async with self._client(address) as client:
+            group = (await client.get_transfer(group_id)).group
+            if group is None:
+                raise FailedPrecondition(f"nccl.group_id: the synchronizer knows no group {group_id!r}")
+            rank0 = [c for c, r in group.ranks.items() if r == 0]
+            trainer_id = self.sync.trainer_id if self.sync.trainer_id in group.ranks else (rank0[0] if rank0 else "")
+            try:
+                async with self._snapshot(merge_lora) as (version, state):
+                    if version != group.version:
+                        raise FailedPrecondition(
+                            f"nccl.group_id: group {group_id!r} transfers version {group.version}, "
+                            f"the trainer holds version {version}"
+                        )
+                    outcome = await send_in_group(
+                        client, trainer_id, group, state, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES
+                    )
+                    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+            except FlywheelError as exc:
+                # The broadcast never started: fail the transfer now rather than
+                # leave the receivers waiting for its deadline.
+                with contextlib.suppress(FlywheelError):
+                    await client.report_transfer(group_id, trainer_id, False, str(exc))
+                raise
+        if outcome.state != TransferState.COMMITTED:
+            raise FailedPrecondition(
+                f"NCCL transfer {group_id} of version {version} ended {outcome.state.name}: {outcome.error}"
+            )
+        duration = time.perf_counter() - started
+        log.info("weights exported", extra={"method": "nccl", "version": version, "bytes": nbytes,
+                                            "seconds": round(duration, 3), "group": group_id})
+        return ExportResult(version, nbytes, duration)
+
+
+# ---------------------------------------------------------------- CHECKPOINT files
+
+
+def _safetensors_names(directory: Path) -> list[str]:
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as fh:
+            names.extend(fh.keys())
+    return names
+
+
+def write_version(
+    policy: Policy, state: dict[str, Tensor], version: int, parent: Path, merge_lora: bool
+) -> tuple[Path, int]:
+    """Writes `parent/version_<version>` atomically; returns (path, weight bytes)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    name = f"version_{version}"
+    for stale in parent.glob(f".tmp-{name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-export
+    final = parent / name
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=parent))
+    try:
+        if policy.lora and not merge_lora:
+            policy.model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
+        else:
+            policy.hf_model.save_pretrained(tmp, state_dict=state)
+            if policy.tokenizer is not None:
+                policy.tokenizer.save_pretrained(tmp)
+        names = _safetensors_names(tmp)
+        if set(names) == set(state):
+            # Binds every byte to the version (the synchronizer and rollouts verify it).
+            manifest = build_manifest({n: state[n] for n in names}, version)
+            (tmp / MANIFEST_FILE).write_bytes(manifest.SerializeToString())
+        else:
+            log.warning("export: the written tensors differ from the exported ones; no weight manifest",
+                        extra={"path": str(final)})
+        nbytes = sum(state[n].numel() * state[n].element_size() for n in names if n in state)
+        _fsync_tree(tmp)
+        replaced = None
+        if final.exists():
+            replaced = parent / f".old-{name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, replaced)
+        os.rename(tmp, final)
+        _fsync_dir(parent)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final, nbytes
