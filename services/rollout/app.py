@@ -1,20 +1,92 @@
-"""Assembles the rollout service for the server bootstrap."""
+"""Assembles the rollout service for the server bootstrap.
+
+Startup loads the tokenizer and the engine (health says SERVING only after),
+then starts the OpenAI-compatible HTTP API and reports its port: in GetStatus,
+in the log, and in `<ready_file stem>.http.json` ({"http_port": N}) next to
+the runtime's ready file, for launchers. Without engine.model_path the
+service serves gRPC status only (generation answers FAILED_PRECONDITION) and
+no HTTP API.
+"""
 
 from __future__ import annotations
 
-from flywheel.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+import gc
+import json
+import logging
+import os
+from pathlib import Path
+
 import services.rollout.metrics  # noqa: F401  (registers the service's metric families)
+from flywheel.rollout.v1 import rollout_pb2
+from flywheel.runtime.auth import resolve_token
 from flywheel.runtime.server import ServiceSpec
 from services.rollout.config import RolloutConfig
-from services.rollout.servicer import RolloutServicer
+from services.rollout.core import RolloutCore
+from services.rollout.servicer import RolloutServicer, add_to_server
+
+log = logging.getLogger(__name__)
 
 PROTO_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 
 
+def http_ready_file(ready_file: Path) -> Path:
+    """Where the HTTP port is written, next to the runtime's ready file."""
+    return ready_file.with_name(f"{ready_file.stem}.http.json")
+
+
 def build(config: RolloutConfig) -> ServiceSpec:
-    servicer = RolloutServicer(config)
+    model_path = config.engine.model_path
+    name = config.engine.served_model_name or (Path(model_path).name if model_path else "")
+    core = RolloutCore(config, engine=None, codec=None, model_name=name)
+    state: dict = {"http": None, "engine": None}
+
+    def http_port() -> int:
+        return state["http"].port if state["http"] is not None else 0
+
+    servicer = RolloutServicer(config, core, http_port)
+
+    async def startup() -> None:
+        if model_path is None:
+            log.warning("no engine.model_path: serving status only, no generation and no HTTP API")
+            return
+        from services.rollout.engine import create_engine
+        from services.rollout.http_api import create_app
+        from services.rollout.http_server import HttpServer
+        from services.rollout.text import TextCodec
+
+        codec = TextCodec.load(config.engine.args.get("tokenizer") or model_path)
+        engine = create_engine(config, codec)
+        state["engine"] = engine
+        await engine.start()
+        # torch/vLLM leave millions of long-lived objects: a full collection
+        # over them stalls the event loop for seconds (mid-request, and again
+        # at exit), so they are moved out of the collector's sight once.
+        gc.collect()
+        gc.freeze()
+        core.attach(engine, codec)
+        log.info("engine started", extra={"engine": engine.kind, "model": name, "max_model_len": engine.max_model_len,
+                                          "weight_version": engine.version})
+        server = config.server
+        token = resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
+        http = HttpServer(create_app(core, config, token), server.host, config.http_port)
+        await http.start()
+        state["http"] = http
+        if server.ready_file is not None:
+            target = http_ready_file(server.ready_file)
+            tmp = target.with_name(target.name + ".tmp")
+            tmp.write_text(json.dumps({"http_port": http.port}))
+            os.replace(tmp, target)
+
+    async def shutdown() -> None:
+        if state["http"] is not None:
+            await state["http"].stop()
+        if state["engine"] is not None:
+            await state["engine"].stop()
+
     return ServiceSpec(
         name="rollout",
         proto_services=[PROTO_SERVICE],
-        register=lambda server: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server),
+        register=lambda server: add_to_server(servicer, server),
+        startup=startup,
+        shutdown=shutdown,
     )

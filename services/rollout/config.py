@@ -1,4 +1,4 @@
-"""Configuration of the rollout service."""
+"""Configuration of the rollout service (imports nothing heavy: `--help` stays instant)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,48 @@ from pydantic import Field
 from flywheel.runtime.config import StrictModel
 from flywheel.runtime.server_config import ServerConfig
 
+PauseModeName = Literal["abort", "wait", "keep"]
+
 
 class EngineConfig(StrictModel):
     kind: Literal["auto", "vllm", "transformers"] = Field(
         "auto", description="inference engine; auto picks vllm when installed, else transformers"
     )
-    model_path: Path | None = Field(None, description="HF model directory to serve")
+    model_path: Path | None = Field(
+        None, description="HF model directory to serve; none starts the service without an engine (generation fails)"
+    )
+    served_model_name: str | None = Field(
+        None, description="model name in /v1/models and responses; default: the model directory's name"
+    )
     args: dict[str, Any] = Field(
-        default_factory=dict, description="engine arguments passed to vLLM untouched (e.g. {max_model_len: 1024})"
+        default_factory=dict,
+        description="engine arguments passed to vLLM's AsyncEngineArgs untouched (e.g. {max_model_len: 1024}); "
+        "the transformers engine reads dtype, max_model_len, seed and tokenizer from them",
+    )
+    initial_version: int = Field(0, ge=0, description="weight version of the weights in model_path (0: base model)")
+
+
+class LimitsConfig(StrictModel):
+    max_pending_requests: int = Field(
+        512,
+        ge=1,
+        description="samples (prompts x n) admitted and not finished, running or waiting; past it new work is "
+        "refused with RESOURCE_EXHAUSTED / HTTP 429",
+    )
+    retry_after_seconds: float = Field(1.0, gt=0, description="retry hint sent with RESOURCE_EXHAUSTED / 429, in seconds")
+    max_prompts_per_request: int = Field(1024, ge=1, description="most prompts one Generate call may carry")
+    max_top_logprobs: int = Field(20, ge=0, description="largest top_logprobs a request may ask for, in tokens")
+
+
+class UpdatesConfig(StrictModel):
+    default_pause_mode: PauseModeName = Field(
+        "wait", description="in-flight policy of an update that names none: abort, wait (drain) or keep (freeze)"
+    )
+    timeout_seconds: float = Field(
+        300.0, gt=0, description="default deadline of fetching and staging one weight update, in seconds"
+    )
+    staging_dir: Path | None = Field(
+        None, description="where the vLLM engine stages verified weights for its worker; default /dev/shm or $TMPDIR"
     )
 
 
@@ -25,5 +59,9 @@ class RolloutConfig(StrictModel):
     server: ServerConfig = Field(
         default_factory=lambda: ServerConfig(port=50053, metrics_port=9093), description="gRPC server"
     )
-    http_port: int = Field(8000, ge=0, le=65535, description="OpenAI-compatible HTTP port; 0 picks a free one")
+    http_port: int = Field(
+        8000, ge=0, le=65535, description="OpenAI-compatible HTTP port (on server.host); 0 picks a free one"
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="the inference engine")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="backpressure and request limits")
+    updates: UpdatesConfig = Field(default_factory=UpdatesConfig, description="weight updates")

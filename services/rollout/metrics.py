@@ -33,3 +33,17 @@ UPDATE_PAUSE = Histogram(
     "Time generation was paused to apply a weight update, in seconds.",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
+WEIGHT_UPDATES = Counter(
+    "flywheel_rollout_weight_updates_total",
+    "Weight updates attempted, by outcome (committed or failed).",
+    ["outcome"],
+)
+WEIGHT_UPDATE_BYTES = Counter(
+    "flywheel_rollout_weight_update_bytes_total",
+    "Bytes of weights staged by committed updates, in bytes.",
+)
+REJECTED_REQUESTS = Counter(
+    "flywheel_rollout_rejected_requests_total",
+    "Generation requests refused before reaching the engine, by reason (queue_full).",
+    ["reason"],
+)

@@ -1,24 +1,262 @@
-"""gRPC servicer of the rollout service: translates protobuf to the domain.
+"""gRPC servicer of the rollout service: translates protobuf to the domain
+(`services.rollout.core`) and back; no engine or update logic lives here.
 
-RPCs not overridden here answer UNIMPLEMENTED (the generated base class).
+Requests are parsed here rather than by grpc, so that a string field with
+invalid UTF-8 is an INVALID_ARGUMENT naming the field instead of an opaque
+deserialization failure (see `add_to_server`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from flywheel.common.v1 import common_pb2
+from flywheel.errors import InvalidArgument
 from flywheel.rollout.v1 import rollout_pb2 as pb
-from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from flywheel.runtime.auth import resolve_token
+from services.rollout import sampling as sampling_mod
 from services.rollout.config import RolloutConfig
+from services.rollout.core import QueueFull, RolloutCore
+from services.rollout.engine.base import PauseMode, SampleOutput
+from services.rollout.prompts import (
+    ChatPrompt, PromptInput, TextPrompt, TokenPrompt, check_token_ids, validate_messages, validate_tools,
+)
+from services.rollout.proto_utf8 import find_invalid_utf8
+from services.rollout.sync_client import pull_weights
+from services.rollout.weights import stage_checkpoint, stage_stream
+
+_MODES: dict[int, PauseMode] = {pb.PAUSE_MODE_ABORT: "abort", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_KEEP: "keep"}
+_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+           "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR}
 
 
-class RolloutServicer(pb_grpc.RolloutServiceServicer):
-    def __init__(self, config: RolloutConfig) -> None:
+def _json(text: str, field: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{field}: not valid JSON: {exc}") from None
+
+
+def _at(field: str) -> str:
+    return f"{field}." if field else ""
+
+
+def chat_from_proto(chat: pb.ChatMessages, field: str) -> ChatPrompt:
+    messages = []
+    for i, m in enumerate(chat.messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.name:
+            message["name"] = m.name
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls_json:
+            message["tool_calls"] = [_json(t, f"{_at(field)}messages[{i}].tool_calls_json[{j}]") for j, t in enumerate(m.tool_calls_json)]
+        messages.append(message)
+    tools = [_json(t, f"{_at(field)}tools_json[{j}]") for j, t in enumerate(chat.tools_json)] or None
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    return ChatPrompt(messages=messages, tools=tools, add_generation_prompt=add)
+
+
+def prompt_from_proto(prompt: pb.Prompt, field: str) -> PromptInput:
+    kind = prompt.WhichOneof("content")
+    if kind == "token_ids":
+        return TokenPrompt(list(prompt.token_ids.ids))
+    if kind == "text":
+        return TextPrompt(prompt.text)
+    if kind == "messages":
+        return chat_from_proto(prompt.messages, field)
+    raise InvalidArgument(f"{field}: set one of token_ids, text or messages")
+
+
+def sample_to_proto(sample: SampleOutput, prompt_ids: list[int]) -> common_pb2.Sample:
+    return common_pb2.Sample(
+        prompt_token_ids=prompt_ids,
+        completion_token_ids=sample.token_ids,
+        completion_logprobs=sample.logprobs,
+        finish_reason=_FINISH[sample.finish_reason],
+        stop_reason=sample.stop_reason,
+        weight_version_start=sample.version_start,
+        weight_version_end=sample.version_end,
+        text=sample.text,
+        top_logprobs=[common_pb2.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+                      for top in sample.top_logprobs],
+        index=sample.index,
+    )
+
+
+class RolloutServicer:
+    def __init__(self, config: RolloutConfig, core: RolloutCore, http_port: Callable[[], int] = lambda: 0) -> None:
         self.config = config
+        self.core = core
+        self._http_port = http_port
 
-    async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
-        # No engine runs yet: engines arrive with the rollout issue.
+    def _spec(self, request: Any) -> Any:
+        return sampling_mod.from_proto(request.sampling, max_top_logprobs=self.config.limits.max_top_logprobs)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        limit = self.config.limits.max_prompts_per_request
+        if not request.prompts:
+            raise InvalidArgument("prompts: at least one prompt is needed")
+        if len(request.prompts) > limit:
+            raise InvalidArgument(f"prompts: at most {limit} prompts per request, got {len(request.prompts)}")
+        spec = self._spec(request)
+        prompts = [self.core.resolve(prompt_from_proto(p, f"prompts[{i}]"), f"prompts[{i}]", p.request_id)
+                   for i, p in enumerate(request.prompts)]
+        outputs = await _with_retry_hint(context, self.core.generate(prompts, spec))
+        return pb.GenerateResponse(results=[
+            pb.PromptResult(request_id=o.request_id, samples=[sample_to_proto(s, o.prompt_ids) for s in o.samples])
+            for o in outputs
+        ])
+
+    async def GenerateStream(self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateStreamResponse]:
+        spec = self._spec(request)
+        prompt = self.core.resolve(prompt_from_proto(request.prompt, "prompt"), "prompt", request.prompt.request_id)
+        try:
+            async for deltas in self.core.generate_stream(prompt, spec):
+                for d in deltas:
+                    yield pb.GenerateStreamResponse(
+                        index=d.index, token_ids=d.token_ids, logprobs=d.logprobs, text=d.text,
+                        final=sample_to_proto(d.final, prompt.ids) if d.final is not None else None,
+                    )
+        except QueueFull as exc:
+            _set_retry_hint(context, exc)
+            raise
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        _, codec = self.core._ready()
+        kind = request.WhichOneof("content")
+        if kind == "text":
+            ids = codec.encode(request.text, add_special_tokens=request.add_special_tokens)
+        elif kind == "messages":
+            chat = chat_from_proto(request.messages, "")
+            ids = codec.encode_chat(validate_messages(chat.messages), tools=validate_tools(chat.tools),
+                                    add_generation_prompt=chat.add_generation_prompt)
+        else:
+            raise InvalidArgument("content: set text or messages")
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        engine, codec = self.core._ready()
+        check_token_ids(request.token_ids, engine.vocab_size, "token_ids")
+        return pb.DetokenizeResponse(text=codec.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens))
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
+        s = self.core.status()
         return pb.GetStatusResponse(
-            model_name=str(self.config.engine.model_path or ""),
-            weight_version=0,
-            engine="none",
-            paused=False,
+            model_name=s.model_name, weight_version=s.version, running_requests=s.running, waiting_requests=s.waiting,
+            kv_cache_usage_ratio=s.kv_cache_usage, paused=s.paused, engine=s.engine, updating=s.updating,
+            http_port=self._http_port(), max_model_len=s.max_model_len,
         )
+
+    def _mode(self, mode: int, field: str) -> PauseMode:
+        if mode == pb.PAUSE_MODE_UNSPECIFIED:
+            return self.config.updates.default_pause_mode
+        if mode not in _MODES:
+            raise InvalidArgument(f"{field}: unknown pause mode {mode}")
+        return _MODES[mode]
+
+    async def Pause(self, request: pb.PauseRequest, context: grpc.aio.ServicerContext) -> pb.PauseResponse:
+        aborted, version = await self.core.pause(self._mode(request.mode, "mode"))
+        return pb.PauseResponse(aborted_request_ids=aborted, weight_version=version)
+
+    async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext) -> pb.ResumeResponse:
+        return pb.ResumeResponse(weight_version=await self.core.resume())
+
+    async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext) -> pb.UpdateWeightsResponse:
+        if request.version < 1:
+            raise InvalidArgument("version: must be >= 1")
+        if not request.timeout_seconds >= 0:
+            raise InvalidArgument("timeout_seconds: must be >= 0")
+        source = request.WhichOneof("source")
+        methods = {"memory": common_pb2.SYNC_METHOD_MEMORY, "checkpoint": common_pb2.SYNC_METHOD_CHECKPOINT,
+                   "nccl": common_pb2.SYNC_METHOD_NCCL}
+        if source is None:
+            raise InvalidArgument("source: set memory, checkpoint or nccl")
+        if request.method not in (common_pb2.SYNC_METHOD_UNSPECIFIED, methods[source]):
+            raise InvalidArgument(f"method: {common_pb2.SyncMethod.Name(request.method)} does not match source {source}")
+        engine, _ = self.core._ready()
+        version, specs = request.version, engine.weight_specs()
+        timeout = request.timeout_seconds or self.config.updates.timeout_seconds
+        if source == "checkpoint":
+            if not request.checkpoint.path:
+                raise InvalidArgument("checkpoint.path: empty")
+
+            async def stage():  # type: ignore[no-untyped-def]
+                return await asyncio.to_thread(stage_checkpoint, request.checkpoint.path, version, specs)
+        elif source == "memory":
+            if not request.memory.synchronizer_address:
+                raise InvalidArgument("memory.synchronizer_address: empty")
+            server = self.config.server
+            token = resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
+            stream = pull_weights(request.memory.synchronizer_address, version, token=token, timeout=timeout,
+                                  max_message_bytes=server.max_message_bytes)
+
+            async def stage():  # type: ignore[no-untyped-def]
+                try:
+                    return await stage_stream(version, stream, specs)
+                finally:
+                    await stream.aclose()
+        else:
+            raise NotImplementedError("NCCL/gloo weight transfer is not implemented yet; use MEMORY or CHECKPOINT")
+        outcome = await self.core.update_weights(version, stage, self._mode(request.pause_mode, "pause_mode"), timeout)
+        return pb.UpdateWeightsResponse(weight_version=outcome.version, pause_seconds=outcome.pause_seconds,
+                                        bytes=outcome.nbytes, aborted_request_ids=outcome.aborted_request_ids)
+
+
+def _set_retry_hint(context: grpc.aio.ServicerContext, exc: QueueFull) -> None:
+    context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_seconds * 1000))),))
+
+
+async def _with_retry_hint(context: grpc.aio.ServicerContext, coro: Any) -> Any:
+    try:
+        return await coro
+    except QueueFull as exc:
+        _set_retry_hint(context, exc)
+        raise
+
+
+def add_to_server(servicer: RolloutServicer, server: grpc.aio.Server) -> None:
+    """Registers every RolloutService method, parsing requests itself (see module doc)."""
+    service = pb.DESCRIPTOR.services_by_name["RolloutService"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        behaviour = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _streaming(behaviour, request_cls), response_serializer=response_cls.SerializeToString)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _unary(behaviour, request_cls), response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def _parse(request_cls: Any, raw: bytes) -> Any:
+    try:
+        return request_cls.FromString(raw)
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError
+        where = find_invalid_utf8(request_cls.DESCRIPTOR, raw)
+        if where:
+            raise InvalidArgument(f"{where}: not valid UTF-8") from None
+        raise InvalidArgument(f"request is not a valid {request_cls.DESCRIPTOR.full_name}") from None
+
+
+def _unary(behaviour: Callable, request_cls: Any) -> Callable:
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await behaviour(_parse(request_cls, raw), context)
+
+    return handler
+
+
+def _streaming(behaviour: Callable, request_cls: Any) -> Callable:
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for item in behaviour(_parse(request_cls, raw), context):
+            yield item
+
+    return handler

@@ -126,7 +126,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("model_name", "weight_version", "running_requests", "waiting_requests", "kv_cache_usage_ratio", "paused", "engine", "updating")
+    __slots__ = ("model_name", "weight_version", "running_requests", "waiting_requests", "kv_cache_usage_ratio", "paused", "engine", "updating", "http_port", "max_model_len")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,8 @@ class GetStatusResponse(_message.Message):
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     UPDATING_FIELD_NUMBER: _ClassVar[int]
+    HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     weight_version: int
     running_requests: int
@@ -143,7 +145,9 @@ class GetStatusResponse(_message.Message):
     paused: bool
     engine: str
     updating: bool
-    def __init__(self, model_name: _Optional[str] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., paused: _Optional[bool] = ..., engine: _Optional[str] = ..., updating: _Optional[bool] = ...) -> None: ...
+    http_port: int
+    max_model_len: int
+    def __init__(self, model_name: _Optional[str] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., paused: _Optional[bool] = ..., engine: _Optional[str] = ..., updating: _Optional[bool] = ..., http_port: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ("mode",)

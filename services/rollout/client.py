@@ -1,0 +1,138 @@
+"""Typed async client of the rollout service, for rollout workers and agents.
+
+    async with RolloutClient("127.0.0.1:50053") as rollout:
+        results = await rollout.generate(["What is 2 + 3?", [318, 268, 33]], max_tokens=64, temperature=1.0, n=4)
+        for sample in results[0]:
+            sample.completion_token_ids, sample.completion_logprobs, sample.weight_version_start
+        await rollout.update_weights(7, checkpoint="/ckpt/global_step_7/model")
+
+A prompt is token ids (list of ints), text (str) or chat messages (list of
+OpenAI-style dicts). Every call has a deadline; failures raise
+`flywheel.errors` exceptions carrying the gRPC status name in `code`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from flywheel import errors
+from flywheel.common.v1 import common_pb2
+from flywheel.rollout.v1 import rollout_pb2 as pb
+from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from flywheel.runtime.client import open_channel
+from flywheel.runtime.server_config import MIB
+
+PromptLike = str | Sequence[int] | Sequence[dict[str, Any]]
+_PAUSE = {"abort": pb.PAUSE_MODE_ABORT, "wait": pb.PAUSE_MODE_WAIT, "keep": pb.PAUSE_MODE_KEEP, None: pb.PAUSE_MODE_UNSPECIFIED}
+
+
+def _error(exc: grpc.aio.AioRpcError, what: str) -> errors.FlywheelError:
+    by_code = {cls.code: cls for cls in errors.FlywheelError.__subclasses__()}
+    cls = by_code.get(exc.code().name, errors.FlywheelError)
+    error = cls(f"{what}: {exc.details()}")
+    error.code = exc.code().name
+    return error
+
+
+def chat_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = (),
+                  add_generation_prompt: bool | None = None) -> pb.ChatMessages:
+    return pb.ChatMessages(
+        messages=[common_pb2.ChatMessage(
+            role=m["role"], content=m.get("content") or "", name=m.get("name", ""),
+            tool_call_id=m.get("tool_call_id", ""), tool_calls_json=[json.dumps(c) for c in m.get("tool_calls") or ()],
+        ) for m in messages],
+        tools_json=[json.dumps(t) for t in tools],
+        add_generation_prompt=add_generation_prompt,
+    )
+
+
+def to_prompt(prompt: PromptLike, request_id: str = "") -> pb.Prompt:
+    if isinstance(prompt, str):
+        return pb.Prompt(text=prompt, request_id=request_id)
+    items = list(prompt)
+    if items and isinstance(items[0], dict):
+        return pb.Prompt(messages=chat_messages(items), request_id=request_id)  # type: ignore[arg-type]
+    return pb.Prompt(token_ids=pb.TokenIds(ids=items), request_id=request_id)  # type: ignore[arg-type]
+
+
+class RolloutClient:
+    def __init__(self, address: str, *, token: str | None = None, timeout: float = 600.0,
+                 max_message_bytes: int = 64 * MIB) -> None:
+        self.address = address
+        self._channel = open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes)
+        self._stub = pb_grpc.RolloutServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, what: str, rpc: Any, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return await rpc(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc, f"rollout {self.address} {what}") from None
+
+    async def generate(self, prompts: Sequence[PromptLike], *, request_ids: Sequence[str] = (),
+                       timeout: float | None = None, **sampling: Any) -> list[list[common_pb2.Sample]]:
+        """Samples per prompt, in order; `sampling` takes `SamplingParams` fields (max_tokens, n, ...)."""
+        ids = list(request_ids) or [""] * len(prompts)
+        request = pb.GenerateRequest(prompts=[to_prompt(p, r) for p, r in zip(prompts, ids)],
+                                     sampling=common_pb2.SamplingParams(**sampling))
+        response = await self._call("Generate", self._stub.Generate, request, timeout)
+        return [list(r.samples) for r in response.results]
+
+    async def generate_stream(self, prompt: PromptLike, *, timeout: float | None = None,
+                              **sampling: Any) -> AsyncIterator[pb.GenerateStreamResponse]:
+        request = pb.GenerateStreamRequest(prompt=to_prompt(prompt), sampling=common_pb2.SamplingParams(**sampling))
+        call = self._stub.GenerateStream(request, timeout=timeout)
+        try:
+            async for message in call:
+                yield message
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc, f"rollout {self.address} GenerateStream") from None
+        finally:
+            call.cancel()
+
+    async def tokenize(self, prompt: str | Sequence[dict[str, Any]], *, add_special_tokens: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            request = pb.TokenizeRequest(text=prompt, add_special_tokens=add_special_tokens)
+        else:
+            request = pb.TokenizeRequest(messages=chat_messages(prompt))
+        return list((await self._call("Tokenize", self._stub.Tokenize, request, 30.0)).token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        request = pb.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
+        return (await self._call("Detokenize", self._stub.Detokenize, request, 30.0)).text
+
+    async def status(self) -> pb.GetStatusResponse:
+        return await self._call("GetStatus", self._stub.GetStatus, pb.GetStatusRequest(), 30.0)
+
+    async def pause(self, mode: str = "abort") -> list[str]:
+        """Pauses; returns the request ids aborted (mode abort) for the caller to retry."""
+        response = await self._call("Pause", self._stub.Pause, pb.PauseRequest(mode=_PAUSE[mode]))
+        return list(response.aborted_request_ids)
+
+    async def resume(self) -> int:
+        return (await self._call("Resume", self._stub.Resume, pb.ResumeRequest())).weight_version
+
+    async def update_weights(self, version: int, *, checkpoint: str | None = None, synchronizer: str | None = None,
+                             pause_mode: str | None = None, timeout_seconds: float = 0.0) -> pb.UpdateWeightsResponse:
+        """Moves to `version` from a checkpoint directory or a synchronizer's memory (exactly one)."""
+        if (checkpoint is None) == (synchronizer is None):
+            raise errors.InvalidArgument("update_weights: give exactly one of checkpoint or synchronizer")
+        request = pb.UpdateWeightsRequest(version=version, pause_mode=_PAUSE[pause_mode], timeout_seconds=timeout_seconds)
+        if checkpoint is not None:
+            request.checkpoint.path = checkpoint
+        else:
+            request.memory.synchronizer_address = synchronizer  # type: ignore[assignment]
+        deadline = (timeout_seconds or 300.0) + 60.0
+        return await self._call("UpdateWeights", self._stub.UpdateWeights, request, deadline)

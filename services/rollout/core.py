@@ -1,0 +1,318 @@
+"""The rollout service's domain core: admission, the update gate, pause modes
+and weight versions, on top of one engine. Both transports (gRPC servicer and
+OpenAI HTTP) call this and nothing else.
+
+Invariants:
+- A request waits at the gate while an update (or a Pause) is in progress and
+  reaches the engine only when it is open, so no request sees a half-updated
+  model; the engine stamps every sample with the version of its first and
+  last token.
+- At most `limits.max_pending_requests` samples are admitted at once (waiting
+  at the gate or in the engine); past that, QueueFull (RESOURCE_EXHAUSTED/429).
+- An update is staged and verified before the gate closes; any failure
+  before the swap leaves the old weights serving, and the version changes
+  exactly when the swap succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from flywheel.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted
+from services.rollout import metrics
+from services.rollout.config import RolloutConfig
+from services.rollout.engine.base import Delta, Engine, PauseMode, SampleOutput, SamplingSpec, StagedWeights
+from services.rollout.prompts import PromptInput, ResolvedPrompt, resolve
+from services.rollout.text import TextCodec
+
+log = logging.getLogger(__name__)
+
+# How long Pause(abort) waits for aborted requests to report back.
+_ABORT_SETTLE_SECONDS = 2.0
+
+
+class QueueFull(ResourceExhausted):
+    """Too much work admitted; carries the retry hint for clients."""
+
+    def __init__(self, message: str, retry_after_seconds: float) -> None:
+        super().__init__(message)
+        self.retry_after_seconds = retry_after_seconds
+
+
+@dataclass
+class PromptOutput:
+    request_id: str
+    prompt_ids: list[int]
+    samples: list[SampleOutput]
+
+
+@dataclass
+class UpdateOutcome:
+    version: int
+    pause_seconds: float
+    nbytes: int
+    aborted_request_ids: list[str]
+
+
+@dataclass
+class Status:
+    model_name: str
+    engine: str
+    version: int
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    paused: bool
+    updating: bool
+    max_model_len: int
+
+
+class Reservation:
+    """Admitted samples; released exactly once."""
+
+    def __init__(self, core: RolloutCore, samples: int) -> None:
+        self._core: RolloutCore | None = core
+        self.samples = samples
+
+    def release(self) -> None:
+        if self._core is not None:
+            self._core._pending -= self.samples
+            self._core = None
+
+
+@dataclass(eq=False)
+class _Flight:
+    request_id: str
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted: bool = False
+
+
+class RolloutCore:
+    def __init__(self, config: RolloutConfig, engine: Engine | None, codec: TextCodec | None, model_name: str) -> None:
+        self.config = config
+        self.engine = engine
+        self.codec = codec
+        self.model_name = model_name
+        self._pending = 0
+        self._at_gate = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._paused = False
+        self._updating = False
+        self._control = asyncio.Lock()  # Pause / Resume / the swap phase of updates
+        self._update = asyncio.Lock()  # one update at a time, staging included
+        self._flights: set[_Flight] = set()
+        metrics.WEIGHT_VERSION.set_function(lambda: self.engine.version if self.engine else 0)
+        metrics.REQUESTS_RUNNING.set_function(lambda: self.engine.load().running if self.engine else 0)
+        metrics.REQUESTS_WAITING.set_function(lambda: (self.engine.load().waiting if self.engine else 0) + self._at_gate)
+
+    def attach(self, engine: Engine, codec: TextCodec) -> None:
+        """Starts serving a started engine (called once, from the service's startup)."""
+        self.engine, self.codec = engine, codec
+
+    # -- prompts ---------------------------------------------------------------
+
+    def _ready(self) -> tuple[Engine, TextCodec]:
+        if self.engine is None or self.codec is None:
+            raise FailedPrecondition("no model is loaded (start the service with --engine.model-path)")
+        return self.engine, self.codec
+
+    def resolve(self, prompt: PromptInput, field: str, request_id: str = "") -> ResolvedPrompt:
+        engine, codec = self._ready()
+        return resolve(prompt, codec, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
+                       field=field, request_id=request_id)
+
+    # -- admission and the gate ------------------------------------------------
+
+    def reserve(self, samples: int) -> Reservation:
+        """Admits `samples` samples now or raises QueueFull; release() the result when done."""
+        limit = self.config.limits.max_pending_requests
+        if self._pending + samples > limit:
+            metrics.REJECTED_REQUESTS.labels("queue_full").inc()
+            retry = self.config.limits.retry_after_seconds
+            raise QueueFull(
+                f"rollout queue is full ({self._pending} of {limit} samples pending, this request needs {samples}); "
+                f"retry after {retry:g} s", retry)
+        self._pending += samples
+        return Reservation(self, samples)
+
+    @asynccontextmanager
+    async def _admitted(self, samples: int, reservation: Reservation | None) -> AsyncIterator[None]:
+        reservation = reservation or self.reserve(samples)
+        try:
+            if not self._open.is_set():
+                self._at_gate += 1
+                try:
+                    await self._open.wait()
+                finally:
+                    self._at_gate -= 1
+            yield
+        finally:
+            reservation.release()
+
+    async def _run_one(self, prompt: ResolvedPrompt, spec: SamplingSpec, stream: bool) -> AsyncIterator[list[Delta]]:
+        engine = self.engine
+        assert engine is not None
+        flight = _Flight(prompt.request_id)
+        self._flights.add(flight)
+        metrics.PROMPT_TOKENS.inc(len(prompt.ids))
+        try:
+            engine_id = f"{prompt.request_id}#{uuid.uuid4().hex[:12]}"
+            async for deltas in engine.generate(engine_id, prompt.ids, spec, stream=stream):
+                for d in deltas:
+                    if d.final is not None:
+                        metrics.GENERATED_TOKENS.inc(len(d.final.token_ids))
+                        flight.aborted |= d.final.finish_reason == "abort"
+                yield deltas
+        finally:
+            self._flights.discard(flight)
+            flight.done.set()
+
+    async def generate(
+        self, prompts: list[ResolvedPrompt], spec: SamplingSpec, reservation: Reservation | None = None
+    ) -> list[PromptOutput]:
+        """All prompts' samples, in order; aborted samples come back with finish reason "abort"."""
+        self._ready()
+        prompts = [p if p.request_id else ResolvedPrompt(p.ids, f"gen-{uuid.uuid4().hex[:16]}", p.tools) for p in prompts]
+        async with self._admitted(len(prompts) * spec.n, reservation):
+
+            async def one(prompt: ResolvedPrompt) -> PromptOutput:
+                finals: list[SampleOutput] = []
+                async for deltas in self._run_one(prompt, spec, stream=False):
+                    finals += [d.final for d in deltas if d.final is not None]
+                return PromptOutput(prompt.request_id, prompt.ids, sorted(finals, key=lambda s: s.index))
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    async def generate_stream(
+        self, prompt: ResolvedPrompt, spec: SamplingSpec, reservation: Reservation | None = None
+    ) -> AsyncIterator[list[Delta]]:
+        """Deltas of one prompt's samples as they come (`reserve` first to fail before streaming)."""
+        self._ready()
+        if not prompt.request_id:
+            prompt = ResolvedPrompt(prompt.ids, f"gen-{uuid.uuid4().hex[:16]}", prompt.tools)
+        async with self._admitted(spec.n, reservation):
+            async for deltas in self._run_one(prompt, spec, stream=True):
+                yield deltas
+
+    # -- pause, resume, status -------------------------------------------------
+
+    async def _pause_engine(self, mode: PauseMode) -> list[str]:
+        """Pauses the engine; for abort, the request ids that ended aborted."""
+        engine = self.engine
+        assert engine is not None
+        snapshot = list(self._flights)
+        await engine.pause(mode)
+        if mode != "abort" or not snapshot:
+            return []
+        # A request that raced past the gate may sit queued in the engine, not
+        # aborted: it is not waited for beyond the settle time, nor reported.
+        await asyncio.wait([asyncio.ensure_future(f.done.wait()) for f in snapshot], timeout=_ABORT_SETTLE_SECONDS)
+        return sorted({f.request_id for f in snapshot if f.done.is_set() and f.aborted})
+
+    async def pause(self, mode: PauseMode) -> tuple[list[str], int]:
+        engine, _ = self._ready()
+        async with self._control:
+            if self._paused:
+                return [], engine.version
+            self._open.clear()
+            self._paused = True
+            try:
+                aborted = await self._pause_engine(mode)
+            except BaseException:
+                self._paused = False
+                self._open.set()
+                raise
+            return aborted, engine.version
+
+    async def resume(self) -> int:
+        engine, _ = self._ready()
+        async with self._control:
+            if self._paused:
+                await engine.resume()
+                self._paused = False
+                self._open.set()
+            return engine.version
+
+    def status(self) -> Status:
+        engine = self.engine
+        load = engine.load() if engine else None
+        return Status(
+            model_name=self.model_name,
+            engine=engine.kind if engine else "none",
+            version=engine.version if engine else self.config.engine.initial_version,
+            running=load.running if load else 0,
+            waiting=(load.waiting if load else 0) + self._at_gate,
+            kv_cache_usage=load.kv_cache_usage if load else 0.0,
+            paused=self._paused,
+            updating=self._updating,
+            max_model_len=engine.max_model_len if engine else 0,
+        )
+
+    # -- weight updates --------------------------------------------------------
+
+    async def update_weights(
+        self, version: int, stage: Callable[[], Awaitable[StagedWeights]], mode: PauseMode | None, timeout: float | None
+    ) -> UpdateOutcome:
+        """Stages (fetch + verify) within `timeout`, then swaps under the gate."""
+        engine, _ = self._ready()
+        mode = mode or self.config.updates.default_pause_mode
+        timeout = timeout or self.config.updates.timeout_seconds
+        async with self._update:
+            if version <= engine.version:
+                raise FailedPrecondition(f"version {version} is not newer than the served version {engine.version}")
+            try:
+                try:
+                    staged = await asyncio.wait_for(self._stage(engine, stage), timeout)
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded(
+                        f"update to version {version} not staged within {timeout:g} s; still serving {engine.version}"
+                    ) from None
+                try:
+                    outcome = await self._swap(engine, staged, mode)
+                finally:
+                    await engine.discard_weights(staged)
+            except BaseException as exc:
+                metrics.WEIGHT_UPDATES.labels("failed").inc()
+                log.warning("weight update failed", extra={"version": version, "serving": engine.version, "error": str(exc)})
+                raise
+        metrics.WEIGHT_UPDATES.labels("committed").inc()
+        metrics.WEIGHT_UPDATE_BYTES.inc(staged.nbytes)
+        metrics.UPDATE_PAUSE.observe(outcome.pause_seconds)
+        log.info("weights committed", extra={"version": version, "pause_seconds": round(outcome.pause_seconds, 4),
+                                             "bytes": staged.nbytes, "mode": mode})
+        return outcome
+
+    async def _stage(self, engine: Engine, stage: Callable[[], Awaitable[StagedWeights]]) -> StagedWeights:
+        staged = await stage()
+        try:
+            return await engine.prepare_weights(staged)
+        except BaseException:
+            await engine.discard_weights(staged)
+            raise
+
+    async def _swap(self, engine: Engine, staged: StagedWeights, mode: PauseMode) -> UpdateOutcome:
+        async with self._control:
+            started = time.monotonic()
+            self._updating = True
+            self._open.clear()
+            aborted: list[str] = []
+            try:
+                if not self._paused:
+                    aborted = await self._pause_engine(mode)
+                try:
+                    await engine.swap_weights(staged)
+                finally:
+                    if not self._paused:
+                        await engine.resume()
+            finally:
+                self._updating = False
+                if not self._paused:
+                    self._open.set()
+            return UpdateOutcome(engine.version, time.monotonic() - started, staged.nbytes, aborted)

@@ -1,0 +1,38 @@
+"""Inference engines behind the rollout service (see `base.Engine`).
+
+`create_engine` picks vLLM when it is installed (kind "auto") and the
+transformers engine otherwise; both modules import their heavy dependencies
+only when an engine is created.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from flywheel.errors import FailedPrecondition
+from services.rollout.config import RolloutConfig
+from services.rollout.engine.base import Engine
+from services.rollout.text import TextCodec
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def create_engine(config: RolloutConfig, codec: TextCodec) -> Engine:
+    engine = config.engine
+    if engine.model_path is None:
+        raise FailedPrecondition("engine.model_path is not set")
+    kind = engine.kind
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "transformers"
+    if kind == "vllm":
+        if not vllm_available():
+            raise FailedPrecondition("engine.kind is vllm but the vllm package is not installed")
+        from services.rollout.engine.vllm_engine import VllmEngine
+
+        return VllmEngine(Path(engine.model_path), engine.args, codec, engine.initial_version, config.updates.staging_dir)
+    from services.rollout.engine.transformers_engine import TransformersEngine
+
+    return TransformersEngine(Path(engine.model_path), engine.args, codec, engine.initial_version)

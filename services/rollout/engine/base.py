@@ -1,0 +1,169 @@
+"""The engine interface both inference engines implement, and its domain types.
+
+An engine generates from token ids (prompts are tokenized before they reach
+it, so every engine sees exactly the ids the caller is told about), reports
+per sample the weight version of its first and last token, pauses in one of
+three modes, and swaps in verified weights while paused. The service core
+(`services.rollout.core`) owns admission, the update gate and versions; an
+engine only does what it is told.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+PauseMode = Literal["abort", "wait", "keep"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Validated sampling parameters (vLLM's names and meanings)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    #: -1 disables the top-k cut-off.
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    #: Alternatives returned per position; the chosen token's log-prob is always returned.
+    top_logprobs: int = 0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class SampleOutput:
+    """One finished completion."""
+
+    index: int
+    token_ids: list[int]
+    #: Log-prob of each chosen token under the weights that sampled it.
+    logprobs: list[float]
+    #: Per position, (token id, log-prob) of the top alternatives, most likely first.
+    top_logprobs: list[list[tuple[int, float]]]
+    text: str
+    finish_reason: FinishReason
+    #: The stop string or stop token id that ended the sample, as text; "" otherwise.
+    stop_reason: str
+    #: Weight version that produced the first token (the current one if none was produced).
+    version_start: int
+    #: Weight version that produced the last token.
+    version_end: int
+
+
+@dataclass
+class Delta:
+    """New tokens of one sample since its previous delta; `final` set on its last."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    final: SampleOutput | None = None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine is busy with now."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class StagedWeights:
+    """A verified weight version, ready to be swapped in.
+
+    Exactly one of `tensors` (CPU tensors in memory) or `files` (safetensors
+    files whose headers were checked) is set.
+    """
+
+    version: int
+    tensors: dict[str, torch.Tensor] | None = None
+    files: list[str] | None = None
+    nbytes: int = 0
+
+
+class Engine(abc.ABC):
+    """An inference engine behind the rollout service."""
+
+    #: "vllm" or "transformers".
+    kind: str
+    #: Longest prompt + completion, in tokens.
+    max_model_len: int
+    #: Token ids are valid in [0, vocab_size).
+    vocab_size: int
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Loads the model; slow (seconds to minutes)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Releases the model and any helper processes."""
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """Weight version now being served."""
+
+    @abc.abstractmethod
+    def generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec, *, stream: bool
+    ) -> AsyncIterator[list[Delta]]:
+        """Yields deltas as tokens arrive (stream) or only the final ones.
+
+        Every sample's last delta carries `final`; the iterator ends after all
+        n finals. Abandoning the iterator aborts the request.
+        """
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode) -> None:
+        """Stops generating. abort: in-flight requests end with "abort";
+        wait: returns once they finished; keep: freezes them in place."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Continues after pause (frozen requests go on)."""
+
+    @abc.abstractmethod
+    def load(self) -> EngineLoad:
+        """Running and waiting requests, KV-cache use."""
+
+    @abc.abstractmethod
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        """Names, dtypes and shapes an update must provide (the checkpoint's)."""
+
+    async def prepare_weights(self, staged: StagedWeights) -> StagedWeights:
+        """Work done before generation pauses (e.g. writing a file for a worker)."""
+        return staged
+
+    @abc.abstractmethod
+    async def swap_weights(self, staged: StagedWeights) -> None:
+        """Replaces the live weights and sets the version; the engine is paused.
+
+        `staged` was verified against weight_specs, so this cannot fail on
+        names, dtypes or shapes.
+        """
+
+    async def discard_weights(self, staged: StagedWeights) -> None:
+        """Releases what prepare_weights made, whether or not it was swapped in."""

@@ -1,0 +1,246 @@
+"""The fallback engine: a transformers causal LM, decoded token by token.
+
+Needs no vLLM, so it serves on any machine and keeps the API tests honest
+about what is engine-specific. One worker thread owns the model: decode steps
+and weight swaps both run on it, so a swap can never interleave with a step.
+Sequences are stepped round-robin, one token each per round, up to
+`max_num_seqs` at a time (the rest wait), each with its own KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flywheel.errors import FailedPrecondition
+from services.rollout.engine.base import Delta, Engine, EngineLoad, PauseMode, SamplingSpec, StagedWeights, TensorSpec
+from services.rollout.engine.hf_sequence import Sequence
+from services.rollout.text import TextCodec
+from services.rollout.weights import checkpoint_specs, read_files
+
+log = logging.getLogger(__name__)
+
+# Engine arguments this engine understands; the rest are vLLM's and ignored here.
+_KNOWN_ARGS = {"dtype", "max_model_len", "max_num_seqs", "seed", "tokenizer"}
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "half": torch.float16}
+
+
+@dataclass
+class _Request:
+    request_id: str
+    stream: bool
+    seqs: list[Sequence]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    left: int = 0
+
+
+class TransformersEngine(Engine):
+    kind = "transformers"
+
+    def __init__(self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0) -> None:
+        ignored = sorted(set(args) - _KNOWN_ARGS)
+        if ignored:
+            log.info("transformers engine ignores vLLM engine arguments", extra={"ignored": ignored})
+        self._path = Path(model_path)
+        self._args = dict(args)
+        self._codec = codec
+        self._version = initial_version
+        self._max_num_seqs = int(args.get("max_num_seqs", 64))
+        self._seed = int(args.get("seed", 0))
+        self._seed_counter = itertools.count()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
+        self._requests: dict[str, _Request] = {}
+        self._running: list[Sequence] = []
+        self._waiting: deque[Sequence] = deque()
+        self._paused = False
+        self._draining = False
+        self._step_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self.model: Any = None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.model = await loop.run_in_executor(self._executor, self._load_model)
+        config = self.model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_model_len = int(self._args.get("max_model_len") or getattr(config, "max_position_embeddings", 2048))
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if codec_eos := self._codec.eos_token_id:
+            eos_ids.add(codec_eos)
+        self._eos_ids = eos_ids
+        self._specs = checkpoint_specs(self._path)
+        state = self.model.state_dict()
+        missing = [n for n in self._specs if n not in state]
+        if missing:
+            raise FailedPrecondition(f"checkpoint tensors not in the model: {missing[:5]}")
+        self._loop_task = asyncio.create_task(self._run(), name="hf-engine-loop")
+
+    def _load_model(self) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        dtype = self._args.get("dtype", "auto")
+        torch_dtype = _DTYPES.get(dtype, "auto") if isinstance(dtype, str) else dtype
+        torch.manual_seed(self._seed)
+        return AutoModelForCausalLM.from_pretrained(str(self._path), dtype=torch_dtype).eval()
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        for request in list(self._requests.values()):
+            self._finish_request(request, "abort")
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=len(self._running), waiting=len(self._waiting), kv_cache_usage=0.0)
+
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    # -- generation ------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec, *, stream: bool
+    ) -> AsyncIterator[list[Delta]]:
+        if request_id in self._requests:
+            raise FailedPrecondition(f"request id {request_id!r} is already running")
+        seqs = []
+        for index in range(sampling.n):
+            generator = torch.Generator()
+            seed = sampling.seed * 1_000_003 + index if sampling.seed is not None else self._seed * 7919 + next(self._seed_counter)
+            generator.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+            seqs.append(Sequence(request_id, index, list(prompt_ids), sampling, generator, self._eos_ids, self.max_model_len))
+        request = _Request(request_id, stream, seqs, left=len(seqs))
+        self._requests[request_id] = request
+        self._waiting.extend(seqs)
+        self._wake.set()
+        try:
+            while request.left:
+                deltas = await request.queue.get()
+                request.left -= sum(1 for d in deltas if d.final is not None)
+                yield deltas
+        finally:
+            if self._requests.pop(request_id, None) is not None and request.left:
+                # Abandoned by the caller: drop its sequences.
+                for seq in seqs:
+                    seq.end("abort")
+                self._running = [s for s in self._running if s.request_id != request_id]
+                self._waiting = deque(s for s in self._waiting if s.request_id != request_id)
+
+    def _finish_request(self, request: _Request, reason: str) -> None:
+        deltas = []
+        for seq in request.seqs:
+            if seq.finish is None:
+                seq.end(reason)  # type: ignore[arg-type]
+                delta = seq.delta(self._version, stream=request.stream)
+                if delta is not None:
+                    deltas.append(delta)
+        if deltas:
+            request.queue.put_nowait(deltas)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            async with self._step_lock:
+                if not self._paused and not self._draining:
+                    while self._waiting and len(self._running) < self._max_num_seqs:
+                        self._running.append(self._waiting.popleft())
+                if self._paused or not self._running:
+                    if self._draining and not self._running:
+                        self._drained.set()
+                    self._wake.clear()
+                    continue
+                batch = list(self._running)
+                version = self._version
+                await loop.run_in_executor(self._executor, self._step, batch, version)
+                self._dispatch(batch, version)
+
+    def _step(self, batch: list[Sequence], version: int) -> None:
+        with torch.inference_mode():
+            for seq in batch:
+                if seq.finish is not None:
+                    continue
+                ids = torch.tensor([seq.next_input()], dtype=torch.long)
+                out = self.model(input_ids=ids, past_key_values=seq.cache, use_cache=True)
+                seq.cache = out.past_key_values
+                seq.step(out.logits[0, -1], self._codec, version)
+
+    def _dispatch(self, batch: list[Sequence], version: int) -> None:
+        per_request: dict[str, list[Delta]] = {}
+        for seq in batch:
+            request = self._requests.get(seq.request_id)
+            if request is None:
+                continue
+            delta = seq.delta(version, stream=request.stream)
+            if delta is not None:
+                per_request.setdefault(seq.request_id, []).append(delta)
+        for request_id, deltas in per_request.items():
+            self._requests[request_id].queue.put_nowait(deltas)
+        self._running = [s for s in self._running if s.finish is None]
+        for seq in batch:
+            if seq.finish is not None:
+                seq.cache = None  # frees the KV cache now, not when the caller lets go
+
+    # -- pause and weights -----------------------------------------------------
+
+    async def pause(self, mode: PauseMode) -> None:
+        if mode == "wait":
+            self._drained.clear()
+            self._draining = True
+            self._wake.set()
+            await self._drained.wait()
+        async with self._step_lock:  # no step is running past this point
+            self._draining = False
+            self._paused = True
+            if mode == "abort":
+                for request in list(self._requests.values()):
+                    self._finish_request(request, "abort")
+                self._running.clear()
+                self._waiting.clear()
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    async def prepare_weights(self, staged: StagedWeights) -> StagedWeights:
+        if staged.tensors is not None:
+            return staged
+        # Read before generation pauses, so the pause covers only the copy.
+        tensors = await asyncio.to_thread(read_files, staged.files or [])
+        return StagedWeights(version=staged.version, tensors=tensors, nbytes=staged.nbytes)
+
+    async def swap_weights(self, staged: StagedWeights) -> None:
+        loop = asyncio.get_running_loop()
+        async with self._step_lock:
+            await loop.run_in_executor(self._executor, self._copy_weights, staged)
+            self._version = staged.version
+            for seq in [*self._running, *self._waiting]:
+                seq.cache = None  # frozen (keep mode) samples recompute their context
+
+    def _copy_weights(self, staged: StagedWeights) -> None:
+        tensors = staged.tensors if staged.tensors is not None else read_files(staged.files or [])
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                state[name].copy_(tensor)

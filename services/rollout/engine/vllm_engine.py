@@ -1,0 +1,250 @@
+"""The default engine: vLLM's AsyncLLM in this process (its engine core in a
+child process, as vLLM always runs it), with weight swaps through a worker
+extension.
+
+Versions come from vLLM itself: the engine core stamps every step's output
+with the weight version we set after a swap, and each finished sample carries
+its version spans, so the version reported for a token is the one that
+produced it, even across a `keep` pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from flywheel.errors import FailedPrecondition, InvalidArgument
+from services.rollout.engine.base import (
+    Delta, Engine, EngineLoad, PauseMode, SampleOutput, SamplingSpec, StagedWeights, TensorSpec,
+)
+from services.rollout.text import TextCodec
+from services.rollout.weights import checkpoint_specs
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "services.rollout.engine.vllm_worker.FlywheelWorkerExtension"
+
+
+def _staging_dir(configured: Path | None) -> Path:
+    if configured is not None:
+        return configured
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _read_through(files: list[str]) -> None:
+    buffer = bytearray(8 << 20)
+    for file in files:
+        with open(file, "rb", buffering=0) as fh:
+            while fh.readinto(buffer):
+                pass
+
+
+class _Sample:
+    """Accumulates one sample's deltas (vLLM sends only what is new)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.text = ""
+        self.done = False
+
+
+class VllmEngine(Engine):
+    kind = "vllm"
+
+    def __init__(
+        self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0,
+        staging_dir: Path | None = None,
+    ) -> None:
+        if "worker_extension_cls" in args:
+            raise InvalidArgument("engine.args.worker_extension_cls: set by the rollout service; remove it")
+        self._path = Path(model_path)
+        self._args = dict(args)
+        self._codec = codec
+        self._version = initial_version
+        self._staging_dir = _staging_dir(staging_dir)
+        self._stats: Any = None
+        self._llm: Any = None
+        self._own_files: set[str] = set()
+        self._active = 0  # requests between submission and their last output
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class StatsTap(StatLoggerBase):
+            """Keeps the scheduler's latest counts for GetStatus."""
+
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    engine._stats = scheduler_stats
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        try:
+            engine_args = AsyncEngineArgs(model=str(self._path), worker_extension_cls=WORKER_EXTENSION, **self._args)
+        except TypeError as exc:
+            raise InvalidArgument(f"engine.args: {exc}") from None
+        # Built off the event loop: it blocks until the engine core is up
+        # (tens of seconds) and health must keep answering meanwhile.
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=[StatsTap])
+        model_config = self._llm.vllm_config.model_config
+        self.max_model_len = int(model_config.max_model_len)
+        self.vocab_size = int(model_config.get_vocab_size())
+        self._specs = checkpoint_specs(self._path)
+        await self._llm.update_weight_version(str(self._version))
+
+    async def stop(self) -> None:
+        if self._llm is not None:
+            await asyncio.to_thread(self._llm.shutdown)
+            self._llm = None
+        for file in list(self._own_files):
+            Path(file).unlink(missing_ok=True)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def load(self) -> EngineLoad:
+        stats = self._stats
+        if stats is None:
+            # Without vLLM's stats (engine arg disable_log_stats) only our own count is known.
+            return EngineLoad(running=self._active, waiting=0, kv_cache_usage=0.0)
+        return EngineLoad(
+            running=int(stats.num_running_reqs), waiting=int(stats.num_waiting_reqs),
+            kv_cache_usage=float(stats.kv_cache_usage),
+        )
+
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    # -- generation ------------------------------------------------------------
+
+    def _params(self, spec: SamplingSpec, stream: bool) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+            max_tokens=spec.max_tokens, stop=list(spec.stop) or None, stop_token_ids=list(spec.stop_token_ids) or None,
+            seed=spec.seed, logprobs=spec.top_logprobs, min_tokens=spec.min_tokens,
+            repetition_penalty=spec.repetition_penalty, ignore_eos=spec.ignore_eos,
+            skip_special_tokens=spec.skip_special_tokens,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec, *, stream: bool
+    ) -> AsyncIterator[list[Delta]]:
+        if self._llm is None:
+            raise FailedPrecondition("the vLLM engine is not running")
+        try:
+            params = self._params(sampling, stream)
+        except ValueError as exc:  # vLLM's own validation (VLLMValidationError)
+            raise InvalidArgument(f"sampling: {exc}") from None
+        self._active += 1
+        try:
+            # aclosing: an abandoned request reaches vLLM's abort at once, not at garbage collection.
+            async with contextlib.aclosing(self._outputs(request_id, prompt_ids, params, sampling.top_logprobs)) as outputs:
+                async for deltas in outputs:
+                    yield deltas
+        finally:
+            self._active -= 1
+
+    async def _outputs(self, request_id: str, prompt_ids: list[int], params: Any, top_k: int) -> AsyncIterator[list[Delta]]:
+        samples: dict[int, _Sample] = {}
+        async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+            deltas = []
+            for completion in output.outputs:
+                sample = samples.setdefault(completion.index, _Sample(completion.index))
+                if sample.done:
+                    continue
+                delta = self._delta(sample, completion, top_k)
+                if delta.token_ids or delta.text or delta.final is not None:
+                    deltas.append(delta)
+            if deltas:
+                yield deltas
+
+    def _delta(self, sample: _Sample, completion: Any, top_k: int) -> Delta:
+        ids = list(completion.token_ids)
+        logprobs: list[float] = []
+        top: list[list[tuple[int, float]]] = []
+        for token, entry in zip(ids, completion.logprobs or ()):
+            logprobs.append(float(entry[token].logprob))
+            if top_k:
+                ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank and lp.rank <= top_k))
+                top.append([(tid, float(lp)) for _, tid, lp in ranked])
+        sample.ids += ids
+        sample.logprobs += logprobs
+        sample.top += top
+        sample.text += completion.text
+        delta = Delta(index=sample.index, token_ids=ids, logprobs=logprobs, top_logprobs=top, text=completion.text)
+        if completion.finish_reason is not None:
+            sample.done = True
+            spans = completion.weight_versions or []
+            start = int(spans[0].version) if spans else self._version
+            end = int(spans[-1].version) if spans else self._version
+            reason = completion.finish_reason if completion.finish_reason in ("stop", "length", "abort") else "error"
+            stop = completion.stop_reason
+            delta.final = SampleOutput(
+                index=sample.index, token_ids=sample.ids, logprobs=sample.logprobs, top_logprobs=sample.top,
+                text=sample.text, finish_reason=reason, stop_reason="" if stop is None else str(stop),
+                version_start=start, version_end=end,
+            )
+        return delta
+
+    # -- pause and weights -----------------------------------------------------
+
+    async def pause(self, mode: PauseMode) -> None:
+        # Frozen (keep) requests hold KV blocks; the caches are reset after a swap instead.
+        await self._llm.pause_generation(mode=mode, clear_cache=mode != "keep")
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def prepare_weights(self, staged: StagedWeights) -> StagedWeights:
+        if staged.tensors is None:
+            # The worker reads these files while generation is paused: bring
+            # them into the page cache first, so the pause is not disk-bound.
+            await asyncio.to_thread(_read_through, staged.files or [])
+            return staged
+        from safetensors.torch import save_file
+
+        path = self._staging_dir / f"flywheel-rollout-{os.getpid()}-v{staged.version}-{uuid.uuid4().hex[:8]}.safetensors"
+        self._own_files.add(str(path))
+        # The worker lives in another process: it reads the staged tensors from
+        # (shared-memory) file; written before generation pauses.
+        await asyncio.to_thread(save_file, staged.tensors, str(path))
+        return StagedWeights(version=staged.version, files=[str(path)], nbytes=staged.nbytes)
+
+    async def swap_weights(self, staged: StagedWeights) -> None:
+        assert staged.files is not None, "prepare_weights turns tensors into files"
+        await self._llm.collective_rpc("flywheel_load_weights", args=(staged.files,))
+        # KV computed with the old weights must not be reused: frozen requests
+        # are preempted (they recompute on resume) and the prefix cache emptied.
+        await self._llm.reset_prefix_cache(reset_running_requests=True)
+        await self._llm.update_weight_version(str(staged.version))
+        self._version = staged.version
+
+    async def discard_weights(self, staged: StagedWeights) -> None:
+        for file in staged.files or ():
+            if file in self._own_files:
+                self._own_files.discard(file)
+                Path(file).unlink(missing_ok=True)

@@ -1,0 +1,64 @@
+"""Runs the OpenAI-compatible app with uvicorn on the gRPC server's event loop.
+
+The socket is bound before uvicorn starts, so port 0 resolves to a real port
+that the service can report. uvicorn's own signal handling is disabled: the
+runtime owns SIGTERM and stops this server from the service's shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        self._app = app
+        self._host = host
+        self._port = port
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self._host, self._port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=30, log_config=None)
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="rollout-http")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # re-raises why it could not start
+            await asyncio.sleep(0.01)
+        log.info("http api listening", extra={"http_port": self.port, "host": self._host})
+        return self.port
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), grace)
+        except asyncio.TimeoutError:
+            self._server.force_exit = True
+            await asyncio.gather(self._task, return_exceptions=True)

@@ -1,0 +1,254 @@
+"""The rollout service's gRPC and OpenAI HTTP APIs, on both engines.
+
+One real `python -m services.rollout` process per engine for the whole module
+(a vLLM engine takes 25 s or more to start on CPU); clients are the real gRPC
+stubs and the official `openai` SDK. The last test stops it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import urllib.request
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from flywheel.common.v1 import common_pb2
+from flywheel.launcher.processes import ServiceProcess, start_service
+from flywheel.models.tiny import build_tiny_model
+from flywheel.rollout.v1 import rollout_pb2 as pb
+from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from flywheel.runtime.client import open_channel
+from tests.conftest import TEST_TOKEN
+from services.rollout.app import http_ready_file
+from tests.unit.rollout.rollout_helpers import engine_args, need_engine, reference_greedy, reference_logprobs
+
+ENGINES = ["transformers", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])]
+QUESTION = "What is 2 + 3? The answer is"
+GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, top_logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("rollout-api") / "model")
+
+
+class Server:
+    def __init__(self, child: ServiceProcess, kind: str) -> None:
+        self.child, self.kind = child, kind
+        self.address = child.grpc_address
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def server(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    kind = request.param
+    need_engine(kind)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env["FLYWHEEL_AUTH_TOKEN"] = TEST_TOKEN
+    child = start_service("rollout", tmp_path_factory.mktemp(f"rollout-{kind}"), [
+        "--engine.model-path", str(model_dir), "--engine.kind", kind, "--engine.args", json.dumps(engine_args(kind)),
+        "--http-port", "0", "--limits.max-pending-requests", "64", "--server.shutdown-grace-seconds", "2",
+    ], env)
+    try:
+        child.wait_ready(300)
+        yield Server(child, kind)
+    finally:
+        child.stop()
+
+
+def stub(channel: grpc.aio.Channel) -> pb_grpc.RolloutServiceStub:
+    return pb_grpc.RolloutServiceStub(channel)
+
+
+async def http_port(address: str) -> int:
+    async with open_channel(address, token=TEST_TOKEN) as channel:
+        return (await stub(channel).GetStatus(pb.GetStatusRequest())).http_port
+
+
+async def test_generate_is_consistent_with_tokenize_and_the_policy(server, model_dir: Path) -> None:
+    async with open_channel(server.address, token=TEST_TOKEN) as channel:
+        rollout = stub(channel)
+        status = await rollout.GetStatus(pb.GetStatusRequest())
+        assert status.model_name == "model" and status.weight_version == 0 and not status.paused
+        assert status.engine == server.kind and status.max_model_len == 256 and status.http_port > 0
+        assert status.http_port == json.loads(http_ready_file(server.child.ready_path).read_text())["http_port"]
+        ids = list((await rollout.Tokenize(pb.TokenizeRequest(text=QUESTION))).token_ids)
+        chat = pb.ChatMessages(messages=[common_pb2.ChatMessage(role="user", content="What is 12 + 7?")])
+        chat_ids = list((await rollout.Tokenize(pb.TokenizeRequest(messages=chat))).token_ids)
+        response = await rollout.Generate(pb.GenerateRequest(
+            prompts=[pb.Prompt(text=QUESTION, request_id="text"), pb.Prompt(token_ids=pb.TokenIds(ids=ids)),
+                     pb.Prompt(messages=chat, request_id="chat")],
+            sampling=GREEDY))
+        assert [r.request_id for r in response.results][::2] == ["text", "chat"]
+        text, tokens, chat_result = (r.samples[0] for r in response.results)
+        assert list(text.prompt_token_ids) == ids == list(tokens.prompt_token_ids)
+        assert list(chat_result.prompt_token_ids) == chat_ids
+        for sample in (text, chat_result):
+            completion = list(sample.completion_token_ids)
+            prompt = list(sample.prompt_token_ids)
+            assert completion == reference_greedy(model_dir, prompt, 10)
+            assert list(sample.completion_logprobs) == pytest.approx(reference_logprobs(model_dir, prompt, completion), abs=2e-3)
+            assert [t.token_ids[0] for t in sample.top_logprobs] == completion
+            assert sample.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert (sample.weight_version_start, sample.weight_version_end) == (0, 0)
+            detok = await rollout.Detokenize(pb.DetokenizeRequest(token_ids=completion, skip_special_tokens=True))
+            assert detok.text == sample.text
+        assert list(tokens.completion_token_ids) == list(text.completion_token_ids)
+
+
+async def test_sampling_n_seed_and_stream(server) -> None:
+    async with open_channel(server.address, token=TEST_TOKEN) as channel:
+        rollout = stub(channel)
+        sampling = common_pb2.SamplingParams(n=3, temperature=1.0, top_p=0.9, top_k=50, max_tokens=8, seed=11, ignore_eos=True)
+        request = pb.GenerateRequest(prompts=[pb.Prompt(text=QUESTION)], sampling=sampling)
+        first = (await rollout.Generate(request)).results[0].samples
+        again = (await rollout.Generate(request)).results[0].samples
+        assert [s.index for s in first] == [0, 1, 2]
+        assert [list(s.completion_token_ids) for s in first] == [list(s.completion_token_ids) for s in again]
+        assert all(len(s.completion_logprobs) == len(s.completion_token_ids) == 8 for s in first)
+
+        deltas: dict[int, list[int]] = {0: [], 1: []}
+        finals = {}
+        async for message in rollout.GenerateStream(pb.GenerateStreamRequest(
+                prompt=pb.Prompt(text=QUESTION), sampling=common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=6, ignore_eos=True))):
+            deltas[message.index] += list(message.token_ids)
+            if message.HasField("final"):
+                finals[message.index] = message.final
+        assert set(finals) == {0, 1}
+        for index, final in finals.items():
+            assert list(final.completion_token_ids) == deltas[index] and len(deltas[index]) == 6
+
+
+@pytest.mark.parametrize(
+    ("request_msg", "field"),
+    [
+        (pb.GenerateRequest(sampling=GREEDY), "prompts:"),
+        (pb.GenerateRequest(prompts=[pb.Prompt()], sampling=GREEDY), "prompts[0]:"),
+        (pb.GenerateRequest(prompts=[pb.Prompt(text="")], sampling=GREEDY), "prompts[0].text: empty"),
+        (pb.GenerateRequest(prompts=[pb.Prompt(text="hi")]), "sampling.max_tokens:"),
+        (pb.GenerateRequest(prompts=[pb.Prompt(text="hi")], sampling=common_pb2.SamplingParams(max_tokens=4, top_p=2)), "sampling.top_p:"),
+        (pb.GenerateRequest(prompts=[pb.Prompt(text="hi " * 300)], sampling=GREEDY), "prompts[0].text: the prompt is"),
+        (pb.GenerateRequest(prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=[3, -1]))], sampling=GREEDY), "prompts[0].token_ids[1]:"),
+        (pb.GenerateRequest(prompts=[pb.Prompt(messages=pb.ChatMessages(messages=[common_pb2.ChatMessage(role="bot", content="x")]))],
+                            sampling=GREEDY), "prompts[0].messages[0].role:"),
+    ],
+)
+async def test_bad_generate_requests_are_invalid_argument(server, request_msg, field: str) -> None:
+    async with open_channel(server.address, token=TEST_TOKEN, max_attempts=1) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub(channel).Generate(request_msg)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(field), info.value.details()
+
+
+async def test_invalid_utf8_and_backpressure_over_grpc(server) -> None:
+    raw = pb.GenerateRequest(prompts=[pb.Prompt(text="MARK")], sampling=GREEDY).SerializeToString().replace(b"MARK", b"M\xffRK")
+    async with open_channel(server.address, token=TEST_TOKEN, max_attempts=1) as channel:
+        call = channel.unary_unary("/flywheel.rollout.v1.RolloutService/Generate", request_serializer=lambda b: b,
+                                   response_deserializer=pb.GenerateResponse.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(raw)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == "prompts[0].text: not valid UTF-8"
+
+        too_many = pb.GenerateRequest(prompts=[pb.Prompt(text="hi")] * 65, sampling=GREEDY)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub(channel).Generate(too_many)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(info.value.trailing_metadata())["retry-after-ms"] == "1000"
+
+
+async def test_pause_abort_returns_the_aborted_requests(server) -> None:
+    long = common_pb2.SamplingParams(temperature=1.0, max_tokens=220, ignore_eos=True)
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+        rollout = stub(channel)
+        generation = asyncio.ensure_future(rollout.Generate(pb.GenerateRequest(
+            prompts=[pb.Prompt(text=QUESTION, request_id=f"job-{i}") for i in range(3)], sampling=long)))
+        while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
+            await asyncio.sleep(0.01)
+        paused = await rollout.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_ABORT))
+        assert sorted(paused.aborted_request_ids) == ["job-0", "job-1", "job-2"]
+        results = (await generation).results
+        assert all(r.samples[0].finish_reason == common_pb2.FINISH_REASON_ABORT for r in results)
+        assert all(len(r.samples[0].completion_token_ids) < 220 for r in results)
+        assert (await rollout.GetStatus(pb.GetStatusRequest())).paused
+        held = asyncio.ensure_future(rollout.Generate(pb.GenerateRequest(prompts=[pb.Prompt(text="hi")], sampling=GREEDY)))
+        await asyncio.sleep(0.3)
+        assert not held.done()
+        assert (await rollout.GetStatus(pb.GetStatusRequest())).waiting_requests >= 1
+        await rollout.Resume(pb.ResumeRequest())
+        sample = (await held).results[0].samples[0]
+        assert sample.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(sample.completion_token_ids) == 10
+
+
+async def test_openai_sdk_completes_chats_and_streams(server, model_dir: Path) -> None:
+    port = await http_port(server.address)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TEST_TOKEN, max_retries=0)
+    (model,) = (await client.models.list()).data
+    assert model.id == "model"
+
+    completion = await client.completions.create(model=model.id, prompt=QUESTION, max_tokens=6, temperature=0,
+                                                 logprobs=2, extra_body={"ignore_eos": True})
+    extra = completion.model_extra
+    (choice,) = completion.choices
+    assert choice.model_extra["token_ids"] == reference_greedy(model_dir, extra["prompt_token_ids"], 6)
+    assert choice.logprobs.token_logprobs == pytest.approx(
+        reference_logprobs(model_dir, extra["prompt_token_ids"], choice.model_extra["token_ids"]), abs=2e-3)
+    assert len(choice.logprobs.top_logprobs[0]) == 2
+    assert extra["weight_version"] == {"start": 0, "end": 0} and completion.usage.completion_tokens == 6
+
+    many = await client.completions.create(model=model.id, prompt=[QUESTION, "Hello"], n=2, max_tokens=4,
+                                           temperature=1.0, seed=3)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3] and len(many.model_extra["prompt_token_ids"]) == 2
+
+    chat = await client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "What is 12 + 7?"}],
+                                                max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+                                                extra_body={"ignore_eos": True})
+    (choice,) = chat.choices
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert len(choice.logprobs.content) == 5 and len(choice.logprobs.content[0].top_logprobs) == 3
+    assert choice.model_extra["weight_version"] == {"start": 0, "end": 0}
+    assert chat.model_extra["prompt_token_ids"] and len(choice.model_extra["token_ids"]) == 5
+
+    stream = await client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=5, temperature=0, stream=True,
+                                                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    text, tokens, usage = "", [], None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            tokens += chunk.choices[0].model_extra.get("token_ids", [])
+        usage = chunk.usage or usage
+    assert len(tokens) == 5 and usage.completion_tokens == 5
+    direct = await client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert direct.choices[0].message.content == text and direct.choices[0].model_extra["token_ids"] == tokens
+
+    streamed = await client.completions.create(model=model.id, prompt=QUESTION, max_tokens=4, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+    pieces = [c async for c in streamed]
+    assert "".join(c.choices[0].text for c in pieces) == completion.choices[0].text[: len("".join(c.choices[0].text for c in pieces))]
+    assert pieces[-1].choices[0].finish_reason == "length"
+
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        await client.completions.create(model=model.id, prompt="hi", max_tokens=0)
+
+
+async def test_metrics_then_sigterm_stops_cleanly(server) -> None:
+    port = await http_port(server.address)
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read())
+    assert health["status"] == "ok"
+    metrics = urllib.request.urlopen(server.child.metrics_url, timeout=5).read().decode()
+    for family in ("flywheel_rollout_generated_tokens_total", "flywheel_rollout_prompt_tokens_total",
+                   "flywheel_rollout_weight_version 0.0", 'flywheel_rollout_rejected_requests_total{reason="queue_full"} 1.0'):
+        assert family in metrics, family
+    server.child.process.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(server.child.process.wait, 60) == 0
+    assert '"msg": "stopped"' in server.child.log_path.read_text()

@@ -1,0 +1,231 @@
+"""Weight updates, all or nothing, on both engines: MEMORY (from a synchronizer
+test double) and CHECKPOINT updates change greedy outputs and bump the
+version; corrupt, misshapen and late updates leave the old weights serving
+bit for bit; an update racing 50 requests tags each answer with one version.
+
+Tests run in file order on one server per engine; `Track` follows which
+weights it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flywheel.common.v1 import common_pb2
+from flywheel.models.tiny import build_tiny_model
+from flywheel.rollout.v1 import rollout_pb2 as pb
+from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from flywheel.runtime.client import open_channel
+from tests.conftest import TEST_TOKEN
+from tests.unit.rollout.fake_synchronizer import FakeSynchronizer
+from tests.unit.rollout.rollout_helpers import ServerThread, need_engine, reference_greedy, rollout_config
+
+ENGINES = ["transformers", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])]
+PROMPT = [318, 268, 223, 20, 284, 223, 21, 33]
+STEPS = 12
+GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+
+
+@dataclass
+class Track:
+    model: Path
+    version: int
+    state: dict[str, torch.Tensor]
+    greedy: dict[int, list[int]] = field(default_factory=dict)
+
+    def scaled(self, factor: float) -> dict[str, torch.Tensor]:
+        base = load_file(str(self.model / "model.safetensors"))
+        return {k: v * factor for k, v in base.items()}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("rollout-updates") / "model")
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def server(request: pytest.FixtureRequest, model_dir: Path):
+    need_engine(request.param)
+    srv = ServerThread(rollout_config(model_dir, request.param)).start()
+    srv.track = Track(model_dir, 0, load_file(str(model_dir / "model.safetensors")))
+    yield srv
+    srv.stop()
+
+
+async def greedy(rollout: pb_grpc.RolloutServiceStub) -> common_pb2.Sample:
+    response = await rollout.Generate(pb.GenerateRequest(prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=PROMPT))], sampling=GREEDY))
+    return response.results[0].samples[0]
+
+
+async def update(rollout, version: int, **source) -> pb.UpdateWeightsResponse:
+    return await rollout.UpdateWeights(pb.UpdateWeightsRequest(version=version, **source), timeout=120)
+
+
+async def test_memory_update_changes_outputs_and_bumps_the_version(server) -> None:
+    track: Track = server.track
+    new = track.scaled(1.5)
+    sync = FakeSynchronizer()
+    sync.add(1, new)
+    await sync.start()
+    try:
+        async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+            rollout = pb_grpc.RolloutServiceStub(channel)
+            before = await greedy(rollout)
+            assert list(before.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS)
+            response = await update(rollout, 1, memory=pb.MemorySource(synchronizer_address=sync.address),
+                                    method=common_pb2.SYNC_METHOD_MEMORY)
+            assert response.weight_version == 1 and response.bytes == sum(t.nbytes for t in new.values())
+            assert response.pause_seconds > 0
+            after = await greedy(rollout)
+            assert list(after.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS, new)
+            assert list(after.completion_token_ids) != list(before.completion_token_ids)
+            assert (after.weight_version_start, after.weight_version_end) == (1, 1)
+            assert (await rollout.GetStatus(pb.GetStatusRequest())).weight_version == 1
+    finally:
+        await sync.stop()
+    track.version, track.state = 1, new
+
+
+async def test_checkpoint_update_changes_outputs_and_bumps_the_version(server, tmp_path: Path) -> None:
+    track: Track = server.track
+    new = track.scaled(0.7)
+    save_file(new, str(tmp_path / "model.safetensors"))
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        response = await update(rollout, 2, checkpoint=pb.CheckpointSource(path=str(tmp_path)))
+        assert response.weight_version == 2
+        after = await greedy(rollout)
+        assert list(after.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS, new)
+        assert after.weight_version_start == 2
+    track.version, track.state = 2, new
+
+
+async def _rejected(server, code: grpc.StatusCode, version: int, **source) -> str:
+    """Runs a failing update; asserts the served weights stay bit for bit what they were."""
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120, max_attempts=1) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        before = await greedy(rollout)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await update(rollout, version, **source)
+        assert info.value.code() == code, info.value.details()
+        after = await greedy(rollout)
+        assert list(after.completion_token_ids) == list(before.completion_token_ids)
+        # Exactly equal log-probs: the same weights, not merely similar ones.
+        assert list(after.completion_logprobs) == list(before.completion_logprobs)
+        status = await rollout.GetStatus(pb.GetStatusRequest())
+        assert status.weight_version == server.track.version and not status.updating and not status.paused
+        assert after.weight_version_start == server.track.version
+        return info.value.details()
+
+
+async def test_corrupt_chunk_is_rejected_and_old_weights_keep_serving(server) -> None:
+    sync = FakeSynchronizer()
+    sync.add(3, server.track.scaled(2.0))
+    sync.corrupt[3] = 5
+    await sync.start()
+    try:
+        details = await _rejected(server, grpc.StatusCode.DATA_LOSS, 3,
+                                  memory=pb.MemorySource(synchronizer_address=sync.address))
+        assert "checksum" in details
+    finally:
+        await sync.stop()
+
+
+async def test_wrong_shape_is_rejected_and_old_weights_keep_serving(server, tmp_path: Path) -> None:
+    bad = server.track.scaled(2.0)
+    bad["model.layers.1.mlp.down_proj.weight"] = bad["model.layers.1.mlp.down_proj.weight"][:, :-1].contiguous()
+    sync = FakeSynchronizer()
+    sync.add(3, bad)
+    await sync.start()
+    try:
+        details = await _rejected(server, grpc.StatusCode.INVALID_ARGUMENT, 3,
+                                  memory=pb.MemorySource(synchronizer_address=sync.address))
+        assert "down_proj" in details and "shape" in details
+    finally:
+        await sync.stop()
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    await _rejected(server, grpc.StatusCode.INVALID_ARGUMENT, 3, checkpoint=pb.CheckpointSource(path=str(tmp_path)))
+
+
+async def test_stalled_transfer_times_out_and_old_weights_keep_serving(server) -> None:
+    sync = FakeSynchronizer()
+    sync.add(3, server.track.scaled(2.0))
+    sync.stall[3] = 30
+    await sync.start()
+    try:
+        await _rejected(server, grpc.StatusCode.DEADLINE_EXCEEDED, 3,
+                        memory=pb.MemorySource(synchronizer_address=sync.address), timeout_seconds=1.0)
+    finally:
+        await sync.stop()
+
+
+async def test_update_racing_50_requests_tags_each_answer_with_one_version(server) -> None:
+    track: Track = server.track
+    new = track.scaled(1.25)
+    expected = {track.version: reference_greedy(track.model, PROMPT, STEPS, track.state),
+                3: reference_greedy(track.model, PROMPT, STEPS, new)}
+    assert expected[track.version] != expected[3]
+    sync = FakeSynchronizer()
+    sync.add(3, new)
+    await sync.start()
+    try:
+        async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+            rollout = pb_grpc.RolloutServiceStub(channel)
+            requests = [asyncio.ensure_future(greedy(rollout)) for _ in range(25)]
+            while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
+                await asyncio.sleep(0.005)
+            updating = asyncio.ensure_future(update(rollout, 3, memory=pb.MemorySource(synchronizer_address=sync.address)))
+            for _ in range(25):
+                requests.append(asyncio.ensure_future(greedy(rollout)))
+                await asyncio.sleep(0.005)
+            response = await updating
+            samples = await asyncio.gather(*requests)
+    finally:
+        await sync.stop()
+    assert response.weight_version == 3
+    seen = set()
+    for sample in samples:
+        assert sample.weight_version_start == sample.weight_version_end
+        assert list(sample.completion_token_ids) == expected[sample.weight_version_start]
+        seen.add(sample.weight_version_start)
+    # Requests in flight when the update began drained on the old weights
+    # (pause mode "wait"); those that arrived during it ran on the new ones.
+    assert seen == set(expected)
+    track.version, track.state = 3, new
+
+
+async def test_keep_mode_update_continues_requests_across_versions(server, tmp_path: Path) -> None:
+    track: Track = server.track
+    new = track.scaled(0.9)
+    save_file(new, str(tmp_path / "model.safetensors"))
+    long = common_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        generation = asyncio.ensure_future(rollout.Generate(pb.GenerateRequest(
+            prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=PROMPT), request_id="long")], sampling=long)))
+        while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
+            await asyncio.sleep(0.005)
+        response = await update(rollout, 4, checkpoint=pb.CheckpointSource(path=str(tmp_path)), pause_mode=pb.PAUSE_MODE_KEEP)
+        assert response.weight_version == 4 and not response.aborted_request_ids
+        sample = (await generation).results[0].samples[0]
+    assert sample.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(sample.completion_token_ids) == 200
+    assert (sample.weight_version_start, sample.weight_version_end) == (track.version, 4)
+    track.version, track.state = 4, new
+
+
+async def test_update_must_move_forward(server) -> None:
+    async with open_channel(server.address, token=TEST_TOKEN, max_attempts=1) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await update(rollout, server.track.version, checkpoint=pb.CheckpointSource(path="/nonexistent"))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await update(rollout, 99, checkpoint=pb.CheckpointSource(path="/x"), method=common_pb2.SYNC_METHOD_MEMORY)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,133 @@
+"""Test helpers for the rollout service: a server on its own thread, engine
+settings that keep vLLM-on-CPU small, and a transformers reference."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flywheel.runtime.server import RunningServer, serve
+from services.rollout.config import RolloutConfig
+from tests.conftest import TEST_TOKEN
+
+# A fixed small KV cache (64 MiB holds 64k tokens of the tiny model): the
+# default touches GiBs at start-up on a machine other processes share.
+VLLM_ARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=64, kv_cache_memory_bytes=64 * 2**20,
+                 enforce_eager=True, seed=0)
+HF_ARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=64, seed=0)
+
+
+def engine_args(kind: str) -> dict[str, Any]:
+    return dict(VLLM_ARGS if kind == "vllm" else HF_ARGS)
+
+
+def rollout_config(model: Path, kind: str, **overrides: Any) -> RolloutConfig:
+    data: dict[str, Any] = {
+        "server": {"port": 0, "metrics_port": 0, "auth_token": TEST_TOKEN, "shutdown_grace_seconds": 1},
+        "http_port": 0,
+        "engine": {"kind": kind, "model_path": str(model), "args": engine_args(kind)},
+    }
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
+    return RolloutConfig.model_validate(data)
+
+
+def need_engine(kind: str) -> None:
+    """Skips when the engine's package is missing; keeps vLLM's core in-process friendly."""
+    if kind == "vllm":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import pytest
+
+        pytest.importorskip("vllm")
+
+
+class ServerThread:
+    """The rollout service served by `flywheel.runtime.server.serve` on its own
+    thread and event loop, so tests in any loop (or none) can call it."""
+
+    def __init__(self, config: RolloutConfig) -> None:
+        from services.rollout.app import build
+
+        self.config = config
+        self.spec = build(config)
+        self.running: RunningServer | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._main, name="rollout-server", daemon=True)
+
+    def _main(self) -> None:
+        async def run() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+
+            def on_ready(running: RunningServer) -> None:
+                self.running = running
+                self._ready.set()
+
+            await serve(self.spec, self.config.server, stop=self._stop, on_ready=on_ready)
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    def start(self, timeout: float = 300.0) -> ServerThread:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("rollout server not ready")
+        if self._error is not None or self.running is None:
+            raise RuntimeError("rollout server failed to start") from self._error
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(120)
+
+    @property
+    def address(self) -> str:
+        assert self.running is not None
+        return f"127.0.0.1:{self.running.grpc_port}"
+
+
+def reference_logprobs(model_dir: Path, prompt: Sequence[int], completion: Sequence[int],
+                       state: dict[str, torch.Tensor] | None = None) -> list[float]:
+    """Log-probs of `completion` after `prompt` under a plain transformers forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    start = len(prompt) - 1
+    return [float(logprobs[start + i, t]) for i, t in enumerate(completion)]
+
+
+def reference_greedy(model_dir: Path, prompt: Sequence[int], steps: int,
+                     state: dict[str, torch.Tensor] | None = None) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

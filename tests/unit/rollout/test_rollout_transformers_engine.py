@@ -1,0 +1,114 @@
+"""The transformers engine decodes like a plain forward pass and honours the engine contract."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+from safetensors.torch import load_file
+
+from services.rollout.engine.base import SamplingSpec, StagedWeights
+from services.rollout.engine.transformers_engine import TransformersEngine
+from tests.unit.rollout.rollout_helpers import reference_greedy, reference_logprobs
+
+PROMPT = [318, 268, 223, 20, 284, 223, 21, 33]
+
+
+@pytest_asyncio.fixture
+async def engine(rollout_model: Path, codec):
+    engine = TransformersEngine(rollout_model, {"dtype": "float32", "max_model_len": 128, "kv_cache_memory_bytes": 1}, codec)
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+async def run(engine, spec: SamplingSpec, rid: str = "r", prompt=PROMPT, stream=False):
+    finals, deltas = [], []
+    async for batch in engine.generate(rid, list(prompt), spec, stream=stream):
+        deltas += batch
+        finals += [d.final for d in batch if d.final is not None]
+    return sorted(finals, key=lambda s: s.index), deltas
+
+
+async def test_greedy_matches_a_plain_forward_pass(engine, rollout_model: Path) -> None:
+    (sample,), _ = await run(engine, SamplingSpec(temperature=0, max_tokens=10, ignore_eos=True, top_logprobs=3))
+    assert sample.token_ids == reference_greedy(rollout_model, PROMPT, 10)
+    assert sample.logprobs == pytest.approx(reference_logprobs(rollout_model, PROMPT, sample.token_ids), abs=1e-4)
+    assert sample.finish_reason == "length" and (sample.version_start, sample.version_end) == (0, 0)
+    assert all(top[0][1] >= top[-1][1] and len(top) == 3 for top in sample.top_logprobs)
+    assert [top[0][0] for top in sample.top_logprobs] == sample.token_ids  # greedy picks the top token
+
+
+async def test_streamed_deltas_add_up_to_the_final_sample(engine) -> None:
+    (sample,), deltas = await run(engine, SamplingSpec(temperature=0, max_tokens=6, ignore_eos=True), stream=True)
+    assert sum((d.token_ids for d in deltas), []) == sample.token_ids
+    assert "".join(d.text for d in deltas) == sample.text
+
+
+async def test_stop_string_ends_the_sample_and_is_cut(engine, codec) -> None:
+    (free,), _ = await run(engine, SamplingSpec(temperature=0, max_tokens=6, ignore_eos=True))
+    stop = codec.decode(free.token_ids[2:3]).strip() or codec.decode(free.token_ids[2:3])
+    (sample,), _ = await run(engine, SamplingSpec(temperature=0, max_tokens=6, ignore_eos=True, stop=(stop,)))
+    assert sample.finish_reason == "stop" and sample.stop_reason == stop
+    assert stop not in sample.text and len(sample.token_ids) <= 3
+
+
+async def test_seeded_sampling_is_reproducible(engine) -> None:
+    spec = SamplingSpec(n=3, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True)
+    first, _ = await run(engine, spec, "a")
+    again, _ = await run(engine, spec, "b")
+    assert [s.token_ids for s in first] == [s.token_ids for s in again]
+    assert len({tuple(s.token_ids) for s in first}) > 1
+
+
+async def test_pause_keep_then_swap_continues_on_new_weights(engine, rollout_model: Path) -> None:
+    spec = SamplingSpec(temperature=0, max_tokens=40, ignore_eos=True)
+    task = asyncio.create_task(run(engine, spec))
+    while engine.load().running == 0:
+        await asyncio.sleep(0.001)
+    await engine.pause("keep")
+    new = {k: v * 1.5 for k, v in load_file(str(rollout_model / "model.safetensors")).items()}
+    await engine.swap_weights(StagedWeights(version=1, tensors=new))
+    await engine.resume()
+    (sample,), _ = await task
+    assert (sample.version_start, sample.version_end) == (0, 1)
+    assert engine.version == 1
+
+
+async def test_pause_abort_ends_in_flight_samples(engine) -> None:
+    task = asyncio.create_task(run(engine, SamplingSpec(n=2, temperature=1.0, max_tokens=100, ignore_eos=True)))
+    while engine.load().running == 0:
+        await asyncio.sleep(0.001)
+    await engine.pause("abort")
+    samples, _ = await task
+    assert [s.finish_reason for s in samples] == ["abort", "abort"]
+    await engine.resume()
+    (after,), _ = await run(engine, SamplingSpec(temperature=0, max_tokens=2, ignore_eos=True))
+    assert after.finish_reason == "length"
+
+
+async def test_pause_wait_drains_first(engine) -> None:
+    task = asyncio.create_task(run(engine, SamplingSpec(temperature=0, max_tokens=12, ignore_eos=True)))
+    while engine.load().running == 0:
+        await asyncio.sleep(0.001)
+    await engine.pause("wait")
+    assert task.done()
+    (sample,), _ = await task
+    assert sample.finish_reason == "length" and len(sample.token_ids) == 12
+    await engine.resume()
+
+
+async def test_weight_swap_changes_greedy_output(engine, rollout_model: Path) -> None:
+    spec = SamplingSpec(temperature=0, max_tokens=8, ignore_eos=True)
+    (before,), _ = await run(engine, spec)
+    state = {k: v * 2.0 for k, v in load_file(str(rollout_model / "model.safetensors")).items()}
+    await engine.pause("wait")
+    await engine.swap_weights(StagedWeights(version=3, tensors=state))
+    await engine.resume()
+    (after,), _ = await run(engine, spec)
+    assert after.token_ids == reference_greedy(rollout_model, PROMPT, 8, state)
+    assert after.token_ids != before.token_ids and after.version_start == 3
+    torch.testing.assert_close(engine.model.state_dict()["model.norm.weight"], state["model.norm.weight"])
