@@ -8,7 +8,7 @@ Run manual:
 Measured in the same run, on the same model, prompts (token ids) and sampling
 parameters (temperature 1, max_tokens M, ignore_eos, the chosen token's
 log-prob); tokens/s counts completion tokens over wall time. The three run
-in turn within each round (one warm-up round, then --reps timed ones), so
+in turn within each round (--warmup untimed rounds, then --reps timed ones), so
 they share the machine's load of the moment; figures are medians:
   inprocess  vLLM's own `LLM.generate` in a process of its own: the baseline
              with no server at all.
@@ -30,6 +30,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -209,7 +210,7 @@ async def bench_updates(address: str, model_dir: Path, work: Path, reps: int) ->
     async with open_channel(address, token=TOKEN, default_timeout=600) as channel:
         stub = pb_grpc.RolloutServiceStub(channel)
         version = (await stub.GetStatus(pb.GetStatusRequest())).weight_version
-        for rep in range(reps):
+        for _ in range(reps):
             version += 1
             directory = work / f"ckpt-{version}"
             directory.mkdir()
@@ -252,14 +253,15 @@ async def http_port_of(address: str) -> int:
         return (await pb_grpc.RolloutServiceStub(channel).GetStatus(pb.GetStatusRequest())).http_port
 
 
-async def throughput(child, baseline: InProcess | None, prompts: list, max_tokens: int, reps: int) -> dict[str, list[float]]:
+async def throughput(child, baseline: InProcess, prompts: list, max_tokens: int, reps: int, warmup: int) -> dict[str, list[float]]:
     rates: dict[str, list[float]] = {"inprocess": [], "grpc": [], "http": []}
     async with Ours(child.grpc_address, await http_port_of(child.grpc_address), prompts, max_tokens) as ours:
-        for rep in range(reps + 1):  # the first round warms every path up (kernels for new batch shapes)
-            got = {"inprocess": baseline.run() if baseline else 0.0, "grpc": await ours.grpc(), "http": await ours.http()}
-            print(f"round {rep}{' (warm-up)' if rep == 0 else ''}: " + ", ".join(f"{k} {v:.0f}" for k, v in got.items())
+        # Warm-up rounds: kernels for new batch shapes, allocator pools, connections.
+        for rep in range(warmup + reps):
+            got = {"inprocess": baseline.run(), "grpc": await ours.grpc(), "http": await ours.http()}
+            print(f"round {rep}{' (warm-up)' if rep < warmup else ''}: " + ", ".join(f"{k} {v:.0f}" for k, v in got.items())
                   + " tokens/s", file=sys.stderr)
-            if rep:
+            if rep >= warmup:
                 for key, value in got.items():
                     rates[key].append(value)
     return rates
@@ -270,7 +272,8 @@ def main() -> None:
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--skip-throughput", action="store_true", help="only measure weight updates")
     opts = parser.parse_args()
 
@@ -284,7 +287,7 @@ def main() -> None:
     try:
         child = start_rollout(model_dir, args, work / "run")
         if baseline is not None:
-            rates = asyncio.run(throughput(child, baseline, prompts, opts.max_tokens, opts.reps))
+            rates = asyncio.run(throughput(child, baseline, prompts, opts.max_tokens, opts.reps, opts.warmup))
             baseline.stop()
             baseline = None
             for key, values in rates.items():
@@ -300,6 +303,7 @@ def main() -> None:
             baseline.stop()
         if child is not None:
             child.stop()
+        shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(figures))
 
 

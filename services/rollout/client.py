@@ -85,6 +85,8 @@ class RolloutClient:
                        timeout: float | None = None, **sampling: Any) -> list[list[common_pb2.Sample]]:
         """Samples per prompt, in order; `sampling` takes `SamplingParams` fields (max_tokens, n, ...)."""
         ids = list(request_ids) or [""] * len(prompts)
+        if len(ids) != len(prompts):
+            raise errors.InvalidArgument(f"request_ids: {len(ids)} ids for {len(prompts)} prompts")
         request = pb.GenerateRequest(prompts=[to_prompt(p, r) for p, r in zip(prompts, ids)],
                                      sampling=common_pb2.SamplingParams(**sampling))
         response = await self._call("Generate", self._stub.Generate, request, timeout)

@@ -118,13 +118,13 @@ class RolloutCore:
 
     # -- prompts ---------------------------------------------------------------
 
-    def _ready(self) -> tuple[Engine, TextCodec]:
+    def require_engine(self) -> tuple[Engine, TextCodec]:
         if self.engine is None or self.codec is None:
             raise FailedPrecondition("no model is loaded (start the service with --engine.model-path)")
         return self.engine, self.codec
 
     def resolve(self, prompt: PromptInput, field: str, request_id: str = "") -> ResolvedPrompt:
-        engine, codec = self._ready()
+        engine, codec = self.require_engine()
         return resolve(prompt, codec, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
                        field=field, request_id=request_id)
 
@@ -178,7 +178,7 @@ class RolloutCore:
         self, prompts: list[ResolvedPrompt], spec: SamplingSpec, reservation: Reservation | None = None
     ) -> list[PromptOutput]:
         """All prompts' samples, in order; aborted samples come back with finish reason "abort"."""
-        self._ready()
+        self.require_engine()
         prompts = [p if p.request_id else ResolvedPrompt(p.ids, f"gen-{uuid.uuid4().hex[:16]}", p.tools) for p in prompts]
         async with self._admitted(len(prompts) * spec.n, reservation):
 
@@ -188,13 +188,21 @@ class RolloutCore:
                     finals += [d.final for d in deltas if d.final is not None]
                 return PromptOutput(prompt.request_id, prompt.ids, sorted(finals, key=lambda s: s.index))
 
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
+            tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                # One prompt failed: the others must not run on unaccounted.
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
 
     async def generate_stream(
         self, prompt: ResolvedPrompt, spec: SamplingSpec, reservation: Reservation | None = None
     ) -> AsyncIterator[list[Delta]]:
         """Deltas of one prompt's samples as they come (`reserve` first to fail before streaming)."""
-        self._ready()
+        self.require_engine()
         if not prompt.request_id:
             prompt = ResolvedPrompt(prompt.ids, f"gen-{uuid.uuid4().hex[:16]}", prompt.tools)
         async with self._admitted(spec.n, reservation):
@@ -217,7 +225,7 @@ class RolloutCore:
         return sorted({f.request_id for f in snapshot if f.done.is_set() and f.aborted})
 
     async def pause(self, mode: PauseMode) -> tuple[list[str], int]:
-        engine, _ = self._ready()
+        engine, _ = self.require_engine()
         async with self._control:
             if self._paused:
                 return [], engine.version
@@ -232,7 +240,7 @@ class RolloutCore:
             return aborted, engine.version
 
     async def resume(self) -> int:
-        engine, _ = self._ready()
+        engine, _ = self.require_engine()
         async with self._control:
             if self._paused:
                 await engine.resume()
@@ -261,7 +269,7 @@ class RolloutCore:
         self, version: int, stage: Callable[[], Awaitable[StagedWeights]], mode: PauseMode | None, timeout: float | None
     ) -> UpdateOutcome:
         """Stages (fetch + verify) within `timeout`, then swaps under the gate."""
-        engine, _ = self._ready()
+        engine, _ = self.require_engine()
         mode = mode or self.config.updates.default_pause_mode
         timeout = timeout or self.config.updates.timeout_seconds
         async with self._update:

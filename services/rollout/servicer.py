@@ -128,7 +128,7 @@ class RolloutServicer:
             raise
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        _, codec = self.core._ready()
+        _, codec = self.core.require_engine()
         kind = request.WhichOneof("content")
         if kind == "text":
             ids = codec.encode(request.text, add_special_tokens=request.add_special_tokens)
@@ -141,7 +141,7 @@ class RolloutServicer:
         return pb.TokenizeResponse(token_ids=ids)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
-        engine, codec = self.core._ready()
+        engine, codec = self.core.require_engine()
         check_token_ids(request.token_ids, engine.vocab_size, "token_ids")
         return pb.DetokenizeResponse(text=codec.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens))
 
@@ -179,7 +179,7 @@ class RolloutServicer:
             raise InvalidArgument("source: set memory, checkpoint or nccl")
         if request.method not in (common_pb2.SYNC_METHOD_UNSPECIFIED, methods[source]):
             raise InvalidArgument(f"method: {common_pb2.SyncMethod.Name(request.method)} does not match source {source}")
-        engine, _ = self.core._ready()
+        engine, _ = self.core.require_engine()
         version, specs = request.version, engine.weight_specs()
         timeout = request.timeout_seconds or self.config.updates.timeout_seconds
         if source == "checkpoint":

@@ -241,6 +241,28 @@ async def test_openai_sdk_completes_chats_and_streams(server, model_dir: Path) -
         await client.completions.create(model=model.id, prompt="hi", max_tokens=0)
 
 
+async def test_typed_client(server) -> None:
+    from flywheel.errors import InvalidArgument
+    from services.rollout.client import RolloutClient
+
+    async with RolloutClient(server.address, token=TEST_TOKEN, timeout=120) as rollout:
+        ids = await rollout.tokenize(QUESTION, add_special_tokens=True)
+        chat = [{"role": "user", "content": "What is 12 + 7?"}]
+        results = await rollout.generate([QUESTION, ids, chat], request_ids=["a", "b", "c"],
+                                         max_tokens=5, temperature=0, ignore_eos=True)
+        assert [list(r[0].prompt_token_ids) for r in results[:2]] == [ids, ids]
+        assert list(results[2][0].prompt_token_ids) == await rollout.tokenize(chat)
+        text = await rollout.detokenize(results[0][0].completion_token_ids, skip_special_tokens=True)
+        assert text == results[0][0].text
+        finals = [m.final async for m in rollout.generate_stream(ids, max_tokens=3, temperature=0, ignore_eos=True)
+                  if m.HasField("final")]
+        assert list(finals[0].completion_token_ids) == list(results[1][0].completion_token_ids)[:3]
+        assert (await rollout.status()).weight_version == 0
+        with pytest.raises(InvalidArgument, match="max_tokens") as info:
+            await rollout.generate([ids], max_tokens=0)
+        assert info.value.code == "INVALID_ARGUMENT"
+
+
 async def test_metrics_then_sigterm_stops_cleanly(server) -> None:
     port = await http_port(server.address)
     health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read())

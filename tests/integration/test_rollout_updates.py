@@ -220,6 +220,23 @@ async def test_keep_mode_update_continues_requests_across_versions(server, tmp_p
     track.version, track.state = 4, new
 
 
+async def test_memory_update_from_the_real_synchronizer(server, run_service) -> None:
+    from services.synchronizer.client import SynchronizerClient
+
+    track: Track = server.track
+    new = track.scaled(1.1)
+    synchronizer = run_service("synchronizer")
+    async with SynchronizerClient(synchronizer.grpc_address, token=TEST_TOKEN) as sync:
+        await sync.push_weights(new, 5)
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        response = await update(rollout, 5, memory=pb.MemorySource(synchronizer_address=synchronizer.grpc_address))
+        assert response.weight_version == 5
+        after = await greedy(rollout)
+    assert list(after.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS, new)
+    track.version, track.state = 5, new
+
+
 async def test_update_must_move_forward(server) -> None:
     async with open_channel(server.address, token=TEST_TOKEN, max_attempts=1) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from google.protobuf.message import DecodeError
 
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
@@ -88,7 +89,7 @@ def test_prompts_resolve_and_are_checked(codec) -> None:
 def test_invalid_utf8_is_located_in_the_raw_message() -> None:
     good = pb.GenerateRequest(prompts=[pb.Prompt(text="fine"), pb.Prompt(text="MARK")]).SerializeToString()
     bad = good.replace(b"MARK", b"M\xffRK")
-    with pytest.raises(Exception):
+    with pytest.raises(DecodeError):
         pb.GenerateRequest.FromString(bad)
     assert find_invalid_utf8(pb.GenerateRequest.DESCRIPTOR, bad) == "prompts[1].text"
     nested = pb.GenerateRequest(prompts=[pb.Prompt(messages=pb.ChatMessages(
