@@ -6,9 +6,9 @@ PY := .venv/bin/python
 setup:
 	@bash scripts/setup.sh
 
-## The main job: start the local services (the full GRPO quickstart arrives with the launcher issue).
+## The main job: GRPO on SmolLM2-135M-Instruct with local services (converts the model once; rerun resumes).
 quickstart: setup
-	$(PY) -m flywheel.cli up --check
+	$(PY) -m services.controller run examples/quickstart.yaml
 
 ## Every test CI runs (including real vLLM-on-CPU tests).
 test: setup

@@ -1,5 +1,6 @@
 """The `flywheel` command.
 
+    flywheel run CONFIG         # a whole RL job locally (= python -m services.controller run CONFIG)
     flywheel up                 # start the four services locally; Ctrl-C stops them
     flywheel up --check         # start them, check each is SERVING, stop, exit 0/1
     flywheel health HOST:PORT   # ask one service for its gRPC health
@@ -56,8 +57,14 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # the launcher parses its own options (services/controller/launch.py)
+        from services.controller.launch import main as run_main
+
+        return run_main(argv[1:])
     parser = argparse.ArgumentParser(prog="flywheel", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="run an RL job locally: `flywheel run CONFIG` (see `flywheel run --help`)")
     up = sub.add_parser("up", help="start the four services as local processes")
     up.add_argument("--check", action="store_true", help="check health, stop everything and exit")
     up.add_argument("--run-dir", default=os.environ.get("FLYWHEEL_RUN_DIR", "runs"), help="parent of the logs directory")

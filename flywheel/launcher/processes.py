@@ -36,7 +36,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 def tail(path: Path, lines: int = 20) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        # Blank lines (progress-bar redraws) would crowd out the informative ones.
+        kept = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        return "\n".join(kept[-lines:])
     except OSError:
         return ""
 
@@ -76,18 +78,45 @@ class ServiceProcess:
         raise TimeoutError(f"service {self.name} not ready after {timeout:.0f}s; log tail:\n{tail(self.log_path)}")
 
     def stop(self, grace: float = 15.0) -> int:
-        """SIGTERM the child's process group, SIGKILL it after `grace` seconds."""
+        """SIGTERM the child's process group, SIGKILL it after `grace` seconds.
+
+        The group is signalled even when the child itself already exited: a
+        child killed outright leaves its own children (an inference engine's
+        worker, say) running in its group, and they must not outlive the run.
+        """
+        pgid = self.process.pid  # the child called setpgrp: its pid is the group id
+        _signal_group(pgid, signal.SIGTERM)
         if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
             try:
                 self.process.wait(grace)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
+                _signal_group(pgid, signal.SIGKILL)
                 self.process.wait()
+        deadline = time.monotonic() + min(grace, 5.0)
+        while group_alive(pgid):
+            if time.monotonic() > deadline:
+                _signal_group(pgid, signal.SIGKILL)
+                break
+            time.sleep(0.1)
         return self.process.returncode
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def start_service(

@@ -1,0 +1,70 @@
+"""`python -m services.controller run CONFIG`: one RL job on this machine.
+
+    python -m services.controller run examples/quickstart.yaml          # SmolLM2-135M, ~10 min on 2 CPU cores
+    python -m services.controller run examples/quickstart-tiny.yaml     # tiny model, a minute or two
+    python -m services.controller run CONFIG --run-dir runs/mine        # where logs, checkpoints, plots go
+    python -m services.controller run CONFIG --max-steps 5              # override run.max_steps
+
+What happens, in order: the model is converted or built if missing, the
+arithmetic dataset generated if missing, the synchronizer, trainer and
+rollout services start as child processes on free 127.0.0.1 ports (each
+logging to `<run dir>/<service>.log`; with `services:` addresses in the file
+nothing is started and those are used), the controller's pipeline runs in
+this process (its log: `<run dir>/controller.log`) with a live progress line,
+and at the end `<run dir>/summary.json` and `progress.png` are written.
+
+Stopping: Ctrl-C (or SIGTERM) asks the run to stop after a checkpoint; a
+second one stops at once. Any child service exiting stops the run: its name
+and last log lines are printed and the exit status is 1. Every child is
+stopped before this process exits, and children die with it even if it is
+SIGKILLed (PR_SET_PDEATHSIG).
+
+Containers: `FLYWHEEL_RUN_SERVICES='{trainer: {address: trainer:50052}, ...}'`
+(a `services:` section) makes the launcher use those services instead of
+starting any; `FLYWHEEL_CONTROLLER__RUNS_DIR` is the parent of run directories.
+
+Resuming: the run directory defaults to `runs/<run.name>`, so running the same
+command again continues from its last checkpoint (`resume: auto`, the
+default; `resume: disable` starts over, `resume: {from_path: DIR}` picks one).
+
+Exit status: 0 done, 1 failed (a service died, the run's error policy
+stopped it, bad config), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+PROG = "python -m services.controller run"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", type=Path, help="run file (YAML): the run config plus an optional launch: section")
+    p.add_argument("--run-dir", type=Path, default=None, help="run directory; default run.output_dir or runs/<run.name>")
+    p.add_argument("--max-steps", type=int, default=None, help="override run.max_steps")
+    p.add_argument(
+        "--resume", choices=("auto", "disable"), default=None, help="override the file's resume setting"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    # Heavy imports (torch, grpc) only after --help has had its chance.
+    from flywheel.runtime.config import ConfigError
+    from services.controller.local_run import LocalRun
+
+    try:
+        return LocalRun.from_args(args).execute()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

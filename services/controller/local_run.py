@@ -1,0 +1,407 @@
+"""A run on this machine: prepare, start the services, drive the pipeline, report.
+
+`LocalRun.execute()` is the whole story (see launch.py for the user's view):
+
+    prepare()          model directory + dataset files (cached)
+    start_services()   synchronizer, trainer, rollout as supervised children
+    drive()            the controller pipeline in this process, with progress
+    report()           summary.json + progress.png
+
+A `finally` stops every child whatever happened. The pipeline's main loop
+runs as a task next to a watcher that checks the children twice a second:
+a dead child cancels the loop and surfaces as `ServiceDied`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flywheel.launcher.prepare import prepare_data, prepare_model
+from flywheel.launcher.processes import ServiceDied
+from flywheel.launcher.progress import Progress
+from flywheel.launcher.report import write_report
+from flywheel.launcher.spec import LaunchSpec, resume_section, split_run_file
+from flywheel.launcher.supervisor import Supervisor
+from flywheel.runtime.config import ConfigError, deep_merge, read_config_file
+from services.controller.run_config import RunConfig, parse_run_config
+
+log = logging.getLogger("flywheel.launch")
+
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+#: A YAML/JSON `services:` section; when set, nothing is started and these are used.
+SERVICES_ENV = "FLYWHEEL_RUN_SERVICES"
+#: Parent of run directories (the controller service's runs_dir setting).
+RUNS_DIR_ENV = "FLYWHEEL_CONTROLLER__RUNS_DIR"
+
+
+def _configure_file_logging(path: Path) -> None:
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def _raise_interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+async def _trainer_presence(cfg: RunConfig, pipeline: Any) -> tuple[Any, Any] | None:
+    """Registers the trainer with the synchronizer and keeps its lease alive.
+
+    The controller's weight sync asks the synchronizer `NeedSync` as
+    `services.trainer_id`, which must be a registered component; the trainer
+    service does not register itself, so the run does it on its behalf, with
+    heartbeats carrying the trainer's step and version. Returns (client,
+    heartbeats) to close at the end, or None without a synchronizer.
+    """
+    if cfg.services.synchronizer is None:
+        return None
+    from flywheel.runtime.auth import resolve_token
+    from services.synchronizer.client import SynchronizerClient
+
+    s = cfg.services
+    client = SynchronizerClient(s.synchronizer.address, resolve_token(None, s.auth_token_file))
+    await client.register("trainer", s.trainer_id, address=s.trainer.address, capabilities=[cfg.sync.method])
+    tw = pipeline.train_worker
+    beats = client.keep_alive(s.trainer_id, lambda: (tw.step, tw.version)).start()
+    return client, beats
+
+
+def _count_resumed_steps(pipeline: Any) -> None:
+    """Makes `run.max_steps` count the trainer's steps, resumed ones included.
+
+    The pipeline counts the steps of this session; a resumed run would then
+    train max_steps more instead of stopping at step max_steps. Setting its
+    counter to the trainer's step once the resume is done keeps the numbering
+    and the stop where the user configured them.
+    """
+    start = pipeline.start
+
+    async def start_then_count() -> None:
+        await start()
+        step = pipeline.train_worker.step
+        pipeline.resumed_at_step = pipeline.steps_done = step
+        if step > 0:  # the checkpoint just loaded is this step's: no need to write it again at the end
+            pipeline._last_checkpoint_step = step
+
+    pipeline.start = start_then_count
+
+
+def latest_checkpoint(directory: Path) -> str:
+    """The newest complete global_step_N under `directory`, or ""."""
+    best: tuple[int, Path] | None = None
+    for path in directory.glob("global_step_*"):
+        if (path / "trainer_state.json").is_file() and path.name.removeprefix("global_step_").isdigit():
+            step = int(path.name.removeprefix("global_step_"))
+            if best is None or step > best[0]:
+                best = (step, path)
+    return str(best[1]) if best else ""
+
+
+@dataclass
+class LocalRun:
+    spec: LaunchSpec
+    data: dict[str, Any]
+    run_dir: Path
+    out: Any = sys.stdout
+    supervisor: Supervisor | None = None
+    progress: Progress | None = None
+    interrupted: int = 0
+    _train_metrics: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def from_args(cls, args: Any) -> LocalRun:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ConfigError(f"run file {path} does not exist")
+        spec, data = split_run_file(read_config_file(path), f"file {path}")
+        run = dict(data.get("run") or {})
+        if args.max_steps is not None:
+            run["max_steps"] = args.max_steps
+        if args.resume is not None:
+            data["resume"] = resume_section(args.resume)
+        data["run"] = run
+        if os.environ.get(SERVICES_ENV):
+            # Containers (compose, Kubernetes) name the services here and keep the run file shared.
+            import yaml
+
+            data["services"] = yaml.safe_load(os.environ[SERVICES_ENV])
+        runs = Path(os.environ.get(RUNS_DIR_ENV) or "runs")
+        run_dir = args.run_dir or (Path(run["output_dir"]) if run.get("output_dir") else runs / run.get("name", "run"))
+        run_dir = run_dir.resolve()
+        run["output_dir"] = str(run_dir)
+        return cls(spec=spec, data=data, run_dir=run_dir)
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.message(text)
+        else:
+            print(text, file=self.out, flush=True)
+
+    # -- the whole run --------------------------------------------------------
+    def execute(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _configure_file_logging(self.run_dir / "controller.log")
+        (self.run_dir / "launcher.pid").write_text(f"{os.getpid()}\n")
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        # Until the pipeline's own handlers are installed, a signal ends the launch.
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            self.prepare()
+            cfg = self.start_services()
+            code, summary = asyncio.run(self.drive(cfg))
+            self.report(cfg, summary)
+            return code
+        except ServiceDied as exc:
+            self.say(f"error: {exc}")
+            return EXIT_FAILED
+        except KeyboardInterrupt:
+            self.say("interrupted: stopping services")
+            return EXIT_INTERRUPTED
+        except (TimeoutError, FileNotFoundError, ConfigError) as exc:
+            self.say(f"error: {exc}")
+            return EXIT_FAILED
+        except Exception as exc:  # still stop the children, and say where the details are
+            log.exception("launch failed")
+            self.say(f"error: {type(exc).__name__}: {exc} (see {self.run_dir / 'controller.log'})")
+            return EXIT_FAILED
+        finally:
+            self.stop_services()
+            if self.progress is not None:
+                self.progress.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    # -- steps ----------------------------------------------------------------
+    def prepare(self) -> None:
+        spec = self.spec
+        self.say(f"run directory {self.run_dir}")
+        self.model_dir: Path | None = None
+        if "services" not in self.data:  # remote services load their own model
+            t = time.monotonic()
+            self.model_dir = prepare_model(spec.model)
+            self.say(f"model {self.model_dir} ({time.monotonic() - t:.0f}s)")
+        self.data["data"] = prepare_data(spec.dataset, dict(self.data.get("data") or {}), self.run_dir / "data")
+        self.data.setdefault("model", {}).setdefault("name", str(self.model_dir or ""))
+        # Validated now, with a placeholder address: a bad field fails before anything starts.
+        probe = dict(self.data)
+        probe.setdefault("services", {"synchronizer": {"address": "127.0.0.1:1"}})
+        parse_run_config(probe, "run file")
+
+    def _thread_share(self) -> int:
+        return self.spec.cpu_threads or max(1, (os.cpu_count() or 2) // 2)
+
+    def service_configs(self) -> dict[str, dict[str, Any]]:
+        spec, dtype = self.spec, self.spec.model.dtype
+        trainer = {
+            "model": {"path": str(self.model_dir), "dtype": dtype, "cpu_threads": self._thread_share()},
+            "checkpoint": {"dir": str(self.run_dir / "checkpoints")},
+        }
+        rollout = {
+            "http_port": 0,
+            # dtype explicit: vLLM on CPU would silently run a float32 model in
+            # bfloat16, and its log-probs would disagree with the trainer's.
+            "engine": {"model_path": str(self.model_dir), "args": {"dtype": dtype}},
+        }
+        return {
+            "synchronizer": dict(spec.synchronizer),
+            "trainer": deep_merge(trainer, spec.trainer),
+            "rollout": deep_merge(rollout, spec.rollout),
+        }
+
+    def start_services(self) -> RunConfig:
+        if "services" in self.data:
+            self.say("using the services named in the run file")
+            return parse_run_config(self.data, "run file")
+        self.supervisor = Supervisor(self.run_dir, stop_grace_seconds=self.spec.stop_grace_seconds)
+        for name, config in self.service_configs().items():
+            self.supervisor.start(name, config)
+        self.say(f"starting synchronizer, trainer, rollout (logs: {self.run_dir}/<service>.log)")
+        t = time.monotonic()
+        self.supervisor.wait_ready(self.spec.ready_timeout_seconds)
+        addresses = {c.name: c.grpc_address for c in self.supervisor.children}
+        self.say(
+            f"services ready in {time.monotonic() - t:.0f}s: "
+            + ", ".join(f"{n} {a}" for n, a in addresses.items())
+        )
+        self.data["services"] = {
+            "synchronizer": {"address": addresses["synchronizer"]},
+            "trainer": {"address": addresses["trainer"], "timeout_seconds": 900.0},
+            "rollout": [{"address": addresses["rollout"], "timeout_seconds": 900.0}],
+        }
+        return parse_run_config(self.data, "run file")
+
+    def stop_services(self) -> None:
+        if self.supervisor is None:
+            return
+        codes = self.supervisor.stop()
+        log.info("services stopped: %s", codes)
+        self.say("stopped " + ", ".join(f"{n} (exit {c})" for n, c in codes.items()))
+        self.supervisor = None
+
+    # -- the pipeline ---------------------------------------------------------
+    async def drive(self, cfg: RunConfig) -> tuple[int, dict[str, Any]]:
+        from services.controller.adapters import connect
+        from services.controller.assemble import build_pipeline
+
+        services = connect(cfg)
+        pipeline = build_pipeline(cfg, services, run_dir=self.run_dir)
+        ledger = self._keep_ledger(pipeline)
+        _count_resumed_steps(pipeline)
+        self.progress = Progress(cfg.run.max_steps, self.out)
+        presence = await _trainer_presence(cfg, pipeline)
+        try:
+            return await self._supervise(pipeline)
+        finally:
+            if presence is not None:
+                await presence[1].stop()
+                await presence[0].close()
+            if services.close is not None:
+                await services.close()
+            ledger.close()
+
+    async def _supervise(self, pipeline: Any) -> tuple[int, dict[str, Any]]:
+        """Runs the main loop next to a watcher of the children and the signals."""
+        from services.controller.loop import run
+
+        loop = asyncio.get_running_loop()
+        run_task = asyncio.ensure_future(run(pipeline))
+
+        def on_signal() -> None:
+            self.interrupted += 1
+            if self.interrupted == 1:
+                self.say("stopping after a checkpoint (again to stop at once)")
+                pipeline.checkpoint_on_stop = True
+                pipeline.stop_requested.set()
+            else:
+                self.say("stopping now, without a checkpoint")
+                run_task.cancel()
+
+        for s in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(s, on_signal)
+        try:
+            while not run_task.done():
+                await asyncio.wait([run_task], timeout=0.5)
+                self._check_children()
+                self._draw(pipeline)
+            summary = run_task.result()
+            self._check_children()  # a child's death may have ended the run first
+        except ServiceDied:
+            run_task.cancel()
+            await asyncio.gather(run_task, return_exceptions=True)
+            raise
+        except asyncio.CancelledError:
+            if not self.interrupted:
+                raise
+            return EXIT_INTERRUPTED, {"stop_reason": "interrupted"}
+        except Exception as exc:
+            # A service that died is the better explanation of a failed RPC.
+            await asyncio.sleep(1.0)
+            self._check_children()
+            log.exception("run failed")
+            self.say(f"error: the run failed: {type(exc).__name__}: {exc} (see {self.run_dir / 'controller.log'})")
+            return EXIT_FAILED, {"stop_reason": f"{type(exc).__name__}: {exc}", "exit_code": EXIT_FAILED}
+        finally:
+            for s in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(s)
+        failed = pipeline.errors.should_stop
+        if not failed and not self.interrupted:
+            await self._final_validation(pipeline)
+        self._draw(pipeline)
+        self.progress.close()
+        for record in pipeline.errors.recent(5) if failed else []:
+            self.say(f"error: {record.module}: {record.message}")
+        self.say(f"run ended: {summary.stop_reason} ({summary.steps - self._resumed_at(pipeline)} steps this session)")
+        code = EXIT_FAILED if failed else EXIT_INTERRUPTED if self.interrupted else EXIT_OK
+        return code, {
+            "stop_reason": summary.stop_reason,
+            "steps_this_session": summary.steps - self._resumed_at(pipeline),
+            "samples_per_second": summary.samples_per_second,
+            "trainer_idle_fraction": summary.trainer_idle_fraction,
+            "final_version": summary.final_version,
+            "checkpoint_this_session": pipeline.last_checkpoint_path,
+            "dropped": dict(pipeline.processor.dropped),
+            "rollouts": dict(pipeline.rollouts.stats),
+            "exit_code": code,
+        }
+
+    @staticmethod
+    def _resumed_at(pipeline: Any) -> int:
+        return getattr(pipeline, "resumed_at_step", 0)
+
+    def _check_children(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.check()
+
+    async def _final_validation(self, pipeline: Any) -> None:
+        """Validates the final weights when the interval did not land on them, so
+        the report's "after" is the model the checkpoint holds (the loop has
+        stopped; the engines and the validator are still there)."""
+        validator, version = pipeline.validator, pipeline.train_worker.version
+        if validator is None or validator.interval <= 0 or validator.last_version == version:
+            return
+        self._draw(pipeline, "final validation")
+        metrics = await validator.run(version)
+        row = {"step": pipeline.train_worker.step, "unix_ms": int(time.time() * 1000), **metrics}
+        with (self.run_dir / "metrics.jsonl").open("a") as f:  # the pipeline's sink is closed by now
+            f.write(json.dumps(row) + "\n")
+        log.info("final validation at version %d: %s", version, metrics)
+
+    def _keep_ledger(self, pipeline: Any) -> Any:
+        """Appends each trained step's task ids to `trained_tasks.jsonl`.
+
+        Metrics carry counts, not ids; this ledger is what lets a user (and the
+        resume test) check that every example was trained exactly once across
+        kills and resumes: per step, the last session's line counts.
+        """
+        ledger = (self.run_dir / "trained_tasks.jsonl").open("a")
+        session = f"{os.getpid()}-{int(time.time())}"
+        record = pipeline.record
+
+        def record_with_ledger(batch: Any, result: Any) -> dict[str, float]:
+            tasks = sorted({t.task.id for t in batch.trajectories})
+            ledger.write(json.dumps({"step": result.step, "session": session, "tasks": tasks}) + "\n")
+            ledger.flush()
+            return record(batch, result)
+
+        pipeline.record = record_with_ledger  # the loop calls p.record(batch, result) once per trained step
+        return ledger
+
+    def _draw(self, pipeline: Any, status: str = "") -> None:
+        assert self.progress is not None
+        validator = pipeline.validator
+        val = None
+        if validator is not None and validator.history:
+            latest = validator.history[-1][1]
+            val = latest.get("val/accuracy", latest.get("val/reward"))
+        status = status or ("validating" if pipeline.rollouts.paused and validator is not None else "")
+        latest = pipeline.memory.latest()
+        if "rollout/reward_mean" in latest:  # validation rows carry val/* only
+            self._train_metrics = latest
+        self.progress.update(pipeline.train_worker.step, self._train_metrics, val, status)
+
+    def report(self, cfg: RunConfig, summary: dict[str, Any]) -> None:
+        checkpoint = summary.get("checkpoint_this_session") or latest_checkpoint(self.run_dir / "checkpoints")
+        report = write_report(
+            self.run_dir, name=cfg.run.name, summary=summary, checkpoint=checkpoint,
+            wall_seconds=time.monotonic() - self.started,
+        )
+        val = report["validation"]
+        if val["before"] and val["after"]:
+            self.say(
+                f"{val['metric']}: {val['before']['value']:.3f} (step {val['before']['step']}) -> "
+                f"{val['after']['value']:.3f} (step {val['after']['step']})"
+            )
+        self.say(f"checkpoint: {report['model'] or '(none)'}")
+        self.say(f"summary: {self.run_dir / 'summary.json'}" + (f", plot: {report['plot']}" if report["plot"] else ""))

@@ -1,0 +1,49 @@
+"""The launch section and the resume shorthands of a run file."""
+
+from __future__ import annotations
+
+import pytest
+
+from flywheel.launcher.prepare import prepare_data
+from flywheel.launcher.spec import DatasetSpec, resume_section, split_run_file
+from flywheel.runtime.config import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("auto", {"from": "latest"}),
+        ("disable", {"from": "none"}),
+        ({"from_path": "/ck/global_step_4"}, {"from": "/ck/global_step_4"}),
+        ({"from": "latest"}, {"from": "latest"}),
+        (None, {"from": "none"}),
+    ],
+)
+def test_resume_shorthands(given, expected):
+    assert resume_section(given) == expected
+
+
+def test_resume_of_the_wrong_type_names_the_field():
+    with pytest.raises(ConfigError, match="resume"):
+        resume_section(3)
+
+
+def test_split_defaults_to_resume_auto_and_removes_the_launch_section():
+    spec, data = split_run_file({"launch": {"model": {"source": "tiny"}}, "run": {"name": "x"}}, "test")
+    assert spec.model.source == "tiny"
+    assert "launch" not in data and data["resume"] == {"from": "latest"}
+
+
+def test_a_misspelt_launch_field_is_named():
+    with pytest.raises(ConfigError, match=r"launch\.model\.sorce"):
+        split_run_file({"launch": {"model": {"sorce": "tiny"}}}, "test")
+
+
+def test_prepare_data_fills_generated_paths_only_when_none_are_given(tmp_path):
+    data = prepare_data(DatasetSpec(train_size=8, validation_size=4), {"train": {"prompt_key": "question"}}, tmp_path)
+    assert data["train"]["path"] == str(tmp_path / "train.jsonl")
+    assert data["validation"]["shuffle"] is False
+    assert (tmp_path / "validation.jsonl").read_text().count("\n") == 4
+    own = {"train": {"path": "mine.jsonl"}}
+    assert prepare_data(DatasetSpec(), own, tmp_path / "other") == own
+    assert not (tmp_path / "other").exists()
