@@ -316,8 +316,6 @@ class LocalRun:
             for s in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(s)
         failed = pipeline.errors.should_stop
-        if not failed and not self.interrupted:
-            await self._final_validation(pipeline)
         self._draw(pipeline)
         self.progress.close()
         for record in pipeline.errors.recent(5) if failed else []:
@@ -344,22 +342,8 @@ class LocalRun:
         if self.supervisor is not None:
             self.supervisor.check()
 
-    async def _final_validation(self, pipeline: Any) -> None:
-        """Validates the final weights when the interval did not land on them, so
-        the report's "after" is the model the checkpoint holds (the loop has
-        stopped; the engines and the validator are still there)."""
-        validator, version = pipeline.validator, pipeline.train_worker.version
-        if validator is None or validator.interval <= 0 or validator.last_version == version:
-            return
-        self._draw(pipeline, "final validation")
-        metrics = await validator.run(version)
-        row = {"step": pipeline.train_worker.step, "unix_ms": int(time.time() * 1000), **metrics}
-        with (self.run_dir / "metrics.jsonl").open("a") as f:  # the pipeline's sink is closed by now
-            f.write(json.dumps(row) + "\n")
-        log.info("final validation at version %d: %s", version, metrics)
-
     def _keep_ledger(self, pipeline: Any) -> Any:
-        """Appends each trained step's task ids to `trained_tasks.jsonl`.
+        """Appends each trained step's task ids and sample versions to `trained_tasks.jsonl`.
 
         Metrics carry counts, not ids; this ledger is what lets a user (and the
         resume test) check that every example was trained exactly once across
@@ -371,7 +355,12 @@ class LocalRun:
 
         def record_with_ledger(batch: Any, result: Any) -> dict[str, float]:
             tasks = sorted({t.task.id for t in batch.trajectories})
-            ledger.write(json.dumps({"step": result.step, "session": session, "tasks": tasks}) + "\n")
+            # Which weights produced each sample, beside the weights trained on:
+            # the mode's staleness promise, checkable after the fact.
+            versions = [[t.version_start, t.version_end] for t in batch.trajectories]
+            row = {"step": result.step, "session": session, "tasks": tasks,
+                   "trained_version": batch.target_version, "sample_versions": versions}
+            ledger.write(json.dumps(row) + "\n")
             ledger.flush()
             return record(batch, result)
 

@@ -30,6 +30,8 @@ async def run(p: Pipeline) -> RunSummary:
                 await p.validate()
             if p.due_for_checkpoint(result):
                 await p.checkpoint()
+        if p.due_for_final_validation():
+            await p.validate()
         if p.due_for_final_checkpoint():
             await p.checkpoint()
     finally:

@@ -189,15 +189,29 @@ class Pipeline:
     def due_for_validation(self, result: TrainResult) -> bool:
         return self.validator is not None and self.validator.due(result.version)
 
+    def due_for_final_validation(self) -> bool:
+        """The run ended on weights no validation has seen yet: measure them,
+        so the last validation figure is the model the final checkpoint holds."""
+        v = self.validator
+        if v is None or v.interval <= 0 or self.steps_done == 0:
+            return False
+        if self.errors.should_stop or self.stop_requested.is_set():
+            return False
+        return v.last_version != self.train_worker.version
+
     async def validate(self) -> dict[str, float]:
         assert self.validator is not None
+        version = self.train_worker.version
         self.rollouts.pause()
         try:
-            metrics = await self.validator.run(self.train_worker.version)
+            # Validation at version v is of the weights of version v: async
+            # modes may still be moving them to the replicas.
+            await self.weight_sync.settle(version)
+            metrics = await self.validator.run(version)
         finally:
             self.rollouts.resume()
         self.metrics.write(self.train_worker.step, metrics)
-        log.info("validation at version %d: %s", self.train_worker.version, metrics)
+        log.info("validation at version %d: %s", version, metrics)
         return metrics
 
     def due_for_checkpoint(self, result: TrainResult) -> bool:

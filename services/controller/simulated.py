@@ -127,6 +127,7 @@ class SimulatedTrainer:
     #: (trainer version at training, start version of each sample) per step.
     trained: list[tuple[int, list[int]]] = field(default_factory=list)
     checkpoints: dict[str, tuple[int, int, bytes]] = field(default_factory=dict)
+    exports: int = 0
     _busy: bool = False
 
     async def get_state(self) -> TrainerState:
@@ -164,6 +165,7 @@ class SimulatedTrainer:
         return RestoredCheckpoint(path, step, version, state)
 
     async def export_weights(self, source: WeightSource) -> WeightSource:
+        self.exports += 1
         await asyncio.sleep(self.export_time())
         if source.method == "checkpoint":
             return replace(source, path=f"sim://weights/v{self.version}")

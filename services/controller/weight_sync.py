@@ -83,7 +83,13 @@ class WeightSyncController:
         self.published: tuple[int, WeightSource] | None = None
         self.transfers = 0
         self._kick = asyncio.Event()
+        self._idle = asyncio.Event()  # the background updater has nothing left to do
+        self._idle.set()
         self._updater: asyncio.Task | None = None
+        # One update at a time per replica: the background updater and a
+        # blocking transfer must not both push to one replica (the second
+        # would be refused as "not newer" and cost the replica its place).
+        self._replica_locks: dict[str, asyncio.Lock] = {}
 
     # -- the verbs the main loop uses ----------------------------------------
     async def configure(self) -> None:
@@ -100,6 +106,16 @@ class WeightSyncController:
         if all(r.version >= version for r in self.engines.healthy()):
             self.gate.set_rollout_version(self.engines.min_version())
             return
+        await self._transfer(version, pause_mode="wait")
+
+    async def settle(self, version: int) -> None:
+        """Returns once every healthy replica serves `version` or newer.
+
+        Validation and the end of a run measure the weights they name: the
+        background updater is let finish, then any replica still behind is
+        moved (waiting for its in-flight requests)."""
+        if self._updater is not None and not self._updater.done():
+            await self._idle.wait()
         await self._transfer(version, pause_mode="wait")
 
     async def after_step(self, result: TrainResult) -> None:
@@ -119,7 +135,7 @@ class WeightSyncController:
         else:
             self.published = (result.version, await self._export(result.version))
             self._start_updater()
-            self._kick.set()
+            self._wake_updater()
 
     async def close(self) -> None:
         if self._updater is not None:
@@ -164,19 +180,24 @@ class WeightSyncController:
                     *(self._update(r, version, source, pause_mode) for r in behind),
                 )
         else:
-            source = await self._export(version)
+            exported = self.published is not None and self.published[0] == version
+            source = self.published[1] if exported else await self._export(version)  # type: ignore[index]
             await asyncio.gather(*(self._update(r, version, source, pause_mode) for r in behind))
         self.published = (version, source)
         self._after_updates(version)
 
     async def _update(self, replica: Replica, version: int, source: WeightSource, pause_mode: str) -> None:
+        lock = self._replica_locks.setdefault(replica.name, asyncio.Lock())
         try:
-            with self.tracker.track("weight_sync", replica.name):
-                served = await asyncio.wait_for(
-                    replica.engine.update_weights(version, source, pause_mode=pause_mode), self.timeout_seconds
-                )
-            self.engines.set_version(replica.name, served)
-            self.transfers += 1
+            async with lock:
+                if replica.version >= version:
+                    return  # another update got there while this one waited
+                with self.tracker.track("weight_sync", replica.name):
+                    served = await asyncio.wait_for(
+                        replica.engine.update_weights(version, source, pause_mode=pause_mode), self.timeout_seconds
+                    )
+                self.engines.set_version(replica.name, served)
+                self.transfers += 1
         except Exception as exc:
             # The replica keeps serving its old version, so it leaves the pool
             # until the next successful update instead of producing stale data.
@@ -191,18 +212,27 @@ class WeightSyncController:
         if self._updater is None or self._updater.done():
             self._updater = asyncio.ensure_future(self._update_loop())
 
+    def _wake_updater(self) -> None:
+        self._idle.clear()
+        self._kick.set()
+
     async def _update_loop(self) -> None:
-        while True:
-            await self._kick.wait()
-            self._kick.clear()
-            assert self.published is not None
-            version, source = self.published
-            behind = [r for r in self.engines.healthy() if r.version < version]
-            await asyncio.gather(*(self._update(r, version, source, self.pause_mode) for r in behind))
-            self._after_updates(version)
+        try:
+            while True:
+                await self._kick.wait()
+                self._kick.clear()
+                assert self.published is not None
+                version, source = self.published
+                behind = [r for r in self.engines.healthy() if r.version < version]
+                await asyncio.gather(*(self._update(r, version, source, self.pause_mode) for r in behind))
+                self._after_updates(version)
+                if not self._kick.is_set():
+                    self._idle.set()
+        finally:
+            self._idle.set()  # a cancelled updater must not leave `settle` waiting
 
     def replica_recovered(self, name: str) -> None:
         """A replica came back: bring it to the newest version before it serves."""
         if self.published is not None and self.engines.replica(name).version < self.published[0]:
             self._start_updater()
-            self._kick.set()
+            self._wake_updater()

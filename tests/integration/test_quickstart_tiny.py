@@ -92,10 +92,6 @@ def _trainer_exports_weights() -> bool:
     return TrainerServicer.ExportWeights is not trainer_pb2_grpc.TrainerServiceServicer.ExportWeights
 
 
-@pytest.mark.skip(
-    reason="known hang: the resumed run's last rollout weight update can fail with an empty error and the "
-    "controller then waits forever (seen 2026-11-21); re-enable once the rollout MEMORY update path is fixed"
-)
 @pytest.mark.timeout(1800)
 def test_sigkill_mid_run_then_the_same_command_resumes_and_finishes(tmp_path: Path, model_cache: Path) -> None:
     if not _trainer_exports_weights():
@@ -118,6 +114,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_and_finishes(tmp_path: Pa
     killed_at = max(r["step"] for r in ledger(run_dir))
     assert killed_at < STEPS, "the run finished before it could be killed"
 
+    first_session_log_lines = len((run_dir / "rollout.log").read_text().splitlines())
     second = launch(run_dir, model_cache, "second.out")
     assert second.wait(1200) == 0, (tmp_path / "second.out").read_text()[-3000:]
 
@@ -138,6 +135,13 @@ def test_sigkill_mid_run_then_the_same_command_resumes_and_finishes(tmp_path: Pa
     assert summary["last_step"] == STEPS and summary["steps"] == STEPS
     assert summary["validation"]["before"] is not None and summary["validation"]["after"]["step"] == STEPS
     assert Path(summary["plot"]).is_file()
+    # The final validation measured the final weights: the rollout got version 10 before it,
+    # and no update of the second session failed (the first one's was cut by SIGKILL).
+    second_session_log = (run_dir / "rollout.log").read_text().splitlines()[first_session_log_lines:]
+    rollout_events = [json.loads(line) for line in second_session_log
+                      if line.startswith("{") and '"services.rollout.core"' in line]
+    assert not [e for e in rollout_events if e["msg"] == "weight update failed"]
+    assert max(e["version"] for e in rollout_events if e["msg"] == "weights committed") == STEPS
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(summary["model"])

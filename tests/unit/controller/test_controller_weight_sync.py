@@ -151,3 +151,47 @@ def test_validation_every_interval_versions_and_before_training(mode: str) -> No
     val_steps = [m for _, _, m in p.memory.steps if "val/reward" in m]
     assert len(val_steps) == 3
     assert not p.rollouts.paused  # training rollouts resumed after each validation
+
+
+@pytest.mark.parametrize("mode", ["sync", "batch-async", "fully-async"])
+def test_validation_runs_on_the_weights_it_names_and_the_last_version_is_validated(mode: str) -> None:
+    """Replica updates take longer than training steps: async modes must let the
+    background update land before validating, and the run's last version is
+    validated even when the interval does not land on it."""
+    val_items = [{"prompt": f"question {i}", "answer": "1"} for i in range(4)]
+    cfg = config(
+        mode=mode,
+        run={"max_steps": 5},
+        data={"train": {"items": items(200)}, "validation": {"items": val_items, "shuffle": False}},
+        validation={"interval": 2, "before_training": True},
+    )
+    p, _, engines = simulated_pipeline(cfg, replicas=2, update_time=0.7, text=lambda prompt, rng: "\\boxed{1}")
+    served_at_validation: list[tuple[int, list[int]]] = []
+    validate = p.validator.run
+
+    async def recording_run(version: int) -> dict[str, float]:
+        served_at_validation.append((version, [e.version for e in engines]))
+        return await validate(version)
+
+    p.validator.run = recording_run
+    run_virtual(run(p))
+    assert [v for v, _ in served_at_validation] == [0, 2, 4, 5]
+    for version, served in served_at_validation:
+        assert served == [version, version], f"validation of version {version} ran on versions {served}"
+    assert all(r.healthy for r in p.engines.replicas)  # no replica lost to a refused duplicate update
+
+
+def test_a_blocking_transfer_and_the_background_updater_never_push_one_replica_twice() -> None:
+    async def scenario() -> None:
+        sync, trainer, engines, gate, tracker, errors, _ = controller("fully-async", update_time=1.0)
+        trainer.version = 1
+        await sync.after_step(TrainResult(1, 1, 0))  # background updates start
+        await asyncio.sleep(0.1)
+        await sync._transfer(1, pause_mode="wait")  # e.g. a replica that recovered, moved while they run
+        await sync.settle(1)
+        assert [r.version for r in engines.replicas] == [1, 1]
+        assert all(r.healthy for r in engines.replicas) and not errors.records
+        assert sync.transfers == 2 and trainer.exports == 1  # the published export was reused
+        await sync.close()
+
+    run_virtual(scenario())
