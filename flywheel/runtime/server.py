@@ -46,6 +46,9 @@ class ServiceSpec:
     proto_services: Sequence[str]
     #: Adds the servicers to the server.
     register: Callable[[grpc.aio.Server], None]
+    #: Told the bound gRPC port (a free one when the config says 0) before
+    #: startup runs, for a service that tells others where to reach it.
+    on_bound: Callable[[int], None] | None = None
     #: Runs before SERVING is reported (model loading...).
     startup: Callable[[], Awaitable[None]] | None = None
     #: Runs after the server stopped.
@@ -97,6 +100,8 @@ async def serve(
     if grpc_port == 0:
         raise OSError(f"cannot bind gRPC port {config.host}:{config.port}")
     await server.start()
+    if spec.on_bound is not None:
+        spec.on_bound(grpc_port)
     metrics_port, metrics_server = serve_metrics(config.host, config.metrics_port)
     BUILD_INFO.labels(spec.name, FLYWHEEL_VERSION).set(1)
     log.info("listening", extra={"grpc_port": grpc_port, "metrics_port": metrics_port, "host": config.host})

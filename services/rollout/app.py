@@ -6,6 +6,11 @@ in the log, and in `<ready_file stem>.http.json` ({"http_port": N}) next to
 the runtime's ready file, for launchers. Without engine.model_path the
 service serves gRPC status only (generation answers FAILED_PRECONDITION) and
 no HTTP API.
+
+With `synchronizer.address` set, the loaded rollout registers with the
+synchronizer, heartbeats, reports every weight update and (with
+`synchronizer.follow`) applies committed versions itself
+(`services.rollout.link`); graceful shutdown deregisters it first.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ def build(config: RolloutConfig) -> ServiceSpec:
     model_path = config.engine.model_path
     name = config.engine.served_model_name or (Path(model_path).name if model_path else "")
     core = RolloutCore(config, engine=None, codec=None, model_name=name)
-    state: dict = {"http": None, "engine": None}
+    state: dict = {"http": None, "engine": None, "link": None, "grpc_port": 0}
 
     def http_port() -> int:
         return state["http"].port if state["http"] is not None else 0
@@ -76,8 +81,15 @@ def build(config: RolloutConfig) -> ServiceSpec:
             tmp = target.with_name(target.name + ".tmp")
             tmp.write_text(json.dumps({"http_port": http.port}))
             os.replace(tmp, target)
+        if config.synchronizer.address:
+            from services.rollout.link import SynchronizerLink
+
+            state["link"] = SynchronizerLink(config, core, state["grpc_port"])
+            state["link"].start()
 
     async def shutdown() -> None:
+        if state["link"] is not None:
+            await state["link"].stop()
         if state["http"] is not None:
             await state["http"].stop()
         if state["engine"] is not None:
@@ -87,6 +99,7 @@ def build(config: RolloutConfig) -> ServiceSpec:
         name="rollout",
         proto_services=[PROTO_SERVICE],
         register=lambda server: add_to_server(servicer, server),
+        on_bound=lambda port: state.__setitem__("grpc_port", port),
         startup=startup,
         shutdown=shutdown,
     )

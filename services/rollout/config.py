@@ -55,6 +55,36 @@ class UpdatesConfig(StrictModel):
     )
 
 
+class SynchronizerLinkConfig(StrictModel):
+    address: str = Field(
+        "", description='synchronizer "host:port" to register with, heartbeat to and report weight updates to; '
+        "empty: standalone (nothing is registered)"
+    )
+    component_id: str = Field(
+        "", description="id of this rollout at the synchronizer (must be unique in the run, and equal the replica "
+        "name the controller uses for NCCL groups); empty: rollout-<host>-<grpc port>"
+    )
+    advertise_address: str = Field(
+        "", description='"host:port" where the controller and the synchronizer reach this rollout\'s gRPC server; '
+        "empty: server.host (the machine's hostname when it is a wildcard) and the bound gRPC port"
+    )
+    follow: bool = Field(
+        False, description="apply every version the synchronizer commits (MEMORY: pulled from it, CHECKPOINT: "
+        "loaded from its path) without waiting for UpdateWeights; off when a controller drives the updates, "
+        "which it does in the launcher's runs"
+    )
+    heartbeat_interval_seconds: float = Field(
+        0.0, ge=0, description="seconds between heartbeats; 0: a third of the lease the synchronizer grants"
+    )
+    rpc_timeout_seconds: float = Field(
+        10.0, gt=0, description="deadline of each Register/Heartbeat/SetState/Deregister call, in seconds"
+    )
+    retry_initial_seconds: float = Field(
+        0.5, gt=0, description="first wait before retrying an unreachable synchronizer, doubled per failure, in seconds"
+    )
+    retry_max_seconds: float = Field(30.0, gt=0, description="longest wait between retries, in seconds")
+
+
 class RolloutConfig(StrictModel):
     server: ServerConfig = Field(
         default_factory=lambda: ServerConfig(port=50053, metrics_port=9093), description="gRPC server"
@@ -65,3 +95,6 @@ class RolloutConfig(StrictModel):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="the inference engine")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="backpressure and request limits")
     updates: UpdatesConfig = Field(default_factory=UpdatesConfig, description="weight updates")
+    synchronizer: SynchronizerLinkConfig = Field(
+        default_factory=SynchronizerLinkConfig, description="registration with the synchronizer and following it"
+    )

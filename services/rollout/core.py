@@ -60,6 +60,23 @@ class UpdateOutcome:
     aborted_request_ids: list[str]
 
 
+@dataclass(frozen=True)
+class UpdateReport:
+    """What became of one weight update that got past the version check."""
+
+    #: The version the update tried to install.
+    version: int
+    #: The version serving after it: `version` on success, the old one otherwise.
+    served: int
+    #: Why it failed (a timeout, a cancelled call, bad weights); None on success.
+    error: BaseException | None
+
+
+#: Told of every update's outcome, whoever asked for it (called on the event
+#: loop; must not block or raise).
+UpdateObserver = Callable[[UpdateReport], None]
+
+
 @dataclass
 class Status:
     model_name: str
@@ -108,6 +125,7 @@ class RolloutCore:
         self._control = asyncio.Lock()  # Pause / Resume / the swap phase of updates
         self._update = asyncio.Lock()  # one update at a time, staging included
         self._flights: set[_Flight] = set()
+        self.update_observers: list[UpdateObserver] = []
         metrics.WEIGHT_VERSION.set_function(lambda: self.engine.version if self.engine else 0)
         metrics.REQUESTS_RUNNING.set_function(lambda: self.engine.load().running if self.engine else 0)
         metrics.REQUESTS_WAITING.set_function(lambda: (self.engine.load().waiting if self.engine else 0) + self._at_gate)
@@ -289,13 +307,22 @@ class RolloutCore:
             except BaseException as exc:
                 metrics.WEIGHT_UPDATES.labels("failed").inc()
                 log.warning("weight update failed", extra={"version": version, "serving": engine.version, "error": str(exc)})
+                self._notify(UpdateReport(version, engine.version, exc))
                 raise
+        self._notify(UpdateReport(version, engine.version, None))
         metrics.WEIGHT_UPDATES.labels("committed").inc()
         metrics.WEIGHT_UPDATE_BYTES.inc(staged.nbytes)
         metrics.UPDATE_PAUSE.observe(outcome.pause_seconds)
         log.info("weights committed", extra={"version": version, "pause_seconds": round(outcome.pause_seconds, 4),
                                              "bytes": staged.nbytes, "mode": mode})
         return outcome
+
+    def _notify(self, report: UpdateReport) -> None:
+        for observer in self.update_observers:
+            try:
+                observer(report)
+            except Exception:  # an observer's bug must not turn a committed update into an error
+                log.exception("weight update observer failed", extra={"version": report.version})
 
     async def _stage(self, engine: Engine, stage: Callable[[], Awaitable[StagedWeights]]) -> StagedWeights:
         staged = await stage()

@@ -152,10 +152,17 @@ class SynchronizerClient:
         await self._call("Deregister", self.stub.Deregister, pb.DeregisterRequest(id=component_id))
 
     async def set_state(
-        self, component_id: str, state: State | str, *, expected: State | str | None = None, weight_version: int = 0
+        self,
+        component_id: str,
+        state: State | str,
+        *,
+        expected: State | str | None = None,
+        weight_version: int = 0,
+        reason: str = "",
     ) -> State:
         request = pb.SetStateRequest(
             id=component_id, state=int(parse_enum(State, state, "state")), weight_version=weight_version,
+            reason=reason[:4000],
             expected_state=int(parse_enum(State, expected, "expected")) if expected is not None else 0,
         )
         return State((await self._call("SetState", self.stub.SetState, request)).state)

@@ -169,7 +169,8 @@ class Synchronizer:
         return c
 
     def set_state(
-        self, component_id: str, state: State, *, expected: State | None = None, weight_version: int = 0
+        self, component_id: str, state: State, *, expected: State | None = None, weight_version: int = 0,
+        reason: str = "",
     ) -> Component:
         c = self.registry.get(component_id)
         self.registry.check(c, state, expected)
@@ -185,9 +186,11 @@ class Synchronizer:
         if state == State.STOPPED:
             self.transfers.member_left(c.id, "stopped")
         if state != c.state:
-            self.registry.move(c, state)
-        elif version_changed:
-            self.registry.touch(c, "weight version changed")
+            self.registry.move(c, state, message=reason)
+        elif version_changed or reason:
+            # A reason alone is news too: a rollout whose update failed still
+            # serves the same version in the same state, and watchers must see why.
+            self.registry.touch(c, reason or "weight version changed")
         return c
 
     # -- policy --------------------------------------------------------------

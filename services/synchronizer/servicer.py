@@ -99,7 +99,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
         c = self.sync.set_state(
             request.id, state_from_pb(request.state, "state"),
             expected=state_from_pb(request.expected_state, "expected_state", optional=True),
-            weight_version=request.weight_version,
+            weight_version=request.weight_version, reason=request.reason,
         )
         return pb.SetStateResponse(state=int(c.state))
 

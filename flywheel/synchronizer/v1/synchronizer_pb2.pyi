@@ -95,16 +95,18 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SetStateRequest(_message.Message):
-    __slots__ = ("id", "state", "expected_state", "weight_version")
+    __slots__ = ("id", "state", "expected_state", "weight_version", "reason")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_STATE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: _common_pb2.ComponentState
     expected_state: _common_pb2.ComponentState
     weight_version: int
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., expected_state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    reason: str
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., expected_state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., weight_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SetStateResponse(_message.Message):
     __slots__ = ("state",)

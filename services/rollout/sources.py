@@ -1,0 +1,42 @@
+"""Where a weight version comes from, as the `stage` callable that
+`RolloutCore.update_weights` runs: a CHECKPOINT directory (verified in a
+thread) or the synchronizer's MEMORY stream (pulled and verified as it
+arrives). Both check names, dtypes and shapes against the served model
+before anything live is touched (`services.rollout.weights`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+
+from services.rollout.engine.base import StagedWeights, TensorSpec
+from services.rollout.sync_client import pull_weights
+from services.rollout.weights import stage_checkpoint, stage_stream
+
+Stage = Callable[[], Awaitable[StagedWeights]]
+
+
+def checkpoint_stage(path: str, version: int, specs: Mapping[str, TensorSpec]) -> Stage:
+    async def stage() -> StagedWeights:
+        return await asyncio.to_thread(stage_checkpoint, path, version, specs)
+
+    return stage
+
+
+def memory_stage(
+    address: str,
+    version: int,
+    specs: Mapping[str, TensorSpec],
+    *,
+    token: str | None,
+    timeout: float,
+    max_message_bytes: int,
+) -> Stage:
+    async def stage() -> StagedWeights:
+        stream = pull_weights(address, version, token=token, timeout=timeout, max_message_bytes=max_message_bytes)
+        try:
+            return await stage_stream(version, stream, specs)
+        finally:
+            await stream.aclose()  # an abandoned pull must not keep the transfer running
+
+    return stage

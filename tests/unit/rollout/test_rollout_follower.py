@@ -1,0 +1,225 @@
+"""The rollout as a synchronizer component: it registers with its served
+version, stays alive past the lease, registers again after a synchronizer
+restart, reports every weight update (who ever asked for it, failures with
+their reason), follows committed versions when told to, and deregisters on a
+graceful stop. A real synchronizer server and the transformers engine on a
+tiny model; no doubles."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flywheel.runtime.server import RunningServer, serve
+from services.rollout.core import RolloutCore, UpdateReport
+from services.rollout.engine.transformers_engine import TransformersEngine
+from services.rollout.link import SynchronizerLink
+from services.rollout.sources import checkpoint_stage
+from services.synchronizer.client import SynchronizerClient
+from services.synchronizer.client_types import WatchEvent
+from services.synchronizer.embedded import embedded_synchronizer
+from services.synchronizer.types import EventKind, Method, Role, State
+from tests.unit.rollout.rollout_helpers import rollout_config
+
+CID = "rollout-under-test"
+
+
+async def eventually(check: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
+    """Polls an async or sync `check` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def base_state(rollout_model: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(rollout_model / "model.safetensors"))
+
+
+def shifted(state: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
+    return {k: (v.float() + by).to(v.dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def link_config(model: Path, address: str, **link: object):
+    return rollout_config(model, "transformers", synchronizer={
+        "address": address, "component_id": CID, "retry_initial_seconds": 0.05, "retry_max_seconds": 0.3,
+        "rpc_timeout_seconds": 2.0, **link,
+    })
+
+
+@contextlib.asynccontextmanager
+async def linked_rollout(model: Path, codec, address: str, **link: object) -> AsyncIterator[tuple[RolloutCore, SynchronizerLink]]:
+    """A loaded rollout core and its started link (no gRPC server of its own: the link is under test)."""
+    config = link_config(model, address, **link)
+    engine = TransformersEngine(model, dict(config.engine.args), codec)
+    await engine.start()
+    core = RolloutCore(config, engine, codec, "tiny")
+    link_ = SynchronizerLink(config, core, grpc_port=50999)
+    link_.start()
+    try:
+        yield core, link_
+    finally:
+        await link_.stop()
+        await engine.stop()
+
+
+async def component(client: SynchronizerClient, cid: str = CID):
+    return (await client.status()).component(cid)
+
+
+async def collect(client: SynchronizerClient, into: list[WatchEvent]) -> None:
+    async for event in client.watch([CID], send_initial=False):
+        into.append(event)
+
+
+async def test_registers_with_its_served_version_and_heartbeats_past_the_lease(rollout_model, codec) -> None:
+    async with embedded_synchronizer(lease_seconds=0.6, sweep_interval_seconds=0.05) as sync, \
+            SynchronizerClient(sync.address) as client:
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+            c = await eventually(lambda: component(client), what="registration")
+            assert c.role == Role.ROLLOUT and c.state == State.RUNNING
+            assert c.identity.address == "127.0.0.1:50999"
+            assert c.identity.capabilities == frozenset({Method.MEMORY, Method.CHECKPOINT})
+            assert c.weight_version == core.status().version == 0
+            await asyncio.sleep(2.0)  # more than three leases
+            c = await component(client)
+            assert c.state == State.RUNNING, "heartbeats must keep the lease alive"
+            assert link.presence.heartbeats.reregistrations == 0
+        # Stopping the link deregisters at once, long before the lease could run out.
+        assert (await component(client)).state == State.STOPPED
+
+
+async def test_a_restarted_synchronizer_gets_the_rollout_registered_again(rollout_model, codec) -> None:
+    port = free_port()
+    first = embedded_synchronizer(server={"port": port}, lease_seconds=0.6)  # no store: it forgets everything
+    sync = await first.__aenter__()
+    try:
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+            async with SynchronizerClient(sync.address) as client:
+                await eventually(lambda: component(client), what="first registration")
+            await first.__aexit__(None, None, None)
+            first = None
+            # Down: heartbeats fail (and are retried), the rollout serves on.
+            await eventually(lambda: link.presence.heartbeats.last_error is not None, what="a failed heartbeat")
+            assert core.status().engine == "transformers"
+            async with embedded_synchronizer(server={"port": port}, lease_seconds=0.6) as again, \
+                    SynchronizerClient(again.address) as client:
+                c = await eventually(lambda: component(client), what="registration after the restart")
+                assert c.state == State.RUNNING and c.identity.address == "127.0.0.1:50999"
+                assert link.presence.heartbeats.reregistrations >= 1
+    finally:
+        if first is not None:
+            await first.__aexit__(None, None, None)
+
+
+async def test_an_update_anyone_triggers_is_reported(rollout_model, codec, base_state, tmp_path: Path) -> None:
+    ckpt = tmp_path / "v1"
+    ckpt.mkdir()
+    save_file(shifted(base_state, 0.01), str(ckpt / "model.safetensors"))
+    async with embedded_synchronizer() as sync, SynchronizerClient(sync.address) as client:
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+            await link.presence.registered.wait()
+            specs = core.engine.weight_specs()
+            # As UpdateWeights does it: the core, with a checkpoint; follow is off.
+            await core.update_weights(1, checkpoint_stage(str(ckpt), 1, specs), None, 30)
+            c = await eventually(lambda: _at_version(client, 1), what="version 1 reported")
+            assert c.state == State.RUNNING
+            assert link.follower is None
+
+
+async def _at_version(client: SynchronizerClient, version: int):
+    c = await component(client)
+    return c if c is not None and c.weight_version == version else None
+
+
+async def test_follow_applies_pushed_memory_versions_and_reports_them(rollout_model, codec, base_state) -> None:
+    async with embedded_synchronizer() as sync, SynchronizerClient(sync.address) as client:
+        async with linked_rollout(rollout_model, codec, sync.address, follow=True) as (core, link):
+            await link.presence.registered.wait()
+            await client.push_weights(shifted(base_state, 0.01), 1)
+            await eventually(lambda: core.status().version == 1, what="version 1 applied")
+            await eventually(lambda: _at_version(client, 1), what="version 1 reported")
+            # The engine serves the pushed bytes, not just a new number.
+            served = core.engine.model.state_dict()
+            name = next(n for n, t in base_state.items() if t.is_floating_point() and n in served)
+            assert torch.equal(served[name].to(base_state[name].dtype), shifted(base_state, 0.01)[name])
+
+
+async def test_follow_jumps_to_the_newest_of_several_committed_versions(rollout_model, codec, base_state) -> None:
+    async with embedded_synchronizer(keep_versions=3) as sync, SynchronizerClient(sync.address) as client:
+        for version in (1, 2, 3):  # committed before the rollout hears of any
+            await client.push_weights(shifted(base_state, 0.01 * version), version)
+        async with linked_rollout(rollout_model, codec, sync.address, follow=True) as (core, _):
+            reports: list[UpdateReport] = []
+            core.update_observers.append(reports.append)
+            await eventually(lambda: core.status().version == 3, what="version 3 applied")
+            await eventually(lambda: _at_version(client, 3), what="version 3 reported")
+            assert [(r.version, r.error) for r in reports] == [(3, None)], "versions 1 and 2 must be skipped"
+
+
+async def test_a_failed_update_is_reported_with_its_reason_and_the_old_version_kept(rollout_model, codec, base_state) -> None:
+    name = next(n for n, t in base_state.items() if t.dim() == 2)
+    wrong = dict(base_state)
+    wrong[name] = torch.zeros(wrong[name].shape[0] + 1, wrong[name].shape[1], dtype=wrong[name].dtype)
+    async with embedded_synchronizer() as sync, SynchronizerClient(sync.address) as client:
+        async with linked_rollout(rollout_model, codec, sync.address, follow=True) as (core, link):
+            await link.presence.registered.wait()
+            events: list[WatchEvent] = []
+            watcher = asyncio.ensure_future(collect(client, events))
+            await asyncio.sleep(0.2)  # the watch is subscribed
+            await client.push_weights(wrong, 1)
+
+            def failure() -> WatchEvent | None:
+                return next((e for e in events if e.kind == EventKind.STATE_CHANGED and "failed" in e.message), None)
+
+            event = await eventually(failure, what="the failure on Watch")
+            assert "version 1" in event.message and "still serving version 0" in event.message
+            assert "INVALID_ARGUMENT" in event.message and name in event.message
+            assert event.component.weight_version == 0 and event.component.state == State.RUNNING
+            assert core.status().version == 0 and link.follower.given_up == {1}
+            # The next good version is applied: one bad push does not stop following.
+            await client.push_weights(shifted(base_state, 0.02), 2)
+            await eventually(lambda: core.status().version == 2, what="version 2 applied")
+            await eventually(lambda: _at_version(client, 2), what="version 2 reported")
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+
+async def test_the_service_registers_once_loaded_and_deregisters_on_graceful_stop(rollout_model) -> None:
+    async with embedded_synchronizer(lease_seconds=30) as sync, SynchronizerClient(sync.address) as client:
+        from services.rollout.app import build
+
+        config = link_config(rollout_model, sync.address)
+        stop = asyncio.Event()
+        ready: asyncio.Future[RunningServer] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(serve(build(config), config.server, stop=stop, on_ready=ready.set_result))
+        running = await asyncio.wait_for(ready, 120)
+        try:
+            c = await eventually(lambda: component(client), what="registration")
+            assert c.identity.address == f"127.0.0.1:{running.grpc_port}", "the bound port, not the configured 0"
+            assert c.state == State.RUNNING
+        finally:
+            stop.set()
+            await task
+        assert (await component(client)).state == State.STOPPED
