@@ -190,6 +190,8 @@ class NcclGroup:
     backend: str
     #: Rank of each member id (the trainer is rank 0).
     ranks: dict[str, int] = field(default_factory=dict)
+    #: The synchronizer that allocated the group: receivers report their outcome there.
+    synchronizer_address: str = ""
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.runtime.auth import resolve_token
 from services.rollout import sampling as sampling_mod
 from services.rollout.config import RolloutConfig
-from services.rollout.core import QueueFull, RolloutCore
+from services.rollout.core import QueueFull, RolloutCore, UpdateOutcome
 from services.rollout.engine.base import PauseMode, SampleOutput
+from services.rollout.nccl_update import NcclTarget, update_over_group
 from services.rollout.prompts import (
     ChatPrompt, PromptInput, TextPrompt, TokenPrompt, check_token_ids, validate_messages, validate_tools,
 )
@@ -182,6 +183,11 @@ class RolloutServicer:
         engine, _ = self.core.require_engine()
         version, specs = request.version, engine.weight_specs()
         timeout = request.timeout_seconds or self.config.updates.timeout_seconds
+        mode = self._mode(request.pause_mode, "pause_mode")
+        if source == "nccl":
+            outcome = await update_over_group(self.core, _nccl_target(request.nccl), version, mode, timeout,
+                                              token=self._token())
+            return _update_response(outcome)
         if source == "checkpoint":
             if not request.checkpoint.path:
                 raise InvalidArgument("checkpoint.path: empty")
@@ -191,21 +197,34 @@ class RolloutServicer:
         elif source == "memory":
             if not request.memory.synchronizer_address:
                 raise InvalidArgument("memory.synchronizer_address: empty")
-            server = self.config.server
-            token = resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
-            stream = pull_weights(request.memory.synchronizer_address, version, token=token, timeout=timeout,
-                                  max_message_bytes=server.max_message_bytes)
+            stream = pull_weights(request.memory.synchronizer_address, version, token=self._token(), timeout=timeout,
+                                  max_message_bytes=self.config.server.max_message_bytes)
 
             async def stage():  # type: ignore[no-untyped-def]
                 try:
                     return await stage_stream(version, stream, specs)
                 finally:
                     await stream.aclose()
-        else:
-            raise NotImplementedError("NCCL/gloo weight transfer is not implemented yet; use MEMORY or CHECKPOINT")
-        outcome = await self.core.update_weights(version, stage, self._mode(request.pause_mode, "pause_mode"), timeout)
-        return pb.UpdateWeightsResponse(weight_version=outcome.version, pause_seconds=outcome.pause_seconds,
-                                        bytes=outcome.nbytes, aborted_request_ids=outcome.aborted_request_ids)
+        return _update_response(await self.core.update_weights(version, stage, mode, timeout))
+
+    def _token(self) -> str | None:
+        """This service's own token, presented to the synchronizer it pulls from or reports to."""
+        server = self.config.server
+        return resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
+
+
+def _nccl_target(nccl: pb.NcclSource) -> NcclTarget:
+    if not nccl.group_id:
+        raise InvalidArgument("nccl.group_id: empty")
+    if not nccl.synchronizer_address:
+        raise InvalidArgument("nccl.synchronizer_address: empty (the synchronizer that allocated the group)")
+    return NcclTarget(group_id=nccl.group_id, synchronizer_address=nccl.synchronizer_address, rank=nccl.rank,
+                      rendezvous_address=nccl.rendezvous_address, world_size=nccl.world_size, backend=nccl.backend)
+
+
+def _update_response(outcome: UpdateOutcome) -> pb.UpdateWeightsResponse:
+    return pb.UpdateWeightsResponse(weight_version=outcome.version, pause_seconds=outcome.pause_seconds,
+                                    bytes=outcome.nbytes, aborted_request_ids=outcome.aborted_request_ids)
 
 
 def _set_retry_hint(context: grpc.aio.ServicerContext, exc: QueueFull) -> None:

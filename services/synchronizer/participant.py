@@ -7,6 +7,8 @@ weights only if the synchronizer declares the transfer COMMITTED.
     outcome = await broadcast_version(sync, "trainer-0", version, model.state_dict())
     # rollout, when NeedSync or Watch hands it a group
     outcome = await receive_version(sync, "rollout-0", group, live_weights)
+    # rollout that swaps weights itself (the rollout service): staged only
+    received = await stage_version(sync, "rollout-0", group, like)
 
 While the blocking broadcast runs in a worker thread, a watcher follows the
 transfer on the synchronizer and raises the abort flag the broadcast polls,
@@ -21,6 +23,7 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -125,6 +128,64 @@ async def broadcast_version(
     return await send_in_group(client, trainer_id, group, tensors, bucket_bytes=bucket_bytes)
 
 
+@dataclass
+class Received:
+    """A receiver's side of one transfer, as `stage_version` leaves it."""
+
+    #: The synchronizer's verdict (COMMITTED, ABORTED, or PENDING if it never came).
+    outcome: TransferOutcome
+    #: The staged tensors, set only when the transfer COMMITTED.
+    staged: dict[str, torch.Tensor] | None
+    #: This side's own failure (already reported), kept so a caller can raise it
+    #: with its own status (a wrong shape is INVALID_ARGUMENT, not ABORTED).
+    error: BaseException | None
+
+
+async def _join(client: SynchronizerClient, rollout_id: str) -> None:
+    """REQUIRE_SYNC -> WAITING_SYNC: the synchronizer knows this rollout is in a transfer."""
+    try:
+        await client.set_state(rollout_id, State.WAITING_SYNC)
+    except FailedPrecondition:  # still RUNNING: ask first, then join
+        await client.set_state(rollout_id, State.REQUIRE_SYNC)
+        await client.set_state(rollout_id, State.WAITING_SYNC)
+
+
+async def stage_version(
+    client: SynchronizerClient,
+    rollout_id: str,
+    group: GroupInfo,
+    like: Mapping[str, torch.Tensor],
+    *,
+    on_bucket: Callable[[int], None] | None = None,
+) -> Received:
+    """Rollout: joins `group`, receives into fresh staging buffers shaped and
+    placed like `like` (only its names, dtypes, shapes and device are read),
+    reports, and waits for the outcome. Nothing live is touched.
+
+    Cancelled mid-receive (the caller's own deadline), it raises the abort
+    flag the receiving thread polls and reports the failure before
+    re-raising, so neither this thread nor the other ranks wait for the
+    group's deadline.
+    """
+    await _join(client, rollout_id)
+    spec = spec_for(group, rollout_id)
+    staged: dict[str, torch.Tensor] | None = None
+    error: BaseException | None = None
+    async with _abort_flag(client, group.group_id) as aborted:
+        try:
+            staged = await asyncio.to_thread(receive, spec, like, should_abort=aborted.is_set, on_bucket=on_bucket)
+        except asyncio.CancelledError:
+            aborted.set()
+            with contextlib.suppress(FlywheelError):
+                await asyncio.shield(client.report_transfer(group.group_id, rollout_id, False, "receiver cancelled"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, then the outcome decides
+            error = exc
+    outcome = await _finish(client, group, rollout_id, error)
+    committed = outcome.state == TransferState.COMMITTED and staged is not None
+    return Received(outcome, staged if committed else None, error)
+
+
 async def receive_version(
     client: SynchronizerClient,
     rollout_id: str,
@@ -137,22 +198,9 @@ async def receive_version(
     """Rollout: joins `group` (REQUIRE_SYNC -> WAITING_SYNC), receives into
     staging, reports, and on COMMITTED copies the staged weights into `live`
     (with apply) and returns them; otherwise returns None and `live` is untouched."""
-    try:
-        await client.set_state(rollout_id, State.WAITING_SYNC)
-    except FailedPrecondition:  # still RUNNING: ask first, then join
-        await client.set_state(rollout_id, State.REQUIRE_SYNC)
-        await client.set_state(rollout_id, State.WAITING_SYNC)
-    spec = spec_for(group, rollout_id)
-    staged: dict[str, torch.Tensor] | None = None
-    error: BaseException | None = None
-    async with _abort_flag(client, group.group_id) as aborted:
-        try:
-            staged = await asyncio.to_thread(receive, spec, live, should_abort=aborted.is_set, on_bucket=on_bucket)
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-    outcome = await _finish(client, group, rollout_id, error)
-    if outcome.state != TransferState.COMMITTED or staged is None:
-        return outcome, None  # staged buffers are dropped: the old weights stay
+    received = await stage_version(client, rollout_id, group, live, on_bucket=on_bucket)
+    if received.staged is None:
+        return received.outcome, None  # staged buffers are dropped: the old weights stay
     if apply:
-        await asyncio.to_thread(apply_staged, staged, live)
-    return outcome, staged
+        await asyncio.to_thread(apply_staged, received.staged, live)
+    return received.outcome, received.staged

@@ -3,7 +3,8 @@
 Prompts go out as token ids, text or chat messages; samples come back with
 their token ids, log-probs, finish reason and start/end weight versions.
 Weight updates name their source by method (memory: the synchronizer;
-checkpoint: a directory; nccl: the group and this replica's rank in it).
+checkpoint: a directory; nccl: the group, this replica's rank in it and the
+synchronizer that allocated it).
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class GrpcRolloutEngine:
                 pb.NcclSource(
                     group_id=group.group_id, rendezvous_address=group.rendezvous_address,
                     world_size=group.world_size, rank=group.ranks[self.name], backend=group.backend,
+                    synchronizer_address=group.synchronizer_address or source.synchronizer_address,
                 )
             )
         with translated(f"rollout {self.address} UpdateWeights"):

@@ -67,4 +67,5 @@ class GrpcSynchronizer:
             response = await self.stub.AllocateGroup(request)
         address_of = {v: k for k, v in id_of.items()}
         ranks = {address_of.get(m.id, m.id): m.rank for m in response.members}
-        return NcclGroup(response.group_id, response.rendezvous_address, response.world_size, response.backend, ranks)
+        return NcclGroup(response.group_id, response.rendezvous_address, response.world_size, response.backend, ranks,
+                         synchronizer_address=self.address)

@@ -230,7 +230,16 @@ async def test_synchronizer_adapter_maps_replica_addresses_to_ids(cluster) -> No
     await sync.register_checkpoint(2, "/w/v2")
     assert fakes["sync"].registered == [(2, "/w/v2")]
     group = await sync.allocate_group(4, [addresses["r1"]], 30)
-    assert group == NcclGroup("g1", "10.0.0.1:29500", 2, "gloo", {"trainer-0": 0, addresses["r1"]: 1})
+    assert group == NcclGroup("g1", "10.0.0.1:29500", 2, "gloo", {"trainer-0": 0, addresses["r1"]: 1},
+                              synchronizer_address=addresses["sync"])
+    # A replica is told the group, its own rank in it, and where to report the outcome.
+    replica = GrpcRolloutEngine(addresses["r1"], timeout=10)
+    assert await replica.update_weights(4, WeightSource("nccl", group=group), pause_mode="abort") == 4
+    sent = fakes["r1"].updates[-1].nccl
+    assert (sent.group_id, sent.rendezvous_address, sent.world_size, sent.rank, sent.backend) == (
+        "g1", "10.0.0.1:29500", 2, 1, "gloo")
+    assert sent.synchronizer_address == addresses["sync"]
+    await replica.close()
     with pytest.raises(FailedPrecondition, match="not registered"):
         await sync.allocate_group(4, ["10.9.9.9:1"], 30)
     await sync.close()

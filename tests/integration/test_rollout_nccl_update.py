@@ -1,0 +1,232 @@
+"""UpdateWeights(nccl) on the transformers engine with a real synchronizer and
+a gloo group on 127.0.0.1: the trainer side (rank 0) is the product's
+`send_in_group`, the rollout is a real server answering over gRPC.
+
+A committed broadcast moves the rollout to the new version and changes its
+greedy output; a misshapen broadcast, a trainer that gives up, a missing
+trainer (deadline), an nccl group on a machine without CUDA and a stale
+version each leave the old weights serving bit for bit, with the failure on
+the synchronizer (the transfer ABORTED). Tests run in file order on one
+server; `Track` follows which weights it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flywheel.common.v1 import common_pb2
+from flywheel.models.tiny import build_tiny_model
+from flywheel.rollout.v1 import rollout_pb2 as pb
+from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from flywheel.runtime.client import open_channel
+from services.synchronizer.client import SynchronizerClient
+from services.synchronizer.embedded import embedded_synchronizer
+from flywheel.transfer.broadcast import send
+from services.synchronizer.participant import send_in_group, spec_for
+from services.synchronizer.types import GroupInfo, TransferState
+from tests.conftest import TEST_TOKEN
+from tests.unit.rollout.rollout_helpers import ServerThread, reference_greedy, rollout_config
+
+PROMPT = [318, 268, 223, 20, 284, 223, 21, 33]
+STEPS = 12
+GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+BUCKET_BYTES = 256 * 1024  # several buckets for the tiny model
+TRAINER, ROLLOUT = "trainer-0", "rollout-0"
+
+
+@dataclass
+class Track:
+    model: Path
+    version: int
+    state: dict[str, torch.Tensor]
+
+    def scaled(self, factor: float) -> dict[str, torch.Tensor]:
+        return {k: v * factor for k, v in load_file(str(self.model / "model.safetensors")).items()}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    model = build_tiny_model(tmp_path_factory.mktemp("rollout-nccl") / "model")
+    srv = ServerThread(rollout_config(model, "transformers")).start()
+    srv.track = Track(model, 0, load_file(str(model / "model.safetensors")))
+    yield srv
+    srv.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    address: str
+    client: SynchronizerClient  # the trainer's (and the test's) client
+
+
+@contextlib.asynccontextmanager
+async def cluster(rollout_address: str) -> AsyncIterator[Cluster]:
+    """A synchronizer with the trainer and the rollout registered."""
+    port = free_port()
+    fields = {"rendezvous_host": "127.0.0.1", "rendezvous_port_min": port, "rendezvous_port_max": port,
+              "lease_seconds": 120}
+    async with (
+        embedded_synchronizer(server={"auth_token": TEST_TOKEN}, **fields) as sync,
+        SynchronizerClient(sync.address, token=TEST_TOKEN) as client,
+    ):
+        await client.register("trainer", TRAINER, address="127.0.0.1:1", capabilities=["nccl"])
+        await client.register("rollout", ROLLOUT, address=rollout_address, capabilities=["nccl"])
+        yield Cluster(sync.address, client)
+
+
+def nccl_source(group: GroupInfo, synchronizer_address: str) -> pb.NcclSource:
+    """What the controller's rollout adapter sends (services/controller/adapters/rollout.py)."""
+    return pb.NcclSource(
+        group_id=group.group_id, rendezvous_address=group.rendezvous_address, world_size=group.world_size,
+        rank=group.ranks[ROLLOUT], backend=group.backend, synchronizer_address=synchronizer_address,
+    )
+
+
+async def greedy(rollout: pb_grpc.RolloutServiceStub) -> common_pb2.Sample:
+    response = await rollout.Generate(pb.GenerateRequest(prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=PROMPT))], sampling=GREEDY))
+    return response.results[0].samples[0]
+
+
+async def update(rollout: pb_grpc.RolloutServiceStub, version: int, source: pb.NcclSource) -> pb.UpdateWeightsResponse:
+    request = pb.UpdateWeightsRequest(version=version, method=common_pb2.SYNC_METHOD_NCCL, nccl=source)
+    return await rollout.UpdateWeights(request, timeout=120)
+
+
+async def rejected(server, code: grpc.StatusCode | tuple[grpc.StatusCode, ...], update_call) -> str:
+    """Runs a failing update; asserts the served weights stay bit for bit what they were."""
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120, max_attempts=1) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        before = await greedy(rollout)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await update_call(rollout)
+        assert info.value.code() in (code if isinstance(code, tuple) else (code,)), info.value.details()
+        after = await greedy(rollout)
+        assert list(after.completion_token_ids) == list(before.completion_token_ids)
+        assert list(after.completion_logprobs) == list(before.completion_logprobs)  # the same weights, exactly
+        status = await rollout.GetStatus(pb.GetStatusRequest())
+        assert status.weight_version == server.track.version and not status.updating and not status.paused
+        return info.value.details()
+
+
+async def test_gloo_broadcast_moves_the_rollout_to_the_new_version(server) -> None:
+    track: Track = server.track
+    new = track.scaled(1.5)
+    async with cluster(server.address) as c, open_channel(server.address, token=TEST_TOKEN) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        before = await greedy(rollout)
+        assert list(before.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS)
+        group = await c.client.allocate_group(1, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
+        sent, response = await asyncio.gather(
+            send_in_group(c.client, TRAINER, group, new, bucket_bytes=BUCKET_BYTES),
+            update(rollout, 1, nccl_source(group, c.address)),
+        )
+        assert sent.state == TransferState.COMMITTED and sent.confirmed == [ROLLOUT]
+        assert response.weight_version == 1 and response.bytes == sum(t.nbytes for t in new.values())
+        after = await greedy(rollout)
+        assert list(after.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS, new)
+        assert list(after.completion_token_ids) != list(before.completion_token_ids)
+        assert (after.weight_version_start, after.weight_version_end) == (1, 1)
+        status = await c.client.status()
+        assert {x.identity.id: x.weight_version for x in status.components}[ROLLOUT] == 1
+    track.version, track.state = 1, new
+
+
+async def test_misshapen_broadcast_is_rejected_and_reported(server) -> None:
+    bad = server.track.scaled(2.0)
+    bad["model.layers.1.mlp.down_proj.weight"] = bad["model.layers.1.mlp.down_proj.weight"][:, :-1].contiguous()
+    async with cluster(server.address) as c:
+        group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
+        # The bare broadcast, which reports nothing: the synchronizer's verdict is the rollout's report.
+        trainer = asyncio.ensure_future(
+            asyncio.to_thread(send, spec_for(group, TRAINER), bad, bucket_bytes=BUCKET_BYTES)
+        )
+        details = await rejected(server, grpc.StatusCode.INVALID_ARGUMENT,
+                                 lambda rollout: update(rollout, 2, nccl_source(group, c.address)))
+        assert "down_proj" in details
+        with pytest.raises(Exception):  # noqa: B017 - the receiver left: an abort or gloo's broken pipe
+            await asyncio.wait_for(trainer, 60)
+        outcome = await c.client.get_transfer(group.group_id)
+        assert outcome.state == TransferState.ABORTED
+        assert f"{ROLLOUT} failed: InvalidArgument" in outcome.error and "down_proj" in outcome.error
+
+
+async def test_trainer_failure_aborts_the_update(server) -> None:
+    async with cluster(server.address) as c:
+        group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
+
+        async def trainer_gives_up() -> None:
+            # The rollout is waiting at the rendezvous by now; the trainer fails before hosting it.
+            await asyncio.sleep(1.0)
+            await c.client.report_transfer(group.group_id, TRAINER, False, "trainer ran out of memory")
+
+        giving_up = asyncio.ensure_future(trainer_gives_up())
+        details = await rejected(server, grpc.StatusCode.ABORTED,
+                                 lambda rollout: update(rollout, 2, nccl_source(group, c.address)))
+        await giving_up
+        assert "aborted" in details
+        outcome = await c.client.get_transfer(group.group_id)
+        assert outcome.state == TransferState.ABORTED and "trainer ran out of memory" in outcome.error
+
+
+async def test_missing_trainer_times_out_at_the_group_deadline(server) -> None:
+    async with cluster(server.address) as c:
+        group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=2, backend="gloo")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # This rank's rendezvous deadline or the synchronizer's sweep, whichever ends it first.
+        await rejected(server, (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED),
+                       lambda rollout: update(rollout, 2, nccl_source(group, c.address)))
+        assert loop.time() - started < 30
+        assert (await c.client.get_transfer(group.group_id)).state == TransferState.ABORTED
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: an nccl receive is possible")
+async def test_nccl_backend_without_cuda_is_a_failed_precondition(server) -> None:
+    async with cluster(server.address) as c:
+        group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="nccl")
+        details = await rejected(server, grpc.StatusCode.FAILED_PRECONDITION,
+                                 lambda rollout: update(rollout, 2, nccl_source(group, c.address)))
+        assert "CUDA" in details and "gloo" in details
+        outcome = await c.client.get_transfer(group.group_id)
+        assert outcome.state == TransferState.ABORTED and "CUDA" in outcome.error
+
+
+async def test_stale_version_and_bad_requests_are_refused(server) -> None:
+    async with cluster(server.address) as c:
+        group = await c.client.allocate_group(1, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
+        source = nccl_source(group, c.address)
+        details = await rejected(server, grpc.StatusCode.FAILED_PRECONDITION, lambda rollout: update(rollout, 1, source))
+        assert "not newer" in details
+        assert (await c.client.get_transfer(group.group_id)).state == TransferState.ABORTED  # reported: nobody waits
+        group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
+        cases = {
+            "nccl.synchronizer_address": pb.NcclSource(group_id=group.group_id, rank=1),
+            "nccl.rank": pb.NcclSource(group_id=group.group_id, rank=5, synchronizer_address=c.address),
+            "nccl.world_size": pb.NcclSource(group_id=group.group_id, rank=1, world_size=7,
+                                             synchronizer_address=c.address),
+        }
+        for field, source in cases.items():
+            details = await rejected(server, grpc.StatusCode.INVALID_ARGUMENT, lambda rollout, s=source: update(rollout, 2, s))
+            assert field in details
+        # The disagreement was reported (this replica's member id is known by its rank).
+        assert (await c.client.get_transfer(group.group_id)).state == TransferState.ABORTED
+        group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
+        details = await rejected(server, grpc.StatusCode.INVALID_ARGUMENT,
+                                 lambda rollout: update(rollout, 3, nccl_source(group, c.address)))
+        assert "carries version 2" in details
