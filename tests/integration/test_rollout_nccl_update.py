@@ -1,4 +1,4 @@
-"""UpdateWeights(nccl) on the transformers engine with a real synchronizer and
+"""UpdateWeights(nccl) on both engines with a real synchronizer and
 a gloo group on 127.0.0.1: the trainer side (rank 0) is the product's
 `send_in_group`, the rollout is a real server answering over gRPC.
 
@@ -7,7 +7,7 @@ greedy output; a misshapen broadcast, a trainer that gives up, a missing
 trainer (deadline), an nccl group on a machine without CUDA and a stale
 version each leave the old weights serving bit for bit, with the failure on
 the synchronizer (the transfer ABORTED). Tests run in file order on one
-server; `Track` follows which weights it serves.
+server per engine; `Track` follows which weights it serves.
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ from services.synchronizer.client import SynchronizerClient
 from services.synchronizer.embedded import embedded_synchronizer
 from flywheel.transfer.broadcast import send
 from services.synchronizer.participant import send_in_group, spec_for
-from services.synchronizer.types import GroupInfo, TransferState
+from services.synchronizer.types import GroupInfo, State, TransferState
 from tests.conftest import TEST_TOKEN
-from tests.unit.rollout.rollout_helpers import ServerThread, reference_greedy, rollout_config
+from tests.unit.rollout.rollout_helpers import ServerThread, need_engine, reference_greedy, rollout_config
 
+ENGINES = ["transformers", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])]
 PROMPT = [318, 268, 223, 20, 284, 223, 21, 33]
 STEPS = 12
 GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
@@ -55,10 +56,15 @@ class Track:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    model = build_tiny_model(tmp_path_factory.mktemp("rollout-nccl") / "model")
-    srv = ServerThread(rollout_config(model, "transformers")).start()
-    srv.track = Track(model, 0, load_file(str(model / "model.safetensors")))
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("rollout-nccl") / "model")
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def server(request: pytest.FixtureRequest, model_dir: Path):
+    need_engine(request.param)
+    srv = ServerThread(rollout_config(model_dir, request.param)).start()
+    srv.track = Track(model_dir, 0, load_file(str(model_dir / "model.safetensors")))
     yield srv
     srv.stop()
 
@@ -96,6 +102,10 @@ def nccl_source(group: GroupInfo, synchronizer_address: str) -> pb.NcclSource:
         group_id=group.group_id, rendezvous_address=group.rendezvous_address, world_size=group.world_size,
         rank=group.ranks[ROLLOUT], backend=group.backend, synchronizer_address=synchronizer_address,
     )
+
+
+async def rollout_state(client: SynchronizerClient) -> State:
+    return {x.identity.id: x.state for x in (await client.status()).components}[ROLLOUT]
 
 
 async def greedy(rollout: pb_grpc.RolloutServiceStub) -> common_pb2.Sample:
@@ -171,8 +181,11 @@ async def test_trainer_failure_aborts_the_update(server) -> None:
         group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
 
         async def trainer_gives_up() -> None:
-            # The rollout is waiting at the rendezvous by now; the trainer fails before hosting it.
-            await asyncio.sleep(1.0)
+            # Once the rollout has joined (it waits at the rendezvous), the
+            # trainer fails before hosting it.
+            while await rollout_state(c.client) != State.WAITING_SYNC:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
             await c.client.report_transfer(group.group_id, TRAINER, False, "trainer ran out of memory")
 
         giving_up = asyncio.ensure_future(trainer_gives_up())
@@ -186,7 +199,8 @@ async def test_trainer_failure_aborts_the_update(server) -> None:
 
 async def test_missing_trainer_times_out_at_the_group_deadline(server) -> None:
     async with cluster(server.address) as c:
-        group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=2, backend="gloo")
+        # Long enough for the rollout to find the group still pending on a busy machine.
+        group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=4, backend="gloo")
         loop = asyncio.get_running_loop()
         started = loop.time()
         # This rank's rendezvous deadline or the synchronizer's sweep, whichever ends it first.
@@ -194,6 +208,7 @@ async def test_missing_trainer_times_out_at_the_group_deadline(server) -> None:
                        lambda rollout: update(rollout, 2, nccl_source(group, c.address)))
         assert loop.time() - started < 30
         assert (await c.client.get_transfer(group.group_id)).state == TransferState.ABORTED
+        assert await rollout_state(c.client) == State.RUNNING  # released from the transfer
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: an nccl receive is possible")
