@@ -11,15 +11,19 @@ _ENTROPY_CHUNK = 512  # positions per chunk of the no-grad entropy
 
 
 def token_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, entropy: bool = False, entropy_grad: bool = False
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, entropy: bool = False, entropy_grad: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """log p(token t | tokens < t) as float32 [B, T] (position 0 and padding are 0).
 
     With `entropy`, also the entropy of each next-token distribution, aligned
     the same way; it carries gradient only when `entropy_grad` (an entropy
     bonus), since the full-vocabulary softmax graph is costly to keep.
+    With `autocast`, the model's matmuls run in that dtype (fp32 parameters
+    and gradients stay as they are); the log-softmax is float32 either way.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    with torch.autocast(input_ids.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     # Position t is predicted by the logits at t - 1; float32 for a stable log-softmax.
     logits = logits[:, :-1].float()
     targets = input_ids[:, 1:]

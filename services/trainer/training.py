@@ -108,6 +108,7 @@ class TrainingEngine:
         self.config = config
         self.policy: Policy | None = None
         self._lock = threading.Lock()
+        self._autocast = {"none": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.model.autocast]
 
     @property
     def lock(self) -> threading.Lock:
@@ -174,9 +175,10 @@ class TrainingEngine:
             ref = mb.ref_logprobs
             if loss.kl_coef > 0 and ref is None:
                 with torch.no_grad(), policy.reference_context() as reference:
-                    ref, _ = token_logprobs(reference, mb.input_ids, mb.attention_mask)
+                    ref, _ = token_logprobs(reference, mb.input_ids, mb.attention_mask, autocast=self._autocast)
             logprobs, entropy = token_logprobs(
-                policy.model, mb.input_ids, mb.attention_mask, entropy=True, entropy_grad=loss.entropy_coef > 0
+                policy.model, mb.input_ids, mb.attention_mask, entropy=True, entropy_grad=loss.entropy_coef > 0,
+                autocast=self._autocast,
             )
             out = policy_loss(
                 loss, logprobs=logprobs, mask=mb.loss_mask, advantages=mb.advantages,
@@ -288,9 +290,9 @@ class TrainingEngine:
                         mb = batch.rows(start, start + micro).to(policy.device)
                         if reference:
                             with policy.reference_context() as model:
-                                logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
+                                logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, autocast=self._autocast)
                         else:
-                            logprobs, _ = token_logprobs(policy.model, mb.input_ids, mb.attention_mask)
+                            logprobs, _ = token_logprobs(policy.model, mb.input_ids, mb.attention_mask, autocast=self._autocast)
                         pieces.append(logprobs.cpu())
             finally:
                 policy.model.train()

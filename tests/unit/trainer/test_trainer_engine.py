@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -162,3 +164,18 @@ def test_logprobs_ignore_padding_content(make_engine) -> None:
     assert torch.allclose(a, b, atol=1e-6)
     lp, _ = token_logprobs(engine.policy.model, ids[:, :3], mask[:, :3])
     assert torch.allclose(a[:, :3], lp, atol=1e-5)
+
+
+def test_bfloat16_autocast_keeps_float32_parameters_and_close_logprobs(make_engine) -> None:
+    batch = make_batch()
+    exact = make_engine()
+    mixed = make_engine(model={"autocast": "bfloat16"})
+    want, _ = exact.compute_logprobs(batch)
+    got, _ = mixed.compute_logprobs(batch)
+    assert got.dtype == torch.float32
+    assert not torch.equal(got, want)  # the matmuls did run in bfloat16
+    assert torch.allclose(got, want, atol=0.1)  # ... and agree to bfloat16's precision
+    result = mixed.train_step(batch, GRPO)
+    assert result.weight_version == 1 and math.isfinite(result.grad_norm)
+    assert all(p.dtype == torch.float32 for p in mixed.policy.model.parameters())
+    assert all(s.dtype == torch.float32 for s in optimizer_state(mixed) if s.is_floating_point())
