@@ -10,7 +10,9 @@ no HTTP API.
 With `synchronizer.address` set, the loaded rollout registers with the
 synchronizer, heartbeats, reports every weight update and (with
 `synchronizer.follow`) applies committed versions itself
-(`services.rollout.link`); graceful shutdown deregisters it first.
+(`services.rollout.link`); SERVING waits for the first registration (at most
+`synchronizer.rpc_timeout_seconds`, then it retries in the background), and
+graceful shutdown deregisters it first.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ def build(config: RolloutConfig) -> ServiceSpec:
 
             state["link"] = SynchronizerLink(config, core, state["grpc_port"])
             state["link"].start()
+            await state["link"].presence.wait_registered(config.synchronizer.rpc_timeout_seconds)
 
     async def shutdown() -> None:
         if state["link"] is not None:

@@ -9,6 +9,7 @@ from pydantic import Field
 
 from flywheel.runtime.config import StrictModel
 from flywheel.runtime.server_config import ServerConfig
+from services.synchronizer.presence_config import PresenceConfig
 
 PauseModeName = Literal["abort", "wait", "keep"]
 
@@ -55,34 +56,24 @@ class UpdatesConfig(StrictModel):
     )
 
 
-class SynchronizerLinkConfig(StrictModel):
+class SynchronizerLinkConfig(PresenceConfig):
+    """Where and as whom the rollout registers, and whether it follows; the
+    shared fields (advertise_address, heartbeat, deadlines, retries) are
+    `PresenceConfig`'s."""
+
     address: str = Field(
         "", description='synchronizer "host:port" to register with, heartbeat to and report weight updates to; '
         "empty: standalone (nothing is registered)"
     )
     component_id: str = Field(
         "", description="id of this rollout at the synchronizer (must be unique in the run, and equal the replica "
-        "name the controller uses for NCCL groups); empty: rollout-<host>-<grpc port>"
-    )
-    advertise_address: str = Field(
-        "", description='"host:port" where the controller and the synchronizer reach this rollout\'s gRPC server; '
-        "empty: server.host (the machine's hostname when it is a wildcard) and the bound gRPC port"
+        "name the controller uses for NCCL groups: its services.rollout[].id); empty: rollout-<host>-<grpc port>"
     )
     follow: bool = Field(
         False, description="apply every version the synchronizer commits (MEMORY: pulled from it, CHECKPOINT: "
         "loaded from its path) without waiting for UpdateWeights; off when a controller drives the updates, "
         "which it does in the launcher's runs"
     )
-    heartbeat_interval_seconds: float = Field(
-        0.0, ge=0, description="seconds between heartbeats; 0: a third of the lease the synchronizer grants"
-    )
-    rpc_timeout_seconds: float = Field(
-        10.0, gt=0, description="deadline of each Register/Heartbeat/SetState/Deregister call, in seconds"
-    )
-    retry_initial_seconds: float = Field(
-        0.5, gt=0, description="first wait before retrying an unreachable synchronizer, doubled per failure, in seconds"
-    )
-    retry_max_seconds: float = Field(30.0, gt=0, description="longest wait between retries, in seconds")
 
 
 class RolloutConfig(StrictModel):

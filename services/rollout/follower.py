@@ -33,7 +33,7 @@ import asyncio
 import logging
 
 from flywheel.errors import FailedPrecondition, NotFound
-from services.rollout.backoff import Backoff
+from flywheel.runtime.backoff import Backoff
 from services.rollout.config import RolloutConfig
 from services.rollout.core import RolloutCore
 from services.rollout.sources import Stage, checkpoint_stage, memory_stage

@@ -9,30 +9,17 @@ runs.
 
 from __future__ import annotations
 
-import socket
-
 from flywheel.runtime.auth import resolve_token
 from services.rollout.config import RolloutConfig
 from services.rollout.core import RolloutCore
 from services.rollout.follower import Follower
-from services.rollout.presence import Presence
+from services.rollout.presence import RolloutPresence
 from services.synchronizer.client import SynchronizerClient
-
-_WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
-
-
-def advertised_address(config: RolloutConfig, grpc_port: int) -> str:
-    """Where others reach this rollout's gRPC server."""
-    if config.synchronizer.advertise_address:
-        return config.synchronizer.advertise_address
-    host = config.server.host
-    # A wildcard is where we listen, not where anyone can connect to.
-    return f"{socket.gethostname() if host in _WILDCARDS else host}:{grpc_port}"
+from services.synchronizer.presence import advertised_address, reachable_host
 
 
 def default_component_id(config: RolloutConfig, grpc_port: int) -> str:
-    host = config.server.host
-    return f"rollout-{socket.gethostname() if host in _WILDCARDS else host}-{grpc_port}"
+    return f"rollout-{reachable_host(config.server.host)}-{grpc_port}"
 
 
 class SynchronizerLink:
@@ -44,8 +31,8 @@ class SynchronizerLink:
             link.address, token, timeout=link.rpc_timeout_seconds, max_message_bytes=server.max_message_bytes
         )
         status = core.status()
-        self.presence = Presence(
-            self.client, core, link, self.component_id, advertised_address(config, grpc_port),
+        self.presence = RolloutPresence(
+            self.client, core, link, self.component_id, advertised_address(link, server.host, grpc_port),
             labels={"model": core.model_name, "engine": status.engine},
         )
         self.follower = Follower(self.client, core, config, self.component_id, token=token) if link.follow else None

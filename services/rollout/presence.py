@@ -1,13 +1,9 @@
-"""The rollout as a component of the synchronizer: registration, heartbeats,
-reports of weight updates, deregistration.
+"""The rollout as a component of the synchronizer: its presence there
+(registration, heartbeats, deregistration: `services.synchronizer.presence`)
+plus reports of weight updates.
 
-Once the engine is loaded, the rollout registers (role rollout, its id, the
-address its gRPC server is reached at, its served weight version) and then
-heartbeats at least every lease/3 with that version; a synchronizer that
-forgot it (restarted without a store) or expired its lease gets it registered
-again (`services.synchronizer.heartbeats`). A synchronizer that cannot be
-reached is retried with backoff while the rollout keeps serving: nothing here
-ever stops generation or raises into the service.
+The rollout registers with role rollout and its served weight version, and
+heartbeats with that version (its step stays 0: rollouts count no steps).
 
 Every weight update the core commits or fails, whoever asked for it (the
 controller's UpdateWeights, or the follower), is reported:
@@ -17,8 +13,6 @@ controller's UpdateWeights, or the follower), is reported:
   the reason, which watchers of the synchronizer see as the message of a
   STATE_CHANGED event. A rollout in an NCCL transfer (WAITING_SYNC) keeps its
   state: the transfer's outcome is ReportTransfer's to decide, not ours.
-
-On graceful shutdown the rollout deregisters, so nobody waits on it.
 """
 
 from __future__ import annotations
@@ -28,11 +22,10 @@ import logging
 from collections.abc import Mapping
 
 from flywheel.errors import FlywheelError, NotFound
-from services.rollout.backoff import Backoff
 from services.rollout.config import SynchronizerLinkConfig
 from services.rollout.core import RolloutCore, UpdateReport
 from services.synchronizer.client import SynchronizerClient
-from services.synchronizer.heartbeats import Heartbeats
+from services.synchronizer.presence import Presence
 from services.synchronizer.types import Method, Role, State
 
 log = logging.getLogger(__name__)
@@ -50,7 +43,7 @@ def describe_failure(report: UpdateReport) -> str:
     return f"weight update to version {report.version} failed; still serving version {report.served}: {why}"
 
 
-class Presence:
+class RolloutPresence(Presence):
     def __init__(
         self,
         client: SynchronizerClient,
@@ -60,14 +53,12 @@ class Presence:
         address: str,
         labels: Mapping[str, str] | None = None,
     ) -> None:
-        self.client, self.core, self.link = client, core, link
-        self.component_id, self.address = component_id, address
-        self.labels = dict(labels or {})
-        #: Set once the first registration succeeded.
-        self.registered = asyncio.Event()
-        self.heartbeats: Heartbeats | None = None
+        super().__init__(
+            client, Role.ROLLOUT, component_id, address, link, lambda: (0, self.served()),
+            capabilities=CAPABILITIES, labels=labels,
+        )
+        self.core = core
         self._reports: asyncio.Queue[UpdateReport] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
         self._observer = self._reports.put_nowait
 
     def served(self) -> int:
@@ -75,49 +66,14 @@ class Presence:
 
     def start(self) -> None:
         self.core.update_observers.append(self._observer)
-        self._tasks = [asyncio.ensure_future(self._register()), asyncio.ensure_future(self._report_loop())]
+        super().start()
+        self._tasks.append(asyncio.ensure_future(self._report_loop()))
 
     async def stop(self) -> None:
-        """Stops beating and reporting, then deregisters (within the RPC deadline)."""
+        """Stops reporting, beating, then deregisters (within the RPC deadline)."""
         if self._observer in self.core.update_observers:
             self.core.update_observers.remove(self._observer)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
-        if self.heartbeats is not None:
-            await self.heartbeats.stop()
-        if self.registered.is_set():
-            try:
-                await self.client.deregister(self.component_id)
-                log.info("deregistered from the synchronizer", extra={"id": self.component_id})
-            except FlywheelError as exc:
-                # Its lease runs out on its own: the synchronizer marks it STOPPED then.
-                log.warning("deregistration failed", extra={"id": self.component_id, "error": str(exc)})
-
-    async def _register(self) -> None:
-        backoff = Backoff(self.link.retry_initial_seconds, self.link.retry_max_seconds)
-        while True:
-            try:
-                registration = await self.client.register(
-                    Role.ROLLOUT, self.component_id, address=self.address, capabilities=CAPABILITIES,
-                    labels=self.labels, weight_version=self.served(),
-                )
-                break
-            except FlywheelError as exc:
-                # Also for errors a retry cannot fix (a taken id, a wrong token):
-                # the rollout serves on and the log says why it is not registered.
-                log.warning("registration with the synchronizer failed; retrying",
-                            extra={"id": self.component_id, "address": self.client.address, "error": str(exc),
-                                   "retry_seconds": backoff.delay})
-                await backoff.wait()
-        log.info("registered with the synchronizer",
-                 extra={"id": self.component_id, "address": self.address, "weight_version": self.served(),
-                        "lease_seconds": registration.lease_seconds})
-        self.registered.set()
-        interval = self.link.heartbeat_interval_seconds or None
-        self.heartbeats = self.client.keep_alive(self.component_id, lambda: (0, self.served()), interval=interval)
-        self.heartbeats.start()
+        await super().stop()
 
     async def _report_loop(self) -> None:
         while True:

@@ -2,7 +2,9 @@
 
 The model loads in `startup`, in a worker thread: the event loop keeps
 answering health checks (NOT_SERVING) meanwhile, and SERVING is reported only
-once the policy is ready.
+once the policy is ready. With `sync.synchronizer_address` set, the loaded
+trainer then registers with the synchronizer and heartbeats its step and
+weight version (`services.trainer.link`); graceful shutdown deregisters it.
 """
 
 from __future__ import annotations
@@ -23,17 +25,29 @@ PROTO_SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_n
 def build(config: TrainerConfig) -> ServiceSpec:
     engine = TrainingEngine(config)
     servicer = TrainerServicer(engine)
+    state: dict = {"link": None, "grpc_port": 0}
 
     async def startup() -> None:
-        if config.model.path is not None:
-            await asyncio.to_thread(engine.load)
-            # What exists now (torch, transformers, the model: ~10^5 objects)
-            # lives as long as the process; frozen, the cyclic collector stops
-            # rescanning it during every training step.
-            gc.collect()
-            gc.freeze()
+        if config.model.path is None:
+            return
+        await asyncio.to_thread(engine.load)
+        # What exists now (torch, transformers, the model: ~10^5 objects)
+        # lives as long as the process; frozen, the cyclic collector stops
+        # rescanning it during every training step.
+        gc.collect()
+        gc.freeze()
+        # Registered only with a policy to export: a trainer without a model
+        # would be offered syncs it cannot serve.
+        if config.sync.synchronizer_address:
+            from services.trainer.link import TrainerLink
+
+            state["link"] = TrainerLink(config, engine, state["grpc_port"])
+            state["link"].start()
+            await state["link"].presence.wait_registered(config.sync.rpc_timeout_seconds)
 
     async def shutdown() -> None:
+        if state["link"] is not None:
+            await state["link"].stop()
         # Frozen objects are never collected; extension modules (nanobind)
         # then report them as leaked at exit.
         gc.unfreeze()
@@ -42,6 +56,7 @@ def build(config: TrainerConfig) -> ServiceSpec:
         name="trainer",
         proto_services=[PROTO_SERVICE],
         register=lambda server: trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server),
+        on_bound=lambda port: state.__setitem__("grpc_port", port),
         startup=startup,
         shutdown=shutdown,
     )

@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 
 from flywheel.runtime.config import StrictModel
 from flywheel.runtime.server_config import ServerConfig
+from services.synchronizer.presence_config import PresenceConfig
 
 LossKindName = Literal["grpo", "dapo", "ppo_clip"]
 AggregationName = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
@@ -114,13 +115,18 @@ class CheckpointConfig(StrictModel):
     resume_latest: bool = Field(False, description="at startup, load the newest complete checkpoint under dir if any")
 
 
-class SyncConfig(StrictModel):
+class SyncConfig(PresenceConfig):
+    """The trainer's link to the synchronizer; the presence fields
+    (advertise_address, heartbeat, deadlines, retries) are `PresenceConfig`'s."""
+
     synchronizer_address: str | None = Field(
-        None, description='synchronizer "host:port": CHECKPOINT exports are registered there, NCCL exports join '
-        "its groups, and a MEMORY export without an address in the request pushes there; none: not registered"
+        None, description='synchronizer "host:port": the loaded trainer registers there (and heartbeats its step '
+        "and weight version), CHECKPOINT exports are registered there, NCCL exports join its groups, and a MEMORY "
+        "export without an address in the request pushes there; none: standalone, not registered"
     )
     trainer_id: str = Field(
-        "trainer-0", min_length=1, description="this trainer's component id at the synchronizer (registrations)"
+        "trainer-0", min_length=1, description="this trainer's component id at the synchronizer (registrations); "
+        "the controller's services.trainer_id must name it"
     )
 
 

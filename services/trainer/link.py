@@ -1,0 +1,49 @@
+"""The trainer's presence at the synchronizer (`sync.synchronizer_address` set).
+
+Once the policy is loaded (a resumed checkpoint included), the trainer
+registers as `sync.trainer_id` with role trainer, the address of its gRPC
+server and every export method it serves, then heartbeats its step and weight
+version (`services.synchronizer.presence`): the controller's NeedSync and
+NCCL groups name it by that id, so nothing else has to register it. Stopped
+on graceful shutdown, which deregisters it.
+"""
+
+from __future__ import annotations
+
+from flywheel.runtime.auth import resolve_token
+from services.synchronizer.client import SynchronizerClient
+from services.synchronizer.presence import Presence, advertised_address
+from services.synchronizer.types import Method, Role
+from services.trainer.config import TrainerConfig
+from services.trainer.training import TrainingEngine
+
+#: WeightExporter's methods; NCCL works because an address is configured here.
+CAPABILITIES = (Method.MEMORY, Method.CHECKPOINT, Method.NCCL)
+
+
+class TrainerLink:
+    def __init__(self, config: TrainerConfig, engine: TrainingEngine, grpc_port: int) -> None:
+        sync, server = config.sync, config.server
+        token = resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
+        self.client = SynchronizerClient(
+            sync.synchronizer_address or "", token, timeout=sync.rpc_timeout_seconds,
+            max_message_bytes=server.max_message_bytes,
+        )
+
+        def progress() -> tuple[int, int]:
+            # info() reads the policy without its lock: a beat never waits for a training step.
+            info = engine.info()
+            return info.step, info.weight_version
+
+        self.presence = Presence(
+            self.client, Role.TRAINER, sync.trainer_id, advertised_address(sync, server.host, grpc_port), sync,
+            progress, capabilities=CAPABILITIES,
+            labels={"model": engine.info().model_name, "device": config.model.device},
+        )
+
+    def start(self) -> None:
+        self.presence.start()
+
+    async def stop(self) -> None:
+        await self.presence.stop()
+        await self.client.close()
