@@ -40,6 +40,10 @@ Mode = Literal["sync", "fully-async", "batch-async"]
 
 class ServiceEndpoint(StrictModel):
     address: str = Field(description="gRPC address host:port")
+    id: str = Field(
+        "", description="the component id the service registers with at the synchronizer (a rollout's "
+        "synchronizer.component_id): the name of a rollout replica in NCCL groups and logs; default: its address"
+    )
     timeout_seconds: float = Field(30.0, gt=0, description="default deadline of a call, in seconds")
 
 

@@ -23,7 +23,9 @@ def connect(cfg: RunConfig, token: str | None = None) -> Services:
         s.trainer.address, token=token, timeout=s.trainer.timeout_seconds,
         remove_previous_checkpoints=cfg.checkpoint.remove_previous,
     )
-    rollouts = [GrpcRolloutEngine(e.address, token=token, timeout=e.timeout_seconds) for e in s.rollout]
+    rollouts = [
+        GrpcRolloutEngine(e.address, token=token, timeout=e.timeout_seconds, name=e.id or e.address) for e in s.rollout
+    ]
     synchronizer = None
     if s.synchronizer is not None:
         synchronizer = GrpcSynchronizer(

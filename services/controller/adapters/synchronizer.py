@@ -2,9 +2,11 @@
 
 The controller asks on the trainer's behalf (`trainer_id`): whether the step
 just trained is a sync step, where a checkpoint version lives, and for NCCL
-a process group. Rollout replicas are known to the controller by address and
-to the synchronizer by component id; allocating a group maps one to the
-other through the synchronizer's status.
+a process group. Rollout replicas are known to the controller by their
+component id (`services.rollout[].id`) or, without one, by address; to the
+synchronizer by component id. Allocating a group maps addresses to ids
+through the synchronizer's status and hands the ranks back under the
+controller's names.
 """
 
 from __future__ import annotations
@@ -55,17 +57,22 @@ class GrpcSynchronizer:
     async def allocate_group(self, version: int, rollout_ids: Sequence[str], timeout_seconds: float) -> NcclGroup:
         with translated(f"synchronizer {self.address} Status"):
             status = await self.stub.Status(pb.StatusRequest())
+        # A replica is named by its component id (services.rollout[].id) or,
+        # without one, by its address, which the registrations map to an id.
+        ids = {c.identity.id for c in status.components}
         id_of = {c.identity.address: c.identity.id for c in status.components}
-        missing = [a for a in rollout_ids if a not in id_of]
+        resolved = {name: name if name in ids else id_of.get(name) for name in rollout_ids}
+        missing = [name for name, cid in resolved.items() if cid is None]
         if missing:
             raise FailedPrecondition(f"rollout replicas {missing} are not registered with the synchronizer")
         request = pb.AllocateGroupRequest(
-            version=version, trainer_id=self.trainer_id, rollout_ids=[id_of[a] for a in rollout_ids],
+            version=version, trainer_id=self.trainer_id, rollout_ids=list(resolved.values()),
             timeout_seconds=timeout_seconds,
         )
         with translated(f"synchronizer {self.address} AllocateGroup"):
             response = await self.stub.AllocateGroup(request)
-        address_of = {v: k for k, v in id_of.items()}
-        ranks = {address_of.get(m.id, m.id): m.rank for m in response.members}
+        # Ranks under the caller's names: each replica looks itself up by its name.
+        name_of = {cid: name for name, cid in resolved.items()}
+        ranks = {name_of.get(m.id, m.id): m.rank for m in response.members}
         return NcclGroup(response.group_id, response.rendezvous_address, response.world_size, response.backend, ranks,
                          synchronizer_address=self.address)

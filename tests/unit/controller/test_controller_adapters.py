@@ -245,6 +245,21 @@ async def test_synchronizer_adapter_maps_replica_addresses_to_ids(cluster) -> No
     await sync.close()
 
 
+async def test_replicas_named_by_component_id_get_ranks_under_that_id(cluster) -> None:
+    addresses, _ = cluster
+    cfg = config(services={"trainer": {"address": addresses["trainer"]},
+                           "rollout": [{"address": addresses["r0"], "id": "rollout-0"}, {"address": addresses["r1"]}],
+                           "synchronizer": {"address": addresses["sync"]}})
+    services = connect(cfg, token="unused")
+    try:
+        assert [r.name for r in services.rollouts] == ["rollout-0", addresses["r1"]]  # no id: the address
+        group = await services.synchronizer.allocate_group(4, [r.name for r in services.rollouts], 30)
+        # The fake synchronizer registered r0 as rollout-0 and r1 as rollout-1.
+        assert group.ranks == {"trainer-0": 0, "rollout-0": 1, addresses["r1"]: 2}
+    finally:
+        await services.close()
+
+
 async def test_a_whole_run_over_grpc(cluster, tmp_path) -> None:
     addresses, fakes = cluster
     cfg = config(
