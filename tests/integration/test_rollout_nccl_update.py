@@ -6,7 +6,8 @@ A committed broadcast moves the rollout to the new version and changes its
 greedy output; a misshapen broadcast, a trainer that gives up, a missing
 trainer (deadline), an nccl group on a machine without CUDA and a stale
 version each leave the old weights serving bit for bit, with the failure on
-the synchronizer (the transfer ABORTED). Tests run in file order on one
+the synchronizer (the transfer ABORTED); a caller giving up mid-receive
+fails the transfer at once and leaves the rollout free for the next one. Tests run in file order on one
 server per engine; `Track` follows which weights it serves.
 """
 
@@ -245,3 +246,33 @@ async def test_stale_version_and_bad_requests_are_refused(server) -> None:
         details = await rejected(server, grpc.StatusCode.INVALID_ARGUMENT,
                                  lambda rollout: update(rollout, 3, nccl_source(group, c.address)))
         assert "carries version 2" in details
+
+
+async def test_caller_giving_up_stops_the_receive_and_reports_it(server) -> None:
+    async with cluster(server.address) as c:
+        group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
+        async with open_channel(server.address, token=TEST_TOKEN, max_attempts=1) as channel:
+            rollout = pb_grpc.RolloutServiceStub(channel)
+            request = pb.UpdateWeightsRequest(version=2, nccl=nccl_source(group, c.address))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await rollout.UpdateWeights(request, timeout=3)  # the controller's own deadline, say
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            # The transfer is failed at once, not at its 60 s deadline ...
+            outcome = await c.client.get_transfer(group.group_id, wait_seconds=10)
+            assert outcome.state == TransferState.ABORTED and "cancel" in outcome.error.lower()
+            # ... the old weights serve ...
+            status = await rollout.GetStatus(pb.GetStatusRequest(), timeout=30)
+            assert status.weight_version == server.track.version and not status.updating
+        # ... and the rollout is free: the next transfer goes through.
+        new = server.track.scaled(0.8)
+        group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
+        async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+            rollout = pb_grpc.RolloutServiceStub(channel)
+            sent, response = await asyncio.gather(
+                send_in_group(c.client, TRAINER, group, new, bucket_bytes=BUCKET_BYTES),
+                update(rollout, 2, nccl_source(group, c.address)),
+            )
+            assert sent.state == TransferState.COMMITTED and response.weight_version == 2
+            after = await greedy(rollout)
+            assert list(after.completion_token_ids) == reference_greedy(server.track.model, PROMPT, STEPS, new)
+    server.track.version, server.track.state = 2, new
