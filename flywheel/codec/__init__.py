@@ -55,6 +55,7 @@ Errors all derive from `CodecError` (see `flywheel.codec.errors`), each
 carrying the gRPC status name in `code` (DATA_LOSS / INVALID_ARGUMENT).
 """
 
+from flywheel.codec.checker import ChunkChecker
 from flywheel.codec.decoder import WeightAssembler, assemble, check_tensors_match
 from flywheel.codec.dtypes import (
     SUPPORTED_DTYPES,
@@ -89,6 +90,7 @@ from flywheel.codec.errors import (
 from flywheel.codec.wire import parse_chunk, serialize_chunk
 
 __all__ = [
+    "ChunkChecker",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_CHUNK_BYTES",
     "MAX_CHUNK_BYTES",

@@ -1,10 +1,10 @@
 """Receiver side: manifest + chunks -> tensors, all or nothing.
 
 `WeightAssembler` takes a manifest, then chunks one at a time as they arrive,
-checks each against the manifest's layout (see `flywheel.codec.layout`) and
-its checksum, and writes its bytes into STAGING tensors. `commit()` checks
-that every chunk arrived and that the whole-version digest matches, and only
-then copies staging into the destination tensors (or, with no destination,
+checks each against the manifest's layout and its checksum
+(`flywheel.codec.checker`: the rules every receiver shares), and writes its
+bytes into STAGING tensors. `commit()` checks that every chunk arrived and
+that the whole-version digest matches, and only then copies staging into the destination tensors (or, with no destination,
 hands the staging tensors over, so that path costs no extra copy). Until a
 successful commit the destination is never written, so on any error it stays
 bit-identical to what it was.
@@ -25,22 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from flywheel.codec.dtypes import byte_view, dtype_from_proto, dtype_name
-from flywheel.codec.errors import (
-    AssemblerClosed,
-    ChunkCorrupted,
-    ChunkDuplicated,
-    ChunkMissing,
-    ChunkOutOfOrder,
-    CodecError,
-    DigestMismatch,
-    InvalidManifest,
-    ManifestMismatch,
-    StreamTruncated,
-)
-from flywheel.codec.layout import TensorEntry, compute_digest, validate_manifest
+from flywheel.codec.checker import ChunkChecker
+from flywheel.codec.dtypes import byte_view, dtype_from_proto
+from flywheel.codec.errors import AssemblerClosed, CodecError, ManifestMismatch
+from flywheel.codec.layout import TensorEntry
 from flywheel.codec.malloc import tune_allocator
 from flywheel.codec.parallel import copy_pairs
 from flywheel.codec.wire import parse_chunk
@@ -122,9 +111,8 @@ class WeightAssembler:
         *,
         staging: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        if manifest.version < 1:
-            raise InvalidManifest(f"manifest version must be >= 1, got {manifest.version}")
-        entries, plan = validate_manifest(manifest)
+        self._checker = ChunkChecker(manifest)  # validates the manifest first
+        entries = self._checker.entries
         tune_allocator()
         if destination is not None:
             check_tensors_match(destination, entries, "destination")
@@ -134,9 +122,6 @@ class WeightAssembler:
         else:
             _check_staging(staging, entries, destination)
         self.manifest = manifest
-        self._entries = entries
-        self._index = {e.name: i for i, e in enumerate(entries)}
-        self._plan = plan
         self._destination = dict(destination) if destination is not None else None
         self._staging = {e.name: staging[e.name] for e in entries}
         # Byte views of staging: chunk payloads are copied in by offset with
@@ -144,17 +129,6 @@ class WeightAssembler:
         # receiving) and, unlike torch's copy_, does not fan a 1 MiB copy out
         # to an OpenMP pool, which stalls badly when the cores are busy.
         self._stage_bytes = [_u8(staging[e.name]) for e in entries]
-        self._count = plan.count
-        self._tensor_of = plan.tensor_index.tolist()
-        self._bucket_of = plan.bucket_index.tolist()
-        self._offset_of = plan.offset.tolist()
-        self._length_of = plan.length.tolist()
-        self._bucket_left = plan.bucket_chunk_counts.tolist()
-        self._received = np.zeros(self._count, dtype=bool)
-        self._checksums = np.zeros(self._count, dtype=np.uint64)
-        self._n_received = 0
-        self._open_bucket = 0
-        self._advance_bucket()
         self._closed: str | None = None
 
     # -- state ---------------------------------------------------------------
@@ -166,17 +140,17 @@ class WeightAssembler:
     @property
     def received(self) -> int:
         """Chunks accepted so far."""
-        return self._n_received
+        return self._checker.received
 
     @property
     def complete(self) -> bool:
         """Every chunk arrived (commit may still fail on the digest)."""
-        return self._n_received == self._count
+        return self._checker.complete
 
     @property
     def complete_buckets(self) -> int:
         """Number of leading buckets whose chunks have all arrived."""
-        return self._open_bucket
+        return self._checker.complete_buckets
 
     @property
     def staging(self) -> dict[str, torch.Tensor]:
@@ -206,91 +180,15 @@ class WeightAssembler:
             raise
 
     def _add(self, chunk: common_pb2.WeightChunk, data: bytes | memoryview | None = None) -> None:
-        m = self.manifest
-        seq = chunk.sequence
-        if chunk.version != m.version or chunk.base_version != m.base_version:
-            raise ManifestMismatch(
-                f"chunk {seq} is for version {chunk.version} (base {chunk.base_version}), "
-                f"manifest is version {m.version} (base {m.base_version})"
-            )
-        if seq >= self._count:
-            raise ManifestMismatch(f"chunk sequence {seq} is beyond the version's {self._count} chunks")
-        ti = self._tensor_of[seq]
-        entry = self._entries[ti]
-        name = chunk.tensor_name
-        if name != entry.name:
-            if name not in self._index:
-                raise ManifestMismatch(f"chunk {seq} is for unknown tensor {name!r} (not in the manifest)")
-            raise ManifestMismatch(
-                f"chunk {seq} is for tensor {name!r}; the manifest's layout puts {entry.name!r} there"
-            )
-        if chunk.dtype != entry.dtype:
-            raise ManifestMismatch(
-                f"tensor {name!r}: chunk {seq} has dtype {dtype_name(chunk.dtype)}, manifest {dtype_name(entry.dtype)}"
-            )
-        if tuple(chunk.shape) != entry.shape:
-            raise ManifestMismatch(
-                f"tensor {name!r}: chunk {seq} has shape {list(chunk.shape)}, manifest {list(entry.shape)}"
-            )
         if data is None:
             data = chunk.data  # one copy out of the message; read it only once
-        start, size = chunk.offset, len(data)
-        if start + size > entry.nbytes:
-            raise ManifestMismatch(
-                f"tensor {name!r}: chunk {seq} covers bytes [{start}, {start + size}), "
-                f"outside the tensor's {entry.nbytes} bytes"
-            )
-        want_start, want_size = self._offset_of[seq], self._length_of[seq]
-        if start != want_start or size != want_size:
-            raise ManifestMismatch(
-                f"tensor {name!r}: chunk {seq} covers bytes [{start}, {start + size}) but the manifest's "
-                f"layout has [{want_start}, {want_start + want_size}) there (overlapping or misplaced range)"
-            )
-        bucket = self._bucket_of[seq]
-        if chunk.bucket_index != bucket:
-            raise ManifestMismatch(
-                f"tensor {name!r}: chunk {seq} claims bucket {chunk.bucket_index}, layout says {bucket}"
-            )
-        if chunk.last != (seq == self._count - 1):
-            raise ManifestMismatch(
-                f"chunk {seq} has last={chunk.last}, but the version's final chunk is {self._count - 1}"
-            )
-        if self._received[seq]:
-            raise ChunkDuplicated(f"tensor {name!r}: chunk {seq} (bytes [{start}, {start + size})) arrived twice")
-        if bucket > self._open_bucket:
-            raise ChunkOutOfOrder(
-                f"tensor {name!r}: chunk {seq} of bucket {bucket} arrived while bucket {self._open_bucket} "
-                f"still misses {self._bucket_left[self._open_bucket]} chunk(s)"
-            )
-        if xxhash.xxh3_64_intdigest(data) != chunk.checksum:
-            raise ChunkCorrupted(
-                f"tensor {name!r}: chunk {seq} (bytes [{start}, {start + size})) does not match its checksum"
-            )
-        if size:
-            np.copyto(self._stage_bytes[ti][start : start + size], np.frombuffer(data, dtype=np.uint8))
-        self._received[seq] = True
-        self._checksums[seq] = chunk.checksum
-        self._n_received += 1
-        self._bucket_left[bucket] -= 1
-        if bucket == self._open_bucket:
-            self._advance_bucket()
-
-    def _advance_bucket(self) -> None:
-        left = self._bucket_left
-        while self._open_bucket < len(left) and left[self._open_bucket] == 0:
-            self._open_bucket += 1
+        seq = self._checker.check(chunk, data)
+        if len(data):
+            start = chunk.offset
+            np.copyto(self._stage_bytes[self._checker.tensor_of[seq]][start : start + len(data)],
+                      np.frombuffer(data, dtype=np.uint8))
 
     # -- committing ----------------------------------------------------------
-
-    def _missing_description(self) -> str:
-        missing = np.flatnonzero(~self._received)
-        parts = []
-        for seq in missing[:3].tolist():
-            e = self._entries[self._tensor_of[seq]]
-            start = self._offset_of[seq]
-            parts.append(f"chunk {seq} (tensor {e.name!r} bytes [{start}, {start + self._length_of[seq]}))")
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        return f"{len(missing)} of {self._count} chunks missing: {', '.join(parts)}{more}"
 
     def commit(self) -> dict[str, torch.Tensor]:
         """Verify completeness and digest, then update the destination.
@@ -299,7 +197,7 @@ class WeightAssembler:
         when no destination was given). Raises StreamTruncated / ChunkMissing
         / DigestMismatch without touching the destination.
         """
-        self._guarded(lambda _: self._verify(), None)
+        self._guarded(lambda _: self._checker.finish(), None)
         self._closed = "committed"
         if self._destination is None:
             return self._staging
@@ -308,25 +206,11 @@ class WeightAssembler:
         pairs = []
         for name, dst in self._destination.items():
             if dst.device.type == "cpu" and dst.is_contiguous():
-                pairs.append((_u8(dst), self._stage_bytes[self._index[name]]))
+                pairs.append((_u8(dst), self._stage_bytes[self._checker.index[name]]))
             else:
                 dst.copy_(self._staging[name])
         copy_pairs(pairs)
         return self._destination
-
-    def _verify(self) -> None:
-        if self._n_received < self._count:
-            if self._count and not self._received[self._count - 1]:
-                raise StreamTruncated(
-                    f"version {self.version}: stream ended before its last chunk; {self._missing_description()}"
-                )
-            raise ChunkMissing(f"version {self.version}: {self._missing_description()}")
-        digest = compute_digest(self.manifest, self._entries, self._plan, self._checksums)
-        if digest != self.manifest.digest:
-            raise DigestMismatch(
-                f"version {self.version}: every chunk arrived intact but the version digest is "
-                f"{digest.hex()}, manifest says {self.manifest.digest.hex()} (manifest or checksums tampered)"
-            )
 
 
 def assemble(

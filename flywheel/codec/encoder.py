@@ -126,8 +126,6 @@ class EncodedVersion:
                 yield header, view[start : start + lengths[seq]]
             del view  # release a temporary contiguous copy before the next tensor
 
-    _pieces = pieces  # transitional alias (flywheel/transfer/frames.py looks it up)
-
     def __iter__(self) -> Iterator[common_pb2.WeightManifest | common_pb2.WeightChunk]:
         """The whole version as it goes on the wire: manifest, then chunks."""
         yield self.manifest

@@ -87,14 +87,8 @@ def wrap_chunk(serialized: bytes) -> bytes:
 def encoded_frames(encoded: EncodedVersion) -> Iterator[bytes]:
     """The frames of an encoded version: the manifest, then every chunk."""
     yield manifest_frame(encoded.manifest)
-    # The codec's (header, payload view) pairs let each frame be built with a
-    # single payload copy; they are not public API yet, so fall back to
-    # wrapping its serialized chunks (one more copy) if they go away.
-    pieces = getattr(encoded, "_pieces", None)
-    if pieces is not None:
-        for header, payload in pieces():
-            yield chunk_frame(header, payload)
-    else:
-        for serialized in encoded.serialized_chunks():
-            yield wrap_chunk(serialized)
+    # The codec's (header, payload view) pairs: each frame is built with a
+    # single copy of its payload.
+    for header, payload in encoded.pieces():
+        yield chunk_frame(header, payload)
 

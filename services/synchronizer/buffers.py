@@ -20,9 +20,9 @@ import enum
 import time
 from collections.abc import AsyncIterator
 
+from flywheel.codec import ChunkChecker
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import Aborted, AlreadyExists, FlywheelError, NotFound, ResourceExhausted
-from services.synchronizer.verify import ChunkVerifier
 
 
 class Phase(enum.Enum):
@@ -50,7 +50,7 @@ class Signal:
 
 class VersionBuffer:
     def __init__(self, manifest: common_pb2.WeightManifest, manifest_frame: bytes) -> None:
-        self.verifier = ChunkVerifier(manifest)  # validates the manifest first
+        self.verifier = ChunkChecker(manifest)  # validates the manifest first
         self.manifest = manifest
         self.version = manifest.version
         self.manifest_frame = manifest_frame
