@@ -3,7 +3,8 @@
 `LocalRun.execute()` is the whole story (see launch.py for the user's view):
 
     prepare()          model directory + dataset files (cached)
-    start_services()   synchronizer, trainer, rollout as supervised children
+    start_services()   the synchronizer, then trainer and rollout (which register
+                       with it) as supervised children
     drive()            the controller pipeline in this process, with progress
     report()           summary.json + progress.png
 
@@ -32,7 +33,7 @@ from flywheel.launcher.report import write_report
 from flywheel.launcher.spec import LaunchSpec, resume_section, split_run_file
 from flywheel.launcher.supervisor import Supervisor
 from flywheel.runtime.config import ConfigError, deep_merge, read_config_file
-from services.controller.run_config import RunConfig, parse_run_config
+from services.controller.run_config import RunConfig, ServicesConfig, parse_run_config
 
 log = logging.getLogger("flywheel.launch")
 
@@ -41,6 +42,8 @@ EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 SERVICES_ENV = "FLYWHEEL_RUN_SERVICES"
 #: Parent of run directories (the controller service's runs_dir setting).
 RUNS_DIR_ENV = "FLYWHEEL_CONTROLLER__RUNS_DIR"
+#: The rollout's component id at the synchronizer, and the controller's name for that replica.
+ROLLOUT_ID = "rollout-0"
 
 
 def _configure_file_logging(path: Path) -> None:
@@ -53,28 +56,6 @@ def _configure_file_logging(path: Path) -> None:
 
 def _raise_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
-
-
-async def _trainer_presence(cfg: RunConfig, pipeline: Any) -> tuple[Any, Any] | None:
-    """Registers the trainer with the synchronizer and keeps its lease alive.
-
-    The controller's weight sync asks the synchronizer `NeedSync` as
-    `services.trainer_id`, which must be a registered component; the trainer
-    service does not register itself, so the run does it on its behalf, with
-    heartbeats carrying the trainer's step and version. Returns (client,
-    heartbeats) to close at the end, or None without a synchronizer.
-    """
-    if cfg.services.synchronizer is None:
-        return None
-    from flywheel.runtime.auth import resolve_token
-    from services.synchronizer.client import SynchronizerClient
-
-    s = cfg.services
-    client = SynchronizerClient(s.synchronizer.address, resolve_token(None, s.auth_token_file))
-    await client.register("trainer", s.trainer_id, address=s.trainer.address, capabilities=[cfg.sync.method])
-    tw = pipeline.train_worker
-    beats = client.keep_alive(s.trainer_id, lambda: (tw.step, tw.version)).start()
-    return client, beats
 
 
 def _count_resumed_steps(pipeline: Any) -> None:
@@ -202,43 +183,55 @@ class LocalRun:
     def _thread_share(self) -> int:
         return self.spec.cpu_threads or max(1, (os.cpu_count() or 2) // 2)
 
-    def service_configs(self) -> dict[str, dict[str, Any]]:
+    def _trainer_id(self) -> str:
+        # The run file names no services here (they would not be started), so it is the default.
+        return ServicesConfig.model_fields["trainer_id"].default
+
+    def service_configs(self, synchronizer_address: str) -> dict[str, dict[str, Any]]:
+        """The trainer's and the rollout's configs: both register themselves with
+        the synchronizer at `synchronizer_address`, under the ids the controller
+        names them by (services.trainer_id, services.rollout[].id)."""
         spec, dtype = self.spec, self.spec.model.dtype
         trainer = {
             "model": {"path": str(self.model_dir), "dtype": dtype, "cpu_threads": self._thread_share()},
             "checkpoint": {"dir": str(self.run_dir / "checkpoints")},
+            "sync": {"synchronizer_address": synchronizer_address, "trainer_id": self._trainer_id()},
         }
         rollout = {
             "http_port": 0,
             # dtype explicit: vLLM on CPU would silently run a float32 model in
             # bfloat16, and its log-probs would disagree with the trainer's.
             "engine": {"model_path": str(self.model_dir), "args": {"dtype": dtype}},
+            "synchronizer": {"address": synchronizer_address, "component_id": ROLLOUT_ID},
         }
-        return {
-            "synchronizer": dict(spec.synchronizer),
-            "trainer": deep_merge(trainer, spec.trainer),
-            "rollout": deep_merge(rollout, spec.rollout),
-        }
+        return {"trainer": deep_merge(trainer, spec.trainer), "rollout": deep_merge(rollout, spec.rollout)}
 
     def start_services(self) -> RunConfig:
         if "services" in self.data:
             self.say("using the services named in the run file")
             return parse_run_config(self.data, "run file")
         self.supervisor = Supervisor(self.run_dir, stop_grace_seconds=self.spec.stop_grace_seconds)
-        for name, config in self.service_configs().items():
-            self.supervisor.start(name, config)
-        self.say(f"starting synchronizer, trainer, rollout (logs: {self.run_dir}/<service>.log)")
+        self.say(f"starting synchronizer, then trainer and rollout (logs: {self.run_dir}/<service>.log)")
         t = time.monotonic()
+        deadline = t + self.spec.ready_timeout_seconds
+        # First, and alone: the trainer and the rollout register with it as soon as they are loaded.
+        self.supervisor.start("synchronizer", dict(self.spec.synchronizer))
         self.supervisor.wait_ready(self.spec.ready_timeout_seconds)
+        synchronizer = self.supervisor.child("synchronizer").grpc_address
+        # The two slow ones load their models in parallel.
+        for name, config in self.service_configs(synchronizer).items():
+            self.supervisor.start(name, config)
+        self.supervisor.wait_ready(max(1.0, deadline - time.monotonic()))
         addresses = {c.name: c.grpc_address for c in self.supervisor.children}
         self.say(
             f"services ready in {time.monotonic() - t:.0f}s: "
             + ", ".join(f"{n} {a}" for n, a in addresses.items())
         )
         self.data["services"] = {
-            "synchronizer": {"address": addresses["synchronizer"]},
+            "synchronizer": {"address": synchronizer},
             "trainer": {"address": addresses["trainer"], "timeout_seconds": 900.0},
-            "rollout": [{"address": addresses["rollout"], "timeout_seconds": 900.0}],
+            "rollout": [{"address": addresses["rollout"], "id": ROLLOUT_ID, "timeout_seconds": 900.0}],
+            "trainer_id": self._trainer_id(),
         }
         return parse_run_config(self.data, "run file")
 
@@ -260,13 +253,9 @@ class LocalRun:
         ledger = self._keep_ledger(pipeline)
         _count_resumed_steps(pipeline)
         self.progress = Progress(cfg.run.max_steps, self.out)
-        presence = await _trainer_presence(cfg, pipeline)
         try:
             return await self._supervise(pipeline)
         finally:
-            if presence is not None:
-                await presence[1].stop()
-                await presence[0].close()
             if services.close is not None:
                 await services.close()
             ledger.close()
