@@ -47,3 +47,21 @@ def test_prepare_data_fills_generated_paths_only_when_none_are_given(tmp_path):
     own = {"train": {"path": "mine.jsonl"}}
     assert prepare_data(DatasetSpec(), own, tmp_path / "other") == own
     assert not (tmp_path / "other").exists()
+
+
+def test_trainer_and_rollout_register_under_the_names_the_controller_uses(tmp_path):
+    from services.controller.local_run import ROLLOUT_ID, LocalRun
+    from services.controller.run_config import ServicesConfig
+    from services.rollout.config import RolloutConfig
+    from services.trainer.config import TrainerConfig
+
+    spec, data = split_run_file({"launch": {"model": {"source": "tiny"},
+                                            "rollout": {"synchronizer": {"retry_max_seconds": 5}}}}, "test")
+    run = LocalRun(spec=spec, data=data, run_dir=tmp_path)
+    run.model_dir = tmp_path / "model"
+    configs = run.service_configs("127.0.0.1:4242")
+    trainer = TrainerConfig.model_validate(configs["trainer"]).sync
+    rollout = RolloutConfig.model_validate(configs["rollout"]).synchronizer
+    assert (trainer.synchronizer_address, trainer.trainer_id) == ("127.0.0.1:4242", ServicesConfig().trainer_id)
+    assert (rollout.address, rollout.component_id) == ("127.0.0.1:4242", ROLLOUT_ID)
+    assert rollout.retry_max_seconds == 5  # the run file's launch section still wins
