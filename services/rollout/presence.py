@@ -30,8 +30,8 @@ from services.synchronizer.types import Method, Role, State
 
 log = logging.getLogger(__name__)
 
-#: Ways this rollout can receive a version (NCCL needs a receiver the engine lacks so far).
-CAPABILITIES = (Method.MEMORY, Method.CHECKPOINT)
+#: Ways this rollout can receive a version (UpdateWeights: memory, checkpoint, nccl/gloo groups).
+CAPABILITIES = (Method.MEMORY, Method.CHECKPOINT, Method.NCCL)
 
 
 def describe_failure(report: UpdateReport) -> str:

@@ -161,12 +161,13 @@ def _eval_mode(policy: Policy) -> Iterator[None]:
 class WeightExporter:
     """Exports the engine's current weight version (blocking parts run in threads)."""
 
-    def __init__(self, engine: TrainingEngine, sync: SyncConfig) -> None:
+    def __init__(self, engine: TrainingEngine, sync: SyncConfig, token: str | None = None) -> None:
         self.engine = engine
         self.sync = sync
+        self.token = token  # the deployment's bearer token: the synchronizer checks it like any service
 
     def _client(self, address: str) -> SynchronizerClient:
-        return SynchronizerClient(address)
+        return SynchronizerClient(address, self.token)
 
     @contextlib.asynccontextmanager
     async def _snapshot(self, merge_lora: bool) -> AsyncIterator[tuple[int, dict[str, Tensor]]]:

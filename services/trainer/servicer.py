@@ -17,6 +17,7 @@ from torch import Tensor
 from flywheel.codec.dtypes import tensor_from_proto, tensor_to_proto
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
+from flywheel.runtime.auth import resolve_token
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
 from services.trainer import metrics as prom
@@ -86,7 +87,9 @@ def _expected(msg) -> int | None:
 class TrainerServicer(pb_grpc.TrainerServiceServicer):
     def __init__(self, engine: TrainingEngine, exporter: WeightExporter | None = None) -> None:
         self.engine = engine
-        self.exporter = exporter or WeightExporter(engine, engine.config.sync)
+        server = engine.config.server
+        token = resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
+        self.exporter = exporter or WeightExporter(engine, engine.config.sync, token)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
         info = self.engine.info()

@@ -100,7 +100,7 @@ async def test_registers_with_its_served_version_and_heartbeats_past_the_lease(r
             c = await eventually(lambda: component(client), what="registration")
             assert c.role == Role.ROLLOUT and c.state == State.RUNNING
             assert c.identity.address == "127.0.0.1:50999"
-            assert c.identity.capabilities == frozenset({Method.MEMORY, Method.CHECKPOINT})
+            assert c.identity.capabilities == frozenset({Method.MEMORY, Method.CHECKPOINT, Method.NCCL})
             assert c.weight_version == core.status().version == 0
             await asyncio.sleep(2.0)  # more than three leases
             c = await component(client)

@@ -133,3 +133,16 @@ async def test_nccl_broadcast_over_gloo(make_engine, tiny_model: Path) -> None:
         assert result.weight_version == 1 and outcome.state == TransferState.COMMITTED and staged is not None
         assert set(receiver) == hf_names(tiny_model)
         assert all(torch.equal(t, live[n]) for n, t in receiver.items())
+
+
+async def test_exports_carry_the_deployment_token(make_engine) -> None:
+    from flywheel.errors import Unauthenticated
+
+    engine = make_engine()
+    step(engine)
+    async with embedded_synchronizer(server={"auth_token": "s3cret"}) as server:
+        sync = SyncConfig(synchronizer_address=server.address)
+        with pytest.raises(Unauthenticated):
+            await WeightExporter(engine, sync).memory()
+        result = await WeightExporter(engine, sync, token="s3cret").memory()
+        assert result.weight_version == 1
