@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import PurePosixPath
+from typing import Any
 
 import pytest
 import yaml
@@ -42,7 +43,12 @@ def resolved(container: Container):
 def known_env(service: str) -> set[str]:
     from flywheel.runtime.entry import env_prefix
 
-    return {env_name(env_prefix(service), path) for path in leaf_fields(config_class(service))} | set(SHARED_ENV)
+    known = {env_name(env_prefix(service), path) for path in leaf_fields(config_class(service))} | set(SHARED_ENV)
+    if service == "controller":
+        from services.controller.local_run import RUNS_DIR_ENV, SERVICES_ENV
+
+        known |= {SERVICES_ENV, RUNS_DIR_ENV}  # read by `run` (the launcher), not by the server's config
+    return known
 
 
 def written_dirs(container: Container) -> dict[str, str]:
@@ -118,6 +124,74 @@ def test_controller_arguments_name_a_mounted_run_config(k8s, composed):
         mounts = _k8s_mounts(c) if c.pod else _compose_mounts(c)
         assert any(PurePosixPath(c.args[1]).is_relative_to(m) for m in mounts), (
             f"{c.source}: {c.args[1]} is not mounted"
+        )
+
+
+def _run_services(c: Container, k8s_objects: list[dict] | None) -> Any:
+    """The `services` section the controller's run ends up with, parsed by the controller's own run config."""
+    from flywheel.launcher.spec import split_run_file
+    from services.controller.local_run import SERVICES_ENV
+    from services.controller.run_config import parse_run_config
+
+    if c.pod:
+        path = PurePosixPath(c.args[1])
+        volume = _k8s_mounts(c)[path.parent]["volume"]
+        configmaps = {o["metadata"]["name"]: o for o in k8s_objects or [] if o["kind"] == "ConfigMap"}
+        data = yaml.safe_load(configmaps[volume["configMap"]["name"]]["data"][path.name])
+    else:
+        data = yaml.safe_load((ROOT / "examples" / PurePosixPath(c.args[1]).name).read_text())
+    _, data = split_run_file(data, c.source)
+    if SERVICES_ENV in c.env:
+        data["services"] = yaml.safe_load(c.env[SERVICES_ENV])
+    assert "services" in data, f"{c.source}: the run names no services; the launcher would start its own"
+    data.setdefault("model", {}).setdefault("name", "served")
+    for split in ("train", "validation"):  # the launcher generates these files at run time
+        section = data.get("data", {}).get(split)
+        if section is not None and not {"path", "items", "hf_name"} & set(section):
+            section["items"] = [{"question": "1 + 1", "answer": "2"}]
+    return parse_run_config(data, c.source).services
+
+
+def _grpc_port_of(containers: list[Container], service: str) -> set[int]:
+    return {expected_ports(c)["grpc"] for c in containers if c.service == service}
+
+
+def test_compose_controller_runs_against_the_compose_services(composed, compose):
+    (controller,) = [c for c in composed if c.service == "controller"]
+    services = _run_services(controller, None)
+    names = {}
+    for name, spec in compose["services"].items():
+        for alias in [name, *((spec.get("networks") or {}).get("default") or {}).get("aliases", [])]:
+            names.setdefault(alias, set()).add(name)
+    for role, endpoint in [("synchronizer", services.synchronizer), ("trainer", services.trainer),
+                           *(("rollout", r) for r in services.rollout)]:
+        host, port = endpoint.address.rsplit(":", 1)
+        assert host in names, f"compose controller: {role} address {endpoint.address} names no compose service"
+        ports = {expected_ports(c)["grpc"] for c in composed if c.name in names[host] and c.service == role}
+        assert ports == {int(port)}, f"compose controller: {role} at {endpoint.address}, listening on {ports}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kubernetes_controller_runs_against_the_cluster_services(rendered, k8s, overlay):
+    objects = rendered[overlay]
+    (controller,) = [c for c in k8s if c.service == "controller" and c.source.startswith(f"kubernetes/{overlay} ")]
+    services = _run_services(controller, objects)
+    k8s_services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    for role, endpoint in [("synchronizer", services.synchronizer), ("trainer", services.trainer),
+                           *(("rollout", r) for r in services.rollout)]:
+        host, port = endpoint.address.rsplit(":", 1)
+        # "<pod>.<headless service>" (a StatefulSet member) or "<service>".
+        svc_name = host.split(".")[1] if "." in host else host
+        assert svc_name in k8s_services, f"{overlay}: {role} address {endpoint.address} names no Service"
+        svc = k8s_services[svc_name]
+        workload = [w for w in _workloads(objects)
+                    if _selects(svc["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])][0]
+        if "." in host:
+            assert workload["kind"] == "StatefulSet" and host.split(".")[0].rsplit("-", 1)[0] == workload["metadata"]["name"]
+        served = [c for c in k8s if c.source == f"kubernetes/{overlay} {workload['kind']}/{workload['metadata']['name']}"]
+        assert [c.service for c in served] == [role], f"{overlay}: {endpoint.address} reaches {served}"
+        assert {p["port"] for p in svc["spec"]["ports"]} >= {int(port)} == {expected_ports(served[0])["grpc"]}, (
+            f"{overlay}: {role} at {endpoint.address}"
         )
 
 
