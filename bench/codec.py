@@ -22,6 +22,13 @@ after a warm-up round:
   codec, wire bytes        the same with serialized chunks
                   (serialized_chunks -> add_serialized): two payload copies
                   fewer, for transports that forward bytes as they are.
+  codec, pieces            the in-process form: the encoder's (header,
+                  payload view) pieces straight into add_piece, no wire bytes
+                  at all; checksums made and verified, commit into the
+                  preallocated destination as above.
+  codec, pieces, background   the same with stage_in_background: the
+                  staging copies and checksum checks run on the codec's pool
+                  while this thread checks the next headers.
   codec, hand-over         wire bytes with no destination: commit hands the
                   staging over and the next version stages into the previous
                   one's tensors (a synchronizer recycling its oldest version):
@@ -180,9 +187,12 @@ class Codec:
     version): no commit copy at all.
     """
 
-    def __init__(self, state: State, chunk_bytes: int, wire: bool, dest: State | None, staging: State | None) -> None:
+    def __init__(
+        self, state: State, chunk_bytes: int, wire: bool | str, dest: State | None, staging: State | None,
+        background: bool = False,
+    ) -> None:
         self.state, self.chunk_bytes, self.wire = state, chunk_bytes, wire
-        self.dest, self.staging = dest, staging
+        self.dest, self.staging, self.background = dest, staging, background
         self.result: State = {}
         self.previous: State | None = None
         self.version = 0
@@ -190,8 +200,11 @@ class Codec:
     def __call__(self) -> None:
         self.version += 1
         enc = encode_state_dict(self.state, self.version, chunk_bytes=self.chunk_bytes)
-        asm = WeightAssembler(enc.manifest, self.dest, staging=self.staging)
-        if self.wire:
+        asm = WeightAssembler(enc.manifest, self.dest, staging=self.staging, stage_in_background=self.background)
+        if self.wire == "pieces":
+            for header, payload in enc.pieces():
+                asm.add_piece(header, payload)
+        elif self.wire:
             for raw in enc.serialized_chunks():
                 asm.add_serialized(raw)
         else:
@@ -361,6 +374,8 @@ def main() -> None:
         "codec": Codec(state, chunk_bytes, wire=False, dest=dest, staging=staging),
         "codec_wire": Codec(state, chunk_bytes, wire=True, dest=dest, staging=staging),
         "codec_handover": Codec(state, chunk_bytes, wire=True, dest=None, staging=None),
+        "codec_pieces": Codec(state, chunk_bytes, wire="pieces", dest=dest, staging=staging),
+        "codec_pieces_background": Codec(state, chunk_bytes, wire="pieces", dest=dest, staging=staging, background=True),
         "codec_pipelined": PipelinedCodec(state, chunk_bytes, dest, staging),
         "codec_over_tcp": over_tcp,
     }
@@ -396,6 +411,8 @@ def main() -> None:
         ("codec", "codec encode+decode, message objects"),
         ("codec_wire", "codec encode+decode, wire bytes"),
         ("codec_handover", "codec encode+decode, wire bytes, hand-over"),
+        ("codec_pieces", "codec encode+decode, pieces (in-process, no wire)"),
+        ("codec_pieces_background", "codec encode+decode, pieces, background staging"),
         ("codec_pipelined", "codec encode | decode pipelined (2 threads)"),
         ("codec_over_tcp", "codec end to end over tcp loopback (2 processes)"),
         ("encode", "  encode only, message objects"),
@@ -416,6 +433,10 @@ def main() -> None:
         "codec_wire_vs_tcp_loopback": gbps["codec_wire"] / gbps["tcp"],
         "codec_handover_gbps": gbps["codec_handover"],
         "codec_handover_vs_tcp_loopback": gbps["codec_handover"] / gbps["tcp"],
+        "codec_pieces_gbps": gbps["codec_pieces"],
+        "codec_pieces_vs_tcp_loopback": gbps["codec_pieces"] / gbps["tcp"],
+        "codec_pieces_background_gbps": gbps["codec_pieces_background"],
+        "codec_pieces_background_vs_tcp_loopback": gbps["codec_pieces_background"] / gbps["tcp"],
         "codec_pipelined_gbps": gbps["codec_pipelined"],
         "codec_pipelined_vs_tcp_loopback": gbps["codec_pipelined"] / gbps["tcp"],
         "codec_over_tcp_gbps": gbps["codec_over_tcp"],

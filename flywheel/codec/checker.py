@@ -65,8 +65,12 @@ class ChunkChecker:
     def entry(self, seq: int) -> TensorEntry:
         return self.entries[self.tensor_of[seq]]
 
-    def check(self, chunk: common_pb2.WeightChunk, data: bytes | memoryview) -> int:
-        """Accepts one chunk (header fields + its payload) or raises a CodecError; returns its sequence."""
+    def check(self, chunk: common_pb2.WeightChunk, data: bytes | memoryview, *, verify_payload: bool = True) -> int:
+        """Accepts one chunk (header fields + its payload) or raises a CodecError; returns its sequence.
+
+        With `verify_payload=False` the payload's checksum is left to the
+        caller (`payload_error`), who must not let the version commit until
+        it has compared it; everything else is checked here."""
         m, seq = self.manifest, chunk.sequence
         if chunk.version != m.version or chunk.base_version != m.base_version:
             raise ManifestMismatch(
@@ -111,8 +115,8 @@ class ChunkChecker:
                 f"tensor {name!r}: chunk {seq} of bucket {bucket} arrived while bucket {self.complete_buckets} "
                 f"still misses {self._bucket_left[self.complete_buckets]} chunk(s)"
             )
-        if xxhash.xxh3_64_intdigest(data) != chunk.checksum:
-            raise ChunkCorrupted(f"tensor {name!r}: chunk {seq} (bytes [{start}, {start + size})) does not match its checksum")
+        if verify_payload and (error := self.payload_error(seq, data, chunk.checksum)):
+            raise error
         self._received[seq] = True
         self._checksums[seq] = chunk.checksum
         self.received += 1
@@ -120,6 +124,16 @@ class ChunkChecker:
         if bucket == self.complete_buckets:
             self._advance_bucket()
         return seq
+
+    def payload_error(self, seq: int, data: bytes | memoryview | np.ndarray, checksum: int) -> ChunkCorrupted | None:
+        """ChunkCorrupted if chunk `seq`'s payload does not hash to `checksum` (thread-safe: reads only)."""
+        if xxhash.xxh3_64_intdigest(data) == checksum:
+            return None
+        start = self._offset_of[seq]
+        return ChunkCorrupted(
+            f"tensor {self.entry(seq).name!r}: chunk {seq} (bytes [{start}, {start + self._length_of[seq]})) "
+            "does not match its checksum"
+        )
 
     def _advance_bucket(self) -> None:
         left = self._bucket_left

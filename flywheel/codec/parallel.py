@@ -39,6 +39,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
+def codec_pool() -> ThreadPoolExecutor | None:
+    """The shared pool (None on a single core, where it would only add dispatch)."""
+    return _executor()
+
+
 def _executor() -> ThreadPoolExecutor | None:
     global _pool
     if WORKERS == 1:

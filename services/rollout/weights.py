@@ -175,7 +175,9 @@ async def stage_stream(
     got = {m.name: TensorSpec(dtype_from_proto(m.dtype), tuple(m.shape)) for m in manifest.tensors}
     # Checked before a single chunk is received: a wrong shape costs no transfer.
     verify_specs(got, want, f"weight version {version}")
-    assembler = WeightAssembler(manifest)
+    # Chunk bytes are copied and hashed on the codec's pool: this loop also
+    # serves generation, and only checks headers between awaits.
+    assembler = WeightAssembler(manifest, stage_in_background=True)
     async for chunk in stream:
         if not isinstance(chunk, common_pb2.WeightChunk):
             raise DataLoss("weight stream sent a second manifest")

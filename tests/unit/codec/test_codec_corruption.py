@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import xxhash
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flywheel.codec import (
@@ -44,6 +44,15 @@ STATE = {
 }
 
 
+_MODE = {"stage_in_background": False}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["inline", "background"])
+def staging_mode(request: pytest.FixtureRequest) -> None:
+    """Every case runs twice: chunks staged on the caller's thread, and on the codec's pool."""
+    _MODE["stage_in_background"] = request.param
+
+
 @pytest.fixture
 def enc() -> EncodedVersion:
     e = encode_state_dict(STATE, 5, chunk_bytes=64, bucket_bytes=128)
@@ -74,14 +83,14 @@ def rejected(
     before = {k: bits(v).clone() for k, v in dest.items()}
     chunks = tamper([copy(c) for c in enc.chunks()])
     with pytest.raises(error, match=match) as info:
-        assemble(manifest or enc.manifest, chunks, dest)
+        assemble(manifest or enc.manifest, chunks, dest, **_MODE)
     for k, v in dest.items():
         assert torch.equal(bits(v), before[k]), f"destination {k!r} was modified"
     return info.value
 
 
 def test_positive_control(enc: EncodedVersion, dest: dict[str, torch.Tensor]) -> None:
-    assemble(enc.manifest, enc.chunks(), dest)
+    assemble(enc.manifest, enc.chunks(), dest, **_MODE)
     assert all(torch.equal(bits(dest[k]), bits(v)) for k, v in STATE.items())
 
 
@@ -98,7 +107,7 @@ def test_corrupt_bytes(enc: EncodedVersion, dest: dict[str, torch.Tensor]) -> No
     assert err.code == "DATA_LOSS" and isinstance(err, DataLoss) and isinstance(err, FlywheelError)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seq=st.integers(0, 20), pos=st.integers(0, 63), bit=st.integers(0, 7))
 def test_any_single_bit_flip_is_caught(seq: int, pos: int, bit: int) -> None:
     enc = encode_state_dict(STATE, 5, chunk_bytes=64, bucket_bytes=128)
@@ -111,7 +120,7 @@ def test_any_single_bit_flip_is_caught(seq: int, pos: int, bit: int) -> None:
     data[pos % len(data)] ^= 1 << bit
     target.data = bytes(data)
     with pytest.raises(ChunkCorrupted):
-        assemble(enc.manifest, chunks, dest)
+        assemble(enc.manifest, chunks, dest, **_MODE)
     assert all(not bits(v).any() for v in dest.values())
 
 
