@@ -12,10 +12,8 @@ after a warm-up round:
   tcp loopback    a second process sendall()s the bytes in 1 MiB memoryview
                   slices over 127.0.0.1; this process recv_into()s a
                   preallocated buffer. The wire at its cheapest on one host.
-  codec, message objects   (the acceptance figure: >= tcp loopback means the
-                  codec never limits the wire) encode_state_dict (checksum
-                  pass + digest) -> each chunk straight into
-                  WeightAssembler.add (checksum verify, staging) -> commit
+  codec, message objects   encode_state_dict (checksum pass + digest) ->
+                  each chunk straight into WeightAssembler.add (checksum verify, staging) -> commit
                   (digest verify, copy into preallocated destination
                   tensors); one chunk in flight at a time, as on a stream;
                   staging reused across versions, as a long-running receiver.
@@ -26,9 +24,12 @@ after a warm-up round:
                   payload view) pieces straight into add_piece, no wire bytes
                   at all; checksums made and verified, commit into the
                   preallocated destination as above.
-  codec, pieces, background   the same with stage_in_background: the
-                  staging copies and checksum checks run on the codec's pool
-                  while this thread checks the next headers.
+  codec, pieces, background   (the acceptance figure: the codec's own
+                  in-process encode+decode; >= tcp loopback means the codec
+                  itself never limits the wire) the same with
+                  stage_in_background: the staging copies and checksum
+                  checks run on the codec's pool while this thread checks
+                  the next headers.
   codec, hand-over         wire bytes with no destination: commit hands the
                   staging over and the next version stages into the previous
                   one's tensors (a synchronizer recycling its oldest version):
