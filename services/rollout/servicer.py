@@ -8,7 +8,6 @@ deserialization failure (see `add_to_server`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -28,8 +27,7 @@ from services.rollout.prompts import (
     ChatPrompt, PromptInput, TextPrompt, TokenPrompt, check_token_ids, validate_messages, validate_tools,
 )
 from services.rollout.proto_utf8 import find_invalid_utf8
-from services.rollout.sync_client import pull_weights
-from services.rollout.weights import stage_checkpoint, stage_stream
+from services.rollout.sources import checkpoint_stage, memory_stage
 
 _MODES: dict[int, PauseMode] = {pb.PAUSE_MODE_ABORT: "abort", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_KEEP: "keep"}
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -191,20 +189,12 @@ class RolloutServicer:
         if source == "checkpoint":
             if not request.checkpoint.path:
                 raise InvalidArgument("checkpoint.path: empty")
-
-            async def stage():  # type: ignore[no-untyped-def]
-                return await asyncio.to_thread(stage_checkpoint, request.checkpoint.path, version, specs)
+            stage = checkpoint_stage(request.checkpoint.path, version, specs)
         elif source == "memory":
             if not request.memory.synchronizer_address:
                 raise InvalidArgument("memory.synchronizer_address: empty")
-            stream = pull_weights(request.memory.synchronizer_address, version, token=self._token(), timeout=timeout,
-                                  max_message_bytes=self.config.server.max_message_bytes)
-
-            async def stage():  # type: ignore[no-untyped-def]
-                try:
-                    return await stage_stream(version, stream, specs)
-                finally:
-                    await stream.aclose()
+            stage = memory_stage(request.memory.synchronizer_address, version, specs, token=self._token(),
+                                 timeout=timeout, max_message_bytes=self.config.server.max_message_bytes)
         return _update_response(await self.core.update_weights(version, stage, mode, timeout))
 
     def _token(self) -> str | None:
