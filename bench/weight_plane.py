@@ -173,7 +173,7 @@ def run(size: int, reps: int, chunk_bytes: int) -> tuple[dict[str, float], dict[
     os.environ["FLYWHEEL_AUTH_TOKEN"] = secrets.token_hex(8)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_SYNCHRONIZER__")}
     run_dir = Path(tempfile.mkdtemp(prefix="flywheel-bench-"))
-    sync = start_service("synchronizer", run_dir, ["--keep-versions", "1", "--server.log-level", "WARNING"], env)
+    sync = start_service("synchronizer", run_dir, ["--keep-versions", "1", "--server.log-level", "WARNING", "--shared-memory-dir", os.environ.get("SHMDIR", "/dev/shm")], env)
     sync.wait_ready(120)
     ctx = mp.get_context("spawn")
     t_conn, t_child = ctx.Pipe()

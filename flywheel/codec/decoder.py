@@ -240,6 +240,15 @@ class WeightAssembler:
         copy_pairs(pairs)
         return self._destination
 
+    def abandon(self) -> None:
+        """Gives the version up (the receiver failed or was cancelled): waits for
+        background copies, so that once this returns nothing reads the
+        payloads handed in or writes staging any more. Idempotent."""
+        if self._background is not None:
+            self._background.wait()
+        if self._closed is None:
+            self._closed = "abandoned"
+
     def _verify(self) -> None:
         if self._background is not None:
             self._background.finish()

@@ -1,7 +1,7 @@
 """Where a weight version comes from, as the `stage` callable that
 `RolloutCore.update_weights` runs: a CHECKPOINT directory (verified in a
 thread) or the synchronizer's MEMORY stream (pulled and verified as it
-arrives). Both check names, dtypes and shapes against the served model
+arrives, read in place from shared memory on the synchronizer's host). Both check names, dtypes and shapes against the served model
 before anything live is touched (`services.rollout.weights`)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 
 from services.rollout.engine.base import StagedWeights, TensorSpec
-from services.rollout.sync_client import pull_weights
-from services.rollout.weights import stage_checkpoint, stage_stream
+from services.rollout.sync_client import pull_staged
+from services.rollout.weights import stage_checkpoint
 
 Stage = Callable[[], Awaitable[StagedWeights]]
 
@@ -33,10 +33,8 @@ def memory_stage(
     max_message_bytes: int,
 ) -> Stage:
     async def stage() -> StagedWeights:
-        stream = pull_weights(address, version, token=token, timeout=timeout, max_message_bytes=max_message_bytes)
-        try:
-            return await stage_stream(version, stream, specs)
-        finally:
-            await stream.aclose()  # an abandoned pull must not keep the transfer running
+        # Cancelling this (an abandoned update) cancels the pull.
+        return await pull_staged(address, version, specs, token=token, timeout=timeout,
+                                 max_message_bytes=max_message_bytes)
 
     return stage

@@ -1,29 +1,39 @@
-"""The synchronizer as a weight source: `PullWeights` as a plain async stream
-of `WeightManifest` then `WeightChunk` messages (transport only; verification
-is `services.rollout.weights`)."""
+"""The synchronizer as a weight source: one MEMORY version pulled and
+assembled (`services.synchronizer.pull`: in place from shared memory when
+the synchronizer is on this host, else over the stream), refused before any
+chunk arrives if the engine cannot serve it."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Mapping
 
-from flywheel.common.v1 import common_pb2
 from flywheel.runtime.client import open_channel
-from flywheel.synchronizer.v1 import synchronizer_pb2, synchronizer_pb2_grpc
+from flywheel.synchronizer.v1 import synchronizer_pb2
+from services.rollout.engine.base import StagedWeights, TensorSpec
+from services.rollout.weights import check_stream_manifest
+from services.synchronizer.pull import pull_version
+
+_PULL = "/flywheel.synchronizer.v1.SynchronizerService/PullWeights"
 
 
-async def pull_weights(
-    address: str, version: int, *, token: str | None, timeout: float, max_message_bytes: int
-) -> AsyncIterator[common_pb2.WeightManifest | common_pb2.WeightChunk]:
-    """Yields the version's manifest, then its chunks, as the synchronizer sends them."""
+async def pull_staged(
+    address: str,
+    version: int,
+    want: Mapping[str, TensorSpec],
+    *,
+    token: str | None,
+    timeout: float,
+    max_message_bytes: int,
+) -> StagedWeights:
+    """Version `version` from the synchronizer at `address`, verified, in fresh CPU tensors."""
     async with open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes) as channel:
-        stub = synchronizer_pb2_grpc.SynchronizerServiceStub(channel)
-        call = stub.PullWeights(synchronizer_pb2.PullWeightsRequest(version=version), timeout=timeout)
-        try:
-            async for response in call:
-                kind = response.WhichOneof("payload")
-                if kind == "manifest":
-                    yield response.manifest
-                elif kind == "chunk":
-                    yield response.chunk
-        finally:
-            call.cancel()  # an abandoned update must not leave the transfer running
+        pull = channel.unary_stream(
+            _PULL, request_serializer=synchronizer_pb2.PullWeightsRequest.SerializeToString, response_deserializer=None
+        )
+        manifest, tensors = await pull_version(
+            lambda request: pull(request, timeout=timeout),
+            synchronizer_pb2.PullWeightsRequest(version=version),
+            synchronizer=address,
+            check_manifest=lambda m: check_stream_manifest(version, m, want),
+        )
+    return StagedWeights(version=version, tensors=tensors, nbytes=manifest.total_bytes)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from flywheel.codec import WeightAssembler, dtype_from_proto, encode_state_dict
+from flywheel.codec import dtype_from_proto, encode_state_dict
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from services.rollout.engine.base import StagedWeights, TensorSpec
@@ -161,26 +161,12 @@ def _verify_manifest(manifest_path: Path, files: list[Path], version: int) -> No
         raise DataLoss(f"checkpoint bytes do not match {manifest_path.name} (digest differs): corrupt or altered")
 
 
-async def stage_stream(
-    version: int, stream: AsyncIterator[common_pb2.WeightManifest | common_pb2.WeightChunk], want: Mapping[str, TensorSpec]
-) -> StagedWeights:
-    """Receives a MEMORY stream (manifest first, then its chunks) into fresh CPU tensors."""
-    manifest = await anext(stream, None)
-    if not isinstance(manifest, common_pb2.WeightManifest):
-        raise DataLoss("weight stream did not start with a manifest")
+def check_stream_manifest(version: int, manifest: common_pb2.WeightManifest, want: Mapping[str, TensorSpec]) -> None:
+    """Refuses a MEMORY version before any of its chunks is received: the
+    wrong version, a delta, or names, dtypes or shapes the engine does not serve."""
     if manifest.version != version:
         raise FailedPrecondition(f"synchronizer sent version {manifest.version}, the update asked for {version}")
     if manifest.base_version:
         raise InvalidArgument(f"delta versions (base {manifest.base_version}) are not supported; send full weights")
     got = {m.name: TensorSpec(dtype_from_proto(m.dtype), tuple(m.shape)) for m in manifest.tensors}
-    # Checked before a single chunk is received: a wrong shape costs no transfer.
     verify_specs(got, want, f"weight version {version}")
-    # Chunk bytes are copied and hashed on the codec's pool: this loop also
-    # serves generation, and only checks headers between awaits.
-    assembler = WeightAssembler(manifest, stage_in_background=True)
-    async for chunk in stream:
-        if not isinstance(chunk, common_pb2.WeightChunk):
-            raise DataLoss("weight stream sent a second manifest")
-        assembler.add(chunk)
-    tensors = assembler.commit()
-    return StagedWeights(version=version, tensors=tensors, nbytes=manifest.total_bytes)

@@ -97,6 +97,7 @@ def build(config: SynchronizerConfig) -> ServiceSpec:
 
     async def shutdown() -> None:
         sync.store.close()
+        sync.weights.close()
 
     return ServiceSpec(
         name="synchronizer",

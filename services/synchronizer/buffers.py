@@ -1,16 +1,19 @@
 """Versioned weight buffers (MEMORY method) with cut-through readers.
 
-A version is held as the frames the trainer pushed (serialized manifest and
-chunk messages, see `flywheel.transfer.frames`): checksums are verified as
-each chunk lands, and the very same bytes are streamed to every reader, so
-concurrent pulls share one copy and nothing is re-serialized.
+A version is held once, whoever reads it: as the frames the trainer pushed
+(serialized manifest and chunk messages, see `flywheel.transfer.frames`), or
+with its payloads in a shared-memory segment that readers on this host map
+(`services.synchronizer.storage`). Checksums are verified as each chunk
+lands; concurrent pulls share the one copy.
 
 A `VersionBuffer` starts STAGING and grows chunk by chunk; readers of a
 staging version stream each chunk as soon as it is verified (cut-through)
 and wait for the rest. `commit` (after the digest check) makes it visible
 as the newest version; `abort` drops its frames and fails every reader with
 ABORTED. Only committed versions count as served: a broken or abandoned push
-leaves no trace. The store keeps the newest `keep` committed versions.
+leaves no trace. The store keeps the newest `keep` committed versions; an
+evicted or aborted version's storage is released once its last reader is
+gone (a shared segment is then reused: never while someone reads it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ from collections.abc import AsyncIterator
 from flywheel.codec import ChunkChecker
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import Aborted, AlreadyExists, FlywheelError, NotFound, ResourceExhausted
+from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
+from services.synchronizer.storage import HeapFrames, SegmentFrames, SegmentPool
+
+#: The last message of a shared-memory pull.
+COMMITTED_FRAME = pb.PullWeightsResponse(committed=True).SerializeToString()
 
 
 class Phase(enum.Enum):
@@ -49,18 +57,36 @@ class Signal:
 
 
 class VersionBuffer:
-    def __init__(self, manifest: common_pb2.WeightManifest, manifest_frame: bytes) -> None:
+    def __init__(
+        self, manifest: common_pb2.WeightManifest, manifest_frame: bytes, pool: SegmentPool | None = None
+    ) -> None:
         self.verifier = ChunkChecker(manifest)  # validates the manifest first
         self.manifest = manifest
         self.version = manifest.version
         self.manifest_frame = manifest_frame
-        self.frames: list[bytes | None] = [None] * self.verifier.count
+        segment = pool.acquire(manifest.total_bytes) if pool is not None and manifest.total_bytes else None
+        self.storage: HeapFrames | SegmentFrames = (
+            SegmentFrames(self.verifier.count, segment) if segment is not None
+            else HeapFrames(self.verifier.count)
+        )
+        self._pool = pool
         self.phase = Phase.STAGING
         self.error: FlywheelError | None = None
-        self.held_bytes = len(manifest_frame)
         self.started = time.monotonic()
         self.committed_unix_ms = 0
+        self.readers = 0
+        self._retired = False  # evicted or aborted: storage goes once no reader is left
+        self._released = False
         self._changed = Signal()
+
+    @property
+    def held_bytes(self) -> int:
+        return 0 if self._released else len(self.manifest_frame) + self.storage.held_bytes
+
+    @property
+    def shared(self) -> bool:
+        """Readers on this host can map its payloads."""
+        return isinstance(self.storage, SegmentFrames)
 
     @property
     def payload_bytes(self) -> int:
@@ -71,8 +97,7 @@ class VersionBuffer:
         if self.phase is not Phase.STAGING:
             raise Aborted(f"version {self.version} is {self.phase.value}; no more chunks are accepted")
         seq = self.verifier.check(chunk, data)
-        self.frames[seq] = frame
-        self.held_bytes += len(frame)
+        self.storage.put(seq, frame, chunk, data)
         self._changed.fire()
 
     def commit(self) -> None:
@@ -85,38 +110,73 @@ class VersionBuffer:
         if self.phase is not Phase.STAGING:
             return
         self.phase, self.error = Phase.ABORTED, error
-        self.frames = []  # frees the bytes (readers hold none once they see ABORTED)
-        self.held_bytes = 0
         self._changed.fire()
+        self.retire()
+
+    def retire(self) -> None:
+        """Frees the storage now, or when the last reader leaves."""
+        self._retired = True
+        if self.readers == 0:
+            self._release()
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        segment = self.storage.segment
+        self.storage.release()
+        if segment is not None and self._pool is not None:
+            self._pool.release(segment)
 
     def _failure(self) -> Aborted:
         return Aborted(f"the push of version {self.version} was aborted: {self.error}")
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    async def stream(self, shared: bool = False, hold_seconds: float = 60.0) -> AsyncIterator[bytes]:
         """The manifest frame, then every chunk frame in sequence order, as
-        they arrive; ends only once the version is committed."""
-        yield self.manifest_frame
-        for seq in range(self.verifier.count):
-            while True:
+        they arrive; ends only once the version is committed.
+
+        shared (a reader on this host, and the version is in a segment): the
+        segment frame, headers-only chunk frames, then COMMITTED_FRAME; the
+        stream then stays open, keeping the segment from reuse, until the
+        reader hangs up (it has copied every payload) or `hold_seconds` pass.
+        """
+        if self._retired:
+            raise self._failure() if self.phase is Phase.ABORTED else Aborted(f"version {self.version} was evicted")
+        self.readers += 1
+        try:
+            storage = self.storage
+            shared = shared and isinstance(storage, SegmentFrames)
+            yield self.manifest_frame
+            if isinstance(storage, SegmentFrames) and shared:
+                yield storage.segment_frame()
+            for seq in range(self.verifier.count):
+                while not storage.has(seq):
+                    if self.phase is Phase.ABORTED:
+                        raise self._failure()
+                    await self._changed.wait()
                 if self.phase is Phase.ABORTED:
                     raise self._failure()
-                frame = self.frames[seq]
-                if frame is not None:
-                    break
+                yield storage.shared_frame(seq) if isinstance(storage, SegmentFrames) and shared else storage.frame(seq)
+            while self.phase is Phase.STAGING:
                 await self._changed.wait()
-            yield frame
-        while self.phase is Phase.STAGING:
-            await self._changed.wait()
-        if self.phase is Phase.ABORTED:
-            raise self._failure()
+            if self.phase is Phase.ABORTED:
+                raise self._failure()
+            if shared:
+                yield COMMITTED_FRAME
+                await asyncio.sleep(hold_seconds)  # cancelled when the reader hangs up
+        finally:
+            self.readers -= 1
+            if self._retired and self.readers == 0:
+                self._release()
 
 
 class WeightStore:
     """The newest `keep` committed versions plus pushes in progress."""
 
-    def __init__(self, keep: int, max_staging: int = 2) -> None:
+    def __init__(self, keep: int, max_staging: int = 2, pool: SegmentPool | None = None) -> None:
         self.keep = keep
         self.max_staging = max_staging
+        self.pool = pool
         self.committed: dict[int, VersionBuffer] = {}  # ascending versions
         self.staging: dict[int, VersionBuffer] = {}
         #: Readers waiting for a version's push to begin: (version, at_least, future).
@@ -124,7 +184,8 @@ class WeightStore:
 
     @property
     def held_bytes(self) -> int:
-        return sum(b.held_bytes for b in (*self.committed.values(), *self.staging.values()))
+        held = sum(b.held_bytes for b in (*self.committed.values(), *self.staging.values()))
+        return held + (self.pool.free_bytes if self.pool is not None else 0)
 
     @property
     def newest(self) -> int:
@@ -141,7 +202,7 @@ class WeightStore:
             raise ResourceExhausted(
                 f"{len(self.staging)} pushes (versions {sorted(self.staging)}) are in progress; retry when one ends"
             )
-        buffer = VersionBuffer(manifest, manifest_frame)
+        buffer = VersionBuffer(manifest, manifest_frame, self.pool)
         self.staging[buffer.version] = buffer
         self._offer(buffer)
         return buffer
@@ -164,7 +225,7 @@ class WeightStore:
         self.committed = dict(sorted(self.committed.items()))
         evicted = list(self.committed)[: -self.keep]
         for version in evicted:
-            del self.committed[version]
+            self.committed.pop(version).retire()
         for version in [v for v in self.staging if v < buffer.version]:
             self.abort(self.staging[version], Aborted(f"superseded by version {buffer.version}"))
         return evicted
@@ -197,6 +258,11 @@ class WeightStore:
         finally:
             if entry in self._waiters:
                 self._waiters.remove(entry)
+
+    def close(self) -> None:
+        """Removes every shared segment (at shutdown: readers' maps stay valid)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def evicted_error(self, version: int) -> NotFound:
         if not self.committed:

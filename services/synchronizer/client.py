@@ -17,7 +17,8 @@ Every call has a deadline (`timeout`, or `transfer_timeout` for weight
 streams, `watch_timeout` for Watch); failures raise `flywheel.errors`
 exceptions carrying the gRPC status name in `code`. Weights travel as raw
 frames (`flywheel.transfer.frames`): a push copies each payload once, a pull
-stages chunks straight from the received bytes through the codec's
+(`services.synchronizer.pull`) stages chunks straight from the received
+bytes, or from shared memory on the synchronizer's host, through the codec's
 `WeightAssembler` (all or nothing: `into` is untouched unless the whole
 version arrived and verified).
 """
@@ -26,19 +27,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
 
-from flywheel.codec import MAX_CHUNK_BYTES, EncodedVersion, WeightAssembler, encode_state_dict
-from flywheel.common.v1 import common_pb2 as cpb
-from flywheel.errors import DataLoss, InvalidArgument
+from flywheel.codec import MAX_CHUNK_BYTES, EncodedVersion, encode_state_dict
+from flywheel.errors import InvalidArgument
 from flywheel.runtime.client import open_channel
 from flywheel.runtime.server_config import MIB
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as pb_grpc
-from flywheel.transfer.frames import MANIFEST_FIELD, encoded_frames, split_frame
+from flywheel.transfer.frames import encoded_frames
 from services.synchronizer.client_types import (
     Beat,
     PulledWeights,
@@ -52,6 +51,7 @@ from services.synchronizer.client_types import (
 )
 from services.synchronizer.convert import group_from_pb, identity_to_pb
 from services.synchronizer.heartbeats import Heartbeats
+from services.synchronizer.pull import pull_version
 from services.synchronizer.types import GroupInfo, Identity, Method, Role, State, Style, TransferState, parse_enum
 
 _SERVICE = "/flywheel.synchronizer.v1.SynchronizerService/"
@@ -80,14 +80,12 @@ class SynchronizerClient:
             request_serializer=pb.PullWeightsRequest.SerializeToString,
             response_deserializer=None,
         )
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="synchronizer-pull")
         #: Identities registered through this client (for re-registration) and their leases.
         self.identities: dict[str, Identity] = {}
         self.leases: dict[str, float] = {}
 
     async def close(self) -> None:
         await self.channel.close()
-        self._worker.shutdown(wait=False)
 
     async def __aenter__(self) -> SynchronizerClient:
         return self
@@ -255,40 +253,15 @@ class SynchronizerClient:
         version >= it. `staging`: reusable staging tensors (see WeightAssembler).
         """
         request = pb.PullWeightsRequest(version=version, wait_seconds=wait_seconds, at_least=at_least)
-        call = self._pull(request, timeout=timeout or (self.transfer_timeout + wait_seconds))
-        loop = asyncio.get_running_loop()
-        assembler: WeightAssembler | None = None
-        # One chunk is verified and staged on the worker thread (hashing and
-        # copying release the GIL) while the next one is received here: the
-        # two overlap on separate cores, and the event loop (heartbeats) never
-        # blocks on a chunk's or the commit's copies.
-        staged: asyncio.Future | None = None
+        deadline = timeout or (self.transfer_timeout + wait_seconds)
         try:
-            async for frame in call:
-                field, payload = split_frame(frame)
-                if field == MANIFEST_FIELD:
-                    if assembler is not None:
-                        raise DataLoss("the pull stream sent a second manifest")
-                    manifest = cpb.WeightManifest.FromString(bytes(payload))
-                    assembler = WeightAssembler(manifest, into, staging=staging)
-                elif assembler is None:
-                    raise DataLoss("the pull stream did not start with a manifest")
-                else:
-                    if staged is not None:
-                        await staged
-                    staged = loop.run_in_executor(self._worker, assembler.add_serialized, payload)
-            if staged is not None:
-                await staged
+            manifest, tensors = await pull_version(
+                lambda r: self._pull(r, timeout=deadline), request, synchronizer=self.address,
+                into=into, staging=staging,
+            )
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc, "PullWeights") from None
-        finally:
-            call.cancel()
-            if staged is not None and not staged.done():
-                await asyncio.wait([staged])  # never leave the worker writing into staging
-        if assembler is None:
-            raise DataLoss("the pull stream ended before its manifest")
-        tensors = await loop.run_in_executor(self._worker, assembler.commit)
-        return PulledWeights(assembler.version, tensors, assembler.manifest.total_bytes)
+        return PulledWeights(manifest.version, tensors, manifest.total_bytes)
 
     # -- CHECKPOINT ----------------------------------------------------------
 

@@ -33,6 +33,12 @@ class SynchronizerConfig(StrictModel):
     max_concurrent_pushes: int = Field(
         2, ge=1, description="pushes staged at once; each holds up to a model's worth of memory until it ends"
     )
+    shared_memory_dir: str = Field(
+        "/dev/shm",
+        description="memory-backed directory for versions' payloads, which rollouts on this host (or sharing "
+        "the directory as a volume) then read in place instead of over gRPC; empty, or a directory that cannot "
+        "hold a version: versions stay on the heap and every pull streams the bytes",
+    )
     push_idle_timeout_seconds: float = Field(
         60.0, gt=0, description="a push that sends nothing for this long is aborted, in seconds"
     )

@@ -24,6 +24,7 @@ from services.synchronizer.events import EventBus
 from services.synchronizer.groups import Group, Transfers
 from services.synchronizer.policy import Decision, decide, validate
 from services.synchronizer.registry import Registry
+from services.synchronizer.storage import open_pool
 from services.synchronizer.store import Store
 from services.synchronizer.types import (
     Component,
@@ -68,7 +69,9 @@ class Synchronizer:
         self.events = EventBus(config.watch_queue_size)
         self.registry = Registry(config.lease_seconds, self._changed, clock)
         self.catalog = VersionCatalog()
-        self.weights = WeightStore(config.keep_versions, config.max_concurrent_pushes)
+        # Every held version and push in progress may own a segment.
+        pool = open_pool(config.shared_memory_dir, config.keep_versions + config.max_concurrent_pushes)
+        self.weights = WeightStore(config.keep_versions, config.max_concurrent_pushes, pool)
         self.transfers = Transfers(
             host=config.rendezvous_host,
             ports=range(config.rendezvous_port_min, config.rendezvous_port_max + 1),

@@ -47,6 +47,10 @@ WEIGHT_PULL_BYTES = Counter(
     "flywheel_weight_pull_bytes_total",
     "Weight bytes served to rollouts (MEMORY method).",
 )
+WEIGHT_PULL_SHARED_BYTES = Counter(
+    "flywheel_weight_pull_shared_bytes_total",
+    "Weight payload bytes offered to readers in shared memory instead of in the stream (MEMORY method).",
+)
 
 WEIGHT_VERSIONS_HELD = Gauge(
     "flywheel_synchronizer_weight_versions_held",

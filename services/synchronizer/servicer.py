@@ -3,7 +3,9 @@
 PushWeights and PullWeights work on raw frames (see `app.register`, which
 installs them with identity (de)serializers): a push hands each message's
 bytes to the weight store after verifying it, and a pull writes the stored
-bytes back unchanged, so a chunk is never re-serialized per reader.
+bytes back unchanged, so a chunk is never re-serialized per reader (a
+reader on the synchronizer's host may instead read payloads in place from
+shared memory: `shared_memory` in the request).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as pb_grpc
 from flywheel.transfer.frames import CHUNK_FIELD, MANIFEST_FIELD, split_frame
 from services.synchronizer import metrics
+from services.synchronizer.buffers import COMMITTED_FRAME
 from services.synchronizer.convert import (
     component_to_pb,
     group_to_pb,
@@ -179,7 +182,14 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
         if request.wait_seconds < 0:
             raise InvalidArgument(f"wait_seconds must be >= 0, got {request.wait_seconds}")
         buffer = await self.plane.open_pull(request.version, request.wait_seconds, request.at_least)
-        async for frame in buffer.stream():
+        shared = request.shared_memory and buffer.shared
+        # A shared-memory reader hangs up once it copied everything; this only
+        # bounds how long a reader that never does keeps the segment reserved.
+        remaining = context.time_remaining()
+        hold = 60.0 if remaining is None else max(0.0, min(60.0, remaining - 1.0))
+        async for frame in buffer.stream(shared, hold):
+            if frame is COMMITTED_FRAME:  # every payload was offered in place
+                metrics.WEIGHT_PULL_SHARED_BYTES.inc(buffer.payload_bytes)
             yield frame
             metrics.WEIGHT_PULL_BYTES.inc(len(frame))
 

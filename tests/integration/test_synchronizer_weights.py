@@ -11,11 +11,13 @@ import grpc
 import pytest
 import torch
 
-from flywheel.codec import encode_state_dict
+from flywheel.codec import ChunkCorrupted, encode_state_dict
 from flywheel.errors import Aborted, FailedPrecondition, NotFound
 from flywheel.runtime.client import open_channel
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.transfer.frames import encoded_frames
+from flywheel.transfer.segments import HEADER_BYTES
+from services.synchronizer import pull
 from services.synchronizer.client import SynchronizerClient
 from services.synchronizer.embedded import embedded_synchronizer
 from services.synchronizer.types import Role, State, TransferState
@@ -65,9 +67,17 @@ async def test_broken_pushes_leave_no_trace_and_the_old_version_is_served() -> N
         assert same((await c.pull_weights(2)).tensors, v2)
 
 
-async def test_keep_k_versions_eviction_and_shared_cut_through_pulls() -> None:
+def metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["heap", "shared-memory"])
+async def test_keep_k_versions_eviction_and_shared_cut_through_pulls(shared: bool, tmp_path) -> None:
     state = small_state(0, scale=200)
-    async with embedded_synchronizer(keep_versions=2) as server, SynchronizerClient(server.address) as c:
+    shm = str(tmp_path) if shared else ""
+    async with embedded_synchronizer(keep_versions=2, shared_memory_dir=shm) as server, \
+            SynchronizerClient(server.address) as c:
         for v in (1, 2, 3):
             await c.push_weights(state, v)
         with pytest.raises(NotFound, match="oldest kept is 2") as info:
@@ -75,15 +85,55 @@ async def test_keep_k_versions_eviction_and_shared_cut_through_pulls() -> None:
         assert info.value.code == "NOT_FOUND"
         held = (await c.status()).held_bytes
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        assert 2 * nbytes <= held < 2 * nbytes + 64 * 1024  # two versions, one copy each
-        # Three readers of version 4 before it exists, one push: they share its frames.
+        # Two versions, one copy each; with shared memory, version 1's segment
+        # is also kept, free, for the next push to reuse.
+        copies = 3 if shared else 2
+        assert copies * nbytes <= held < copies * nbytes + 64 * 1024
+        assert len(list(tmp_path.glob("flywheel-weights-*"))) == (3 if shared else 0)
+        in_place = metric(server.metrics_url, "flywheel_weight_pull_shared_bytes_total")
+        # Three readers of version 4 before it exists, one push: they share its one copy.
         destinations = [{k: torch.zeros_like(t) for k, t in state.items()} for _ in range(3)]
         readers = [asyncio.ensure_future(c.pull_weights(4, into=d, wait_seconds=10)) for d in destinations]
         await asyncio.sleep(0.1)
         await c.push_weights(state, 4)
         for r, d in zip(await asyncio.gather(*readers), destinations):
             assert r.version == 4 and r.tensors is not None and same(d, state)
-        assert (await c.status()).held_bytes == held  # still two versions
+        assert (await c.status()).held_bytes == held  # still two versions (version 2's segment reused)
+        read_in_place = metric(server.metrics_url, "flywheel_weight_pull_shared_bytes_total") - in_place
+        assert read_in_place == (3 * nbytes if shared else 0)
+    assert not list(tmp_path.glob("flywheel-weights-*"))  # removed at shutdown
+
+
+async def test_a_reader_that_cannot_map_the_segment_pulls_over_the_stream(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(pull, "_UNMAPPABLE", set())
+    state = small_state(3, scale=50)
+    async with embedded_synchronizer(shared_memory_dir=str(tmp_path)) as server, \
+            SynchronizerClient(server.address) as c:
+        await c.push_weights(state, 1)
+        for path in tmp_path.glob("flywheel-weights-*"):
+            path.unlink()  # what a reader on another host sees: no such file
+        pulled = await c.pull_weights(1)
+        assert pulled.version == 1 and same(pulled.tensors, state)
+        assert server.address in pull._UNMAPPABLE  # not offered again
+        in_place = metric(server.metrics_url, "flywheel_weight_pull_shared_bytes_total")
+        assert same((await c.pull_weights(1)).tensors, state)
+        assert metric(server.metrics_url, "flywheel_weight_pull_shared_bytes_total") == in_place
+
+
+async def test_bytes_changed_in_shared_memory_are_caught_before_the_destination(tmp_path) -> None:
+    state = small_state(4, scale=50)
+    async with embedded_synchronizer(shared_memory_dir=str(tmp_path)) as server, \
+            SynchronizerClient(server.address) as c:
+        await c.push_weights(state, 1)
+        [segment] = tmp_path.glob("flywheel-weights-*")
+        with open(segment, "r+b") as f:  # a stray writer, after the synchronizer verified the chunks
+            f.seek(HEADER_BYTES + 100)
+            f.write(b"\xff" * 8)
+        dest = {k: torch.zeros_like(t) for k, t in state.items()}
+        with pytest.raises(ChunkCorrupted) as info:
+            await c.pull_weights(1, into=dest)
+        assert info.value.code == "DATA_LOSS"
+        assert all(not t.any() for t in dest.values())  # untouched
 
 
 async def test_rollout_lease_expiring_mid_sync_does_not_block_the_trainer() -> None:
@@ -137,7 +187,8 @@ async def test_metrics_report_states_versions_and_bytes() -> None:
 
 
 async def test_a_stalled_push_times_out_and_its_readers_are_told() -> None:
-    frames = list(encoded_frames(encode_state_dict(small_state(), 1, chunk_bytes=512)))
+    encoded = encode_state_dict(small_state(), 1, chunk_bytes=512)
+    frames = list(encoded_frames(encoded))
 
     async def stall():
         yield frames[0]
@@ -157,7 +208,9 @@ async def test_a_stalled_push_times_out_and_its_readers_are_told() -> None:
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "sent nothing for 0.3s" in info.value.details()
         with pytest.raises(Aborted):
             await reader
-        assert (await c.status()).held_bytes == 0
+        status = await c.status()
+        # No trace of the version; in shared memory its segment stays, free, for the next push.
+        assert status.versions == [] and status.held_bytes in (0, encoded.manifest.total_bytes)
 
 
 async def test_checkpoint_versions_are_checked_then_announced(tmp_path) -> None:

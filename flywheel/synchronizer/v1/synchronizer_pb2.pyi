@@ -195,12 +195,18 @@ class NeedSyncResponse(_message.Message):
     def __init__(self, need_sync: _Optional[bool] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., latest_version: _Optional[int] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., push_requested: _Optional[bool] = ..., request_deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
-    __slots__ = ("manifest", "chunk")
+    __slots__ = ("manifest", "chunk", "segment", "shared_chunk", "committed")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     manifest: _common_pb2.WeightManifest
     chunk: _common_pb2.WeightChunk
-    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.WeightChunk, _Mapping]] = ...) -> None: ...
+    segment: SharedSegment
+    shared_chunk: SharedChunk
+    committed: bool
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.WeightChunk, _Mapping]] = ..., segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., shared_chunk: _Optional[_Union[SharedChunk, _Mapping]] = ..., committed: _Optional[bool] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("version", "bytes", "kept_versions")
@@ -213,22 +219,52 @@ class PushWeightsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., kept_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullWeightsRequest(_message.Message):
-    __slots__ = ("version", "wait_seconds", "at_least")
+    __slots__ = ("version", "wait_seconds", "at_least", "shared_memory")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AT_LEAST_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     version: int
     wait_seconds: float
     at_least: bool
-    def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., at_least: _Optional[bool] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., at_least: _Optional[bool] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+
+class SharedSegment(_message.Message):
+    __slots__ = ("path", "nonce", "size", "header_bytes")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    nonce: bytes
+    size: int
+    header_bytes: int
+    def __init__(self, path: _Optional[str] = ..., nonce: _Optional[bytes] = ..., size: _Optional[int] = ..., header_bytes: _Optional[int] = ...) -> None: ...
+
+class SharedChunk(_message.Message):
+    __slots__ = ("chunk", "segment_offset", "length")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    chunk: _common_pb2.WeightChunk
+    segment_offset: int
+    length: int
+    def __init__(self, chunk: _Optional[_Union[_common_pb2.WeightChunk, _Mapping]] = ..., segment_offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PullWeightsResponse(_message.Message):
-    __slots__ = ("manifest", "chunk")
+    __slots__ = ("manifest", "chunk", "segment", "shared_chunk", "committed")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     manifest: _common_pb2.WeightManifest
     chunk: _common_pb2.WeightChunk
-    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.WeightChunk, _Mapping]] = ...) -> None: ...
+    segment: SharedSegment
+    shared_chunk: SharedChunk
+    committed: bool
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.WeightChunk, _Mapping]] = ..., segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., shared_chunk: _Optional[_Union[SharedChunk, _Mapping]] = ..., committed: _Optional[bool] = ...) -> None: ...
 
 class RegisterCheckpointRequest(_message.Message):
     __slots__ = ("version", "path", "trainer_id")

@@ -12,7 +12,11 @@ from safetensors.torch import load_file, save_file
 from flywheel.codec import build_manifest, encode_state_dict
 from flywheel.codec.errors import ChunkCorrupted, StreamTruncated
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
-from services.rollout.weights import MANIFEST_FILE, checkpoint_specs, stage_checkpoint, stage_stream
+from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
+from flywheel.transfer.frames import encoded_frames
+from services.rollout.weights import MANIFEST_FILE, check_stream_manifest, checkpoint_specs, stage_checkpoint
+from services.synchronizer.pull import pull_version
+from tests.unit.synchronizer.sync_helpers import corrupt
 
 
 @pytest.fixture
@@ -83,43 +87,60 @@ def test_manifest_digest_catches_altered_bytes(tmp_path: Path, rollout_model: Pa
         stage_checkpoint(other, 3, checkpoint_specs(rollout_model))
 
 
-async def _stream(items):
-    for item in items:
-        yield item
+class FrameCall:
+    """A PullWeights call answering with given raw frames (an ordinary pull)."""
+
+    def __init__(self, frames: list[bytes]) -> None:
+        self.frames, self.sent, self.cancelled = frames, 0, False
+
+    def __aiter__(self):
+        return self._frames()
+
+    async def _frames(self):
+        for frame in self.frames:
+            self.sent += 1
+            yield frame
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+async def pull_frames(version: int, frames: list[bytes], specs) -> dict[str, torch.Tensor]:
+    call = FrameCall(frames)
+    try:
+        _, tensors = await pull_version(
+            lambda request: call, pb.PullWeightsRequest(version=version), synchronizer="test",
+            check_manifest=lambda m: check_stream_manifest(version, m, specs),
+        )
+        return tensors
+    finally:
+        assert call.cancelled  # the call never outlives the pull
 
 
 async def test_stream_stages_intact_versions_only(rollout_model: Path, base_state) -> None:
     specs = checkpoint_specs(rollout_model)
     new = {k: v + 1 for k, v in base_state.items()}
-    enc = encode_state_dict(new, 2, chunk_bytes=16 * 1024)
-    staged = await stage_stream(2, _stream([enc.manifest, *enc.chunks()]), specs)
-    assert all(torch.equal(staged.tensors[k], new[k]) for k in new)
+    frames = list(encoded_frames(encode_state_dict(new, 2, chunk_bytes=16 * 1024)))
+    staged = await pull_frames(2, frames, specs)
+    assert all(torch.equal(staged[k], new[k]) for k in new)
 
-    chunks = list(enc.chunks())
-    data = bytearray(chunks[3].data)
-    data[0] ^= 0xFF
-    chunks[3].data = bytes(data)
     with pytest.raises(ChunkCorrupted) as info:
-        await stage_stream(2, _stream([enc.manifest, *chunks]), specs)
+        await pull_frames(2, [*frames[:3], corrupt(frames[3]), *frames[4:]], specs)
     assert info.value.code == "DATA_LOSS"
     with pytest.raises(StreamTruncated):
-        await stage_stream(2, _stream([enc.manifest, *list(enc.chunks())[:-1]]), specs)
+        await pull_frames(2, frames[:-1], specs)
     with pytest.raises(FailedPrecondition, match="asked for 5"):
-        await stage_stream(5, _stream([enc.manifest]), specs)
+        await pull_frames(5, frames, specs)
 
 
 async def test_stream_with_a_wrong_shape_is_refused_before_any_chunk(rollout_model: Path, base_state) -> None:
     bad = dict(base_state)
     bad["model.norm.weight"] = torch.ones(7)
-    enc = encode_state_dict(bad, 2)
-    received = []
-
-    async def stream():
-        yield enc.manifest
-        for c in enc.chunks():
-            received.append(c)
-            yield c
-
+    call = FrameCall(list(encoded_frames(encode_state_dict(bad, 2))))
     with pytest.raises(InvalidArgument, match="model.norm.weight"):
-        await stage_stream(2, stream(), checkpoint_specs(rollout_model))
-    assert received == []
+        await pull_version(
+            lambda request: call, pb.PullWeightsRequest(version=2), synchronizer="test",
+            check_manifest=lambda m: check_stream_manifest(2, m, checkpoint_specs(rollout_model)),
+        )
+    assert call.sent == 1 and call.cancelled  # the manifest only

@@ -1,0 +1,165 @@
+"""Shared-memory segments: weight payloads a process on the same host reads in place.
+
+A pull over gRPC costs both sides about 0.6 CPU-s per GB (protobuf bytes,
+HTTP/2 framing, copies); a reader on the synchronizer's host can instead map
+the file the payloads were written to and copy each chunk straight into its
+staging tensors (measured here: 13 GB/s for a reused segment). The stream
+then carries only chunk headers, and every chunk is still checked against
+its checksum after the copy, so a reader never trusts the mapping's bytes.
+
+A segment is a file in a memory-backed directory (`/dev/shm`):
+
+    [header: magic, nonce, payload size][payload region: size bytes]
+
+* The owner (the synchronizer) reserves the whole file up front
+  (`posix_fallocate`), so a full tmpfs fails at creation with ENOSPC instead
+  of killing the process with SIGBUS on a later write.
+* The owner holds an exclusive `flock` on it for the segment's life: a file
+  no process holds is a leftover of a crashed owner, and `sweep_stale`
+  removes it (flock works across PID namespaces, e.g. containers sharing
+  a volume).
+* The nonce (random, per file) tells a reader that the file it mapped is the
+  one the stream named, not a same-named file on another host.
+* Segments are reused from version to version: readers keep their maps open
+  (`SegmentMaps`), so a reused segment is read with no page faults.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import secrets
+import struct
+import uuid
+import weakref
+from collections import OrderedDict
+from pathlib import Path
+
+MAGIC = b"FLYWSEG1"
+HEADER_BYTES = 4096  # one page: the payload region stays page-aligned
+PREFIX = "flywheel-weights-"
+_NONCE_BYTES = 16
+_LAYOUT = struct.Struct(f"<8s{_NONCE_BYTES}sQ")  # magic, nonce, payload size
+
+
+class SegmentUnavailable(Exception):
+    """The reader cannot use the named segment (another host, a recycled
+    or removed file): it should pull the bytes over the stream instead."""
+
+
+class OwnedSegment:
+    """A segment this process created and writes (the synchronizer's side)."""
+
+    def __init__(self, directory: Path, size: int) -> None:
+        self.size = size
+        self.nonce = secrets.token_bytes(_NONCE_BYTES)
+        name = f"{PREFIX}{uuid.uuid4().hex}"
+        # Created under a name sweep_stale ignores, and renamed only once
+        # locked: a concurrent sweep can never take a new segment for stale.
+        draft = directory / f".draft-{name}"
+        fd = os.open(draft, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.posix_fallocate(fd, 0, HEADER_BYTES + size)
+            self._map = mmap.mmap(fd, HEADER_BYTES + size)
+            self.path = directory / name
+            os.rename(draft, self.path)
+        except BaseException:
+            os.close(fd)
+            draft.unlink(missing_ok=True)
+            raise
+        self._fd = fd
+        # A segment dropped without close() (a test, an error path) still
+        # leaves no file behind for long.
+        self._finalizer = weakref.finalize(self, _remove, self.path, fd)
+        self._map[: _LAYOUT.size] = _LAYOUT.pack(MAGIC, self.nonce, size)
+        self.payload = memoryview(self._map)[HEADER_BYTES:]
+
+    def close(self) -> None:
+        """Unmaps, unlinks and unlocks the segment (readers' open maps stay valid)."""
+        if self._fd < 0:
+            return
+        self._finalizer.detach()
+        try:
+            self.payload.release()
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere: the map goes with it
+        _remove(self.path, self._fd)
+        self._fd = -1
+
+
+def _remove(path: Path, fd: int) -> None:
+    path.unlink(missing_ok=True)
+    os.close(fd)
+
+
+def sweep_stale(directory: Path) -> list[Path]:
+    """Removes segments no live owner holds (left by a crashed process)."""
+    removed = []
+    for path in directory.glob(f"{PREFIX}*"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # removed meanwhile, or not ours to read
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner is alive
+        finally:
+            os.close(fd)  # also drops the lock we may have taken
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+class _Mapped:
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self.inode = os.fstat(fd).st_ino
+            self.map = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)  # the map keeps the file alive
+        self.view = memoryview(self.map)
+
+
+class SegmentMaps:
+    """The reader's side: read-only maps of segments, kept open across pulls
+    (at most `max_open`, least recently used dropped first)."""
+
+    def __init__(self, max_open: int = 8) -> None:
+        self.max_open = max_open
+        self._maps: OrderedDict[str, _Mapped] = OrderedDict()
+
+    def open(self, path: str, nonce: bytes, size: int, header_bytes: int) -> memoryview:
+        """The payload region of the segment at `path`, checked against the
+        stream's nonce and size; raises SegmentUnavailable otherwise."""
+        if header_bytes != HEADER_BYTES:
+            raise SegmentUnavailable(f"segment layout with a {header_bytes}-byte header is not this reader's")
+        try:
+            mapped = self._current(path)
+        except (OSError, ValueError) as exc:
+            raise SegmentUnavailable(f"cannot map {path}: {exc}") from None
+        if len(mapped.map) < HEADER_BYTES + size:
+            raise SegmentUnavailable(f"{path} holds {len(mapped.map) - HEADER_BYTES} payload bytes, not {size}")
+        magic, got, _ = _LAYOUT.unpack_from(mapped.map, 0)
+        if magic != MAGIC or got != nonce:
+            raise SegmentUnavailable(f"{path} is not the segment the stream named (another host's, or replaced)")
+        return mapped.view[HEADER_BYTES : HEADER_BYTES + size]
+
+    def _current(self, path: str) -> _Mapped:
+        mapped = self._maps.get(path)
+        if mapped is not None and os.stat(path).st_ino == mapped.inode:
+            self._maps.move_to_end(path)
+            return mapped
+        mapped = _Mapped(path)
+        self._maps[path] = mapped
+        while len(self._maps) > self.max_open:
+            self._maps.popitem(last=False)  # unmapped once no staging copy still reads it
+        return mapped
+
+
+#: The process's maps: every pull in a process shares them.
+SEGMENT_MAPS = SegmentMaps()
