@@ -18,10 +18,16 @@ A real synchronizer process (`python -m services.synchronizer`, keep_versions
   pull          synchronizer -> rollout: `pull_weights(version, into=dest)`
                 of that committed version, assembled, verified, and copied
                 into the destination tensors (staging reused across pulls).
+                The rollout is on the synchronizer's host, so it reads the
+                payloads in place from the synchronizer's shared-memory
+                segment (headers in the stream), as a co-located rollout does.
+  pull_stream   the same pull with the payloads in the gRPC stream, as a
+                rollout on another host gets them (`shared_memory=False`).
   cut_through   trainer -> synchronizer -> rollout: the rollout starts
                 pulling version N+1 before it exists (wait_seconds), the
-                trainer pushes it, and chunks stream on as they land; timed
+                trainer pushes it, and chunks are read on as they land; timed
                 from the push's start to the rollout's commit.
+  cut_through_stream  the same, with the payloads in the stream.
 Each figure is the median of --reps rounds after a warm-up round (the cases
 take turns within a round, so load changes hit all alike); every pulled
 version is checked bit-exact (by hash) outside the timings. "cpu s" adds up
@@ -130,7 +136,8 @@ def rollout_worker(address: str, size: int, conn) -> None:
     buf = memoryview(bytearray(b"\1" * nbytes))
 
     async def main() -> None:
-        async with SynchronizerClient(address, transfer_timeout=600) as client:
+        async with SynchronizerClient(address, transfer_timeout=600) as shared, \
+                SynchronizerClient(address, transfer_timeout=600, shared_memory=False) as streamed:
             conn.send(("ready", 0))
             while True:
                 cmd, arg = await asyncio.to_thread(conn.recv)
@@ -148,7 +155,8 @@ def rollout_worker(address: str, size: int, conn) -> None:
                         conn.send((time.time(), cpu_seconds() - cpu))
                         sock.close()
                 elif cmd == "pull":
-                    version, wait = arg
+                    version, wait, in_place = arg
+                    client = shared if in_place else streamed
                     start, cpu = time.time(), cpu_seconds()
                     pulled = await client.pull_weights(version, into=dest, staging=staging, wait_seconds=wait)
                     end, cpu = time.time(), cpu_seconds() - cpu
@@ -173,7 +181,7 @@ def run(size: int, reps: int, chunk_bytes: int) -> tuple[dict[str, float], dict[
     os.environ["FLYWHEEL_AUTH_TOKEN"] = secrets.token_hex(8)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_SYNCHRONIZER__")}
     run_dir = Path(tempfile.mkdtemp(prefix="flywheel-bench-"))
-    sync = start_service("synchronizer", run_dir, ["--keep-versions", "1", "--server.log-level", "WARNING", "--shared-memory-dir", os.environ.get("SHMDIR", "/dev/shm")], env)
+    sync = start_service("synchronizer", run_dir, ["--keep-versions", "1", "--server.log-level", "WARNING"], env)
     sync.wait_ready(120)
     ctx = mp.get_context("spawn")
     t_conn, t_child = ctx.Pipe()
@@ -186,7 +194,7 @@ def run(size: int, reps: int, chunk_bytes: int) -> tuple[dict[str, float], dict[
         w.start()
     expected = _expect(t_conn, "ready")
     _expect(r_conn, "ready")
-    keys = ("tcp", "push", "pull", "cut_through", "cut_push", "encode")
+    keys = ("tcp", "push", "pull", "pull_stream", "cut_through", "cut_push", "cut_through_stream", "encode")
     times: dict[str, list[float]] = {k: [] for k in keys}
     cpu: dict[str, list[float]] = {k: [] for k in keys}
     server_cpu = lambda: cpu_seconds(sync.process.pid)  # noqa: E731
@@ -212,24 +220,27 @@ def run(size: int, reps: int, chunk_bytes: int) -> tuple[dict[str, float], dict[
             times["push"].append(end - start)
             cpu["push"].append(c1 + server_cpu() - s0)
 
-            s0 = server_cpu()
-            r_conn.send(("pull", (version, 0.0)))
-            start, end, c2, got, hashed = r_conn.recv()
-            assert got == version and hashed == expected, "pull is not bit-exact"
-            times["pull"].append(end - start)
-            cpu["pull"].append(c2 + server_cpu() - s0)
+            for in_place, key in ((True, "pull"), (False, "pull_stream")):
+                s0 = server_cpu()
+                r_conn.send(("pull", (version, 0.0, in_place)))
+                start, end, c2, got, hashed = r_conn.recv()
+                assert got == version and hashed == expected, "pull is not bit-exact"
+                times[key].append(end - start)
+                cpu[key].append(c2 + server_cpu() - s0)
 
-            version += 1
-            r_conn.send(("pull", (version, 60.0)))
-            time.sleep(0.5)  # the pull is waiting for the version before the push starts
-            s0 = server_cpu()
-            push(version)
-            push_start, push_end, c1 = t_conn.recv()
-            _, end, c2, got, hashed = r_conn.recv()
-            assert got == version and hashed == expected, "cut-through pull is not bit-exact"
-            times["cut_through"].append(end - push_start)
-            times["cut_push"].append(push_end - push_start)
-            cpu["cut_through"].append(c1 + c2 + server_cpu() - s0)
+            for in_place, key in ((True, "cut_through"), (False, "cut_through_stream")):
+                version += 1
+                r_conn.send(("pull", (version, 60.0, in_place)))
+                time.sleep(0.5)  # the pull is waiting for the version before the push starts
+                s0 = server_cpu()
+                push(version)
+                push_start, push_end, c1 = t_conn.recv()
+                _, end, c2, got, hashed = r_conn.recv()
+                assert got == version and hashed == expected, "cut-through pull is not bit-exact"
+                times[key].append(end - push_start)
+                cpu[key].append(c1 + c2 + server_cpu() - s0)
+                if in_place:
+                    times["cut_push"].append(push_end - push_start)
             cpu["cut_push"].append(0.0)
             cpu["encode"].append(0.0)
     finally:
@@ -257,24 +268,28 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"weight plane, {nbytes / 2**30:.2f} GiB bf16, chunks {args.chunk_mib:g} MiB, median of {args.reps}; "
           f"{os.cpu_count()} cores, load average {load:.1f} (GB/s = 1e9 B/s)")
-    print(f"{'path':<36}{'seconds':>9}{'GB/s':>8}{'vs tcp':>8}{'cpu s':>8}")
+    print(f"{'path':<38}{'seconds':>9}{'GB/s':>8}{'vs tcp':>8}{'cpu s':>8}")
     labels = {
         "tcp": "raw TCP trainer->rollout", "encode": "encode (checksum pass, apart)",
-        "push": "push trainer->synchronizer", "pull": "pull synchronizer->rollout",
+        "push": "push trainer->synchronizer",
+        "pull": "pull synchronizer->rollout", "pull_stream": "  payloads in the stream",
         "cut_through": "cut-through trainer->sync->rollout", "cut_push": "  its push, meanwhile",
+        "cut_through_stream": "  payloads in the stream",
     }
     for key, label in labels.items():
         used = f"{cpu[key]:>8.2f}" if cpu[key] else f"{'':>8}"
-        print(f"{label:<36}{seconds[key]:>9.3f}{gbps[key]:>8.2f}{gbps[key] / gbps['tcp']:>7.2f}x{used}")
+        print(f"{label:<38}{seconds[key]:>9.3f}{gbps[key]:>8.2f}{gbps[key] / gbps['tcp']:>7.2f}x{used}")
     figures = {
         "bench": "weight_plane", "bytes": nbytes, "chunk_bytes": int(args.chunk_mib * MiB), "reps": args.reps,
         "cores": os.cpu_count(), "load_average": round(load, 2),
         **{f"{k}_gbps": round(v, 3) for k, v in gbps.items() if k != "cut_push"},
-        **{f"{k}_cpu_seconds": round(cpu[k], 3) for k in ("tcp", "push", "pull", "cut_through")},
+        **{f"{k}_cpu_seconds": round(v, 3) for k, v in cpu.items() if v},
         "push_vs_tcp": round(gbps["push"] / gbps["tcp"], 3),
         "pull_vs_tcp": round(gbps["pull"] / gbps["tcp"], 3),
         "cut_through_vs_tcp": round(gbps["cut_through"] / gbps["tcp"], 3),
         "cut_through_vs_push": round(seconds["cut_through"] / seconds["push"], 3),
+        "pull_stream_vs_tcp": round(gbps["pull_stream"] / gbps["tcp"], 3),
+        "cut_through_stream_vs_push": round(seconds["cut_through_stream"] / seconds["push"], 3),
         # How long the rollout still needed once the push had ended (the cost
         # of the extra hop), and how much the concurrent pull slowed the push
         # itself (CPU contention: three busy processes on few cores).
@@ -282,7 +297,8 @@ def main() -> None:
         "cut_through_vs_its_push": round(seconds["cut_through"] / seconds["cut_push"], 3),
         "cut_push_vs_push": round(seconds["cut_push"] / seconds["push"], 3),
     }
-    print(f"cut-through takes {figures['cut_through_vs_push']:.2f}x the single push (goal <= 1.3); "
+    print(f"cut-through takes {figures['cut_through_vs_push']:.2f}x the single push (goal <= 1.3), "
+          f"{figures['cut_through_stream_vs_push']:.2f}x with the payloads in the stream; "
           f"cpu s = user+system seconds of every process on the path")
     print(json.dumps(figures))
 

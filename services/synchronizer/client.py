@@ -67,8 +67,11 @@ class SynchronizerClient:
         transfer_timeout: float = 600.0,
         watch_timeout: float = 24 * 3600.0,
         max_message_bytes: int = 64 * MIB,
+        shared_memory: bool = True,
     ) -> None:
         self.address = address
+        #: Offer to read pulled versions in place when the synchronizer is on this host.
+        self.shared_memory = shared_memory
         self.timeout, self.transfer_timeout, self.watch_timeout = timeout, transfer_timeout, watch_timeout
         self.channel = open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes)
         self.stub = pb_grpc.SynchronizerServiceStub(self.channel)
@@ -257,7 +260,7 @@ class SynchronizerClient:
         try:
             manifest, tensors = await pull_version(
                 lambda r: self._pull(r, timeout=deadline), request, synchronizer=self.address,
-                into=into, staging=staging,
+                shared_memory=self.shared_memory, into=into, staging=staging,
             )
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc, "PullWeights") from None

@@ -55,6 +55,7 @@ async def pull_version(
     request: pb.PullWeightsRequest,
     *,
     synchronizer: str,
+    shared_memory: bool = True,
     check_manifest: Callable[[cpb.WeightManifest], None] | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
     staging: Mapping[str, torch.Tensor] | None = None,
@@ -62,13 +63,14 @@ async def pull_version(
 ) -> tuple[cpb.WeightManifest, dict[str, torch.Tensor]]:
     """Pulls `request`'s version from `synchronizer` (its address) and assembles it.
 
+    shared_memory: offer to read payloads in place (False: always in the stream).
     check_manifest runs before any chunk is received (raise to refuse the
     version). `into`: tensors updated in place on success, untouched
     otherwise; None returns fresh CPU tensors. `staging`: reusable staging
     tensors (see WeightAssembler). The call is cancelled on return, on
     error and on cancellation.
     """
-    shared = synchronizer not in _UNMAPPABLE
+    shared = shared_memory and synchronizer not in _UNMAPPABLE
     ask = pb.PullWeightsRequest()
     ask.CopyFrom(request)
     ask.shared_memory = shared
