@@ -52,14 +52,15 @@ def known_env(service: str) -> set[str]:
 
 
 def written_dirs(container: Container) -> dict[str, str]:
-    """The directories a service writes (config fields named `dir` or `*_dir`), as the container sets them."""
+    """The directories a service writes (config fields named `dir` or `*_dir`), as the container
+    sets them; unset or empty ones (e.g. shared_memory_dir: "", off) are written by nobody."""
     config, found = resolved(container), {}
     for path in leaf_fields(type(config)):
         if path[-1] == "dir" or path[-1].endswith("_dir"):
             value = config
             for part in path:
                 value = getattr(value, part)
-            if value is not None:
+            if value not in (None, ""):
                 found[".".join(path)] = str(value)
     return found
 
@@ -459,3 +460,13 @@ def test_dockerignore_admits_everything_the_dockerfile_copies():
         for path in source.split():
             assert path.rstrip("*") in allowed, f"COPY {path} is excluded by .dockerignore"
             assert (ROOT / path.rstrip("*")).exists() or path.endswith("*"), f"COPY {path}: no such file"
+
+
+def test_compose_rollouts_mount_the_synchronizers_shared_memory(compose, composed):
+    [sync] = [c for c in composed if c.service == "synchronizer"]
+    directory = PurePosixPath(resolved(sync).shared_memory_dir)
+    volume = _compose_mounts(sync)[directory]["source"]
+    assert compose["volumes"][volume]["driver_opts"]["type"] == "tmpfs"  # memory, not disk
+    for c in composed:
+        if c.service == "rollout":  # the same path: the stream names files by it
+            assert _compose_mounts(c)[directory]["source"] == volume, c.source
