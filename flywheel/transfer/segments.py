@@ -133,6 +133,11 @@ class SegmentMaps:
         self.max_open = max_open
         self._maps: OrderedDict[str, _Mapped] = OrderedDict()
 
+    @property
+    def paths(self) -> list[str]:
+        """The segments mapped now, least recently used first."""
+        return list(self._maps)
+
     def open(self, path: str, nonce: bytes, size: int, header_bytes: int) -> memoryview:
         """The payload region of the segment at `path`, checked against the
         stream's nonce and size; raises SegmentUnavailable otherwise."""
@@ -150,6 +155,7 @@ class SegmentMaps:
         return mapped.view[HEADER_BYTES : HEADER_BYTES + size]
 
     def _current(self, path: str) -> _Mapped:
+        self._drop_removed(path)
         mapped = self._maps.get(path)
         if mapped is not None and os.stat(path).st_ino == mapped.inode:
             self._maps.move_to_end(path)
@@ -159,6 +165,19 @@ class SegmentMaps:
         while len(self._maps) > self.max_open:
             self._maps.popitem(last=False)  # unmapped once no staging copy still reads it
         return mapped
+
+    def _drop_removed(self, keep: str) -> None:
+        """Unmaps segments their owner removed: a map keeps a deleted file's
+        memory allocated (a model's worth each) for as long as it exists."""
+        for path, mapped in list(self._maps.items()):
+            if path == keep:
+                continue
+            try:
+                current = os.stat(path).st_ino == mapped.inode
+            except OSError:
+                current = False
+            if not current:
+                del self._maps[path]
 
 
 #: The process's maps: every pull in a process shares them.

@@ -52,6 +52,15 @@ def test_a_replaced_file_is_mapped_afresh(tmp_path: Path) -> None:
     assert bytes(view[:3]) == b"new"
 
 
+def test_maps_of_removed_segments_are_dropped(tmp_path: Path) -> None:
+    maps = SegmentMaps()
+    old, new = OwnedSegment(tmp_path, 4096), OwnedSegment(tmp_path, 4096)
+    maps.open(str(old.path), old.nonce, 4096, HEADER_BYTES)
+    old.close()  # e.g. the model changed size: the synchronizer made new segments
+    maps.open(str(new.path), new.nonce, 4096, HEADER_BYTES)
+    assert maps.paths == [str(new.path)]  # the removed file's memory is not pinned here
+
+
 def _create_and_die(directory: str, conn) -> None:
     segment = OwnedSegment(Path(directory), 4096)
     conn.send(str(segment.path))
