@@ -15,9 +15,11 @@ A real synchronizer process (`python -m services.synchronizer`, keep_versions
                 a pre-encoded version (encoding, one checksum pass, is timed
                 apart as `encode`), until the synchronizer verified and
                 committed it.
-  pull          synchronizer -> rollout: `pull_weights(version, into=dest)`
-                of that committed version, assembled, verified, and copied
-                into the destination tensors (staging reused across pulls).
+  pull          synchronizer -> rollout: `pull_weights(version, staging=...)`
+                of that committed version, assembled and verified in the
+                rollout's staging tensors (reused across pulls): the
+                verified version the rollout hands its engine, as the push
+                ends with the version verified in the synchronizer's buffer.
                 The rollout is on the synchronizer's host, so it reads the
                 payloads in place from the synchronizer's shared-memory
                 segment (headers in the stream), as a co-located rollout does.
@@ -26,8 +28,11 @@ A real synchronizer process (`python -m services.synchronizer`, keep_versions
   cut_through   trainer -> synchronizer -> rollout: the rollout starts
                 pulling version N+1 before it exists (wait_seconds), the
                 trainer pushes it, and chunks are read on as they land; timed
-                from the push's start to the rollout's commit.
-  cut_through_stream  the same, with the payloads in the stream.
+                from the push's start to the rollout holding the verified version.
+  cut_through_applied  the same, pulled `into=` live destination tensors
+                (copied there after the digest check, as an engine's swap
+                would): the transfer plus applying it.
+  cut_through_stream  the same as cut_through, with the payloads in the stream.
 Each figure is the median of --reps rounds after a warm-up round (the cases
 take turns within a round, so load changes hit all alike); every pulled
 version is checked bit-exact (by hash) outside the timings. "cpu s" adds up
@@ -155,12 +160,14 @@ def rollout_worker(address: str, size: int, conn) -> None:
                         conn.send((time.time(), cpu_seconds() - cpu))
                         sock.close()
                 elif cmd == "pull":
-                    version, wait, in_place = arg
+                    version, wait, in_place, apply = arg
                     client = shared if in_place else streamed
                     start, cpu = time.time(), cpu_seconds()
-                    pulled = await client.pull_weights(version, into=dest, staging=staging, wait_seconds=wait)
+                    pulled = await client.pull_weights(
+                        version, into=dest if apply else None, staging=staging, wait_seconds=wait
+                    )
                     end, cpu = time.time(), cpu_seconds() - cpu
-                    conn.send((start, end, cpu, pulled.version, digest(dest)))
+                    conn.send((start, end, cpu, pulled.version, digest(pulled.tensors)))
 
     asyncio.run(main())
 
@@ -194,7 +201,8 @@ def run(size: int, reps: int, chunk_bytes: int) -> tuple[dict[str, float], dict[
         w.start()
     expected = _expect(t_conn, "ready")
     _expect(r_conn, "ready")
-    keys = ("tcp", "push", "pull", "pull_stream", "cut_through", "cut_push", "cut_through_stream", "encode")
+    keys = ("tcp", "push", "pull", "pull_stream", "cut_through", "cut_push", "cut_through_applied",
+            "cut_through_stream", "encode")
     times: dict[str, list[float]] = {k: [] for k in keys}
     cpu: dict[str, list[float]] = {k: [] for k in keys}
     server_cpu = lambda: cpu_seconds(sync.process.pid)  # noqa: E731
@@ -222,15 +230,17 @@ def run(size: int, reps: int, chunk_bytes: int) -> tuple[dict[str, float], dict[
 
             for in_place, key in ((True, "pull"), (False, "pull_stream")):
                 s0 = server_cpu()
-                r_conn.send(("pull", (version, 0.0, in_place)))
+                r_conn.send(("pull", (version, 0.0, in_place, False)))
                 start, end, c2, got, hashed = r_conn.recv()
                 assert got == version and hashed == expected, "pull is not bit-exact"
                 times[key].append(end - start)
                 cpu[key].append(c2 + server_cpu() - s0)
 
-            for in_place, key in ((True, "cut_through"), (False, "cut_through_stream")):
+            cut_cases = ((True, False, "cut_through"), (True, True, "cut_through_applied"),
+                         (False, False, "cut_through_stream"))
+            for in_place, apply, key in cut_cases:
                 version += 1
-                r_conn.send(("pull", (version, 60.0, in_place)))
+                r_conn.send(("pull", (version, 60.0, in_place, apply)))
                 time.sleep(0.5)  # the pull is waiting for the version before the push starts
                 s0 = server_cpu()
                 push(version)
@@ -239,7 +249,7 @@ def run(size: int, reps: int, chunk_bytes: int) -> tuple[dict[str, float], dict[
                 assert got == version and hashed == expected, "cut-through pull is not bit-exact"
                 times[key].append(end - push_start)
                 cpu[key].append(c1 + c2 + server_cpu() - s0)
-                if in_place:
+                if key == "cut_through":
                     times["cut_push"].append(push_end - push_start)
             cpu["cut_push"].append(0.0)
             cpu["encode"].append(0.0)
@@ -274,6 +284,7 @@ def main() -> None:
         "push": "push trainer->synchronizer",
         "pull": "pull synchronizer->rollout", "pull_stream": "  payloads in the stream",
         "cut_through": "cut-through trainer->sync->rollout", "cut_push": "  its push, meanwhile",
+        "cut_through_applied": "  applied into live tensors",
         "cut_through_stream": "  payloads in the stream",
     }
     for key, label in labels.items():
@@ -288,6 +299,7 @@ def main() -> None:
         "pull_vs_tcp": round(gbps["pull"] / gbps["tcp"], 3),
         "cut_through_vs_tcp": round(gbps["cut_through"] / gbps["tcp"], 3),
         "cut_through_vs_push": round(seconds["cut_through"] / seconds["push"], 3),
+        "cut_through_applied_vs_push": round(seconds["cut_through_applied"] / seconds["push"], 3),
         "pull_stream_vs_tcp": round(gbps["pull_stream"] / gbps["tcp"], 3),
         "cut_through_stream_vs_push": round(seconds["cut_through_stream"] / seconds["push"], 3),
         # How long the rollout still needed once the push had ended (the cost
@@ -298,6 +310,7 @@ def main() -> None:
         "cut_push_vs_push": round(seconds["cut_push"] / seconds["push"], 3),
     }
     print(f"cut-through takes {figures['cut_through_vs_push']:.2f}x the single push (goal <= 1.3), "
+          f"{figures['cut_through_applied_vs_push']:.2f}x applied into live tensors, "
           f"{figures['cut_through_stream_vs_push']:.2f}x with the payloads in the stream; "
           f"cpu s = user+system seconds of every process on the path")
     print(json.dumps(figures))

@@ -54,6 +54,10 @@ class UpdatesConfig(StrictModel):
     staging_dir: Path | None = Field(
         None, description="where the vLLM engine stages verified weights for its worker; default /dev/shm or $TMPDIR"
     )
+    reuse_staging: bool = Field(
+        True, description="keep the CPU tensors a MEMORY update was staged in and stage the next one into them "
+        "(no page faults per update; holds one model's worth of memory between updates)"
+    )
 
 
 class SynchronizerLinkConfig(PresenceConfig):

@@ -29,6 +29,7 @@ from services.rollout import metrics
 from services.rollout.config import RolloutConfig
 from services.rollout.engine.base import Delta, Engine, PauseMode, SampleOutput, SamplingSpec, StagedWeights
 from services.rollout.prompts import PromptInput, ResolvedPrompt, resolve
+from services.rollout.staging import StagingBuffers
 from services.rollout.text import TextCodec
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,9 @@ class RolloutCore:
         self._update = asyncio.Lock()  # one update at a time, staging included
         self._flights: set[_Flight] = set()
         self.update_observers: list[UpdateObserver] = []
+        #: MEMORY updates stage into these (held between updates; see services.rollout.staging).
+        self.staging = StagingBuffers(enabled=config.updates.reuse_staging)
+        metrics.STAGING_HELD_BYTES.set_function(lambda: self.staging.held_bytes)
         metrics.WEIGHT_VERSION.set_function(lambda: self.engine.version if self.engine else 0)
         metrics.REQUESTS_RUNNING.set_function(lambda: self.engine.load().running if self.engine else 0)
         metrics.REQUESTS_WAITING.set_function(lambda: (self.engine.load().waiting if self.engine else 0) + self._at_gate)
@@ -304,6 +308,7 @@ class RolloutCore:
                     outcome = await self._swap(engine, staged, mode)
                 finally:
                     await engine.discard_weights(staged)
+                    _release(staged)
             except BaseException as exc:
                 metrics.WEIGHT_UPDATES.labels("failed").inc()
                 log.warning("weight update failed", extra={"version": version, "serving": engine.version, "error": str(exc)})
@@ -327,10 +332,14 @@ class RolloutCore:
     async def _stage(self, engine: Engine, stage: Callable[[], Awaitable[StagedWeights]]) -> StagedWeights:
         staged = await stage()
         try:
-            return await engine.prepare_weights(staged)
+            prepared = await engine.prepare_weights(staged)
         except BaseException:
             await engine.discard_weights(staged)
+            _release(staged)
             raise
+        if prepared is not staged:
+            _release(staged)  # the engine made its own copy (e.g. a file for its worker)
+        return prepared
 
     async def _swap(self, engine: Engine, staged: StagedWeights, mode: PauseMode) -> UpdateOutcome:
         async with self._control:
@@ -351,3 +360,9 @@ class RolloutCore:
                 if not self._paused:
                     self._open.set()
             return UpdateOutcome(engine.version, time.monotonic() - started, staged.nbytes, aborted)
+
+
+def _release(staged: StagedWeights) -> None:
+    if staged.release is not None:
+        release, staged.release = staged.release, None
+        release()

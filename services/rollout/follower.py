@@ -142,7 +142,8 @@ class Follower:
         if method == Method.MEMORY:
             server = self.config.server
             return memory_stage(self.client.address, version, specs, token=self.token,
-                                timeout=self.config.updates.timeout_seconds, max_message_bytes=server.max_message_bytes)
+                                timeout=self.config.updates.timeout_seconds, max_message_bytes=server.max_message_bytes,
+                                buffers=self.core.staging)
         if method == Method.CHECKPOINT and location:
             return checkpoint_stage(location, version, specs)
         name = method.name if method else "an unknown method"

@@ -12,6 +12,10 @@ WEIGHT_VERSION = Gauge(
     "flywheel_rollout_weight_version",
     "Weight version the engine generates with (0 for the base model).",
 )
+STAGING_HELD_BYTES = Gauge(
+    "flywheel_rollout_staging_held_bytes",
+    "CPU memory kept between MEMORY updates to stage the next version into (updates.reuse_staging).",
+)
 REQUESTS_RUNNING = Gauge(
     "flywheel_rollout_requests_running",
     "Generation requests the engine is decoding now.",

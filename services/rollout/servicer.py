@@ -194,7 +194,8 @@ class RolloutServicer:
             if not request.memory.synchronizer_address:
                 raise InvalidArgument("memory.synchronizer_address: empty")
             stage = memory_stage(request.memory.synchronizer_address, version, specs, token=self._token(),
-                                 timeout=timeout, max_message_bytes=self.config.server.max_message_bytes)
+                                 timeout=timeout, max_message_bytes=self.config.server.max_message_bytes,
+                                 buffers=self.core.staging)
         return _update_response(await self.core.update_weights(version, stage, mode, timeout))
 
     def _token(self) -> str | None:

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 
 from services.rollout.engine.base import StagedWeights, TensorSpec
+from services.rollout.staging import StagingBuffers
 from services.rollout.sync_client import pull_staged
 from services.rollout.weights import stage_checkpoint
 
@@ -31,10 +32,19 @@ def memory_stage(
     token: str | None,
     timeout: float,
     max_message_bytes: int,
+    buffers: StagingBuffers | None = None,
 ) -> Stage:
+    """`buffers`: staged into the set they hold, if any, and given back on
+    release; after a failed pull the set is dropped (fresh tensors next time)."""
+
     async def stage() -> StagedWeights:
         # Cancelling this (an abandoned update) cancels the pull.
-        return await pull_staged(address, version, specs, token=token, timeout=timeout,
-                                 max_message_bytes=max_message_bytes)
+        staged = await pull_staged(address, version, specs, token=token, timeout=timeout,
+                                   max_message_bytes=max_message_bytes,
+                                   staging=buffers.take(specs) if buffers is not None else None)
+        if buffers is not None and staged.tensors is not None:
+            tensors = staged.tensors
+            staged.release = lambda: buffers.give_back(tensors)
+        return staged
 
     return stage

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
+
 from flywheel.runtime.client import open_channel
 from flywheel.synchronizer.v1 import synchronizer_pb2
 from services.rollout.engine.base import StagedWeights, TensorSpec
@@ -24,8 +26,11 @@ async def pull_staged(
     token: str | None,
     timeout: float,
     max_message_bytes: int,
+    staging: dict[str, torch.Tensor] | None = None,
 ) -> StagedWeights:
-    """Version `version` from the synchronizer at `address`, verified, in fresh CPU tensors."""
+    """Version `version` from the synchronizer at `address`, verified, in CPU
+    tensors: `staging` (tensors of exactly `want`'s names, dtypes and shapes,
+    overwritten) or fresh ones."""
     async with open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes) as channel:
         pull = channel.unary_stream(
             _PULL, request_serializer=synchronizer_pb2.PullWeightsRequest.SerializeToString, response_deserializer=None
@@ -35,5 +40,6 @@ async def pull_staged(
             synchronizer_pb2.PullWeightsRequest(version=version),
             synchronizer=address,
             check_manifest=lambda m: check_stream_manifest(version, m, want),
+            staging=staging,
         )
     return StagedWeights(version=version, tensors=tensors, nbytes=manifest.total_bytes)

@@ -11,7 +11,7 @@ engine only does what it is told.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -94,13 +94,15 @@ class StagedWeights:
     """A verified weight version, ready to be swapped in.
 
     Exactly one of `tensors` (CPU tensors in memory) or `files` (safetensors
-    files whose headers were checked) is set.
+    files whose headers were checked) is set. `release`, if set, is called
+    once nothing reads `tensors` any more (their owner may then reuse them).
     """
 
     version: int
     tensors: dict[str, torch.Tensor] | None = None
     files: list[str] | None = None
     nbytes: int = 0
+    release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
 
 class Engine(abc.ABC):
@@ -154,7 +156,10 @@ class Engine(abc.ABC):
         """Names, dtypes and shapes an update must provide (the checkpoint's)."""
 
     async def prepare_weights(self, staged: StagedWeights) -> StagedWeights:
-        """Work done before generation pauses (e.g. writing a file for a worker)."""
+        """Work done before generation pauses (e.g. writing a file for a worker).
+
+        May return `staged` itself or new StagedWeights; in the latter case
+        nothing may read `staged.tensors` once this returns."""
         return staged
 
     @abc.abstractmethod
@@ -162,7 +167,8 @@ class Engine(abc.ABC):
         """Replaces the live weights and sets the version; the engine is paused.
 
         `staged` was verified against weight_specs, so this cannot fail on
-        names, dtypes or shapes.
+        names, dtypes or shapes. Copies out of `staged.tensors`: they are
+        reused for the next update once the current one is over.
         """
 
     async def discard_weights(self, staged: StagedWeights) -> None:
