@@ -101,7 +101,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> int:
 
 def trainer_worker(address: str, size: int, chunk_bytes: int, conn) -> None:
     from flywheel.codec import encode_state_dict
-    from services.synchronizer.client import SynchronizerClient
+    from flywheel.synchronizer.client import SynchronizerClient
 
     state = make_state(size)
     flat = memoryview(torch.cat([t.view(torch.uint8).flatten() for t in state.values()]).numpy())
@@ -133,7 +133,7 @@ def trainer_worker(address: str, size: int, chunk_bytes: int, conn) -> None:
 
 
 def rollout_worker(address: str, size: int, conn) -> None:
-    from services.synchronizer.client import SynchronizerClient
+    from flywheel.synchronizer.client import SynchronizerClient
 
     dest = {k: torch.zeros_like(v) for k, v in make_state(size).items()}
     staging = {k: torch.ones_like(v) for k, v in dest.items()}  # touched: no page faults in the timings

@@ -8,6 +8,7 @@ stores and algorithms can be written and tested without any service running.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -204,7 +205,10 @@ class WeightSource:
     group: NcclGroup | None = None
 
 
-@dataclass(frozen=True)
-class SyncDecision:
-    need_sync: bool
-    version: int = 0
+#: The run step (train batch, from 1) that generations requested in this
+#: context are for; set per rollout by the rollout manager, sent with every
+#: Generate so each replica counts its own steps (0: not part of a step).
+RUN_STEP: ContextVar[int] = ContextVar("run_step", default=0)
+#: The least weight version generations requested in this context must be
+#: made with (validation names the version it measures; 0: any).
+MIN_WEIGHT_VERSION: ContextVar[int] = ContextVar("min_weight_version", default=0)

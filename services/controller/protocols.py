@@ -22,7 +22,6 @@ from services.controller.domain import (
     PromptInput,
     RestoredCheckpoint,
     SamplingSpec,
-    SyncDecision,
     TrainerState,
     TrainResult,
     WeightSource,
@@ -82,17 +81,18 @@ class RolloutEngine(Protocol):
 
 @runtime_checkable
 class Synchronizer(Protocol):
-    """The sync policy and the bookkeeping of versions and transfer groups."""
+    """The synchronizer as the controller sees it: the run's policy and the versions it holds."""
 
     async def configure_policy(
-        self, *, style: str, method: str, interval: int, offset: int, timeout_seconds: float
+        self, *, style: str, method: str, interval: int, offset: int, timeout_seconds: float, mode: str,
+        max_staleness: int,
     ) -> None:
-        """Sets the run's sync policy (the controller owns the run's config)."""
+        """Sets the run's sync policy (the controller owns the run's config); `mode` picks what replicas wait for."""
         ...
 
-    async def need_sync(self, step: int) -> SyncDecision: ...
+    async def latest_version(self) -> int: ...
 
-    async def register_checkpoint(self, version: int, path: str) -> None: ...
+    async def replica_versions(self) -> dict[str, int]: ...
 
     async def allocate_group(self, version: int, rollout_ids: Sequence[str], timeout_seconds: float) -> NcclGroup: ...
 

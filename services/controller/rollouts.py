@@ -25,7 +25,7 @@ from collections import Counter
 
 from services.controller.activity import ActivityTracker
 from services.controller.data import DataLoader
-from services.controller.domain import RolloutOutcome, RolloutStatus, SamplingSpec, Task, TrajectoryStatus
+from services.controller.domain import RUN_STEP, RolloutOutcome, RolloutStatus, SamplingSpec, Task, TrajectoryStatus
 from services.controller.errors_report import ErrorReporter
 from services.controller.pool import PoolInstance
 from services.controller.staleness import StalenessGate
@@ -107,6 +107,8 @@ class RolloutManager:
             await self._running.wait()
             if not await self.gate.admit(n):
                 return  # the gate closed: the run is ending
+            # The batch these samples are planned into; replicas count their steps by it.
+            RUN_STEP.set(self.gate.run_step_of_admitted(n))
             await self.pool.reserve(n)
             task = self.loader.next() if self._running.is_set() else None
             if task is None:

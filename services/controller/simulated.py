@@ -33,7 +33,6 @@ from services.controller.domain import (
     PromptInput,
     RestoredCheckpoint,
     SamplingSpec,
-    SyncDecision,
     TrainerState,
     TrainResult,
     WeightSource,
@@ -281,19 +280,21 @@ class SimulatedRolloutEngine:
 # -- the synchronizer --------------------------------------------------------------
 @dataclass
 class SimulatedSynchronizer:
-    policy: SyncPolicy = field(default_factory=SyncPolicy)
-    checkpoints: dict[int, str] = field(default_factory=dict)
+    """Holds a newest version and the policy it was given; publishes nothing by itself."""
+
+    latest: int = 0
+    replicas: dict[str, int] = field(default_factory=dict)
     groups: int = 0
     configured: dict[str, Any] = field(default_factory=dict)
 
     async def configure_policy(self, **policy: Any) -> None:
         self.configured = policy
 
-    async def need_sync(self, step: int) -> SyncDecision:
-        return SyncDecision(self.policy.need(step), step)
+    async def latest_version(self) -> int:
+        return self.latest
 
-    async def register_checkpoint(self, version: int, path: str) -> None:
-        self.checkpoints[version] = path
+    async def replica_versions(self) -> dict[str, int]:
+        return dict(self.replicas)
 
     async def allocate_group(self, version: int, rollout_ids: Sequence[str], timeout_seconds: float) -> NcclGroup:
         self.groups += 1

@@ -71,6 +71,11 @@ class StalenessGate:
         self.pending += n
         return True
 
+    def run_step_of_admitted(self, n: int) -> int:
+        """The run step (train batch, from 1, counting from the run's first
+        version) that the last `n` admitted samples are planned into."""
+        return self.version_at(self.accepted + self.pending - 1) + 1
+
     def accept(self, n: int) -> None:
         self.pending -= n
         self.accepted += n

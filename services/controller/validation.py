@@ -15,7 +15,7 @@ import asyncio
 from collections import defaultdict
 
 from services.controller.data import DataLoader
-from services.controller.domain import RolloutStatus, SamplingSpec, Task
+from services.controller.domain import MIN_WEIGHT_VERSION, RolloutStatus, SamplingSpec, Task
 from services.controller.errors_report import ErrorReporter
 from services.controller.workers.base import RolloutWorker
 
@@ -81,7 +81,12 @@ class Validator:
                     sums[key] += value
                     counts[key] += 1
 
-        await asyncio.gather(*(one(task) for task in self._tasks()))
+        # Every generation of this pass is made with `version` or newer (replicas move there first).
+        token = MIN_WEIGHT_VERSION.set(version)
+        try:
+            await asyncio.gather(*(one(task) for task in self._tasks()))
+        finally:
+            MIN_WEIGHT_VERSION.reset(token)
         metrics = {f"val/{key}": sums[key] / counts[key] for key in sorted(sums)}
         metrics["val/samples"] = float(max(counts.values(), default=0))
         metrics["val/failed"] = float(failed)

@@ -1,11 +1,24 @@
-"""The weight-sync controller: after each train step, move weights to rollouts.
+"""The weight-sync controller: how the run's weights reach the rollouts.
 
-When: the synchronizer's `NeedSync` answers (by the policy the controller
-configured at start, FIXED or DYNAMIC_BY_EXPLORER); without a synchronizer,
-`SyncPolicy` applies the FIXED rule locally: after step s when s > offset and
-(s - offset) % interval == 0. Whatever the policy says, weights move when not
-moving them would stall the run (sync mode: every step; batch-async: before
-rollouts fall more than the staleness threshold behind).
+With a synchronizer (`governed`), the controller moves no bytes. It hands the
+synchronizer the run's policy at start: style, interval, offset, method and,
+from the mode, what a replica waits for before it generates for a run step
+(sync: the version due at its step; batch-async: to be at most
+`staleness.threshold` behind; fully-async: nothing). The trainer then
+publishes every due version itself and each replica follows the policy by its
+own steps (services/trainer/publisher.py, services/rollout/follower.py).
+What remains here: the staleness gate paces dispatch on the trainer's
+version, and a version the run must measure outside the schedule (the start
+of a run or a resume, validation) is published once if the synchronizer does
+not hold it yet; the replicas then move because the requests that need it
+name it (`min_weight_version`).
+
+Without a synchronizer (standalone), the controller choreographs every move
+itself, as below. When: `SyncPolicy` applies the FIXED rule locally: after
+step s when s > offset and (s - offset) % interval == 0. Whatever the policy
+says, weights move when not moving them would stall the run (sync mode: every
+step; batch-async: before rollouts fall more than the staleness threshold
+behind).
 
 How (the configured method; the trainer sends, each replica receives):
 - checkpoint: the trainer writes a safetensors directory (registered with
@@ -92,16 +105,26 @@ class WeightSyncController:
         self._replica_locks: dict[str, asyncio.Lock] = {}
 
     # -- the verbs the main loop uses ----------------------------------------
+    @property
+    def governed(self) -> bool:
+        """A synchronizer owns the weight plane: the trainer publishes, replicas follow, this observes."""
+        return self.synchronizer is not None
+
     async def configure(self) -> None:
         """Hands the run's policy to the synchronizer (it answers NeedSync by it)."""
         if self.synchronizer is not None:
             await self.synchronizer.configure_policy(
                 style=self.style, method=self.method, interval=self.policy.interval, offset=self.policy.offset,
-                timeout_seconds=self.timeout_seconds,
+                timeout_seconds=self.timeout_seconds, mode=self.mode, max_staleness=self.gate.limit or 0,
             )
 
     async def bring_up_to(self, version: int) -> None:
-        """Blocking: every healthy replica on `version` (start of a run, resume)."""
+        """Blocking: every healthy replica on `version` (start of a run, resume). Governed: the
+        version is published; replicas reach it at their first step's sync or the first request naming it."""
+        if self.governed:
+            await self.publish(version)
+            self.gate.set_rollout_version(version)
+            return
         await self.engines.refresh_versions()
         if all(r.version >= version for r in self.engines.healthy()):
             self.gate.set_rollout_version(self.engines.min_version())
@@ -113,13 +136,22 @@ class WeightSyncController:
 
         Validation and the end of a run measure the weights they name: the
         background updater is let finish, then any replica still behind is
-        moved (waiting for its in-flight requests)."""
+        moved (waiting for its in-flight requests). Governed: `version` is
+        published; the validation requests name it as their minimum."""
+        if self.governed:
+            await self.publish(version)
+            return
         if self._updater is not None and not self._updater.done():
             await self._idle.wait()
         await self._transfer(version, pause_mode="wait")
 
     async def after_step(self, result: TrainResult) -> None:
-        need = await self._need_sync(result.step)
+        if self.governed:
+            # The trainer published whatever was due before its step answered;
+            # replicas follow on their own. The next batch may now be dispatched.
+            self.gate.set_rollout_version(result.version)
+            return
+        need = self.policy.need(result.step)
         if not need and not self._overdue(result.version):
             return
         if self.mode == "sync":
@@ -152,18 +184,29 @@ class WeightSyncController:
         newest = max(self.engines.min_version(), self.published[0] if self.published else 0)
         return version - newest > self.gate.limit
 
-    async def _need_sync(self, step: int) -> bool:
-        if self.synchronizer is not None:
-            return (await self.synchronizer.need_sync(step)).need_sync
-        return self.policy.need(step)
+    async def publish(self, version: int) -> None:
+        """Governed: the synchronizer holds `version` (the trainer's current) once this returns.
+
+        For versions the policy did not make due: the trainer publishes them
+        itself at its steps, and NeedSync refuses nothing published twice."""
+        assert self.synchronizer is not None
+        if version < 1 or await self.synchronizer.latest_version() >= version:
+            return  # version 0 is the base model every replica loads
+        if self.method == "nccl":
+            # Every registered replica joins the group on its own (it watches the synchronizer).
+            group = await self.synchronizer.allocate_group(version, [], self.timeout_seconds)
+            with self.tracker.track("trainer", f"broadcast v{version}"):
+                await asyncio.wait_for(self.trainer.export_weights(WeightSource("nccl", group=group)),
+                                       self.timeout_seconds)
+        else:
+            await self._export(version)
+        self.transfers += 1
 
     async def _export(self, version: int) -> WeightSource:
+        # With a synchronizer, the trainer registers CHECKPOINT versions itself.
         target = WeightSource(self.method, synchronizer_address=self.synchronizer_address, path=self.checkpoint_dir)
         with self.tracker.track("trainer", f"export v{version}"):
-            source = await asyncio.wait_for(self.trainer.export_weights(target), self.timeout_seconds)
-        if self.method == "checkpoint" and self.synchronizer is not None:
-            await self.synchronizer.register_checkpoint(version, source.path)
-        return source
+            return await asyncio.wait_for(self.trainer.export_weights(target), self.timeout_seconds)
 
     async def _transfer(self, version: int, *, pause_mode: str) -> None:
         """Trainer -> every healthy replica behind `version`, awaited."""

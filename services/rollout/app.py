@@ -8,11 +8,11 @@ service serves gRPC status only (generation answers FAILED_PRECONDITION) and
 no HTTP API.
 
 With `synchronizer.address` set, the loaded rollout registers with the
-synchronizer, heartbeats, reports every weight update and (with
-`synchronizer.follow`) applies committed versions itself
-(`services.rollout.link`); SERVING waits for the first registration (at most
-`synchronizer.rpc_timeout_seconds`, then it retries in the background), and
-graceful shutdown deregisters it first.
+synchronizer, heartbeats, reports every weight update and moves its weights
+as the synchronizer's policy directs (`services.rollout.link`); SERVING waits
+for the first registration (at most `synchronizer.rpc_timeout_seconds`, then
+it retries in the background) and for the catch-up to the newest committed
+version, and graceful shutdown deregisters it first.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def build(config: RolloutConfig) -> ServiceSpec:
 
             state["link"] = SynchronizerLink(config, core, state["grpc_port"])
             state["link"].start()
-            await state["link"].presence.wait_registered(config.synchronizer.rpc_timeout_seconds)
+            await state["link"].ready(config.synchronizer.rpc_timeout_seconds)
 
     async def shutdown() -> None:
         if state["link"] is not None:

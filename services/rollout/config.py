@@ -9,7 +9,7 @@ from pydantic import Field
 
 from flywheel.runtime.config import StrictModel
 from flywheel.runtime.server_config import ServerConfig
-from services.synchronizer.presence_config import PresenceConfig
+from flywheel.synchronizer.presence_config import PresenceConfig
 
 PauseModeName = Literal["abort", "wait", "keep"]
 
@@ -61,8 +61,8 @@ class UpdatesConfig(StrictModel):
 
 
 class SynchronizerLinkConfig(PresenceConfig):
-    """Where and as whom the rollout registers, and whether it follows; the
-    shared fields (advertise_address, heartbeat, deadlines, retries) are
+    """Where and as whom the rollout registers (it then follows the
+    synchronizer's policy: services.rollout.follower); the shared fields (advertise_address, heartbeat, deadlines, retries) are
     `PresenceConfig`'s."""
 
     address: str = Field(
@@ -72,11 +72,6 @@ class SynchronizerLinkConfig(PresenceConfig):
     component_id: str = Field(
         "", description="id of this rollout at the synchronizer (must be unique in the run, and equal the replica "
         "name the controller uses for NCCL groups: its services.rollout[].id); empty: rollout-<host>-<grpc port>"
-    )
-    follow: bool = Field(
-        False, description="apply every version the synchronizer commits (MEMORY: pulled from it, CHECKPOINT: "
-        "loaded from its path) without waiting for UpdateWeights; off when a controller drives the updates, "
-        "which it does in the launcher's runs"
     )
 
 

@@ -127,6 +127,9 @@ class RolloutCore:
         self._update = asyncio.Lock()  # one update at a time, staging included
         self._flights: set[_Flight] = set()
         self.update_observers: list[UpdateObserver] = []
+        #: Set by the synchronizer link: waits until a generation of (run_step,
+        #: min_version) may run on the served weights (services.rollout.follower).
+        self.weights_gate: Callable[[int, int], Awaitable[None]] | None = None
         #: MEMORY updates stage into these (held between updates; see services.rollout.staging).
         self.staging = StagingBuffers(enabled=config.updates.reuse_staging)
         metrics.STAGING_HELD_BYTES.set_function(lambda: self.staging.held_bytes)
@@ -196,11 +199,24 @@ class RolloutCore:
             self._flights.discard(flight)
             flight.done.set()
 
+    async def _weights_ready(self, run_step: int, min_version: int) -> None:
+        if self.weights_gate is not None:
+            await self.weights_gate(run_step, min_version)
+        elif min_version > self.status().version:
+            raise FailedPrecondition(
+                f"min_weight_version {min_version}: this rollout serves version {self.status().version} and has no "
+                "synchronizer to move to a newer one (set synchronizer.address)"
+            )
+
     async def generate(
-        self, prompts: list[ResolvedPrompt], spec: SamplingSpec, reservation: Reservation | None = None
+        self, prompts: list[ResolvedPrompt], spec: SamplingSpec, reservation: Reservation | None = None,
+        *, run_step: int = 0, min_version: int = 0,
     ) -> list[PromptOutput]:
-        """All prompts' samples, in order; aborted samples come back with finish reason "abort"."""
+        """All prompts' samples, in order; aborted samples come back with finish reason "abort".
+
+        `run_step`/`min_version`: the weights the generation must wait for (see follower.py)."""
         self.require_engine()
+        await self._weights_ready(run_step, min_version)
         prompts = [p if p.request_id else ResolvedPrompt(p.ids, f"gen-{uuid.uuid4().hex[:16]}", p.tools) for p in prompts]
         async with self._admitted(len(prompts) * spec.n, reservation):
 
@@ -221,10 +237,12 @@ class RolloutCore:
                 raise
 
     async def generate_stream(
-        self, prompt: ResolvedPrompt, spec: SamplingSpec, reservation: Reservation | None = None
+        self, prompt: ResolvedPrompt, spec: SamplingSpec, reservation: Reservation | None = None,
+        *, run_step: int = 0, min_version: int = 0,
     ) -> AsyncIterator[list[Delta]]:
         """Deltas of one prompt's samples as they come (`reserve` first to fail before streaming)."""
         self.require_engine()
+        await self._weights_ready(run_step, min_version)
         if not prompt.request_id:
             prompt = ResolvedPrompt(prompt.ids, f"gen-{uuid.uuid4().hex[:16]}", prompt.tools)
         async with self._admitted(spec.n, reservation):

@@ -1,50 +1,72 @@
-"""Following the synchronizer: apply every version it commits, without
-waiting for an UpdateWeights call (`synchronizer.follow`).
+"""The rollout replica as the synchronizer's follower: it moves its weights
+only when the synchronizer's policy says so.
 
-The follower watches the synchronizer's event stream (reconnecting with
-backoff when it breaks; a new stream starts with a snapshot of this rollout,
-whose `latest_version` catches up on commits missed meanwhile) and keeps the
-newest committed version it has heard of. An applier moves the engine there
-through `RolloutCore.update_weights`, the same staged, all-or-nothing path
-as UpdateWeights (so the update is reported like any other, see
-`services.rollout.presence`): MEMORY versions are pulled from the
-synchronizer, CHECKPOINT versions loaded from the path the event names.
-Updates coalesce: versions committed while one update runs are skipped
-for the newest.
+A replica's *step* is one run step it served: a generation request tagged
+`run_step = r` (the train batch it is for, from 1) means the replica has
+completed r - 1 steps. The first request of a new step makes the follower ask
+`NeedSync(id, r - 1)`; when the policy says sync (FIXED at its points,
+DYNAMIC_BY_EXPLORER every `interval` steps) the synchronizer moves the replica
+to REQUIRE_SYNC and names the version, the follower fetches it (MEMORY: pulled
+from the synchronizer once committed; CHECKPOINT: loaded from the path the
+commit names) and applies it through `RolloutCore.update_weights`, the same
+all-or-nothing path as UpdateWeights. The presence reports the outcome, which
+takes the replica back to RUNNING. A DYNAMIC request whose wait lapses is
+asked again at the next step.
 
-Sync policy: the synchronizer's NeedSync answers by *steps* (for a rollout,
-batches produced), which only the controller counts; the rollout service
-has no step of its own, so a following rollout applies every committed
-version (coalesced) and the policy's schedule is the trainer's: it decides
-when a version is committed at all. Leave `follow` off where a controller
-drives updates with UpdateWeights: two updaters would race for the same
-versions.
+Before a request of step r generates, the policy's `rollout_wait` decides
+what it waits for:
+- DUE_VERSION (sync mode): the version NeedSync named for step r - 1;
+- STALENESS (batch-async): until the replica is at most `max_staleness`
+  versions behind r - 1;
+- NONE (fully-async): nothing; the sync runs in the background.
+A request may also name `min_weight_version` (validation measures the weights
+it names). A wait that outlasts the policy's timeout fails the request with
+UNAVAILABLE; nothing half-applied is ever served.
 
-A version that fails for a reason a retry cannot fix (weights that do not
-fit the model, corrupt bytes, a version the synchronizer no longer holds, an
-NCCL version, which cannot be pulled) is not tried again; the next commit is.
-Transient failures (synchronizer unreachable, deadline, abort) are retried
-with backoff.
+At registration a replica catches up to the newest committed version before
+it reports SERVING, so a replica that joins mid-run (scale-out, a restart)
+never generates on its base weights.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
-from flywheel.errors import FailedPrecondition, NotFound
+from flywheel.errors import FailedPrecondition, NotFound, Unavailable
 from flywheel.runtime.backoff import Backoff
+from flywheel.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.client_types import WatchEvent
+from flywheel.synchronizer.types import EventKind, GroupInfo, Method, Policy, RolloutWait
 from services.rollout.config import RolloutConfig
 from services.rollout.core import RolloutCore
+from services.rollout.nccl_update import NcclTarget, update_over_group
 from services.rollout.sources import Stage, checkpoint_stage, memory_stage
-from services.synchronizer.client import SynchronizerClient
-from services.synchronizer.client_types import WatchEvent
-from services.synchronizer.types import EventKind, Method
 
 log = logging.getLogger(__name__)
 
 #: Failures worth trying the same version again for.
 TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "RESOURCE_EXHAUSTED"})
+
+
+def required_version(policy: Policy | None, run_step: int, due: int) -> int:
+    """The version a generation of `run_step` must wait for; `due` is what
+    NeedSync named at step run_step - 1 (0: nothing)."""
+    if policy is None or run_step < 1:
+        return 0
+    if policy.rollout_wait == RolloutWait.DUE_VERSION:
+        return due
+    if policy.rollout_wait == RolloutWait.STALENESS:
+        return max(0, run_step - 1 - policy.max_staleness)
+    return 0
+
+
+def _notify(owner: object, name: str) -> None:
+    """Wakes everyone waiting on the event `owner.<name>`, which is replaced by a fresh one."""
+    event = getattr(owner, name)
+    setattr(owner, name, asyncio.Event())
+    event.set()
 
 
 class Follower:
@@ -54,27 +76,101 @@ class Follower:
     ) -> None:
         self.client, self.core, self.config = client, core, config
         self.component_id, self.token = component_id, token
+        #: Steps this replica completed (the newest run_step seen, minus one).
+        self.step = 0
+        #: step -> the version NeedSync named for it (0: none due).
+        self.due: dict[int, int] = {}
+        self.policy: Policy | None = None
         #: Newest committed version heard of.
         self.latest = 0
         #: version -> (method, checkpoint path) of committed versions heard of.
         self.sources: dict[int, tuple[Method | None, str]] = {}
-        #: Versions that failed for good.
-        self.given_up: set[int] = set()
-        self._wake = asyncio.Event()
+        #: The version the sync loop moves towards (at least).
+        self.target = 0
+        self._asked: dict[int, asyncio.Future] = {}
+        self._heard = asyncio.Event()  # self.latest moved
+        self._moved = asyncio.Event()  # the served version moved (or a sync attempt ended)
+        self._wake = asyncio.Event()  # self.target moved
         self._tasks: list[asyncio.Task] = []
+        self._joins: list[asyncio.Task] = []
         link = config.synchronizer
         self._backoff = lambda: Backoff(link.retry_initial_seconds, link.retry_max_seconds)
 
+    @property
+    def served(self) -> int:
+        return self.core.status().version
+
     def start(self) -> None:
-        self._tasks = [asyncio.ensure_future(self._watch_loop()), asyncio.ensure_future(self._apply_loop())]
+        self._tasks = [asyncio.ensure_future(self._watch_loop()), asyncio.ensure_future(self._sync_loop())]
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in (*self._tasks, *self._joins):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*self._tasks, *self._joins, return_exceptions=True)
+        self._tasks, self._joins = [], []
 
-    # -- hearing of versions --------------------------------------------------
+    # -- the generation gate ----------------------------------------------------
+
+    async def before_generate(self, run_step: int, min_version: int) -> None:
+        """Waits until a generation of `run_step` may run on the served weights."""
+        due = 0
+        if run_step > 0:
+            due = await self._reached_step(run_step - 1)
+        need = max(min_version, required_version(self.policy, run_step, due))
+        if need > self.served:
+            await self.reach(need, self._timeout())
+
+    async def _reached_step(self, step: int) -> int:
+        """Asks NeedSync once per new step; the version due at `step` (0: none)."""
+        if step > self.step or (step == self.step and step not in self._asked and step > 0):
+            self.step = step
+            self._asked[step] = asyncio.ensure_future(self._need_sync(step))
+            for old in [s for s in self._asked if s < step - 8]:
+                self._asked.pop(old)  # requests of a long-gone step find no due version: they wait for nothing
+        future = self._asked.get(step)
+        if future is not None:
+            await asyncio.shield(future)
+        return self.due.get(step, 0)
+
+    async def _need_sync(self, step: int) -> None:
+        try:
+            decision = await self.client.need_sync(self.component_id, step)
+        except Exception as exc:  # noqa: BLE001 - unreachable synchronizer: serve on, ask at the next step
+            log.warning("NeedSync failed; serving on", extra={"id": self.component_id, "step": step, "error": str(exc)})
+            return
+        if decision.policy is not None:
+            self.policy = decision.policy
+        self._hear(decision.latest_version)
+        if decision.need_sync:
+            self.due[step] = decision.version
+            log.info("sync required", extra={"id": self.component_id, "step": step, "version": decision.version})
+            self._aim(decision.version)
+
+    def _timeout(self) -> float:
+        return self.policy.timeout_seconds if self.policy is not None else self.config.updates.timeout_seconds
+
+    async def reach(self, version: int, timeout: float) -> None:
+        """Returns once the served version is at least `version`; Unavailable after `timeout` seconds."""
+        self._aim(version)
+        deadline = time.monotonic() + timeout
+        while self.served < version:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(
+                    f"rollout {self.component_id} still serves version {self.served}; this generation needs "
+                    f"version {version} and it did not arrive within {timeout:g} s"
+                )
+            try:
+                await asyncio.wait_for(self._moved.wait(), left)
+            except TimeoutError:
+                pass
+
+    def _aim(self, version: int) -> None:
+        if version > self.target:
+            self.target = version
+            self._wake.set()
+
+    # -- hearing of versions ----------------------------------------------------
 
     async def _watch_loop(self) -> None:
         backoff = self._backoff()
@@ -90,42 +186,95 @@ class Follower:
             await backoff.wait()
 
     def learn(self, event: WatchEvent) -> None:
+        group = event.group
+        if event.kind == EventKind.TRANSFER_STARTED and group is not None and group.ranks.get(self.component_id, 0) > 0:
+            self._joins.append(asyncio.ensure_future(self._join(group)))
+            self._joins = [t for t in self._joins if not t.done()]
         latest = event.latest_version
         if event.kind == EventKind.VERSION_COMMITTED and event.version:
             self.sources[event.version] = (event.method, event.location)
             latest = max(latest, event.version)
+        self._hear(latest)
+
+    def _hear(self, latest: int) -> None:
         if latest > self.latest:
             self.latest = latest
-            self._wake.set()
+            _notify(self, "_heard")
 
-    # -- applying them --------------------------------------------------------
+    async def catch_up(self, timeout: float) -> None:
+        """At registration: move to the newest committed version, if newer than the served one."""
+        try:
+            status = await self.client.status()
+        except Exception as exc:  # noqa: BLE001 - registration goes on; the first step syncs
+            log.warning("could not read the synchronizer's versions to catch up", extra={"error": str(exc)})
+            return
+        self.policy = status.policy
+        for info in status.versions:
+            self.sources.setdefault(info.version, (info.method, info.path))
+        self._hear(status.latest_version)
+        if status.latest_version > self.served and self._source_known(status.latest_version):
+            log.info("catching up to the synchronizer's newest version",
+                     extra={"id": self.component_id, "serving": self.served, "version": status.latest_version})
+            try:
+                await self.reach(status.latest_version, timeout)
+            except Unavailable as exc:
+                log.warning("catching up failed; the first step syncs again", extra={"error": str(exc)})
 
-    async def _apply_loop(self) -> None:
+    def _source_known(self, version: int) -> bool:
+        method, path = self.sources.get(version, (None, ""))
+        return method == Method.MEMORY or (method == Method.CHECKPOINT and bool(path))
+
+    # -- applying them ----------------------------------------------------------
+
+    async def _sync_loop(self) -> None:
         backoff = self._backoff()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while (target := self.latest) > self.core.status().version and target not in self.given_up:
+            while self.target > self.served:
                 try:
-                    await self.apply(target)
+                    version = await self._committed_at_least(self.target)
+                    await self.apply(version)
                     backoff.reset()
                 except Exception as exc:  # noqa: BLE001 - any failure leaves the old version serving; go on
-                    if self.core.status().version >= target:
-                        continue  # someone else (UpdateWeights) got there first
-                    if getattr(exc, "code", "") in TRANSIENT:
-                        log.warning("following version failed; retrying",
-                                    extra={"version": target, "error": str(exc), "retry_seconds": backoff.delay})
-                        await backoff.wait()
-                        continue
-                    log.warning("following version failed; waiting for a newer one",
-                                extra={"version": target, "error": str(exc)})
-                    self.given_up.add(target)
+                    if getattr(exc, "code", "") not in TRANSIENT:
+                        log.warning("sync failed; waiting for the next request",
+                                    extra={"id": self.component_id, "target": self.target, "error": str(exc)})
+                        self.target = self.served  # the next step (or generation) aims again
+                        break
+                    log.warning("sync failed; retrying", extra={"id": self.component_id, "target": self.target,
+                                                                 "error": str(exc), "retry_seconds": backoff.delay})
+                    await backoff.wait()
+                finally:
+                    _notify(self, "_moved")
+
+    async def _join(self, group: GroupInfo) -> None:
+        """NCCL: receives the trainer's broadcast in a group the synchronizer put this replica in."""
+        target = NcclTarget(group.group_id, self.client.address, group.ranks[self.component_id])
+        try:
+            await update_over_group(self.core, target, group.version, None, self.config.updates.timeout_seconds,
+                                    token=self.token)
+        except Exception as exc:  # noqa: BLE001 - reported to the synchronizer already; the old version serves on
+            log.warning("joining transfer failed", extra={"group": group.group_id, "error": str(exc)})
+        finally:
+            _notify(self, "_moved")
+
+    async def _committed_at_least(self, version: int) -> int:
+        """The newest committed version once it is newer than the served one (a
+        step towards `version` is progress: generations waiting for less than
+        `version` may run on it), or once it reaches `version`."""
+        while self.latest < version and self.latest <= self.served:
+            await self._heard.wait()
+        return self.latest
 
     async def apply(self, version: int) -> None:
+        if version <= self.served:
+            return
         stage = await self._stage_for(version)
         outcome = await self.core.update_weights(version, stage, None, None)
-        log.info("followed the synchronizer to a new version",
-                 extra={"version": outcome.version, "pause_seconds": round(outcome.pause_seconds, 4)})
+        log.info("synced to the synchronizer's version",
+                 extra={"id": self.component_id, "version": outcome.version,
+                        "pause_seconds": round(outcome.pause_seconds, 4)})
 
     async def _stage_for(self, version: int) -> Stage:
         if version not in self.sources:

@@ -1,6 +1,7 @@
 """The rollout's link to the synchronizer (`synchronizer.address` set): its
-presence there (registration, heartbeats, update reports) and, with
-`synchronizer.follow`, the follower that applies committed versions.
+presence there (registration, heartbeats, update reports) and the follower
+that moves its weights as the synchronizer's policy directs
+(`services.rollout.follower`), which also gates every generation.
 
 Started once the engine is loaded, stopped on graceful shutdown (which
 deregisters). Without an address the rollout is standalone and none of this
@@ -14,8 +15,19 @@ from services.rollout.config import RolloutConfig
 from services.rollout.core import RolloutCore
 from services.rollout.follower import Follower
 from services.rollout.presence import RolloutPresence
-from services.synchronizer.client import SynchronizerClient
-from services.synchronizer.presence import advertised_address, reachable_host
+from flywheel.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.presence import advertised_address, reachable_host
+
+
+def device_of(engine_kind: str) -> str:
+    """The device the engine computes on, as the synchronizer's `auto` group backend reads it
+    ("cuda" on every member picks nccl): vLLM uses the GPU whenever torch sees one; the
+    transformers fallback engine runs on the CPU."""
+    if engine_kind != "vllm":
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def default_component_id(config: RolloutConfig, grpc_port: int) -> str:
@@ -31,20 +43,27 @@ class SynchronizerLink:
             link.address, token, timeout=link.rpc_timeout_seconds, max_message_bytes=server.max_message_bytes
         )
         status = core.status()
+        self.follower = Follower(self.client, core, config, self.component_id, token=token)
         self.presence = RolloutPresence(
             self.client, core, link, self.component_id, advertised_address(link, server.host, grpc_port),
-            labels={"model": core.model_name, "engine": status.engine},
+            labels={"model": core.model_name, "engine": status.engine, "device": device_of(status.engine)},
+            step=lambda: self.follower.step,
         )
-        self.follower = Follower(self.client, core, config, self.component_id, token=token) if link.follow else None
+        self.core = core
 
     def start(self) -> None:
         self.presence.start()
-        if self.follower is not None:
-            self.follower.start()
+        self.follower.start()
+        self.core.weights_gate = self.follower.before_generate
+
+    async def ready(self, timeout: float) -> None:
+        """Registered, and on the newest committed version (each within `timeout`), before SERVING."""
+        if await self.presence.wait_registered(timeout):
+            await self.follower.catch_up(self.core.config.updates.timeout_seconds)
 
     async def stop(self) -> None:
         # The follower first: an update it starts now would be reported to nobody.
-        if self.follower is not None:
-            await self.follower.stop()
+        self.core.weights_gate = None
+        await self.follower.stop()
         await self.presence.stop()
         await self.client.close()

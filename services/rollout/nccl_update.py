@@ -9,7 +9,7 @@ replica's `UpdateWeights(nccl=...)` together. On this side:
    the source of truth (deadline, members), and the member holding the
    request's rank is this replica's component id there, so the request needs
    no second name for it. Fields the request repeats must agree with it.
-2. Staging (`services.synchronizer.participant.stage_version`, in a worker
+2. Staging (`flywheel.synchronizer.participant.stage_version`, in a worker
    thread) joins the group and receives into fresh bucket buffers shaped by
    the engine's `weight_specs()`; names, dtypes and shapes are checked before
    any bucket moves (INVALID_ARGUMENT), gloo buckets are checksummed on CPU
@@ -49,9 +49,9 @@ import torch
 from flywheel.errors import Aborted, DeadlineExceeded, FailedPrecondition, FlywheelError, InvalidArgument, NotFound
 from services.rollout.core import RolloutCore, UpdateOutcome
 from services.rollout.engine.base import PauseMode, StagedWeights, TensorSpec
-from services.synchronizer.client import SynchronizerClient
-from services.synchronizer.participant import stage_version
-from services.synchronizer.types import GroupInfo, TransferState
+from flywheel.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.participant import stage_version
+from flywheel.synchronizer.types import GroupInfo, TransferState
 
 #: Deadline of each plain synchronizer call (state changes, reports), in seconds.
 RPC_SECONDS = 10.0

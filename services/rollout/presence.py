@@ -1,9 +1,10 @@
 """The rollout as a component of the synchronizer: its presence there
-(registration, heartbeats, deregistration: `services.synchronizer.presence`)
+(registration, heartbeats, deregistration: `flywheel.synchronizer.presence`)
 plus reports of weight updates.
 
 The rollout registers with role rollout and its served weight version, and
-heartbeats with that version (its step stays 0: rollouts count no steps).
+heartbeats with its step (run steps served, `services.rollout.follower`) and
+that version.
 
 Every weight update the core commits or fails, whoever asked for it (the
 controller's UpdateWeights, or the follower), is reported:
@@ -19,14 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from flywheel.errors import FlywheelError, NotFound
 from services.rollout.config import SynchronizerLinkConfig
 from services.rollout.core import RolloutCore, UpdateReport
-from services.synchronizer.client import SynchronizerClient
-from services.synchronizer.presence import Presence
-from services.synchronizer.types import Method, Role, State
+from flywheel.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.presence import Presence
+from flywheel.synchronizer.types import Method, Role, State
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,10 @@ class RolloutPresence(Presence):
         component_id: str,
         address: str,
         labels: Mapping[str, str] | None = None,
+        step: Callable[[], int] = lambda: 0,
     ) -> None:
         super().__init__(
-            client, Role.ROLLOUT, component_id, address, link, lambda: (0, self.served()),
+            client, Role.ROLLOUT, component_id, address, link, lambda: (step(), self.served()),
             capabilities=CAPABILITIES, labels=labels,
         )
         self.core = core
@@ -103,7 +105,7 @@ class RolloutPresence(Presence):
     async def _current_state(self, served: int) -> State:
         """Heartbeats with `served` (registering again if forgotten); the state the synchronizer holds."""
         try:
-            beat = await self.client.heartbeat(self.component_id, 0, served)
+            beat = await self.client.heartbeat(self.component_id, self.progress()[0], served)
             if beat.state != State.STOPPED:
                 return beat.state
         except NotFound:

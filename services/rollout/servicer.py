@@ -106,7 +106,8 @@ class RolloutServicer:
         spec = self._spec(request)
         prompts = [self.core.resolve(prompt_from_proto(p, f"prompts[{i}]"), f"prompts[{i}]", p.request_id)
                    for i, p in enumerate(request.prompts)]
-        outputs = await _with_retry_hint(context, self.core.generate(prompts, spec))
+        outputs = await _with_retry_hint(context, self.core.generate(
+            prompts, spec, run_step=request.run_step, min_version=request.min_weight_version))
         return pb.GenerateResponse(results=[
             pb.PromptResult(request_id=o.request_id, samples=[sample_to_proto(s, o.prompt_ids) for s in o.samples])
             for o in outputs
@@ -116,7 +117,8 @@ class RolloutServicer:
         spec = self._spec(request)
         prompt = self.core.resolve(prompt_from_proto(request.prompt, "prompt"), "prompt", request.prompt.request_id)
         try:
-            async for deltas in self.core.generate_stream(prompt, spec):
+            async for deltas in self.core.generate_stream(
+                    prompt, spec, run_step=request.run_step, min_version=request.min_weight_version):
                 for d in deltas:
                     yield pb.GenerateStreamResponse(
                         index=d.index, token_ids=d.token_ids, logprobs=d.logprobs, text=d.text,

@@ -1,5 +1,5 @@
 """The synchronizer as a weight source: one MEMORY version pulled and
-assembled (`services.synchronizer.pull`: in place from shared memory when
+assembled (`flywheel.synchronizer.pull`: in place from shared memory when
 the synchronizer is on this host, else over the stream), refused before any
 chunk arrives if the engine cannot serve it."""
 
@@ -13,7 +13,7 @@ from flywheel.runtime.client import open_channel
 from flywheel.synchronizer.v1 import synchronizer_pb2
 from services.rollout.engine.base import StagedWeights, TensorSpec
 from services.rollout.weights import check_stream_manifest
-from services.synchronizer.pull import pull_version
+from flywheel.synchronizer.pull import pull_version
 
 _PULL = "/flywheel.synchronizer.v1.SynchronizerService/PullWeights"
 

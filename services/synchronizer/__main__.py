@@ -8,7 +8,7 @@
 
 With --store-path, component states, committed version metadata and the
 policy survive a restart (weight bytes do not: trainers are asked to push
-again). Clients: `services.synchronizer.client.SynchronizerClient`.
+again). Clients: `flywheel.synchronizer.client.SynchronizerClient`.
 """
 
 from flywheel.runtime.entry import run_main

@@ -26,13 +26,14 @@ from services.synchronizer.policy import Decision, decide, validate
 from services.synchronizer.registry import Registry
 from services.synchronizer.storage import open_pool
 from services.synchronizer.store import Store
-from services.synchronizer.types import (
+from flywheel.synchronizer.types import (
     Component,
     EventKind,
     Identity,
     Method,
     Policy,
     Role,
+    RolloutWait,
     State,
     Style,
     TransferState,
@@ -54,6 +55,7 @@ class SyncAnswer:
     push_requested: bool
     #: DYNAMIC rollouts waiting: when the request lapses, ms since the epoch (0: none).
     request_deadline_unix_ms: int
+    policy: Policy
 
 
 def policy_from_config(config: SynchronizerConfig) -> Policy:
@@ -206,8 +208,11 @@ class Synchronizer:
         interval: int = 0,
         offset: int = 0,
         timeout_seconds: float = 0.0,
+        rollout_wait: RolloutWait | None = None,
+        max_staleness: int = 0,
     ) -> Policy:
-        """Updates the policy; unset (None/0) fields keep their value, except offset."""
+        """Updates the policy; unset (None/0) fields keep their value, except
+        offset, and max_staleness, which comes with rollout_wait."""
         current = self.policy
         policy = Policy(
             style=style or current.style,
@@ -215,6 +220,8 @@ class Synchronizer:
             interval=interval or current.interval,
             offset=offset,
             timeout_seconds=timeout_seconds or current.timeout_seconds,
+            rollout_wait=rollout_wait or current.rollout_wait,
+            max_staleness=max_staleness if rollout_wait else current.max_staleness,
         )
         self.policy = validate(policy)
         self.store.save_policy(self.policy)
@@ -239,7 +246,7 @@ class Synchronizer:
         return SyncAnswer(
             decision=decision, component=replace(c), method=self.policy.method, latest_version=latest,
             group=self.transfers.pending_for(c.id), push_requested=self.push_requested and c.role == Role.TRAINER,
-            request_deadline_unix_ms=deadline,
+            request_deadline_unix_ms=deadline, policy=self.policy,
         )
 
     # -- time ----------------------------------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flywheel.errors import ResourceExhausted
-from services.synchronizer.types import Component, EventKind, Method, TransferState
+from flywheel.synchronizer.types import Component, EventKind, Method, TransferState
 
 
 @dataclass(frozen=True)

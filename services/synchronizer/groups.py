@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.synchronizer.buffers import Signal
-from services.synchronizer.types import Component, TransferState
+from flywheel.synchronizer.types import Component, TransferState
 
 BACKENDS = ("nccl", "gloo")
 

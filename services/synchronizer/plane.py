@@ -22,7 +22,7 @@ from services.synchronizer.buffers import VersionBuffer
 from services.synchronizer.checkpoints import verify_checkpoint
 from services.synchronizer.core import Synchronizer
 from services.synchronizer.groups import Group
-from services.synchronizer.types import Component, EventKind, Method, Policy, Role, State
+from flywheel.synchronizer.types import Component, EventKind, Method, Policy, Role, State
 from services.synchronizer.versions import VersionRecord
 
 log = logging.getLogger(__name__)

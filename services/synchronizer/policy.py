@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flywheel.errors import FailedPrecondition, InvalidArgument
-from services.synchronizer.types import Component, Method, Policy, Role, State, Style
+from flywheel.synchronizer.types import Component, Method, Policy, Role, State, Style
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ def validate(policy: Policy) -> Policy:
         raise InvalidArgument(f"sync_interval must be at least 1 step, got {policy.interval}")
     if policy.offset < 0:
         raise InvalidArgument(f"sync_offset must be >= 0, got {policy.offset}")
+    if policy.max_staleness < 0:
+        raise InvalidArgument(f"max_staleness must be >= 0, got {policy.max_staleness}")
     if policy.timeout_seconds <= 0:
         raise InvalidArgument(f"sync_timeout_seconds must be positive, got {policy.timeout_seconds}")
     return policy

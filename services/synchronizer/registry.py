@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from flywheel.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from services.synchronizer.types import Component, EventKind, Identity, Role, State
+from flywheel.synchronizer.types import Component, EventKind, Identity, Role, State
 
 S = State
 

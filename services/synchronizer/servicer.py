@@ -24,7 +24,7 @@ from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as pb_grpc
 from flywheel.transfer.frames import CHUNK_FIELD, MANIFEST_FIELD, split_frame
 from services.synchronizer import metrics
 from services.synchronizer.buffers import COMMITTED_FRAME
-from services.synchronizer.convert import (
+from flywheel.synchronizer.convert import (
     component_to_pb,
     group_to_pb,
     identity_from_pb,
@@ -36,7 +36,7 @@ from services.synchronizer.core import Synchronizer
 from services.synchronizer.events import Event
 from services.synchronizer.groups import Group
 from services.synchronizer.plane import WeightPlane
-from services.synchronizer.types import Component, Role
+from flywheel.synchronizer.types import Component, Role
 
 
 def event_to_pb(e: Event) -> pb.WatchResponse:
@@ -144,6 +144,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
             need_sync=answer.decision.need_sync, version=answer.decision.version,
             state=int(answer.component.state), method=int(answer.method), latest_version=answer.latest_version,
             push_requested=answer.push_requested, request_deadline_unix_ms=answer.request_deadline_unix_ms,
+            policy=policy_to_pb(answer.policy),
         )
         if answer.group is not None:
             response.group.CopyFrom(group_to_pb(answer.group))

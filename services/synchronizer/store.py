@@ -14,7 +14,7 @@ import sqlite3
 from dataclasses import asdict
 from pathlib import Path
 
-from services.synchronizer.types import Component, Identity, Method, Policy, Role, State, Style
+from flywheel.synchronizer.types import Component, Identity, Method, Policy, Role, RolloutWait, State, Style
 from services.synchronizer.versions import VersionRecord
 
 _SCHEMA = """
@@ -79,7 +79,8 @@ class Store:
     def save_policy(self, policy: Policy) -> None:
         if self._db is None:
             return
-        value = {**asdict(policy), "style": policy.style.name, "method": policy.method.name}
+        value = {**asdict(policy), "style": policy.style.name, "method": policy.method.name,
+                 "rollout_wait": policy.rollout_wait.name}
         self._db.execute("INSERT OR REPLACE INTO settings VALUES ('policy', ?)", (json.dumps(value),))
 
     # -- reads ---------------------------------------------------------------
@@ -113,7 +114,8 @@ class Store:
         if row is None:
             return None
         data = json.loads(row[0])
-        return Policy(**{**data, "style": Style[data["style"]], "method": Method[data["method"]]})
+        wait = RolloutWait[data.get("rollout_wait", "NONE")]  # absent in stores written before it existed
+        return Policy(**{**data, "style": Style[data["style"]], "method": Method[data["method"]], "rollout_wait": wait})
 
     def trim_versions(self, keep_from: int) -> None:
         if self._db is not None:

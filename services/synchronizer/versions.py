@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from services.synchronizer.types import Method
+from flywheel.synchronizer.types import Method
 
 
 @dataclass

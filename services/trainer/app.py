@@ -3,8 +3,10 @@
 The model loads in `startup`, in a worker thread: the event loop keeps
 answering health checks (NOT_SERVING) meanwhile, and SERVING is reported only
 once the policy is ready. With `sync.synchronizer_address` set, the loaded
-trainer then registers with the synchronizer and heartbeats its step and
-weight version (`services.trainer.link`); graceful shutdown deregisters it.
+trainer then registers with the synchronizer, heartbeats its step and
+weight version, and publishes every version the synchronizer's policy makes
+due after the step that made it (`services.trainer.link`); graceful shutdown
+deregisters it.
 """
 
 from __future__ import annotations
@@ -43,10 +45,12 @@ def build(config: TrainerConfig) -> ServiceSpec:
 
             state["link"] = TrainerLink(config, engine, state["grpc_port"])
             state["link"].start()
+            servicer.after_step = state["link"].publisher.after_step
             await state["link"].presence.wait_registered(config.sync.rpc_timeout_seconds)
 
     async def shutdown() -> None:
         if state["link"] is not None:
+            servicer.after_step = None
             await state["link"].stop()
         # Frozen objects are never collected; extension modules (nanobind)
         # then report them as leaked at exit.

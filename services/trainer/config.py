@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from flywheel.runtime.config import StrictModel
 from flywheel.runtime.server_config import ServerConfig
-from services.synchronizer.presence_config import PresenceConfig
+from flywheel.synchronizer.presence_config import PresenceConfig
 
 LossKindName = Literal["grpo", "dapo", "ppo_clip"]
 AggregationName = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
@@ -121,8 +121,12 @@ class SyncConfig(PresenceConfig):
 
     synchronizer_address: str | None = Field(
         None, description='synchronizer "host:port": the loaded trainer registers there (and heartbeats its step '
-        "and weight version), CHECKPOINT exports are registered there, NCCL exports join its groups, and a MEMORY "
-        "export without an address in the request pushes there; none: standalone, not registered"
+        "and weight version), publishes every version the synchronizer's policy makes due (services.trainer."
+        "publisher), and ExportWeights calls use it; none: standalone, not registered, publishes nothing"
+    )
+    publish_dir: Path | None = Field(
+        None, description="CHECKPOINT policy: where published versions are written (version_N/, shared with the "
+        "rollouts); none: <checkpoint.dir>/published"
     )
     trainer_id: str = Field(
         "trainer-0", min_length=1, description="this trainer's component id at the synchronizer (registrations); "

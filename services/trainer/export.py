@@ -8,7 +8,7 @@
   with the synchronizer when `sync.synchronizer_address` is configured.
 * NCCL: the trainer joins the transfer group the synchronizer allocated as
   rank 0 and broadcasts packed buckets (gloo on CPU), via
-  `services.synchronizer.participant.send_in_group`.
+  `flywheel.synchronizer.participant.send_in_group`.
 
 What is exported (`export_state`): the tensors of the model under the names
 of the HF checkpoint it was loaded from (`from_pretrained` names; tied
@@ -62,9 +62,9 @@ from flywheel.codec import (
     encode_state_dict,
 )
 from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument
-from services.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.client import SynchronizerClient
 from services.trainer.checkpoints import _fsync_dir, _fsync_tree
-from services.trainer.config import SyncConfig
+from services.trainer.config import SyncConfig, TrainerConfig
 from services.trainer.policy import Policy
 from services.trainer.training import TrainingEngine
 
@@ -72,6 +72,11 @@ log = logging.getLogger(__name__)
 
 #: Serialized WeightManifest of a checkpoint directory (read by the synchronizer and rollouts).
 MANIFEST_FILE = "weight_manifest.pb"
+
+
+def publish_dir(config: TrainerConfig) -> Path:
+    """Where CHECKPOINT versions are written by default: `sync.publish_dir`, else `<checkpoint.dir>/published`."""
+    return config.sync.publish_dir or config.checkpoint.dir / "published"
 
 
 @dataclass(frozen=True)
@@ -209,10 +214,9 @@ class WeightExporter:
 
     # -- CHECKPOINT --------------------------------------------------------
 
-    async def checkpoint(self, directory: str, *, merge_lora: bool = False) -> ExportResult:
-        if not directory:
-            raise InvalidArgument("checkpoint.directory: empty")
-        parent = Path(directory)
+    async def checkpoint(self, directory: str = "", *, merge_lora: bool = False) -> ExportResult:
+        """Writes `<directory>/version_N` (default: `publish_dir`) and registers it with the synchronizer."""
+        parent = Path(directory) if directory else publish_dir(self.engine.config)
         started = time.perf_counter()
         async with self._snapshot(merge_lora) as (version, state):
             policy = self.engine.ready_policy()
@@ -228,8 +232,8 @@ class WeightExporter:
     # -- NCCL --------------------------------------------------------------
 
     async def nccl(self, group_id: str, *, bucket_bytes: int = 0, merge_lora: bool = False) -> ExportResult:
-        from services.synchronizer.participant import send_in_group
-        from services.synchronizer.types import TransferState
+        from flywheel.synchronizer.participant import send_in_group
+        from flywheel.synchronizer.types import TransferState
 
         if not group_id:
             raise InvalidArgument("nccl.group_id: empty")

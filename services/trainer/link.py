@@ -3,18 +3,20 @@
 Once the policy is loaded (a resumed checkpoint included), the trainer
 registers as `sync.trainer_id` with role trainer, the address of its gRPC
 server and every export method it serves, then heartbeats its step and weight
-version (`services.synchronizer.presence`): the controller's NeedSync and
-NCCL groups name it by that id, so nothing else has to register it. Stopped
-on graceful shutdown, which deregisters it.
+version (`flywheel.synchronizer.presence`), and publishes the versions the
+synchronizer's policy makes due (`services.trainer.publisher`). Stopped on
+graceful shutdown, which deregisters it.
 """
 
 from __future__ import annotations
 
 from flywheel.runtime.auth import resolve_token
-from services.synchronizer.client import SynchronizerClient
-from services.synchronizer.presence import Presence, advertised_address
-from services.synchronizer.types import Method, Role
+from flywheel.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.presence import Presence, advertised_address
+from flywheel.synchronizer.types import Method, Role
 from services.trainer.config import TrainerConfig
+from services.trainer.export import WeightExporter
+from services.trainer.publisher import Publisher
 from services.trainer.training import TrainingEngine
 
 #: WeightExporter's methods; NCCL works because an address is configured here.
@@ -41,9 +43,13 @@ class TrainerLink:
             labels={"model": engine.info().model_name, "device": config.model.device},
         )
 
+        self.publisher = Publisher(self.client, WeightExporter(engine, sync, token), engine, config)
+
     def start(self) -> None:
         self.presence.start()
+        self.publisher.start()
 
     async def stop(self) -> None:
+        await self.publisher.stop()
         await self.presence.stop()
         await self.client.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from torch import Tensor
@@ -90,6 +91,12 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         server = engine.config.server
         token = resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
         self.exporter = exporter or WeightExporter(engine, engine.config.sync, token)
+        #: Runs after every optimizer step, before the step's RPC answers (the publisher, when linked).
+        self.after_step: Callable[[], Awaitable[None]] | None = None
+
+    async def _stepped(self) -> None:
+        if self.after_step is not None:
+            await self.after_step()
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
         info = self.engine.info()
@@ -115,6 +122,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     async def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
         result = await asyncio.to_thread(self.engine.optim_step, _expected(request))
         prom.STEP.set(result.step)
+        await self._stepped()
         return pb.OptimStepResponse(
             step=result.step, weight_version=result.weight_version,
             grad_norm=result.grad_norm, learning_rate=result.learning_rate,
@@ -131,6 +139,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         prom.STEP_DURATION.observe(time.perf_counter() - started)
         prom.STEP.set(result.step)
         prom.TOKENS.inc(result.tokens)
+        await self._stepped()
         return pb.TrainStepResponse(
             metrics=_metrics(result.metrics), step=result.step, weight_version=result.weight_version,
             tokens=result.tokens,

@@ -30,11 +30,11 @@ from flywheel.models.tiny import build_tiny_model
 from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
-from services.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.client import SynchronizerClient
 from services.synchronizer.embedded import embedded_synchronizer
 from flywheel.transfer.broadcast import send
-from services.synchronizer.participant import send_in_group, spec_for
-from services.synchronizer.types import GroupInfo, State, TransferState
+from flywheel.synchronizer.participant import send_in_group, spec_for
+from flywheel.synchronizer.types import GroupInfo, State, TransferState
 from tests.conftest import TEST_TOKEN
 from tests.unit.rollout.rollout_helpers import ServerThread, need_engine, reference_greedy, rollout_config
 

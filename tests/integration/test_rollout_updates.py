@@ -221,7 +221,7 @@ async def test_keep_mode_update_continues_requests_across_versions(server, tmp_p
 
 
 async def test_memory_update_from_the_real_synchronizer(server, run_service) -> None:
-    from services.synchronizer.client import SynchronizerClient
+    from flywheel.synchronizer.client import SynchronizerClient
 
     track: Track = server.track
     new = track.scaled(1.1)

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from services.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.client import SynchronizerClient
 from services.synchronizer.embedded import embedded_synchronizer
 from tests.conftest import TEST_TOKEN
 from tests.integration.test_synchronizer_participant import digest, weights

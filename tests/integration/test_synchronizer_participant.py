@@ -6,7 +6,7 @@ test_synchronizer_groups.py (this module holds no tests):
         [--fail-version 2 --fail-bucket 1]
 
 Both use only the product path: `SynchronizerClient` and
-`services.synchronizer.participant` over `flywheel.transfer.broadcast`. Each
+`flywheel.synchronizer.participant` over `flywheel.transfer.broadcast`. Each
 prints one JSON line per transfer (outcome, and for rollouts the digest of
 their live weights afterwards), after a first "ready" line.
 """
@@ -52,8 +52,8 @@ def emit(**record) -> None:
 
 
 async def trainer(args: argparse.Namespace) -> None:
-    from services.synchronizer.client import SynchronizerClient
-    from services.synchronizer.participant import broadcast_version
+    from flywheel.synchronizer.client import SynchronizerClient
+    from flywheel.synchronizer.participant import broadcast_version
 
     async with SynchronizerClient(args.address) as client:
         await client.register("trainer", args.id, address="127.0.0.1:0", capabilities=["nccl"])
@@ -70,9 +70,9 @@ async def trainer(args: argparse.Namespace) -> None:
 
 
 async def rollout(args: argparse.Namespace) -> None:
-    from services.synchronizer.client import SynchronizerClient
-    from services.synchronizer.participant import receive_version
-    from services.synchronizer.types import EventKind
+    from flywheel.synchronizer.client import SynchronizerClient
+    from flywheel.synchronizer.participant import receive_version
+    from flywheel.synchronizer.types import EventKind
 
     live = weights(0)
     async with SynchronizerClient(args.address) as client:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from flywheel.errors import FailedPrecondition
-from services.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.client import SynchronizerClient
 from services.synchronizer.embedded import embedded_synchronizer
-from services.synchronizer.types import EventKind, Role, State
+from flywheel.synchronizer.types import EventKind, Role, State
 
 R, Q, W, S = State.RUNNING, State.REQUIRE_SYNC, State.WAITING_SYNC, State.STOPPED
 

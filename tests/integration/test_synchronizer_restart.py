@@ -11,8 +11,8 @@ import socket
 import torch
 
 from flywheel.errors import FlywheelError
-from services.synchronizer.client import SynchronizerClient
-from services.synchronizer.types import State
+from flywheel.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.types import State
 from tests.conftest import TEST_TOKEN
 
 

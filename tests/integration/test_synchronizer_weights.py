@@ -17,10 +17,10 @@ from flywheel.runtime.client import open_channel
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.transfer.frames import encoded_frames
 from flywheel.transfer.segments import HEADER_BYTES
-from services.synchronizer import pull
-from services.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer import pull
+from flywheel.synchronizer.client import SynchronizerClient
 from services.synchronizer.embedded import embedded_synchronizer
-from services.synchronizer.types import Role, State, TransferState
+from flywheel.synchronizer.types import Role, State, TransferState
 from tests.unit.synchronizer.sync_helpers import corrupt, small_state
 
 

@@ -48,12 +48,16 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tools_json: _Optional[_Iterable[str]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "sampling")
+    __slots__ = ("prompts", "sampling", "run_step", "min_weight_version")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEP_FIELD_NUMBER: _ClassVar[int]
+    MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    run_step: int
+    min_weight_version: int
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., run_step: _Optional[int] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
 
 class PromptResult(_message.Message):
     __slots__ = ("request_id", "samples")
@@ -70,12 +74,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PromptResult, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("prompt", "sampling")
+    __slots__ = ("prompt", "sampling", "run_step", "min_weight_version")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEP_FIELD_NUMBER: _ClassVar[int]
+    MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     prompt: Prompt
     sampling: _common_pb2.SamplingParams
-    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    run_step: int
+    min_weight_version: int
+    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., run_step: _Optional[int] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "text", "final")

@@ -21,6 +21,13 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_PUSH_REQUESTED: _ClassVar[EventKind]
     EVENT_KIND_VERSION_STAGED: _ClassVar[EventKind]
 
+class RolloutWait(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLLOUT_WAIT_UNSPECIFIED: _ClassVar[RolloutWait]
+    ROLLOUT_WAIT_NONE: _ClassVar[RolloutWait]
+    ROLLOUT_WAIT_DUE_VERSION: _ClassVar[RolloutWait]
+    ROLLOUT_WAIT_STALENESS: _ClassVar[RolloutWait]
+
 class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
@@ -37,6 +44,10 @@ EVENT_KIND_TRANSFER_FINISHED: EventKind
 EVENT_KIND_SYNC_REQUESTED: EventKind
 EVENT_KIND_PUSH_REQUESTED: EventKind
 EVENT_KIND_VERSION_STAGED: EventKind
+ROLLOUT_WAIT_UNSPECIFIED: RolloutWait
+ROLLOUT_WAIT_NONE: RolloutWait
+ROLLOUT_WAIT_DUE_VERSION: RolloutWait
+ROLLOUT_WAIT_STALENESS: RolloutWait
 TRANSFER_STATE_UNSPECIFIED: TransferState
 TRANSFER_STATE_PENDING: TransferState
 TRANSFER_STATE_COMMITTED: TransferState
@@ -149,18 +160,22 @@ class WatchResponse(_message.Message):
     def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., component: _Optional[_Union[_common_pb2.ComponentStatus, _Mapping]] = ..., latest_version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., location: _Optional[str] = ..., sequence: _Optional[int] = ..., unix_ms: _Optional[int] = ..., version: _Optional[int] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., transfer_state: _Optional[_Union[TransferState, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ConfigurePolicyRequest(_message.Message):
-    __slots__ = ("style", "method", "sync_interval", "sync_offset", "sync_timeout_seconds")
+    __slots__ = ("style", "method", "sync_interval", "sync_offset", "sync_timeout_seconds", "rollout_wait", "max_staleness")
     STYLE_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     SYNC_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     SYNC_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SYNC_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_WAIT_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     style: _common_pb2.SyncStyle
     method: _common_pb2.SyncMethod
     sync_interval: int
     sync_offset: int
     sync_timeout_seconds: float
-    def __init__(self, style: _Optional[_Union[_common_pb2.SyncStyle, str]] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., sync_interval: _Optional[int] = ..., sync_offset: _Optional[int] = ..., sync_timeout_seconds: _Optional[float] = ...) -> None: ...
+    rollout_wait: RolloutWait
+    max_staleness: int
+    def __init__(self, style: _Optional[_Union[_common_pb2.SyncStyle, str]] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., sync_interval: _Optional[int] = ..., sync_offset: _Optional[int] = ..., sync_timeout_seconds: _Optional[float] = ..., rollout_wait: _Optional[_Union[RolloutWait, str]] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class ConfigurePolicyResponse(_message.Message):
     __slots__ = ()
@@ -175,7 +190,7 @@ class NeedSyncRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class NeedSyncResponse(_message.Message):
-    __slots__ = ("need_sync", "version", "state", "method", "latest_version", "group", "push_requested", "request_deadline_unix_ms")
+    __slots__ = ("need_sync", "version", "state", "method", "latest_version", "group", "push_requested", "request_deadline_unix_ms", "policy")
     NEED_SYNC_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +199,7 @@ class NeedSyncResponse(_message.Message):
     GROUP_FIELD_NUMBER: _ClassVar[int]
     PUSH_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     need_sync: bool
     version: int
     state: _common_pb2.ComponentState
@@ -192,7 +208,8 @@ class NeedSyncResponse(_message.Message):
     group: AllocateGroupResponse
     push_requested: bool
     request_deadline_unix_ms: int
-    def __init__(self, need_sync: _Optional[bool] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., latest_version: _Optional[int] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., push_requested: _Optional[bool] = ..., request_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    policy: ConfigurePolicyRequest
+    def __init__(self, need_sync: _Optional[bool] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., latest_version: _Optional[int] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., push_requested: _Optional[bool] = ..., request_deadline_unix_ms: _Optional[int] = ..., policy: _Optional[_Union[ConfigurePolicyRequest, _Mapping]] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
     __slots__ = ("manifest", "chunk", "segment", "shared_chunk", "committed")

@@ -18,7 +18,15 @@ from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
 from services.controller.adapters.errors import translated
 from services.controller.adapters.trainer import METHODS
-from services.controller.domain import FinishReason, Generation, PromptInput, SamplingSpec, WeightSource
+from services.controller.domain import (
+    MIN_WEIGHT_VERSION,
+    RUN_STEP,
+    FinishReason,
+    Generation,
+    PromptInput,
+    SamplingSpec,
+    WeightSource,
+)
 
 FINISH = {
     cpb.FINISH_REASON_STOP: FinishReason.STOP,
@@ -86,7 +94,10 @@ class GrpcRolloutEngine:
         await self.channel.close()
 
     async def generate(self, prompts: Sequence[PromptInput], sampling: SamplingSpec) -> list[list[Generation]]:
-        request = pb.GenerateRequest(prompts=[prompt(p) for p in prompts], sampling=sampling_params(sampling))
+        request = pb.GenerateRequest(
+            prompts=[prompt(p) for p in prompts], sampling=sampling_params(sampling),
+            run_step=RUN_STEP.get(), min_weight_version=MIN_WEIGHT_VERSION.get(),
+        )
         with translated(f"rollout {self.address} Generate"):
             response = await self.stub.Generate(request)
         if len(response.results) != len(prompts):

@@ -89,7 +89,8 @@ class GrpcTrainer:
         return RestoredCheckpoint(response.path, response.step, response.weight_version, response.client_state)
 
     async def export_weights(self, source: WeightSource) -> WeightSource:
-        request = pb.ExportWeightsRequest(method=METHODS[source.method])
+        # Merged: rollouts serve full models, so a LoRA policy sends its adapters folded in.
+        request = pb.ExportWeightsRequest(method=METHODS[source.method], merge_lora=True)
         if source.method == "memory":
             request.memory.synchronizer_address = source.synchronizer_address
         elif source.method == "checkpoint":

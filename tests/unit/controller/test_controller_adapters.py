@@ -127,8 +127,12 @@ class FakeSynchronizer(spb_grpc.SynchronizerServiceServicer):
         return spb.RegisterCheckpointResponse(version=request.version)
 
     async def Status(self, request, context):
-        return spb.StatusResponse(components=[
-            cpb.ComponentStatus(identity=cpb.ComponentIdentity(id=f"rollout-{i}", address=a)) for i, a in enumerate(self.addresses)
+        return spb.StatusResponse(latest_version=7, components=[
+            cpb.ComponentStatus(
+                identity=cpb.ComponentIdentity(id=f"rollout-{i}", address=a, role=cpb.COMPONENT_ROLE_ROLLOUT),
+                state=cpb.COMPONENT_STATE_RUNNING, weight_version=5,
+            )
+            for i, a in enumerate(self.addresses)
         ])
 
     async def AllocateGroup(self, request, context):
@@ -221,53 +225,44 @@ async def test_rollout_adapter_round_trip_and_unreachable_replicas(cluster) -> N
     assert not await GrpcHealthProbe("dead", "127.0.0.1:1", timeout=1).check()
 
 
-async def test_synchronizer_adapter_maps_replica_addresses_to_ids(cluster) -> None:
+async def test_synchronizer_adapter_configures_the_policy_and_reads_versions(cluster) -> None:
     addresses, fakes = cluster
     sync = GrpcSynchronizer(addresses["sync"], trainer_id="trainer-0")
-    await sync.configure_policy(style="dynamic_by_explorer", method="nccl", interval=2, offset=0, timeout_seconds=9)
-    assert fakes["sync"].policy.style == cpb.SYNC_STYLE_DYNAMIC_BY_EXPLORER and fakes["sync"].policy.sync_timeout_seconds == 9
-    assert (await sync.need_sync(2)).need_sync and not (await sync.need_sync(3)).need_sync
-    await sync.register_checkpoint(2, "/w/v2")
-    assert fakes["sync"].registered == [(2, "/w/v2")]
-    group = await sync.allocate_group(4, [addresses["r1"]], 30)
-    assert group == NcclGroup("g1", "10.0.0.1:29500", 2, "gloo", {"trainer-0": 0, addresses["r1"]: 1},
+    await sync.configure_policy(style="dynamic_by_explorer", method="nccl", interval=2, offset=0, timeout_seconds=9,
+                                mode="batch-async", max_staleness=3)
+    policy = fakes["sync"].policy
+    assert policy.style == cpb.SYNC_STYLE_DYNAMIC_BY_EXPLORER and policy.sync_timeout_seconds == 9
+    # The mode tells replicas what to wait for before they generate for a step.
+    assert policy.rollout_wait == spb.ROLLOUT_WAIT_STALENESS and policy.max_staleness == 3
+    await sync.configure_policy(style="fixed", method="memory", interval=1, offset=0, timeout_seconds=9,
+                                mode="sync", max_staleness=0)
+    assert fakes["sync"].policy.rollout_wait == spb.ROLLOUT_WAIT_DUE_VERSION
+    assert await sync.latest_version() == 7
+    assert await sync.replica_versions() == {"rollout-0": 5, "rollout-1": 5}
+    group = await sync.allocate_group(4, [], 30)
+    assert group == NcclGroup("g1", "10.0.0.1:29500", 1, "gloo", {"trainer-0": 0},
                               synchronizer_address=addresses["sync"])
-    # A replica is told the group, its own rank in it, and where to report the outcome.
-    replica = GrpcRolloutEngine(addresses["r1"], timeout=10)
+    # A replica told of a group (by UpdateWeights, the operator path) gets its rank and where to report.
+    group = await sync.allocate_group(4, ["rollout-1"], 30)
+    replica = GrpcRolloutEngine(addresses["r1"], timeout=10, name="rollout-1")
     assert await replica.update_weights(4, WeightSource("nccl", group=group), pause_mode="abort") == 4
     sent = fakes["r1"].updates[-1].nccl
     assert (sent.group_id, sent.rendezvous_address, sent.world_size, sent.rank, sent.backend) == (
         "g1", "10.0.0.1:29500", 2, 1, "gloo")
     assert sent.synchronizer_address == addresses["sync"]
     await replica.close()
-    with pytest.raises(FailedPrecondition, match="not registered"):
-        await sync.allocate_group(4, ["10.9.9.9:1"], 30)
     await sync.close()
 
 
-async def test_replicas_named_by_component_id_get_ranks_under_that_id(cluster) -> None:
-    addresses, _ = cluster
-    cfg = config(services={"trainer": {"address": addresses["trainer"]},
-                           "rollout": [{"address": addresses["r0"], "id": "rollout-0"}, {"address": addresses["r1"]}],
-                           "synchronizer": {"address": addresses["sync"]}})
-    services = connect(cfg, token="unused")
-    try:
-        assert [r.name for r in services.rollouts] == ["rollout-0", addresses["r1"]]  # no id: the address
-        group = await services.synchronizer.allocate_group(4, [r.name for r in services.rollouts], 30)
-        # The fake synchronizer registered r0 as rollout-0 and r1 as rollout-1.
-        assert group.ranks == {"trainer-0": 0, "rollout-0": 1, addresses["r1"]: 2}
-    finally:
-        await services.close()
-
-
-async def test_a_whole_run_over_grpc(cluster, tmp_path) -> None:
+async def test_a_whole_standalone_run_over_grpc(cluster, tmp_path) -> None:
+    """Without a synchronizer the controller moves the weights itself (UpdateWeights to every replica)."""
     addresses, fakes = cluster
     cfg = config(
         mode="batch-async",
         run={"max_steps": 4},
         services={"trainer": {"address": addresses["trainer"]},
                   "rollout": [{"address": addresses["r0"]}, {"address": addresses["r1"]}],
-                  "synchronizer": {"address": addresses["sync"]}, "health_interval_seconds": 0.2},
+                  "health_interval_seconds": 0.2},
         staleness={"threshold": 1},
         sync={"method": "checkpoint", "checkpoint_dir": str(tmp_path), "interval": 2},
         checkpoint={"at_end": True},
@@ -278,12 +273,10 @@ async def test_a_whole_run_over_grpc(cluster, tmp_path) -> None:
     await services.close()
     assert summary.steps == 4 and summary.final_version == 4
     assert fakes["trainer"].sim.checkpoints  # saved at the end, with the data cursor
-    policy = fakes["sync"].policy  # the controller configured the synchronizer from the run config
-    assert policy.sync_interval == 2 and policy.method == cpb.SYNC_METHOD_CHECKPOINT and policy.style == cpb.SYNC_STYLE_FIXED
-    # The synchronizer said "sync" after steps 2 and 4: replicas loaded those versions.
+    # The local FIXED(2, 0) policy said "sync" after steps 2 and 4: replicas loaded those versions.
     # (The run ends right after step 4's export; replicas loading v4 is cut short.)
     loaded = {u.version for name in ("r0", "r1") for u in fakes[name].updates}
     assert 2 in loaded and loaded <= {2, 4}
-    assert fakes["sync"].registered == [(2, f"{tmp_path}/v2"), (4, f"{tmp_path}/v4")]
+    assert fakes["sync"].registered == []  # nothing is registered without a synchronizer
     for version, versions in fakes["trainer"].sim.trained:
         assert all(version - v <= 1 for v in versions)

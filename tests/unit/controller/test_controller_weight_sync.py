@@ -88,47 +88,38 @@ def test_a_failed_update_takes_the_replica_out_until_it_recovers() -> None:
     run_virtual(scenario())
 
 
-def test_policy_and_methods_through_the_synchronizer() -> None:
+def test_the_local_fixed_policy_without_a_synchronizer() -> None:
     assert [s for s in range(1, 10) if SyncPolicy(interval=3, offset=1).need(s)] == [4, 7]
 
+
+@pytest.mark.parametrize(("mode", "wait", "limit"), [("sync", 0, 0), ("batch-async", 1, 1), ("fully-async", 0, None)])
+def test_with_a_synchronizer_the_controller_moves_no_weights(mode: str, wait: int, limit) -> None:
     async def scenario() -> None:
-        synchronizer = SimulatedSynchronizer(policy=SyncPolicy(interval=2))
-        sync, trainer, engines, *_ = controller("batch-async", synchronizer=synchronizer, policy=SyncPolicy(2, 0))
+        synchronizer = SimulatedSynchronizer()
+        sync, trainer, engines, gate, *_ = controller(mode, synchronizer=synchronizer, policy=SyncPolicy(2, 1))
         await sync.configure()
-        assert synchronizer.configured == {"style": "fixed", "method": "checkpoint", "interval": 2, "offset": 0,
-                                           "timeout_seconds": 120.0}
-        trainer.version = 1
-        await sync.after_step(TrainResult(1, 1, 0))
-        await asyncio.sleep(1)
-        assert engines.min_version() == 0  # step 1: not a sync step
-        trainer.version = 2
-        await sync.after_step(TrainResult(2, 2, 0))
-        await asyncio.sleep(1)
-        assert engines.min_version() == 2 and synchronizer.checkpoints == {2: "sim://weights/v2"}
-        await sync.close()
+        assert synchronizer.configured == {"style": "fixed", "method": "checkpoint", "interval": 2, "offset": 1,
+                                           "timeout_seconds": 120.0, "mode": mode, "max_staleness": wait}
+        assert gate.limit == limit
+        for step in (1, 2, 3):
+            trainer.version = step
+            await sync.after_step(TrainResult(step, step, 0))
+            # The trainer published whatever was due; replicas follow by themselves.
+            assert trainer.exports == 0 and engines.min_version() == 0
+            assert gate.rollout_version == step  # the next batch may be dispatched
+        # A version outside the schedule that the run must measure (validation, a resume) is
+        # published once, and only if the synchronizer does not hold it yet.
+        await sync.settle(3)
+        assert trainer.exports == 1 and engines.min_version() == 0
+        synchronizer.latest = 3
+        await sync.settle(3)
+        await sync.bring_up_to(3)
+        assert trainer.exports == 1
 
-        # A synchronizer that never says "sync" cannot stall the run: weights move
-        # once rollouts would fall more than the threshold behind, and every step in sync mode.
-        silent = SimulatedSynchronizer(policy=SyncPolicy(interval=1000))
-        sync, trainer, engines, *_ = controller("batch-async", synchronizer=silent)
+        nccl, trainer, engines, *_ = controller(mode, method="nccl", synchronizer=SimulatedSynchronizer())
         trainer.version = 1
-        await sync.after_step(TrainResult(1, 1, 0))
-        await asyncio.sleep(1)
-        assert engines.min_version() == 0
-        trainer.version = 2
-        await sync.after_step(TrainResult(2, 2, 0))
-        await asyncio.sleep(1)
-        assert engines.min_version() == 2
-        await sync.close()
-        sync, trainer, engines, *_ = controller("sync", synchronizer=silent)
-        trainer.version = 1
-        await sync.after_step(TrainResult(1, 1, 0))
-        assert engines.min_version() == 1
-
-        nccl, trainer, engines, *_ = controller("fully-async", method="nccl", synchronizer=SimulatedSynchronizer())
-        trainer.version = 1
-        await nccl.after_step(TrainResult(1, 1, 0))  # broadcast and receives run together, awaited
-        assert engines.min_version() == 1 and nccl.synchronizer.groups == 1
+        await nccl.settle(1)  # a group of every registered replica; they join on their own
+        assert nccl.synchronizer.groups == 1 and trainer.exports == 1
 
     run_virtual(scenario())
 

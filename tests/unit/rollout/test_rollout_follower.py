@@ -1,9 +1,11 @@
 """The rollout as a synchronizer component: it registers with its served
 version, stays alive past the lease, registers again after a synchronizer
 restart, reports every weight update (who ever asked for it, failures with
-their reason), follows committed versions when told to, and deregisters on a
-graceful stop. A real synchronizer server and the transformers engine on a
-tiny model; no doubles."""
+their reason), moves its weights only as the policy directs at its own steps
+(FIXED points, DYNAMIC requests that lapse and are asked again), holds
+generations back by the policy's wait rule, catches up when it joins, and
+deregisters on a graceful stop. A real synchronizer server and the
+transformers engine on a tiny model; no doubles."""
 
 from __future__ import annotations
 
@@ -18,15 +20,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from flywheel.errors import FailedPrecondition, Unavailable
 from flywheel.runtime.server import RunningServer, serve
 from services.rollout.core import RolloutCore, UpdateReport
+from services.rollout.engine.base import SampleOutput, SamplingSpec
 from services.rollout.engine.transformers_engine import TransformersEngine
+from services.rollout.prompts import ResolvedPrompt
 from services.rollout.link import SynchronizerLink
 from services.rollout.sources import checkpoint_stage
-from services.synchronizer.client import SynchronizerClient
-from services.synchronizer.client_types import WatchEvent
+from flywheel.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.client_types import WatchEvent
 from services.synchronizer.embedded import embedded_synchronizer
-from services.synchronizer.types import EventKind, Method, Role, State
+from flywheel.synchronizer.types import EventKind, Method, Role, State
 from tests.unit.rollout.rollout_helpers import rollout_config
 
 CID = "rollout-under-test"
@@ -141,11 +146,10 @@ async def test_an_update_anyone_triggers_is_reported(rollout_model, codec, base_
         async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
             await link.presence.registered.wait()
             specs = core.engine.weight_specs()
-            # As UpdateWeights does it: the core, with a checkpoint; follow is off.
+            # As UpdateWeights (the operator's path) does it: the core, with a checkpoint.
             await core.update_weights(1, checkpoint_stage(str(ckpt), 1, specs), None, 30)
             c = await eventually(lambda: _at_version(client, 1), what="version 1 reported")
             assert c.state == State.RUNNING
-            assert link.follower is None
 
 
 async def _at_version(client: SynchronizerClient, version: int):
@@ -153,29 +157,116 @@ async def _at_version(client: SynchronizerClient, version: int):
     return c if c is not None and c.weight_version == version else None
 
 
-async def test_follow_applies_pushed_memory_versions_and_reports_them(rollout_model, codec, base_state) -> None:
-    async with embedded_synchronizer() as sync, SynchronizerClient(sync.address) as client:
-        async with linked_rollout(rollout_model, codec, sync.address, follow=True) as (core, link):
-            await link.presence.registered.wait()
-            await client.push_weights(shifted(base_state, 0.01), 1)
-            await eventually(lambda: core.status().version == 1, what="version 1 applied")
-            await eventually(lambda: _at_version(client, 1), what="version 1 reported")
+async def generate(core: RolloutCore, run_step: int = 0, min_version: int = 0) -> SampleOutput:
+    prompt = ResolvedPrompt(ids=[1, 2, 3], request_id="")
+    (out,) = await core.generate([prompt], SamplingSpec(max_tokens=2), run_step=run_step, min_version=min_version)
+    return out.samples[0]
+
+
+def states(events: list[WatchEvent]) -> list[str]:
+    """The rollout's state after each state event, collapsing repeats."""
+    seen: list[str] = []
+    for e in events:
+        if e.component is not None and e.kind in (EventKind.STATE_CHANGED, EventKind.SYNC_REQUESTED):
+            name = e.component.state.name
+            if not seen or seen[-1] != name:
+                seen.append(name)
+    return seen
+
+
+async def test_fixed_sync_points_hold_generation_for_the_due_version(rollout_model, codec, base_state) -> None:
+    """FIXED(2, 1), sync mode: steps 3, 5 are sync points, due versions 2 and 4; nothing moves in between."""
+    async with embedded_synchronizer(keep_versions=4) as sync, SynchronizerClient(sync.address) as client:
+        await client.configure_policy("fixed", "memory", 2, 1, 30.0, rollout_wait="due_version")
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+            await link.ready(5.0)
+            events: list[WatchEvent] = []
+            watcher = asyncio.ensure_future(collect(client, events))
+            await asyncio.sleep(0.2)  # the watch is subscribed
+            for version in (1, 2):
+                await client.push_weights(shifted(base_state, 0.01 * version), version)
+            # Steps 1 and 2 completed (run steps 2, 3): no sync point yet, even with newer versions around.
+            for run_step in (1, 2, 3):
+                assert (await generate(core, run_step)).version_start == 0
+            assert core.status().version == 0 and link.follower.step == 2
+            # Run step 4: step 3 is a sync point; it waits for version 2 and serves it.
+            push3 = asyncio.ensure_future(client.push_weights(shifted(base_state, 0.03), 3))
+            assert (await generate(core, 4)).version_start == 2
+            await push3
+            assert (await generate(core, 5)).version_start == 2  # step 4: not a sync point
+            # Step 5 is due version 4, not pushed yet: the generation waits for it.
+            waiting = asyncio.ensure_future(generate(core, 6))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+            await client.push_weights(shifted(base_state, 0.04), 4)
+            assert (await asyncio.wait_for(waiting, 30)).version_start == 4
             # The engine serves the pushed bytes, not just a new number.
             served = core.engine.model.state_dict()
             name = next(n for n, t in base_state.items() if t.is_floating_point() and n in served)
-            assert torch.equal(served[name].to(base_state[name].dtype), shifted(base_state, 0.01)[name])
+            assert torch.equal(served[name].to(base_state[name].dtype), shifted(base_state, 0.04)[name])
+            await eventually(lambda: _at_version(client, 4), what="version 4 reported")
+            # The seed table for MEMORY: RUNNING -> REQUIRE_SYNC -> RUNNING at each sync point.
+            assert states(events) == ["REQUIRE_SYNC", "RUNNING", "REQUIRE_SYNC", "RUNNING"]
+            assert (await component(client)).step == 5
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
 
 
-async def test_follow_jumps_to_the_newest_of_several_committed_versions(rollout_model, codec, base_state) -> None:
+async def test_a_staleness_bound_waits_only_while_too_far_behind(rollout_model, codec, base_state) -> None:
+    async with embedded_synchronizer(keep_versions=4) as sync, SynchronizerClient(sync.address) as client:
+        await client.configure_policy("fixed", "memory", 1, 0, 2.0, rollout_wait="staleness", max_staleness=1)
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+            await link.ready(5.0)
+            assert (await generate(core, 2)).version_start == 0  # trained against 1: 1 behind is allowed
+            # Run step 3 needs version >= 1; FIXED(1, 0) asks for version 2 at step 2, and it is not out yet:
+            # the generation is refused at the policy's timeout rather than run 2 behind.
+            with pytest.raises(Unavailable, match="needs version 1"):
+                await generate(core, 3)
+            await client.push_weights(shifted(base_state, 0.01), 1)
+            assert (await generate(core, 3)).version_start == 1
+            # Step 3 is due version 3, not out yet; version 2 is, and is all run step 4 needs:
+            # a step towards the due version is progress, and the generation runs on it.
+            await client.push_weights(shifted(base_state, 0.02), 2)
+            assert (await generate(core, 4)).version_start == 2
+
+
+async def test_a_dynamic_request_that_lapses_is_asked_again_at_the_next_step(rollout_model, codec, base_state) -> None:
+    async with embedded_synchronizer(sweep_interval_seconds=0.05) as sync, SynchronizerClient(sync.address) as client:
+        await client.configure_policy("dynamic_by_explorer", "memory", 2, 0, 0.5, rollout_wait="none")
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+            await link.ready(5.0)
+            events: list[WatchEvent] = []
+            watcher = asyncio.ensure_future(collect(client, events))
+            await asyncio.sleep(0.2)
+            await generate(core, 2)  # step 1: not yet
+            await generate(core, 3)  # step 2: asks for a version newer than 0
+            assert (await component(client)).state == State.REQUIRE_SYNC
+            requested = await eventually(lambda: [e for e in events if e.kind == EventKind.SYNC_REQUESTED],
+                                         what="the request on Watch")
+            assert requested[0].version == 1  # anything newer than the served version 0
+            await eventually(lambda: states(events)[-1:] == ["RUNNING"], what="the request to lapse")
+            assert any("timed out" in e.message for e in events)
+            await generate(core, 4)  # step 3: asks again
+            assert (await component(client)).state == State.REQUIRE_SYNC
+            await client.push_weights(shifted(base_state, 0.01), 1)
+            await eventually(lambda: _at_version(client, 1), what="version 1 applied and reported")
+            assert (await component(client)).state == State.RUNNING
+            assert states(events) == ["REQUIRE_SYNC", "RUNNING", "REQUIRE_SYNC", "RUNNING"]
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+
+async def test_a_replica_that_joins_catches_up_to_the_newest_version_first(rollout_model, codec, base_state) -> None:
     async with embedded_synchronizer(keep_versions=3) as sync, SynchronizerClient(sync.address) as client:
         for version in (1, 2, 3):  # committed before the rollout hears of any
             await client.push_weights(shifted(base_state, 0.01 * version), version)
-        async with linked_rollout(rollout_model, codec, sync.address, follow=True) as (core, _):
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
             reports: list[UpdateReport] = []
             core.update_observers.append(reports.append)
-            await eventually(lambda: core.status().version == 3, what="version 3 applied")
-            await eventually(lambda: _at_version(client, 3), what="version 3 reported")
+            await link.ready(5.0)
+            assert core.status().version == 3, "caught up before it reports ready"
             assert [(r.version, r.error) for r in reports] == [(3, None)], "versions 1 and 2 must be skipped"
+            await eventually(lambda: _at_version(client, 3), what="version 3 reported")
 
 
 async def test_a_failed_update_is_reported_with_its_reason_and_the_old_version_kept(rollout_model, codec, base_state) -> None:
@@ -183,12 +274,15 @@ async def test_a_failed_update_is_reported_with_its_reason_and_the_old_version_k
     wrong = dict(base_state)
     wrong[name] = torch.zeros(wrong[name].shape[0] + 1, wrong[name].shape[1], dtype=wrong[name].dtype)
     async with embedded_synchronizer() as sync, SynchronizerClient(sync.address) as client:
-        async with linked_rollout(rollout_model, codec, sync.address, follow=True) as (core, link):
-            await link.presence.registered.wait()
+        await client.configure_policy("fixed", "memory", 1, 0, 1.0, rollout_wait="due_version")
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+            await link.ready(5.0)
             events: list[WatchEvent] = []
             watcher = asyncio.ensure_future(collect(client, events))
             await asyncio.sleep(0.2)  # the watch is subscribed
             await client.push_weights(wrong, 1)
+            with pytest.raises(Unavailable):
+                await generate(core, 2)  # due version 1 cannot be applied: refused, never served half-updated
 
             def failure() -> WatchEvent | None:
                 return next((e for e in events if e.kind == EventKind.STATE_CHANGED and "failed" in e.message), None)
@@ -196,14 +290,27 @@ async def test_a_failed_update_is_reported_with_its_reason_and_the_old_version_k
             event = await eventually(failure, what="the failure on Watch")
             assert "version 1" in event.message and "still serving version 0" in event.message
             assert "INVALID_ARGUMENT" in event.message and name in event.message
-            assert event.component.weight_version == 0 and event.component.state == State.RUNNING
-            assert core.status().version == 0 and link.follower.given_up == {1}
+            assert event.component.weight_version == 0
+            assert core.status().version == 0
             # The next good version is applied: one bad push does not stop following.
             await client.push_weights(shifted(base_state, 0.02), 2)
-            await eventually(lambda: core.status().version == 2, what="version 2 applied")
+            assert (await generate(core, 3)).version_start == 2
             await eventually(lambda: _at_version(client, 2), what="version 2 reported")
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
+
+
+async def test_min_weight_version_without_a_synchronizer_is_refused(rollout_model, codec) -> None:
+    config = rollout_config(rollout_model, "transformers")
+    engine = TransformersEngine(rollout_model, dict(config.engine.args), codec)
+    await engine.start()
+    core = RolloutCore(config, engine, codec, "tiny")
+    try:
+        with pytest.raises(FailedPrecondition, match="no synchronizer"):
+            await generate(core, min_version=1)
+        assert (await generate(core, run_step=7)).version_start == 0  # steps mean nothing standalone
+    finally:
+        await engine.stop()
 
 
 async def test_the_service_registers_once_loaded_and_deregisters_on_graceful_stop(rollout_model) -> None:

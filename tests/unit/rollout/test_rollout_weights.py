@@ -15,7 +15,7 @@ from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFo
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.transfer.frames import encoded_frames
 from services.rollout.weights import MANIFEST_FILE, check_stream_manifest, checkpoint_specs, stage_checkpoint
-from services.synchronizer.pull import pull_version
+from flywheel.synchronizer.pull import pull_version
 from tests.unit.synchronizer.sync_helpers import corrupt
 
 

@@ -11,7 +11,7 @@ from flywheel.errors import FailedPrecondition, NotFound, Unavailable
 from services.synchronizer.config import SynchronizerConfig
 from services.synchronizer.core import Synchronizer
 from services.synchronizer.plane import WeightPlane
-from services.synchronizer.types import EventKind, Identity, Method, Role, State, Style, TransferState
+from flywheel.synchronizer.types import EventKind, Identity, Method, Role, State, Style, TransferState
 from tests.unit.synchronizer.sync_helpers import frames_of, small_state
 
 

@@ -9,7 +9,7 @@ import pytest
 from flywheel.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from services.synchronizer.events import EventBus
 from services.synchronizer.groups import Group, Transfers
-from services.synchronizer.types import Component, EventKind, Identity, Role, TransferState
+from flywheel.synchronizer.types import Component, EventKind, Identity, Role, TransferState
 
 T = Component(Identity(Role.TRAINER, "t", "10.1.2.3:50052"))
 R1, R2 = Component(Identity(Role.ROLLOUT, "r1")), Component(Identity(Role.ROLLOUT, "r2", labels={"device": "cuda:0"}))

@@ -13,7 +13,7 @@ from services.synchronizer.policy import (
     fixed_trainer_syncs,
     validate,
 )
-from services.synchronizer.types import Component, Identity, Method, Policy, Role, State, Style
+from flywheel.synchronizer.types import Component, Identity, Method, Policy, Role, State, Style
 
 
 def comp(role: Role, state: State = State.RUNNING, version: int = 0, **kw) -> Component:

@@ -8,7 +8,7 @@ import pytest
 
 from flywheel.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.synchronizer.registry import LEGAL, Registry, check_transition
-from services.synchronizer.types import Component, EventKind, Identity, Role, State
+from flywheel.synchronizer.types import Component, EventKind, Identity, Role, State
 
 S = State
 

@@ -13,7 +13,7 @@ from flywheel.codec import build_manifest
 from flywheel.errors import DataLoss, FailedPrecondition, NotFound
 from services.synchronizer.checkpoints import INDEX_FILE, MANIFEST_FILE, verify_checkpoint
 from services.synchronizer.store import Store
-from services.synchronizer.types import Component, Identity, Method, Policy, Role, State, Style
+from flywheel.synchronizer.types import Component, Identity, Method, Policy, Role, State, Style
 from services.synchronizer.versions import VersionRecord
 from tests.unit.synchronizer.sync_helpers import small_state
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.trainer.v1 import trainer_pb2 as pb
-from services.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.client import SynchronizerClient
 from services.synchronizer.embedded import embedded_synchronizer
 from services.trainer.config import SyncConfig
 from services.trainer.export import MANIFEST_FILE, WeightExporter, export_state
@@ -92,7 +92,6 @@ async def test_rejections_and_info_not_blocked(make_engine, tmp_path: Path) -> N
         (pb.ExportWeightsRequest(method=common_pb2.SYNC_METHOD_MEMORY, checkpoint=pb.CheckpointTarget(directory="d")),
          "checkpoint"),
         (pb.ExportWeightsRequest(method=common_pb2.SYNC_METHOD_MEMORY), "memory.synchronizer_address"),
-        (pb.ExportWeightsRequest(method=common_pb2.SYNC_METHOD_CHECKPOINT), "checkpoint.directory"),
         (pb.ExportWeightsRequest(method=common_pb2.SYNC_METHOD_NCCL), "nccl.group_id"),
         (pb.ExportWeightsRequest(method=common_pb2.SYNC_METHOD_MEMORY,
                                  memory=pb.MemoryTarget(synchronizer_address="x:1", chunk_bytes=1 << 30)),
@@ -115,8 +114,8 @@ async def test_rejections_and_info_not_blocked(make_engine, tmp_path: Path) -> N
 
 
 async def test_nccl_broadcast_over_gloo(make_engine, tiny_model: Path) -> None:
-    from services.synchronizer.participant import receive_version
-    from services.synchronizer.types import TransferState
+    from flywheel.synchronizer.participant import receive_version
+    from flywheel.synchronizer.types import TransferState
 
     engine = make_engine()
     step(engine)

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from flywheel.runtime.server import RunningServer, serve
-from services.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.client import SynchronizerClient
 from services.synchronizer.embedded import embedded_synchronizer
-from services.synchronizer.types import Method, Role, State
+from flywheel.synchronizer.types import Method, Role, State
 from services.trainer.app import build
 from services.trainer.config import TrainerConfig
 from services.trainer.link import TrainerLink

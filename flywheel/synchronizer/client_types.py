@@ -9,8 +9,8 @@ import torch
 
 from flywheel import errors
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
-from services.synchronizer.convert import component_from_pb, group_from_pb
-from services.synchronizer.types import Component, EventKind, GroupInfo, Method, Policy, State, Style, TransferState
+from flywheel.synchronizer.convert import component_from_pb, group_from_pb, policy_from_status_pb
+from flywheel.synchronizer.types import Component, EventKind, GroupInfo, Method, Policy, State, TransferState
 
 _ERRORS = {
     cls.code: cls
@@ -65,12 +65,15 @@ class SyncDecision:
     push_requested: bool
     #: DYNAMIC rollouts: when the sync request lapses, ms since the epoch (0: none).
     request_deadline_unix_ms: int
+    #: The active policy (None from a synchronizer that does not send it).
+    policy: Policy | None = None
 
     @classmethod
     def from_pb(cls, r: pb.NeedSyncResponse) -> SyncDecision:
         return cls(
             r.need_sync, r.version, State(r.state), _method(r.method), r.latest_version,
             group_from_pb(r.group) if r.HasField("group") else None, r.push_requested, r.request_deadline_unix_ms,
+            policy_from_status_pb(r.policy) if r.HasField("policy") else None,
         )
 
 
@@ -148,18 +151,13 @@ class SyncStatus:
 
     @classmethod
     def from_pb(cls, r: pb.StatusResponse) -> SyncStatus:
-        p = r.policy
-        policy = Policy(
-            Style(p.style) if p.style else Style.FIXED, Method(p.method) if p.method else Method.MEMORY,
-            p.sync_interval, p.sync_offset, p.sync_timeout_seconds,
-        )
         return cls(
             [component_from_pb(c) for c in r.components],
             [
                 VersionInfo(v.version, _method(v.method), v.bytes, v.in_memory, v.path, v.committed_unix_ms)
                 for v in r.versions
             ],
-            r.latest_version, policy, [TransferOutcome.from_pb(t) for t in r.transfers], r.held_bytes,
+            r.latest_version, policy_from_status_pb(r.policy), [TransferOutcome.from_pb(t) for t in r.transfers], r.held_bytes,
         )
 
     def component(self, component_id: str) -> Component | None:

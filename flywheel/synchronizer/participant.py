@@ -30,9 +30,9 @@ import torch
 from flywheel.codec import DEFAULT_BUCKET_BYTES
 from flywheel.errors import FailedPrecondition, FlywheelError
 from flywheel.transfer.broadcast import GroupSpec, apply_staged, receive, send
-from services.synchronizer.client import SynchronizerClient
-from services.synchronizer.client_types import TransferOutcome
-from services.synchronizer.types import GroupInfo, State, TransferState
+from flywheel.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.client_types import TransferOutcome
+from flywheel.synchronizer.types import GroupInfo, State, TransferState
 
 
 def spec_for(group: GroupInfo, component_id: str) -> GroupSpec:

@@ -37,6 +37,17 @@ class Style(enum.IntEnum):
     DYNAMIC_BY_EXPLORER = 2
 
 
+class RolloutWait(enum.IntEnum):
+    """What a rollout replica waits for before it generates for a run step."""
+
+    #: Never: it generates on whatever it holds (fully-async).
+    NONE = 1
+    #: Until it holds the version the policy makes due at its step (sync mode).
+    DUE_VERSION = 2
+    #: While it is more than `Policy.max_staleness` versions behind (batch-async).
+    STALENESS = 3
+
+
 class TransferState(enum.IntEnum):
     PENDING = 1
     COMMITTED = 2
@@ -115,6 +126,10 @@ class Policy:
     interval: int = 1
     offset: int = 0
     timeout_seconds: float = 60.0
+    #: What a rollout holds a generation of run step r back for.
+    rollout_wait: RolloutWait = RolloutWait.NONE
+    #: RolloutWait.STALENESS: the most versions its weights may lag r - 1.
+    max_staleness: int = 0
 
 
 @dataclass(frozen=True)

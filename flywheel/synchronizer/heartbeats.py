@@ -17,11 +17,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from flywheel.errors import FlywheelError, NotFound
-from services.synchronizer.types import State
+from flywheel.synchronizer.types import State
 
 if TYPE_CHECKING:
-    from services.synchronizer.client import SynchronizerClient
-    from services.synchronizer.client_types import Beat
+    from flywheel.synchronizer.client import SynchronizerClient
+    from flywheel.synchronizer.client_types import Beat
 
 log = logging.getLogger(__name__)
 

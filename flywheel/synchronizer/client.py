@@ -17,7 +17,7 @@ Every call has a deadline (`timeout`, or `transfer_timeout` for weight
 streams, `watch_timeout` for Watch); failures raise `flywheel.errors`
 exceptions carrying the gRPC status name in `code`. Weights travel as raw
 frames (`flywheel.transfer.frames`): a push copies each payload once, a pull
-(`services.synchronizer.pull`) stages chunks straight from the received
+(`flywheel.synchronizer.pull`) stages chunks straight from the received
 bytes, or from shared memory on the synchronizer's host, through the codec's
 `WeightAssembler` (all or nothing: `into` is untouched unless the whole
 version arrived and verified).
@@ -38,7 +38,7 @@ from flywheel.runtime.server_config import MIB
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as pb_grpc
 from flywheel.transfer.frames import encoded_frames
-from services.synchronizer.client_types import (
+from flywheel.synchronizer.client_types import (
     Beat,
     PulledWeights,
     PushResult,
@@ -49,10 +49,12 @@ from services.synchronizer.client_types import (
     WatchEvent,
     domain_error,
 )
-from services.synchronizer.convert import group_from_pb, identity_to_pb
-from services.synchronizer.heartbeats import Heartbeats
-from services.synchronizer.pull import pull_version
-from services.synchronizer.types import GroupInfo, Identity, Method, Role, State, Style, TransferState, parse_enum
+from flywheel.synchronizer.convert import group_from_pb, identity_to_pb
+from flywheel.synchronizer.heartbeats import Heartbeats
+from flywheel.synchronizer.pull import pull_version
+from flywheel.synchronizer.types import (
+    GroupInfo, Identity, Method, Role, RolloutWait, State, Style, TransferState, parse_enum,
+)
 
 _SERVICE = "/flywheel.synchronizer.v1.SynchronizerService/"
 
@@ -192,10 +194,15 @@ class SynchronizerClient:
         interval: int,
         offset: int = 0,
         timeout_seconds: float = 0.0,
+        rollout_wait: RolloutWait | str | None = None,
+        max_staleness: int = 0,
     ) -> None:
+        """Sets the run's policy; `rollout_wait` None keeps the current rule (and its max_staleness)."""
         request = pb.ConfigurePolicyRequest(
             style=int(parse_enum(Style, style, "style")), method=int(parse_enum(Method, method, "method")),
             sync_interval=interval, sync_offset=offset, sync_timeout_seconds=timeout_seconds,
+            rollout_wait=int(parse_enum(RolloutWait, rollout_wait, "rollout_wait")) if rollout_wait else 0,
+            max_staleness=max_staleness,
         )
         await self._call("ConfigurePolicy", self.stub.ConfigurePolicy, request)
 

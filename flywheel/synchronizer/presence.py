@@ -6,7 +6,7 @@ Once its model is loaded, a service registers (its role, id, the address its
 gRPC server is reached at, the transfer methods it supports, its step and
 weight version) and then heartbeats at least every lease/3 with its current
 step and version; a synchronizer that forgot it (restarted without a store)
-or expired its lease gets it registered again (`services.synchronizer.heartbeats`).
+or expired its lease gets it registered again (`flywheel.synchronizer.heartbeats`).
 A synchronizer that cannot be reached is retried with backoff while the
 service keeps serving: nothing here ever raises into the service.
 
@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable, Mapping
 
 from flywheel.errors import FlywheelError
 from flywheel.runtime.backoff import Backoff
-from services.synchronizer.client import SynchronizerClient
-from services.synchronizer.heartbeats import Heartbeats
-from services.synchronizer.presence_config import PresenceConfig
-from services.synchronizer.types import Method, Role
+from flywheel.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.heartbeats import Heartbeats
+from flywheel.synchronizer.presence_config import PresenceConfig
+from flywheel.synchronizer.types import Method, Role
 
 log = logging.getLogger(__name__)
 

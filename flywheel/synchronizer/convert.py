@@ -5,12 +5,13 @@ from __future__ import annotations
 from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import InvalidArgument
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
-from services.synchronizer.types import (
+from flywheel.synchronizer.types import (
     Component,
     GroupInfo,
     Identity,
     Method,
     Policy,
+    RolloutWait,
     Role,
     State,
     Style,
@@ -85,6 +86,15 @@ def policy_to_pb(policy: Policy) -> pb.ConfigurePolicyRequest:
     return pb.ConfigurePolicyRequest(
         style=int(policy.style), method=int(policy.method), sync_interval=policy.interval,
         sync_offset=policy.offset, sync_timeout_seconds=policy.timeout_seconds,
+        rollout_wait=int(policy.rollout_wait), max_staleness=policy.max_staleness,
+    )
+
+
+def policy_from_status_pb(msg: pb.ConfigurePolicyRequest) -> Policy:
+    """The active policy as a status or NeedSync answer carries it (every field set)."""
+    return Policy(
+        Style(msg.style or Style.FIXED), Method(msg.method or Method.MEMORY), msg.sync_interval, msg.sync_offset, msg.sync_timeout_seconds,
+        RolloutWait(msg.rollout_wait) if msg.rollout_wait else RolloutWait.NONE, msg.max_staleness,
     )
 
 
@@ -93,11 +103,14 @@ def policy_from_pb(msg: pb.ConfigurePolicyRequest) -> dict:
     try:
         style = Style(msg.style) if msg.style else None
         method = Method(msg.method) if msg.method else None
+        rollout_wait = RolloutWait(msg.rollout_wait) if msg.rollout_wait else None
     except ValueError:
-        raise InvalidArgument(f"unknown style {msg.style} or method {msg.method}") from None
+        raise InvalidArgument(
+            f"unknown style {msg.style}, method {msg.method} or rollout_wait {msg.rollout_wait}"
+        ) from None
     if msg.sync_timeout_seconds < 0:
         raise InvalidArgument(f"sync_timeout_seconds must be positive, got {msg.sync_timeout_seconds}")
     return dict(
         style=style, method=method, interval=msg.sync_interval, offset=msg.sync_offset,
-        timeout_seconds=msg.sync_timeout_seconds,
+        timeout_seconds=msg.sync_timeout_seconds, rollout_wait=rollout_wait, max_staleness=msg.max_staleness,
     )
