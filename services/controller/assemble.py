@@ -23,6 +23,7 @@ from services.controller.data import DataLoader, loader_from_config
 from services.controller.domain import SamplingSpec
 from services.controller.errors_report import ErrorReporter
 from services.controller.liveness import LivenessMonitor
+from services.controller.observer import SynchronizerObserver
 from services.controller.metrics_log import JsonlSink, MemorySink, MetricsLog, MetricsSink
 from services.controller.pipeline import Pipeline
 from services.controller.pool import TrajectoryPool
@@ -105,7 +106,7 @@ def build_pipeline(
     group, batch = cfg.worker.group_size, cfg.algorithm.train_batch_size
     pool = TrajectoryPool(cfg.pool_store, cfg.pool.keys, group, cfg.buffer_size_limit, cfg.pool.count_in_flight)
     instance = pool.instance(cfg.model.tag)
-    gate = StalenessGate(batch, cfg.staleness_limit)
+    gate = StalenessGate(batch, cfg.dispatch_lookahead)
     ctx = WorkerContext(
         engines=engines, reward=reward, reward_kwargs=dict(cfg.reward.kwargs), model_tag=cfg.model.tag,
         chat=cfg.worker.chat, system_prompt=cfg.worker.system_prompt, max_turns=cfg.worker.max_turns,
@@ -175,9 +176,12 @@ def build_pipeline(
             "metrics.wandb_project",
             lambda: WandbSink(cfg.metrics.wandb_project, cfg.run.name, cfg.model_dump(mode="json", by_alias=True)),
         ))
+    observer = None
+    if services.synchronizer is not None:
+        observer = SynchronizerObserver(services.synchronizer.events, Path(run_dir) if run_dir else None)
     return Pipeline(
         config=cfg, trainer=services.trainer, engines=engines, loader=loader, pool=pool, gate=gate,
         rollouts=rollouts, processor=processor, batches=batches, train_worker=train_worker,
         weight_sync=weight_sync, tracker=tracker, errors=errors, metrics=metrics, memory=memory,
-        validator=validator, liveness=liveness, run_dir=Path(run_dir) if run_dir else None,
+        validator=validator, liveness=liveness, observer=observer, run_dir=Path(run_dir) if run_dir else None,
     )

@@ -22,6 +22,7 @@ from services.controller.domain import TrainResult
 from services.controller.errors_report import ErrorReporter
 from services.controller.liveness import LivenessMonitor
 from services.controller.metrics_log import MemorySink, MetricsLog
+from services.controller.observer import SynchronizerObserver
 from services.controller.pool import TrajectoryPool
 from services.controller.processor import AlgorithmProcessor, TrainBatchPool
 from services.controller.protocols import Trainer
@@ -67,6 +68,7 @@ class Pipeline:
     memory: MemorySink
     validator: Validator | None = None
     liveness: LivenessMonitor | None = None
+    observer: SynchronizerObserver | None = None
     run_dir: Path | None = None
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     steps_done: int = 0
@@ -102,6 +104,8 @@ class Pipeline:
         await self.weight_sync.bring_up_to(version)
         if self.liveness is not None:
             self._background.append(asyncio.ensure_future(self.liveness.run()))
+        if self.observer is not None:
+            self._background.append(asyncio.ensure_future(self.observer.run()))
 
     async def _resume(self, source: str) -> None:
         restored = await self.trainer.load_checkpoint(None if source == "latest" else source)

@@ -13,7 +13,7 @@ when the caller's view is out of date, anything else for real failures.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from services.controller.domain import (
@@ -28,6 +28,7 @@ from services.controller.domain import (
 )
 
 if TYPE_CHECKING:
+    from flywheel.synchronizer.client_types import WatchEvent
     from services.controller.batching import TrainBatch
     from services.controller.run_config import LossConfig
 
@@ -88,6 +89,10 @@ class Synchronizer(Protocol):
         max_staleness: int,
     ) -> None:
         """Sets the run's sync policy (the controller owns the run's config); `mode` picks what replicas wait for."""
+        ...
+
+    def events(self, send_initial: bool) -> AsyncIterator[WatchEvent]:
+        """The synchronizer's event stream (True: everyone's current state first)."""
         ...
 
     async def latest_version(self) -> int: ...

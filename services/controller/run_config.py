@@ -271,20 +271,35 @@ class RunConfig(StrictModel):
             raise ValueError(f"pool.buffer_size_limit ({self.buffer_size_limit}) must be >= algorithm.train_batch_size ({b})")
         if self.sync.method == "memory" and self.services.synchronizer is None:
             raise ValueError("sync.method: memory needs services.synchronizer (the synchronizer holds the weights)")
-        if self.mode == "sync" and (self.sync.interval != 1 or self.sync.offset != 0):
-            raise ValueError(
-                "sync.interval / sync.offset: sync mode moves weights after every step (interval 1, offset 0); "
-                "use batch-async for less frequent syncs"
-            )
-        lag = self.sync.offset + self.sync.interval - 1
-        if self.mode == "batch-async" and self.staleness.threshold < lag:
-            raise ValueError(
-                f"staleness.threshold ({self.staleness.threshold}) must be >= sync.offset + sync.interval - 1 ({lag}): "
-                "rollouts cannot be fresher than the weights they are sent"
-            )
+        self._check_schedule()
         if self.worker.type == "agent" and not self.worker.tools:
             raise ValueError("worker.tools: the agent worker needs at least one tool")
         return self
+
+    def _check_schedule(self) -> None:
+        """Which sync schedules each mode can keep (docs/architecture.md, "Who moves the weights")."""
+        s, governed = self.sync, self.services.synchronizer is not None
+        if s.style == "dynamic_by_explorer" and not governed:
+            raise ValueError("sync.style: dynamic_by_explorer needs services.synchronizer (rollouts ask it for weights)")
+        if self.mode == "sync":
+            if s.style != "fixed":
+                raise ValueError("sync.style: sync mode needs a fixed schedule (every sample on the due version)")
+            if not governed and (s.interval != 1 or s.offset != 0):
+                raise ValueError(
+                    "sync.interval / sync.offset: without a synchronizer sync mode moves weights after every step "
+                    "(interval 1, offset 0); with one, replicas wait for the version due at each of their steps"
+                )
+        if self.mode != "batch-async":
+            return
+        if s.style == "fixed":
+            lag, why = s.offset + s.interval - 1, "sync.offset + sync.interval - 1"
+        else:
+            lag, why = s.interval + 1, "sync.interval + 1"
+        if self.staleness.threshold < lag:
+            raise ValueError(
+                f"staleness.threshold ({self.staleness.threshold}) must be >= {why} ({lag}): "
+                "rollouts cannot be fresher than the schedule moves their weights"
+            )
 
     # Resolved defaults, so every component reads the same value.
     @property
@@ -312,12 +327,21 @@ class RunConfig(StrictModel):
 
     @property
     def staleness_limit(self) -> int | None:
-        """The enforced bound, or None when samples may be arbitrarily stale."""
+        """The enforced bound on trained samples, or None when they may be arbitrarily stale.
+        Sync mode: the schedule's own lag (0 for FIXED(1, 0): on-policy)."""
         if self.mode == "sync":
-            return 0
+            return self.sync.offset + self.sync.interval - 1
         if self.mode == "batch-async":
             return self.staleness.threshold
         return None
+
+    @property
+    def dispatch_lookahead(self) -> int | None:
+        """How many batches past the trainer's version rollouts may be started for (the
+        staleness gate's limit): sync mode none (lockstep), batch-async the threshold."""
+        if self.mode == "sync":
+            return 0
+        return self.staleness_limit
 
 
 def _format(exc: ValidationError, origin: str) -> str:

@@ -21,7 +21,7 @@ import math
 import random
 import selectors
 import zlib
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -289,6 +289,10 @@ class SimulatedSynchronizer:
 
     async def configure_policy(self, **policy: Any) -> None:
         self.configured = policy
+
+    async def events(self, send_initial: bool) -> AsyncIterator[Any]:
+        await asyncio.Event().wait()  # a simulated synchronizer announces nothing
+        yield None
 
     async def latest_version(self) -> int:
         return self.latest

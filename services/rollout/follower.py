@@ -21,7 +21,7 @@ what it waits for:
 - NONE (fully-async): nothing; the sync runs in the background.
 A request may also name `min_weight_version` (validation measures the weights
 it names). A wait that outlasts the policy's timeout fails the request with
-UNAVAILABLE; nothing half-applied is ever served.
+ABORTED (retry later); nothing half-applied is ever served.
 
 At registration a replica catches up to the newest committed version before
 it reports SERVING, so a replica that joins mid-run (scale-out, a restart)
@@ -34,7 +34,7 @@ import asyncio
 import logging
 import time
 
-from flywheel.errors import FailedPrecondition, NotFound, Unavailable
+from flywheel.errors import Aborted, FailedPrecondition, NotFound
 from flywheel.runtime.backoff import Backoff
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.client_types import WatchEvent
@@ -150,13 +150,14 @@ class Follower:
         return self.policy.timeout_seconds if self.policy is not None else self.config.updates.timeout_seconds
 
     async def reach(self, version: int, timeout: float) -> None:
-        """Returns once the served version is at least `version`; Unavailable after `timeout` seconds."""
+        """Returns once the served version is at least `version`; Aborted after `timeout` seconds."""
         self._aim(version)
         deadline = time.monotonic() + timeout
         while self.served < version:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise Unavailable(
+                # ABORTED, not UNAVAILABLE: the replica is healthy; the caller retries the work later.
+                raise Aborted(
                     f"rollout {self.component_id} still serves version {self.served}; this generation needs "
                     f"version {version} and it did not arrive within {timeout:g} s"
                 )
@@ -217,7 +218,7 @@ class Follower:
                      extra={"id": self.component_id, "serving": self.served, "version": status.latest_version})
             try:
                 await self.reach(status.latest_version, timeout)
-            except Unavailable as exc:
+            except Aborted as exc:
                 log.warning("catching up failed; the first step syncs again", extra={"error": str(exc)})
 
     def _source_known(self, version: int) -> bool:

@@ -9,9 +9,10 @@ registered replica, which the replicas join on their own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from flywheel.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.client_types import WatchEvent
 from flywheel.synchronizer.types import Role, State
 from services.controller.domain import NcclGroup
 
@@ -35,6 +36,9 @@ class GrpcSynchronizer:
             style, method, interval, offset, timeout_seconds, rollout_wait=ROLLOUT_WAIT[mode],
             max_staleness=max_staleness,
         )
+
+    def events(self, send_initial: bool) -> AsyncIterator[WatchEvent]:
+        return self.client.watch([], send_initial=send_initial)
 
     async def latest_version(self) -> int:
         return (await self.client.status()).latest_version

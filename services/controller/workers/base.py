@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from flywheel.errors import DeadlineExceeded, Unavailable
+from flywheel.errors import Aborted, DeadlineExceeded, Unavailable
 from services.controller.balancer import EnginePool
 from services.controller.domain import (
     FinishReason,
@@ -120,4 +120,5 @@ def check_generations(generations: list[Generation]) -> RolloutOutcome | None:
 
 
 #: Engine errors that mean "try this task again later", not "this task is bad".
-RETRYABLE = (Unavailable, DeadlineExceeded)
+#: (Aborted: a replica could not get the weights the step needs in time.)
+RETRYABLE = (Unavailable, DeadlineExceeded, Aborted)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flywheel.errors import FailedPrecondition, Unavailable
+from flywheel.errors import Aborted, FailedPrecondition
 from flywheel.runtime.server import RunningServer, serve
 from services.rollout.core import RolloutCore, UpdateReport
 from services.rollout.engine.base import SampleOutput, SamplingSpec
@@ -220,7 +220,7 @@ async def test_a_staleness_bound_waits_only_while_too_far_behind(rollout_model, 
             assert (await generate(core, 2)).version_start == 0  # trained against 1: 1 behind is allowed
             # Run step 3 needs version >= 1; FIXED(1, 0) asks for version 2 at step 2, and it is not out yet:
             # the generation is refused at the policy's timeout rather than run 2 behind.
-            with pytest.raises(Unavailable, match="needs version 1"):
+            with pytest.raises(Aborted, match="needs version 1"):
                 await generate(core, 3)
             await client.push_weights(shifted(base_state, 0.01), 1)
             assert (await generate(core, 3)).version_start == 1
@@ -281,7 +281,7 @@ async def test_a_failed_update_is_reported_with_its_reason_and_the_old_version_k
             watcher = asyncio.ensure_future(collect(client, events))
             await asyncio.sleep(0.2)  # the watch is subscribed
             await client.push_weights(wrong, 1)
-            with pytest.raises(Unavailable):
+            with pytest.raises(Aborted):
                 await generate(core, 2)  # due version 1 cannot be applied: refused, never served half-updated
 
             def failure() -> WatchEvent | None:

@@ -1,0 +1,86 @@
+"""The controller's view of the weight plane: the synchronizer's event stream.
+
+With a synchronizer, the controller moves no weights; it watches. Every event
+(registrations, state changes, sync requests, committed versions, transfers)
+is appended to `<run_dir>/synchronizer_events.jsonl`, one JSON object a line,
+so a run shows who moved to which version when, step by step; and the newest
+weight version each rollout replica serves is kept for the run's metrics.
+A broken stream is reopened with backoff; watching never stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from collections.abc import AsyncIterator, Callable
+
+from flywheel.runtime.backoff import Backoff
+from flywheel.synchronizer.client_types import WatchEvent
+from flywheel.synchronizer.types import Role, State
+
+log = logging.getLogger(__name__)
+
+EVENTS_FILE = "synchronizer_events.jsonl"
+
+
+def event_record(event: WatchEvent) -> dict[str, Any]:
+    record: dict[str, Any] = {"sequence": event.sequence, "unix_ms": event.unix_ms, "kind": event.kind.name,
+                              "latest_version": event.latest_version}
+    if event.component is not None:
+        c = event.component
+        record.update(id=c.id, role=c.role.name, state=c.state.name, step=c.step, weight_version=c.weight_version)
+    if event.version:
+        record["version"] = event.version
+    if event.method is not None:
+        record["method"] = event.method.name
+    if event.group is not None:
+        record["group"] = {"id": event.group.group_id, "ranks": event.group.ranks}
+    if event.transfer_state is not None:
+        record["transfer_state"] = event.transfer_state.name
+    if event.message:
+        record["message"] = event.message
+    return record
+
+
+class SynchronizerObserver:
+    def __init__(self, events: Callable[[bool], AsyncIterator[WatchEvent]], run_dir: Path | None) -> None:
+        #: Opens the synchronizer's event stream (True: current state first).
+        self.events = events
+        self.path = run_dir / EVENTS_FILE if run_dir is not None else None
+        #: Rollout replica id -> weight version it serves (live replicas only).
+        self.replica_versions: dict[str, int] = {}
+        self.latest_version = 0
+
+    def observe(self, event: WatchEvent) -> None:
+        self.latest_version = max(self.latest_version, event.latest_version)
+        c = event.component
+        if c is not None and c.role == Role.ROLLOUT:
+            if c.state == State.STOPPED:
+                self.replica_versions.pop(c.id, None)
+            else:
+                self.replica_versions[c.id] = c.weight_version
+        if self.path is not None:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(event_record(event)) + "\n")
+
+    async def run(self) -> None:
+        backoff = Backoff(0.2, 5.0)
+        first = True
+        while True:
+            try:
+                # The first stream starts with everyone's current state; a reopened one
+                # would repeat it, so only new events are asked for then.
+                async for event in self.events(first):
+                    first = False
+                    backoff.reset()
+                    self.observe(event)
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the run goes on without its log of events
+                log.warning("watching the synchronizer failed; reconnecting", extra={"error": str(exc)})
+            await backoff.wait()
