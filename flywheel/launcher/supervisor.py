@@ -11,7 +11,7 @@ SIGTERM then SIGKILL after a grace period, and is safe to call twice.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +55,11 @@ class Supervisor:
                 on_wait([c.name for c in pending])
             time.sleep(0.1)
 
-    def check(self) -> None:
-        """Raises ServiceDied for the first child that is no longer running."""
+    def check(self, expendable: Collection[str] = ()) -> None:
+        """Raises ServiceDied for the first child that is no longer running, unless it is `expendable`."""
         for child in self.children:
-            child.check_alive()
+            if child.name not in expendable:
+                child.check_alive()
 
     def dead(self) -> list[str]:
         return [c.name for c in self.children if c.process.poll() is not None]

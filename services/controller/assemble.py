@@ -23,6 +23,7 @@ from services.controller.data import DataLoader, loader_from_config
 from services.controller.domain import SamplingSpec
 from services.controller.errors_report import ErrorReporter
 from services.controller.liveness import LivenessMonitor
+from services.controller.membership import Connect, Membership
 from services.controller.observer import SynchronizerObserver
 from services.controller.metrics_log import JsonlSink, MemorySink, MetricsLog, MetricsSink
 from services.controller.pipeline import Pipeline
@@ -51,6 +52,11 @@ class Services:
     #: trainer's "trainer" (its failure is critical).
     probes: Sequence[HealthProbe] = field(default_factory=list)
     synchronizer_address: str = ""
+    #: Membership from the synchronizer's registry: (id, address) -> engine and probe
+    #: of a replica that registers; None: `rollouts` is the fixed set.
+    connect_rollout: Connect | None = None
+    #: Ids or addresses the registry's replicas are filtered by (empty: all).
+    rollout_filter: Sequence[str] = ()
     #: Closes connections when the run ends.
     close: Callable[[], Any] | None = None
 
@@ -102,7 +108,7 @@ def build_pipeline(
         )
 
     tracker, errors = ActivityTracker(), ErrorReporter(cfg.errors.policy, cfg.errors.max_recorded)
-    engines = EnginePool(services.rollouts)
+    engines = EnginePool(services.rollouts, dynamic=services.connect_rollout is not None)
     group, batch = cfg.worker.group_size, cfg.algorithm.train_batch_size
     pool = TrajectoryPool(cfg.pool_store, cfg.pool.keys, group, cfg.buffer_size_limit, cfg.pool.count_in_flight)
     instance = pool.instance(cfg.model.tag)
@@ -147,7 +153,7 @@ def build_pipeline(
             max_samples=val.max_samples, concurrency=cfg.worker.max_in_flight, timeout_seconds=cfg.worker.timeout_seconds,
         )
     liveness = None
-    if services.probes:
+    if services.probes or services.connect_rollout is not None:
         replica_names = {r.name for r in engines.replicas}
 
         def on_change(name: str, ok: bool) -> None:
@@ -179,6 +185,9 @@ def build_pipeline(
     observer = None
     if services.synchronizer is not None:
         observer = SynchronizerObserver(services.synchronizer.events, Path(run_dir) if run_dir else None)
+        if services.connect_rollout is not None:
+            membership = Membership(engines, liveness, services.connect_rollout, services.rollout_filter)
+            observer.listeners.append(membership.update)
     return Pipeline(
         config=cfg, trainer=services.trainer, engines=engines, loader=loader, pool=pool, gate=gate,
         rollouts=rollouts, processor=processor, batches=batches, train_worker=train_worker,

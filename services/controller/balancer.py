@@ -47,8 +47,9 @@ class Replica:
 
 
 class EnginePool:
-    def __init__(self, engines: Sequence[RolloutEngine]) -> None:
-        if not engines:
+    def __init__(self, engines: Sequence[RolloutEngine], *, dynamic: bool = False) -> None:
+        """`dynamic`: replicas are added as they register (services.controller.membership); may start empty."""
+        if not engines and not dynamic:
             raise ValueError("at least one rollout engine is needed")
         names = [e.name for e in engines]
         if len(set(names)) != len(names):
@@ -62,6 +63,19 @@ class EnginePool:
     def __len__(self) -> int:
         return len(self.replicas)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def add(self, engine: RolloutEngine, *, healthy: bool = False) -> Replica:
+        """A replica that joined the run; it takes work once marked healthy."""
+        if engine.name in self._by_name:
+            raise ValueError(f"rollout replica {engine.name!r} is in the pool already")
+        replica = Replica(engine, healthy=healthy)
+        self.replicas.append(replica)
+        self._by_name[engine.name] = replica
+        log.info("rollout replica %s joined the pool", engine.name)
+        return replica
+
     def replica(self, name: str) -> Replica:
         return self._by_name[name]
 
@@ -69,9 +83,9 @@ class EnginePool:
         return [r for r in self.replicas if r.healthy]
 
     def min_version(self) -> int:
-        """Oldest weight version any healthy replica may still generate with."""
+        """Oldest weight version any healthy replica may still generate with (0 with none)."""
         live = self.healthy() or self.replicas
-        return min(r.version for r in live)
+        return min((r.version for r in live), default=0)
 
     def set_version(self, name: str, version: int) -> None:
         replica = self._by_name[name]

@@ -41,6 +41,26 @@ class LivenessMonitor:
         self.status: dict[str, bool] = {p.name: True for p in self.probes}
         self.failures: dict[str, int] = {p.name: 0 for p in self.probes}
 
+    def add(self, probe: HealthProbe, *, healthy: bool = False) -> None:
+        """Starts watching a service that joined (a rollout replica registering mid-run)."""
+        if probe.name in self.status:
+            return
+        self.probes.append(probe)
+        self.status[probe.name] = healthy
+        self.failures[probe.name] = 0
+
+    def forget_health(self, name: str) -> None:
+        """The service is known to be gone (it left the synchronizer): its next passing check is news."""
+        if name in self.status:
+            self.status[name] = False
+
+    async def check(self, name: str) -> bool:
+        """Checks one service now (a replica that just joined need not wait a whole interval)."""
+        probe = next(p for p in self.probes if p.name == name)
+        ok = await self._check(probe)
+        self._record(name, ok)
+        return ok
+
     async def check_once(self) -> dict[str, bool]:
         results = await asyncio.gather(*(self._check(p) for p in self.probes))
         for probe, ok in zip(self.probes, results):

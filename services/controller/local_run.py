@@ -98,6 +98,8 @@ class LocalRun:
     supervisor: Supervisor | None = None
     progress: Progress | None = None
     interrupted: int = 0
+    #: Rollout replicas that exited during the run (reported once; the run goes on).
+    lost_replicas: set[str] = field(default_factory=set)
     _train_metrics: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
 
@@ -227,10 +229,10 @@ class LocalRun:
             f"services ready in {time.monotonic() - t:.0f}s: "
             + ", ".join(f"{n} {a}" for n, a in addresses.items())
         )
+        # No rollout list: replicas are the ones registered with the synchronizer.
         self.data["services"] = {
             "synchronizer": {"address": synchronizer},
             "trainer": {"address": addresses["trainer"], "timeout_seconds": 900.0},
-            "rollout": [{"address": addresses["rollout"], "id": ROLLOUT_ID, "timeout_seconds": 900.0}],
             "trainer_id": self._trainer_id(),
         }
         return parse_run_config(self.data, "run file")
@@ -328,8 +330,16 @@ class LocalRun:
         return getattr(pipeline, "resumed_at_step", 0)
 
     def _check_children(self) -> None:
-        if self.supervisor is not None:
-            self.supervisor.check()
+        """A dead trainer or synchronizer ends the run; a dead rollout replica does not: the
+        synchronizer drops it, its requests go to the others, and a restarted one rejoins."""
+        if self.supervisor is None:
+            return
+        for name in self.supervisor.dead():
+            if name.startswith("rollout") and name not in self.lost_replicas:
+                self.lost_replicas.add(name)
+                log_path = self.supervisor.child(name).log_path
+                self.say(f"warning: {name} exited (see {log_path}); the run goes on with the other replicas")
+        self.supervisor.check(expendable=self.lost_replicas)
 
     def _keep_ledger(self, pipeline: Any) -> Any:
         """Appends each trained step's task ids and sample versions to `trained_tasks.jsonl`.

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 from flywheel.runtime.backoff import Backoff
 from flywheel.synchronizer.client_types import WatchEvent
-from flywheel.synchronizer.types import Role, State
+from flywheel.synchronizer.types import Component, Role, State
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,18 @@ class SynchronizerObserver:
         self.path = run_dir / EVENTS_FILE if run_dir is not None else None
         #: Rollout replica id -> weight version it serves (live replicas only).
         self.replica_versions: dict[str, int] = {}
+        #: Called with the component of every event about one (membership.py).
+        self.listeners: list[Callable[[Component], None]] = []
         self.latest_version = 0
 
     def observe(self, event: WatchEvent) -> None:
         self.latest_version = max(self.latest_version, event.latest_version)
         c = event.component
+        for listener in self.listeners if c is not None else ():
+            try:
+                listener(c)
+            except Exception:  # one listener's bug must not stop the stream
+                log.exception("synchronizer event listener failed", extra={"id": c.id})
         if c is not None and c.role == Role.ROLLOUT:
             if c.state == State.STOPPED:
                 self.replica_versions.pop(c.id, None)

@@ -87,11 +87,17 @@ class Pipeline:
     async def start(self) -> None:
         self.tracker.start_clock()
         self._last_record_at = now()
+        if self.observer is not None:
+            # First: with membership from the registry, replicas join the pool through it.
+            self._background.append(asyncio.ensure_future(self.observer.run()))
+        if self.liveness is not None:
+            self._background.append(asyncio.ensure_future(self.liveness.run()))
         await self.train_worker.sync_state()
         if self.config.resume.from_ != "none":
             await self._resume(self.config.resume.from_)
         version = self.train_worker.version
         self.gate.base_version = version
+        await self._first_replica()
         await self.engines.refresh_versions()
         ahead = [r.name for r in self.engines.healthy() if r.version > version]
         if ahead:
@@ -102,10 +108,17 @@ class Pipeline:
             self.errors.raise_if_stopped()
         await self.weight_sync.configure()
         await self.weight_sync.bring_up_to(version)
-        if self.liveness is not None:
-            self._background.append(asyncio.ensure_future(self.liveness.run()))
-        if self.observer is not None:
-            self._background.append(asyncio.ensure_future(self.observer.run()))
+
+    async def _first_replica(self) -> None:
+        """Waits until some rollout replica serves (membership from the registry starts empty)."""
+        limit = self.config.services.wait_for_rollout_seconds
+        deadline = now() + limit
+        while not self.engines.healthy():
+            if now() > deadline:
+                self.errors.report("controller", f"no rollout replica registered and served within {limit:g} s",
+                                   severity="critical")
+                self.errors.raise_if_stopped()
+            await asyncio.sleep(0.2)
 
     async def _resume(self, source: str) -> None:
         restored = await self.trainer.load_checkpoint(None if source == "latest" else source)

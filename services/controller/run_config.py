@@ -53,9 +53,18 @@ class ServicesConfig(StrictModel):
         description="the trainer service",
     )
     rollout: list[ServiceEndpoint] = Field(
-        default_factory=lambda: [ServiceEndpoint(address="127.0.0.1:50053")],
-        min_length=1,
-        description="rollout replicas; requests are balanced over the healthy ones",
+        default_factory=list,
+        description="rollout replicas. With a synchronizer: optional, a filter on the replicas registered there (by "
+        "id or address; empty: every registered rollout). Without one: the replicas (empty: 127.0.0.1:50053). "
+        "Requests are balanced over the healthy ones",
+    )
+    rollout_timeout_seconds: float = Field(
+        900.0, gt=0, description="deadline of a call to a rollout replica found in the synchronizer's registry and "
+        "not listed in services.rollout (a generation, including its wait for the weights its step needs), in seconds"
+    )
+    wait_for_rollout_seconds: float = Field(
+        600.0, gt=0, description="with a synchronizer: how long the run waits at start for a first rollout replica "
+        "to register and serve, in seconds"
     )
     synchronizer: ServiceEndpoint | None = Field(
         None, description="the synchronizer; without it the sync policy is applied locally (memory method unavailable)"
@@ -269,6 +278,9 @@ class RunConfig(StrictModel):
             raise ValueError("pool.keys: a hierarchical store needs at least two keys")
         if self.buffer_size_limit < b:
             raise ValueError(f"pool.buffer_size_limit ({self.buffer_size_limit}) must be >= algorithm.train_batch_size ({b})")
+        if not self.services.rollout and self.services.synchronizer is None:
+            # Standalone: the rollout service's own default address.
+            self.services.rollout = [ServiceEndpoint(address="127.0.0.1:50053")]
         if self.sync.method == "memory" and self.services.synchronizer is None:
             raise ValueError("sync.method: memory needs services.synchronizer (the synchronizer holds the weights)")
         self._check_schedule()

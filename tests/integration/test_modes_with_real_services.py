@@ -1,16 +1,26 @@
-"""The controller against real synchronizer, trainer and rollout processes, per mode.
+"""Sync policies and modes against real synchronizer, trainer and rollout processes.
 
-Each mode runs the tiny quickstart (real gRPC services, vLLM CPU or the
-transformers engine, real torch training, MEMORY weight sync through the
-synchronizer) for a few GRPO steps, then reads the run's ledger: for every
-trained sample, the weight versions that generated it (first and last token)
-beside the version the step trained. The mode's promise must hold:
+Each case runs the tiny quickstart (real gRPC services, vLLM CPU or the
+transformers engine, real torch training, MEMORY weights through the
+synchronizer) for a few GRPO steps under one sync policy and mode, then reads
+what the run left behind:
 
-- sync: every sample comes from exactly the weights being trained (on-policy);
-- batch-async, threshold 1: no sample is more than 1 version behind;
-- fully-async: no bound, but no sample is from weights newer than the
-  trainer's, and generation does follow the trainer (later steps train on
-  samples from versions past 0).
+- the ledger (`trained_tasks.jsonl`): for every trained sample, the weight
+  versions that generated it (first and last token) beside the version the
+  step trained;
+- the synchronizer's events as the controller watched them
+  (`synchronizer_events.jsonl`): every component's state, step and version.
+
+What must hold:
+- sync mode: every sample comes from exactly the version the policy makes due
+  at that step (FIXED(1, 0): on-policy; FIXED(2, 1): versions 0, 0, 0, 2, 2, 4);
+- batch-async: no sample further behind than the threshold;
+- fully-async: no bound from the mode, but never a sample newer than the
+  trainer, and the weights do move;
+- in every case: the trainer publishes by itself (the controller exports
+  nothing), the rollout asks for a sync exactly at the policy's points (its own
+  steps), and its states follow Trinity-RFT's table for MEMORY: RUNNING ->
+  REQUIRE_SYNC -> RUNNING, never WAITING_SYNC; the trainer stays RUNNING.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import yaml
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 4
+STEPS = 6
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +45,17 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")
 
 
-def run_mode(tmp_path: Path, cache: Path, mode: str) -> list[dict]:
+def fixed_due(step: int, interval: int, offset: int) -> int:
+    """The version a rollout holds after `step` steps under FIXED (Trinity-RFT's schedule), for the assertions."""
+    return 0 if step <= offset else (step - offset) // interval * interval
+
+
+def run_case(tmp_path: Path, cache: Path, mode: str, sync: dict, threshold: int = 1) -> tuple[list[dict], list[dict]]:
     config = yaml.safe_load((ROOT / "examples" / "quickstart-tiny.yaml").read_text())
-    config["run"].update(name=f"modes-{mode}", max_steps=STEPS)
+    config["run"].update(name=f"policy-{mode}", max_steps=STEPS)
     config["mode"] = mode
-    config["staleness"] = {"threshold": 1, "policy": "drop"}
+    config["staleness"] = {"threshold": threshold, "policy": "drop"}
+    config["sync"] = {"method": "memory", **sync}
     config["validation"] = {"before_training": False, "interval": 0}
     config["checkpoint"] = {"interval": 0, "at_end": False}
     config["resume"] = "disable"
@@ -55,29 +71,85 @@ def run_mode(tmp_path: Path, cache: Path, mode: str) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "trained_tasks.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for row in rows:
-        # Each step trains the version its predecessor produced.
+        # Each step trains the version its predecessor produced; no sample is newer than it.
         assert row["trained_version"] == row["step"] - 1
         assert len(row["sample_versions"]) == 16  # 4 questions x 4 samples
         assert all(start <= end <= row["trained_version"] for start, end in row["sample_versions"])
-    return rows
+    events = [json.loads(line) for line in (run_dir / "synchronizer_events.jsonl").read_text().splitlines()]
+    check_events(events)
+    return rows, events
+
+
+def rollout_states(events: list[dict]) -> list[str]:
+    """The rollout's states in order, repeats collapsed (a version change alone repeats the state)."""
+    seen: list[str] = []
+    for e in events:
+        if e.get("role") == "ROLLOUT" and e["kind"] in ("STATE_CHANGED", "SYNC_REQUESTED", "COMPONENT_REGISTERED"):
+            if not seen or seen[-1] != e["state"]:
+                seen.append(e["state"])
+    return seen
+
+
+def check_events(events: list[dict]) -> None:
+    trainer = [e for e in events if e.get("role") == "TRAINER"]
+    assert trainer and {e["state"] for e in trainer} <= {"RUNNING", "STOPPED"}, "MEMORY: the trainer never waits"
+    # MEMORY rollouts: RUNNING -> REQUIRE_SYNC -> RUNNING at each sync point, never WAITING_SYNC.
+    states = [s for s in rollout_states(events) if s != "STOPPED"]
+    assert states[0] == "RUNNING" and all(a != b for a, b in zip(states, states[1:])), states
+    assert set(states) == {"RUNNING", "REQUIRE_SYNC"}, states
+    committed = [e["version"] for e in events if e["kind"] == "VERSION_COMMITTED"]
+    assert committed == sorted(set(committed)), "each version is published once"
+
+
+def sync_requests(events: list[dict]) -> list[tuple[int, int]]:
+    """(rollout step, awaited version) of every sync request."""
+    return [(e["step"], e["version"]) for e in events if e["kind"] == "SYNC_REQUESTED"]
+
+
+FIXED_1_0 = {"style": "fixed", "interval": 1, "offset": 0}
+FIXED_2_1 = {"style": "fixed", "interval": 2, "offset": 1}
+DYNAMIC_2 = {"style": "dynamic_by_explorer", "interval": 2}
 
 
 @pytest.mark.timeout(1000)
-def test_sync_mode_trains_only_on_policy_samples(tmp_path: Path, model_cache: Path) -> None:
-    for row in run_mode(tmp_path, model_cache, "sync"):
-        assert {tuple(v) for v in row["sample_versions"]} == {(row["trained_version"],) * 2}, row
-
-
-@pytest.mark.timeout(1000)
-def test_batch_async_keeps_every_sample_within_the_threshold(tmp_path: Path, model_cache: Path) -> None:
-    rows = run_mode(tmp_path, model_cache, "batch-async")
+@pytest.mark.parametrize("sync", [FIXED_1_0, FIXED_2_1], ids=["fixed-1-0", "fixed-2-1"])
+def test_sync_mode_trains_on_exactly_the_due_version(tmp_path: Path, model_cache: Path, sync: dict) -> None:
+    rows, events = run_case(tmp_path, model_cache, "sync", sync)
+    interval, offset = sync["interval"], sync["offset"]
     for row in rows:
-        assert all(row["trained_version"] - start <= 1 for start, _ in row["sample_versions"]), row
-    # The rollout did move: the last step's samples are not from the base weights.
-    assert min(start for start, _ in rows[-1]["sample_versions"]) >= STEPS - 2
+        due = fixed_due(row["step"] - 1, interval, offset)
+        assert {tuple(v) for v in row["sample_versions"]} == {(due, due)}, row
+    # The rollout asked at its own sync points, for the versions due there, and got each.
+    points = [s for s in range(1, STEPS) if s > offset and (s - offset) % interval == 0]
+    assert sync_requests(events) == [(s, fixed_due(s, interval, offset)) for s in points]
+    assert [s for s in rollout_states(events) if s != "STOPPED"] == ["RUNNING"] + ["REQUIRE_SYNC", "RUNNING"] * len(points)
+    # The trainer published exactly the versions its side of the schedule makes due.
+    published = [e["version"] for e in events if e["kind"] == "VERSION_COMMITTED"]
+    assert published == [v for v in range(1, STEPS + 1) if v % interval == 0]
 
 
 @pytest.mark.timeout(1000)
-def test_fully_async_follows_the_trainer_without_a_bound(tmp_path: Path, model_cache: Path) -> None:
-    rows = run_mode(tmp_path, model_cache, "fully-async")
+@pytest.mark.parametrize(("sync", "threshold"), [(FIXED_1_0, 1), (FIXED_2_1, 2), (DYNAMIC_2, 3)],
+                         ids=["fixed-1-0", "fixed-2-1", "dynamic-2"])
+def test_batch_async_keeps_every_sample_within_the_threshold(
+    tmp_path: Path, model_cache: Path, sync: dict, threshold: int
+) -> None:
+    rows, events = run_case(tmp_path, model_cache, "batch-async", sync, threshold)
+    for row in rows:
+        assert all(row["trained_version"] - start <= threshold for start, _ in row["sample_versions"]), row
+    # The rollout did move, more than once.
+    assert len(sync_requests(events)) >= 2
+    assert max(start for start, _ in rows[-1]["sample_versions"]) >= 1
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("sync", [FIXED_1_0, FIXED_2_1, DYNAMIC_2], ids=["fixed-1-0", "fixed-2-1", "dynamic-2"])
+def test_fully_async_follows_the_trainer_without_waiting(tmp_path: Path, model_cache: Path, sync: dict) -> None:
+    rows, events = run_case(tmp_path, model_cache, "fully-async", sync)
+    requests = sync_requests(events)
+    assert len(requests) >= 2, "weights moved at least twice in the run"
+    if sync["style"] == "dynamic_by_explorer":
+        # A request every `interval` of the rollout's own steps, each for something newer than it held.
+        steps = [s for s, _ in requests]
+        assert all(b - a >= sync["interval"] for a, b in zip(steps, steps[1:])), requests
     assert max(end for row in rows for _, end in row["sample_versions"]) >= 1, "weights never reached the rollout"

@@ -23,14 +23,26 @@ def connect(cfg: RunConfig, token: str | None = None) -> Services:
         s.trainer.address, token=token, timeout=s.trainer.timeout_seconds,
         remove_previous_checkpoints=cfg.checkpoint.remove_previous,
     )
-    rollouts = [
-        GrpcRolloutEngine(e.address, token=token, timeout=e.timeout_seconds, name=e.id or e.address) for e in s.rollout
-    ]
+    rollouts: list[GrpcRolloutEngine] = []
     synchronizer = None
+    connect_rollout = None
     if s.synchronizer is not None:
         synchronizer = GrpcSynchronizer(
             s.synchronizer.address, trainer_id=s.trainer_id, token=token, timeout=s.synchronizer.timeout_seconds
         )
+        # Replicas come from the synchronizer's registry; services.rollout only filters them.
+        timeouts = {key: e.timeout_seconds for e in s.rollout for key in (e.id, e.address) if key}
+
+        def connect_rollout(cid: str, address: str) -> tuple[GrpcRolloutEngine, GrpcHealthProbe]:
+            timeout = timeouts.get(cid, timeouts.get(address, s.rollout_timeout_seconds))
+            engine = GrpcRolloutEngine(address, token=token, timeout=timeout, name=cid)
+            rollouts.append(engine)  # closed with the others
+            return engine, GrpcHealthProbe(cid, address)
+    else:
+        rollouts = [
+            GrpcRolloutEngine(e.address, token=token, timeout=e.timeout_seconds, name=e.id or e.address)
+            for e in s.rollout
+        ]
     probes = [GrpcHealthProbe(TRAINER_PROBE, s.trainer.address), *(GrpcHealthProbe(r.name, r.address) for r in rollouts)]
     if s.synchronizer is not None:
         probes.append(GrpcHealthProbe("synchronizer", s.synchronizer.address))
@@ -40,8 +52,9 @@ def connect(cfg: RunConfig, token: str | None = None) -> Services:
             await client.close()
 
     return Services(
-        trainer=trainer, rollouts=rollouts, synchronizer=synchronizer, probes=probes,
+        trainer=trainer, rollouts=list(rollouts), synchronizer=synchronizer, probes=probes,
         synchronizer_address=s.synchronizer.address if s.synchronizer else "", close=close,
+        connect_rollout=connect_rollout, rollout_filter=[e.id or e.address for e in s.rollout],
     )
 
 
