@@ -154,10 +154,8 @@ def build_pipeline(
         )
     liveness = None
     if services.probes or services.connect_rollout is not None:
-        replica_names = {r.name for r in engines.replicas}
-
         def on_change(name: str, ok: bool) -> None:
-            if name in replica_names:
+            if name in engines:  # replicas that joined later included
                 engines.mark(name, ok)
                 if ok:
                     weight_sync.replica_recovered(name)

@@ -118,6 +118,8 @@ class Trajectory:
     model_tag: str = "default"
     #: Extra grouping keys for hierarchical stores (e.g. {"turn": 2}).
     keys: dict[str, Any] = field(default_factory=dict)
+    #: The rollout replica that generated it (its last turn, for multi-turn episodes).
+    engine: str = ""
     status: TrajectoryStatus = TrajectoryStatus.OK
     error: str | None = None
     #: Set by the algorithm processor.

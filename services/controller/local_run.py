@@ -358,7 +358,8 @@ class LocalRun:
             # the mode's staleness promise, checkable after the fact.
             versions = [[t.version_start, t.version_end] for t in batch.trajectories]
             row = {"step": result.step, "session": session, "tasks": tasks,
-                   "trained_version": batch.target_version, "sample_versions": versions}
+                   "trained_version": batch.target_version, "sample_versions": versions,
+                   "sample_engines": [t.engine for t in batch.trajectories]}
             ledger.write(json.dumps(row) + "\n")
             ledger.flush()
             return record(batch, result)

@@ -116,4 +116,5 @@ class AgentRolloutWorker(RolloutWorker):
             sample_index=index,
             model_tag=self.ctx.model_tag,
             keys={"turns": len(starts)},
+            engine=g.engine,
         )

@@ -90,6 +90,7 @@ class RolloutWorker(ABC):
             response_mask=[1] * len(g.completion_token_ids),
             version_start=g.version_start,
             version_end=g.version_end,
+            engine=g.engine,
             finish_reason=g.finish_reason,
             text=g.text,
             sample_index=index,
