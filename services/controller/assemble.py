@@ -182,7 +182,8 @@ def build_pipeline(
         ))
     observer = None
     if services.synchronizer is not None:
-        observer = SynchronizerObserver(services.synchronizer.events, Path(run_dir) if run_dir else None)
+        observer = SynchronizerObserver(services.synchronizer.events, Path(run_dir) if run_dir else None,
+                                        latest=services.synchronizer.latest_version)
         if services.connect_rollout is not None:
             membership = Membership(engines, liveness, services.connect_rollout, services.rollout_filter)
             observer.listeners.append(membership.update)

@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from flywheel.runtime.backoff import Backoff
 from flywheel.synchronizer.client_types import WatchEvent
@@ -47,9 +47,15 @@ def event_record(event: WatchEvent) -> dict[str, Any]:
 
 
 class SynchronizerObserver:
-    def __init__(self, events: Callable[[bool], AsyncIterator[WatchEvent]], run_dir: Path | None) -> None:
+    def __init__(
+        self, events: Callable[[bool], AsyncIterator[WatchEvent]], run_dir: Path | None,
+        latest: Callable[[], Awaitable[int]] | None = None,
+    ) -> None:
         #: Opens the synchronizer's event stream (True: current state first).
         self.events = events
+        #: Asks the synchronizer for its newest version (catch_up).
+        self.latest = latest
+        self._observed = asyncio.Event()
         self.path = run_dir / EVENTS_FILE if run_dir is not None else None
         #: Rollout replica id -> weight version it serves (live replicas only).
         self.replica_versions: dict[str, int] = {}
@@ -59,6 +65,8 @@ class SynchronizerObserver:
 
     def observe(self, event: WatchEvent) -> None:
         self.latest_version = max(self.latest_version, event.latest_version)
+        observed, self._observed = self._observed, asyncio.Event()
+        observed.set()
         c = event.component
         for listener in self.listeners if c is not None else ():
             try:
@@ -73,6 +81,19 @@ class SynchronizerObserver:
         if self.path is not None:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(event_record(event)) + "\n")
+
+    async def catch_up(self, timeout: float) -> None:
+        """Returns once the events up to the synchronizer's newest version were recorded (or
+        after `timeout` seconds): the run's end must not cut off the last publish's events."""
+        if self.latest is None:
+            return
+        deadline = asyncio.get_running_loop().time() + timeout
+        try:
+            newest = await asyncio.wait_for(self.latest(), timeout)
+            while self.latest_version < newest:
+                await asyncio.wait_for(self._observed.wait(), deadline - asyncio.get_running_loop().time())
+        except Exception as exc:  # noqa: BLE001 - a short log is no reason to fail the run's end
+            log.info("stopped watching before the newest version's events arrived", extra={"error": str(exc)})
 
     async def run(self) -> None:
         backoff = Backoff(0.2, 5.0)

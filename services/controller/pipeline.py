@@ -312,6 +312,8 @@ class Pipeline:
     async def stop(self) -> None:
         await self.rollouts.stop()
         await self.weight_sync.close()
+        if self.observer is not None:
+            await self.observer.catch_up(timeout=5.0)
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

@@ -17,45 +17,17 @@ fully-async, so every replica has work whenever it serves.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from flywheel.launcher.processes import ServiceProcess, start_service
+from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run, wait_for
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-STEPS = 16
-
-
-def ledger(run_dir: Path) -> list[dict]:
-    path = run_dir / "trained_tasks.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def events(run_dir: Path) -> list[dict]:
-    path = run_dir / "synchronizer_events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_for(check, timeout: float, what: str, controller: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        if controller is not None and controller.poll() is not None:
-            raise AssertionError(f"the controller exited ({controller.returncode}) while waiting for {what}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+#: Long enough for a replica to load its model twice mid-run (about 1.5 s a step here).
+STEPS = 48
 
 
 def samples_of(rows: list[dict], replica: str) -> list[tuple[int, int]]:
@@ -64,106 +36,61 @@ def samples_of(rows: list[dict], replica: str) -> list[tuple[int, int]]:
             for (start, _), engine in zip(row["sample_versions"], row["sample_engines"]) if engine == replica]
 
 
-@pytest.fixture
-def tiny_model(tmp_path: Path) -> Path:
-    from flywheel.launcher.prepare import prepare_model
-    from flywheel.launcher.spec import ModelSource
-
-    config = yaml.safe_load((ROOT / "examples" / "quickstart-tiny.yaml").read_text())
-    os.environ.setdefault("FLYWHEEL_MODEL_CACHE", str(tmp_path / "models"))
-    return prepare_model(ModelSource(**config["launch"]["model"]))
-
-
 @pytest.mark.timeout(900)
-def test_replicas_join_die_and_rejoin_without_losing_a_task(tmp_path: Path, tiny_model: Path) -> None:
-    services: dict[str, ServiceProcess] = {}
+def test_replicas_join_die_and_rejoin_without_losing_a_task(tmp_path: Path) -> None:
+    model = prepare_tiny_model()
+    cluster = Cluster(tmp_path)
+    run_dir = tmp_path / "run"
 
-    def start(name: str, kind: str, config: dict, port: int = 0) -> ServiceProcess:
-        directory = tmp_path / name
-        directory.mkdir(exist_ok=True)
-        path = directory / "config.yaml"
-        path.write_text(yaml.safe_dump(config))
-        args = ["--config", str(path)] + (["--server.port", str(port)] if port else [])
-        child = start_service(kind, directory, args)  # a later --server.port wins over its port 0
-        services[name] = child
-        return child
+    def ledger() -> list[dict]:
+        return jsonl(run_dir / "trained_tasks.jsonl")
+
+    def latest_version() -> int:
+        return max((e["latest_version"] for e in jsonl(run_dir / "synchronizer_events.jsonl")), default=0)
 
     try:
-        sync = start("synchronizer", "synchronizer", {"lease_seconds": 3.0, "sweep_interval_seconds": 0.2})
-        sync.wait_ready(60)
-        sync_address = sync.grpc_address
-        trainer = start("trainer", "trainer", {
-            "model": {"path": str(tiny_model), "cpu_threads": 1},
-            "optimizer": {"lr": 1e-4},
-            "checkpoint": {"dir": str(tmp_path / "checkpoints")},
-            "sync": {"synchronizer_address": sync_address},
-        })
-
-        def rollout_config(cid: str) -> dict:
-            return {
-                "http_port": 0,
-                "engine": {"kind": "transformers", "model_path": str(tiny_model),
-                           "args": {"dtype": "float32", "max_model_len": 256, "seed": 0}},
-                "synchronizer": {"address": sync_address, "component_id": cid, "heartbeat_interval_seconds": 0.5},
-            }
-
-        for cid in ("r0", "r1"):
-            start(cid, "rollout", rollout_config(cid))
+        # Short leases: a killed replica is dropped within seconds.
+        sync = cluster.synchronizer(lease_seconds=3.0, sweep_interval_seconds=0.2)
+        trainer = cluster.trainer(model, sync)
+        for name in ("r0", "r1"):
+            cluster.rollout(name, model, sync)
         for name in ("trainer", "r0", "r1"):
-            services[name].wait_ready(300)
-        r0_port = int(services["r0"].grpc_address.rsplit(":", 1)[1])
-
-        run = yaml.safe_load((ROOT / "examples" / "quickstart-tiny.yaml").read_text())
-        run.pop("launch")
-        run["launch"] = {"dataset": {"generator": "arithmetic", "train_size": 4 * STEPS, "validation_size": 4}}
-        run["run"].update(name="elastic", max_steps=STEPS)
-        run.update(mode="fully-async", resume="disable",
-                   validation={"before_training": False, "interval": 0},
-                   checkpoint={"interval": 0, "at_end": False},
-                   services={"synchronizer": {"address": sync_address}, "trainer": {"address": trainer.grpc_address,
-                             "timeout_seconds": 600}, "health_interval_seconds": 0.5})
+            cluster[name].wait_ready(300)
+        r0_port = int(cluster["r0"].grpc_address.rsplit(":", 1)[1])
+        run = tiny_run("elastic", STEPS, sync, trainer.grpc_address, mode="fully-async")
         run["worker"]["max_retries"] = 10
-        run_file = tmp_path / "run.yaml"
-        run_file.write_text(yaml.safe_dump(run))
-        run_dir = tmp_path / "run"
-        controller = subprocess.Popen(
-            [sys.executable, "-m", "services.controller", "run", str(run_file), "--run-dir", str(run_dir)],
-            cwd=ROOT, stdout=open(tmp_path / "controller.out", "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
+        controller = cluster.controller(run, run_dir)
         try:
-            # 2. A third replica joins mid-run.
-            wait_for(lambda: len(ledger(run_dir)) >= 3, 300, "3 steps", controller)
-            joined_at = max(e["latest_version"] for e in events(run_dir))  # r2 catches up to this or newer
-            start("r2", "rollout", rollout_config("r2"))
-            services["r2"].wait_ready(300)
-            wait_for(lambda: samples_of(ledger(run_dir), "r2"), 300, "work on r2", controller)
-            first_step, first_version = samples_of(ledger(run_dir), "r2")[0]
-            assert first_version >= joined_at, "r2 generated before it caught up"
+            # 2. A third replica joins mid-run: it catches up before its first generation, then gets work.
+            wait_for(lambda: len(ledger()) >= 3, 300, "3 steps", controller)
+            joined_at = latest_version()  # r2 catches up to this version or a newer one
+            cluster.rollout("r2", model, sync).wait_ready(300)
+            first = wait_for(lambda: samples_of(ledger(), "r2"), 300, "work on r2", controller)
+            assert first[0][1] >= joined_at, "r2 generated before it caught up"
 
-            # 3. r0 dies mid-run.
-            services["r0"].process.send_signal(signal.SIGKILL)
-            killed_at = len(ledger(run_dir))
-            wait_for(lambda: len(ledger(run_dir)) >= killed_at + 2, 300, "2 steps after the kill", controller)
+            # 3. r0 dies mid-run; the others carry on.
+            cluster["r0"].process.send_signal(signal.SIGKILL)
+            killed_at = len(ledger())
+            wait_for(lambda: len(ledger()) >= killed_at + 2, 300, "2 steps after the kill", controller)
 
-            # 4. r0 restarts on the same address and id.
-            restarted_at = max(e["latest_version"] for e in events(run_dir))
-            start("r0-again", "rollout", rollout_config("r0"), port=r0_port)
-            services["r0-again"].wait_ready(300)
-            assert services["r0-again"].grpc_address.endswith(f":{r0_port}")
-            back = wait_for(lambda: [s for s in samples_of(ledger(run_dir), "r0") if s[0] > killed_at + 2], 300,
+            # 4. r0 restarts on the same address and id: it catches up, then gets work again.
+            restarted_at = latest_version()
+            again = cluster.rollout("r0@again", model, sync, port=r0_port)
+            again.wait_ready(300)
+            assert again.grpc_address.endswith(f":{r0_port}")
+            back = wait_for(lambda: [s for s in samples_of(ledger(), "r0") if s[0] > killed_at + 2], 300,
                             "work on r0 after its restart", controller)
             assert min(v for _, v in back) >= restarted_at, "the restarted r0 served its base weights"
-            assert controller.wait(600) == 0, (tmp_path / "controller.out").read_text()[-3000:]
+            assert controller.wait(600) == 0, cluster.controller_output()
         finally:
             if controller.poll() is None:
                 controller.kill()
-        rows = ledger(run_dir)
+        rows = ledger()
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
         trained = [task for row in rows for task in row["tasks"]]
         assert len(trained) == len(set(trained)) == 4 * STEPS, "a task was lost or trained twice"
         # The synchronizer saw r0 leave and come back.
-        r0 = [e["state"] for e in events(run_dir) if e.get("id") == "r0"]
-        assert "STOPPED" in r0 and r0[-1] in ("RUNNING", "REQUIRE_SYNC", "STOPPED")
+        r0 = [e["state"] for e in jsonl(run_dir / "synchronizer_events.jsonl") if e.get("id") == "r0"]
+        assert "STOPPED" in r0 and r0.index("STOPPED") < len(r0) - 1
     finally:
-        for child in services.values():
-            child.stop(grace=5)
+        cluster.stop()

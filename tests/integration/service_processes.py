@@ -1,0 +1,123 @@
+"""Real service processes for integration tests that drive them by hand:
+start any service on free ports (or a given one), wait on a run's files, stop
+everything at the end. The controller runs as `python -m services.controller
+run` against `services:` addresses, as in a deployment."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flywheel.launcher.processes import ServiceProcess, start_service
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def quickstart_tiny() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "examples" / "quickstart-tiny.yaml").read_text())
+
+
+def prepare_tiny_model() -> Path:
+    from flywheel.launcher.prepare import prepare_model
+    from flywheel.launcher.spec import ModelSource
+
+    return prepare_model(ModelSource(**quickstart_tiny()["launch"]["model"]))
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(check, timeout: float, what: str, controller: subprocess.Popen | None = None):
+    """The first truthy value of `check()`, polled; fails if the controller exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        if controller is not None and controller.poll() is not None:
+            raise AssertionError(f"the controller exited ({controller.returncode}) while waiting for {what}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Cluster:
+    """Service processes by name, each with its own directory (config, log, ready file)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.services: dict[str, ServiceProcess] = {}
+
+    def start(self, name: str, kind: str, config: dict, port: int = 0) -> ServiceProcess:
+        directory = self.root / name
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        args = ["--config", str(path)] + (["--server.port", str(port)] if port else [])  # a later flag wins
+        child = start_service(kind, directory, args)
+        self.services[name] = child
+        return child
+
+    def __getitem__(self, name: str) -> ServiceProcess:
+        return self.services[name]
+
+    def synchronizer(self, **config: Any) -> str:
+        sync = self.start("synchronizer", "synchronizer", config)
+        sync.wait_ready(60)
+        return sync.grpc_address
+
+    def trainer(self, model: Path, synchronizer: str, **overrides: Any) -> ServiceProcess:
+        config = {
+            "model": {"path": str(model), "cpu_threads": 1},
+            "optimizer": {"lr": 1e-4},
+            "checkpoint": {"dir": str(self.root / "checkpoints")},
+            "sync": {"synchronizer_address": synchronizer},
+        }
+        for section, values in overrides.items():
+            config[section] = {**config.get(section, {}), **values}
+        return self.start("trainer", "trainer", config)
+
+    def rollout(self, name: str, model: Path, synchronizer: str, port: int = 0) -> ServiceProcess:
+        """A replica on the transformers engine (light enough for several on two cores), registered as `name`."""
+        return self.start(name, "rollout", {
+            "http_port": 0,
+            "engine": {"kind": "transformers", "model_path": str(model),
+                       "args": {"dtype": "float32", "max_model_len": 256, "seed": 0}},
+            "synchronizer": {"address": synchronizer, "component_id": name.split("@")[0],
+                             "heartbeat_interval_seconds": 0.5},
+        }, port)
+
+    def controller(self, run: dict, run_dir: Path) -> subprocess.Popen:
+        run_file = self.root / "run.yaml"
+        run_file.write_text(yaml.safe_dump(run))
+        out = open(self.root / "controller.out", "w")  # noqa: SIM115 - closed with the process
+        return subprocess.Popen(
+            [sys.executable, "-m", "services.controller", "run", str(run_file), "--run-dir", str(run_dir)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+
+    def controller_output(self) -> str:
+        return (self.root / "controller.out").read_text()[-4000:]
+
+    def stop(self) -> None:
+        for child in reversed(list(self.services.values())):
+            child.stop(grace=5)
+
+
+def tiny_run(name: str, steps: int, synchronizer: str, trainer: str, **sections: Any) -> dict:
+    """The tiny quickstart's run file against `services:` (no rollout list: the registry's replicas)."""
+    run = {k: v for k, v in quickstart_tiny().items() if k != "launch"}
+    run["launch"] = {"dataset": {"generator": "arithmetic", "train_size": 4 * steps, "validation_size": 4}}
+    run["run"].update(name=name, max_steps=steps)
+    run.update(resume="disable", validation={"before_training": False, "interval": 0},
+               checkpoint={"interval": 0, "at_end": False},
+               services={"synchronizer": {"address": synchronizer},
+                         "trainer": {"address": trainer, "timeout_seconds": 600}, "health_interval_seconds": 0.5})
+    run.update(sections)
+    return run
