@@ -72,9 +72,10 @@ class Cluster:
         sync.wait_ready(60)
         return sync.grpc_address
 
-    def trainer(self, model: Path, synchronizer: str, **overrides: Any) -> ServiceProcess:
+    def trainer(self, model_dir: Path, synchronizer: str, **overrides: Any) -> ServiceProcess:
+        """`overrides`: config sections merged over the defaults (e.g. model={"lora": {...}})."""
         config = {
-            "model": {"path": str(model), "cpu_threads": 1},
+            "model": {"path": str(model_dir), "cpu_threads": 1},
             "optimizer": {"lr": 1e-4},
             "checkpoint": {"dir": str(self.root / "checkpoints")},
             "sync": {"synchronizer_address": synchronizer},

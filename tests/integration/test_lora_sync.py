@@ -3,7 +3,8 @@
 Real synchronizer, trainer (LoRA adapters on the attention projections) and
 rollout processes, the controller driving 4 GRPO steps. The trainer publishes
 merged weights (the rollout serves a full model and cannot load adapters), so
-every sync is accepted, and the rollout's greedy output changes.
+every sync is accepted, and the rollout's greedy output changes (the reward is
+the completion's length, which varies across a random model's samples).
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ def test_a_lora_run_syncs_merged_weights_and_moves_greedy_output(tmp_path: Path)
         version, before = asyncio.run(greedy(rollout.grpc_address))
         assert version == 0
         run_dir = tmp_path / "run"
-        controller = cluster.controller(tiny_run("lora", 4, sync, trainer.grpc_address, mode="sync"), run_dir)
+        # A random tiny model never answers arithmetic; the length reward (characters, closer to 10 is
+        # better) varies across its samples, so GRPO has advantages to learn from.
+        run = tiny_run("lora", 4, sync, trainer.grpc_address, mode="sync",
+                       reward={"name": "length", "kwargs": {"target": 10}})
+        controller = cluster.controller(run, run_dir)
         assert controller.wait(600) == 0, cluster.controller_output()
         rows = jsonl(run_dir / "trained_tasks.jsonl")
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
