@@ -45,7 +45,7 @@ import torch
 
 from flywheel.launcher.processes import start_service
 from flywheel.models.tiny import build_tiny_model
-from services.trainer.client import TrainerClient, make_loss_spec, make_train_batch
+from flywheel.trainer.client import TrainerClient, make_loss_spec, make_train_batch
 from services.trainer.config import TrainerConfig
 from services.trainer.training import LossRequest, TrainingEngine
 

@@ -8,21 +8,55 @@
 - retries UNAVAILABLE with exponential backoff (gRPC's own retry machinery,
   configured through the service config),
 - sets keepalive and message sizes the same way servers do.
+
+`translated(what)` / `domain_error(exc, what)` turn a failed call into the
+`flywheel.errors` exception of its status code (the one mapping every client
+uses), so no domain code needs to know grpc.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
+
+from flywheel import errors
 
 from flywheel.runtime.auth import resolve_token
 from flywheel.runtime.channel_options import client_options
 from flywheel.runtime.server_config import MIB
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
+
+#: Status code name -> the domain error raised for it (anything else: FlywheelError).
+_ERRORS: dict[str, type[errors.FlywheelError]] = {
+    cls.code: cls
+    for cls in (
+        errors.InvalidArgument, errors.FailedPrecondition, errors.NotFound, errors.AlreadyExists,
+        errors.ResourceExhausted, errors.DataLoss, errors.DeadlineExceeded, errors.Aborted,
+        errors.Unavailable, errors.Unauthenticated,
+    )
+}
+
+
+def domain_error(exc: grpc.aio.AioRpcError, what: str) -> errors.FlywheelError:
+    """The domain exception for a failed call: its class by status code, `code` set, the details as message."""
+    code = exc.code().name
+    err = _ERRORS.get(code, errors.FlywheelError)(f"{what}: {exc.details() or code}")
+    err.code = code
+    return err
+
+
+@contextmanager
+def translated(what: str) -> Iterator[None]:
+    """Re-raises a failed call as its domain error, naming the call (`what`)."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as exc:
+        raise domain_error(exc, what) from None
 
 
 def retry_service_config(max_attempts: int = 5, initial_backoff_s: float = 0.2, max_backoff_s: float = 5.0) -> str:

@@ -33,7 +33,7 @@ import torch
 
 from flywheel.codec import MAX_CHUNK_BYTES, EncodedVersion, encode_state_dict
 from flywheel.errors import InvalidArgument
-from flywheel.runtime.client import open_channel
+from flywheel.runtime.client import domain_error, open_channel
 from flywheel.runtime.server_config import MIB
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as pb_grpc
@@ -47,7 +47,6 @@ from flywheel.synchronizer.client_types import (
     SyncStatus,
     TransferOutcome,
     WatchEvent,
-    domain_error,
 )
 from flywheel.synchronizer.convert import group_from_pb, identity_to_pb
 from flywheel.synchronizer.heartbeats import Heartbeats
@@ -102,7 +101,7 @@ class SynchronizerClient:
         try:
             return await rpc(request, timeout=timeout or self.timeout)
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc, what) from None
+            raise domain_error(exc, f"synchronizer {what}") from None
 
     # -- components ----------------------------------------------------------
 
@@ -181,7 +180,7 @@ class SynchronizerClient:
             async for response in call:
                 yield WatchEvent.from_pb(response)
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc, "Watch") from None
+            raise domain_error(exc, "synchronizer Watch") from None
         finally:
             call.cancel()
 
@@ -241,7 +240,7 @@ class SynchronizerClient:
         try:
             r = await self._push(frames, timeout=timeout or self.transfer_timeout)
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc, "PushWeights") from None
+            raise domain_error(exc, "synchronizer PushWeights") from None
         return PushResult(r.version, r.bytes, list(r.kept_versions))
 
     async def pull_weights(
@@ -270,7 +269,7 @@ class SynchronizerClient:
                 shared_memory=self.shared_memory, into=into, staging=staging,
             )
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc, "PullWeights") from None
+            raise domain_error(exc, "synchronizer PullWeights") from None
         return PulledWeights(manifest.version, tensors, manifest.total_bytes)
 
     # -- CHECKPOINT ----------------------------------------------------------

@@ -4,31 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
 import torch
 
-from flywheel import errors
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.convert import component_from_pb, group_from_pb, policy_from_status_pb
 from flywheel.synchronizer.types import Component, EventKind, GroupInfo, Method, Policy, State, TransferState
-
-_ERRORS = {
-    cls.code: cls
-    for cls in (
-        errors.InvalidArgument, errors.FailedPrecondition, errors.NotFound, errors.AlreadyExists,
-        errors.ResourceExhausted, errors.DataLoss, errors.DeadlineExceeded, errors.Aborted,
-        errors.Unavailable, errors.Unauthenticated,
-    )
-}
-
-
-def domain_error(exc: grpc.aio.AioRpcError, what: str) -> errors.FlywheelError:
-    """The flywheel.errors exception for a failed call (code kept, details as message)."""
-    code = exc.code().name
-    cls = _ERRORS.get(code, errors.FlywheelError)
-    err = cls(f"synchronizer {what}: {exc.details() or code}")
-    err.code = code
-    return err
 
 
 def _method(value: int) -> Method | None:

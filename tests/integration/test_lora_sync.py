@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.rollout.client import RolloutClient
+from flywheel.rollout.client import RolloutClient
 from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run
 
 pytestmark = pytest.mark.slow

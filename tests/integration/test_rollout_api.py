@@ -243,7 +243,7 @@ async def test_openai_sdk_completes_chats_and_streams(server, model_dir: Path) -
 
 async def test_typed_client(server) -> None:
     from flywheel.errors import InvalidArgument
-    from services.rollout.client import RolloutClient
+    from flywheel.rollout.client import RolloutClient
 
     async with RolloutClient(server.address, token=TEST_TOKEN, timeout=120) as rollout:
         ids = await rollout.tokenize(QUESTION, add_special_tokens=True)

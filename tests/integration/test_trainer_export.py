@@ -24,7 +24,7 @@ from flywheel.models.tiny import build_tiny_model
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.synchronizer.client import SynchronizerClient
 from services.synchronizer.embedded import embedded_synchronizer
-from services.trainer.client import TrainerClient, make_loss_spec, make_train_batch
+from flywheel.trainer.client import TrainerClient, make_loss_spec, make_train_batch
 from tests.conftest import TEST_TOKEN
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from flywheel.common.v1 import common_pb2
 from flywheel.models.tiny import build_tiny_model
 from flywheel.trainer.v1 import trainer_pb2
-from services.trainer.client import TrainerClient, make_loss_spec, make_train_batch
+from flywheel.trainer.client import TrainerClient, make_loss_spec, make_train_batch
 from services.trainer.forward import token_logprobs
 from tests.conftest import TEST_TOKEN
 

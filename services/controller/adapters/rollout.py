@@ -16,7 +16,7 @@ from flywheel.errors import InvalidArgument
 from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
-from services.controller.adapters.errors import translated
+from flywheel.runtime.client import translated
 from services.controller.adapters.trainer import METHODS
 from services.controller.domain import (
     MIN_WEIGHT_VERSION,

@@ -14,7 +14,7 @@ from flywheel.runtime.client import open_channel
 from flywheel.runtime.server_config import MIB
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
-from services.controller.adapters.errors import translated
+from flywheel.runtime.client import translated
 from services.controller.batching import TrainBatch
 from services.controller.domain import RestoredCheckpoint, TrainerState, TrainResult, WeightSource
 from services.controller.run_config import LossConfig

@@ -9,7 +9,7 @@ import torch
 
 from flywheel.errors import InvalidArgument
 from flywheel.trainer.v1 import trainer_pb2 as pb
-from services.trainer.client import make_loss_spec, make_train_batch
+from flywheel.trainer.client import make_loss_spec, make_train_batch
 from services.trainer.servicer import TrainerServicer, batch_tensors, loss_request
 from tests.unit.trainer.trainer_helpers import make_batch
 

@@ -23,19 +23,11 @@ from flywheel import errors
 from flywheel.common.v1 import common_pb2
 from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
-from flywheel.runtime.client import open_channel
+from flywheel.runtime.client import domain_error, open_channel, translated
 from flywheel.runtime.server_config import MIB
 
 PromptLike = str | Sequence[int] | Sequence[dict[str, Any]]
 _PAUSE = {"abort": pb.PAUSE_MODE_ABORT, "wait": pb.PAUSE_MODE_WAIT, "keep": pb.PAUSE_MODE_KEEP, None: pb.PAUSE_MODE_UNSPECIFIED}
-
-
-def _error(exc: grpc.aio.AioRpcError, what: str) -> errors.FlywheelError:
-    by_code = {cls.code: cls for cls in errors.FlywheelError.__subclasses__()}
-    cls = by_code.get(exc.code().name, errors.FlywheelError)
-    error = cls(f"{what}: {exc.details()}")
-    error.code = exc.code().name
-    return error
 
 
 def chat_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = (),
@@ -76,10 +68,8 @@ class RolloutClient:
         await self.close()
 
     async def _call(self, what: str, rpc: Any, request: Any, timeout: float | None = None) -> Any:
-        try:
+        with translated(f"rollout {self.address} {what}"):
             return await rpc(request, timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise _error(exc, f"rollout {self.address} {what}") from None
 
     async def generate(self, prompts: Sequence[PromptLike], *, request_ids: Sequence[str] = (),
                        timeout: float | None = None, **sampling: Any) -> list[list[common_pb2.Sample]]:
@@ -100,7 +90,7 @@ class RolloutClient:
             async for message in call:
                 yield message
         except grpc.aio.AioRpcError as exc:
-            raise _error(exc, f"rollout {self.address} GenerateStream") from None
+            raise domain_error(exc, f"rollout {self.address} GenerateStream") from None
         finally:
             call.cancel()
 
