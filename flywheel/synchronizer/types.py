@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal
 
 from flywheel.errors import FailedPrecondition, InvalidArgument
 
@@ -30,6 +31,10 @@ class Method(enum.IntEnum):
     NCCL = 1
     MEMORY = 2
     CHECKPOINT = 3
+
+
+#: A Method by its lower-case name, as configs spell it.
+SyncMethodName = Literal["memory", "checkpoint", "nccl"]
 
 
 class Style(enum.IntEnum):

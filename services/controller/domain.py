@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+# Shared words (defined in flywheel.common.types); the controller's modules import them from here too.
+from flywheel.common.types import FinishReason, SamplingSpec  # noqa: F401
+
 #: A chat message as an OpenAI-style dict: {"role": ..., "content": ..., ...}.
 Message = dict[str, Any]
 
@@ -36,14 +39,6 @@ class Task:
     split: str = "train"
 
 
-class FinishReason(str, Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    #: Cut short (e.g. a weight update in ABORT mode): retry the task.
-    ABORT = "abort"
-    ERROR = "error"
-
-
 @dataclass(frozen=True)
 class PromptInput:
     """What an engine generates from: exactly one of text, messages, token_ids."""
@@ -54,20 +49,6 @@ class PromptInput:
     token_ids: list[int] | None = None
     #: OpenAI-style tool definitions passed to the chat template.
     tools: list[dict[str, Any]] | None = None
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """Sampling parameters (vLLM names and meanings)."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 256
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    repetition_penalty: float = 1.0
 
 
 @dataclass

@@ -33,6 +33,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
+from flywheel.synchronizer.types import SyncMethodName
+from flywheel.trainer.types import Aggregation, LossKind
 from flywheel.runtime.config import ConfigError, StrictModel, read_config_file
 
 Mode = Literal["sync", "fully-async", "batch-async"]
@@ -156,12 +158,12 @@ class OverlongConfig(StrictModel):
 
 
 class LossConfig(StrictModel):
-    kind: Literal["grpo", "dapo", "ppo_clip"] | None = Field(None, description="loss; default follows algorithm.name")
+    kind: LossKind | None = Field(None, description="loss; default follows algorithm.name")
     clip_low: float = Field(0.2, ge=0, description="lower clip epsilon")
     clip_high: float | None = Field(None, ge=0, description="upper clip epsilon; default 0.28 for dapo, else clip_low")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference weight")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] | None = Field(
+    aggregation: Aggregation | None = Field(
         None, description="per-token loss aggregation; default the trainer's"
     )
     is_cap: float = Field(0.0, ge=0, description="truncated importance-sampling cap; 0 disables (staleness.policy=correct sets 2)")
@@ -198,7 +200,7 @@ class StalenessConfig(StrictModel):
 
 
 class SyncConfig(StrictModel):
-    method: Literal["memory", "checkpoint", "nccl"] = Field("checkpoint", description="how weights travel")
+    method: SyncMethodName = Field("checkpoint", description="how weights travel")
     style: Literal["fixed", "dynamic_by_explorer"] = Field("fixed", description="when rollouts sync")
     interval: int = Field(1, ge=1, description="sync every N trainer steps")
     offset: int = Field(0, ge=0, description="steps before the first sync")

@@ -37,7 +37,6 @@ from services.controller.domain import (
     TrainResult,
     WeightSource,
 )
-from services.controller.weight_sync import SyncPolicy
 
 T = TypeVar("T")
 Draw = Callable[[], float]

@@ -13,10 +13,9 @@ from pydantic import Field, model_validator
 
 from flywheel.runtime.config import StrictModel
 from flywheel.runtime.server_config import ServerConfig
+from flywheel.trainer.types import Aggregation, LossKind
 from flywheel.synchronizer.presence_config import PresenceConfig
 
-LossKindName = Literal["grpo", "dapo", "ppo_clip"]
-AggregationName = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
 
 class LoraConfig(StrictModel):
@@ -90,12 +89,12 @@ class LossConfig(StrictModel):
     (0 there means "off"), as the proto documents.
     """
 
-    kind: LossKindName = Field("grpo", description="loss when the request says LOSS_KIND_UNSPECIFIED")
+    kind: LossKind = Field("grpo", description="loss when the request says LOSS_KIND_UNSPECIFIED")
     clip_low: float = Field(0.2, gt=0, lt=1, description="lower clip epsilon when the request sends 0")
     clip_high: float | None = Field(
         None, gt=0, description="upper clip epsilon when the request sends 0; none: 0.28 for dapo, clip_low otherwise"
     )
-    aggregation: AggregationName | None = Field(
+    aggregation: Aggregation | None = Field(
         None, description="aggregation when unspecified; none: seq_mean_token_mean for grpo, token_mean otherwise"
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="estimator of KL(policy || reference)")

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-KINDS = ("grpo", "dapo", "ppo_clip")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+from flywheel.trainer.types import AGGREGATIONS
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 

@@ -19,6 +19,7 @@ from flywheel.codec.dtypes import tensor_from_proto, tensor_to_proto
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
 from flywheel.runtime.auth import resolve_token
+from flywheel.trainer.types import aggregation_from_pb, loss_kind_from_pb
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
 from services.trainer import metrics as prom
@@ -29,12 +30,6 @@ DTYPES = {
     "float32": common_pb2.DTYPE_FLOAT32,
     "bfloat16": common_pb2.DTYPE_BFLOAT16,
     "float16": common_pb2.DTYPE_FLOAT16,
-}
-LOSS_KINDS = {pb.LOSS_KIND_GRPO: "grpo", pb.LOSS_KIND_DAPO: "dapo", pb.LOSS_KIND_PPO_CLIP: "ppo_clip"}
-AGGREGATIONS = {
-    pb.LOSS_AGGREGATION_TOKEN_MEAN: "token_mean",
-    pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN: "seq_mean_token_mean",
-    pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM: "seq_mean_token_sum",
 }
 EXPORT_TARGETS = {
     common_pb2.SYNC_METHOD_MEMORY: "memory",
@@ -59,20 +54,19 @@ def batch_tensors(msg: pb.TrainBatch) -> dict[str, Tensor | None]:
 
 
 def loss_request(msg: pb.LossSpec) -> LossRequest:
-    def enum(value: int, table: dict[int, str], field: str) -> str | None:
-        if value == 0:
-            return None
-        if value not in table:
-            raise InvalidArgument(f"loss.{field}: unknown enum value {value}")
-        return table[value]
+    def enum(value: int, name_of, field: str) -> str | None:
+        try:
+            return name_of(value)
+        except ValueError:
+            raise InvalidArgument(f"loss.{field}: unknown enum value {value}") from None
 
     return LossRequest(
-        kind=enum(msg.kind, LOSS_KINDS, "kind"),
+        kind=enum(msg.kind, loss_kind_from_pb, "kind"),
         clip_low=msg.clip_low,
         clip_high=msg.clip_high,
         kl_coef=msg.kl_coef,
         entropy_coef=msg.entropy_coef,
-        aggregation=enum(msg.aggregation, AGGREGATIONS, "aggregation"),
+        aggregation=enum(msg.aggregation, aggregation_from_pb, "aggregation"),
         is_cap=msg.is_cap,
     )
 

@@ -29,9 +29,9 @@ from services.trainer import checkpoints
 from services.trainer.batch import Batch, BatchLimits, input_batch, training_batch
 from services.trainer.config import LossConfig, TrainerConfig
 from services.trainer.forward import token_logprobs
+from flywheel.trainer.types import AGGREGATIONS
+from flywheel.trainer.types import LOSS_KINDS as KINDS
 from services.trainer.losses import (
-    AGGREGATIONS,
-    KINDS,
     LossOutput,
     LossSettings,
     default_aggregation,

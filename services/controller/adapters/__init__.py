@@ -16,6 +16,20 @@ from services.controller.assemble import TRAINER_PROBE, Services
 from services.controller.run_config import RunConfig
 
 
+def _registry_replicas(cfg: RunConfig, token: str | None, opened: list[GrpcRolloutEngine]):
+    """Connects replicas as they register (membership.py); each is added to `opened`, closed at the end."""
+    s = cfg.services
+    timeouts = {key: e.timeout_seconds for e in s.rollout for key in (e.id, e.address) if key}
+
+    def connect_rollout(cid: str, address: str) -> tuple[GrpcRolloutEngine, GrpcHealthProbe]:
+        timeout = timeouts.get(cid, timeouts.get(address, s.rollout_timeout_seconds))
+        engine = GrpcRolloutEngine(address, token=token, timeout=timeout, name=cid)
+        opened.append(engine)
+        return engine, GrpcHealthProbe(cid, address)
+
+    return connect_rollout
+
+
 def connect(cfg: RunConfig, token: str | None = None) -> Services:
     s = cfg.services
     token = token or resolve_token(None, s.auth_token_file)
@@ -31,13 +45,7 @@ def connect(cfg: RunConfig, token: str | None = None) -> Services:
             s.synchronizer.address, trainer_id=s.trainer_id, token=token, timeout=s.synchronizer.timeout_seconds
         )
         # Replicas come from the synchronizer's registry; services.rollout only filters them.
-        timeouts = {key: e.timeout_seconds for e in s.rollout for key in (e.id, e.address) if key}
-
-        def connect_rollout(cid: str, address: str) -> tuple[GrpcRolloutEngine, GrpcHealthProbe]:
-            timeout = timeouts.get(cid, timeouts.get(address, s.rollout_timeout_seconds))
-            engine = GrpcRolloutEngine(address, token=token, timeout=timeout, name=cid)
-            rollouts.append(engine)  # closed with the others
-            return engine, GrpcHealthProbe(cid, address)
+        connect_rollout = _registry_replicas(cfg, token, rollouts)
     else:
         rollouts = [
             GrpcRolloutEngine(e.address, token=token, timeout=e.timeout_seconds, name=e.id or e.address)

@@ -17,7 +17,7 @@ from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
 from flywheel.runtime.client import translated
-from services.controller.adapters.trainer import METHODS
+from services.controller.adapters.trainer import sync_method
 from services.controller.domain import (
     MIN_WEIGHT_VERSION,
     RUN_STEP,
@@ -119,7 +119,7 @@ class GrpcRolloutEngine:
             return (await self.stub.GetStatus(pb.GetStatusRequest(), timeout=30.0)).weight_version
 
     async def update_weights(self, version: int, source: WeightSource, *, pause_mode: str) -> int:
-        request = pb.UpdateWeightsRequest(version=version, method=METHODS[source.method], pause_mode=PAUSE[pause_mode])
+        request = pb.UpdateWeightsRequest(version=version, method=sync_method(source.method), pause_mode=PAUSE[pause_mode])
         if source.method == "memory":
             request.memory.synchronizer_address = source.synchronizer_address
         elif source.method == "checkpoint":

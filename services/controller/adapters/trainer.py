@@ -12,6 +12,8 @@ from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import Unavailable
 from flywheel.runtime.client import open_channel
 from flywheel.runtime.server_config import MIB
+from flywheel.synchronizer.types import Method
+from flywheel.trainer.types import aggregation_to_pb, loss_kind_to_pb
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
 from flywheel.runtime.client import translated
@@ -19,23 +21,21 @@ from services.controller.batching import TrainBatch
 from services.controller.domain import RestoredCheckpoint, TrainerState, TrainResult, WeightSource
 from services.controller.run_config import LossConfig
 
-LOSS_KINDS = {"grpo": pb.LOSS_KIND_GRPO, "dapo": pb.LOSS_KIND_DAPO, "ppo_clip": pb.LOSS_KIND_PPO_CLIP}
-AGGREGATIONS = {
-    "token_mean": pb.LOSS_AGGREGATION_TOKEN_MEAN,
-    "seq_mean_token_mean": pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN,
-    "seq_mean_token_sum": pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM,
-}
-METHODS = {"memory": cpb.SYNC_METHOD_MEMORY, "checkpoint": cpb.SYNC_METHOD_CHECKPOINT, "nccl": cpb.SYNC_METHOD_NCCL}
+
+
+def sync_method(name: str) -> int:
+    """A sync method's proto number (the enum's values are the proto's)."""
+    return int(Method[name.upper()])
 
 
 def loss_spec(loss: LossConfig) -> pb.LossSpec:
     return pb.LossSpec(
-        kind=LOSS_KINDS[loss.kind] if loss.kind else pb.LOSS_KIND_UNSPECIFIED,
+        kind=loss_kind_to_pb(loss.kind),
         clip_low=loss.clip_low,
         clip_high=loss.clip_high or 0.0,
         kl_coef=loss.kl_coef,
         entropy_coef=loss.entropy_coef,
-        aggregation=AGGREGATIONS[loss.aggregation] if loss.aggregation else pb.LOSS_AGGREGATION_UNSPECIFIED,
+        aggregation=aggregation_to_pb(loss.aggregation),
         is_cap=loss.is_cap,
     )
 
@@ -90,7 +90,7 @@ class GrpcTrainer:
 
     async def export_weights(self, source: WeightSource) -> WeightSource:
         # Merged: rollouts serve full models, so a LoRA policy sends its adapters folded in.
-        request = pb.ExportWeightsRequest(method=METHODS[source.method], merge_lora=True)
+        request = pb.ExportWeightsRequest(method=sync_method(source.method), merge_lora=True)
         if source.method == "memory":
             request.memory.synchronizer_address = source.synchronizer_address
         elif source.method == "checkpoint":

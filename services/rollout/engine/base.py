@@ -17,29 +17,9 @@ from typing import Literal
 
 import torch
 
+from flywheel.common.types import FinishReason, SamplingSpec
+
 PauseMode = Literal["abort", "wait", "keep"]
-FinishReason = Literal["stop", "length", "abort", "error"]
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """Validated sampling parameters (vLLM's names and meanings)."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    #: -1 disables the top-k cut-off.
-    top_k: int = -1
-    max_tokens: int = 16
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    #: Alternatives returned per position; the chosen token's log-prob is always returned.
-    top_logprobs: int = 0
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
 
 
 @dataclass
