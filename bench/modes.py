@@ -37,9 +37,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flywheel.launcher.prepare import prepare_model  # noqa: E402
+from services.controller.launcher.prepare import prepare_model  # noqa: E402
 from flywheel.launcher.processes import ServiceProcess, start_service  # noqa: E402
-from flywheel.launcher.spec import ModelSource  # noqa: E402
+from services.controller.launcher.spec import ModelSource  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flywheel.launcher.prepare import prepare_data, prepare_model
+from services.controller.launcher.prepare import prepare_data, prepare_model
 from flywheel.launcher.processes import ServiceDied
-from flywheel.launcher.progress import Progress
-from flywheel.launcher.report import write_report
-from flywheel.launcher.spec import LaunchSpec, resume_section, split_run_file
-from flywheel.launcher.supervisor import Supervisor
+from services.controller.launcher.progress import Progress
+from services.controller.launcher.report import write_report
+from services.controller.launcher.spec import LaunchSpec, resume_section, split_run_file
+from services.controller.launcher.supervisor import Supervisor
 from flywheel.runtime.config import ConfigError, deep_merge, read_config_file
 from services.controller.run_config import RunConfig, ServicesConfig, parse_run_config
 

@@ -130,7 +130,7 @@ def test_controller_arguments_name_a_mounted_run_config(k8s, composed):
 
 def _run_services(c: Container, k8s_objects: list[dict] | None) -> Any:
     """The `services` section the controller's run ends up with, parsed by the controller's own run config."""
-    from flywheel.launcher.spec import split_run_file
+    from services.controller.launcher.spec import split_run_file
     from services.controller.local_run import SERVICES_ENV
     from services.controller.run_config import parse_run_config
 

@@ -24,8 +24,8 @@ def quickstart_tiny() -> dict[str, Any]:
 
 
 def prepare_tiny_model() -> Path:
-    from flywheel.launcher.prepare import prepare_model
-    from flywheel.launcher.spec import ModelSource
+    from services.controller.launcher.prepare import prepare_model
+    from services.controller.launcher.spec import ModelSource
 
     return prepare_model(ModelSource(**quickstart_tiny()["launch"]["model"]))
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import json
 
-from flywheel.launcher.progress import Progress, progress_line
-from flywheel.launcher.report import read_history, write_report
+from services.controller.launcher.progress import Progress, progress_line
+from services.controller.launcher.report import read_history, write_report
 
 
 def test_progress_line_shows_step_reward_accuracy_staleness_throughput():

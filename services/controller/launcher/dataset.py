@@ -7,7 +7,7 @@ same files; training and validation questions are disjoint, so validation
 measures generalisation rather than memory. Files are written atomically, so
 a run killed mid-generation never reads half a file.
 
-    python -m flywheel.launcher.dataset OUT_DIR --train-size 512 --validation-size 64
+    python -m services.controller.launcher.dataset OUT_DIR --train-size 512 --validation-size 64
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from flywheel.launcher.dataset import write_dataset
-from flywheel.launcher.spec import DatasetSpec, ModelSource
+from services.controller.launcher.dataset import write_dataset
+from services.controller.launcher.spec import DatasetSpec, ModelSource
 
 TINY_MARKER = "flywheel-tiny.json"
 

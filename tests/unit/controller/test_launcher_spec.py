@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flywheel.launcher.prepare import prepare_data
-from flywheel.launcher.spec import DatasetSpec, resume_section, split_run_file
+from services.controller.launcher.prepare import prepare_data
+from services.controller.launcher.spec import DatasetSpec, resume_section, split_run_file
 from flywheel.runtime.config import ConfigError
 
 

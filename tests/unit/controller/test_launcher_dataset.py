@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flywheel.launcher.dataset import generate, write_dataset
+from services.controller.launcher.dataset import generate, write_dataset
 
 
 def test_same_seed_same_rows_and_different_seed_different_rows():
