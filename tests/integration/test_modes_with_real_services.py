@@ -153,3 +153,19 @@ def test_fully_async_follows_the_trainer_without_waiting(tmp_path: Path, model_c
         steps = [s for s, _ in requests]
         assert all(b - a >= sync["interval"] for a, b in zip(steps, steps[1:])), requests
     assert max(end for row in rows for _, end in row["sample_versions"]) >= 1, "weights never reached the rollout"
+
+
+@pytest.mark.timeout(1000)
+def test_a_dynamic_request_that_lapses_is_asked_again_and_then_served(tmp_path: Path, model_cache: Path) -> None:
+    """DYNAMIC(2) with a 50 ms wait: a request often lapses before the trainer (mid-step) can publish;
+    the replica goes back to RUNNING, asks again at its next step, and the weights still move."""
+    rows, events = run_case(tmp_path, model_cache, "fully-async", {**DYNAMIC_2, "timeout_seconds": 0.05})
+    rollout = [e for e in events if e.get("role") == "ROLLOUT"]
+    lapsed = [i for i, e in enumerate(rollout) if "timed out" in e.get("message", "")]
+    assert lapsed, "no request lapsed: the case did not happen"
+    # After the first lapse the replica asked again and moved to a newer version.
+    after = rollout[lapsed[0]:]
+    version_then = after[0]["weight_version"]
+    assert any(e["kind"] == "SYNC_REQUESTED" for e in after[1:]), "it never asked again"
+    assert max(e["weight_version"] for e in after) > version_then, "the retried request was never served"
+    assert max(end for row in rows for _, end in row["sample_versions"]) > version_then
