@@ -39,8 +39,6 @@ class Publisher:
     ) -> None:
         self.client, self.exporter, self.engine, self.config = client, exporter, engine, config
         self.trainer_id = config.sync.trainer_id
-        #: Newest version this trainer published (0: none yet).
-        self.published = 0
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
 
@@ -68,9 +66,7 @@ class Publisher:
             decision = await self.client.need_sync(self.trainer_id, step)
             if not decision.need_sync or step < 1:
                 return None
-            result = await self._publish(decision.method or Method.MEMORY, decision.version)
-            self.published = max(self.published, result.weight_version)
-            return result
+            return await self._publish(decision.method or Method.MEMORY, decision.version)
 
     async def _publish(self, method: Method, version: int) -> ExportResult:
         log.info("publishing weights", extra={"method": method.name.lower(), "version": version})

@@ -55,7 +55,7 @@ def run_case(tmp_path: Path, cache: Path, mode: str, sync: dict, threshold: int 
     config["run"].update(name=f"policy-{mode}", max_steps=STEPS)
     config["mode"] = mode
     config["staleness"] = {"threshold": threshold, "policy": "drop"}
-    config["sync"] = {"method": "memory", **sync}
+    config["sync"] = {"method": "memory", **sync}  # `sync` may name another method
     config["validation"] = {"before_training": False, "interval": 0}
     config["checkpoint"] = {"interval": 0, "at_end": False}
     config["resume"] = "disable"
@@ -76,27 +76,40 @@ def run_case(tmp_path: Path, cache: Path, mode: str, sync: dict, threshold: int 
         assert len(row["sample_versions"]) == 16  # 4 questions x 4 samples
         assert all(start <= end <= row["trained_version"] for start, end in row["sample_versions"])
     events = [json.loads(line) for line in (run_dir / "synchronizer_events.jsonl").read_text().splitlines()]
-    check_events(events)
+    check_events(events, config["sync"]["method"])
     return rows, events
 
 
-def rollout_states(events: list[dict]) -> list[str]:
-    """The rollout's states in order, repeats collapsed (a version change alone repeats the state)."""
+def states_of(events: list[dict], role: str = "ROLLOUT") -> list[str]:
+    """A component's states in order, repeats collapsed (a version change alone repeats the state)."""
     seen: list[str] = []
     for e in events:
-        if e.get("role") == "ROLLOUT" and e["kind"] in ("STATE_CHANGED", "SYNC_REQUESTED", "COMPONENT_REGISTERED"):
-            if not seen or seen[-1] != e["state"]:
+        if e.get("role") == role and e["kind"] in ("STATE_CHANGED", "SYNC_REQUESTED", "COMPONENT_REGISTERED"):
+            if e["state"] != "STOPPED" and (not seen or seen[-1] != e["state"]):
                 seen.append(e["state"])
     return seen
 
 
-def check_events(events: list[dict]) -> None:
-    trainer = [e for e in events if e.get("role") == "TRAINER"]
-    assert trainer and {e["state"] for e in trainer} <= {"RUNNING", "STOPPED"}, "MEMORY: the trainer never waits"
-    # MEMORY rollouts: RUNNING -> REQUIRE_SYNC -> RUNNING at each sync point, never WAITING_SYNC.
-    states = [s for s in rollout_states(events) if s != "STOPPED"]
-    assert states[0] == "RUNNING" and all(a != b for a, b in zip(states, states[1:])), states
-    assert set(states) == {"RUNNING", "REQUIRE_SYNC"}, states
+def rollout_states(events: list[dict]) -> list[str]:
+    return states_of(events, "ROLLOUT")
+
+
+def check_events(events: list[dict], method: str) -> None:
+    """Trinity-RFT's tables. MEMORY: the trainer stays RUNNING; a rollout goes RUNNING -> REQUIRE_SYNC
+    -> RUNNING at each sync point. NCCL: the trainer RUNNING -> WAITING_SYNC -> RUNNING around each
+    publish; a rollout RUNNING -> REQUIRE_SYNC -> WAITING_SYNC -> RUNNING."""
+    trainer, rollout = states_of(events, "TRAINER"), rollout_states(events)
+
+    def cycles(states: list[str], cycle: list[str]) -> bool:
+        # The run may end mid-cycle (a request still pending): any prefix of the repetition.
+        return states[0] == "RUNNING" and all(s == cycle[i % len(cycle)] for i, s in enumerate(states[1:]))
+
+    if method == "nccl":
+        assert cycles(trainer, ["WAITING_SYNC", "RUNNING"]), trainer
+        assert cycles(rollout, ["REQUIRE_SYNC", "WAITING_SYNC", "RUNNING"]), rollout
+    else:
+        assert trainer == ["RUNNING"], "MEMORY: the trainer never waits for a sync"
+        assert cycles(rollout, ["REQUIRE_SYNC", "RUNNING"]), rollout
     committed = [e["version"] for e in events if e["kind"] == "VERSION_COMMITTED"]
     assert committed == sorted(set(committed)), "each version is published once"
 
@@ -122,7 +135,7 @@ def test_sync_mode_trains_on_exactly_the_due_version(tmp_path: Path, model_cache
     # The rollout asked at its own sync points, for the versions due there, and got each.
     points = [s for s in range(1, STEPS) if s > offset and (s - offset) % interval == 0]
     assert sync_requests(events) == [(s, fixed_due(s, interval, offset)) for s in points]
-    assert [s for s in rollout_states(events) if s != "STOPPED"] == ["RUNNING"] + ["REQUIRE_SYNC", "RUNNING"] * len(points)
+    assert rollout_states(events) == ["RUNNING"] + ["REQUIRE_SYNC", "RUNNING"] * len(points)
     # The trainer published exactly the versions its side of the schedule makes due.
     published = [e["version"] for e in events if e["kind"] == "VERSION_COMMITTED"]
     assert published == [v for v in range(1, STEPS + 1) if v % interval == 0]
@@ -169,3 +182,16 @@ def test_a_dynamic_request_that_lapses_is_asked_again_and_then_served(tmp_path: 
     assert any(e["kind"] == "SYNC_REQUESTED" for e in after[1:]), "it never asked again"
     assert max(e["weight_version"] for e in after) > version_then, "the retried request was never served"
     assert max(end for row in rows for _, end in row["sample_versions"]) > version_then
+
+
+@pytest.mark.timeout(1000)
+def test_nccl_sync_mode_follows_the_nccl_state_tables(tmp_path: Path, model_cache: Path) -> None:
+    """NCCL (gloo on CPU): the trainer broadcasts each due version as rank 0 of a group of every registered
+    replica; the replica joins it on its own; every sample is on-policy."""
+    rows, events = run_case(tmp_path, model_cache, "sync", {**FIXED_1_0, "method": "nccl"})
+    for row in rows:
+        assert {tuple(v) for v in row["sample_versions"]} == {(row["trained_version"],) * 2}, row
+    assert states_of(events, "TRAINER") == ["RUNNING"] + ["WAITING_SYNC", "RUNNING"] * STEPS
+    assert rollout_states(events)[:4] == ["RUNNING", "REQUIRE_SYNC", "WAITING_SYNC", "RUNNING"]
+    finished = [e["transfer_state"] for e in events if e["kind"] == "TRANSFER_FINISHED"]
+    assert finished == ["COMMITTED"] * STEPS
