@@ -13,7 +13,9 @@ from flywheel.trainer.v1 import trainer_pb2 as pb
 LossKind = Literal["grpo", "dapo", "ppo_clip"]
 LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+#: How per-token losses become one scalar. Sequences with no loss token count in no denominator.
+#: seq_mean_token_sum_norm is Dr. GRPO's: token sums over (sequences x a constant max length).
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 

@@ -164,7 +164,9 @@ class LossConfig(StrictModel):
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference weight")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")
     aggregation: Aggregation | None = Field(
-        None, description="per-token loss aggregation; default the trainer's"
+        None, description="per-token loss aggregation; default the trainer's. seq_mean_token_sum_norm is Dr. "
+        "GRPO's: token sums over (sequences x worker.sampling.max_tokens). Sequences with no loss token count in "
+        "no denominator"
     )
     is_cap: float = Field(0.0, ge=0, description="truncated importance-sampling cap; 0 disables (staleness.policy=correct sets 2)")
 

@@ -95,9 +95,14 @@ class LossConfig(StrictModel):
         None, gt=0, description="upper clip epsilon when the request sends 0; none: 0.28 for dapo, clip_low otherwise"
     )
     aggregation: Aggregation | None = Field(
-        None, description="aggregation when unspecified; none: seq_mean_token_mean for grpo, token_mean otherwise"
+        None, description="aggregation when unspecified; none: seq_mean_token_mean for grpo, token_mean otherwise. "
+        "Sequences with no loss token count in no denominator (seq_* modes count only sequences with one)"
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="estimator of KL(policy || reference)")
+    max_response_length: int = Field(
+        0, ge=0, description="seq_mean_token_sum_norm (Dr. GRPO): the maximum completion length each sequence's "
+        "token sum is divided by, when the request sends 0, in tokens"
+    )
 
 
 class LimitsConfig(StrictModel):

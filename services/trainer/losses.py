@@ -47,6 +47,8 @@ class LossSettings:
     entropy_coef: float = 0.0
     aggregation: str = "seq_mean_token_mean"
     is_cap: float = 0.0
+    #: seq_mean_token_sum_norm: the constant each sequence's token sum is divided by, in tokens.
+    max_response_length: int = 0
     kl_estimator: str = "k3"
 
 
@@ -72,15 +74,21 @@ def loss_denominators(mask: Tensor) -> tuple[float, float]:
 
 
 def aggregate(
-    values: Tensor, mask: Tensor, mode: str, *, num_tokens: float | None = None, num_seqs: float | None = None
+    values: Tensor, mask: Tensor, mode: str, *, num_tokens: float | None = None, num_seqs: float | None = None,
+    max_response_length: int = 0,
 ) -> Tensor:
     """Reduces per-token values [B, T] to a scalar.
 
     token_mean: Σ masked values / Σ mask over the batch.
     seq_mean_token_mean: mean over sequences of each sequence's masked mean.
     seq_mean_token_sum: mean over sequences of each sequence's masked sum.
-    Sequences without loss tokens do not count. `num_tokens` / `num_seqs`
-    override the denominators (the whole batch's, when this is a micro-batch).
+    seq_mean_token_sum_norm (Dr. GRPO): Σ masked values / (sequences ×
+    max_response_length), a constant that does not depend on how long the
+    batch's answers happen to be.
+    Sequences without loss tokens do not count as sequences (others count
+    every sequence; with a full batch of answers the two agree). `num_tokens`
+    / `num_seqs` override the denominators (the whole batch's, when this is
+    a micro-batch).
     """
     masked = values * mask
     if mode == "token_mean":
@@ -92,6 +100,10 @@ def aggregate(
         per_seq = masked.sum(dim=-1) / per_seq_tokens.clamp_min(1.0)
     elif mode == "seq_mean_token_sum":
         per_seq = masked.sum(dim=-1)
+    elif mode == "seq_mean_token_sum_norm":
+        if max_response_length < 1:
+            raise ValueError("seq_mean_token_sum_norm needs max_response_length >= 1")
+        per_seq = masked.sum(dim=-1) / float(max_response_length)
     else:
         raise ValueError(f"unknown aggregation {mode!r}; expected one of {AGGREGATIONS}")
     return per_seq.sum() / max(seqs, 1.0)
@@ -229,7 +241,8 @@ def policy_loss(
     )
     if is_weights is not None:
         pg = pg * is_weights
-    agg = {"mode": settings.aggregation, "num_tokens": num_tokens, "num_seqs": num_seqs}
+    agg = {"mode": settings.aggregation, "num_tokens": num_tokens, "num_seqs": num_seqs,
+           "max_response_length": settings.max_response_length}
     pg_loss = aggregate(pg, mask, **agg)
     total = pg_loss
     out = LossOutput(loss=total, tokens=float(mask.sum()))

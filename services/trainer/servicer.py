@@ -68,6 +68,7 @@ def loss_request(msg: pb.LossSpec) -> LossRequest:
         entropy_coef=msg.entropy_coef,
         aggregation=enum(msg.aggregation, aggregation_from_pb, "aggregation"),
         is_cap=msg.is_cap,
+        max_response_length=msg.max_response_length,
     )
 
 

@@ -55,6 +55,7 @@ class LossRequest:
     entropy_coef: float = 0.0
     aggregation: str | None = None
     is_cap: float = 0.0
+    max_response_length: int = 0
 
 
 def resolve_loss(request: LossRequest, defaults: LossConfig) -> LossSettings:
@@ -73,10 +74,16 @@ def resolve_loss(request: LossRequest, defaults: LossConfig) -> LossSettings:
     aggregation = request.aggregation or defaults.aggregation or default_aggregation(kind)
     if aggregation not in AGGREGATIONS:
         raise InvalidArgument(f"loss.aggregation: unknown {aggregation!r}")
+    max_response_length = request.max_response_length or defaults.max_response_length
+    if aggregation == "seq_mean_token_sum_norm" and max_response_length < 1:
+        raise InvalidArgument(
+            "loss.max_response_length: seq_mean_token_sum_norm divides by the maximum completion length; "
+            "set it in the request or the trainer's loss.max_response_length"
+        )
     return LossSettings(
         kind=kind, clip_low=clip_low, clip_high=clip_high, kl_coef=request.kl_coef,
         entropy_coef=request.entropy_coef, aggregation=aggregation, is_cap=request.is_cap,
-        kl_estimator=defaults.kl_estimator,
+        kl_estimator=defaults.kl_estimator, max_response_length=max_response_length,
     )
 
 

@@ -21,6 +21,7 @@ class LossAggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOSS_AGGREGATION_TOKEN_MEAN: _ClassVar[LossAggregation]
     LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN: _ClassVar[LossAggregation]
     LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM: _ClassVar[LossAggregation]
+    LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM: _ClassVar[LossAggregation]
 
 class LogprobModel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,12 +36,13 @@ LOSS_AGGREGATION_UNSPECIFIED: LossAggregation
 LOSS_AGGREGATION_TOKEN_MEAN: LossAggregation
 LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN: LossAggregation
 LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM: LossAggregation
+LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM: LossAggregation
 LOGPROB_MODEL_UNSPECIFIED: LogprobModel
 LOGPROB_MODEL_POLICY: LogprobModel
 LOGPROB_MODEL_REFERENCE: LogprobModel
 
 class LossSpec(_message.Message):
-    __slots__ = ("kind", "clip_low", "clip_high", "kl_coef", "entropy_coef", "aggregation", "is_cap")
+    __slots__ = ("kind", "clip_low", "clip_high", "kl_coef", "entropy_coef", "aggregation", "is_cap", "max_response_length")
     KIND_FIELD_NUMBER: _ClassVar[int]
     CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
     CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +50,7 @@ class LossSpec(_message.Message):
     ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     IS_CAP_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     kind: LossKind
     clip_low: float
     clip_high: float
@@ -55,7 +58,8 @@ class LossSpec(_message.Message):
     entropy_coef: float
     aggregation: LossAggregation
     is_cap: float
-    def __init__(self, kind: _Optional[_Union[LossKind, str]] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., aggregation: _Optional[_Union[LossAggregation, str]] = ..., is_cap: _Optional[float] = ...) -> None: ...
+    max_response_length: int
+    def __init__(self, kind: _Optional[_Union[LossKind, str]] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., aggregation: _Optional[_Union[LossAggregation, str]] = ..., is_cap: _Optional[float] = ..., max_response_length: _Optional[int] = ...) -> None: ...
 
 class TrainBatch(_message.Message):
     __slots__ = ("input_ids", "attention_mask", "loss_mask", "advantages", "behaviour_logprobs", "weight_versions", "old_logprobs", "ref_logprobs")

@@ -36,6 +36,7 @@ def connect(cfg: RunConfig, token: str | None = None) -> Services:
     trainer = GrpcTrainer(
         s.trainer.address, token=token, timeout=s.trainer.timeout_seconds,
         remove_previous_checkpoints=cfg.checkpoint.remove_previous,
+        max_response_length=cfg.worker.sampling.max_tokens,
     )
     rollouts: list[GrpcRolloutEngine] = []
     synchronizer = None

@@ -28,7 +28,8 @@ def sync_method(name: str) -> int:
     return int(Method[name.upper()])
 
 
-def loss_spec(loss: LossConfig) -> pb.LossSpec:
+def loss_spec(loss: LossConfig, max_response_length: int = 0) -> pb.LossSpec:
+    """`max_response_length`: the run's maximum completion length, in tokens (Dr. GRPO's constant)."""
     return pb.LossSpec(
         kind=loss_kind_to_pb(loss.kind),
         clip_low=loss.clip_low,
@@ -36,6 +37,7 @@ def loss_spec(loss: LossConfig) -> pb.LossSpec:
         kl_coef=loss.kl_coef,
         entropy_coef=loss.entropy_coef,
         aggregation=aggregation_to_pb(loss.aggregation),
+        max_response_length=max_response_length,
         is_cap=loss.is_cap,
     )
 
@@ -47,12 +49,14 @@ def train_batch(batch: TrainBatch) -> pb.TrainBatch:
 class GrpcTrainer:
     def __init__(
         self, address: str, *, token: str | None = None, timeout: float = 600.0, max_message_bytes: int = 256 * MIB,
-        remove_previous_checkpoints: bool = False,
+        remove_previous_checkpoints: bool = False, max_response_length: int = 0,
     ) -> None:
+        """`max_response_length`: the run's maximum completion length (worker.sampling.max_tokens)."""
         self.address = address
         self.channel = open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes)
         self.stub = pb_grpc.TrainerServiceStub(self.channel)
         self.remove_previous = remove_previous_checkpoints
+        self.max_response_length = max_response_length
 
     async def close(self) -> None:
         await self.channel.close()
@@ -68,7 +72,7 @@ class GrpcTrainer:
         self, batch: TrainBatch, loss: LossConfig, *, micro_batch_size: int, expected_step: int | None
     ) -> TrainResult:
         request = pb.TrainStepRequest(
-            batch=train_batch(batch), loss=loss_spec(loss), micro_batch_size=micro_batch_size, expected_step=expected_step
+            batch=train_batch(batch), loss=loss_spec(loss, self.max_response_length), micro_batch_size=micro_batch_size, expected_step=expected_step
         )
         with translated(f"trainer {self.address} TrainStep"):
             response = await self.stub.TrainStep(request)

@@ -43,6 +43,28 @@ def test_micro_batches_with_global_denominators_sum_to_the_whole(mode: str) -> N
     assert float(sum(parts)) == pytest.approx(float(aggregate(VALUES, MASK, mode)))
 
 
+def test_dr_grpo_divides_token_sums_by_a_constant_length() -> None:
+    """Dr. GRPO by hand: sums 1+2=3 and 4 over 2 sequences (the empty third does not count) x 8 tokens,
+    whatever the padded width (3 here, 5 below)."""
+    expected = (3 + 4) / (2 * 8)
+    assert float(aggregate(VALUES, MASK, "seq_mean_token_sum_norm", max_response_length=8)) == pytest.approx(expected)
+    wider_values = torch.nn.functional.pad(VALUES, (0, 2), value=100.0)
+    wider_mask = torch.nn.functional.pad(MASK, (0, 2))
+    assert float(aggregate(wider_values, wider_mask, "seq_mean_token_sum_norm", max_response_length=8)) == pytest.approx(
+        expected)
+    # Micro-batches with the batch's sequence count add up to the whole, as for the other modes.
+    _, seqs = loss_denominators(MASK)
+    parts = [aggregate(VALUES[i : i + 1], MASK[i : i + 1], "seq_mean_token_sum_norm", num_seqs=seqs,
+                       max_response_length=8) for i in range(3)]
+    assert float(sum(parts)) == pytest.approx(expected)
+    # Its gradient: every loss token weighs 1 / (sequences x length), however long its answer.
+    values = VALUES.clone().requires_grad_(True)
+    aggregate(values, MASK, "seq_mean_token_sum_norm", max_response_length=8).backward()
+    assert torch.allclose(values.grad, MASK / 16)
+    with pytest.raises(ValueError, match="max_response_length"):
+        aggregate(VALUES, MASK, "seq_mean_token_sum_norm")
+
+
 def test_unknown_aggregation_is_an_error() -> None:
     with pytest.raises(ValueError, match="aggregation"):
         aggregate(VALUES, MASK, "mean")

@@ -41,6 +41,20 @@ def test_loss_spec_translation() -> None:
         make_loss_spec("reinforce")
 
 
+def test_dr_grpo_needs_its_constant_length() -> None:
+    from services.trainer.config import LossConfig
+    from services.trainer.training import resolve_loss
+
+    spec = pb.LossSpec(aggregation=pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM, max_response_length=512)
+    settings = resolve_loss(loss_request(spec), LossConfig())
+    assert (settings.aggregation, settings.max_response_length) == ("seq_mean_token_sum_norm", 512)
+    # Unset in the request: the trainer's configured length, else a clear error naming the field.
+    unset = loss_request(pb.LossSpec(aggregation=pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM))
+    assert resolve_loss(unset, LossConfig(max_response_length=64)).max_response_length == 64
+    with pytest.raises(InvalidArgument, match=r"loss\.max_response_length"):
+        resolve_loss(unset, LossConfig())
+
+
 async def test_get_info_answers_while_a_training_call_holds_the_engine(make_engine) -> None:
     engine = make_engine()
     servicer = TrainerServicer(engine)
