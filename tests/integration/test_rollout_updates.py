@@ -25,7 +25,13 @@ from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
 from tests.conftest import TEST_TOKEN
 from tests.unit.rollout.fake_synchronizer import FakeSynchronizer
-from tests.unit.rollout.rollout_helpers import ServerThread, need_engine, reference_greedy, rollout_config
+from tests.unit.rollout.rollout_helpers import (
+    ServerThread,
+    need_engine,
+    reference_greedy,
+    reference_logprobs,
+    rollout_config,
+)
 
 ENGINES = ["transformers", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])]
 PROMPT = [318, 268, 223, 20, 284, 223, 21, 33]
@@ -235,6 +241,30 @@ async def test_memory_update_from_the_real_synchronizer(server, run_service) -> 
         after = await greedy(rollout)
     assert list(after.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS, new)
     track.version, track.state = 5, new
+
+
+async def test_an_update_of_the_tied_embedding_alone_reaches_the_output_head(server, tmp_path: Path) -> None:
+    """The tiny models (like SmolLM2) tie their LM head to the token embedding. An update that changes
+    only that matrix must move the served log-probs exactly as transformers' do: vLLM on CPU keeps a
+    packed copy of the head that its reload did not refresh (uniformly scaled weights could not show
+    it: a scaled head keeps every argmax)."""
+    track: Track = server.track
+    name = next(k for k in track.state if "embed_tokens" in k)
+    torch.manual_seed(1)
+    new = dict(track.state)
+    new[name] = track.state[name] + 0.05 * torch.randn_like(track.state[name])
+    save_file(new, str(tmp_path / "model.safetensors"))
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        version = track.version + 1
+        await update(rollout, version, checkpoint=pb.CheckpointSource(path=str(tmp_path)))
+        sample = await greedy(rollout)
+    served = list(sample.completion_logprobs)
+    expected = reference_logprobs(track.model, PROMPT, list(sample.completion_token_ids), new)
+    before = reference_logprobs(track.model, PROMPT, list(sample.completion_token_ids), track.state)
+    assert max(abs(a - b) for a, b in zip(expected, before)) > 0.05, "the change must be visible to matter"
+    assert served == pytest.approx(expected, abs=2e-3)
+    track.version, track.state = version, new
 
 
 async def test_update_must_move_forward(server) -> None:
