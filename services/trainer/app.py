@@ -45,7 +45,8 @@ def build(config: TrainerConfig) -> ServiceSpec:
 
             state["link"] = TrainerLink(config, engine, state["grpc_port"])
             state["link"].start()
-            servicer.after_step = state["link"].publisher.after_step
+            if config.sync.publish:
+                servicer.after_step = state["link"].publisher.after_step
             await state["link"].presence.wait_registered(config.sync.rpc_timeout_seconds)
 
     async def shutdown() -> None:

@@ -128,6 +128,10 @@ class SyncConfig(PresenceConfig):
         "and weight version), publishes every version the synchronizer's policy makes due (services.trainer."
         "publisher), and ExportWeights calls use it; none: standalone, not registered, publishes nothing"
     )
+    publish: bool = Field(
+        True, description="publish every version the synchronizer's policy makes due, by itself, after the step "
+        "that made it (services.trainer.publisher); off: only ExportWeights calls (an operator) move weights"
+    )
     publish_dir: Path | None = Field(
         None, description="CHECKPOINT policy: where published versions are written (version_N/, shared with the "
         "rollouts); none: <checkpoint.dir>/published"

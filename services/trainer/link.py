@@ -43,11 +43,13 @@ class TrainerLink:
             labels={"model": engine.info().model_name, "device": config.model.device},
         )
 
+        self.config = config
         self.publisher = Publisher(self.client, WeightExporter(engine, sync, token), engine, config)
 
     def start(self) -> None:
         self.presence.start()
-        self.publisher.start()
+        if self.config.sync.publish:
+            self.publisher.start()
 
     async def stop(self) -> None:
         await self.publisher.stop()

@@ -150,9 +150,14 @@ def test_sigkill_mid_run_then_the_same_command_resumes_and_finishes(tmp_path: Pa
 
 
 @pytest.mark.timeout(900)
-def test_a_dead_rollout_stops_the_run_naming_it_and_leaves_no_process(tmp_path: Path, model_cache: Path) -> None:
+def test_a_dead_rollout_is_reported_a_dead_trainer_stops_the_run_and_no_process_is_left(
+    tmp_path: Path, model_cache: Path
+) -> None:
+    """A rollout replica that dies does not end the run (others would take its work, and a restarted
+    one rejoins): the launcher says so and goes on. The trainer dying ends it, named, with exit 1."""
     run_dir = tmp_path / "run"
     proc = launch(run_dir, model_cache, "launcher.out", "--resume", "disable")
+    out = tmp_path / "launcher.out"
     try:
         # Validation before training is done: training rollouts are under way.
         metrics = run_dir / "metrics.jsonl"
@@ -160,11 +165,16 @@ def test_a_dead_rollout_stops_the_run_naming_it_and_leaves_no_process(tmp_path: 
         everything = descendants(proc.pid)
         rollout_pid = json.loads((run_dir / "rollout.ready.json").read_text())["pid"]
         os.kill(rollout_pid, signal.SIGKILL)
+        wait_for("the launcher to report the replica", lambda: "rollout exited" in out.read_text(), 60, proc)
+        time.sleep(2.0)
+        assert proc.poll() is None, "a dead rollout replica ended the run"
+        trainer_pid = json.loads((run_dir / "trainer.ready.json").read_text())["pid"]
+        os.kill(trainer_pid, signal.SIGKILL)
         code = proc.wait(180)
     finally:
         if proc.poll() is None:
             proc.kill()
-    output = (tmp_path / "launcher.out").read_text()
+    output = out.read_text()
     assert code == 1, output[-3000:]
-    assert "service rollout exited with code -9" in output, output[-3000:]
+    assert "service trainer exited with code -9" in output, output[-3000:]
     wait_all_gone(everything, 30)

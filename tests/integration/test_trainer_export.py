@@ -58,6 +58,7 @@ async def test_export_memory_and_checkpoint_bit_identical(run_service, tiny_mode
         trainer_proc = run_service(
             "trainer", "--model.path", str(tiny_model), "--checkpoint.dir", str(tmp_path / "ckpt"),
             "--optimizer.lr", "1e-3", "--model.cpu-threads", "1", "--sync.synchronizer-address", sync.address,
+            "--sync.publish", "false",  # exports by hand only: the operator's path
         )
         async with TrainerClient(trainer_proc.grpc_address, token=TEST_TOKEN, timeout=60) as trainer, \
                 SynchronizerClient(sync.address) as client:
@@ -110,8 +111,10 @@ async def test_export_memory_and_checkpoint_bit_identical(run_service, tiny_mode
             await rejected(stub.ExportWeights(pb.ExportWeightsRequest()), "method")
             await rejected(stub.ExportWeights(pb.ExportWeightsRequest(
                 method=MEMORY, checkpoint=pb.CheckpointTarget(directory="x"))), "checkpoint")
-            await rejected(stub.ExportWeights(pb.ExportWeightsRequest(
-                method=CHECKPOINT, checkpoint=pb.CheckpointTarget())), "checkpoint.directory")
+            # No directory: the trainer's sync.publish_dir; version 3 is out already, so refused as not newer.
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ExportWeights(pb.ExportWeightsRequest(method=CHECKPOINT, checkpoint=pb.CheckpointTarget()))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not newer" in info.value.details()
             await rejected(stub.ExportWeights(pb.ExportWeightsRequest(method=NCCL, nccl=pb.NcclTarget())),
                            "nccl.group_id")
             assert (await trainer.get_info()).weight_version == 3
