@@ -53,9 +53,12 @@ def to_prompt(prompt: PromptLike, request_id: str = "") -> pb.Prompt:
 
 class RolloutClient:
     def __init__(self, address: str, *, token: str | None = None, timeout: float = 600.0,
-                 max_message_bytes: int = 64 * MIB) -> None:
+                 max_message_bytes: int = 64 * MIB, max_attempts: int = 5) -> None:
+        """`max_attempts`: transport retries of UNAVAILABLE (a caller that fails over to another
+        replica wants few)."""
         self.address = address
-        self._channel = open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes)
+        self._channel = open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes,
+                                     max_attempts=max_attempts)
         self._stub = pb_grpc.RolloutServiceStub(self._channel)
 
     async def close(self) -> None:
@@ -72,14 +75,21 @@ class RolloutClient:
             return await rpc(request, timeout=timeout)
 
     async def generate(self, prompts: Sequence[PromptLike], *, request_ids: Sequence[str] = (),
-                       timeout: float | None = None, **sampling: Any) -> list[list[common_pb2.Sample]]:
-        """Samples per prompt, in order; `sampling` takes `SamplingParams` fields (max_tokens, n, ...)."""
+                       timeout: float | None = None, run_step: int = 0, min_weight_version: int = 0,
+                       **sampling: Any) -> list[list[common_pb2.Sample]]:
+        """Samples per prompt, in order; `sampling` takes `SamplingParams` fields (max_tokens, n, ...).
+
+        `run_step`: the train batch these are for (a replica counts its steps by it); `min_weight_version`:
+        the least weight version to generate with (GenerateRequest's fields)."""
         ids = list(request_ids) or [""] * len(prompts)
         if len(ids) != len(prompts):
             raise errors.InvalidArgument(f"request_ids: {len(ids)} ids for {len(prompts)} prompts")
         request = pb.GenerateRequest(prompts=[to_prompt(p, r) for p, r in zip(prompts, ids)],
-                                     sampling=common_pb2.SamplingParams(**sampling))
+                                     sampling=common_pb2.SamplingParams(**sampling), run_step=run_step,
+                                     min_weight_version=min_weight_version)
         response = await self._call("Generate", self._stub.Generate, request, timeout)
+        if len(response.results) != len(prompts):
+            raise errors.InvalidArgument(f"rollout {self.address}: {len(response.results)} results for {len(prompts)} prompts")
         return [list(r.samples) for r in response.results]
 
     async def generate_stream(self, prompt: PromptLike, *, timeout: float | None = None,
@@ -94,11 +104,12 @@ class RolloutClient:
         finally:
             call.cancel()
 
-    async def tokenize(self, prompt: str | Sequence[dict[str, Any]], *, add_special_tokens: bool = False) -> list[int]:
+    async def tokenize(self, prompt: str | Sequence[dict[str, Any]], *, add_special_tokens: bool = False,
+                       add_generation_prompt: bool | None = None) -> list[int]:
         if isinstance(prompt, str):
             request = pb.TokenizeRequest(text=prompt, add_special_tokens=add_special_tokens)
         else:
-            request = pb.TokenizeRequest(messages=chat_messages(prompt))
+            request = pb.TokenizeRequest(messages=chat_messages(prompt, add_generation_prompt=add_generation_prompt))
         return list((await self._call("Tokenize", self._stub.Tokenize, request, 30.0)).token_ids)
 
     async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
@@ -117,13 +128,16 @@ class RolloutClient:
         return (await self._call("Resume", self._stub.Resume, pb.ResumeRequest())).weight_version
 
     async def update_weights(self, version: int, *, checkpoint: str | None = None, synchronizer: str | None = None,
-                             pause_mode: str | None = None, timeout_seconds: float = 0.0) -> pb.UpdateWeightsResponse:
-        """Moves to `version` from a checkpoint directory or a synchronizer's memory (exactly one)."""
-        if (checkpoint is None) == (synchronizer is None):
-            raise errors.InvalidArgument("update_weights: give exactly one of checkpoint or synchronizer")
+                             nccl: pb.NcclSource | None = None, pause_mode: str | None = None,
+                             timeout_seconds: float = 0.0) -> pb.UpdateWeightsResponse:
+        """Moves to `version` from a checkpoint directory, a synchronizer's memory or an NCCL group (exactly one)."""
+        if sum(x is not None for x in (checkpoint, synchronizer, nccl)) != 1:
+            raise errors.InvalidArgument("update_weights: give exactly one of checkpoint, synchronizer or nccl")
         request = pb.UpdateWeightsRequest(version=version, pause_mode=_PAUSE[pause_mode], timeout_seconds=timeout_seconds)
         if checkpoint is not None:
             request.checkpoint.path = checkpoint
+        elif nccl is not None:
+            request.nccl.CopyFrom(nccl)
         else:
             request.memory.synchronizer_address = synchronizer  # type: ignore[assignment]
         deadline = (timeout_seconds or 300.0) + 60.0

@@ -19,17 +19,12 @@ import torch
 from flywheel.codec.dtypes import tensor_from_proto, tensor_to_proto
 from flywheel.runtime.client import open_channel
 from flywheel.runtime.server_config import MIB
+from flywheel.synchronizer.types import Method
+from flywheel.trainer.types import AGGREGATIONS, LOSS_KINDS, aggregation_to_pb, loss_kind_to_pb
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
 
 DEFAULT_TRAIN_TIMEOUT_SECONDS = 600.0
-
-_KINDS = {"grpo": pb.LOSS_KIND_GRPO, "dapo": pb.LOSS_KIND_DAPO, "ppo_clip": pb.LOSS_KIND_PPO_CLIP}
-_AGGREGATIONS = {
-    "token_mean": pb.LOSS_AGGREGATION_TOKEN_MEAN,
-    "seq_mean_token_mean": pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN,
-    "seq_mean_token_sum": pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM,
-}
 
 
 def make_train_batch(
@@ -61,17 +56,17 @@ def make_loss_spec(
     entropy_coef: float = 0.0,
     aggregation: str | None = None,
     is_cap: float = 0.0,
+    max_response_length: int = 0,
 ) -> pb.LossSpec:
     """A LossSpec; None / 0 leave a field to the trainer's configured default."""
-    if kind is not None and kind not in _KINDS:
-        raise ValueError(f"unknown loss kind {kind!r}; expected one of {sorted(_KINDS)}")
-    if aggregation is not None and aggregation not in _AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {sorted(_AGGREGATIONS)}")
+    if kind is not None and kind not in LOSS_KINDS:
+        raise ValueError(f"unknown loss kind {kind!r}; expected one of {sorted(LOSS_KINDS)}")
+    if aggregation is not None and aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {sorted(AGGREGATIONS)}")
     return pb.LossSpec(
-        kind=_KINDS[kind] if kind else pb.LOSS_KIND_UNSPECIFIED,
-        clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, entropy_coef=entropy_coef,
-        aggregation=_AGGREGATIONS[aggregation] if aggregation else pb.LOSS_AGGREGATION_UNSPECIFIED,
-        is_cap=is_cap,
+        kind=loss_kind_to_pb(kind), clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef,
+        entropy_coef=entropy_coef, aggregation=aggregation_to_pb(aggregation), is_cap=is_cap,
+        max_response_length=max_response_length,
     )
 
 
@@ -184,3 +179,19 @@ class TrainerClient:
     ) -> LoadedCheckpoint:
         response = await self.stub.LoadCheckpoint(pb.LoadCheckpointRequest(path=path, latest=latest), timeout=timeout)
         return LoadedCheckpoint(response.path, response.step, response.weight_version, response.client_state)
+
+    async def export_weights(
+        self, method: str, *, synchronizer_address: str = "", directory: str = "", group_id: str = "",
+        merge_lora: bool = True, timeout: float | None = None,
+    ) -> pb.ExportWeightsResponse:
+        """Exports the current version (the operator's path; a linked trainer publishes by itself):
+        memory to `synchronizer_address`, checkpoint into `directory` (empty: its publish_dir), nccl over
+        `group_id`. Merged LoRA by default: rollouts serve full models."""
+        request = pb.ExportWeightsRequest(method=int(Method[method.upper()]), merge_lora=merge_lora)
+        if method == "memory":
+            request.memory.synchronizer_address = synchronizer_address
+        elif method == "checkpoint":
+            request.checkpoint.directory = directory
+        else:
+            request.nccl.group_id = group_id
+        return await self.stub.ExportWeights(request, timeout=timeout)

@@ -1,23 +1,20 @@
-"""A rollout service behind the controller's `RolloutEngine` protocol.
+"""A rollout service behind the controller's `RolloutEngine` protocol: a thin
+user of the typed client (`flywheel.rollout.client`).
 
-Prompts go out as token ids, text or chat messages; samples come back with
-their token ids, log-probs, finish reason and start/end weight versions.
-Weight updates name their source by method (memory: the synchronizer;
-checkpoint: a directory; nccl: the group, this replica's rank in it and the
-synchronizer that allocated it).
+Prompts go out as token ids, text or chat messages, each generation tagged
+with its run step and least weight version (the context's RUN_STEP and
+MIN_WEIGHT_VERSION); samples come back as the controller's `Generation`s.
+Weight updates (the operator's path) name their source by method.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from flywheel.common.v1 import common_pb2 as cpb
-from flywheel.errors import InvalidArgument
+from flywheel.rollout.client import RolloutClient
 from flywheel.rollout.v1 import rollout_pb2 as pb
-from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
-from flywheel.runtime.client import open_channel
-from flywheel.runtime.client import translated
-from services.controller.adapters.trainer import sync_method
 from services.controller.domain import (
     MIN_WEIGHT_VERSION,
     RUN_STEP,
@@ -34,35 +31,24 @@ FINISH = {
     cpb.FINISH_REASON_ABORT: FinishReason.ABORT,
     cpb.FINISH_REASON_ERROR: FinishReason.ERROR,
 }
-PAUSE = {"abort": pb.PAUSE_MODE_ABORT, "wait": pb.PAUSE_MODE_WAIT, "keep": pb.PAUSE_MODE_KEEP}
+#: SamplingSpec fields the wire's SamplingParams carries under the same name.
+_SAMPLING_FIELDS = frozenset(cpb.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
-def chat_messages(messages: Sequence[dict], add_generation_prompt: bool | None = None) -> pb.ChatMessages:
-    return pb.ChatMessages(
-        messages=[
-            cpb.ChatMessage(
-                role=m["role"], content=m.get("content") or "", name=m.get("name", ""),
-                tool_call_id=m.get("tool_call_id", ""),
-            )
-            for m in messages
-        ],
-        add_generation_prompt=add_generation_prompt,
-    )
-
-
-def prompt(p: PromptInput) -> pb.Prompt:
+def prompt_like(p: PromptInput):
     if p.token_ids is not None:
-        return pb.Prompt(token_ids=pb.TokenIds(ids=p.token_ids), request_id=p.request_id)
+        return list(p.token_ids)
     if p.messages is not None:
-        return pb.Prompt(messages=chat_messages(p.messages), request_id=p.request_id)
-    return pb.Prompt(text=p.text or "", request_id=p.request_id)
+        return list(p.messages)
+    return p.text or ""
 
 
-def sampling_params(s: SamplingSpec) -> cpb.SamplingParams:
-    return cpb.SamplingParams(
-        n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-        stop=list(s.stop), seed=s.seed, repetition_penalty=s.repetition_penalty,
-    )
+def sampling_params(s: SamplingSpec) -> dict:
+    """The spec as SamplingParams fields (unset seed left out; tuples as lists)."""
+    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(s).items() if k in _SAMPLING_FIELDS}
+    if fields.get("seed") is None:
+        fields.pop("seed", None)
+    return fields
 
 
 def generation(sample: cpb.Sample) -> Generation:
@@ -84,55 +70,41 @@ class GrpcRolloutEngine:
     ) -> None:
         self.name = name or address
         self.address = address
-        self.timeout = timeout
         # Few transport retries: the engine pool fails over to another replica
         # faster than backing off on a dead one.
-        self.channel = open_channel(address, token=token, default_timeout=timeout, max_attempts=max_attempts)
-        self.stub = pb_grpc.RolloutServiceStub(self.channel)
+        self.client = RolloutClient(address, token=token, timeout=timeout, max_attempts=max_attempts)
 
     async def close(self) -> None:
-        await self.channel.close()
+        await self.client.close()
 
     async def generate(self, prompts: Sequence[PromptInput], sampling: SamplingSpec) -> list[list[Generation]]:
-        request = pb.GenerateRequest(
-            prompts=[prompt(p) for p in prompts], sampling=sampling_params(sampling),
-            run_step=RUN_STEP.get(), min_weight_version=MIN_WEIGHT_VERSION.get(),
+        results = await self.client.generate(
+            [prompt_like(p) for p in prompts], request_ids=[p.request_id for p in prompts],
+            run_step=RUN_STEP.get(), min_weight_version=MIN_WEIGHT_VERSION.get(), **sampling_params(sampling),
         )
-        with translated(f"rollout {self.address} Generate"):
-            response = await self.stub.Generate(request)
-        if len(response.results) != len(prompts):
-            raise InvalidArgument(f"rollout {self.address}: {len(response.results)} results for {len(prompts)} prompts")
-        return [[generation(s) for s in r.samples] for r in response.results]
+        return [[generation(s) for s in samples] for samples in results]
 
     async def tokenize(
         self, *, text: str | None = None, messages: list[dict] | None = None, add_generation_prompt: bool = True
     ) -> list[int]:
         if messages is not None:
-            request = pb.TokenizeRequest(messages=chat_messages(messages, add_generation_prompt))
-        else:
-            request = pb.TokenizeRequest(text=text or "", add_special_tokens=False)
-        with translated(f"rollout {self.address} Tokenize"):
-            return list((await self.stub.Tokenize(request, timeout=30.0)).token_ids)
+            return await self.client.tokenize(messages, add_generation_prompt=add_generation_prompt)
+        return await self.client.tokenize(text or "")
 
     async def weight_version(self) -> int:
-        with translated(f"rollout {self.address} GetStatus"):
-            return (await self.stub.GetStatus(pb.GetStatusRequest(), timeout=30.0)).weight_version
+        return (await self.client.status()).weight_version
 
     async def update_weights(self, version: int, source: WeightSource, *, pause_mode: str) -> int:
-        request = pb.UpdateWeightsRequest(version=version, method=sync_method(source.method), pause_mode=PAUSE[pause_mode])
         if source.method == "memory":
-            request.memory.synchronizer_address = source.synchronizer_address
+            where = {"synchronizer": source.synchronizer_address}
         elif source.method == "checkpoint":
-            request.checkpoint.path = source.path
+            where = {"checkpoint": source.path}
         else:
             group = source.group
             assert group is not None, "nccl update needs a group"
-            request.nccl.CopyFrom(
-                pb.NcclSource(
-                    group_id=group.group_id, rendezvous_address=group.rendezvous_address,
-                    world_size=group.world_size, rank=group.ranks[self.name], backend=group.backend,
-                    synchronizer_address=group.synchronizer_address or source.synchronizer_address,
-                )
-            )
-        with translated(f"rollout {self.address} UpdateWeights"):
-            return (await self.stub.UpdateWeights(request)).weight_version
+            where = {"nccl": pb.NcclSource(
+                group_id=group.group_id, rendezvous_address=group.rendezvous_address,
+                world_size=group.world_size, rank=group.ranks[self.name], backend=group.backend,
+                synchronizer_address=group.synchronizer_address or source.synchronizer_address,
+            )}
+        return (await self.client.update_weights(version, pause_mode=pause_mode, **where)).weight_version
