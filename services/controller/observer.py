@@ -3,8 +3,8 @@
 With a synchronizer, the controller moves no weights; it watches. Every event
 (registrations, state changes, sync requests, committed versions, transfers)
 is appended to `<run_dir>/synchronizer_events.jsonl`, one JSON object a line,
-so a run shows who moved to which version when, step by step; and the newest
-weight version each rollout replica serves is kept for the run's metrics.
+so a run shows who moved to which version when, step by step; listeners
+(membership.py) hear of every component change.
 A broken stream is reopened with backoff; watching never stops the run.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from flywheel.runtime.backoff import Backoff
 from flywheel.synchronizer.client_types import WatchEvent
-from flywheel.synchronizer.types import Component, Role, State
+from flywheel.synchronizer.types import Component
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,6 @@ class SynchronizerObserver:
         self.latest = latest
         self._observed = asyncio.Event()
         self.path = run_dir / EVENTS_FILE if run_dir is not None else None
-        #: Rollout replica id -> weight version it serves (live replicas only).
-        self.replica_versions: dict[str, int] = {}
         #: Called with the component of every event about one (membership.py).
         self.listeners: list[Callable[[Component], None]] = []
         self.latest_version = 0
@@ -73,11 +71,6 @@ class SynchronizerObserver:
                 listener(c)
             except Exception:  # one listener's bug must not stop the stream
                 log.exception("synchronizer event listener failed", extra={"id": c.id})
-        if c is not None and c.role == Role.ROLLOUT:
-            if c.state == State.STOPPED:
-                self.replica_versions.pop(c.id, None)
-            else:
-                self.replica_versions[c.id] = c.weight_version
         if self.path is not None:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(event_record(event)) + "\n")

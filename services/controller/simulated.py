@@ -282,7 +282,6 @@ class SimulatedSynchronizer:
     """Holds a newest version and the policy it was given; publishes nothing by itself."""
 
     latest: int = 0
-    replicas: dict[str, int] = field(default_factory=dict)
     groups: int = 0
     configured: dict[str, Any] = field(default_factory=dict)
 
@@ -296,8 +295,6 @@ class SimulatedSynchronizer:
     async def latest_version(self) -> int:
         return self.latest
 
-    async def replica_versions(self) -> dict[str, int]:
-        return dict(self.replicas)
 
     async def allocate_group(self, version: int, rollout_ids: Sequence[str], timeout_seconds: float) -> NcclGroup:
         self.groups += 1

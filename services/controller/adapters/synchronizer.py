@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Sequence
 
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.client_types import WatchEvent
-from flywheel.synchronizer.types import Role, State
 from services.controller.domain import NcclGroup
 
 #: The controller's mode -> what a replica waits for before it generates for a run step.
@@ -42,13 +41,6 @@ class GrpcSynchronizer:
 
     async def latest_version(self) -> int:
         return (await self.client.status()).latest_version
-
-    async def replica_versions(self) -> dict[str, int]:
-        """Weight version of every live rollout replica, by component id."""
-        status = await self.client.status()
-        return {
-            c.id: c.weight_version for c in status.components if c.role == Role.ROLLOUT and c.state != State.STOPPED
-        }
 
     async def allocate_group(self, version: int, rollout_ids: Sequence[str], timeout_seconds: float) -> NcclGroup:
         group = await self.client.allocate_group(
