@@ -13,10 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
-
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 from flywheel.runtime.backoff import Backoff
 from flywheel.synchronizer.client_types import WatchEvent
