@@ -285,6 +285,8 @@ class RunConfig(StrictModel):
         if not self.services.rollout and self.services.synchronizer is None:
             # Standalone: the rollout service's own default address.
             self.services.rollout = [ServiceEndpoint(address="127.0.0.1:50053")]
+        if self.sync.method == "nccl" and self.services.synchronizer is None:
+            raise ValueError("sync.method: nccl needs services.synchronizer (it allocates the process groups)")
         if self.sync.method == "memory" and self.services.synchronizer is None:
             raise ValueError("sync.method: memory needs services.synchronizer (the synchronizer holds the weights)")
         self._check_schedule()

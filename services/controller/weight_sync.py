@@ -20,12 +20,9 @@ says, weights move when not moving them would stall the run (sync mode: every
 step; batch-async: before rollouts fall more than the staleness threshold
 behind).
 
-How (the configured method; the trainer sends, each replica receives):
-- checkpoint: the trainer writes a safetensors directory (registered with
-  the synchronizer when there is one); replicas load the path;
-- memory: the trainer streams chunks to the synchronizer; replicas pull;
-- nccl: the synchronizer allocates a group; the trainer's broadcast and
-  every replica's receive run together.
+How: the trainer writes a safetensors directory (ExportWeights) and every
+replica loads it (UpdateWeights). MEMORY and NCCL need a synchronizer, which
+then governs (the run config checks).
 
 Per mode:
 - sync: rollouts are paused, in-flight ones drain (quiescence), every
@@ -161,9 +158,6 @@ class WeightSyncController:
                 await self._transfer(result.version, pause_mode="wait")
             finally:
                 self.resume_rollouts()
-        elif self.method == "nccl":
-            # Receivers must join the trainer's broadcast: the transfer is one piece.
-            await self._transfer(result.version, pause_mode=self.pause_mode)
         else:
             self.published = (result.version, await self._export(result.version))
             self._start_updater()
@@ -213,19 +207,9 @@ class WeightSyncController:
         behind = [r for r in self.engines.healthy() if r.version < version]
         if not behind:
             return
-        if self.method == "nccl":
-            assert self.synchronizer is not None, "nccl needs a synchronizer (checked by the config)"
-            group = await self.synchronizer.allocate_group(version, [r.name for r in behind], self.timeout_seconds)
-            source = WeightSource("nccl", group=group)
-            with self.tracker.track("trainer", f"broadcast v{version}"):
-                await asyncio.gather(
-                    asyncio.wait_for(self.trainer.export_weights(source), self.timeout_seconds),
-                    *(self._update(r, version, source, pause_mode) for r in behind),
-                )
-        else:
-            exported = self.published is not None and self.published[0] == version
-            source = self.published[1] if exported else await self._export(version)  # type: ignore[index]
-            await asyncio.gather(*(self._update(r, version, source, pause_mode) for r in behind))
+        exported = self.published is not None and self.published[0] == version
+        source = self.published[1] if exported else await self._export(version)  # type: ignore[index]
+        await asyncio.gather(*(self._update(r, version, source, pause_mode) for r in behind))
         self.published = (version, source)
         self._after_updates(version)
 

@@ -126,7 +126,9 @@ class Follower:
             self.step = step
             self._asked[step] = asyncio.ensure_future(self._need_sync(step))
             for old in [s for s in self._asked if s < step - 8]:
-                self._asked.pop(old)  # requests of a long-gone step find no due version: they wait for nothing
+                # Requests of a long-gone step find no due version: they wait for nothing.
+                self._asked.pop(old)
+                self.due.pop(old, None)
         future = self._asked.get(step)
         if future is not None:
             await asyncio.shield(future)

@@ -68,6 +68,8 @@ def test_a_whole_run_in_one_yaml_file(tmp_path: Path) -> None:
         ({"algorithm": {"train_batch_size": 10}}, "algorithm.train_batch_size (10) must be a multiple of worker.group_size (4)"),
         ({"validation": {"interval": 3}}, "need data.validation"),
         ({"sync": {"method": "memory"}}, "services.synchronizer"),
+        ({"sync": {"method": "nccl"}}, "sync.method: nccl needs services.synchronizer"),
+        ({"sync": {"style": "dynamic_by_explorer"}}, "dynamic_by_explorer needs services.synchronizer"),
         ({"mode": "sync", "sync": {"interval": 2}}, "sync.interval"),
         ({"mode": "batch-async", "staleness": {"threshold": 0}, "sync": {"interval": 3}}, "staleness.threshold (0)"),
         ({"pool": {"store": "hierarchical", "keys": ["task"]}}, "pool.keys"),
