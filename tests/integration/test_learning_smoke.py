@@ -25,7 +25,7 @@ import yaml
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 25
+STEPS = 20
 WINDOW = 5
 
 
@@ -41,7 +41,9 @@ def test_reward_rises_by_a_clear_margin(tmp_path: Path) -> None:
         validation={"before_training": False, "interval": 0},
         checkpoint={"interval": 0, "at_end": False},
     )
-    config["worker"].update(group_size=8, max_in_flight=8)
+    # The credit lies on the first token: 4 tokens keep it from drowning in the noise of 20 more (with 24,
+    # the same run needed all 25 steps to rise, and on one CI machine it did not).
+    config["worker"].update(group_size=8, max_in_flight=8, sampling={"temperature": 1.0, "max_tokens": 4})
     config["algorithm"]["train_batch_size"] = 64  # 8 questions x 8 samples
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -56,4 +58,4 @@ def test_reward_rises_by_a_clear_margin(tmp_path: Path) -> None:
     rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
     assert len(rewards) == STEPS
     first, last = statistics.fmean(rewards[:WINDOW]), statistics.fmean(rewards[-WINDOW:])
-    assert last >= first + 0.2, f"reward did not rise: first {WINDOW} steps {first:.3f}, last {last:.3f}: {rewards}"
+    assert last >= first + 0.3, f"reward did not rise: first {WINDOW} steps {first:.3f}, last {last:.3f}: {rewards}"
