@@ -7,8 +7,9 @@ setup:
 	@bash scripts/setup.sh
 
 ## The main job: GRPO on SmolLM2-135M-Instruct with local services (converts the model once; rerun resumes).
+## `make quickstart SEED=n`: another seed, in its own run directory (runs/quickstart-seed<n>).
 quickstart: setup
-	$(PY) -m services.controller run examples/quickstart.yaml
+	$(PY) -m services.controller run examples/quickstart.yaml $(if $(SEED),--seed $(SEED))
 
 ## Every test CI runs (including real vLLM-on-CPU tests).
 test: setup

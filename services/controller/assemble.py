@@ -150,7 +150,7 @@ def build_pipeline(
         validator = Validator(
             worker, val_loader, errors, interval=val.interval, n=val.group_size,
             sampling=sampling_spec(val.sampling) if val.sampling else SamplingSpec(temperature=0.0, max_tokens=cfg.worker.sampling.max_tokens),
-            max_samples=val.max_samples, concurrency=cfg.worker.max_in_flight, timeout_seconds=cfg.worker.timeout_seconds,
+            max_samples=val.max_samples, concurrency=val.max_in_flight, timeout_seconds=cfg.worker.timeout_seconds,
         )
     liveness = None
     if services.probes or services.connect_rollout is not None:

@@ -4,6 +4,7 @@
     python -m services.controller run examples/quickstart-tiny.yaml     # tiny model, a minute or two
     python -m services.controller run CONFIG --run-dir runs/mine        # where logs, checkpoints, plots go
     python -m services.controller run CONFIG --max-steps 5              # override run.max_steps
+    python -m services.controller run CONFIG --seed 2                   # run.seed 2, in runs/<run.name>-seed2
 
 What happens, in order: the model is converted or built if missing, the
 arithmetic dataset generated if missing, the synchronizer, trainer and
@@ -46,6 +47,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("config", type=Path, help="run file (YAML): the run config plus an optional launch: section")
     p.add_argument("--run-dir", type=Path, default=None, help="run directory; default run.output_dir or runs/<run.name>")
     p.add_argument("--max-steps", type=int, default=None, help="override run.max_steps")
+    p.add_argument(
+        "--seed", type=int, default=None,
+        help="override run.seed (data order and sampling; the dataset and its held-out questions stay the same); "
+        "the default run directory becomes runs/<run.name>-seed<N>, so seeds never resume each other",
+    )
     p.add_argument(
         "--resume", choices=("auto", "disable"), default=None, help="override the file's resume setting"
     )

@@ -219,6 +219,11 @@ class ValidationConfig(StrictModel):
     max_samples: int | None = Field(None, ge=1, description="validate on the first N tasks only")
     group_size: int = Field(1, ge=1, description="completions per validation task")
     sampling: SamplingConfig | None = Field(None, description="sampling for validation; default greedy")
+    max_in_flight: int | None = Field(
+        None, ge=1,
+        description="validation requests in flight at once; default all of them, so the engine batches the whole "
+        "pass (training rollouts are paused meanwhile, so worker.max_in_flight does not apply)",
+    )
 
 
 class CheckpointConfig(StrictModel):

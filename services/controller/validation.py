@@ -3,7 +3,8 @@
 Every `interval` weight versions (and before training when asked) the
 pipeline pauses training rollouts, and the validator runs the same rollout
 worker over the validation loader (in order, once, greedy unless configured)
-with the same concurrency, then training rollouts resume. Metrics are the
+all at once by default (`validation.max_in_flight`), so the engine batches
+the whole pass; then training rollouts resume. Metrics are the
 means of every score key over the validation trajectories, named `val/<key>`
 (e.g. `val/reward`, `val/accuracy`), plus `val/samples` and `val/failed`.
 Validation samples never enter the trajectory pool.
@@ -31,7 +32,7 @@ class Validator:
         n: int = 1,
         sampling: SamplingSpec | None = None,
         max_samples: int | None = None,
-        concurrency: int = 16,
+        concurrency: int | None = None,
         timeout_seconds: float = 600.0,
     ) -> None:
         self.worker, self.loader, self.errors = worker, loader, errors
@@ -62,7 +63,8 @@ class Validator:
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
         failed = 0
-        limit = asyncio.Semaphore(self.concurrency)
+        tasks = self._tasks()
+        limit = asyncio.Semaphore(self.concurrency or max(1, len(tasks)))
 
         async def one(task: Task) -> None:
             nonlocal failed
@@ -84,7 +86,7 @@ class Validator:
         # Every generation of this pass is made with `version` or newer (replicas move there first).
         token = MIN_WEIGHT_VERSION.set(version)
         try:
-            await asyncio.gather(*(one(task) for task in self._tasks()))
+            await asyncio.gather(*(one(task) for task in tasks))
         finally:
             MIN_WEIGHT_VERSION.reset(token)
         metrics = {f"val/{key}": sums[key] / counts[key] for key in sorted(sums)}
