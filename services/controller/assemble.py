@@ -115,7 +115,8 @@ def build_pipeline(
     gate = StalenessGate(batch, cfg.dispatch_lookahead)
     ctx = WorkerContext(
         engines=engines, reward=reward, reward_kwargs=dict(cfg.reward.kwargs), model_tag=cfg.model.tag,
-        chat=cfg.worker.chat, system_prompt=cfg.worker.system_prompt, max_turns=cfg.worker.max_turns,
+        chat=cfg.worker.chat, system_prompt=cfg.worker.system_prompt, instruction=cfg.worker.instruction,
+        max_turns=cfg.worker.max_turns,
         tools=tools, tool_result_template=cfg.worker.tool_result_template,
     )
     worker = worker_cls(ctx)

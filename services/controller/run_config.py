@@ -134,6 +134,11 @@ class WorkerConfig(StrictModel):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling of training rollouts")
     chat: bool = Field(True, description="send text prompts as a user chat message (chat template applied)")
     system_prompt: str | None = Field(None, description="system message prepended to chat prompts")
+    instruction: str | None = Field(
+        None,
+        description="math: text appended to every question; default the worker's own (asks for step-by-step "
+        "reasoning and a \\boxed{} answer), '' for none",
+    )
     max_turns: int = Field(4, ge=1, description="agent: assistant turns per episode")
     tools: list[ToolConfig] = Field(default_factory=list, description="agent: tools the model may call")
     tool_result_template: str | None = Field(

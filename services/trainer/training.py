@@ -182,10 +182,13 @@ class TrainingEngine:
             ref = mb.ref_logprobs
             if loss.kl_coef > 0 and ref is None:
                 with torch.no_grad(), policy.reference_context() as reference:
-                    ref, _ = token_logprobs(reference, mb.input_ids, mb.attention_mask, autocast=self._autocast)
+                    ref, _ = token_logprobs(
+                        reference, mb.input_ids, mb.attention_mask, select=mb.loss_mask, autocast=self._autocast
+                    )
+            # Only the loss mask's positions: the loss reads nothing else, and the output head is the costly part.
             logprobs, entropy = token_logprobs(
-                policy.model, mb.input_ids, mb.attention_mask, entropy=True, entropy_grad=loss.entropy_coef > 0,
-                autocast=self._autocast,
+                policy.model, mb.input_ids, mb.attention_mask, select=mb.loss_mask, entropy=True,
+                entropy_grad=loss.entropy_coef > 0, autocast=self._autocast,
             )
             out = policy_loss(
                 loss, logprobs=logprobs, mask=mb.loss_mask, advantages=mb.advantages,

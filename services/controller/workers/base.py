@@ -48,6 +48,8 @@ class WorkerContext:
     #: Send text prompts as chat messages (chat template applied by the engine).
     chat: bool = True
     system_prompt: str | None = None
+    #: Text a worker appends to each question; None: the worker's own default.
+    instruction: str | None = None
     max_turns: int = 4
     #: Agent workers: the tools and how their results are rendered.
     tools: Any = None

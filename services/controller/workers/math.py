@@ -2,8 +2,9 @@
 -> reward by checking the final answer.
 
 The question is sent with an instruction to put the final answer in
-`\\boxed{}`; the default reward ("math") takes the last `\\boxed{...}` of the
-completion, else its last number, and compares it with the task's answer
+`\\boxed{}` (`worker.instruction` replaces it; '' sends the bare question);
+the default reward ("math") takes the last `\\boxed{...}` of the completion,
+else its last number, and compares it with the task's answer
 (GSM8K's "#### 42" form included). Tasks without an answer fail with that
 error recorded instead of scoring 0 silently.
 """
@@ -21,7 +22,8 @@ class SingleTurnMathWorker(SimpleRolloutWorker):
 
     def format_prompt(self, task: Task) -> str:
         question = str(task.prompt).rstrip()
-        return f"{question}\n{self.instruction}" if self.instruction else question
+        instruction = self.instruction if self.ctx.instruction is None else self.ctx.instruction
+        return f"{question}\n{instruction}" if instruction else question
 
     async def rollout(self, task: Task, n: int, sampling: SamplingSpec) -> RolloutOutcome:
         if task.answer is None:

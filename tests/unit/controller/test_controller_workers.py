@@ -92,6 +92,15 @@ async def test_math_worker_scores_final_answers() -> None:
     assert no_answer.status == RolloutStatus.FAIL and "no reference answer" in no_answer.error
 
 
+async def test_math_worker_instruction_is_configurable() -> None:
+    engine = ScriptedEngine("e", ["\\boxed{4}"] * 2)
+    await SingleTurnMathWorker(ctx(engine, instruction="Answer briefly.")).rollout(task(answer="4"), 1, SamplingSpec())
+    await SingleTurnMathWorker(ctx(engine, instruction="")).rollout(task(answer="4"), 1, SamplingSpec())
+    replaced, bare = (p.messages[-1]["content"] for p in engine.prompts)
+    assert replaced.endswith("\nAnswer briefly.") and "boxed" not in replaced
+    assert bare == str(task(answer="4").prompt).rstrip()
+
+
 async def test_simple_worker_sends_text_or_chat_and_keeps_system_prompt() -> None:
     engine = ScriptedEngine("e", ["hello"])
     worker = SimpleRolloutWorker(ctx(engine, reward="length", chat=True, system_prompt="Be brief."))
