@@ -102,6 +102,8 @@ class LocalRun:
     lost_replicas: set[str] = field(default_factory=set)
     _train_metrics: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+    #: When the services answered ready (monotonic; None until then): the job's own time counts from here.
+    services_ready: float | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> LocalRun:
@@ -148,6 +150,7 @@ class LocalRun:
         try:
             self.prepare()
             cfg = self.start_services()
+            self.services_ready = time.monotonic()
             code, summary = asyncio.run(self.drive(cfg))
             self.report(cfg, summary)
             return code
@@ -390,6 +393,7 @@ class LocalRun:
         report = write_report(
             self.run_dir, name=cfg.run.name, summary=summary, checkpoint=checkpoint,
             wall_seconds=time.monotonic() - self.started,
+            job_seconds=None if self.services_ready is None else time.monotonic() - self.services_ready,
         )
         val = report["validation"]
         if val["before"] and val["after"]:
@@ -398,4 +402,6 @@ class LocalRun:
                 f"{val['after']['value']:.3f} (step {val['after']['step']})"
             )
         self.say(f"checkpoint: {report['model'] or '(none)'}")
+        if report["job_seconds_this_session"] is not None:
+            self.say(f"run time: {report['job_seconds_this_session'] / 60:.1f} min from the services being ready")
         self.say(f"summary: {self.run_dir / 'summary.json'}" + (f", plot: {report['plot']}" if report["plot"] else ""))

@@ -6,13 +6,15 @@ worker over the validation loader (in order, once, greedy unless configured)
 all at once by default (`validation.max_in_flight`), so the engine batches
 the whole pass; then training rollouts resume. Metrics are the
 means of every score key over the validation trajectories, named `val/<key>`
-(e.g. `val/reward`, `val/accuracy`), plus `val/samples` and `val/failed`.
+(e.g. `val/reward`, `val/accuracy`), plus `val/samples`, `val/failed` and
+`val/seconds` (the pass's wall time).
 Validation samples never enter the trajectory pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 
 from services.controller.data import DataLoader
@@ -85,6 +87,7 @@ class Validator:
 
         # Every generation of this pass is made with `version` or newer (replicas move there first).
         token = MIN_WEIGHT_VERSION.set(version)
+        started = time.monotonic()
         try:
             await asyncio.gather(*(one(task) for task in tasks))
         finally:
@@ -92,6 +95,7 @@ class Validator:
         metrics = {f"val/{key}": sums[key] / counts[key] for key in sorted(sums)}
         metrics["val/samples"] = float(max(counts.values(), default=0))
         metrics["val/failed"] = float(failed)
+        metrics["val/seconds"] = time.monotonic() - started
         self.last_version = version
         self.history.append((version, metrics))
         return metrics

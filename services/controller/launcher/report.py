@@ -67,8 +67,12 @@ def plot(steps: list[dict[str, float]], validations: list[dict[str, float]], out
     return out
 
 
-def write_report(run_dir: Path, *, name: str, summary: dict[str, Any], checkpoint: str, wall_seconds: float) -> dict:
-    """Writes summary.json (and progress.png); returns the summary dict."""
+def write_report(
+    run_dir: Path, *, name: str, summary: dict[str, Any], checkpoint: str, wall_seconds: float,
+    job_seconds: float | None = None,
+) -> dict:
+    """Writes summary.json (and progress.png); returns the summary dict. `job_seconds`: from the
+    services being ready to now (the job's own time, without setup and model loading)."""
     steps, validations = read_history(run_dir / "metrics.jsonl")
     val_key = "val/accuracy" if any("val/accuracy" in r for r in validations) else "val/reward"
     first_val = next((r for r in validations if val_key in r), None)
@@ -80,6 +84,7 @@ def write_report(run_dir: Path, *, name: str, summary: dict[str, Any], checkpoin
         "steps": len(steps),
         "last_step": int(steps[-1]["step"]) if steps else 0,
         "wall_seconds_this_session": round(wall_seconds, 1),
+        "job_seconds_this_session": None if job_seconds is None else round(job_seconds, 1),
         "validation": {
             "metric": val_key,
             "before": None if first_val is None else {"step": int(first_val["step"]), "value": first_val[val_key]},
