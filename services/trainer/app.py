@@ -11,7 +11,6 @@ deregisters it.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 
 import services.trainer.metrics  # noqa: F401  (registers the service's metric families)
@@ -32,7 +31,7 @@ def build(config: TrainerConfig) -> ServiceSpec:
     async def startup() -> None:
         if config.model.path is None:
             return
-        await asyncio.to_thread(engine.load)
+        await engine.run(engine.load)
         # What exists now (torch, transformers, the model: ~10^5 objects)
         # lives as long as the process; frozen, the cyclic collector stops
         # rescanning it during every training step.

@@ -8,7 +8,6 @@ out by `services.trainer.export.WeightExporter`.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -108,14 +107,14 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
 
     async def ForwardBackward(self, request: pb.ForwardBackwardRequest, context) -> pb.ForwardBackwardResponse:
         loss = loss_request(request.loss)
-        result = await asyncio.to_thread(
+        result = await self.engine.run(
             lambda: self.engine.forward_backward(batch_tensors(request.batch), loss, _expected(request))
         )
         prom.TOKENS.inc(result.tokens)
         return pb.ForwardBackwardResponse(metrics=_metrics(result.metrics), loss_tokens=result.loss_tokens)
 
     async def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
-        result = await asyncio.to_thread(self.engine.optim_step, _expected(request))
+        result = await self.engine.run(self.engine.optim_step, _expected(request))
         prom.STEP.set(result.step)
         await self._stepped()
         return pb.OptimStepResponse(
@@ -126,7 +125,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     async def TrainStep(self, request: pb.TrainStepRequest, context) -> pb.TrainStepResponse:
         loss = loss_request(request.loss)
         started = time.perf_counter()
-        result = await asyncio.to_thread(
+        result = await self.engine.run(
             lambda: self.engine.train_step(
                 batch_tensors(request.batch), loss, request.micro_batch_size, _expected(request)
             )
@@ -151,19 +150,19 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             )
             return tensor_to_proto(logprobs), version
 
-        tensor, version = await asyncio.to_thread(run)
+        tensor, version = await self.engine.run(run)
         return pb.ComputeLogprobsResponse(logprobs=tensor, weight_version=version)
 
     async def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context) -> pb.SaveCheckpointResponse:
         directory = Path(request.directory) if request.directory else None
-        path, step, size = await asyncio.to_thread(
+        path, step, size = await self.engine.run(
             self.engine.save_checkpoint, directory, request.remove_previous, request.client_state
         )
         return pb.SaveCheckpointResponse(path=str(path), step=step, size_bytes=size)
 
     async def LoadCheckpoint(self, request: pb.LoadCheckpointRequest, context) -> pb.LoadCheckpointResponse:
         path = Path(request.path) if request.path else None
-        loaded, step, version, client_state = await asyncio.to_thread(
+        loaded, step, version, client_state = await self.engine.run(
             self.engine.load_checkpoint, path, request.latest
         )
         prom.STEP.set(step)
