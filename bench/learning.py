@@ -25,8 +25,9 @@ Three parts, each printing its figures; one JSON line at the end.
               in a fresh run directory: seconds from the services being ready
               to the first validation at or above --target (default: the
               first validation + 0.15), the final validation accuracy, and the
-              mean seconds per step split into generation, training and
-              weight sync (busy seconds each; they overlap in batch-async).
+              mean seconds per step split into generation and training (busy
+              seconds; they overlap in batch-async) and weight sync (a
+              version staged at the synchronizer to a replica serving it).
 """
 
 from __future__ import annotations
@@ -224,6 +225,11 @@ def bench_job(work: Path, seed: int | None, target: float | None, max_steps: int
     wall = time.monotonic() - started
     if proc.returncode != 0:
         raise SystemExit(f"the quickstart job failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return {"job_wall_seconds": round(wall, 1), **job_figures(run_dir, target)}
+
+
+def job_figures(run_dir: Path, target: float | None) -> dict:
+    """The figures of a finished quickstart run directory."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = [r for r in rows if "rollout/reward_mean" in r]
@@ -235,20 +241,38 @@ def bench_job(work: Path, seed: int | None, target: float | None, max_steps: int
     goal = target if target is not None else before + 0.15
     reached = next((v for v in validations if v["val/accuracy"] >= goal), None)
 
-    def per_step(key: str) -> float:
-        return round(statistics.fmean(r.get(key, 0.0) for r in steps), 2)
+    def per_step(key: str) -> float:  # the metrics' busy seconds are totals since the run began
+        return round(max(r.get(key, 0.0) for r in steps) / len(steps), 2)
 
     return {
-        "job_steps": len(steps), "job_wall_seconds": round(wall, 1), "job_seconds_ready_to_summary": job_seconds,
+        "job_steps": len(steps), "job_seconds_ready_to_summary": job_seconds,
         "val_accuracy_before": round(before, 4), "val_accuracy_final": round(final, 4),
         "val_accuracy_target": round(goal, 4),
         "seconds_to_target": round((reached["unix_ms"] - ready_ms) / 1000, 1) if reached else None,
         "validation_pass_seconds": round(statistics.fmean(v.get("val/seconds", 0.0) for v in validations), 1),
-        "step_seconds": per_step("time/step_seconds"),
+        "step_seconds": round(statistics.fmean(r["time/step_seconds"] for r in steps), 2),
         "step_generation_seconds": per_step("time/busy_seconds/rollout"),
         "step_training_seconds": per_step("time/busy_seconds/trainer"),
-        "step_weight_sync_seconds": per_step("time/busy_seconds/weight_sync"),
+        "step_weight_sync_seconds": _sync_seconds(run_dir / "synchronizer_events.jsonl"),
     }
+
+
+def _sync_seconds(events_path: Path) -> float | None:
+    """Mean seconds from a version being staged at the synchronizer (the trainer's publish begins) to a
+    rollout replica serving it, from the run's synchronizer_events.jsonl."""
+    if not events_path.exists():
+        return None
+    staged: dict[int, float] = {}
+    served: dict[int, float] = {}
+    for line in events_path.read_text().splitlines():
+        event = json.loads(line)
+        if event["kind"] == "VERSION_STAGED":
+            staged.setdefault(int(event["version"]), event["unix_ms"])
+        elif event["kind"] == "STATE_CHANGED" and event.get("role") == "ROLLOUT":
+            version = int(event.get("weight_version", 0))
+            served.setdefault(version, event["unix_ms"])
+    lags = [served[v] - t for v, t in staged.items() if v in served and served[v] >= t]
+    return round(statistics.fmean(lags) / 1000, 2) if lags else None
 
 
 # ------------------------------------------------------------------ main
