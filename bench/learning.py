@@ -165,11 +165,11 @@ async def _validation_sides(address: str, run: dict, rows: list[dict], rounds: i
                 return None
             row = rows[self.i]
             self.i += 1
-            return Task(id=f"val-{self.i}", prompt=row["question"], answer=row["answer"])
+            return Task(id=f"val-{self.i}", index=self.i - 1, epoch=0, prompt=row["question"], answer=row["answer"])
 
     validator = Validator(worker, Loader(), ErrorReporter("continue", 100), interval=1,  # type: ignore[arg-type]
                           sampling=SamplingSpec(temperature=0.0, max_tokens=max_tokens))
-    prompts = [worker.messages_for(Task(id=str(i), prompt=r["question"], answer=r["answer"])) for i, r in enumerate(rows)]
+    prompts = [worker.messages_for(Task(id=str(i), index=i, epoch=0, prompt=r["question"], answer=r["answer"])) for i, r in enumerate(rows)]
     client = RolloutClient(address, timeout=1200)
     ours, baseline, accuracy = [], [], 0.0
     try:
