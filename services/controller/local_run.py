@@ -116,11 +116,10 @@ class LocalRun:
             run["max_steps"] = args.max_steps
         if args.resume is not None:
             data["resume"] = resume_section(args.resume)
-        seed = getattr(args, "seed", None)
-        if seed is not None:
-            run["seed"] = seed
+        if args.seed is not None:
+            run["seed"] = args.seed
             if not run.get("output_dir"):
-                run["name"] = f"{run.get('name', 'run')}-seed{seed}"
+                run["name"] = f"{run.get('name', 'run')}-seed{args.seed}"
         data["run"] = run
         if os.environ.get(SERVICES_ENV):
             # Containers (compose, Kubernetes) name the services here and keep the run file shared.
