@@ -196,10 +196,12 @@ def resolve(
     env: Mapping[str, str] | None = None,
     env_prefix: str,
     cli: Mapping[str, str] | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> M:
-    """Merges defaults < file < env < CLI (flag name -> text) and validates."""
-    data: dict[str, Any] = {}
-    origins: dict[tuple[str, ...], str] = {}
+    """Merges defaults < base < file < env < CLI (flag name -> text) and validates.
+    `base` is a caller's own defaults (e.g. the launcher's section of a run file)."""
+    data: dict[str, Any] = deep_merge({}, base or {})
+    origins: dict[tuple[str, ...], str] = {path: "run file" for path in _paths(base or {})}
     if file is not None:
         file_data = read_config_file(file)
         deep_merge(data, file_data)

@@ -75,8 +75,11 @@ async def serve(
     *,
     stop: asyncio.Event | None = None,
     on_ready: Callable[[RunningServer], None] | None = None,
+    handle_signals: bool = True,
 ) -> None:
-    """Runs the service until SIGTERM/SIGINT (or `stop` is set)."""
+    """Runs the service until SIGTERM/SIGINT (or `stop` is set). With
+    `handle_signals=False` the caller owns the signals and sets `stop` itself
+    (the controller's launcher: its first Ctrl-C checkpoints before stopping)."""
     token = resolve_token(
         config.auth_token.get_secret_value() if config.auth_token else None, config.auth_token_file
     )
@@ -108,7 +111,7 @@ async def serve(
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT) if handle_signals else ():
         try:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)

@@ -15,3 +15,8 @@ class ControllerConfig(StrictModel):
         default_factory=lambda: ServerConfig(port=50054, metrics_port=9094), description="gRPC server"
     )
     runs_dir: Path = Field(Path("runs"), description="parent of each run's directory (logs, metrics, checkpoints)")
+    status_port: int = Field(
+        8080, ge=0, le=65535,
+        description="HTTP port of the status page (components, versions, curves, timeline, errors; read-only) "
+        "on server.host; 0 picks a free one",
+    )

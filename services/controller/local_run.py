@@ -5,7 +5,9 @@
     prepare()          model directory + dataset files (cached)
     start_services()   the synchronizer, then trainer and rollout (which register
                        with it) as supervised children
-    drive()            the controller pipeline in this process, with progress
+    drive()            the controller pipeline in this process, with progress, served
+                       as the controller service (gRPC Status/Stop/StreamMetrics,
+                       health, /metrics, the status page: app.py)
     report()           summary.json + progress.png
 
 A `finally` stops every child whatever happened. The pipeline's main loop
@@ -52,6 +54,20 @@ def _configure_file_logging(path: Path) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    if port == 0:
+        return True
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _raise_interrupt(*_: Any) -> None:
@@ -104,6 +120,8 @@ class LocalRun:
     started: float = field(default_factory=time.monotonic)
     #: When the services answered ready (monotonic; None until then): the job's own time counts from here.
     services_ready: float | None = None
+    #: The status page's address once it serves ("" until then).
+    status_url: str = ""
 
     @classmethod
     def from_args(cls, args: Any) -> LocalRun:
@@ -253,28 +271,82 @@ class LocalRun:
         self.supervisor = None
 
     # -- the pipeline ---------------------------------------------------------
-    async def drive(self, cfg: RunConfig) -> tuple[int, dict[str, Any]]:
-        from services.controller.adapters import connect
-        from services.controller.assemble import build_pipeline
+    def controller_config(self) -> Any:
+        """This process's ControllerConfig: launch.controller < FLYWHEEL_CONTROLLER__* variables.
 
+        Started here, the services are this run's alone, so the controller's
+        gRPC and /metrics ports default to free ones, and a busy status page
+        port falls back to a free one (the URL is printed). With `services:`
+        (containers) the configured ports are used as they are: probes and
+        Prometheus look for them there.
+        """
+        from flywheel.runtime.config import resolve
+        from flywheel.runtime.entry import env_prefix
+        from services.controller.config import ControllerConfig
+
+        local = self.supervisor is not None
+        base = deep_merge({"server": {"port": 0, "metrics_port": 0}} if local else {}, self.spec.controller)
+        config = resolve(ControllerConfig, env_prefix=env_prefix("controller"), base=base)
+        if local and not _port_free(config.server.host, config.status_port):
+            log.info("status page port %d is taken; using a free one", config.status_port)
+            config.status_port = 0
+        return config
+
+    async def drive(self, cfg: RunConfig) -> tuple[int, dict[str, Any]]:
+        from flywheel.runtime.server import serve
+        from services.controller.adapters import connect
+        from services.controller.app import service_spec
+        from services.controller.assemble import build_pipeline
+        from services.controller.loop import run
+        from services.controller.metrics_log import PrometheusSink
+        from services.controller.runs import RunManager
+
+        controller = self.controller_config()
         services = connect(cfg)
-        pipeline = build_pipeline(cfg, services, run_dir=self.run_dir)
+        pipeline = build_pipeline(cfg, services, run_dir=self.run_dir, sinks=[PrometheusSink()])
         ledger = self._keep_ledger(pipeline)
         _count_resumed_steps(pipeline)
         self.progress = Progress(cfg.run.max_steps, self.out)
+        # The controller service around this run: Status, StreamMetrics and Stop
+        # over gRPC, health, /metrics and the status page, as deployed.
+        runs = RunManager(controller.runs_dir, connect)
+        run_task = asyncio.ensure_future(run(pipeline))
+        runs.adopt(self.run_dir.name, self.run_dir, pipeline, run_task)
+        stop_serving = asyncio.Event()
+        served = asyncio.get_running_loop().create_future()
+
+        def page_ready(port: int) -> None:
+            host = controller.server.host
+            shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+            self.status_url = f"http://{shown}:{port}/"
+            (self.run_dir / "status_url").write_text(self.status_url + "\n")
+            self.say(f"status page: {self.status_url}")
+
+        def on_ready(running: Any) -> None:
+            if not served.done():
+                served.set_result(running)
+
+        server = asyncio.ensure_future(serve(
+            service_spec(controller, runs, on_status_page=page_ready), controller.server,
+            stop=stop_serving, on_ready=on_ready, handle_signals=False,
+        ))
         try:
-            return await self._supervise(pipeline)
+            await asyncio.wait([served, server], return_when=asyncio.FIRST_COMPLETED)
+            if server.done():  # could not bind or start: say why, and stop the run
+                run_task.cancel()
+                await asyncio.gather(run_task, return_exceptions=True)
+                server.result()
+            return await self._supervise(pipeline, run_task)
         finally:
+            stop_serving.set()
+            await asyncio.gather(server, return_exceptions=True)
             if services.close is not None:
                 await services.close()
             ledger.close()
 
-    async def _supervise(self, pipeline: Any) -> tuple[int, dict[str, Any]]:
-        """Runs the main loop next to a watcher of the children and the signals."""
-        from services.controller.loop import run
-
+    async def _supervise(self, pipeline: Any, run_task: asyncio.Future) -> tuple[int, dict[str, Any]]:
+        """Watches the main loop `run_task` beside the children and the signals."""
         loop = asyncio.get_running_loop()
-        run_task = asyncio.ensure_future(run(pipeline))
 
         def on_signal() -> None:
             self.interrupted += 1

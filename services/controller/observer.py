@@ -13,17 +13,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from flywheel.runtime.backoff import Backoff
 from flywheel.synchronizer.client_types import WatchEvent
-from flywheel.synchronizer.types import Component
+from flywheel.synchronizer.types import Component, EventKind, Role
 
 log = logging.getLogger(__name__)
 
 EVENTS_FILE = "synchronizer_events.jsonl"
+#: Events the status page's timeline shows: versions made and moved, members joining and leaving.
+TIMELINE_KINDS = frozenset({
+    EventKind.VERSION_COMMITTED, EventKind.TRANSFER_FINISHED, EventKind.COMPONENT_REGISTERED,
+    EventKind.COMPONENT_EXPIRED,
+})
 
 
 def event_record(event: WatchEvent) -> dict[str, Any]:
@@ -59,9 +65,25 @@ class SynchronizerObserver:
         #: Called with the component of every event about one (membership.py).
         self.listeners: list[Callable[[Component], None]] = []
         self.latest_version = 0
+        #: Every component as the synchronizer last reported it, by id (Status, the status page).
+        self.components: dict[str, Component] = {}
+        #: The latest TIMELINE_KINDS events as records (event_record), and WEIGHTS_APPLIED
+        #: when a replica's version changes, oldest first.
+        self.timeline: deque[dict[str, Any]] = deque(maxlen=500)
 
     def observe(self, event: WatchEvent) -> None:
         self.latest_version = max(self.latest_version, event.latest_version)
+        record = event_record(event)
+        if event.component is not None:
+            c = event.component
+            before = self.components.get(c.id)
+            if before is not None and c.weight_version != before.weight_version and c.role != Role.TRAINER:
+                # A replica now serves another version: the sync as its users see it.
+                self.timeline.append({"kind": "WEIGHTS_APPLIED", "unix_ms": event.unix_ms, "id": c.id,
+                                      "version": c.weight_version, "from_version": before.weight_version})
+            self.components[c.id] = c
+        if event.kind in TIMELINE_KINDS:
+            self.timeline.append(record)
         observed, self._observed = self._observed, asyncio.Event()
         observed.set()
         c = event.component
@@ -72,7 +94,7 @@ class SynchronizerObserver:
                 log.exception("synchronizer event listener failed", extra={"id": c.id})
         if self.path is not None:
             with self.path.open("a") as fh:
-                fh.write(json.dumps(event_record(event)) + "\n")
+                fh.write(json.dumps(record) + "\n")
 
     async def catch_up(self, timeout: float) -> None:
         """Returns once the events up to the synchronizer's newest version were recorded (or

@@ -9,7 +9,8 @@ import asyncio
 import json
 import logging
 import statistics
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,8 @@ class Pipeline:
     #: Set by a Stop request that asks for a checkpoint.
     checkpoint_on_stop: bool = False
     last_checkpoint_path: str = ""
+    #: Validations and checkpoints of this session, oldest first (the status page's timeline).
+    milestones: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=500))
     _background: list[asyncio.Task] = field(default_factory=list)
     _first_batch_at: float | None = None
     _busy_at_first_batch: float = 0.0
@@ -228,6 +231,7 @@ class Pipeline:
         finally:
             self.rollouts.resume()
         self.metrics.write(self.train_worker.step, metrics)
+        self._milestone("VALIDATION", version=version, metrics=metrics)
         log.info("validation at version %d: %s", version, metrics)
         return metrics
 
@@ -249,10 +253,14 @@ class Pipeline:
         path = await self.trainer.save_checkpoint(json.dumps(state).encode())
         self._last_checkpoint_step = self.train_worker.step
         self.last_checkpoint_path = path
+        self._milestone("CHECKPOINT", version=self.train_worker.version, path=path)
         log.info("checkpoint at step %d: %s", self.train_worker.step, path)
         return path
 
     # -- bookkeeping ----------------------------------------------------------
+    def _milestone(self, kind: str, **details: Any) -> None:
+        self.milestones.append({"kind": kind, "unix_ms": int(time.time() * 1000), "step": self.train_worker.step, **details})
+
     def record(self, batch: TrainBatch, result: TrainResult) -> dict[str, float]:
         m = self.step_metrics(batch, result)
         self.metrics.observe_staleness(batch.staleness())

@@ -7,6 +7,8 @@ connections to the services (`connect`, the gRPC adapters in the product
 path), builds the pipeline and runs the main loop in the background.
 `stop()` asks the loop to stop, optionally checkpointing first, and waits up
 to a grace period. `status()` and `metrics_after()` read the live pipeline.
+`adopt()` reports on a run the launcher drives itself (`run FILE`), so the
+same Status, StreamMetrics, Stop and status page serve both ways of running.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.runtime.config import ConfigError
+from flywheel.synchronizer.types import Component
 from services.controller.assemble import Services, build_pipeline
 from services.controller.errors_report import ErrorRecord
 from services.controller.loop import run
@@ -47,6 +51,12 @@ class RunStatus:
     in_flight: int = 0
     errors: list[ErrorRecord] = field(default_factory=list)
     message: str = ""
+    #: Every component as the synchronizer last reported it (empty without a synchronizer).
+    components: list[Component] = field(default_factory=list)
+    #: (step, unix_ms, metrics) of every recorded row, oldest first: training steps and validations.
+    history: list[tuple[int, int, dict[str, float]]] = field(default_factory=list)
+    #: Syncs, joins, validations and checkpoints, oldest first, each a dict with `kind` and `unix_ms`.
+    timeline: list[dict[str, Any]] = field(default_factory=list)
 
 
 class RunManager:
@@ -95,6 +105,26 @@ class RunManager:
         log.info("run started", extra={"run_id": run_id, "run_dir": str(run_dir)})
         return run_id, run_dir
 
+    def adopt(self, run_id: str, run_dir: Path, pipeline: Pipeline, task: asyncio.Task) -> None:
+        """Reports on (and stops) a run whose main loop `task` someone else drives."""
+        if self.active:
+            raise FailedPrecondition(f"run {self.run_id} is {self.phase}")
+        self.run_id, self.run_dir, self.pipeline, self._task = run_id, run_dir, pipeline, task
+        self.phase, self.summary, self.message = "running", None, ""
+
+        def ended(t: asyncio.Task) -> None:
+            if t.cancelled():
+                self.phase, self.message = "failed", self.message or "cancelled"
+            elif t.exception() is not None:
+                exc = t.exception()
+                self.phase, self.message = "failed", f"{type(exc).__name__}: {exc}"
+            else:
+                self.summary = t.result()
+                self.phase = "failed" if pipeline.errors.should_stop else "completed"
+                self.message = self.summary.stop_reason
+
+        task.add_done_callback(ended)
+
     async def _run(self, pipeline: Pipeline, services: Services) -> None:
         try:
             self.phase = "running"
@@ -139,6 +169,9 @@ class RunManager:
             in_flight=p.tracker.in_flight("rollout"),
             errors=p.errors.recent(20),
             message=self.message or p.stop_reason,
+            components=sorted(p.observer.components.values(), key=lambda c: (c.role, c.id)) if p.observer else [],
+            history=list(p.memory.steps),
+            timeline=sorted([*(p.observer.timeline if p.observer else ()), *p.milestones], key=lambda e: e["unix_ms"]),
         )
 
     async def metrics_after(self, step: int):

@@ -3,7 +3,7 @@
 Start parses and validates the YAML (INVALID_ARGUMENT naming the field),
 refuses a second concurrent run (FAILED_PRECONDITION); Stop asks the loop to
 stop, optionally after a checkpoint; Status reports the live pipeline;
-StreamMetrics replays the steps after `after_step` and follows new ones
+Status carries every component as the synchronizer sees it; StreamMetrics replays the steps after `after_step` and follows new ones
 until the run ends.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.controller.v1 import controller_pb2 as pb
 from flywheel.controller.v1 import controller_pb2_grpc as pb_grpc
+from flywheel.synchronizer.convert import component_to_pb
 from services.controller.runs import RunManager
 
 PHASES = {
@@ -57,6 +58,7 @@ class ControllerServicer(pb_grpc.ControllerServiceServicer):
                 pb.RunError(module=e.module, severity=e.severity, message=e.message, context=str(e.context), unix_ms=e.unix_ms)
                 for e in s.errors
             ],
+            components=[component_to_pb(c) for c in s.components],
             message=s.message,
         )
 

@@ -58,7 +58,7 @@ def build(config: RolloutConfig) -> ServiceSpec:
             return
         from services.rollout.engine import create_engine
         from services.rollout.http_api import create_app
-        from services.rollout.http_server import HttpServer
+        from flywheel.runtime.http_server import HttpServer
         from services.rollout.text import TextCodec
 
         codec = TextCodec.load(config.engine.args.get("tokenizer") or model_path)

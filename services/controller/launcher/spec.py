@@ -7,6 +7,7 @@
       trainer: {optimizer: {lr: 1.0e-5}}  # any TrainerConfig fields
       rollout: {engine: {kind: auto}}     # any RolloutConfig fields
       synchronizer: {}                    # any SynchronizerConfig fields
+      controller: {status_port: 8080}     # any ControllerConfig fields (this process)
     resume: auto                          # auto | disable | {from_path: DIR}
 
 Everything else is the controller's `RunConfig` (services/controller/
@@ -58,6 +59,11 @@ class LaunchSpec(StrictModel):
     trainer: dict[str, Any] = Field(default_factory=dict, description="trainer service config (TrainerConfig fields)")
     rollout: dict[str, Any] = Field(default_factory=dict, description="rollout service config (RolloutConfig fields)")
     synchronizer: dict[str, Any] = Field(default_factory=dict, description="synchronizer config fields")
+    controller: dict[str, Any] = Field(
+        default_factory=dict,
+        description="this process's ControllerConfig fields (gRPC, /metrics and status page ports); "
+        "FLYWHEEL_CONTROLLER__* variables override them",
+    )
     ready_timeout_seconds: float = Field(900.0, gt=0, description="time each service may take to report SERVING")
     stop_grace_seconds: float = Field(20.0, ge=0, description="SIGTERM-to-SIGKILL grace of each child, in seconds")
     cpu_threads: int = Field(

@@ -1,4 +1,5 @@
-"""Runs the OpenAI-compatible app with uvicorn on the gRPC server's event loop.
+"""Runs an HTTP app (the rollout's OpenAI API, the controller's status page) with
+uvicorn on the gRPC server's event loop.
 
 The socket is bound before uvicorn starts, so port 0 resolves to a real port
 that the service can report. uvicorn's own signal handling is disabled: the
@@ -26,8 +27,9 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, name: str = "http") -> None:
         self._app = app
+        self._name = name
         self._host = host
         self._port = port
         self._server: _Server | None = None
@@ -45,12 +47,12 @@ class HttpServer:
         config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_keep_alive=30, log_config=None)
         self._server = _Server(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="rollout-http")
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name=self._name)
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # re-raises why it could not start
             await asyncio.sleep(0.01)
-        log.info("http api listening", extra={"http_port": self.port, "host": self._host})
+        log.info("%s listening", self._name, extra={"http_port": self.port, "host": self._host})
         return self.port
 
     async def stop(self, grace: float = 5.0) -> None:

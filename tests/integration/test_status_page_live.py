@@ -1,0 +1,136 @@
+"""The controller service around a live run, the way a user meets it.
+
+`python -m services.controller run` on the tiny quickstart (made long enough
+to watch), with real services:
+- it prints the status page's URL, and the page, loaded in headless Chromium
+  (Debian's `chromium`), shows the trainer and the rollout with their weight
+  versions, and a reward curve that grows between two loads;
+- the same process answers the controller's gRPC Status (every component as
+  the synchronizer sees it), health SERVING, and /metrics with the
+  controller's families;
+- a gRPC Stop ends the run after a checkpoint, and the launcher exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from flywheel.controller.v1 import controller_pb2 as pb
+from flywheel.controller.v1 import controller_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SCREENSHOT_ENV = "FLYWHEEL_STATUS_SCREENSHOT"  # where to keep the screenshot (the test writes one in its tmp dir)
+
+
+def long_tiny_run(tmp_path: Path) -> Path:
+    data = yaml.safe_load((ROOT / "examples/quickstart-tiny.yaml").read_text())
+    data["run"]["max_steps"] = 100_000  # ended by Stop
+    data["launch"]["dataset"]["train_size"] = 4000
+    path = tmp_path / "long-tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def wait_for(what: str, ready, proc: subprocess.Popen, timeout: float = 300.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the launcher exited ({proc.returncode}) while waiting for {what}")
+        try:
+            value = ready()
+            if value:
+                return value
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return json.loads(reply.read())
+
+
+def chromium(url: str, *args: str) -> str:
+    out = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1400,1000",
+         "--virtual-time-budget=4000", *args, url],
+        capture_output=True, text=True, timeout=90,
+    )
+    return out.stdout
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian package `chromium`)")
+def test_the_status_page_follows_a_live_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    ready_file = tmp_path / "controller.ready"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLYWHEEL_MODEL_CACHE": str(tmp_path / "models"),
+           "FLYWHEEL_CONTROLLER__STATUS_PORT": "0", "FLYWHEEL_CONTROLLER__SERVER__READY_FILE": str(ready_file)}
+    out = (tmp_path / "launcher.out").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.controller", "run", str(long_tiny_run(tmp_path)), "--run-dir", str(run_dir)],
+        cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )
+    try:
+        url = wait_for("the status page URL", lambda: re.search(
+            r"status page: (http://\S+)", (tmp_path / "launcher.out").read_text()), proc).group(1)
+        assert (run_dir / "status_url").read_text().strip() == url
+        api = url + "api/status"
+        body = wait_for("two components and three steps", lambda: (
+            (b := get_json(api))["step"] >= 3 and {c["role"] for c in b["components"]} == {"trainer", "rollout"} and b
+        ), proc)
+        assert body["phase"] == "running" and body["trainer_version"] >= 3
+        rollout = next(c for c in body["components"] if c["role"] == "rollout")
+        assert rollout["weight_version"] >= 1 and rollout["state"] in ("running", "require_sync", "synchronizing")
+
+        # The page as a browser renders it: components, versions, a curve that grows.
+        first = chromium(url, "--dump-dom")
+        assert 'data-id="trainer-0"' in first and 'data-id="rollout-0"' in first, first[-3000:]
+        points = lambda dom: int(re.search(r'id="reward-chart"[^>]*data-points="(\d+)"', dom).group(1))  # noqa: E731
+        time.sleep(4)
+        second = chromium(url, "--dump-dom")
+        assert points(second) > points(first) >= 3
+        assert re.search(r'<span id="connection" class="">live, updated', second), "the page polled successfully"
+        shot = Path(os.environ.get(SCREENSHOT_ENV) or tmp_path / "status.png")
+        chromium(url, f"--screenshot={shot}")
+        assert shot.stat().st_size > 10_000
+
+        # The same process is the controller service.
+        ports = json.loads(ready_file.read_text())
+        with grpc.insecure_channel(f"127.0.0.1:{ports['grpc_port']}") as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stub = pb_grpc.ControllerServiceStub(channel)
+            status = stub.Status(pb.StatusRequest(), timeout=5)
+            assert status.phase == pb.RUN_PHASE_RUNNING and status.step >= 3
+            assert {c.identity.id for c in status.components} == {"trainer-0", "rollout-0"}
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics_port']}/metrics", timeout=5) as reply:
+                metrics = reply.read().decode()
+            assert re.search(r'^flywheel_service_ready\{service="controller"\} 1\.0$', metrics, re.M)
+            assert float(re.search(r"^flywheel_controller_trainer_step (\S+)$", metrics, re.M).group(1)) >= 3
+            stopped = stub.Stop(pb.StopRequest(checkpoint=True, grace_seconds=120), timeout=150)
+        assert stopped.checkpoint_path, "Stop with checkpoint=True returns the checkpoint written"
+        assert proc.wait(120) == 0, (tmp_path / "launcher.out").read_text()[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert "stop" in summary["stop_reason"], summary
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()

@@ -1,0 +1,122 @@
+"""The controller's status page and what feeds it: the synchronizer's view of
+every component (observer), the run's milestones, and the JSON the page polls,
+with the run's services simulated."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import httpx
+import yaml
+
+from flywheel.synchronizer.client_types import WatchEvent
+from flywheel.synchronizer.types import Component, EventKind, Identity, Method, Role, State
+from services.controller.assemble import Services, build_pipeline
+from services.controller.loop import run
+from services.controller.observer import SynchronizerObserver
+from services.controller.run_config import run_config_from_yaml
+from services.controller.runs import RunManager
+from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant
+from services.controller.status_page import create_app, status_json
+from tests.unit.controller.controller_helpers import items
+
+
+def event(kind: EventKind, component: Component | None = None, version: int = 0, seq: int = 1) -> WatchEvent:
+    return WatchEvent(kind, seq, 1_000 * seq, version, component, version,
+                      Method.MEMORY if kind == EventKind.VERSION_COMMITTED else None, "", None, None, "")
+
+
+def rollout(cid: str, version: int, state: State = State.RUNNING) -> Component:
+    return Component(Identity(Role.ROLLOUT, cid, address=f"{cid}:50053"), state=state, weight_version=version)
+
+
+def test_the_observer_keeps_every_component_and_a_timeline_of_syncs(tmp_path: Path) -> None:
+    async def none(_: bool):
+        yield  # pragma: no cover
+
+    observer = SynchronizerObserver(none, tmp_path)
+    observer.observe(event(EventKind.COMPONENT_REGISTERED, rollout("r0", 0), seq=1))
+    observer.observe(event(EventKind.COMPONENT_REGISTERED, rollout("r1", 0), seq=2))
+    observer.observe(event(EventKind.VERSION_COMMITTED, version=1, seq=3))
+    observer.observe(event(EventKind.STATE_CHANGED, rollout("r0", 1), seq=4))
+    observer.observe(event(EventKind.STATE_CHANGED, rollout("r0", 1, State.REQUIRE_SYNC), seq=5))  # same version
+    observer.observe(event(EventKind.COMPONENT_EXPIRED, rollout("r1", 0, State.STOPPED), seq=6))
+
+    assert {c: (v.weight_version, v.state) for c, v in observer.components.items()} == {
+        "r0": (1, State.REQUIRE_SYNC), "r1": (0, State.STOPPED)}
+    kinds = [(e["kind"], e.get("id"), e.get("version")) for e in observer.timeline]
+    assert kinds == [
+        ("COMPONENT_REGISTERED", "r0", None), ("COMPONENT_REGISTERED", "r1", None), ("VERSION_COMMITTED", None, 1),
+        ("WEIGHTS_APPLIED", "r0", 1), ("COMPONENT_EXPIRED", "r1", None),
+    ]
+    assert (tmp_path / "synchronizer_events.jsonl").read_text().count("\n") == 6  # every event is still logged
+
+
+def simulated(cfg) -> Services:
+    return Services(SimulatedTrainer(train_time=constant(0.002)),
+                    [SimulatedRolloutEngine(gen_time=constant(0.001), rng=random.Random(0))])
+
+
+RUN = {
+    "run": {"name": "page", "max_steps": 6},
+    "data": {"train": {"items": items(400)}, "validation": {"items": items(8)}},
+    "worker": {"type": "math", "group_size": 2, "max_in_flight": 4},
+    "algorithm": {"train_batch_size": 4},
+    "validation": {"interval": 3, "before_training": True},
+    "checkpoint": {"interval": 2, "at_end": True},
+    "metrics": {"jsonl": False},
+}
+
+
+async def test_an_adopted_run_is_reported_live_then_completed(tmp_path: Path) -> None:
+    cfg = run_config_from_yaml(yaml.safe_dump(RUN))
+    pipeline = build_pipeline(cfg, simulated(cfg), run_dir=tmp_path)
+    # A synchronizer's view, as the observer would have it.
+    async def none(_: bool):
+        yield  # pragma: no cover
+
+    pipeline.observer = SynchronizerObserver(none, None)
+    pipeline.observer.observe(event(EventKind.COMPONENT_REGISTERED, rollout("rollout-a", 0), seq=1))
+
+    runs = RunManager(tmp_path, simulated)
+    task = asyncio.ensure_future(run(pipeline))
+    runs.adopt("page-run", tmp_path, pipeline, task)
+    assert runs.status().phase == "running"
+    await task
+    await asyncio.sleep(0)  # the done callback
+    s = runs.status()
+    assert s.phase == "completed" and s.step == 6 and "max_steps" in s.message
+
+    page = status_json(s)
+    assert [c["id"] for c in page["components"]] == ["rollout-a"]
+    assert page["components"][0]["behind"] == 6  # the simulated replica never moved past version 0
+    assert [step for step, _ in page["curves"]["reward"]] == [1, 2, 3, 4, 5, 6]
+    assert [step for step, _ in page["curves"]["validation"]] == [0, 3, 6]
+    assert page["curves"]["validation_metric"] == "val/accuracy"
+    milestones = [(e["kind"], e["step"]) for e in page["timeline"] if e["kind"] in ("VALIDATION", "CHECKPOINT")]
+    assert milestones == [("VALIDATION", 0), ("CHECKPOINT", 2), ("VALIDATION", 3), ("CHECKPOINT", 4),
+                          ("VALIDATION", 6), ("CHECKPOINT", 6)]
+    assert set(page["staleness"]) == {"mean", "min", "max"}
+
+
+async def test_the_page_and_its_json_are_served(tmp_path: Path) -> None:
+    runs = RunManager(tmp_path, simulated)
+    app = create_app(runs)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://page") as client:
+        html = await client.get("/")
+        assert html.status_code == 200 and "text/html" in html.headers["content-type"]
+        assert 'id="components"' in html.text and "api/status" in html.text
+        idle = await client.get("/api/status")
+        assert idle.status_code == 200 and idle.headers["cache-control"] == "no-store"
+        assert idle.json()["phase"] == "idle" and idle.json()["components"] == []
+        await runs.start(yaml.safe_dump(RUN), "live")
+        for _ in range(500):
+            body = (await client.get("/api/status")).json()
+            if body["phase"] in ("completed", "failed"):
+                break
+            await asyncio.sleep(0.01)
+        assert body["run_id"] == "live" and body["phase"] == "completed", body
+        assert len(body["curves"]["reward"]) == 6
+        assert (await client.post("/api/status")).status_code == 405  # read-only
