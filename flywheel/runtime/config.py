@@ -140,7 +140,9 @@ def env_overrides(model: type[BaseModel], env: Mapping[str, str], prefix: str) -
     return values, origins
 
 
-def build_parser(model: type[BaseModel], prog: str, description: str, env_prefix: str) -> argparse.ArgumentParser:
+def build_parser(
+    model: type[BaseModel], prog: str, description: str, env_prefix: str, section: str | None = None
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
@@ -149,6 +151,12 @@ def build_parser(model: type[BaseModel], prog: str, description: str, env_prefix
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", type=Path, help="YAML or JSON file with any of the fields below")
+    if section is not None:
+        parser.add_argument(
+            "--run-file", type=Path,
+            help=f"a run file (examples/*.yaml): its launch.{section} section gives this service the settings the "
+            f"local launcher would (below --config, env and flags); deployments point every service at one file",
+        )
     parser.add_argument("--print-config", action="store_true", help="print the resolved configuration as JSON and exit")
     for path, field in leaf_fields(model).items():
         default = field.get_default(call_default_factory=True)
@@ -234,20 +242,35 @@ def load_config(
     description: str,
     env_prefix: str,
     env: Mapping[str, str] | None = None,
+    section: str | None = None,
 ) -> M:
-    """Parses the command line and resolves the config; exits with a message on error."""
-    parser = build_parser(model, prog, description, env_prefix)
+    """Parses the command line and resolves the config; exits with a message on error.
+    `section`: the service's name in a run file's `launch:` (enables --run-file)."""
+    parser = build_parser(model, prog, description, env_prefix, section)
     namespace = vars(parser.parse_args(argv))
     file = namespace.pop("config", None)
+    run_file = namespace.pop("run_file", None)
     print_only = namespace.pop("print_config", False)
     try:
-        config = resolve(model, file=file, env=env, env_prefix=env_prefix, cli=namespace)
+        base = run_file_section(run_file, section) if run_file is not None and section else None
+        config = resolve(model, file=file, env=env, env_prefix=env_prefix, cli=namespace, base=base)
     except ConfigError as exc:
         parser.exit(2, f"{prog}: {exc}\n")
     if print_only:
         print(json.dumps(redacted(config), indent=2))
         parser.exit(0)
     return config
+
+
+def run_file_section(path: Path, section: str) -> dict[str, Any]:
+    """`launch.<section>` of a run file: what the local launcher would give that service."""
+    launch = read_config_file(path).get("launch") or {}
+    if not isinstance(launch, Mapping):
+        raise ConfigError(f"run file {path}: launch: must be a mapping")
+    value = launch.get(section) or {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"run file {path}: launch.{section}: must be a mapping")
+    return dict(value)
 
 
 def redacted(config: BaseModel) -> dict[str, Any]:

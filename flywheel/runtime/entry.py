@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from flywheel.runtime.config import load_config, redacted
+from flywheel.runtime.config import ConfigError, load_config, redacted
 from flywheel.runtime.logging import configure_logging
 
 log = logging.getLogger("flywheel.entry")
@@ -36,7 +36,8 @@ def run_main(
 ) -> None:
     """Entry point of a service; `build` is "module:function" returning a ServiceSpec."""
     config = load_config(
-        config_cls, argv, prog=f"python -m services.{service}", description=description, env_prefix=env_prefix(service)
+        config_cls, argv, prog=f"python -m services.{service}", description=description, env_prefix=env_prefix(service),
+        section=service,
     )
     server = config.server  # type: ignore[attr-defined]
     configure_logging(service, server.log_level, server.log_format)
@@ -50,6 +51,10 @@ def run_main(
         asyncio.run(serve(spec, server))
     except KeyboardInterrupt:
         pass
+    except ConfigError as exc:  # a setting the service cannot work with: say which, no traceback
+        log.error("%s: %s", service, exc)
+        print(f"python -m services.{service}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     except Exception:
         log.exception("%s failed", service)
         sys.exit(1)

@@ -207,7 +207,9 @@ class StalenessConfig(StrictModel):
 
 
 class SyncConfig(StrictModel):
-    method: SyncMethodName = Field("checkpoint", description="how weights travel")
+    method: SyncMethodName = Field(
+        "memory", description="how weights travel; memory works wherever a synchronizer runs (no shared disk)"
+    )
     style: Literal["fixed", "dynamic_by_explorer"] = Field("fixed", description="when rollouts sync")
     interval: int = Field(1, ge=1, description="sync every N trainer steps")
     offset: int = Field(0, ge=0, description="steps before the first sync")

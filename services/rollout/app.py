@@ -3,9 +3,9 @@
 Startup loads the tokenizer and the engine (health says SERVING only after),
 then starts the OpenAI-compatible HTTP API and reports its port: in GetStatus,
 in the log, and in `<ready_file stem>.http.json` ({"http_port": N}) next to
-the runtime's ready file, for launchers. Without engine.model_path the
-service serves gRPC status only (generation answers FAILED_PRECONDITION) and
-no HTTP API.
+the runtime's ready file, for launchers. engine.model_path must name a
+model directory: without one the service does not start (the error names the
+setting).
 
 With `synchronizer.address` set, the loaded rollout registers with the
 synchronizer, heartbeats, reports every weight update and moves its weights
@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 import services.rollout.metrics  # noqa: F401  (registers the service's metric families)
+from flywheel.models.check import require_model_dir
 from flywheel.rollout.v1 import rollout_pb2
 from flywheel.runtime.auth import resolve_token
 from flywheel.runtime.server import ServiceSpec
@@ -42,8 +43,8 @@ def http_ready_file(ready_file: Path) -> Path:
 
 
 def build(config: RolloutConfig) -> ServiceSpec:
-    model_path = config.engine.model_path
-    name = config.engine.served_model_name or (Path(model_path).name if model_path else "")
+    model_path = require_model_dir(config.engine.model_path, "rollout", ("engine", "model_path"))
+    name = config.engine.served_model_name or model_path.name
     core = RolloutCore(config, engine=None, codec=None, model_name=name)
     state: dict = {"http": None, "engine": None, "link": None, "grpc_port": 0}
 
@@ -53,9 +54,6 @@ def build(config: RolloutConfig) -> ServiceSpec:
     servicer = RolloutServicer(config, core, http_port)
 
     async def startup() -> None:
-        if model_path is None:
-            log.warning("no engine.model_path: serving status only, no generation and no HTTP API")
-            return
         from services.rollout.engine import create_engine
         from services.rollout.http_api import create_app
         from flywheel.runtime.http_server import HttpServer

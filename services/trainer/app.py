@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 
 import services.trainer.metrics  # noqa: F401  (registers the service's metric families)
+from flywheel.models.check import require_model_dir
 from flywheel.runtime.server import ServiceSpec
 from flywheel.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.config import TrainerConfig
@@ -24,21 +25,19 @@ PROTO_SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_n
 
 
 def build(config: TrainerConfig) -> ServiceSpec:
+    # Checked before anything listens: a trainer without a model must not report SERVING.
+    require_model_dir(config.model.path, "trainer", ("model", "path"))
     engine = TrainingEngine(config)
     servicer = TrainerServicer(engine)
     state: dict = {"link": None, "grpc_port": 0}
 
     async def startup() -> None:
-        if config.model.path is None:
-            return
         await engine.run(engine.load)
         # What exists now (torch, transformers, the model: ~10^5 objects)
         # lives as long as the process; frozen, the cyclic collector stops
         # rescanning it during every training step.
         gc.collect()
         gc.freeze()
-        # Registered only with a policy to export: a trainer without a model
-        # would be offered syncs it cannot serve.
         if config.sync.synchronizer_address:
             from services.trainer.link import TrainerLink
 

@@ -98,3 +98,27 @@ def test_secrets_are_masked_when_logged() -> None:
 def test_missing_config_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="nope.yaml"):
         resolve(TrainerConfig, file=tmp_path / "nope.yaml", env={}, env_prefix=PREFIX)
+
+
+def test_a_run_files_launch_section_is_the_services_base(tmp_path: Path) -> None:
+    """Deployments point every service at the run file: launch.trainer is what the
+    local launcher would give the trainer, below the env a manifest sets."""
+    run = tmp_path / "run.yaml"
+    run.write_text("run: {name: x}\nlaunch:\n  trainer:\n    optimizer: {lr: 1.0e-5}\n    model: {dtype: bfloat16}\n")
+    env = {f"{PREFIX}MODEL__PATH": "/models/policy", f"{PREFIX}MODEL__DTYPE": "float32"}
+    config = load_config(TrainerConfig, ["--run-file", str(run)], prog="t", description="", env_prefix=PREFIX,
+                         env=env, section="trainer")
+    assert config.optimizer.lr == 1.0e-5  # from the run file
+    assert str(config.model.path) == "/models/policy" and config.model.dtype == "float32"  # env wins
+    rollout = load_config(RolloutConfig, ["--run-file", str(run)], prog="r", description="",
+                          env_prefix="FLYWHEEL_ROLLOUT__", env={}, section="rollout")
+    assert rollout.engine.model_path is None  # no launch.rollout: the defaults
+
+
+def test_a_bad_run_file_section_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run.yaml"
+    run.write_text("launch:\n  trainer: [1, 2]\n")
+    with pytest.raises(SystemExit) as exc:
+        load_config(TrainerConfig, ["--run-file", str(run)], prog="t", description="", env_prefix=PREFIX, env={},
+                    section="trainer")
+    assert exc.value.code == 2 and "launch.trainer: must be a mapping" in capsys.readouterr().err
