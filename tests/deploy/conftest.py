@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.deploy.manifests import COMPOSE_FILE, OVERLAYS, Container, compose_containers, k8s_containers, render_overlay
+from tests.deploy.manifests import OVERLAYS, load_compose, Container, compose_containers, k8s_containers, render_overlay
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +23,7 @@ def k8s(rendered) -> list[Container]:
 
 @pytest.fixture(scope="session")
 def compose() -> dict[str, Any]:
-    return yaml.safe_load(COMPOSE_FILE.read_text())
+    return load_compose()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -113,6 +114,38 @@ def k8s_containers(overlay: str, objects: list[dict[str, Any]]) -> list[Containe
 # ---------------------------------------------------------------- compose
 
 
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}|\$\$")
+
+
+def interpolate(value: Any, variables: dict[str, str]) -> Any:
+    """Compose's variable interpolation: ${VAR}, ${VAR:-default} (unset or empty),
+    ${VAR-default} (unset), and $$ for a literal $, in every string of the file."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, variables) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, variables) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, default = m.group(1), m.group(2), m.group(3) or ""
+        if op == ":-":
+            return variables.get(name) or default
+        if op == "-":
+            return variables.get(name, default)
+        return variables.get(name, "")
+
+    return _VARIABLE.sub(one, value)
+
+
+def load_compose(variables: dict[str, str] | None = None) -> dict[str, Any]:
+    """docker-compose.yml as `docker compose config` would read it: anchors merged
+    (YAML), variables interpolated from `variables` (none set: every default)."""
+    return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), dict(variables or {}))
+
+
 def read_env_file(path: Path) -> dict[str, str]:
     env = {}
     for line in path.read_text().splitlines():
@@ -136,8 +169,8 @@ def compose_containers(compose: dict[str, Any]) -> list[Container]:
     found = []
     for name, svc in compose["services"].items():
         command = svc.get("command")
-        if not (isinstance(command, list) and command[:2] == ["python", "-m"]):
-            continue  # prometheus, grafana
+        if not (isinstance(command, list) and command[:2] == ["python", "-m"] and command[2].startswith("services.")):
+            continue  # prometheus, grafana, the model-init step
         env: dict[str, str] = {}
         for path in compose_env_files(svc):
             env.update(read_env_file(path))

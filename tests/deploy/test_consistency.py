@@ -70,6 +70,8 @@ def expected_ports(container: Container) -> dict[str, int]:
     ports = {"grpc": config.server.port, "metrics": config.server.metrics_port}
     if hasattr(config, "http_port"):
         ports["http"] = config.http_port
+    if hasattr(config, "status_port"):
+        ports["http"] = config.status_port
     return ports
 
 
