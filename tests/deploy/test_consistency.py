@@ -444,7 +444,8 @@ def test_dockerfile_exposes_the_default_ports_and_ships_the_healthcheck():
     defaults = set()
     for service in SERVICES:
         config = config_class(service)()
-        defaults |= {config.server.port, config.server.metrics_port, getattr(config, "http_port", config.server.port)}
+        defaults |= {config.server.port, config.server.metrics_port}
+        defaults |= {getattr(config, name) for name in ("http_port", "status_port") if hasattr(config, name)}
     for line in re.findall(r"^EXPOSE (.+)$", dockerfile, re.MULTILINE):
         assert {int(p) for p in line.split()} == defaults
     assert dockerfile.count(f"COPY deploy/docker/healthcheck.py {HEALTHCHECK_SCRIPT}") == 2
