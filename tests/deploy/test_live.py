@@ -85,7 +85,21 @@ def _wait(what: str, ready, child: subprocess.Popen, log: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def scrapes(tmp_path_factory) -> Iterator[dict[str, dict]]:
+def tiny_model(tmp_path_factory) -> Path:
+    """What the deployments' model-init step leaves on the models volume (a tiny model here)."""
+    from flywheel.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "policy", max_position_embeddings=512)
+
+
+MODEL_FLAGS = {
+    "trainer": lambda model: ["--model.path", str(model)],
+    "rollout": lambda model: ["--engine.model-path", str(model), "--engine.kind", "transformers", "--http-port", "0"],
+}
+
+
+@pytest.fixture(scope="module")
+def scrapes(tmp_path_factory, tiny_model) -> Iterator[dict[str, dict]]:
     """service -> {"text": /metrics body, "grpc_port": int}, from real processes on free ports
     that have answered one request."""
     tmp = tmp_path_factory.mktemp("scrape")
@@ -96,6 +110,7 @@ def scrapes(tmp_path_factory) -> Iterator[dict[str, dict]]:
             log = tmp / f"{service}.log"
             argv = [sys.executable, "-m", f"services.{service}", "--server.port", "0", "--server.metrics-port", "0"]
             argv += ["--server.ready-file", str(ready_files[service]), "--server.log-format", "text"]
+            argv += MODEL_FLAGS.get(service, lambda _: [])(tiny_model)
             children.append(
                 subprocess.Popen(argv, env=clean_env({}, tmp), cwd=tmp, stdout=log.open("w"), stderr=subprocess.STDOUT)
             )
@@ -183,11 +198,14 @@ def test_healthcheck_script_tells_serving_from_unreachable(scrapes, tmp_path):
 # ---------------------------------------------------------------- manifest env only
 
 
-def localize(container: Container, tmp: Path) -> dict[str, str]:
-    """The container's env made runnable here: free ports, loopback, paths under tmp."""
+def localize(container: Container, tmp: Path, model: Path) -> dict[str, str]:
+    """The container's env made runnable here: free ports, loopback, paths under tmp,
+    the model path at the model-init step's output."""
     env = {}
     for name, value in container.env.items():
-        if name.endswith("__HOST"):
+        if name.endswith(("__MODEL__PATH", "__MODEL_PATH")):
+            value = str(model)
+        elif name.endswith("__HOST"):
             value = "127.0.0.1"
         elif name.endswith("PORT"):
             value = str(_free_port())
@@ -197,6 +215,10 @@ def localize(container: Container, tmp: Path) -> dict[str, str]:
         env[name] = value
     if TOKEN_FILE_ENV in env:
         Path(env[TOKEN_FILE_ENV]).write_text("token-from-a-mounted-secret\n")
+    if container.service == "rollout":
+        # What is checked here is the server's configuration; the engine (vLLM, with the
+        # run file's arguments) is started as deployed by the namespace-cluster tests.
+        env["FLYWHEEL_ROLLOUT__ENGINE__KIND"] = "transformers"
     return env
 
 
@@ -223,13 +245,13 @@ def _call_code(port: int, path: str, token: str | None) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def start_from_manifest(containers: list[Container], tmp: Path) -> None:
+def start_from_manifest(containers: list[Container], tmp: Path, model: Path) -> None:
     started = []
     try:
         for c in containers:
             home = tmp / c.name
             home.mkdir()
-            env = localize(c, home)
+            env = localize(c, home, model)
             log = home / "log"
             # The controller's `run CONFIG` starts a training run; its server
             # configuration is what is checked here, so it starts as a server.
@@ -252,13 +274,13 @@ def start_from_manifest(containers: list[Container], tmp: Path) -> None:
         _stop([child for _, child, *_ in started])
 
 
-def test_services_start_with_only_the_kubernetes_env(k8s, tmp_path):
+def test_services_start_with_only_the_kubernetes_env(k8s, tmp_path, tiny_model):
     containers = [c for c in k8s if c.source.startswith("kubernetes/cpu ")]
     assert sorted(c.service for c in containers) == sorted(SERVICES)
-    start_from_manifest(containers, tmp_path)
+    start_from_manifest(containers, tmp_path, tiny_model)
 
 
-def test_services_start_with_only_the_compose_env(composed, tmp_path):
+def test_services_start_with_only_the_compose_env(composed, tmp_path, tiny_model):
     containers = [c for c in composed if "gpu" not in c.raw.get("profiles", [])]
     assert sorted(c.service for c in containers) == sorted(SERVICES)
-    start_from_manifest(containers, tmp_path)
+    start_from_manifest(containers, tmp_path, tiny_model)
