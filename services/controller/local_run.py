@@ -226,9 +226,8 @@ class LocalRun:
         }
         rollout = {
             "http_port": 0,
-            # dtype explicit: vLLM on CPU would silently run a float32 model in
-            # bfloat16, and its log-probs would disagree with the trainer's.
-            "engine": {"model_path": str(self.model_dir), "args": {"dtype": dtype}},
+            # The engine serves the checkpoint's dtype (its config.json) unless told otherwise.
+            "engine": {"model_path": str(self.model_dir)},
             "synchronizer": {"address": synchronizer_address, "component_id": ROLLOUT_ID},
         }
         return {"trainer": deep_merge(trainer, spec.trainer), "rollout": deep_merge(rollout, spec.rollout)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -59,6 +60,15 @@ class _Sample:
         self.done = False
 
 
+def _checkpoint_dtype(path: Path) -> str:
+    """The checkpoint's own dtype (config.json), or vLLM's "auto" when it names none."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"
+    return str(config.get("dtype") or config.get("torch_dtype") or "auto")
+
+
 class VllmEngine(Engine):
     kind = "vllm"
 
@@ -98,8 +108,13 @@ class VllmEngine(Engine):
             def log_engine_initialized(self) -> None:
                 pass
 
+        args = dict(self._args)
+        # vLLM's "auto" dtype runs a float32 checkpoint in bfloat16 on CPU, and its
+        # log-probs then disagree with the trainer's: serve the checkpoint's dtype
+        # unless engine.args names one.
+        args.setdefault("dtype", _checkpoint_dtype(self._path))
         try:
-            engine_args = AsyncEngineArgs(model=str(self._path), worker_extension_cls=WORKER_EXTENSION, **self._args)
+            engine_args = AsyncEngineArgs(model=str(self._path), worker_extension_cls=WORKER_EXTENSION, **args)
         except TypeError as exc:
             raise InvalidArgument(f"engine.args: {exc}") from None
         # Built off the event loop: it blocks until the engine core is up

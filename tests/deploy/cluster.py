@@ -1,0 +1,188 @@
+"""The nearest thing to a container host these machines allow: one network
+namespace per container, joined by a bridge, names resolving through each
+namespace's /etc/hosts, volumes bind-mounted at the paths the container sees.
+
+    with NamespaceCluster(tmp_path) as cluster:
+        host = cluster.add_host("flywheel-rollout-1", names=["rollout"])
+        cluster.publish_hosts()            # every host's names, in every namespace
+        proc = cluster.run(host, argv, env=..., mounts={"/models": dir}, cwd=home, log=path)
+        cluster.exec(host, argv, env=...)  # like `docker exec`: the process's namespaces
+
+Each process runs under `ip netns exec NS unshare --uts --mount`: its own
+hostname (a container id, as Docker gives) and a private mount namespace in
+which the volumes are bound, so nothing is mounted on the host. The mount
+points themselves must exist on the host: missing ones are created (empty)
+and removed again at the end. Needs root and iproute2; `available()` says why
+not otherwise.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+NETNS_ETC = Path("/etc/netns")
+
+
+def available() -> str:
+    """'' when namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, bind mounts)"
+    for tool in ("ip", "unshare", "nsenter", "mount"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found (iproute2 / util-linux)"
+    probe = f"fwprobe{secrets.token_hex(3)}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return ""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@dataclass
+class Host:
+    name: str  # the container's name, e.g. flywheel-rollout-1
+    netns: str
+    address: str
+    hostname: str  # what `hostname` says inside, like a Docker container id
+    names: list[str] = field(default_factory=list)  # service names and aliases that resolve to it
+
+
+class NamespaceCluster:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.tag = secrets.token_hex(2)
+        # A /24 unlikely to collide with this machine's networks or another run's.
+        self.subnet = ipaddress.ip_network(f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}.0/24")
+        self.bridge = f"fwbr{self.tag}"
+        self.gateway = str(self.subnet.network_address + 1)
+        self.hosts: list[Host] = []
+        self.processes: list[subprocess.Popen] = []
+        self._created_paths: list[Path] = []
+
+    # -- network ----------------------------------------------------------------
+    def __enter__(self) -> NamespaceCluster:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        return self
+
+    def add_host(self, name: str, names: list[str]) -> Host:
+        index = len(self.hosts)
+        netns = f"fw{self.tag}-{index}"
+        address = str(self.subnet.network_address + 10 + index)
+        outside, inside = f"fw{self.tag}h{index}", f"fw{self.tag}c{index}"
+        _ip("netns", "add", netns)
+        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+        _ip("link", "set", outside, "master", self.bridge)
+        _ip("link", "set", outside, "up")
+        _ip("link", "set", inside, "netns", netns)
+        for args in (("link", "set", "lo", "up"), ("addr", "add", f"{address}/24", "dev", inside),
+                     ("link", "set", inside, "up"), ("route", "add", "default", "via", self.gateway)):
+            _ip("-n", netns, *args)
+        host = Host(name=name, netns=netns, address=address, hostname=secrets.token_hex(6), names=list(names))
+        self.hosts.append(host)
+        return host
+
+    def resolve(self, name: str) -> list[str]:
+        """Every address `name` resolves to (a scaled service: one per replica)."""
+        return [h.address for h in self.hosts if name in (h.name, h.hostname, *h.names)]
+
+    def publish_hosts(self) -> None:
+        """Writes /etc/netns/<ns>/hosts, which `ip netns exec` binds over /etc/hosts."""
+        lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost"]
+        lines += [f"{h.address} {' '.join(dict.fromkeys([h.name, h.hostname, *h.names]))}" for h in self.hosts]
+        for h in self.hosts:
+            etc = NETNS_ETC / h.netns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text("\n".join(lines) + "\n")
+            (etc / "hostname").write_text(h.hostname + "\n")
+            # Docker's embedded DNS answers at once; with the hosts file standing in for it,
+            # other lookups (gRPC's resolver asks for AAAA records too) must fail at once as
+            # well, not wait on this machine's nameserver, which no namespace can reach.
+            (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+
+    # -- processes ------------------------------------------------------------
+    def _mount_point(self, target: Path, is_file: bool) -> None:
+        missing = [p for p in [target, *target.parents] if not p.exists()]
+        for path in reversed(missing):
+            if path == target and is_file:
+                path.touch()
+            else:
+                path.mkdir()
+            self._created_paths.append(path)
+
+    def _prologue(self, host: Host, mounts: dict[str, tuple[Path, bool]], cwd: Path | None) -> str:
+        steps = [f"hostname {shlex.quote(host.hostname)}"]
+        for target, (source, read_only) in mounts.items():
+            self._mount_point(Path(target), Path(source).is_file())
+            steps.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
+            if read_only:
+                steps.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+        if cwd is not None:
+            steps.append(f"cd {shlex.quote(str(cwd))}")
+        return " && ".join(steps) + ' && exec "$@"'
+
+    def run(
+        self, host: Host, argv: list[str], *, env: dict[str, str], mounts: dict[str, tuple[Path, bool]],
+        cwd: Path, log: Path,
+    ) -> subprocess.Popen:
+        """Starts `argv` as the container's main process (its PID is the Popen's: every step execs)."""
+        wrapper = ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--mount", "--propagation", "private",
+                   "sh", "-c", self._prologue(host, mounts, cwd), "sh", *argv]
+        with log.open("ab") as out:
+            proc = subprocess.Popen(wrapper, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        self.processes.append(proc)
+        return proc
+
+    def exec(self, proc: subprocess.Popen, argv: list[str], *, env: dict[str, str], timeout: float
+             ) -> subprocess.CompletedProcess:
+        """Runs `argv` inside `proc`'s network, mount and UTS namespaces, like `docker exec`."""
+        wrapper = ["nsenter", "--target", str(proc.pid), "--net", "--mount", "--uts", *argv]
+        try:
+            return subprocess.run(wrapper, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            return subprocess.CompletedProcess(wrapper, 124, exc.stdout or "", "timed out")
+
+    # -- teardown -------------------------------------------------------------
+    def stop(self, grace: float = 20.0) -> None:
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.processes:
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        for h in self.hosts:
+            # Whatever a service left running in the namespace (engine workers) goes with it.
+            pids = subprocess.run(["ip", "netns", "pids", h.netns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", h.netns], capture_output=True)
+            shutil.rmtree(NETNS_ETC / h.netns, ignore_errors=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        for path in reversed(self._created_paths):
+            try:
+                path.unlink() if path.is_file() else path.rmdir()
+            except OSError:
+                pass
