@@ -16,13 +16,27 @@ import time
 from pathlib import Path
 
 
+def _tiny_model() -> Path:
+    from flywheel.models.smollm2 import model_cache_dir
+    from flywheel.models.tiny import build_tiny_model
+
+    out = model_cache_dir() / "tiny-flywheel-up"
+    return out if (out / "config.json").is_file() else build_tiny_model(out, max_position_embeddings=512)
+
+
 def _up(args: argparse.Namespace) -> int:
     from flywheel.launcher.processes import SERVICES, ServiceDied, start_service
     from flywheel.runtime.health import check_health
 
     run_dir = Path(args.run_dir) / time.strftime("up-%Y%m%d-%H%M%S")
     print(f"starting {', '.join(SERVICES)} (logs in {run_dir})")
-    children = [start_service(name, run_dir) for name in SERVICES]
+    # Trainer and rollout need a model: a tiny one (built once in the model cache) unless --model names one.
+    model = args.model or str(_tiny_model())
+    model_args = {
+        "trainer": ("--model.path", model),
+        "rollout": ("--engine.model-path", model, "--engine.kind", "transformers", "--http-port", "0"),
+    }
+    children = [start_service(name, run_dir, model_args.get(name, ())) for name in SERVICES]
     try:
         for child in children:
             child.wait_ready(args.timeout)
@@ -69,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--check", action="store_true", help="check health, stop everything and exit")
     up.add_argument("--run-dir", default=os.environ.get("FLYWHEEL_RUN_DIR", "runs"), help="parent of the logs directory")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds each service may take to become ready")
+    up.add_argument("--model", default=None, help="HF model directory trainer and rollout load; default a tiny random one")
     up.set_defaults(func=_up)
     health = sub.add_parser("health", help="gRPC health of one service")
     health.add_argument("address", help="host:port")

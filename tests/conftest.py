@@ -21,13 +21,32 @@ def service_env() -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="session")
+def service_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model for services that need one to start (trainer, rollout)."""
+    from flywheel.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("service-model") / "policy", max_position_embeddings=512)
+
+
+#: The flags that give a service its model (the transformers engine: quick to start).
+MODEL_FLAGS = {
+    "trainer": lambda model: ("--model.path", str(model)),
+    "rollout": lambda model: ("--engine.model-path", str(model), "--engine.kind", "transformers", "--http-port", "0"),
+}
+
+
 @pytest.fixture
-def run_service(tmp_path: Path, service_env: dict[str, str]) -> Iterator[Callable[..., ServiceProcess]]:
-    """Starts `python -m services.<name>` and waits until it is SERVING; stops it afterwards."""
+def run_service(
+    tmp_path: Path, service_env: dict[str, str], service_model: Path
+) -> Iterator[Callable[..., ServiceProcess]]:
+    """Starts `python -m services.<name>` (trainer and rollout with a tiny model) and waits
+    until it is SERVING; stops it afterwards."""
     started: list[ServiceProcess] = []
 
     def run(name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120.0) -> ServiceProcess:
-        child = start_service(name, tmp_path / "run", args, env or service_env)
+        model_args = MODEL_FLAGS[name](service_model) if name in MODEL_FLAGS and "model" not in " ".join(args) else ()
+        child = start_service(name, tmp_path / "run", (*model_args, *args), env or service_env)
         started.append(child)
         child.wait_ready(timeout)
         return child
