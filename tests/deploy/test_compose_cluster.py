@@ -26,7 +26,6 @@ The only substitutions, each one what a container runtime would provide:
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -42,7 +41,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.cluster import Host, NamespaceCluster, available
-from tests.deploy.manifests import COMPOSE_FILE, ROOT, load_compose, read_env_file
+from tests.deploy.manifests import ROOT, load_compose, read_env_file
 
 pytestmark = pytest.mark.slow
 
@@ -276,8 +275,7 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
             cluster.stop()
         run_dir = project.volumes["flywheel-data"] / "runs" / "quickstart-tiny"
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["steps"] == 10 if "steps" in summary else True, summary
-        assert "max_steps" in summary["stop_reason"] or "exhausted" in summary["stop_reason"], (summary, logs)
+        assert summary["last_step"] == 10 and summary["exit_code"] == 0, (summary, logs)
         # Both replicas generated trained samples, and both did so on new weights.
         newest: dict[str, int] = {}
         for line in (run_dir / "trained_tasks.jsonl").read_text().splitlines():
@@ -287,6 +285,3 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
         assert set(newest) == replica_ids, (newest, replica_ids)
         assert all(version >= 5 for version in newest.values()), newest
 
-
-def test_the_compose_file_is_what_this_test_reads() -> None:
-    assert COMPOSE_FILE.name == "docker-compose.yml" and os.path.isfile(COMPOSE_FILE)

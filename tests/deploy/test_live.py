@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flywheel.runtime.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from flywheel.runtime.config import resolve
+from tests.conftest import MODEL_FLAGS
 from tests.deploy.manifests import ROOT, SERVICES, Container, clean_env, config_class
 
 START_TIMEOUT = 60.0
@@ -85,21 +86,7 @@ def _wait(what: str, ready, child: subprocess.Popen, log: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """What the deployments' model-init step leaves on the models volume (a tiny model here)."""
-    from flywheel.models.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "policy", max_position_embeddings=512)
-
-
-MODEL_FLAGS = {
-    "trainer": lambda model: ["--model.path", str(model)],
-    "rollout": lambda model: ["--engine.model-path", str(model), "--engine.kind", "transformers", "--http-port", "0"],
-}
-
-
-@pytest.fixture(scope="module")
-def scrapes(tmp_path_factory, tiny_model) -> Iterator[dict[str, dict]]:
+def scrapes(tmp_path_factory, service_model) -> Iterator[dict[str, dict]]:
     """service -> {"text": /metrics body, "grpc_port": int}, from real processes on free ports
     that have answered one request."""
     tmp = tmp_path_factory.mktemp("scrape")
@@ -110,7 +97,7 @@ def scrapes(tmp_path_factory, tiny_model) -> Iterator[dict[str, dict]]:
             log = tmp / f"{service}.log"
             argv = [sys.executable, "-m", f"services.{service}", "--server.port", "0", "--server.metrics-port", "0"]
             argv += ["--server.ready-file", str(ready_files[service]), "--server.log-format", "text"]
-            argv += MODEL_FLAGS.get(service, lambda _: [])(tiny_model)
+            argv += MODEL_FLAGS.get(service, lambda _: ())(service_model)
             children.append(
                 subprocess.Popen(argv, env=clean_env({}, tmp), cwd=tmp, stdout=log.open("w"), stderr=subprocess.STDOUT)
             )
@@ -274,13 +261,13 @@ def start_from_manifest(containers: list[Container], tmp: Path, model: Path) -> 
         _stop([child for _, child, *_ in started])
 
 
-def test_services_start_with_only_the_kubernetes_env(k8s, tmp_path, tiny_model):
+def test_services_start_with_only_the_kubernetes_env(k8s, tmp_path, service_model):
     containers = [c for c in k8s if c.source.startswith("kubernetes/cpu ")]
     assert sorted(c.service for c in containers) == sorted(SERVICES)
-    start_from_manifest(containers, tmp_path, tiny_model)
+    start_from_manifest(containers, tmp_path, service_model)
 
 
-def test_services_start_with_only_the_compose_env(composed, tmp_path, tiny_model):
+def test_services_start_with_only_the_compose_env(composed, tmp_path, service_model):
     containers = [c for c in composed if "gpu" not in c.raw.get("profiles", [])]
     assert sorted(c.service for c in containers) == sorted(SERVICES)
-    start_from_manifest(containers, tmp_path, tiny_model)
+    start_from_manifest(containers, tmp_path, service_model)
