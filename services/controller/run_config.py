@@ -207,8 +207,10 @@ class StalenessConfig(StrictModel):
 
 
 class SyncConfig(StrictModel):
-    method: SyncMethodName = Field(
-        "memory", description="how weights travel; memory works wherever a synchronizer runs (no shared disk)"
+    method: SyncMethodName | None = Field(
+        None,
+        description="how weights travel; default memory with a synchronizer (no shared disk needed), "
+        "checkpoint without one",
     )
     style: Literal["fixed", "dynamic_by_explorer"] = Field("fixed", description="when rollouts sync")
     interval: int = Field(1, ge=1, description="sync every N trainer steps")
@@ -297,6 +299,8 @@ class RunConfig(StrictModel):
         if not self.services.rollout and self.services.synchronizer is None:
             # Standalone: the rollout service's own default address.
             self.services.rollout = [ServiceEndpoint(address="127.0.0.1:50053")]
+        if self.sync.method is None:
+            self.sync.method = "memory" if self.services.synchronizer is not None else "checkpoint"
         if self.sync.method == "nccl" and self.services.synchronizer is None:
             raise ValueError("sync.method: nccl needs services.synchronizer (it allocates the process groups)")
         if self.sync.method == "memory" and self.services.synchronizer is None:
