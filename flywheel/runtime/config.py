@@ -39,7 +39,7 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
-def _submodel(annotation: Any) -> type[BaseModel] | None:
+def submodel(annotation: Any) -> type[BaseModel] | None:
     """The BaseModel class behind an annotation (also inside Optional), if any."""
     candidates = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
     for candidate in candidates:
@@ -61,7 +61,7 @@ def leaf_fields(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> dict[tu
     leaves: dict[tuple[str, ...], Any] = {}
     for name, field in model.model_fields.items():
         path = (*prefix, name)
-        sub = _submodel(field.annotation)
+        sub = submodel(field.annotation)
         if sub is not None:
             leaves.update(leaf_fields(sub, path))
         else:

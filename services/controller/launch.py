@@ -20,9 +20,11 @@ and last log lines are printed and the exit status is 1. Every child is
 stopped before this process exits, and children die with it even if it is
 SIGKILLed (PR_SET_PDEATHSIG).
 
-Containers: `FLYWHEEL_RUN_SERVICES='{trainer: {address: trainer:50052}, ...}'`
-(a `services:` section) makes the launcher use those services instead of
-starting any; `FLYWHEEL_CONTROLLER__RUNS_DIR` is the parent of run directories.
+Containers: `FLYWHEEL_RUN__<SECTION>__<FIELD>` variables (YAML values)
+override the run file's fields. `FLYWHEEL_RUN__SERVICES='{trainer: {address:
+trainer:50052}, ...}'` (a `services:` section) makes the launcher use those
+services instead of starting any; `FLYWHEEL_CONTROLLER__RUNS_DIR` is the
+parent of run directories.
 
 Resuming: the run directory defaults to `runs/<run.name>`, so running the same
 command again continues from its last checkpoint (`resume: auto`, the

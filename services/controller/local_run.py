@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from services.controller.launcher.prepare import prepare_data, prepare_model
 from flywheel.launcher.processes import ServiceDied
@@ -34,18 +34,51 @@ from services.controller.launcher.progress import Progress
 from services.controller.launcher.report import write_report
 from services.controller.launcher.spec import LaunchSpec, resume_section, split_run_file
 from services.controller.launcher.supervisor import Supervisor
-from flywheel.runtime.config import ConfigError, deep_merge, read_config_file
+from flywheel.runtime.config import ConfigError, submodel, deep_merge, read_config_file
 from services.controller.run_config import RunConfig, ServicesConfig, parse_run_config
 
 log = logging.getLogger("flywheel.launch")
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
-#: A YAML/JSON `services:` section; when set, nothing is started and these are used.
-SERVICES_ENV = "FLYWHEEL_RUN_SERVICES"
+#: Variables `FLYWHEEL_RUN__<SECTION>__<FIELD>` (YAML values) override the run file's fields, as
+#: FLYWHEEL_TRAINER__* do the trainer's: containers keep one shared run file and say here what differs
+#: (`FLYWHEEL_RUN__SERVICES='{trainer: {address: trainer:50052}}'`: use those services, start none;
+#: `FLYWHEEL_RUN__SYNC__METHOD=nccl` on GPU deployments).
+RUN_ENV_PREFIX = "FLYWHEEL_RUN__"
 #: Parent of run directories (the controller service's runs_dir setting).
 RUNS_DIR_ENV = "FLYWHEEL_CONTROLLER__RUNS_DIR"
 #: The rollout's component id at the synchronizer, and the controller's name for that replica.
 ROLLOUT_ID = "rollout-0"
+
+
+def run_env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """The run-file fields set by FLYWHEEL_RUN__* variables, as a mapping to merge over the file.
+
+    A variable names a field or a section of `RunConfig` (`FLYWHEEL_RUN__SERVICES` takes a whole
+    mapping); a name that matches neither is an error here, not a silently ignored setting.
+    """
+    import yaml
+    from pydantic import BaseModel
+
+    overrides: dict[str, Any] = {}
+    for name, text in sorted(env.items()):
+        if not name.startswith(RUN_ENV_PREFIX):
+            continue
+        path = name[len(RUN_ENV_PREFIX):].lower().split("__")
+        model: Any = RunConfig
+        for part in path:
+            if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+                raise ConfigError(f"environment variable {name}: the run config has no field {'.'.join(path)}")
+            model = submodel(model.model_fields[part].annotation)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"environment variable {name}: not valid YAML: {exc}") from None
+        target = overrides
+        for part in path[:-1]:
+            target = target.setdefault(part, {})
+        target[path[-1]] = value
+    return overrides
 
 
 def _configure_file_logging(path: Path) -> None:
@@ -139,11 +172,7 @@ class LocalRun:
             if not run.get("output_dir"):
                 run["name"] = f"{run.get('name', 'run')}-seed{args.seed}"
         data["run"] = run
-        if os.environ.get(SERVICES_ENV):
-            # Containers (compose, Kubernetes) name the services here and keep the run file shared.
-            import yaml
-
-            data["services"] = yaml.safe_load(os.environ[SERVICES_ENV])
+        deep_merge(data, run_env_overrides(os.environ))
         runs = Path(os.environ.get(RUNS_DIR_ENV) or "runs")
         run_dir = args.run_dir or (Path(run["output_dir"]) if run.get("output_dir") else runs / run.get("name", "run"))
         run_dir = run_dir.resolve()

@@ -45,9 +45,9 @@ def known_env(service: str) -> set[str]:
 
     known = {env_name(env_prefix(service), path) for path in leaf_fields(config_class(service))} | set(SHARED_ENV)
     if service == "controller":
-        from services.controller.local_run import RUNS_DIR_ENV, SERVICES_ENV
+        from services.controller.local_run import RUNS_DIR_ENV
 
-        known |= {SERVICES_ENV, RUNS_DIR_ENV}  # read by `run` (the launcher), not by the server's config
+        known.add(RUNS_DIR_ENV)  # read by `run` (the launcher), not by the server's config
     return known
 
 
@@ -104,6 +104,11 @@ def test_every_flywheel_variable_is_a_config_field_of_its_service(containers):
         # Kubernetes variables from valueFrom count too; envFrom could hide any name, so it is not used.
         names = set(c.env) | {e["name"] for e in c.raw.get("env", []) if isinstance(e, dict)}
         assert "envFrom" not in c.raw, f"{c.source}: list variables one by one so they can be checked"
+        if c.service == "controller":  # run-file overrides: each must name a run config field
+            from services.controller.local_run import RUN_ENV_PREFIX, run_env_overrides
+
+            run_env_overrides({k: v for k, v in c.env.items() if k.startswith(RUN_ENV_PREFIX)})
+            names = {k for k in names if not k.startswith(RUN_ENV_PREFIX)}
         unknown = {k for k in names if k.startswith("FLYWHEEL_")} - known_env(c.service)
         assert not unknown, f"{c.source}: {sorted(unknown)} configure nothing in services.{c.service}"
 
@@ -130,10 +135,12 @@ def test_controller_arguments_name_a_mounted_run_config(k8s, composed):
         )
 
 
-def _run_services(c: Container, k8s_objects: list[dict] | None) -> Any:
-    """The `services` section the controller's run ends up with, parsed by the controller's own run config."""
+def _run_config(c: Container, k8s_objects: list[dict] | None) -> Any:
+    """The run config the controller's `run` ends up with (file, then FLYWHEEL_RUN__* variables),
+    parsed by the controller's own code."""
     from services.controller.launcher.spec import split_run_file
-    from services.controller.local_run import SERVICES_ENV
+    from flywheel.runtime.config import deep_merge
+    from services.controller.local_run import run_env_overrides
     from services.controller.run_config import parse_run_config
 
     if c.pod:
@@ -144,41 +151,46 @@ def _run_services(c: Container, k8s_objects: list[dict] | None) -> Any:
     else:
         data = yaml.safe_load((ROOT / "examples" / PurePosixPath(c.args[1]).name).read_text())
     _, data = split_run_file(data, c.source)
-    if SERVICES_ENV in c.env:
-        data["services"] = yaml.safe_load(c.env[SERVICES_ENV])
+    deep_merge(data, run_env_overrides(c.env))
     assert "services" in data, f"{c.source}: the run names no services; the launcher would start its own"
     data.setdefault("model", {}).setdefault("name", "served")
     for split in ("train", "validation"):  # the launcher generates these files at run time
         section = data.get("data", {}).get(split)
         if section is not None and not {"path", "items", "hf_name"} & set(section):
             section["items"] = [{"question": "1 + 1", "answer": "2"}]
-    return parse_run_config(data, c.source).services
+    return parse_run_config(data, c.source)
 
 
 def _grpc_port_of(containers: list[Container], service: str) -> set[int]:
     return {expected_ports(c)["grpc"] for c in containers if c.service == service}
 
 
-def test_compose_controller_runs_against_the_compose_services(composed, compose):
-    (controller,) = [c for c in composed if c.service == "controller"]
-    services = _run_services(controller, None)
-    names = {}
+def _compose_names(compose: dict[str, Any]) -> dict[str, set[str]]:
+    """DNS name -> the compose services answering to it (their names and network aliases)."""
+    names: dict[str, set[str]] = {}
     for name, spec in compose["services"].items():
         for alias in [name, *((spec.get("networks") or {}).get("default") or {}).get("aliases", [])]:
             names.setdefault(alias, set()).add(name)
-    for role, endpoint in [("synchronizer", services.synchronizer), ("trainer", services.trainer),
-                           *(("rollout", r) for r in services.rollout)]:
-        host, port = endpoint.address.rsplit(":", 1)
-        assert host in names, f"compose controller: {role} address {endpoint.address} names no compose service"
-        ports = {expected_ports(c)["grpc"] for c in composed if c.name in names[host] and c.service == role}
-        assert ports == {int(port)}, f"compose controller: {role} at {endpoint.address}, listening on {ports}"
+    return names
+
+
+def test_compose_controller_runs_against_the_compose_services(composed, compose):
+    names = _compose_names(compose)
+    for controller in [c for c in composed if c.service == "controller"]:
+        services = _run_config(controller, None).services
+        for role, endpoint in [("synchronizer", services.synchronizer), ("trainer", services.trainer),
+                               *(("rollout", r) for r in services.rollout)]:
+            host, port = endpoint.address.rsplit(":", 1)
+            assert host in names, f"{controller.source}: {role} address {endpoint.address} names no compose service"
+            ports = {expected_ports(c)["grpc"] for c in composed if c.name in names[host] and c.service == role}
+            assert ports == {int(port)}, f"{controller.source}: {role} at {endpoint.address}, listening on {ports}"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_kubernetes_controller_runs_against_the_cluster_services(rendered, k8s, overlay):
     objects = rendered[overlay]
     (controller,) = [c for c in k8s if c.service == "controller" and c.source.startswith(f"kubernetes/{overlay} ")]
-    services = _run_services(controller, objects)
+    services = _run_config(controller, objects).services
     k8s_services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
     for role, endpoint in [("synchronizer", services.synchronizer), ("trainer", services.trainer),
                            *(("rollout", r) for r in services.rollout)]:
@@ -473,3 +485,54 @@ def test_compose_rollouts_mount_the_synchronizers_shared_memory(compose, compose
     for c in composed:
         if c.service == "rollout":  # the same path: the stream names files by it
             assert _compose_mounts(c)[directory]["source"] == volume, c.source
+
+
+# ---------------------------------------------------------------- weights by NCCL on GPU deployments
+
+DEPLOYMENTS = [("compose", "cpu"), ("compose", "gpu"), ("kubernetes", "cpu"), ("kubernetes", "gpu")]
+
+
+def _deployment(kind: str, variant: str, composed, k8s, rendered, compose) -> dict[str, Container]:
+    """service -> the one container of that deployment running it."""
+    if kind == "compose":
+        active = _default_profiles() if variant == "cpu" else {variant}
+        chosen = [c for c in composed if not c.raw.get("profiles") or set(c.raw["profiles"]) & active]
+    else:
+        chosen = [c for c in k8s if c.source.startswith(f"kubernetes/{variant} ")]
+    return {c.service: c for c in chosen}
+
+
+@pytest.mark.parametrize(("kind", "variant"), DEPLOYMENTS, ids=[f"{k}-{v}" for k, v in DEPLOYMENTS])
+def test_gpu_deployments_move_weights_by_nccl_rendezvousing_at_the_trainers_dns_name(
+    kind, variant, composed, k8s, rendered, compose
+):
+    """What the synchronizer does with the rendered config: the controller's run sets the sync
+    method; `group_backend: auto` picks nccl when every member registered a CUDA device (the trainer
+    its model.device, a rollout "cuda" when its engine is vLLM); the group's rendezvous is the
+    trainer's advertised host (rendezvous_host empty), which must reach the trainer's pod or container."""
+    deployed = _deployment(kind, variant, composed, k8s, rendered, compose)
+    run = _run_config(deployed["controller"], rendered.get(variant) if kind == "kubernetes" else None)
+    trainer, rollout, synchronizer = (resolved(deployed[s]) for s in ("trainer", "rollout", "synchronizer"))
+    if variant == "cpu":
+        assert run.sync.method == "memory", f"{kind}/{variant}: CPU deployments move weights through the synchronizer"
+        return
+    assert run.sync.method == "nccl", f"{kind}/{variant}: the run's sync.method is {run.sync.method}"
+    assert trainer.model.device.startswith("cuda"), f"{kind}/{variant}: trainer on {trainer.model.device}"
+    assert rollout.engine.kind == "vllm", f"{kind}/{variant}: rollout engine {rollout.engine.kind} registers a CPU"
+    assert synchronizer.group_backend in ("auto", "nccl"), synchronizer.group_backend
+    assert synchronizer.rendezvous_host == "", "a fixed rendezvous host would bypass the trainer's DNS name"
+    host = trainer.sync.advertise_address.rsplit(":", 1)[0]
+    if kind == "compose":
+        answering = _compose_names(compose).get(host, set())
+        assert deployed["trainer"].name in answering, f"compose/gpu: rendezvous host {host!r} is not the trainer"
+    else:
+        objects = rendered[variant]
+        pod, _, service_name = host.partition(".")
+        (svc,) = [o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == service_name]
+        (sts,) = [o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == pod.rsplit("-", 1)[0]]
+        assert svc["spec"].get("clusterIP") == "None", f"{service_name} must be headless: {host} names a pod"
+        assert sts["spec"]["serviceName"] == service_name and pod.rsplit("-", 1)[1] == "0"
+        assert _selects(svc["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
+        assert [c.service for c in k8s if c.source == f"kubernetes/{variant} StatefulSet/{sts['metadata']['name']}"] == ["trainer"]
+        # The rendezvous resolves while the group forms, before the trainer reports ready.
+        assert svc["spec"].get("publishNotReadyAddresses") is True

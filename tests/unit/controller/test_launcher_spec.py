@@ -65,3 +65,34 @@ def test_trainer_and_rollout_register_under_the_names_the_controller_uses(tmp_pa
     assert (trainer.synchronizer_address, trainer.trainer_id) == ("127.0.0.1:4242", ServicesConfig().trainer_id)
     assert (rollout.address, rollout.component_id) == ("127.0.0.1:4242", ROLLOUT_ID)
     assert rollout.retry_max_seconds == 5  # the run file's launch section still wins
+
+
+def test_run_variables_override_the_run_files_fields(tmp_path):
+    from argparse import Namespace
+
+    from services.controller.local_run import LocalRun
+
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text("run: {name: r}\nsync: {method: memory, interval: 2}\n")
+    env = {
+        "FLYWHEEL_RUN__SYNC__METHOD": "nccl",
+        "FLYWHEEL_RUN__SERVICES": "{synchronizer: {address: 'sync:50051'}}",
+        "FLYWHEEL_RUN__RUN__MAX_STEPS": "7",
+        "FLYWHEEL_TRAINER__MODEL__PATH": "/elsewhere",  # another service's variable: not the run's
+    }
+    args = Namespace(config=run_file, max_steps=None, resume=None, seed=None, run_dir=tmp_path / "out")
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        run = LocalRun.from_args(args)
+    assert run.data["sync"] == {"method": "nccl", "interval": 2}  # merged, not replaced
+    assert run.data["services"] == {"synchronizer": {"address": "sync:50051"}}
+    assert run.data["run"]["max_steps"] == 7
+
+
+@pytest.mark.parametrize("name", ["FLYWHEEL_RUN__SYNC__METHD", "FLYWHEEL_RUN__SYNC__METHOD__X", "FLYWHEEL_RUN__NOPE"])
+def test_a_run_variable_naming_no_field_is_an_error(name):
+    from services.controller.local_run import run_env_overrides
+
+    with pytest.raises(ConfigError, match=name):
+        run_env_overrides({name: "1"})
