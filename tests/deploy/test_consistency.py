@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -27,6 +27,7 @@ from tests.deploy.manifests import (
     SHARED_ENV,
     Container,
     config_class,
+    image_files,
     read_env_file,
 )
 
@@ -130,8 +131,8 @@ def test_controller_arguments_name_a_mounted_run_config(k8s, composed):
             continue
         assert c.args[:1] == ["run"] and len(c.args) == 2, f"{c.source}: expected `run CONFIG`, got {c.args}"
         mounts = _k8s_mounts(c) if c.pod else _compose_mounts(c)
-        assert any(PurePosixPath(c.args[1]).is_relative_to(m) for m in mounts), (
-            f"{c.source}: {c.args[1]} is not mounted"
+        assert any(PurePosixPath(c.args[1]).is_relative_to(m) for m in [*mounts, *image_files()]), (
+            f"{c.source}: {c.args[1]} is neither mounted nor in the image"
         )
 
 
@@ -143,13 +144,14 @@ def _run_config(c: Container, k8s_objects: list[dict] | None) -> Any:
     from services.controller.local_run import run_env_overrides
     from services.controller.run_config import parse_run_config
 
-    if c.pod:
-        path = PurePosixPath(c.args[1])
+    path = PurePosixPath(c.args[1])
+    if c.pod and path.parent in _k8s_mounts(c):
         volume = _k8s_mounts(c)[path.parent]["volume"]
         configmaps = {o["metadata"]["name"]: o for o in k8s_objects or [] if o["kind"] == "ConfigMap"}
         data = yaml.safe_load(configmaps[volume["configMap"]["name"]]["data"][path.name])
-    else:
-        data = yaml.safe_load((ROOT / "examples" / PurePosixPath(c.args[1]).name).read_text())
+    else:  # the image's copy, or compose's bind mount of the same repository directory
+        (image_dir,) = [Path(d) for d in image_files() if path.is_relative_to(d)]
+        data = yaml.safe_load((image_files()[str(image_dir)] / path.relative_to(image_dir)).read_text())
     _, data = split_run_file(data, c.source)
     deep_merge(data, run_env_overrides(c.env))
     assert "services" in data, f"{c.source}: the run names no services; the launcher would start its own"
@@ -310,8 +312,26 @@ def test_gpus_are_requested_only_by_the_gpu_overlay(rendered, k8s, overlay):
         gpus = c.raw["resources"].get("limits", {}).get("nvidia.com/gpu")
         wanted = 1 if overlay == "gpu" and c.service in ("trainer", "rollout") else None
         assert gpus == wanted, c.source
-        assert c.raw["image"] == f"flywheel:{overlay}", c.source
+        assert c.raw["image"] == pinned_image(overlay), c.source
+        for init in c.pod["spec"].get("initContainers", []):
+            assert init["image"] == pinned_image(overlay), f"{c.source} {init['name']}"
         assert c.raw["resources"]["requests"] and c.raw["resources"]["limits"]["memory"], c.source
+
+
+def pinned_image(target: str) -> str:
+    """Deployments run the image of this package version, never a moving tag."""
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    return f"flywheel:{version}-{target}"
+
+
+def test_compose_images_are_pinned_to_the_package_version(compose):
+    for name, svc in compose["services"].items():
+        if "build" in svc:
+            assert svc["image"] == pinned_image(svc["build"]["target"]), name
+        else:  # third-party images: an exact release
+            assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+", svc["image"]), name
 
 
 def _workloads(objects):
@@ -360,15 +380,15 @@ def test_rollouts_scale_under_a_disruption_budget(rendered, overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_controller_job_reads_the_run_configmap(rendered, k8s, overlay):
-    objects = rendered[overlay]
-    (job,) = [o for o in objects if o["kind"] == "Job"]
-    (c,) = [c for c in k8s if c.source == f"kubernetes/{overlay} Job/{job['metadata']['name']}"]
-    path = PurePosixPath(c.args[1])
-    volume = _k8s_mounts(c)[path.parent]["volume"]
-    configmaps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
-    run = configmaps[volume["configMap"]["name"]]["data"][path.name]
-    assert isinstance(yaml.safe_load(run), dict)
+def test_controller_trainer_and_rollout_take_the_same_run_file(rendered, k8s, overlay):
+    """The Job runs the file whose launch.<service> sections trainer and rollouts start from."""
+    deployed = [c for c in k8s if c.source.startswith(f"kubernetes/{overlay} ")]
+    (controller,) = [c for c in deployed if c.service == "controller"]
+    run_file = controller.args[1]
+    for c in deployed:
+        if c.service in ("trainer", "rollout"):
+            assert c.args == ["--run-file", run_file], c.source
+    assert _run_config(controller, rendered[overlay]).run.max_steps >= 1
 
 
 # ---------------------------------------------------------------- compose
