@@ -264,7 +264,9 @@ class LocalRun:
     def start_services(self) -> RunConfig:
         if "services" in self.data:
             self.say("using the services named in the run file")
-            return parse_run_config(self.data, "run file")
+            cfg = parse_run_config(self.data, "run file")
+            self.wait_for_named_services(cfg)
+            return cfg
         self.supervisor = Supervisor(self.run_dir, stop_grace_seconds=self.spec.stop_grace_seconds)
         self.say(f"starting synchronizer, then trainer and rollout (logs: {self.run_dir}/<service>.log)")
         t = time.monotonic()
@@ -289,6 +291,39 @@ class LocalRun:
             "trainer_id": self._trainer_id(),
         }
         return parse_run_config(self.data, "run file")
+
+    def wait_for_named_services(self, cfg: RunConfig) -> None:
+        """Deployed services come up in any order: a Kubernetes Job starts beside the pods it
+        drives, which may still be loading their models. Waits until the synchronizer, the
+        trainer and every listed rollout report SERVING (unreachable or unresolvable names are
+        retried), up to launch.ready_timeout_seconds. Registered rollouts are waited for by the
+        run itself (services.wait_for_rollout_seconds)."""
+        from flywheel.runtime.health import check_health
+
+        pending = {
+            name: endpoint.address
+            for name, endpoint in [("synchronizer", cfg.services.synchronizer), ("trainer", cfg.services.trainer),
+                                   *((f"rollout {r.address}", r) for r in cfg.services.rollout)]
+            if endpoint is not None
+        }
+        deadline = time.monotonic() + self.spec.ready_timeout_seconds
+        status: dict[str, str] = {}
+        said = False
+        while True:
+            for name, address in list(pending.items()):
+                status[name] = asyncio.run(check_health(address, timeout=2.0))
+                if status[name] == "SERVING":
+                    del pending[name]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"services not ready after {self.spec.ready_timeout_seconds:.0f}s (launch.ready_timeout_seconds): "
+                    + ", ".join(f"{n} at {a}: {status[n]}" for n, a in pending.items()))
+            if not said:
+                self.say("waiting for " + ", ".join(f"{n} ({a})" for n, a in pending.items()) + " to report SERVING")
+                said = True
+            time.sleep(1.0)
 
     def stop_services(self) -> None:
         if self.supervisor is None:

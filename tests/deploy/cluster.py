@@ -25,6 +25,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,8 @@ class NamespaceCluster:
         self.hosts: list[Host] = []
         self.processes: list[subprocess.Popen] = []
         self._created_paths: list[Path] = []
+        self._addresses: list[str] = []
+        self._lock = threading.Lock()
 
     # -- network ----------------------------------------------------------------
     def __enter__(self) -> NamespaceCluster:
@@ -78,7 +81,7 @@ class NamespaceCluster:
         _ip("link", "set", self.bridge, "up")
         return self
 
-    def add_host(self, name: str, names: list[str]) -> Host:
+    def add_host(self, name: str, names: list[str], hostname: str | None = None) -> Host:
         index = len(self.hosts)
         netns = f"fw{self.tag}-{index}"
         address = str(self.subnet.network_address + 10 + index)
@@ -91,7 +94,8 @@ class NamespaceCluster:
         for args in (("link", "set", "lo", "up"), ("addr", "add", f"{address}/24", "dev", inside),
                      ("link", "set", inside, "up"), ("route", "add", "default", "via", self.gateway)):
             _ip("-n", netns, *args)
-        host = Host(name=name, netns=netns, address=address, hostname=secrets.token_hex(6), names=list(names))
+        host = Host(name=name, netns=netns, address=address, hostname=hostname or secrets.token_hex(6),
+                    names=list(names))
         self.hosts.append(host)
         return host
 
@@ -100,28 +104,41 @@ class NamespaceCluster:
         return [h.address for h in self.hosts if name in (h.name, h.hostname, *h.names)]
 
     def publish_hosts(self) -> None:
-        """Writes /etc/netns/<ns>/hosts, which `ip netns exec` binds over /etc/hosts."""
+        """Every host's names in every namespace's /etc/hosts (Docker's embedded DNS)."""
         lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost"]
         lines += [f"{h.address} {' '.join(dict.fromkeys([h.name, h.hostname, *h.names]))}" for h in self.hosts]
         for h in self.hosts:
-            etc = NETNS_ETC / h.netns
-            etc.mkdir(parents=True, exist_ok=True)
-            (etc / "hosts").write_text("\n".join(lines) + "\n")
-            (etc / "hostname").write_text(h.hostname + "\n")
             # Docker's embedded DNS answers at once; with the hosts file standing in for it,
             # other lookups (gRPC's resolver asks for AAAA records too) must fail at once as
             # well, not wait on this machine's nameserver, which no namespace can reach.
-            (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+            self.write_etc(h, hosts=lines, resolv=["nameserver 127.0.0.1", "options timeout:1 attempts:1"])
+
+    def write_etc(self, host: Host, hosts: list[str], resolv: list[str]) -> None:
+        """/etc/netns/<ns>/{hosts,resolv.conf,hostname}, which `ip netns exec` binds over /etc."""
+        etc = NETNS_ETC / host.netns
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "hosts").write_text("\n".join(hosts) + "\n")
+        (etc / "resolv.conf").write_text("\n".join(resolv) + "\n")
+        (etc / "hostname").write_text(host.hostname + "\n")
+
+    def add_address(self) -> str:
+        """One more address on the bridge, owned by this (the root) namespace: a Service's
+        virtual IP, which every namespace reaches through its default route."""
+        address = str(self.subnet.network_address + 200 + len(self._addresses))
+        _ip("addr", "add", f"{address}/32", "dev", self.bridge)
+        self._addresses.append(address)
+        return address
 
     # -- processes ------------------------------------------------------------
     def _mount_point(self, target: Path, is_file: bool) -> None:
-        missing = [p for p in [target, *target.parents] if not p.exists()]
-        for path in reversed(missing):
-            if path == target and is_file:
-                path.touch()
-            else:
-                path.mkdir()
-            self._created_paths.append(path)
+        with self._lock:  # containers may start from several threads
+            missing = [p for p in [target, *target.parents] if not p.exists()]
+            for path in reversed(missing):
+                if path == target and is_file:
+                    path.touch()
+                else:
+                    path.mkdir()
+                self._created_paths.append(path)
 
     def _prologue(self, host: Host, mounts: dict[str, tuple[Path, bool]], cwd: Path | None) -> str:
         steps = [f"hostname {shlex.quote(host.hostname)}"]

@@ -26,33 +26,32 @@ The only substitutions, each one what a container runtime would provide:
 from __future__ import annotations
 
 import json
+import os
 import re
-import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.cluster import Host, NamespaceCluster, available
 from tests.deploy.manifests import ROOT, image_files, load_compose, read_env_file
+from tests.deploy.observe import check_dashboard, check_page_in_browser, live_status, replica_versions, scrape
 
 pytestmark = pytest.mark.slow
 
 WHY_NOT = available()
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 VARIABLES = {
     **read_env_file(ROOT / ".env"),  # COMPOSE_PROFILES=cpu, as `docker compose up` reads it
     "FLYWHEEL_RUN_FILE": "/etc/flywheel/examples/quickstart-tiny.yaml",
     "FLYWHEEL_MODEL_SOURCE": "tiny",
 }
-SCALE = {"rollout": 2}
+#: Replicas per service (`--scale`); FLYWHEEL_TEST_ROLLOUT_SCALE=3 checks `--scale rollout=3`.
+SCALE = {"rollout": int(os.environ.get("FLYWHEEL_TEST_ROLLOUT_SCALE", "2"))}
 JOB_TIMEOUT = 780.0
 
 
@@ -196,11 +195,6 @@ class ComposeProject:
             time.sleep(0.5)
 
 
-def http_get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as reply:
-        return reply.read()
-
-
 def prometheus_targets(cluster: NamespaceCluster) -> dict[str, list[str]]:
     """job -> the host:port addresses Prometheus would scrape (its dns_sd_configs, type A)."""
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
@@ -231,17 +225,12 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
             page = f"http://{ip}:{status_env['FLYWHEEL_CONTROLLER__STATUS_PORT']}/"
 
             # While the job runs: the status page shows every component, Prometheus's targets answer.
-            def live() -> dict:
-                body = json.loads(http_get(page + "api/status"))
-                roles = sorted(c["role"] for c in body["components"] if c["state"] != "stopped")
-                return body if roles == ["rollout", "rollout", "trainer"] and body["step"] >= 1 else {}
-
             body = {}
             while not body:
                 assert controller.proc.poll() is None, f"controller exited early:\n{controller.tail()}"
                 assert time.monotonic() < deadline
                 try:
-                    body = live()
+                    body = live_status(page, ["rollout"] * SCALE["rollout"] + ["trainer"])
                 except OSError:
                     pass
                 time.sleep(0.3)
@@ -249,23 +238,10 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
             scrapes = {}
             for job, targets in prometheus_targets(cluster).items():
                 assert targets, f"prometheus job {job}: no target resolves"
-                for target in targets:
-                    scrapes[target] = http_get(f"http://{target}/metrics").decode()
-                    assert "flywheel_service_ready" in scrapes[target], target
-            assert len(scrapes) == 5  # synchronizer, trainer, 2 rollouts, controller
-            exported = {s.name for text in scrapes.values() for f in text_string_to_metric_families(text)
-                        for s in f.samples}
-            dashboard = json.loads((ROOT / "deploy/grafana/dashboards/flywheel.json").read_text())
-            for panel in dashboard["panels"]:
-                for target in panel.get("targets", []):
-                    names = set(re.findall(r"\bflywheel_[a-z0-9_]+\b", target["expr"]))
-                    assert names <= exported, f"dashboard query {target['expr']}: {names - exported} not scraped"
-            if CHROMIUM:
-                dom = subprocess.run(
-                    [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000",
-                     "--dump-dom", page], capture_output=True, text=True, timeout=90).stdout
-                for cid in ["trainer-0", *replica_ids]:
-                    assert f'data-id="{cid}"' in dom, f"status page lacks {cid}"
+                scrapes.update(scrape(targets))
+            assert len(scrapes) == 3 + SCALE["rollout"]  # synchronizer, trainer, controller, each rollout
+            check_dashboard(scrapes)
+            check_page_in_browser(page, ["trainer-0", *replica_ids])
 
             code = controller.proc.wait(max(1.0, deadline - time.monotonic()))
             assert code == 0, controller.tail()
@@ -275,12 +251,8 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
         run_dir = project.volumes["flywheel-data"] / "runs" / "quickstart-tiny"
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["last_step"] == 10 and summary["exit_code"] == 0, (summary, logs)
-        # Both replicas generated trained samples, and both did so on new weights.
-        newest: dict[str, int] = {}
-        for line in (run_dir / "trained_tasks.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            for engine, (start, _end) in zip(row["sample_engines"], row["sample_versions"]):
-                newest[engine] = max(newest.get(engine, 0), start)
+        # Every replica generated trained samples, and each did so on new weights.
+        newest = replica_versions((run_dir / "trained_tasks.jsonl").read_text())
         assert set(newest) == replica_ids, (newest, replica_ids)
         assert all(version >= 5 for version in newest.values()), newest
 

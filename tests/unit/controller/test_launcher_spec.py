@@ -96,3 +96,53 @@ def test_a_run_variable_naming_no_field_is_an_error(name):
 
     with pytest.raises(ConfigError, match=name):
         run_env_overrides({name: "1"})
+
+
+def _named_run(tmp_path, timeout: float):
+    from argparse import Namespace
+
+    from services.controller.local_run import LocalRun
+
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(
+        "run: {name: r}\nmodel: {name: m}\ndata: {train: {items: [{question: q, answer: a}]}}\n"
+        f"launch: {{ready_timeout_seconds: {timeout}}}\n"
+        "services: {synchronizer: {address: 'sync:1'}, trainer: {address: 'trainer:2'}}\n")
+    args = Namespace(config=run_file, max_steps=None, resume=None, seed=None, run_dir=tmp_path / "out")
+    return LocalRun.from_args(args)
+
+
+def test_named_services_are_waited_for_until_serving(tmp_path, monkeypatch):
+    """A deployed controller may start before the pods it drives have loaded their models."""
+    import io
+
+    import flywheel.runtime.health as health
+
+    answers = {"sync:1": ["UNAVAILABLE", "SERVING"], "trainer:2": ["UNAVAILABLE", "NOT_SERVING", "SERVING"]}
+    asked = []
+
+    async def fake_check(address, service="", timeout=5.0):
+        asked.append(address)
+        return answers[address].pop(0)
+
+    monkeypatch.setattr(health, "check_health", fake_check)
+    monkeypatch.setattr("services.controller.local_run.time.sleep", lambda s: None)
+    run = _named_run(tmp_path, 60)
+    run.out = io.StringIO()
+    cfg = run.start_services()
+    assert cfg.services.trainer.address == "trainer:2"
+    assert asked == ["sync:1", "trainer:2", "sync:1", "trainer:2", "trainer:2"]
+    assert "waiting for synchronizer (sync:1), trainer (trainer:2) to report SERVING" in run.out.getvalue()
+
+
+def test_a_named_service_never_serving_times_out_naming_it(tmp_path, monkeypatch):
+    import flywheel.runtime.health as health
+
+    async def fake_check(address, service="", timeout=5.0):
+        return "SERVING" if address == "sync:1" else "UNAVAILABLE"
+
+    monkeypatch.setattr(health, "check_health", fake_check)
+    run = _named_run(tmp_path, 0.01)
+    run.say = lambda text: None
+    with pytest.raises(TimeoutError, match=r"trainer at trainer:2: UNAVAILABLE"):
+        run.start_services()

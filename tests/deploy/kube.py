@@ -1,0 +1,486 @@
+"""The parts of Kubernetes a rendered overlay needs to run, on a namespace
+cluster (cluster.py): enough of the kubelet, kube-proxy, CoreDNS and the
+workload controllers that the manifests run as written.
+
+    kube = Kube(cluster, objects, workdir)   # objects: kubectl kustomize output + the Secret
+    kube.apply()                              # Services, then every workload's pods
+    ...                                       # kube.pods, kube.service_address(...)
+    kube.stop()
+
+What is emulated, each as Kubernetes documents it:
+- Pods: one network namespace each, with the pod's IP, hostname (the pod
+  name; StatefulSet pods also get `<pod>.<serviceName>`), the kubelet's
+  /etc/hosts and a resolv.conf naming the cluster DNS with the namespace's
+  search domains and ndots:5. Init containers run in order to completion
+  before the containers start. `command`/`args`/env values expand `$(VAR)`;
+  env comes from values, ConfigMap and Secret keys and the downward API
+  (status.podIP, metadata.name, metadata.namespace), plus the service links
+  (`<SERVICE>_SERVICE_HOST`...) of every ClusterIP Service.
+- Volumes: configMap and secret (keys as files, `items` honoured), emptyDir,
+  persistentVolumeClaim (one directory per claim), each mount read-only
+  where the manifest says so. Anything else fails the test: an unsupported
+  field must not pass silently.
+- Probes, as the kubelet runs them from the node (this namespace) to the pod
+  IP: startup first, then readiness and liveness, each with its period,
+  timeout, initial delay and thresholds; grpc (grpc.health.v1 Check, no
+  credentials), httpGet, tcpSocket and exec. A failed startup or liveness
+  probe restarts the container (counted in `restarts`).
+- Restart policy: Always restarts an exited container (Deployments,
+  StatefulSets); Never leaves the pod Succeeded or Failed (the Job).
+- Services: a ClusterIP Service gets a virtual IP in this namespace with a
+  user-space proxy to its ready endpoints (kube-proxy's userspace mode); a
+  headless one resolves to its endpoints' pod IPs, not-ready ones included
+  where publishNotReadyAddresses says so. DNS: `<svc>.<ns>.svc.cluster.local`
+  and `<pod hostname>.<svc>.<ns>.svc.cluster.local`, answered by a small DNS
+  server on the bridge (NXDOMAIN otherwise, so search domains work).
+
+Not emulated: resource requests and limits, security contexts (processes run
+as root), scheduling constraints (one node), disruption budgets, a Job's
+retries (the test wants its first pod to succeed), rolling updates.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.deploy.cluster import Host, NamespaceCluster
+from tests.deploy.manifests import ROOT, image_files, k8s_env, k8s_expand
+
+CLUSTER_DOMAIN = "cluster.local"
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
+PROBE_DEFAULTS = {"initialDelaySeconds": 0, "periodSeconds": 10, "timeoutSeconds": 1,
+                  "successThreshold": 1, "failureThreshold": 3}
+#: The image's ENV and WORKDIR (Dockerfile), with the virtualenv standing in for /opt/venv.
+IMAGE_PATH = f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@dataclass
+class Container:
+    spec: dict[str, Any]
+    proc: subprocess.Popen | None = None
+    started: bool = False  # the startup probe passed (or there is none)
+    ready: bool = False
+    restarts: int = 0
+    exit_code: int | None = None
+    counts: dict[str, list[int]] = field(default_factory=dict)  # probe -> [successes, failures] in a row
+    due: dict[str, float] = field(default_factory=dict)  # probe -> next run (monotonic)
+
+    @property
+    def name(self) -> str:
+        return self.spec["name"]
+
+
+@dataclass
+class Pod:
+    name: str
+    owner: dict[str, Any]  # the workload
+    spec: dict[str, Any]  # the pod template's spec
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    host: Host
+    home: Path
+    subdomain: str = ""
+    containers: list[Container] = field(default_factory=list)
+    phase: str = "Pending"  # Pending, Running, Succeeded, Failed
+    log: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log = self.home / "log"
+
+    @property
+    def ip(self) -> str:
+        return self.host.address
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "Running" and all(c.ready for c in self.containers)
+
+    @property
+    def restarts(self) -> int:
+        return sum(c.restarts for c in self.containers)
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+class Kube:
+    def __init__(self, cluster: NamespaceCluster, objects: list[dict[str, Any]], workdir: Path) -> None:
+        self.cluster, self.objects, self.workdir = cluster, objects, workdir
+        (self.namespace,) = {o["metadata"]["namespace"] for o in objects if "namespace" in o["metadata"]}
+        self.pods: list[Pod] = []
+        self.services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+        self.cluster_ips: dict[str, str] = {}
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._sockets: list[socket.socket] = []
+        self.errors: list[str] = []
+        unknown = {o["kind"] for o in objects} - {"Namespace", "ConfigMap", "Secret", "Service", "PersistentVolumeClaim",
+                                                  "PodDisruptionBudget", *WORKLOADS}
+        assert not unknown, f"kinds this emulation does not run: {unknown}"
+
+    # -- objects ----------------------------------------------------------------
+    def find(self, kind: str, name: str) -> dict[str, Any]:
+        (found,) = [o for o in self.objects if o["kind"] == kind and o["metadata"]["name"] == name]
+        return found
+
+    def apply(self) -> None:
+        for name, svc in self.services.items():
+            if svc["spec"].get("clusterIP") != "None":
+                self.cluster_ips[name] = self.cluster.add_address()
+                for port in svc["spec"]["ports"]:
+                    self._spawn(self._proxy, name, port)
+        self._spawn(self._dns)
+        for workload in [o for o in self.objects if o["kind"] in WORKLOADS]:
+            replicas = 1 if workload["kind"] == "Job" else workload["spec"].get("replicas", 1)
+            for index in range(replicas):
+                self._create_pod(workload, index)
+        for pod in self.pods:
+            self._spawn(self._kubelet, pod)
+
+    def _create_pod(self, workload: dict[str, Any], index: int) -> None:
+        name, kind = workload["metadata"]["name"], workload["kind"]
+        suffix = lambda n: "".join(random.choices("bcdfghjklmnpqrstvwxz2456789", k=n))  # noqa: E731
+        pod_name = {"StatefulSet": f"{name}-{index}", "Job": f"{name}-{suffix(5)}"}.get(
+            kind, f"{name}-{hashlib.sha1(name.encode()).hexdigest()[:10]}-{suffix(5)}")
+        template = workload["spec"]["template"]
+        subdomain = workload["spec"].get("serviceName", "") if kind == "StatefulSet" else ""
+        host = self.cluster.add_host(pod_name, names=[], hostname=pod_name)
+        home = self.workdir / "pods" / pod_name
+        home.mkdir(parents=True)
+        pod = Pod(pod_name, workload, template["spec"], template["metadata"].get("labels", {}),
+                  template["metadata"].get("annotations", {}), host, home, subdomain)
+        fqdn = f"{pod_name}.{subdomain}.{self.namespace}.svc.{CLUSTER_DOMAIN}" if subdomain else ""
+        self.cluster.write_etc(
+            host,
+            hosts=["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback",
+                   f"{host.address} {fqdn} {pod_name}" if fqdn else f"{host.address} {pod_name}"],
+            resolv=[f"search {self.namespace}.svc.{CLUSTER_DOMAIN} svc.{CLUSTER_DOMAIN} {CLUSTER_DOMAIN}",
+                    f"nameserver {self.cluster.gateway}", "options ndots:5"],
+        )
+        self.pods.append(pod)
+
+    # -- the kubelet ------------------------------------------------------------
+    def _volumes(self, pod: Pod) -> dict[str, tuple[Path, bool]]:
+        """volume name -> (directory, read-only by the volume itself)."""
+        found = {}
+        for volume in pod.spec.get("volumes", []):
+            name = volume["name"]
+            if "configMap" in volume or "secret" in volume:
+                kind, ref = ("ConfigMap", volume["configMap"]["name"]) if "configMap" in volume else (
+                    "Secret", volume["secret"]["secretName"])
+                source = self.find(kind, ref)
+                data = dict(source.get("data") or {})
+                if kind == "Secret":
+                    data = {k: base64.b64decode(v).decode() for k, v in data.items()}
+                spec = volume.get("configMap") or volume["secret"]
+                items = spec.get("items") or [{"key": k, "path": k} for k in data]
+                directory = pod.home / "volumes" / name
+                directory.mkdir(parents=True)
+                for item in items:
+                    (directory / item["path"]).write_text(data[item["key"]])
+                found[name] = (directory, True)  # the kubelet mounts these read-only
+            elif "emptyDir" in volume:
+                directory = pod.home / "volumes" / name
+                directory.mkdir(parents=True)
+                found[name] = (directory, False)
+            elif "persistentVolumeClaim" in volume:
+                claim = volume["persistentVolumeClaim"]
+                self.find("PersistentVolumeClaim", claim["claimName"])  # it must exist
+                directory = self.workdir / "claims" / claim["claimName"]
+                directory.mkdir(parents=True, exist_ok=True)
+                found[name] = (directory, bool(claim.get("readOnly")))
+            else:
+                raise AssertionError(f"{pod.name}: volume {name} is of a type this emulation does not mount: {volume}")
+        return found
+
+    def _service_links(self) -> dict[str, str]:
+        """enableServiceLinks (the default): every ClusterIP Service as variables."""
+        env = {}
+        for name, ip in self.cluster_ips.items():
+            key = name.upper().replace("-", "_")
+            ports = self.services[name]["spec"]["ports"]
+            env[f"{key}_SERVICE_HOST"], env[f"{key}_SERVICE_PORT"] = ip, str(ports[0]["port"])
+            env[f"{key}_PORT"] = f"tcp://{ip}:{ports[0]['port']}"
+            for port in ports:
+                if "name" in port:
+                    env[f"{key}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}"] = str(port["port"])
+                prefix = f"{key}_PORT_{port['port']}_TCP"
+                env.update({prefix: f"tcp://{ip}:{port['port']}", f"{prefix}_PROTO": "tcp",
+                            f"{prefix}_PORT": str(port["port"]), f"{prefix}_ADDR": ip})
+        return env
+
+    def _start(self, pod: Pod, spec: dict[str, Any], volumes: dict[str, tuple[Path, bool]]) -> subprocess.Popen:
+        fields = {"status.podIP": pod.ip, "metadata.name": pod.name, "metadata.namespace": self.namespace}
+        env = {"PATH": IMAGE_PATH, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
+               "HOME": str(pod.home), "HF_HOME": str(pod.home / ".cache/huggingface"), "HOSTNAME": pod.name,
+               **self._service_links()}
+        env.update(k8s_env(spec, self.objects, fields))
+        argv = [k8s_expand(a, env) for a in [*spec.get("command", []), *spec.get("args", [])]]
+        assert argv and argv[0] == "python", f"{pod.name}/{spec['name']}: the image's interpreter is `python`: {argv}"
+        mounts = {target: (source, True) for target, source in image_files().items()}
+        for mount in spec.get("volumeMounts", []):
+            assert "subPath" not in mount, f"{pod.name}: subPath is not emulated"
+            source, read_only = volumes[mount["name"]]
+            mounts[mount["mountPath"]] = (source, read_only or bool(mount.get("readOnly")))
+        cwd = Path(spec["workingDir"]) if "workingDir" in spec else pod.home
+        with pod.log.open("a") as out:
+            out.write(f"--- {spec['name']}: {' '.join(argv)}\n")
+        return self.cluster.run(pod.host, argv, env=env, mounts=mounts, cwd=cwd, log=pod.log)
+
+    def _kubelet(self, pod: Pod) -> None:
+        volumes = self._volumes(pod)
+        policy = pod.spec.get("restartPolicy", "Always")
+        for init in pod.spec.get("initContainers", []):
+            while not self._stopping.is_set():
+                code = self._start(pod, init, volumes).wait()
+                if code == 0:
+                    break
+                if policy == "Never":
+                    pod.phase = "Failed"
+                    return
+                time.sleep(10)  # the kubelet's first back-off step
+        pod.containers = [Container(spec) for spec in pod.spec["containers"]]
+        for c in pod.containers:
+            c.proc = self._start(pod, c.spec, volumes)
+            c.started = "startupProbe" not in c.spec
+        pod.phase = "Running"
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            for c in pod.containers:
+                if c.proc is None:
+                    continue
+                code = c.proc.poll()
+                if code is not None:
+                    c.exit_code, c.ready, c.proc = code, False, None
+                    if policy == "Always" or (policy == "OnFailure" and code != 0):
+                        self._restart(pod, c, volumes, kill=False)
+                    continue
+                self._probe(pod, c, now, volumes)
+            if all(c.proc is None for c in pod.containers):
+                pod.phase = "Succeeded" if all(c.exit_code == 0 for c in pod.containers) else "Failed"
+                return
+            time.sleep(0.2)
+
+    def _restart(self, pod: Pod, c: Container, volumes: dict, kill: bool) -> None:
+        if self._stopping.is_set():
+            return
+        if kill and c.proc is not None:
+            self._terminate(pod, c.proc)
+        c.restarts += 1
+        c.started, c.ready, c.counts, c.due = "startupProbe" not in c.spec, False, {}, {}
+        with pod.log.open("a") as out:
+            out.write(f"--- {c.name}: restart {c.restarts} ({'probe failed' if kill else f'exited {c.exit_code}'})\n")
+        c.proc = self._start(pod, c.spec, volumes)
+
+    def _terminate(self, pod: Pod, proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(pod.spec.get("terminationGracePeriodSeconds", 30))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def _probe(self, pod: Pod, c: Container, now: float, volumes: dict) -> None:
+        kinds = ["startupProbe"] if not c.started else ["readinessProbe", "livenessProbe"]
+        for kind in kinds:
+            probe = c.spec.get(kind)
+            if probe is None:
+                if kind == "readinessProbe":
+                    c.ready = True
+                continue
+            probe = {**PROBE_DEFAULTS, **probe}
+            if kind not in c.due:
+                c.due[kind] = now + probe["initialDelaySeconds"]
+            if now < c.due[kind]:
+                continue
+            c.due[kind] = now + probe["periodSeconds"]
+            ok = self._check(pod, c, probe)
+            counts = c.counts.setdefault(kind, [0, 0])
+            counts[:] = [counts[0] + 1, 0] if ok else [0, counts[1] + 1]
+            if kind == "startupProbe":
+                if ok:
+                    c.started = True
+                elif counts[1] >= probe["failureThreshold"]:
+                    self._restart(pod, c, volumes, kill=True)
+            elif kind == "readinessProbe":
+                if ok and counts[0] >= probe["successThreshold"]:
+                    c.ready = True
+                elif not ok and counts[1] >= probe["failureThreshold"]:
+                    c.ready = False
+            elif not ok and counts[1] >= probe["failureThreshold"]:
+                self._restart(pod, c, volumes, kill=True)
+                return
+
+    def _port(self, pod: Pod, port: int | str) -> int:
+        if isinstance(port, int) or str(port).isdigit():
+            return int(port)
+        for c in pod.spec["containers"]:
+            for p in c.get("ports", []):
+                if p.get("name") == port:
+                    return p["containerPort"]
+        raise AssertionError(f"{pod.name}: no container port named {port}")
+
+    def _check(self, pod: Pod, c: Container, probe: dict[str, Any]) -> bool:
+        timeout = probe["timeoutSeconds"]
+        try:
+            if "grpc" in probe:
+                target = f"{pod.ip}:{self._port(pod, probe['grpc']['port'])}"
+                with grpc.insecure_channel(target) as channel:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", "")), timeout=timeout)
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+            if "httpGet" in probe:
+                get = probe["httpGet"]
+                url = f"http://{pod.ip}:{self._port(pod, get['port'])}{get.get('path', '/')}"
+                with urllib.request.urlopen(url, timeout=timeout) as reply:
+                    return 200 <= reply.status < 400
+            if "tcpSocket" in probe:
+                with socket.create_connection((pod.ip, self._port(pod, probe["tcpSocket"]["port"])), timeout=timeout):
+                    return True
+            if "exec" in probe:
+                assert c.proc is not None
+                done = self.cluster.exec(c.proc, probe["exec"]["command"], env={"PATH": IMAGE_PATH}, timeout=timeout)
+                return done.returncode == 0
+        except (grpc.RpcError, OSError):
+            return False
+        raise AssertionError(f"{pod.name}/{c.name}: a probe of a kind this emulation does not run: {probe}")
+
+    # -- Services -----------------------------------------------------------------
+    def endpoints(self, service: str) -> list[Pod]:
+        svc = self.services[service]["spec"]
+        # A pod has its IP from the start (init containers run in its network namespace already).
+        chosen = [p for p in self.pods if _selects(svc["selector"], p.labels) and p.phase in ("Pending", "Running")]
+        return chosen if svc.get("publishNotReadyAddresses") else [p for p in chosen if p.ready]
+
+    def resolve(self, name: str) -> list[str]:
+        """What the cluster DNS answers for a fully qualified name (A records)."""
+        suffix = f".{self.namespace}.svc.{CLUSTER_DOMAIN}"
+        if not name.endswith(suffix):
+            return []
+        parts = name.removesuffix(suffix).split(".")
+        if len(parts) == 1 and parts[0] in self.services:
+            if parts[0] in self.cluster_ips:
+                return [self.cluster_ips[parts[0]]]
+            return [p.ip for p in self.endpoints(parts[0])]
+        if len(parts) == 2 and parts[1] in self.services:
+            return [p.ip for p in self.endpoints(parts[1]) if p.name == parts[0] and p.subdomain == parts[1]]
+        return []
+
+    def service_address(self, service: str, port_name: str) -> str:
+        (port,) = [p["port"] for p in self.services[service]["spec"]["ports"] if p.get("name") == port_name]
+        return f"{self.cluster_ips[service]}:{port}"
+
+    def _dns(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((self.cluster.gateway, 53))
+        sock.settimeout(0.5)
+        self._sockets.append(sock)
+        while not self._stopping.is_set():
+            try:
+                query, peer = sock.recvfrom(512)
+            except (TimeoutError, OSError):
+                continue
+            try:
+                sock.sendto(self._answer(query), peer)
+            except (ValueError, IndexError, struct.error):
+                continue
+
+    def _answer(self, query: bytes) -> bytes:
+        (ident,) = struct.unpack(">H", query[:2])
+        labels, at = [], 12
+        while query[at]:
+            labels.append(query[at + 1: at + 1 + query[at]].decode().lower())
+            at += 1 + query[at]
+        qtype, _qclass = struct.unpack(">HH", query[at + 1: at + 5])
+        question = query[12: at + 5]
+        name = ".".join(labels)
+        addresses = self.resolve(name)
+        suffix = f".{self.namespace}.svc.{CLUSTER_DOMAIN}"
+        exists = bool(addresses) or (name.endswith(suffix) and name.removesuffix(suffix).split(".")[-1] in self.services)
+        answers = [struct.pack(">HHHIH", 0xC00C, 1, 1, 5, 4) + socket.inet_aton(a) for a in addresses] if qtype == 1 else []
+        rcode = 0 if exists else 3  # NXDOMAIN: the resolver goes on with its next search domain
+        header = struct.pack(">HHHHHH", ident, 0x8180 | rcode, 1, len(answers), 0, 0)
+        return header + question + b"".join(answers)
+
+    def _proxy(self, service: str, port: dict[str, Any]) -> None:
+        listener = socket.create_server((self.cluster_ips[service], port["port"]))
+        listener.settimeout(0.5)
+        self._sockets.append(listener)
+        turn = 0
+        while not self._stopping.is_set():
+            try:
+                client, _ = listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            ready = self.endpoints(service)
+            if not ready:
+                client.close()  # no endpoints: the connection is refused
+                continue
+            pod = ready[turn % len(ready)]
+            turn += 1
+            try:
+                upstream = socket.create_connection((pod.ip, self._port(pod, port.get("targetPort", port["port"]))), 5)
+            except OSError:
+                client.close()
+                continue
+            for a, b in ((client, upstream), (upstream, client)):
+                self._spawn(self._pump, a, b)
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    # -- lifecycle ------------------------------------------------------------------
+    def _spawn(self, target, *args: Any) -> None:
+        def guarded() -> None:
+            try:
+                target(*args)
+            except Exception as exc:  # surfaced by check(): a broken emulation must fail the test at once
+                self.errors.append(f"{target.__name__}{args[:1]}: {exc!r}")
+
+        thread = threading.Thread(target=guarded, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def check(self) -> None:
+        """Raises if any part of the emulation itself failed."""
+        assert not self.errors, self.errors
+
+    def stop(self) -> None:
+        """No more restarts, probes or DNS answers; the cluster then stops every process
+        (SIGTERM, then SIGKILL after its grace)."""
+        self._stopping.set()
+        for sock in self._sockets:
+            sock.close()

@@ -1,0 +1,69 @@
+"""What a user looks at on a deployed job, shared by the cluster tests: the
+controller's status page (JSON and, in headless Chromium, the rendered DOM),
+every /metrics target, and the Grafana dashboard's queries against them."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.deploy.manifests import ROOT
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> bytes:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as reply:
+        return reply.read()
+
+
+def live_status(page: str, roles: list[str]) -> dict:
+    """The status page's JSON once it lists exactly these running roles and a trained step, else {}."""
+    body = json.loads(http_get(page + "api/status"))
+    running = sorted(c["role"] for c in body["components"] if c["state"] != "stopped")
+    return body if running == sorted(roles) and body["step"] >= 1 else {}
+
+
+def scrape(targets: list[str]) -> dict[str, str]:
+    """host:port -> its /metrics text; each must export flywheel_service_ready."""
+    scrapes = {}
+    for target in targets:
+        scrapes[target] = http_get(f"http://{target}/metrics").decode()
+        assert "flywheel_service_ready" in scrapes[target], target
+    return scrapes
+
+
+def check_dashboard(scrapes: dict[str, str]) -> None:
+    """Every metric a dashboard panel queries is exported by some target: the panel has data."""
+    exported = {s.name for text in scrapes.values() for f in text_string_to_metric_families(text) for s in f.samples}
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/flywheel.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            names = set(re.findall(r"\bflywheel_[a-z0-9_]+\b", target["expr"]))
+            assert names <= exported, f"dashboard query {target['expr']}: {names - exported} not scraped"
+
+
+def check_page_in_browser(page: str, component_ids: list[str]) -> None:
+    """The page as Chromium renders it (scripts run) shows every component; skipped without Chromium."""
+    if not CHROMIUM:
+        return
+    dom = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000", "--dump-dom", page],
+        capture_output=True, text=True, timeout=90).stdout
+    for cid in component_ids:
+        assert f'data-id="{cid}"' in dom, f"status page lacks {cid}"
+
+
+def replica_versions(trained_tasks: str) -> dict[str, int]:
+    """engine -> the newest weight version it generated a trained sample with (trained_tasks.jsonl)."""
+    newest: dict[str, int] = {}
+    for line in trained_tasks.splitlines():
+        row = json.loads(line)
+        for engine, (start, _end) in zip(row["sample_engines"], row["sample_versions"]):
+            newest[engine] = max(newest.get(engine, 0), start)
+    return newest

