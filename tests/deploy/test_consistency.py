@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
 
 import pytest
@@ -136,6 +136,18 @@ def test_controller_arguments_name_a_mounted_run_config(k8s, composed):
         )
 
 
+def _run_file(c: Container, k8s_objects: list[dict] | None) -> dict[str, Any]:
+    """The run file a controller container runs (`run FILE`), read where the container finds it."""
+    path = PurePosixPath(c.args[1])
+    if c.pod and path.parent in _k8s_mounts(c):
+        volume = _k8s_mounts(c)[path.parent]["volume"]
+        configmaps = {o["metadata"]["name"]: o for o in k8s_objects or [] if o["kind"] == "ConfigMap"}
+        return yaml.safe_load(configmaps[volume["configMap"]["name"]]["data"][path.name])
+    # The image's copy, or compose's bind mount of the same repository directory.
+    (image_dir,) = [d for d in image_files() if path.is_relative_to(d)]
+    return yaml.safe_load((image_files()[image_dir] / path.relative_to(image_dir)).read_text())
+
+
 def _run_config(c: Container, k8s_objects: list[dict] | None) -> Any:
     """The run config the controller's `run` ends up with (file, then FLYWHEEL_RUN__* variables),
     parsed by the controller's own code."""
@@ -144,15 +156,7 @@ def _run_config(c: Container, k8s_objects: list[dict] | None) -> Any:
     from services.controller.local_run import run_env_overrides
     from services.controller.run_config import parse_run_config
 
-    path = PurePosixPath(c.args[1])
-    if c.pod and path.parent in _k8s_mounts(c):
-        volume = _k8s_mounts(c)[path.parent]["volume"]
-        configmaps = {o["metadata"]["name"]: o for o in k8s_objects or [] if o["kind"] == "ConfigMap"}
-        data = yaml.safe_load(configmaps[volume["configMap"]["name"]]["data"][path.name])
-    else:  # the image's copy, or compose's bind mount of the same repository directory
-        (image_dir,) = [Path(d) for d in image_files() if path.is_relative_to(d)]
-        data = yaml.safe_load((image_files()[str(image_dir)] / path.relative_to(image_dir)).read_text())
-    _, data = split_run_file(data, c.source)
+    _, data = split_run_file(_run_file(c, k8s_objects), c.source)
     deep_merge(data, run_env_overrides(c.env))
     assert "services" in data, f"{c.source}: the run names no services; the launcher would start its own"
     data.setdefault("model", {}).setdefault("name", "served")
@@ -266,6 +270,11 @@ def test_probes_ask_grpc_health_on_the_configured_port(k8s):
         budget = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
         if c.service in ("trainer", "rollout"):
             assert budget >= MODEL_LOAD_SECONDS, f"{c.source}: startupProbe allows only {budget}s for model loading"
+        if c.service == "controller":  # it serves after waiting for the services (launch.ready_timeout_seconds)
+            from services.controller.launcher.spec import split_run_file
+
+            wait = split_run_file(_run_file(c, None), c.source)[0].ready_timeout_seconds
+            assert budget >= wait + 60, f"{c.source}: startupProbe allows {budget}s, the run waits {wait}s"
 
 
 def test_prometheus_annotations_point_at_the_metrics_port(k8s):
