@@ -1,10 +1,11 @@
 """The nearest thing to a container host these machines allow: one network
-namespace per container, joined by a bridge, names resolving through each
-namespace's /etc/hosts, volumes bind-mounted at the paths the container sees.
+namespace per container, joined by a bridge, names answered by a DNS server
+on the bridge (as Docker's embedded DNS and CoreDNS answer them), volumes
+bind-mounted at the paths the container sees.
 
     with NamespaceCluster(tmp_path) as cluster:
         host = cluster.add_host("flywheel-rollout-1", names=["rollout"])
-        cluster.publish_hosts()            # every host's names, in every namespace
+        cluster.serve_names()              # every host's names, from every namespace
         proc = cluster.run(host, argv, env=..., mounts={"/models": dir}, cwd=home, log=path)
         cluster.exec(host, argv, env=...)  # like `docker exec`: the process's namespaces
 
@@ -24,10 +25,13 @@ import secrets
 import shlex
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 NETNS_ETC = Path("/etc/netns")
 
@@ -73,6 +77,7 @@ class NamespaceCluster:
         self._created_paths: list[Path] = []
         self._addresses: list[str] = []
         self._lock = threading.Lock()
+        self._dns: DnsServer | None = None
 
     # -- network ----------------------------------------------------------------
     def __enter__(self) -> NamespaceCluster:
@@ -101,17 +106,17 @@ class NamespaceCluster:
 
     def resolve(self, name: str) -> list[str]:
         """Every address `name` resolves to (a scaled service: one per replica)."""
-        return [h.address for h in self.hosts if name in (h.name, h.hostname, *h.names)]
+        return [h.address for h in self.hosts if name.lower() in (h.name, h.hostname, *h.names)]
 
-    def publish_hosts(self) -> None:
-        """Every host's names in every namespace's /etc/hosts (Docker's embedded DNS)."""
-        lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost"]
-        lines += [f"{h.address} {' '.join(dict.fromkeys([h.name, h.hostname, *h.names]))}" for h in self.hosts]
+    def serve_names(self) -> None:
+        """Docker's view: each container's /etc/hosts holds only itself; every host's name,
+        hostname (its container id) and aliases are answered by a DNS server on the bridge.
+        (A shared hosts file is no substitute: gRPC's c-ares resolver answers every name
+        of such a file with the first line's address when the lines share an alias.)"""
         for h in self.hosts:
-            # Docker's embedded DNS answers at once; with the hosts file standing in for it,
-            # other lookups (gRPC's resolver asks for AAAA records too) must fail at once as
-            # well, not wait on this machine's nameserver, which no namespace can reach.
-            self.write_etc(h, hosts=lines, resolv=["nameserver 127.0.0.1", "options timeout:1 attempts:1"])
+            self.write_etc(h, hosts=["127.0.0.1 localhost", "::1 localhost ip6-localhost", f"{h.address} {h.hostname}"],
+                           resolv=[f"nameserver {self.gateway}", "options ndots:0"])
+        self._dns = DnsServer(self.gateway, lambda name: self.resolve(name) or None)
 
     def write_etc(self, host: Host, hosts: list[str], resolv: list[str]) -> None:
         """/etc/netns/<ns>/{hosts,resolv.conf,hostname}, which `ip netns exec` binds over /etc."""
@@ -187,6 +192,8 @@ class NamespaceCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        if self._dns is not None:
+            self._dns.close()
         for h in self.hosts:
             # Whatever a service left running in the namespace (engine workers) goes with it.
             pids = subprocess.run(["ip", "netns", "pids", h.netns], capture_output=True, text=True).stdout.split()
@@ -203,3 +210,49 @@ class NamespaceCluster:
                 path.unlink() if path.is_file() else path.rmdir()
             except OSError:
                 pass
+
+
+class DnsServer:
+    """A minimal DNS server on UDP port 53 of `address`, in this (the root) namespace.
+
+    `records(name)` gives a name's IPv4 addresses, or None when the name does not exist:
+    the answer is then NXDOMAIN, so a resolver goes on to its next search domain. AAAA
+    and other queries for an existing name get an empty answer (NODATA). TTLs are 5 s.
+    """
+
+    def __init__(self, address: str, records: Callable[[str], list[str] | None]) -> None:
+        self.records = records
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.bind((address, 53))
+        self._sock.settimeout(0.5)
+        self._closed = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                query, peer = self._sock.recvfrom(512)
+            except OSError:  # timeout, or closed
+                continue
+            try:
+                self._sock.sendto(self.answer(query), peer)
+            except (ValueError, IndexError, struct.error, OSError):
+                continue
+
+    def answer(self, query: bytes) -> bytes:
+        (ident,) = struct.unpack(">H", query[:2])
+        labels, at = [], 12
+        while query[at]:
+            labels.append(query[at + 1: at + 1 + query[at]].decode().lower())
+            at += 1 + query[at]
+        qtype, _qclass = struct.unpack(">HH", query[at + 1: at + 5])
+        addresses = self.records(".".join(labels))
+        answers = [struct.pack(">HHHIH", 0xC00C, 1, 1, 5, 4) + socket.inet_aton(a)
+                   for a in addresses or []] if qtype == 1 else []
+        rcode = 3 if addresses is None else 0
+        header = struct.pack(">HHHHHH", ident, 0x8180 | rcode, 1, len(answers), 0, 0)
+        return header + query[12: at + 5] + b"".join(answers)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()

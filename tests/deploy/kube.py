@@ -47,7 +47,6 @@ import os
 import random
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -60,7 +59,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.deploy.cluster import Host, NamespaceCluster
+from tests.deploy.cluster import DnsServer, Host, NamespaceCluster
 from tests.deploy.manifests import ROOT, image_files, k8s_env, k8s_expand
 
 CLUSTER_DOMAIN = "cluster.local"
@@ -135,6 +134,7 @@ class Kube:
         self._threads: list[threading.Thread] = []
         self._sockets: list[socket.socket] = []
         self.errors: list[str] = []
+        self._dns: DnsServer | None = None
         unknown = {o["kind"] for o in objects} - {"Namespace", "ConfigMap", "Secret", "Service", "PersistentVolumeClaim",
                                                   "PodDisruptionBudget", *WORKLOADS}
         assert not unknown, f"kinds this emulation does not run: {unknown}"
@@ -150,7 +150,7 @@ class Kube:
                 self.cluster_ips[name] = self.cluster.add_address()
                 for port in svc["spec"]["ports"]:
                     self._spawn(self._proxy, name, port)
-        self._spawn(self._dns)
+        self._dns = DnsServer(self.cluster.gateway, self._records)
         for workload in [o for o in self.objects if o["kind"] in WORKLOADS]:
             replicas = 1 if workload["kind"] == "Job" else workload["spec"].get("replicas", 1)
             for index in range(replicas):
@@ -392,37 +392,13 @@ class Kube:
         (port,) = [p["port"] for p in self.services[service]["spec"]["ports"] if p.get("name") == port_name]
         return f"{self.cluster_ips[service]}:{port}"
 
-    def _dns(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.bind((self.cluster.gateway, 53))
-        sock.settimeout(0.5)
-        self._sockets.append(sock)
-        while not self._stopping.is_set():
-            try:
-                query, peer = sock.recvfrom(512)
-            except (TimeoutError, OSError):
-                continue
-            try:
-                sock.sendto(self._answer(query), peer)
-            except (ValueError, IndexError, struct.error):
-                continue
-
-    def _answer(self, query: bytes) -> bytes:
-        (ident,) = struct.unpack(">H", query[:2])
-        labels, at = [], 12
-        while query[at]:
-            labels.append(query[at + 1: at + 1 + query[at]].decode().lower())
-            at += 1 + query[at]
-        qtype, _qclass = struct.unpack(">HH", query[at + 1: at + 5])
-        question = query[12: at + 5]
-        name = ".".join(labels)
-        addresses = self.resolve(name)
+    def _records(self, name: str) -> list[str] | None:
+        """The cluster DNS's answer: A records, or None for a name that does not exist."""
         suffix = f".{self.namespace}.svc.{CLUSTER_DOMAIN}"
-        exists = bool(addresses) or (name.endswith(suffix) and name.removesuffix(suffix).split(".")[-1] in self.services)
-        answers = [struct.pack(">HHHIH", 0xC00C, 1, 1, 5, 4) + socket.inet_aton(a) for a in addresses] if qtype == 1 else []
-        rcode = 0 if exists else 3  # NXDOMAIN: the resolver goes on with its next search domain
-        header = struct.pack(">HHHHHH", ident, 0x8180 | rcode, 1, len(answers), 0, 0)
-        return header + question + b"".join(answers)
+        addresses = self.resolve(name)
+        if addresses or (name.endswith(suffix) and name.removesuffix(suffix).split(".")[-1] in self.services):
+            return addresses
+        return None  # NXDOMAIN: the resolver goes on with its next search domain
 
     def _proxy(self, service: str, port: dict[str, Any]) -> None:
         listener = socket.create_server((self.cluster_ips[service], port["port"]))
@@ -482,5 +458,7 @@ class Kube:
         """No more restarts, probes or DNS answers; the cluster then stops every process
         (SIGTERM, then SIGKILL after its grace)."""
         self._stopping.set()
+        if self._dns is not None:
+            self._dns.close()
         for sock in self._sockets:
             sock.close()

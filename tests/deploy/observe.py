@@ -67,3 +67,16 @@ def replica_versions(trained_tasks: str) -> dict[str, int]:
         for engine, (start, _end) in zip(row["sample_engines"], row["sample_versions"]):
             newest[engine] = max(newest.get(engine, 0), start)
     return newest
+
+
+def replica_work(metrics_targets: list[str]) -> dict[str, tuple[float, float]]:
+    """Each rollout replica's own account, from its /metrics: (completion tokens it
+    generated, the weight version it serves). The controller's attribution of samples
+    to replicas is not evidence that a replica did the work; this is."""
+    work = {}
+    for target in metrics_targets:
+        values = {s.name: s.value for f in text_string_to_metric_families(http_get(f"http://{target}/metrics").decode())
+                  for s in f.samples}
+        work[target] = (values.get("flywheel_rollout_generated_tokens_total", 0.0),
+                        values.get("flywheel_rollout_weight_version", 0.0))
+    return work

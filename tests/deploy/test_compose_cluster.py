@@ -40,7 +40,7 @@ import yaml
 
 from tests.deploy.cluster import Host, NamespaceCluster, available
 from tests.deploy.manifests import ROOT, image_files, load_compose, read_env_file
-from tests.deploy.observe import check_dashboard, check_page_in_browser, live_status, replica_versions, scrape
+from tests.deploy.observe import check_dashboard, check_page_in_browser, live_status, replica_versions, replica_work, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +107,7 @@ class ComposeProject:
                 c = Container(service, name, spec, host, home)
                 c.env, c.mounts = self.environment(c), self.volume_mounts(spec)
                 self.containers.setdefault(service, []).append(c)
-        cluster.publish_hosts()
+        cluster.serve_names()
 
     # -- the container's view -------------------------------------------------
     def environment(self, c: Container) -> dict[str, str]:
@@ -245,6 +245,8 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
 
             code = controller.proc.wait(max(1.0, deadline - time.monotonic()))
             assert code == 0, controller.tail()
+            # The replicas, still up, say themselves that they generated and moved to new weights.
+            work = replica_work(prometheus_targets(cluster)["rollout"])
         finally:
             logs = {c.name: c.tail(1500) for cs in project.containers.values() for c in cs}
             cluster.stop()
@@ -255,4 +257,5 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
         newest = replica_versions((run_dir / "trained_tasks.jsonl").read_text())
         assert set(newest) == replica_ids, (newest, replica_ids)
         assert all(version >= 5 for version in newest.values()), newest
+        assert len(work) == SCALE["rollout"] and all(tokens > 0 and version >= 5 for tokens, version in work.values()), work
 

@@ -23,6 +23,7 @@ import os
 import secrets
 import subprocess
 import time
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ import yaml
 from tests.deploy.cluster import NamespaceCluster, available
 from tests.deploy.kube import Kube
 from tests.deploy.manifests import KUSTOMIZE_ROOT, find_tool
-from tests.deploy.observe import check_dashboard, check_page_in_browser, http_get, live_status, replica_versions, scrape
+from tests.deploy.observe import check_dashboard, check_page_in_browser, http_get, live_status, replica_versions, replica_work, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -107,15 +108,20 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
             check_dashboard(scrape(targets))
             check_page_in_browser(page, ["trainer-0", *replica_ids])
 
-            # Agents reach the rollouts through their Service, with the Secret's token.
-            models = json.loads(http_get(f"http://{kube.service_address('flywheel-rollout', 'http')}/v1/models",
-                                         headers={"Authorization": f"Bearer {token}"}))
+            # Agents reach the rollouts through their Service, with the Secret's token (and not without it).
+            models_url = f"http://{kube.service_address('flywheel-rollout', 'http')}/v1/models"
+            models = json.loads(http_get(models_url, headers={"Authorization": f"Bearer {token}"}))
             assert models["data"], models
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                http_get(models_url)
+            assert refused.value.code == 401
 
             while job_pod.phase in ("Pending", "Running"):
                 kube.check()
                 assert time.monotonic() < deadline, f"the Job did not complete:\n{job_pod.tail()}"
                 time.sleep(0.5)
+            # The replicas, still up, say themselves that they generated and moved to new weights.
+            work = replica_work([f"{p.ip}:{p.annotations['prometheus.io/port']}" for p in rollouts])
         finally:
             logs = {p.name: p.tail(1500) for p in kube.pods}
             kube.stop()
@@ -129,3 +135,4 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
         newest = replica_versions((run_dir / "trained_tasks.jsonl").read_text())
         assert sorted(newest) == replica_ids, (newest, replica_ids)
         assert all(version >= 5 for version in newest.values()), newest
+        assert len(work) == ROLLOUTS and all(tokens > 0 and version >= 5 for tokens, version in work.values()), work
