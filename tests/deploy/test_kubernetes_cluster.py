@@ -88,6 +88,8 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
             body = {}
             while not body:
                 kube.check()
+                crashed = {p.name: p.tail() for p in kube.pods if p.restarts}
+                assert not crashed, f"restarted while the job ran: {crashed}"
                 assert job_pod.phase in ("Pending", "Running"), f"controller pod {job_pod.phase}:\n{job_pod.tail()}"
                 assert time.monotonic() < deadline, "the job never showed every component training:\n" + "\n".join(
                     f"{p.name} {p.phase} ready={p.ready}" for p in kube.pods)
