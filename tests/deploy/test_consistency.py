@@ -565,3 +565,46 @@ def test_gpu_deployments_move_weights_by_nccl_rendezvousing_at_the_trainers_dns_
         assert [c.service for c in k8s if c.source == f"kubernetes/{variant} StatefulSet/{sts['metadata']['name']}"] == ["trainer"]
         # The rendezvous resolves while the group forms, before the trainer reports ready.
         assert svc["spec"].get("publishNotReadyAddresses") is True
+
+
+def _address_fields(config: Any) -> list[tuple[str, str]]:
+    """(field path, "host:port") of every configured *address field of a service config."""
+    found = []
+    for path in leaf_fields(type(config)):
+        if not path[-1].endswith("address"):
+            continue
+        value: Any = config
+        for part in path:
+            value = getattr(value, part)
+        if value:
+            found.append((".".join(path), value))
+    return found
+
+
+@pytest.mark.parametrize(("kind", "variant"), DEPLOYMENTS, ids=[f"{k}-{v}" for k, v in DEPLOYMENTS])
+def test_every_address_a_service_is_given_reaches_the_right_service_and_port(
+    kind, variant, composed, k8s, rendered, compose
+):
+    """synchronizer addresses name the synchronizer's gRPC port; advertise addresses the container itself."""
+    deployed = _deployment(kind, variant, composed, k8s, rendered, compose)
+    for c in deployed.values():
+        for path, address in _address_fields(resolved(c)):
+            host, _, port = address.rpartition(":")
+            role = c.service if "advertise" in path else "synchronizer" if "synchronizer" in path else c.service
+            if kind == "compose":
+                names = _compose_names(compose).get(host, set())
+                targets = [t for t in deployed.values() if t.name in names]
+            elif host == "$(POD_IP)":  # the downward API: the pod's own IP
+                targets = [c]
+            else:
+                objects = rendered[variant]
+                pod, _, service_name = host.rpartition(".")
+                svcs = [o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == service_name]
+                workloads = [w for w in _workloads(objects) for s in svcs
+                             if _selects(s["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])
+                             and (not pod or (w["kind"] == "StatefulSet" and pod == f"{w['metadata']['name']}-0"))]
+                sources = {f"kubernetes/{variant} {w['kind']}/{w['metadata']['name']}" for w in workloads}
+                targets = [t for t in deployed.values() if t.source in sources]
+            assert [t.service for t in targets] == [role], (
+                f"{c.source}: {path} = {address} reaches {[t.source for t in targets]}, not the {role}")
+            assert int(port) == expected_ports(targets[0])["grpc"], f"{c.source}: {path} = {address}"
