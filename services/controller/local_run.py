@@ -47,6 +47,8 @@ EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 RUN_ENV_PREFIX = "FLYWHEEL_RUN__"
 #: Parent of run directories (the controller service's runs_dir setting).
 RUNS_DIR_ENV = "FLYWHEEL_CONTROLLER__RUNS_DIR"
+#: The trainer's registration with the synchronizer, among the things a deployed run waits for.
+REGISTERED = "trainer registration"
 #: The rollout's component id at the synchronizer, and the controller's name for that replica.
 ROLLOUT_ID = "rollout-0"
 
@@ -294,10 +296,12 @@ class LocalRun:
 
     def wait_for_named_services(self, cfg: RunConfig) -> None:
         """Deployed services come up in any order: a Kubernetes Job starts beside the pods it
-        drives, which may still be loading their models. Waits until the synchronizer, the
-        trainer and every listed rollout report SERVING (unreachable or unresolvable names are
-        retried), up to launch.ready_timeout_seconds. Registered rollouts are waited for by the
-        run itself (services.wait_for_rollout_seconds)."""
+        drives, which may still be loading their models. Waits, up to
+        launch.ready_timeout_seconds, until the synchronizer, the trainer and every listed
+        rollout report SERVING (unreachable or unresolvable names are retried) and, with a
+        synchronizer, until the trainer is registered there: a trainer that cannot reach the
+        synchronizer publishes nothing, and the run would wait for its first version forever.
+        Registered rollouts are waited for by the run itself (services.wait_for_rollout_seconds)."""
         from flywheel.runtime.health import check_health
 
         pending = {
@@ -306,24 +310,56 @@ class LocalRun:
                                    *((f"rollout {r.address}", r) for r in cfg.services.rollout)]
             if endpoint is not None
         }
+        if cfg.services.synchronizer is not None:
+            pending[REGISTERED] = cfg.services.synchronizer.address
         deadline = time.monotonic() + self.spec.ready_timeout_seconds
         status: dict[str, str] = {}
         said = False
         while True:
             for name, address in list(pending.items()):
-                status[name] = asyncio.run(check_health(address, timeout=2.0))
-                if status[name] == "SERVING":
+                if name == REGISTERED:
+                    if len(pending) > 1:
+                        continue  # once everything serves
+                    status[name] = asyncio.run(self._trainer_registration(cfg))
+                else:
+                    status[name] = asyncio.run(check_health(address, timeout=2.0))
+                if status[name] in ("SERVING", "registered"):
                     del pending[name]
             if not pending:
                 return
             if time.monotonic() > deadline:
+                if list(pending) == [REGISTERED]:
+                    raise TimeoutError(
+                        f"the trainer {cfg.services.trainer_id!r} never registered with the synchronizer at "
+                        f"{cfg.services.synchronizer.address} within {self.spec.ready_timeout_seconds:.0f}s: its "
+                        "sync.synchronizer_address must reach this synchronizer and its sync.trainer_id be "
+                        "services.trainer_id (the trainer's log says what failed)")
                 raise TimeoutError(
                     f"services not ready after {self.spec.ready_timeout_seconds:.0f}s (launch.ready_timeout_seconds): "
-                    + ", ".join(f"{n} at {a}: {status[n]}" for n, a in pending.items()))
+                    + ", ".join(f"{n} at {a}: {status.get(n, 'not asked')}" for n, a in pending.items()))
             if not said:
-                self.say("waiting for " + ", ".join(f"{n} ({a})" for n, a in pending.items()) + " to report SERVING")
+                waiting = [f"{n} ({a})" for n, a in pending.items() if n != REGISTERED]
+                self.say("waiting for " + ", ".join(waiting) + " to report SERVING")
                 said = True
             time.sleep(1.0)
+
+    @staticmethod
+    async def _trainer_registration(cfg: RunConfig) -> str:
+        """"registered" when the synchronizer lists the run's trainer, else what it lists."""
+        from flywheel.runtime.auth import resolve_token
+        from flywheel.synchronizer.client import SynchronizerClient
+
+        assert cfg.services.synchronizer is not None
+        token = resolve_token(None, cfg.services.auth_token_file)
+        client = SynchronizerClient(cfg.services.synchronizer.address, token, timeout=5.0)
+        try:
+            components = (await client.status()).components
+        except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            return f"status failed: {exc}"
+        finally:
+            await client.close()
+        ids = [c.id for c in components]
+        return "registered" if cfg.services.trainer_id in ids else f"registered: {ids}"
 
     def stop_services(self) -> None:
         if self.supervisor is None:

@@ -117,6 +117,7 @@ def test_named_services_are_waited_for_until_serving(tmp_path, monkeypatch):
     import io
 
     import flywheel.runtime.health as health
+    from services.controller.local_run import LocalRun
 
     answers = {"sync:1": ["UNAVAILABLE", "SERVING"], "trainer:2": ["UNAVAILABLE", "NOT_SERVING", "SERVING"]}
     asked = []
@@ -125,14 +126,41 @@ def test_named_services_are_waited_for_until_serving(tmp_path, monkeypatch):
         asked.append(address)
         return answers[address].pop(0)
 
+    registrations = ["registered: []", "registered"]
+
+    async def fake_registration(cfg):
+        asked.append("registration")
+        return registrations.pop(0)
+
     monkeypatch.setattr(health, "check_health", fake_check)
+    monkeypatch.setattr(LocalRun, "_trainer_registration", staticmethod(fake_registration))
     monkeypatch.setattr("services.controller.local_run.time.sleep", lambda s: None)
     run = _named_run(tmp_path, 60)
     run.out = io.StringIO()
     cfg = run.start_services()
     assert cfg.services.trainer.address == "trainer:2"
-    assert asked == ["sync:1", "trainer:2", "sync:1", "trainer:2", "trainer:2"]
+    # Health first; the trainer's registration once both serve.
+    assert asked == ["sync:1", "trainer:2", "sync:1", "trainer:2", "trainer:2", "registration", "registration"]
     assert "waiting for synchronizer (sync:1), trainer (trainer:2) to report SERVING" in run.out.getvalue()
+
+
+def test_a_trainer_never_registering_times_out_naming_its_settings(tmp_path, monkeypatch):
+    """A trainer pointed at the wrong synchronizer serves, but publishes nothing: the run must not wait forever."""
+    import flywheel.runtime.health as health
+    from services.controller.local_run import LocalRun
+
+    async def serving(address, service="", timeout=5.0):
+        return "SERVING"
+
+    async def unregistered(cfg):
+        return "registered: ['rollout-a-50053']"
+
+    monkeypatch.setattr(health, "check_health", serving)
+    monkeypatch.setattr(LocalRun, "_trainer_registration", staticmethod(unregistered))
+    run = _named_run(tmp_path, 0.01)
+    run.say = lambda text: None
+    with pytest.raises(TimeoutError, match=r"trainer 'trainer-0' never registered .* sync.synchronizer_address"):
+        run.start_services()
 
 
 def test_a_named_service_never_serving_times_out_naming_it(tmp_path, monkeypatch):
