@@ -1,6 +1,6 @@
 """`python -m services.controller run CONFIG`: one RL job on this machine.
 
-    python -m services.controller run examples/quickstart.yaml          # SmolLM2-135M, ~10 min on 2 CPU cores
+    python -m services.controller run examples/quickstart.yaml          # SmolLM2-135M, ~12 min on 2 CPU cores
     python -m services.controller run examples/quickstart-tiny.yaml     # tiny model, a minute or two
     python -m services.controller run CONFIG --run-dir runs/mine        # where logs, checkpoints, plots go
     python -m services.controller run CONFIG --max-steps 5              # override run.max_steps
