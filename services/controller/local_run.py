@@ -47,8 +47,6 @@ EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 RUN_ENV_PREFIX = "FLYWHEEL_RUN__"
 #: Parent of run directories (the controller service's runs_dir setting).
 RUNS_DIR_ENV = "FLYWHEEL_CONTROLLER__RUNS_DIR"
-#: The trainer's registration with the synchronizer, among the things a deployed run waits for.
-REGISTERED = "trainer registration"
 #: The rollout's component id at the synchronizer, and the controller's name for that replica.
 ROLLOUT_ID = "rollout-0"
 
@@ -310,42 +308,38 @@ class LocalRun:
                                    *((f"rollout {r.address}", r) for r in cfg.services.rollout)]
             if endpoint is not None
         }
-        if cfg.services.synchronizer is not None:
-            pending[REGISTERED] = cfg.services.synchronizer.address
         deadline = time.monotonic() + self.spec.ready_timeout_seconds
         status: dict[str, str] = {}
         said = False
-        while True:
+        while pending:
             for name, address in list(pending.items()):
-                if name == REGISTERED:
-                    if len(pending) > 1:
-                        continue  # once everything serves
-                    status[name] = asyncio.run(self._trainer_registration(cfg))
-                else:
-                    status[name] = asyncio.run(check_health(address, timeout=2.0))
-                if status[name] in ("SERVING", "registered"):
+                status[name] = asyncio.run(check_health(address, timeout=2.0))
+                if status[name] == "SERVING":
                     del pending[name]
             if not pending:
-                return
+                break
             if time.monotonic() > deadline:
-                if list(pending) == [REGISTERED]:
-                    raise TimeoutError(
-                        f"the trainer {cfg.services.trainer_id!r} never registered with the synchronizer at "
-                        f"{cfg.services.synchronizer.address} within {self.spec.ready_timeout_seconds:.0f}s: its "
-                        "sync.synchronizer_address must reach this synchronizer and its sync.trainer_id be "
-                        "services.trainer_id (the trainer's log says what failed)")
                 raise TimeoutError(
                     f"services not ready after {self.spec.ready_timeout_seconds:.0f}s (launch.ready_timeout_seconds): "
-                    + ", ".join(f"{n} at {a}: {status.get(n, 'not asked')}" for n, a in pending.items()))
+                    + ", ".join(f"{n} at {a}: {status[n]}" for n, a in pending.items()))
             if not said:
-                waiting = [f"{n} ({a})" for n, a in pending.items() if n != REGISTERED]
-                self.say("waiting for " + ", ".join(waiting) + " to report SERVING")
+                self.say("waiting for " + ", ".join(f"{n} ({a})" for n, a in pending.items()) + " to report SERVING")
                 said = True
+            time.sleep(1.0)
+        if cfg.services.synchronizer is None:
+            return
+        while (registration := asyncio.run(self._trainer_registration(cfg))) != "registered":
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the trainer {cfg.services.trainer_id!r} never registered with the synchronizer at "
+                    f"{cfg.services.synchronizer.address} within {self.spec.ready_timeout_seconds:.0f}s "
+                    f"({registration}): its sync.synchronizer_address must reach this synchronizer and its "
+                    "sync.trainer_id be services.trainer_id (the trainer's log says what failed)")
             time.sleep(1.0)
 
     @staticmethod
     async def _trainer_registration(cfg: RunConfig) -> str:
-        """"registered" when the synchronizer lists the run's trainer, else what it lists."""
+        """"registered" when the synchronizer lists the run's trainer, else what it lists instead."""
         from flywheel.runtime.auth import resolve_token
         from flywheel.synchronizer.client import SynchronizerClient
 
@@ -359,7 +353,7 @@ class LocalRun:
         finally:
             await client.close()
         ids = [c.id for c in components]
-        return "registered" if cfg.services.trainer_id in ids else f"registered: {ids}"
+        return "registered" if cfg.services.trainer_id in ids else f"the synchronizer lists {ids}"
 
     def stop_services(self) -> None:
         if self.supervisor is None:

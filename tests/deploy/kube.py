@@ -60,18 +60,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.deploy.cluster import DnsServer, Host, NamespaceCluster
-from tests.deploy.manifests import ROOT, image_files, k8s_env, k8s_expand
+from tests.deploy.manifests import ROOT, WORKLOAD_KINDS, image_files, k8s_env, k8s_expand, selects, workloads
 
 CLUSTER_DOMAIN = "cluster.local"
-WORKLOADS = ("Deployment", "StatefulSet", "Job")
 PROBE_DEFAULTS = {"initialDelaySeconds": 0, "periodSeconds": 10, "timeoutSeconds": 1,
                   "successThreshold": 1, "failureThreshold": 3}
 #: The image's ENV and WORKDIR (Dockerfile), with the virtualenv standing in for /opt/venv.
 IMAGE_PATH = f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
 
 
 @dataclass
@@ -136,7 +131,7 @@ class Kube:
         self.errors: list[str] = []
         self._dns: DnsServer | None = None
         unknown = {o["kind"] for o in objects} - {"Namespace", "ConfigMap", "Secret", "Service", "PersistentVolumeClaim",
-                                                  "PodDisruptionBudget", *WORKLOADS}
+                                                  "PodDisruptionBudget", *WORKLOAD_KINDS}
         assert not unknown, f"kinds this emulation does not run: {unknown}"
 
     # -- objects ----------------------------------------------------------------
@@ -151,7 +146,7 @@ class Kube:
                 for port in svc["spec"]["ports"]:
                     self._spawn(self._proxy, name, port)
         self._dns = DnsServer(self.cluster.gateway, self._records)
-        for workload in [o for o in self.objects if o["kind"] in WORKLOADS]:
+        for workload in workloads(self.objects):
             replicas = 1 if workload["kind"] == "Job" else workload["spec"].get("replicas", 1)
             for index in range(replicas):
                 self._create_pod(workload, index)
@@ -371,7 +366,7 @@ class Kube:
     def endpoints(self, service: str) -> list[Pod]:
         svc = self.services[service]["spec"]
         # A pod has its IP from the start (init containers run in its network namespace already).
-        chosen = [p for p in self.pods if _selects(svc["selector"], p.labels) and p.phase in ("Pending", "Running")]
+        chosen = [p for p in self.pods if selects(svc["selector"], p.labels) and p.phase in ("Pending", "Running")]
         return chosen if svc.get("publishNotReadyAddresses") else [p for p in chosen if p.ready]
 
     def resolve(self, name: str) -> list[str]:

@@ -18,13 +18,14 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
 import yaml
 
 from flywheel.runtime.auth import TOKEN_ENV, TOKEN_FILE_ENV
+from flywheel.runtime.config import resolve
 from flywheel.runtime.entry import env_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -241,3 +242,95 @@ def clean_env(extra: dict[str, str], home: Path) -> dict[str, str]:
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(home), "PYTHONPATH": str(ROOT)}
     env.update(extra)
     return env
+
+
+# ---------------------------------------------------------------- what a container ends up with
+
+
+def resolved(container: Container):
+    """The config the container's service ends up with, from the container's env alone."""
+    return resolve(config_class(container.service), env=container.env, env_prefix=container.prefix)
+
+
+def expected_ports(container: Container) -> dict[str, int]:
+    config = resolved(container)
+    ports = {"grpc": config.server.port, "metrics": config.server.metrics_port}
+    if hasattr(config, "http_port"):
+        ports["http"] = config.http_port
+    if hasattr(config, "status_port"):
+        ports["http"] = config.status_port
+    return ports
+
+
+def k8s_mounts(c: Container) -> dict[PurePosixPath, dict]:
+    """mount path -> {volume, readOnly}"""
+    volumes = {v["name"]: v for v in c.pod["spec"].get("volumes", [])}
+    return {
+        PurePosixPath(m["mountPath"]): {"volume": volumes[m["name"]], "readOnly": m.get("readOnly", False)}
+        for m in c.raw.get("volumeMounts", [])
+    }
+
+
+def workloads(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] in WORKLOAD_KINDS]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """Whether a Service's (or budget's) selector picks pods with these labels."""
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def compose_mounts(c: Container) -> dict[PurePosixPath, dict]:
+    mounts = {}
+    for volume in c.raw.get("volumes", []):
+        parts = volume.split(":")
+        mounts[PurePosixPath(parts[1])] = {"source": parts[0], "readOnly": parts[2:] == ["ro"]}
+    return mounts
+
+
+def default_profiles() -> set[str]:
+    """The profiles plain `docker compose up` activates: COMPOSE_PROFILES from the project's .env."""
+    dotenv = ROOT / ".env"
+    value = read_env_file(dotenv).get("COMPOSE_PROFILES", "") if dotenv.exists() else ""
+    assert value, "`docker compose up` starts no trainer or rollout: put COMPOSE_PROFILES=cpu in the repository's .env"
+    return {p for p in value.split(",") if p}
+
+
+def compose_names(compose: dict[str, Any]) -> dict[str, set[str]]:
+    """DNS name -> the compose services answering to it (their names and network aliases)."""
+    names: dict[str, set[str]] = {}
+    for name, spec in compose["services"].items():
+        for alias in [name, *((spec.get("networks") or {}).get("default") or {}).get("aliases", [])]:
+            names.setdefault(alias, set()).add(name)
+    return names
+
+
+def run_file(c: Container, k8s_objects: list[dict] | None) -> dict[str, Any]:
+    """The run file a controller container runs (`run FILE`), read where the container finds it."""
+    path = PurePosixPath(c.args[1])
+    if c.pod and path.parent in k8s_mounts(c):
+        volume = k8s_mounts(c)[path.parent]["volume"]
+        configmaps = {o["metadata"]["name"]: o for o in k8s_objects or [] if o["kind"] == "ConfigMap"}
+        return yaml.safe_load(configmaps[volume["configMap"]["name"]]["data"][path.name])
+    # The image's copy, or compose's bind mount of the same repository directory.
+    (image_dir,) = [d for d in image_files() if path.is_relative_to(d)]
+    return yaml.safe_load((image_files()[image_dir] / path.relative_to(image_dir)).read_text())
+
+
+def run_config(c: Container, k8s_objects: list[dict] | None) -> Any:
+    """The run config the controller's `run` ends up with (file, then FLYWHEEL_RUN__* variables),
+    parsed by the controller's own code."""
+    from services.controller.launcher.spec import split_run_file
+    from flywheel.runtime.config import deep_merge
+    from services.controller.local_run import run_env_overrides
+    from services.controller.run_config import parse_run_config
+
+    _, data = split_run_file(run_file(c, k8s_objects), c.source)
+    deep_merge(data, run_env_overrides(c.env))
+    assert "services" in data, f"{c.source}: the run names no services; the launcher would start its own"
+    data.setdefault("model", {}).setdefault("name", "served")
+    for split in ("train", "validation"):  # the launcher generates these files at run time
+        section = data.get("data", {}).get(split)
+        if section is not None and not {"path", "items", "hf_name"} & set(section):
+            section["items"] = [{"question": "1 + 1", "answer": "2"}]
+    return parse_run_config(data, c.source)

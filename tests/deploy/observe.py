@@ -48,13 +48,21 @@ def check_dashboard(scrapes: dict[str, str]) -> None:
             assert names <= exported, f"dashboard query {target['expr']}: {names - exported} not scraped"
 
 
+def chromium(url: str, *args: str) -> str:
+    """Headless Chromium on `url` after its scripts ran for 4 s of virtual time (e.g. `--dump-dom`,
+    `--screenshot=FILE`); its stdout."""
+    assert CHROMIUM is not None, "headless Chromium is not installed (Debian package `chromium`)"
+    return subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1400,1000",
+         "--virtual-time-budget=4000", *args, url],
+        capture_output=True, text=True, timeout=90).stdout
+
+
 def check_page_in_browser(page: str, component_ids: list[str]) -> None:
     """The page as Chromium renders it (scripts run) shows every component; skipped without Chromium."""
     if not CHROMIUM:
         return
-    dom = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000", "--dump-dom", page],
-        capture_output=True, text=True, timeout=90).stdout
+    dom = chromium(page, "--dump-dom")
     for cid in component_ids:
         assert f'data-id="{cid}"' in dom, f"status page lacks {cid}"
 

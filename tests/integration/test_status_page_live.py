@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -30,11 +29,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from flywheel.controller.v1 import controller_pb2 as pb
 from flywheel.controller.v1 import controller_pb2_grpc as pb_grpc
+from tests.deploy.observe import CHROMIUM, chromium
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOT_ENV = "FLYWHEEL_STATUS_SCREENSHOT"  # where to keep the screenshot (the test writes one in its tmp dir)
 
 
@@ -65,15 +64,6 @@ def wait_for(what: str, ready, proc: subprocess.Popen, timeout: float = 300.0):
 def get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as reply:
         return json.loads(reply.read())
-
-
-def chromium(url: str, *args: str) -> str:
-    out = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1400,1000",
-         "--virtual-time-budget=4000", *args, url],
-        capture_output=True, text=True, timeout=90,
-    )
-    return out.stdout
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian package `chromium`)")

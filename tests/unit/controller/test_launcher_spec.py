@@ -126,7 +126,7 @@ def test_named_services_are_waited_for_until_serving(tmp_path, monkeypatch):
         asked.append(address)
         return answers[address].pop(0)
 
-    registrations = ["registered: []", "registered"]
+    registrations = ["the synchronizer lists []", "registered"]
 
     async def fake_registration(cfg):
         asked.append("registration")
@@ -153,7 +153,7 @@ def test_a_trainer_never_registering_times_out_naming_its_settings(tmp_path, mon
         return "SERVING"
 
     async def unregistered(cfg):
-        return "registered: ['rollout-a-50053']"
+        return "the synchronizer lists ['rollout-a-50053']"
 
     monkeypatch.setattr(health, "check_health", serving)
     monkeypatch.setattr(LocalRun, "_trainer_registration", staticmethod(unregistered))
