@@ -23,6 +23,16 @@ class FinishReason(str, Enum):
 
 
 @dataclass(frozen=True)
+class OutputConstraint:
+    """What the generated text must match (structured output), enforced by the engine while it samples."""
+
+    #: "json_schema": `value` is a JSON schema (as JSON text); "json_object": any JSON object;
+    #: "structural_tag": `value` is an xgrammar structural tag (as JSON text).
+    kind: str
+    value: str = ""
+
+
+@dataclass(frozen=True)
 class SamplingSpec:
     """Sampling parameters, with vLLM's names, meanings and defaults."""
 
@@ -41,3 +51,5 @@ class SamplingSpec:
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    #: Structured output (OpenAI's response_format, forced tool calls); None: free text.
+    constraint: OutputConstraint | None = None

@@ -73,7 +73,12 @@ def build(config: RolloutConfig) -> ServiceSpec:
                                           "weight_version": engine.version})
         server = config.server
         token = resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
-        http = HttpServer(create_app(core, config, token), server.host, config.http_port)
+        from services.rollout.link import default_component_id
+        from services.rollout.sessions import SessionStore
+
+        sessions = SessionStore(default_ttl_seconds=config.sessions.ttl_seconds, max_open=config.sessions.max_open)
+        replica = config.synchronizer.component_id or default_component_id(config, state["grpc_port"])
+        http = HttpServer(create_app(core, config, token, sessions, replica), server.host, config.http_port)
         await http.start()
         state["http"] = http
         if server.ready_file is not None:

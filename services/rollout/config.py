@@ -30,6 +30,10 @@ class EngineConfig(StrictModel):
         "the transformers engine reads dtype, max_model_len, seed and tokenizer from them",
     )
     initial_version: int = Field(0, ge=0, description="weight version of the weights in model_path (0: base model)")
+    tool_parser: Literal["hermes"] = Field(
+        "hermes", description="how the served model writes tool calls (parsed into OpenAI tool_calls, and the "
+        "format forced tool calls are constrained to); hermes: <tool_call>{json}</tool_call>, as Qwen and SmolLM2"
+    )
 
 
 class LimitsConfig(StrictModel):
@@ -60,6 +64,14 @@ class UpdatesConfig(StrictModel):
     )
 
 
+class SessionsConfig(StrictModel):
+    ttl_seconds: float = Field(
+        1800.0, gt=0, description="an agent session's records are freed this long after its last use, in seconds "
+        "(unless the controller that opened it asks for another ttl)"
+    )
+    max_open: int = Field(4096, ge=1, description="sessions kept at once; opening more is refused (HTTP 429)")
+
+
 class SynchronizerLinkConfig(PresenceConfig):
     """Where and as whom the rollout registers (it then follows the
     synchronizer's policy: services.rollout.follower); the shared fields (advertise_address, heartbeat, deadlines, retries) are
@@ -85,6 +97,9 @@ class RolloutConfig(StrictModel):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="the inference engine")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="backpressure and request limits")
     updates: UpdatesConfig = Field(default_factory=UpdatesConfig, description="weight updates")
+    sessions: SessionsConfig = Field(
+        default_factory=SessionsConfig, description="external agents' sessions (token-exact records per episode)"
+    )
     synchronizer: SynchronizerLinkConfig = Field(
         default_factory=SynchronizerLinkConfig, description="registration with the synchronizer and following it"
     )

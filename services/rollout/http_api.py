@@ -4,15 +4,21 @@ bodies are in `http_stream`.
 
     GET  /v1/models            the served model (with its weight version)
     POST /v1/completions       text or token-id prompts; SSE when stream=true
-    POST /v1/chat/completions  chat messages (+ tools); SSE when stream=true
+    POST /v1/chat/completions  chat messages, tools, structured output; SSE when stream=true
+    POST /v1/responses         the Responses API (services.rollout.http_responses)
     GET  /health               200 once a model is served (no auth)
     GET  /metrics              Prometheus text (no auth, like the metrics port)
+
+Agent sessions (services.rollout.sessions): the same four API routes under
+`/sessions/{id}/v1/`, authorized by that session's key and recorded
+token-exact, plus `POST /sessions/{id}/v1/finish` ({"reward": x}) for the
+agent; `POST /v1/sessions`, `GET` and `DELETE /v1/sessions/{id}` for the
+controller (service token).
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import math
 from typing import Any
 
@@ -20,67 +26,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-from pydantic import BaseModel, ValidationError
 
 from flywheel.errors import FlywheelError, InvalidArgument, NotFound, Unauthenticated
 from services.rollout import sampling
+from services.rollout.chat import ChatTurn, prepare_turn, record, reply_of, response_format_constraint
 from services.rollout.config import RolloutConfig
-from services.rollout.core import PromptOutput, QueueFull, RolloutCore
+from services.rollout.core import PromptOutput, RolloutCore
+from services.rollout.http_common import error_response, json_body, json_response, parse
+from services.rollout.http_responses import responses_route
 from services.rollout.http_stream import chat_stream, completion_stream
 from services.rollout.openai_protocol import (
     ChatRequest, CompletionRequest, chat_logprobs, completion_logprobs, envelope, new_id, usage, version_of,
 )
-from services.rollout.prompts import ChatPrompt, PromptInput, TextPrompt, TokenPrompt
-from services.rollout.tool_calls import parse_tool_calls
-
-HTTP_STATUS = {
-    "INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403,
-    "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "FAILED_PRECONDITION": 409, "ABORTED": 409,
-    "RESOURCE_EXHAUSTED": 429, "UNIMPLEMENTED": 501, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
-}
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": None, "code": status}}
-
-
-def _error_response(exc: Exception) -> JSONResponse:
-    code = getattr(exc, "code", "INTERNAL")
-    status = HTTP_STATUS.get(code, 500)
-    headers = {}
-    if isinstance(exc, QueueFull):
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_seconds)))
-    return JSONResponse(error_body(status, str(exc)), status_code=status, headers=headers)
-
-
-def _validation_message(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "body"
-    if err["type"] == "extra_forbidden":
-        return f"{where}: unknown parameter"
-    return f"{where}: {err['msg']}"
-
-
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidArgument(f"body: not valid UTF-8 (byte {exc.start})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"body: not valid JSON: {exc}") from None
-    try:
-        body = model.model_validate(data)
-    except ValidationError as exc:
-        raise InvalidArgument(_validation_message(exc)) from None
-    unsupported = body.unsupported()
-    if unsupported:
-        raise InvalidArgument(f"{unsupported[0]}: not supported by this server")
-    return body
-
+from services.rollout.prompts import PromptInput, TextPrompt, TokenPrompt
+from services.rollout.sessions import Session, SessionStore
+from services.rollout.tool_calls import tool_format
 
 def _completion_prompts(prompt: Any) -> list[PromptInput]:
     if isinstance(prompt, str):
@@ -94,24 +54,36 @@ def _completion_prompts(prompt: Any) -> list[PromptInput]:
     return [TokenPrompt(list(p)) for p in prompt]
 
 
-def create_app(core: RolloutCore, config: RolloutConfig, token: str | None) -> FastAPI:
+def create_app(core: RolloutCore, config: RolloutConfig, token: str | None, sessions: SessionStore,
+               replica: str) -> FastAPI:
+    """`replica`: this rollout's name in session records (its synchronizer component id)."""
     app = FastAPI(title="Flywheel rollout", docs_url=None, redoc_url=None, openapi_url=None)
     expected = f"Bearer {token}".encode() if token else None
     limits = config.limits
+    tools_format = tool_format(config.engine.tool_parser)
 
-    def authorize(request: Request) -> None:
+    def authorize(request: Request) -> Session | None:
+        """The session of a session-scoped route (its key checked), else the service token checked."""
+        session_id = request.path_params.get("session_id")
+        if session_id is not None:
+            return sessions.authorize(session_id, request.headers.get("authorization", ""))
         if expected is not None:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 raise Unauthenticated("missing or wrong bearer token")
+        return None
 
     @app.exception_handler(FlywheelError)
     async def flywheel_error(request: Request, exc: FlywheelError) -> JSONResponse:
-        return _error_response(exc)
+        return error_response(exc)
 
     def check_model(name: str | None) -> None:
         if name and name != core.model_name:
             raise NotFound(f"model: {name!r} is not served here; this server serves {core.model_name!r}")
+
+    def one_choice(session: Session | None, n: int | None) -> None:
+        if session is not None and (n or 1) != 1:
+            raise InvalidArgument(f"n: a session records one answer per call; got n={n}")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -131,57 +103,111 @@ def create_app(core: RolloutCore, config: RolloutConfig, token: str | None) -> F
     async def models(request: Request) -> Response:
         authorize(request)
         s = core.status()
-        return _json({"object": "list", "data": [{
+        return json_response({"object": "list", "data": [{
             "id": core.model_name, "object": "model", "created": 0, "owned_by": "flywheel",
             "max_model_len": s.max_model_len, "weight_version": s.version,
         }]})
 
     async def completions(request: Request) -> Response:
-        authorize(request)
-        body: CompletionRequest = await _parse(request, CompletionRequest)
+        session = authorize(request)
+        body: CompletionRequest = await parse(request, CompletionRequest)
         check_model(body.model)
+        one_choice(session, body.n)
         inputs = _completion_prompts(body.prompt)
+        if session is not None and len(inputs) > 1:
+            raise InvalidArgument("prompt: a session records one prompt per call")
         spec = sampling.from_openai(body, max_top_logprobs=limits.max_top_logprobs, max_tokens=body.max_tokens,
                                     top_logprobs=body.logprobs or 0)
         many = len(inputs) > 1
         prompts = [core.resolve(p, f"prompt[{i}]" if many else "", body.request_id or "") for i, p in enumerate(inputs)]
         reservation = core.reserve(len(prompts) * spec.n)
+
+        def on_final(prompt_ids: list[int], sample: Any) -> None:
+            record(session, "completions", None, prompt_ids, sample, replica)
+
         if body.stream:
             # The background task releases the reservation even if the body never ran.
-            return StreamingResponse(completion_stream(core, body, prompts, spec, reservation),
+            return StreamingResponse(completion_stream(core, body, prompts, spec, reservation, on_final),
                                      media_type="text/event-stream", background=BackgroundTask(reservation.release))
         outputs = await core.generate(prompts, spec, reservation)
-        return _json(_completion_body(core, body, outputs))
+        for output in outputs:
+            for sample in output.samples:
+                on_final(output.prompt_ids, sample)
+        return json_response(_completion_body(core, body, outputs))
 
     async def chat(request: Request) -> Response:
-        authorize(request)
-        body: ChatRequest = await _parse(request, ChatRequest)
+        session = authorize(request)
+        body: ChatRequest = await parse(request, ChatRequest)
         check_model(body.model)
-        tools = body.tools if body.tool_choice != "none" else None
-        prompt = core.resolve(ChatPrompt(body.messages, tools, body.add_generation_prompt), "", body.request_id or "")
+        one_choice(session, body.n)
+        turn = prepare_turn(
+            core, messages=body.messages, tools=body.tools, tool_choice=body.tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls, session=session, tool_format=tools_format,
+            response_format=response_format_constraint(body.response_format, "response_format"),
+            add_generation_prompt=body.add_generation_prompt, request_id=body.request_id or "",
+        )
         if body.top_logprobs and not body.logprobs:
             raise InvalidArgument("top_logprobs: needs logprobs=true")
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
-            max_tokens = core.status().max_model_len - len(prompt.ids)
+            max_tokens = core.status().max_model_len - len(turn.prompt.ids)
         spec = sampling.from_openai(body, max_top_logprobs=limits.max_top_logprobs, max_tokens=max_tokens,
-                                    top_logprobs=body.top_logprobs or 0)
+                                    top_logprobs=body.top_logprobs or 0, constraint=turn.constraint)
         reservation = core.reserve(spec.n)
+
+        def on_final(sample: Any, reply: dict[str, Any]) -> None:
+            record(session, "chat.completions", turn, turn.prompt.ids, sample, replica, reply)
+
         if body.stream:
-            return StreamingResponse(chat_stream(core, body, prompt, spec, reservation),
+            return StreamingResponse(chat_stream(core, body, turn, spec, reservation, on_final),
                                      media_type="text/event-stream", background=BackgroundTask(reservation.release))
-        (output,) = await core.generate([prompt], spec, reservation)
-        return _json(_chat_body(core, body, output))
+        (output,) = await core.generate([turn.prompt], spec, reservation)
+        return json_response(_chat_body(core, body, turn, output, on_final))
 
-    app.add_route("/v1/models", models, methods=["GET"])
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    async def open_session(request: Request) -> Response:
+        authorize(request)
+        data = await json_body(request) if await request.body() else {}
+        ttl = data.get("ttl_seconds") if isinstance(data, dict) else None
+        metadata = data.get("metadata") if isinstance(data, dict) else None
+        if ttl is not None and (not isinstance(ttl, (int, float)) or not 0 < ttl <= 7 * 86400):
+            raise InvalidArgument(f"ttl_seconds: must be a number of seconds in (0, 604800], got {ttl!r}")
+        if metadata is not None and not (isinstance(metadata, dict) and
+                                         all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+            raise InvalidArgument("metadata: must map strings to strings")
+        session = sessions.open(ttl, metadata)
+        return json_response({"id": session.id, "key": session.key, "base_path": f"/sessions/{session.id}/v1",
+                      "expires_in": session.ttl_seconds})
+
+    async def get_session(request: Request) -> Response:
+        authorize(request)
+        return json_response(sessions.get(request.path_params["id"]).tojson_response())
+
+    async def delete_session(request: Request) -> Response:
+        authorize(request)
+        sessions.delete(request.path_params["id"])
+        return json_response({"id": request.path_params["id"], "deleted": True})
+
+    async def finish_session(request: Request) -> Response:
+        session = authorize(request)
+        assert session is not None
+        data = await json_body(request) if await request.body() else {}
+        reward = data.get("reward") if isinstance(data, dict) else None
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                                   or not math.isfinite(reward)):
+            raise InvalidArgument(f"reward: must be a finite number or null, got {reward!r}")
+        return json_response(sessions.finish(session.id, None if reward is None else float(reward)).tojson_response())
+
+    responses = responses_route(core, config, authorize, check_model, tools_format, replica)
+    for prefix in ("/v1", "/sessions/{session_id}/v1"):
+        app.add_route(f"{prefix}/models", models, methods=["GET"])
+        app.add_route(f"{prefix}/completions", completions, methods=["POST"])
+        app.add_route(f"{prefix}/chat/completions", chat, methods=["POST"])
+        app.add_route(f"{prefix}/responses", responses, methods=["POST"])
+    app.add_route("/sessions/{session_id}/v1/finish", finish_session, methods=["POST"])
+    app.add_route("/v1/sessions", open_session, methods=["POST"])
+    app.add_route("/v1/sessions/{id}", get_session, methods=["GET"])
+    app.add_route("/v1/sessions/{id}", delete_session, methods=["DELETE"])
     return app
-
-
-def _json(body: dict[str, Any]) -> Response:
-    # Plain JSON types already: skips FastAPI's recursive jsonable_encoder.
-    return Response(json.dumps(body, separators=(",", ":")).encode(), media_type="application/json")
 
 
 def _completion_body(core: RolloutCore, body: CompletionRequest, outputs: list[PromptOutput]) -> dict[str, Any]:
@@ -210,16 +236,12 @@ def _completion_body(core: RolloutCore, body: CompletionRequest, outputs: list[P
     }
 
 
-def _chat_body(core: RolloutCore, body: ChatRequest, output: PromptOutput) -> dict[str, Any]:
+def _chat_body(core: RolloutCore, body: ChatRequest, turn: ChatTurn, output: PromptOutput,
+               on_final: Any) -> dict[str, Any]:
     choices = []
     for s in output.samples:
-        message: dict[str, Any] = {"role": "assistant", "content": s.text}
-        finish = s.finish_reason
-        if output_tools := body.tools if body.tool_choice != "none" else None:
-            content, calls = parse_tool_calls(s.text) if output_tools else (s.text, [])
-            if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": calls}
-                finish = "tool_calls" if finish == "stop" else finish
+        message, finish = reply_of(turn, s)
+        on_final(s, message)
         choices.append({
             "index": s.index,
             "message": message,

@@ -2,8 +2,9 @@
 
 Each sample's tokens go out as they come, with Flywheel's `token_ids` on
 every chunk; a sample's last chunk has its `finish_reason` and
-`weight_version`. With tools, text from a `<tool_call>` marker on is held
-back and sent as parsed `tool_calls` at the end. Admission happened before
+`weight_version`. With tools, text from the tool-call marker on is held back
+and sent as parsed `tool_calls` at the end. `on_final` is told of every
+finished sample (session records). Admission happened before
 the response started (a full queue is a 429, not a broken stream); an error
 mid-stream is sent as an `error` event before `[DONE]`.
 """
@@ -12,30 +13,30 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from flywheel.errors import FlywheelError
+from services.rollout.chat import ChatTurn, reply_of
 from services.rollout.core import Reservation, RolloutCore
-from services.rollout.engine.base import Delta, SamplingSpec
+from services.rollout.engine.base import Delta, SampleOutput, SamplingSpec
 from services.rollout.openai_protocol import (
     ChatRequest, CompletionRequest, chat_logprobs, completion_logprobs, envelope, new_id, usage,
 )
 from services.rollout.prompts import ResolvedPrompt
-from services.rollout.tool_calls import parse_tool_calls, streamable_prefix
 
 
-def _sse(data: Any) -> str:
+def sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 def _error_event(exc: BaseException) -> str:
     status = 429 if getattr(exc, "code", "") == "RESOURCE_EXHAUSTED" else 400 if isinstance(exc, FlywheelError) else 500
-    return _sse({"error": {"message": str(exc), "type": "server_error" if status == 500 else "invalid_request_error",
+    return sse({"error": {"message": str(exc), "type": "server_error" if status == 500 else "invalid_request_error",
                            "code": status}})
 
 
-async def _merged(core: RolloutCore, prompts: list[ResolvedPrompt], spec: SamplingSpec,
+async def merged(core: RolloutCore, prompts: list[ResolvedPrompt], spec: SamplingSpec,
                   reservation: Reservation) -> AsyncIterator[tuple[int, list[Delta]]]:
     """(prompt index, deltas) from every prompt's stream as they arrive."""
     if len(prompts) == 1:
@@ -83,12 +84,13 @@ class _Shared:
 
 
 async def completion_stream(core: RolloutCore, body: CompletionRequest, prompts: list[ResolvedPrompt],
-                            spec: SamplingSpec, reservation: Reservation) -> AsyncIterator[str]:
+                            spec: SamplingSpec, reservation: Reservation,
+                            on_final: Callable[[list[int], SampleOutput], None]) -> AsyncIterator[str]:
     rid, completion_tokens = new_id("cmpl"), 0
     base = envelope("text_completion", rid, core.model_name)
     offsets: dict[int, int] = {}
     try:
-        async for p, deltas in _merged(core, prompts, spec, reservation):
+        async for p, deltas in merged(core, prompts, spec, reservation):
             for d in deltas:
                 index = p * spec.n + d.index
                 choice: dict[str, Any] = {"index": index, "text": d.text, "logprobs": None, "finish_reason": None,
@@ -100,49 +102,49 @@ async def completion_stream(core: RolloutCore, body: CompletionRequest, prompts:
                 chunk = {**base, "choices": [choice]}
                 if d.final is not None:
                     f = d.final
+                    on_final(prompts[p].ids, f)
                     completion_tokens += len(f.token_ids)
                     choice["finish_reason"] = f.finish_reason
                     choice["stop_reason"] = f.stop_reason or None
                     choice["prompt_token_ids"] = prompts[p].ids
                     choice["weight_version"] = chunk["weight_version"] = {"start": f.version_start, "end": f.version_end}
-                yield _sse(chunk)
+                yield sse(chunk)
         if body.stream_options and body.stream_options.include_usage:
-            yield _sse({**base, "choices": [], "usage": usage(sum(len(p.ids) for p in prompts), completion_tokens)})
+            yield sse({**base, "choices": [], "usage": usage(sum(len(p.ids) for p in prompts), completion_tokens)})
     except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
         yield _error_event(exc)
     yield "data: [DONE]\n\n"
 
 
-async def chat_stream(core: RolloutCore, body: ChatRequest, prompt: ResolvedPrompt, spec: SamplingSpec,
-                      reservation: Reservation) -> AsyncIterator[str]:
+async def chat_stream(core: RolloutCore, body: ChatRequest, turn: ChatTurn, spec: SamplingSpec,
+                      reservation: Reservation,
+                      on_final: Callable[[SampleOutput, dict[str, Any]], None]) -> AsyncIterator[str]:
     rid, completion_tokens = new_id("chatcmpl"), 0
     base = envelope("chat.completion.chunk", rid, core.model_name)
-    tools = bool(body.tools) and body.tool_choice != "none"
+    prompt = turn.prompt
     texts: dict[int, str] = {}
     sent: dict[int, int] = {}
     try:
         for index in range(spec.n):
-            yield _sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}],
-                        "prompt_token_ids": prompt.ids})
-        async for _, deltas in _merged(core, [prompt], spec, reservation):
+            yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}],
+                       "prompt_token_ids": prompt.ids})
+        async for _, deltas in merged(core, [prompt], spec, reservation):
             for d in deltas:
                 i = d.index
                 texts[i] = d.final.text if d.final is not None else texts.get(i, "") + d.text
                 full, start = texts[i], sent.get(i, 0)
-                end = len(full) if d.final is not None or not tools else streamable_prefix(full)
+                end = len(full) if d.final is not None or not turn.tools else turn.tool_format.streamable_prefix(full)
                 delta: dict[str, Any] = {"content": full[start:end]} if end > start else {}
-                finish, calls = None, []
+                finish = None
                 if d.final is not None:
                     completion_tokens += len(d.final.token_ids)
-                    finish = d.final.finish_reason
-                    if tools:
-                        content, calls = parse_tool_calls(full)
-                        if calls:
-                            head = (content or "")[start:]
-                            delta = {"content": head} if head else {}
-                            delta["tool_calls"] = [{**c, "index": k} for k, c in enumerate(calls)]
-                            finish = "tool_calls" if finish == "stop" else finish
+                    reply, finish = reply_of(turn, d.final)
+                    on_final(d.final, reply)
+                    if calls := reply.get("tool_calls"):
+                        head = (reply["content"] or "")[start:]
+                        delta = {"content": head} if head else {}
+                        delta["tool_calls"] = [{**c, "index": k} for k, c in enumerate(calls)]
                 sent[i] = max(start, end)
                 choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": finish, "token_ids": d.token_ids,
                                           "logprobs": chat_logprobs(core.codec, d.token_ids, d.logprobs, d.top_logprobs)
@@ -152,9 +154,9 @@ async def chat_stream(core: RolloutCore, body: ChatRequest, prompt: ResolvedProm
                     f = d.final
                     choice["stop_reason"] = f.stop_reason or None
                     choice["weight_version"] = chunk["weight_version"] = {"start": f.version_start, "end": f.version_end}
-                yield _sse(chunk)
+                yield sse(chunk)
         if body.stream_options and body.stream_options.include_usage:
-            yield _sse({**base, "choices": [], "usage": usage(len(prompt.ids), completion_tokens)})
+            yield sse({**base, "choices": [], "usage": usage(len(prompt.ids), completion_tokens)})
     except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
         yield _error_event(exc)
     yield "data: [DONE]\n\n"

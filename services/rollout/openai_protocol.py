@@ -22,6 +22,9 @@ from services.rollout.text import TextCodec
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    def unsupported(self) -> list[str]:
+        return []
+
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
@@ -78,22 +81,48 @@ class CompletionRequest(_Common):
 class ChatRequest(_Common):
     messages: list[Any]
     tools: list[Any] | None = None
+    #: "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0)
+    #: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}.
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
+
+class ResponsesRequest(_Strict):
+    """POST /v1/responses. Stored-conversation features resolve only within a session."""
+
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    #: {"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}.
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    # Accepted and echoed, or meaningless here: nothing is stored beyond the session's records.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    # vLLM's extensions and Flywheel's, as in chat completions.
+    top_k: int | None = None
+    seed: int | None = None
+    request_id: str | None = None
+
     def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        if self.response_format and self.response_format.get("type") != "text":
-            bad.append("response_format")
-        if self.tool_choice not in (None, "none", "auto"):
-            bad.append("tool_choice")
-        return bad
+        return ["reasoning"] if self.reasoning and self.reasoning.get("effort") not in (None, "none", "minimal") else []
 
 
 def new_id(prefix: str) -> str:

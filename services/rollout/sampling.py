@@ -12,6 +12,7 @@ from typing import Any
 
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
+from flywheel.common.types import OutputConstraint
 from services.rollout.engine.base import SamplingSpec
 
 MAX_N = 256
@@ -35,6 +36,7 @@ def make_spec(
     repetition_penalty: float = 1.0,
     ignore_eos: bool = False,
     skip_special_tokens: bool = True,
+    constraint: OutputConstraint | None = None,
 ) -> SamplingSpec:
     """A validated spec; `field` prefixes the names in error messages."""
 
@@ -93,6 +95,7 @@ def make_spec(
         repetition_penalty=float(repetition_penalty),
         ignore_eos=bool(ignore_eos),
         skip_special_tokens=bool(skip_special_tokens),
+        constraint=constraint,
     )
 
 
@@ -116,8 +119,9 @@ def from_proto(params: common_pb2.SamplingParams, *, max_top_logprobs: int, fiel
     )
 
 
-def from_openai(body: Any, *, max_top_logprobs: int, max_tokens: int | None, top_logprobs: int) -> SamplingSpec:
-    """From a validated OpenAI request model (completions or chat)."""
+def from_openai(body: Any, *, max_top_logprobs: int, max_tokens: int | None, top_logprobs: int,
+                constraint: OutputConstraint | None = None) -> SamplingSpec:
+    """From a validated OpenAI request model (completions, chat or responses)."""
     return make_spec(
         field="",
         max_top_logprobs=max_top_logprobs,
@@ -134,4 +138,5 @@ def from_openai(body: Any, *, max_top_logprobs: int, max_tokens: int | None, top
         repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
         ignore_eos=bool(body.ignore_eos),
         skip_special_tokens=body.skip_special_tokens if body.skip_special_tokens is not None else True,
+        constraint=constraint,
     )

@@ -94,6 +94,8 @@ class Engine(abc.ABC):
     max_model_len: int
     #: Token ids are valid in [0, vocab_size).
     vocab_size: int
+    #: Whether it enforces `SamplingSpec.constraint` (structured output) while sampling.
+    supports_constraints: bool = False
 
     @abc.abstractmethod
     async def start(self) -> None:

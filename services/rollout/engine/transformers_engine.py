@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from flywheel.errors import FailedPrecondition
+from flywheel.errors import FailedPrecondition, InvalidArgument
 from services.rollout.engine.base import Delta, Engine, EngineLoad, PauseMode, SamplingSpec, StagedWeights, TensorSpec
 from services.rollout.engine.hf_sequence import Sequence
 from services.rollout.text import TextCodec
@@ -124,6 +124,9 @@ class TransformersEngine(Engine):
     ) -> AsyncIterator[list[Delta]]:
         if request_id in self._requests:
             raise FailedPrecondition(f"request id {request_id!r} is already running")
+        if sampling.constraint is not None:
+            raise InvalidArgument("structured output: the transformers engine cannot constrain what it samples; "
+                                  "serve with engine.kind vllm")
         seqs = []
         for index in range(sampling.n):
             generator = torch.Generator()

@@ -71,6 +71,7 @@ def _checkpoint_dtype(path: Path) -> str:
 
 class VllmEngine(Engine):
     kind = "vllm"
+    supports_constraints = True
 
     def __init__(
         self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0,
@@ -154,14 +155,22 @@ class VllmEngine(Engine):
 
     def _params(self, spec: SamplingSpec, stream: bool) -> Any:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        structured = None
+        if (constraint := spec.constraint) is not None:
+            structured = StructuredOutputsParams(**{
+                "json_schema": {"json": json.loads(constraint.value or "{}")},
+                "json_object": {"json_object": True},
+                "structural_tag": {"structural_tag": constraint.value},
+            }[constraint.kind])
 
         return SamplingParams(
             n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
             max_tokens=spec.max_tokens, stop=list(spec.stop) or None, stop_token_ids=list(spec.stop_token_ids) or None,
             seed=spec.seed, logprobs=spec.top_logprobs, min_tokens=spec.min_tokens,
             repetition_penalty=spec.repetition_penalty, ignore_eos=spec.ignore_eos,
-            skip_special_tokens=spec.skip_special_tokens,
+            skip_special_tokens=spec.skip_special_tokens, structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
 

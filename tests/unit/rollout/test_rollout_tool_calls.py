@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
-from services.rollout.tool_calls import parse_tool_calls, streamable_prefix
+from services.rollout.tool_calls import HermesFormat
+
+parse_tool_calls = HermesFormat().parse
+streamable_prefix = HermesFormat().streamable_prefix
 
 
 def test_tool_calls_are_parsed_with_content_before_them() -> None:
