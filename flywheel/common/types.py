@@ -26,8 +26,7 @@ class FinishReason(str, Enum):
 class OutputConstraint:
     """What the generated text must match (structured output), enforced by the engine while it samples."""
 
-    #: "json_schema": `value` is a JSON schema (as JSON text); "json_object": any JSON object;
-    #: "structural_tag": `value` is an xgrammar structural tag (as JSON text).
+    #: "structural_tag": `value` is an xgrammar structural tag, as JSON text (the one kind so far).
     kind: str
     value: str = ""
 

@@ -8,12 +8,12 @@ tool calls.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from flywheel.common.types import OutputConstraint
 from flywheel.errors import InvalidArgument
+from services.rollout.constraints import json_value, structural
 from services.rollout.core import RolloutCore
 from services.rollout.engine.base import SampleOutput
 from services.rollout.prompts import ChatPrompt, ResolvedPrompt, TokenPrompt, validate_messages, validate_tools
@@ -43,7 +43,7 @@ def response_format_constraint(fmt: Any, field: str) -> OutputConstraint | None:
     if kind in (None, "text"):
         return None
     if kind == "json_object":
-        return OutputConstraint("json_object")
+        return structural(json_value({"type": "object"}))
     if kind == "json_schema":
         # Chat nests the schema under "json_schema"; the Responses API puts it on the format itself.
         spec = fmt.get("json_schema", fmt)
@@ -51,7 +51,7 @@ def response_format_constraint(fmt: Any, field: str) -> OutputConstraint | None:
         if not isinstance(schema, dict):
             where = f"{field}.json_schema.schema" if "json_schema" in fmt else f"{field}.schema"
             raise InvalidArgument(f"{where}: must be a JSON schema object")
-        return OutputConstraint("json_schema", json.dumps(schema))
+        return structural(json_value(schema))
     raise InvalidArgument(f"{field}.type: must be text, json_object or json_schema, got {kind!r}")
 
 

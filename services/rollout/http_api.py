@@ -180,7 +180,7 @@ def create_app(core: RolloutCore, config: RolloutConfig, token: str | None, sess
 
     async def get_session(request: Request) -> Response:
         authorize(request)
-        return json_response(sessions.get(request.path_params["id"]).tojson_response())
+        return json_response(sessions.get(request.path_params["id"]).to_json())
 
     async def delete_session(request: Request) -> Response:
         authorize(request)
@@ -195,7 +195,7 @@ def create_app(core: RolloutCore, config: RolloutConfig, token: str | None, sess
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
                                    or not math.isfinite(reward)):
             raise InvalidArgument(f"reward: must be a finite number or null, got {reward!r}")
-        return json_response(sessions.finish(session.id, None if reward is None else float(reward)).tojson_response())
+        return json_response(sessions.finish(session.id, None if reward is None else float(reward)).to_json())
 
     responses = responses_route(core, config, authorize, check_model, tools_format, replica)
     for prefix in ("/v1", "/sessions/{session_id}/v1"):

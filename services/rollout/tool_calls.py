@@ -21,6 +21,7 @@ from typing import Any
 
 from flywheel.common.types import OutputConstraint
 from flywheel.errors import InvalidArgument
+from services.rollout.constraints import json_value, structural
 
 
 def new_call_id() -> str:
@@ -65,24 +66,22 @@ class HermesFormat:
         return len(text)
 
     def forced(self, tools: list[dict[str, Any]], parallel: bool) -> OutputConstraint:
-        """Output that is one call (or, with `parallel`, one or more) of one of `tools`, in this format.
-
-        An xgrammar structural tag: the call's JSON follows the tool's own
-        parameter schema, so the arguments are valid, not just JSON."""
+        """Output that is one call (or, with `parallel`, one or more) of one of `tools`, in this format:
+        the call's JSON follows the tool's own parameter schema, so the arguments are valid, not just JSON."""
         calls = [{
             "type": "sequence", "elements": [
                 {"type": "const_string", "value": f"{self.OPEN}\n"},
-                {"type": "json_schema", "json_schema": {
+                json_value({
                     "type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                     "properties": {"name": {"const": tool["function"]["name"]},
                                    "arguments": tool["function"].get("parameters") or {"type": "object"}},
-                }},
+                }),
                 {"type": "const_string", "value": f"\n{self.CLOSE}"},
             ],
         } for tool in tools]
         one = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
         fmt = {"type": "repeat", "content": one, "min": 1, "max": -1, "separator": "\n"} if parallel else one
-        return OutputConstraint("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}))
+        return structural(fmt)
 
 
 TOOL_FORMATS = {"hermes": HermesFormat()}

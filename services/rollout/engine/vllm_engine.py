@@ -157,13 +157,8 @@ class VllmEngine(Engine):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-        structured = None
-        if (constraint := spec.constraint) is not None:
-            structured = StructuredOutputsParams(**{
-                "json_schema": {"json": json.loads(constraint.value or "{}")},
-                "json_object": {"json_object": True},
-                "structural_tag": {"structural_tag": constraint.value},
-            }[constraint.kind])
+        constraint = spec.constraint
+        structured = StructuredOutputsParams(structural_tag=constraint.value) if constraint is not None else None
 
         return SamplingParams(
             n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
