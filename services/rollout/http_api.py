@@ -39,7 +39,7 @@ from services.rollout.openai_protocol import (
     ChatRequest, CompletionRequest, chat_logprobs, completion_logprobs, envelope, new_id, usage, version_of,
 )
 from services.rollout.prompts import PromptInput, TextPrompt, TokenPrompt
-from services.rollout.sessions import Session, SessionStore
+from services.rollout.sessions import Session, SessionStore, pace
 from services.rollout.tool_calls import tool_format
 
 def _completion_prompts(prompt: Any) -> list[PromptInput]:
@@ -127,9 +127,9 @@ def create_app(core: RolloutCore, config: RolloutConfig, token: str | None, sess
 
         if body.stream:
             # The background task releases the reservation even if the body never ran.
-            return StreamingResponse(completion_stream(core, body, prompts, spec, reservation, on_final),
+            return StreamingResponse(completion_stream(core, body, prompts, spec, reservation, on_final, pace(session)),
                                      media_type="text/event-stream", background=BackgroundTask(reservation.release))
-        outputs = await core.generate(prompts, spec, reservation)
+        outputs = await core.generate(prompts, spec, reservation, **pace(session))
         for output in outputs:
             for sample in output.samples:
                 on_final(output.prompt_ids, sample)
@@ -159,9 +159,9 @@ def create_app(core: RolloutCore, config: RolloutConfig, token: str | None, sess
             record(session, "chat.completions", turn, turn.prompt.ids, sample, replica, reply)
 
         if body.stream:
-            return StreamingResponse(chat_stream(core, body, turn, spec, reservation, on_final),
+            return StreamingResponse(chat_stream(core, body, turn, spec, reservation, on_final, pace(session)),
                                      media_type="text/event-stream", background=BackgroundTask(reservation.release))
-        (output,) = await core.generate([turn.prompt], spec, reservation)
+        (output,) = await core.generate([turn.prompt], spec, reservation, **pace(session))
         return json_response(_chat_body(core, body, turn, output, on_final))
 
     async def open_session(request: Request) -> Response:

@@ -19,7 +19,7 @@ from services.rollout.engine.base import SamplingSpec
 from services.rollout.http_common import json_response, parse
 from services.rollout.openai_protocol import ResponsesRequest, new_id
 from services.rollout.responses_api import ResponseEvents, chat_tools, conversation, output_items, response_object
-from services.rollout.sessions import Session
+from services.rollout.sessions import Session, pace
 from services.rollout.tool_calls import HermesFormat
 
 #: How the Responses API names the parts of a chat request, in error messages.
@@ -57,9 +57,9 @@ def responses_route(
 
         if body.stream:
             events = ResponseEvents(body, response_id, core.model_name)
-            return StreamingResponse(_stream(core, turn, spec, reservation, events, finished),
+            return StreamingResponse(_stream(core, turn, spec, reservation, events, finished, pace(session)),
                                      media_type="text/event-stream", background=BackgroundTask(reservation.release))
-        (output,) = await core.generate([turn.prompt], spec, reservation)
+        (output,) = await core.generate([turn.prompt], spec, reservation, **pace(session))
         sample = output.samples[0]
         return json_response(response_object(
             body, response_id, core.model_name, status="completed", output=output_items(finished(sample), new_id("msg")),
@@ -70,12 +70,13 @@ def responses_route(
 
 
 async def _stream(core: RolloutCore, turn: ChatTurn, spec: SamplingSpec, reservation: Reservation,
-                  events: ResponseEvents, finished: Callable[[Any], dict[str, Any]]) -> AsyncIterator[str]:
+                  events: ResponseEvents, finished: Callable[[Any], dict[str, Any]],
+                  paced: dict[str, int]) -> AsyncIterator[str]:
     for event in events.start():
         yield event
     text, sent = "", 0
     try:
-        async for deltas in core.generate_stream(turn.prompt, spec, reservation):
+        async for deltas in core.generate_stream(turn.prompt, spec, reservation, **paced):
             for d in deltas:
                 if d.final is None:
                     text += d.text

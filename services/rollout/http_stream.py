@@ -36,11 +36,11 @@ def _error_event(exc: BaseException) -> str:
                            "code": status}})
 
 
-async def merged(core: RolloutCore, prompts: list[ResolvedPrompt], spec: SamplingSpec,
-                  reservation: Reservation) -> AsyncIterator[tuple[int, list[Delta]]]:
-    """(prompt index, deltas) from every prompt's stream as they arrive."""
+async def merged(core: RolloutCore, prompts: list[ResolvedPrompt], spec: SamplingSpec, reservation: Reservation,
+                 paced: dict[str, int]) -> AsyncIterator[tuple[int, list[Delta]]]:
+    """(prompt index, deltas) from every prompt's stream as they arrive; `paced`: a session's step and version."""
     if len(prompts) == 1:
-        async for deltas in core.generate_stream(prompts[0], spec, reservation):
+        async for deltas in core.generate_stream(prompts[0], spec, reservation, **paced):
             yield 0, deltas
         return
     queue: asyncio.Queue = asyncio.Queue()
@@ -50,7 +50,7 @@ async def merged(core: RolloutCore, prompts: list[ResolvedPrompt], spec: Samplin
 
     async def pump(i: int, prompt: ResolvedPrompt) -> None:
         try:
-            async for deltas in core.generate_stream(prompt, spec, _Shared(reservation)):
+            async for deltas in core.generate_stream(prompt, spec, _Shared(reservation), **paced):
                 await queue.put((i, deltas))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             await queue.put(exc)
@@ -85,12 +85,13 @@ class _Shared:
 
 async def completion_stream(core: RolloutCore, body: CompletionRequest, prompts: list[ResolvedPrompt],
                             spec: SamplingSpec, reservation: Reservation,
-                            on_final: Callable[[list[int], SampleOutput], None]) -> AsyncIterator[str]:
+                            on_final: Callable[[list[int], SampleOutput], None],
+                            paced: dict[str, int]) -> AsyncIterator[str]:
     rid, completion_tokens = new_id("cmpl"), 0
     base = envelope("text_completion", rid, core.model_name)
     offsets: dict[int, int] = {}
     try:
-        async for p, deltas in merged(core, prompts, spec, reservation):
+        async for p, deltas in merged(core, prompts, spec, reservation, paced):
             for d in deltas:
                 index = p * spec.n + d.index
                 choice: dict[str, Any] = {"index": index, "text": d.text, "logprobs": None, "finish_reason": None,
@@ -118,7 +119,8 @@ async def completion_stream(core: RolloutCore, body: CompletionRequest, prompts:
 
 async def chat_stream(core: RolloutCore, body: ChatRequest, turn: ChatTurn, spec: SamplingSpec,
                       reservation: Reservation,
-                      on_final: Callable[[SampleOutput, dict[str, Any]], None]) -> AsyncIterator[str]:
+                      on_final: Callable[[SampleOutput, dict[str, Any]], None],
+                      paced: dict[str, int]) -> AsyncIterator[str]:
     rid, completion_tokens = new_id("chatcmpl"), 0
     base = envelope("chat.completion.chunk", rid, core.model_name)
     prompt = turn.prompt
@@ -129,7 +131,7 @@ async def chat_stream(core: RolloutCore, body: ChatRequest, turn: ChatTurn, spec
             yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}],
                        "prompt_token_ids": prompt.ids})
-        async for _, deltas in merged(core, [prompt], spec, reservation):
+        async for _, deltas in merged(core, [prompt], spec, reservation, paced):
             for d in deltas:
                 i = d.index
                 texts[i] = d.final.text if d.final is not None else texts.get(i, "") + d.text

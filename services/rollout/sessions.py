@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flywheel.errors import NotFound, ResourceExhausted, Unauthenticated
+from flywheel.errors import InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
 
 #: Ids of expired or deleted sessions remembered to answer "expired" instead of "unknown".
 _TOMBSTONES = 10_000
@@ -86,6 +86,10 @@ class Session:
     state: str = "open"
     reward: float | None = None
     calls: list[CallRecord] = field(default_factory=list)
+    #: The run step the episode's generations count for, and the least weight version they
+    #: need (metadata "run_step", "min_weight_version"): paced like the controller's Generate.
+    run_step: int = 0
+    min_version: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "state": self.state, "reward": self.reward, "metadata": self.metadata,
@@ -96,6 +100,19 @@ class Session:
             if call.response_id == response_id:
                 return call
         raise NotFound(f"previous_response_id: {response_id!r} is not a response of this session")
+
+
+def _count(metadata: dict[str, str], key: str) -> int:
+    value = metadata.get(key, "0")
+    if not value.isdigit():
+        raise InvalidArgument(f"metadata.{key}: must be a whole number >= 0, got {value!r}")
+    return int(value)
+
+
+def pace(session: Session | None) -> dict[str, int]:
+    """The core's generate arguments that pace a session's calls like the controller's Generate
+    (services.rollout.follower); none outside sessions."""
+    return {"run_step": session.run_step, "min_version": session.min_version} if session is not None else {}
 
 
 class SessionStore:
@@ -118,9 +135,11 @@ class SessionStore:
                 f"{len(self._sessions)} sessions are open, the most this rollout keeps (sessions.max_open); "
                 "finish or delete some")
         ttl = ttl_seconds or self.default_ttl_seconds
+        metadata = dict(metadata or {})
         session = Session(
             id=f"{self.boot}-{uuid.uuid4().hex[:16]}", key=f"fw-session-{secrets.token_urlsafe(24)}",
-            ttl_seconds=ttl, expires_at=self._clock() + ttl, metadata=dict(metadata or {}),
+            ttl_seconds=ttl, expires_at=self._clock() + ttl, metadata=metadata,
+            run_step=_count(metadata, "run_step"), min_version=_count(metadata, "min_weight_version"),
         )
         self._sessions[session.id] = session
         return session

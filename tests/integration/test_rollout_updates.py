@@ -27,6 +27,7 @@ from tests.conftest import TEST_TOKEN
 from tests.unit.rollout.fake_synchronizer import FakeSynchronizer
 from tests.unit.rollout.rollout_helpers import (
     ServerThread,
+    engine_args,
     need_engine,
     reference_greedy,
     reference_logprobs,
@@ -59,7 +60,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module", params=ENGINES)
 def server(request: pytest.FixtureRequest, model_dir: Path):
     need_engine(request.param)
-    srv = ServerThread(rollout_config(model_dir, request.param)).start()
+    args = engine_args(request.param)
+    if request.param == "vllm":
+        args["enable_prefix_caching"] = True  # explicit: the prefix-cache test below needs it on
+    srv = ServerThread(rollout_config(model_dir, request.param, engine={"args": args})).start()
     srv.track = Track(model_dir, 0, load_file(str(model_dir / "model.safetensors")))
     yield srv
     srv.stop()
@@ -264,6 +268,31 @@ async def test_an_update_of_the_tied_embedding_alone_reaches_the_output_head(ser
     before = reference_logprobs(track.model, PROMPT, list(sample.completion_token_ids), track.state)
     assert max(abs(a - b) for a, b in zip(expected, before)) > 0.05, "the change must be visible to matter"
     assert served == pytest.approx(expected, abs=2e-3)
+    track.version, track.state = version, new
+
+
+async def test_no_prefix_cached_under_old_weights_is_reused_after_an_update(server, tmp_path: Path) -> None:
+    """A prompt long enough to fill a KV block (vLLM on CPU caches 128-token blocks) is answered
+    before an update, then again after it: the second answer must be what the new weights give from
+    scratch. Reusing the cached prefix would condition it on keys and values of the old weights."""
+    track: Track = server.track
+    prompt = [(17 * i) % 500 + 4 for i in range(236)]
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    request = pb.GenerateRequest(prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=prompt))], sampling=sampling)
+    new = track.scaled(1.3)
+    save_file(new, str(tmp_path / "model.safetensors"))
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        for _ in range(2):  # the second one is served from the prefix cache, where there is one
+            await rollout.Generate(request)
+        version = track.version + 1
+        await update(rollout, version, checkpoint=pb.CheckpointSource(path=str(tmp_path)))
+        sample = (await rollout.Generate(request)).results[0].samples[0]
+    completion = list(sample.completion_token_ids)
+    expected = reference_logprobs(track.model, prompt, completion, new)
+    stale = reference_logprobs(track.model, prompt, completion, track.state)
+    assert max(abs(a - b) for a, b in zip(expected, stale)) > 0.05, "the change must be visible to matter"
+    assert list(sample.completion_logprobs) == pytest.approx(expected, abs=2e-3)
     track.version, track.state = version, new
 
 

@@ -27,10 +27,13 @@ def engine() -> FakeEngine:
 
 
 @pytest.fixture
-def client(codec, engine) -> httpx.AsyncClient:
-    config = RolloutConfig()
-    core = RolloutCore(config, engine=engine, codec=codec, model_name="tiny")
-    app = create_app(core, config, TOKEN, SessionStore(default_ttl_seconds=60, max_open=4), "rollout-a")
+def core(codec, engine) -> RolloutCore:
+    return RolloutCore(RolloutConfig(), engine=engine, codec=codec, model_name="tiny")
+
+
+@pytest.fixture
+def client(core) -> httpx.AsyncClient:
+    app = create_app(core, core.config, TOKEN, SessionStore(default_ttl_seconds=60, max_open=4), "rollout-a")
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rollout")
 
 
@@ -85,6 +88,26 @@ async def test_session_requests_are_checked(client) -> None:
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("ttl_seconds:")
     r = await client.get("/sessions/0123abcd-feed/v1/models", headers=key)
     assert r.status_code == 410 and "restarted" in r.json()["error"]["message"]
+
+
+async def test_session_calls_are_paced_by_the_step_and_version_the_controller_named(client, core) -> None:
+    waited = []
+
+    async def gate(run_step: int, min_version: int) -> None:
+        waited.append((run_step, min_version))
+
+    core.weights_gate = gate
+    opened = (await client.post("/v1/sessions", headers=AUTH, json={
+        "metadata": {"run_step": "3", "min_weight_version": "2"}})).json()
+    key = {"Authorization": f"Bearer {opened['key']}"}
+    ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    await client.post(f"{opened['base_path']}/chat/completions", headers=key, json=ask)
+    await client.post(f"{opened['base_path']}/chat/completions", headers=key, json={**ask, "stream": True})
+    await client.post(f"{opened['base_path']}/responses", headers=key, json={"input": "hi", "max_output_tokens": 2})
+    await client.post("/v1/chat/completions", headers=AUTH, json=ask)
+    assert waited == [(3, 2), (3, 2), (3, 2), (0, 0)]
+    r = await client.post("/v1/sessions", headers=AUTH, json={"metadata": {"run_step": "three"}})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("metadata.run_step:")
 
 
 @pytest.mark.parametrize(("payload", "starts"), [
