@@ -274,7 +274,9 @@ async def test_an_update_of_the_tied_embedding_alone_reaches_the_output_head(ser
 async def test_no_prefix_cached_under_old_weights_is_reused_after_an_update(server, tmp_path: Path) -> None:
     """A prompt long enough to fill a KV block (vLLM on CPU caches 128-token blocks) is answered
     before an update, then again after it: the second answer must be what the new weights give from
-    scratch. Reusing the cached prefix would condition it on keys and values of the old weights."""
+    scratch. Reusing the cached prefix would condition it on keys and values of the old weights.
+    KEEP mode: the other modes' pause empties the cache by itself, so only the swap's own reset
+    stands between KEEP and a stale prefix."""
     track: Track = server.track
     prompt = [(17 * i) % 500 + 4 for i in range(236)]
     sampling = common_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -286,7 +288,8 @@ async def test_no_prefix_cached_under_old_weights_is_reused_after_an_update(serv
         for _ in range(2):  # the second one is served from the prefix cache, where there is one
             await rollout.Generate(request)
         version = track.version + 1
-        await update(rollout, version, checkpoint=pb.CheckpointSource(path=str(tmp_path)))
+        await update(rollout, version, checkpoint=pb.CheckpointSource(path=str(tmp_path)),
+                     pause_mode=pb.PAUSE_MODE_KEEP)
         sample = (await rollout.Generate(request)).results[0].samples[0]
     completion = list(sample.completion_token_ids)
     expected = reference_logprobs(track.model, prompt, completion, new)
