@@ -4,8 +4,8 @@
 optional synchronizer and health probes: the gRPC adapters
 (`adapters.connect`) in a real run, the simulated engines in tests and the
 benchmark. `build_pipeline` resolves every name in the config (worker type,
-reward, algorithm, tools, data files) before anything starts, and a name
-that does not resolve is a ConfigError naming its field.
+reward, algorithm, tools, agent, data files) before anything starts, and a
+name that does not resolve is a ConfigError naming its field.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from services.controller.train_worker import TrainWorker
 from services.controller.validation import Validator
 from services.controller.weight_sync import SyncPolicy, WeightSyncController
 from services.controller.workers import WorkerContext, worker_class
+from services.controller.workers.external import load_agent
 from services.controller.workers.tools import ToolRegistry
 
 TRAINER_PROBE = "trainer"
@@ -98,6 +99,7 @@ def build_pipeline(
     reward = _resolve("reward.name", lambda: get_reward(cfg.reward.name))
     algorithm = _resolve("algorithm.name", lambda: make_algorithm(cfg))
     tools = build_tools(cfg) if cfg.worker.tools else None
+    agent = _resolve("worker.agent", lambda: load_agent(cfg.worker.agent)) if cfg.worker.agent else None
     loader = _resolve(
         "data.train", lambda: loader_from_config(cfg.data.train, seed=cfg.run.seed, epochs=cfg.data.epochs, split="train")
     )
@@ -118,6 +120,8 @@ def build_pipeline(
         chat=cfg.worker.chat, system_prompt=cfg.worker.system_prompt, instruction=cfg.worker.instruction,
         max_turns=cfg.worker.max_turns,
         tools=tools, tool_result_template=cfg.worker.tool_result_template,
+        agent=agent, agent_timeout_seconds=cfg.worker.agent_timeout_seconds,
+        session_ttl_seconds=cfg.worker.session_ttl_seconds, errors=errors,
     )
     worker = worker_cls(ctx)
     rollouts = RolloutManager(

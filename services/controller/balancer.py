@@ -7,6 +7,8 @@ unreachable (`Unavailable`, `DeadlineExceeded`, a dropped connection) it is
 marked down and the request goes to the next healthy one; when none is left
 the call raises `Unavailable` and the worker retries the task later. The
 liveness monitor marks replicas up again once their health check passes.
+An external agent's session stays on the replica it was opened on;
+`occupied` counts the episode in that replica's load meanwhile.
 
 The pool also remembers each replica's weight version (from updates and from
 the versions its samples report); the staleness gate reads `min_version()`.
@@ -17,7 +19,8 @@ from __future__ import annotations
 import itertools
 import logging
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -131,6 +134,15 @@ class EnginePool:
                 replica.in_flight -= 1
         detail = f" (last error: {last})" if last else ""
         raise Unavailable(f"no healthy rollout replica of {len(self.replicas)}{detail}")
+
+    @contextmanager
+    def occupied(self, replica: Replica) -> Iterator[None]:
+        """Counts work that runs on `replica` outside `call` (an agent's session) in its load."""
+        replica.in_flight += 1
+        try:
+            yield
+        finally:
+            replica.in_flight -= 1
 
     async def generate(
         self, prompts: Sequence[PromptInput], sampling: SamplingSpec, *, sticky: str | None = None

@@ -89,6 +89,9 @@ class Trajectory:
     version_start: int
     version_end: int
     finish_reason: FinishReason = FinishReason.STOP
+    #: (version_start, version_end) of each model call of a multi-turn episode,
+    #: in order; empty for single-turn samples.
+    turn_versions: list[tuple[int, int]] = field(default_factory=list)
     reward: float = 0.0
     #: Named scores (e.g. "accuracy", "format"); `reward` is also recorded here.
     scores: dict[str, float] = field(default_factory=dict)
@@ -109,7 +112,7 @@ class Trajectory:
     @property
     def version(self) -> int:
         """The version staleness is measured from: the oldest policy that contributed."""
-        return self.version_start
+        return min([self.version_start, *(start for start, _ in self.turn_versions)])
 
     @property
     def num_tokens(self) -> int:

@@ -494,6 +494,7 @@ class LocalRun:
             "checkpoint_this_session": pipeline.last_checkpoint_path,
             "dropped": dict(pipeline.processor.dropped),
             "rollouts": dict(pipeline.rollouts.stats),
+            "worker": dict(getattr(pipeline.rollouts.worker, "stats", {})),
             "exit_code": code,
         }
 
@@ -531,7 +532,9 @@ class LocalRun:
             versions = [[t.version_start, t.version_end] for t in batch.trajectories]
             row = {"step": result.step, "session": session, "tasks": tasks,
                    "trained_version": batch.target_version, "sample_versions": versions,
-                   "sample_engines": [t.engine for t in batch.trajectories]}
+                   "sample_engines": [t.engine for t in batch.trajectories],
+                   # Each model call's versions, for multi-turn episodes (empty lists otherwise).
+                   "sample_turn_versions": [[list(v) for v in t.turn_versions] for t in batch.trajectories]}
             ledger.write(json.dumps(row) + "\n")
             ledger.flush()
             return record(batch, result)

@@ -305,6 +305,8 @@ class Pipeline:
         m["rollout/new_samples"], self._pooled_before = float(pooled - self._pooled_before), pooled
         for key in ("success", "fail", "re-rollout", "requeued"):
             m[f"rollout/{key.replace('-', '_')}_total"] = float(self.rollouts.stats[key])
+        for key, count in getattr(self.rollouts.worker, "stats", {}).items():  # a user's worker may keep none
+            m[f"worker/{key}_total"] = float(count)
         for reason, count in self.processor.dropped.items():
             m[f"dropped/{reason}"] = float(count)
         return m

@@ -13,7 +13,7 @@ when the caller's view is out of date, anything else for real failures.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from services.controller.domain import (
@@ -30,6 +30,7 @@ from services.controller.domain import (
 if TYPE_CHECKING:
     from flywheel.synchronizer.client_types import WatchEvent
     from services.controller.batching import TrainBatch
+    from services.controller.episodes import OpenedSession, SessionRecord
     from services.controller.run_config import LossConfig
 
 
@@ -78,6 +79,25 @@ class RolloutEngine(Protocol):
         """Moves to `version` all or nothing; returns the version served afterwards.
         pause_mode: "abort" | "wait" | "keep" (what happens to in-flight requests)."""
         ...
+
+    async def sessions(self) -> AgentSessions:
+        """The replica's agent sessions (the external worker's); FailedPrecondition where it serves none."""
+        ...
+
+
+@runtime_checkable
+class AgentSessions(Protocol):
+    """One replica's agent sessions: episode-scoped OpenAI endpoints whose calls the replica records."""
+
+    async def open(
+        self, *, ttl_seconds: float | None = None, metadata: Mapping[str, str] | None = None
+    ) -> OpenedSession: ...
+
+    async def read(self, session_id: str) -> SessionRecord:
+        """The session's calls and posted reward; NotFound, or SessionLost when its records are gone."""
+        ...
+
+    async def delete(self, session_id: str) -> None: ...
 
 
 @runtime_checkable

@@ -128,7 +128,10 @@ class ToolConfig(StrictModel):
 
 
 class WorkerConfig(StrictModel):
-    type: str = Field("simple", description="simple | math | agent | 'module:Class' of your own worker")
+    type: str = Field(
+        "simple", description="simple | math | agent | external (your own openai-SDK agent, see worker.agent) | "
+        "'module:Class' of your own worker"
+    )
     group_size: int = Field(4, ge=1, description="completions per task (the GRPO group)")
     max_in_flight: int = Field(32, ge=1, description="tasks rolled out concurrently")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling of training rollouts")
@@ -145,6 +148,18 @@ class WorkerConfig(StrictModel):
         None, description="agent: text a tool result is rendered as, with {result}; default ChatML tool turn"
     )
     tool_timeout_seconds: float = Field(60.0, gt=0, description="agent: limit of one tool call, in seconds")
+    agent: str | None = Field(
+        None, description="external: the agent, 'package.module:function' or 'path/to/file.py:function' called as "
+        "function(task, base_url, api_key) (async, or sync run in a thread; returns the reward or None), or the "
+        "http(s) URL of your agent service, POSTed {task, base_url, api_key, session_id} and answering {reward}"
+    )
+    agent_timeout_seconds: float = Field(
+        300.0, gt=0, description="external: limit of one agent episode, in seconds (past it the task is retried)"
+    )
+    session_ttl_seconds: float | None = Field(
+        None, gt=0, description="external: how long a replica keeps an episode's session and its records, in "
+        "seconds; default agent_timeout_seconds + 60"
+    )
     max_retries: int = Field(3, ge=0, description="re-rollouts of one task before it is recorded as failed")
     timeout_seconds: float = Field(600.0, gt=0, description="limit of one rollout step, in seconds")
 
@@ -308,7 +323,35 @@ class RunConfig(StrictModel):
         self._check_schedule()
         if self.worker.type == "agent" and not self.worker.tools:
             raise ValueError("worker.tools: the agent worker needs at least one tool")
+        self._check_external_agent()
         return self
+
+    def _check_external_agent(self) -> None:
+        w = self.worker
+        if w.type in ("simple", "math", "agent") and w.agent is not None:
+            raise ValueError(f"worker.agent: only the external worker runs an agent (worker.type is {w.type!r})")
+        if w.type != "external":
+            return
+        if not w.agent:
+            raise ValueError(
+                "worker.agent: the external worker needs your agent: 'package.module:function', "
+                "'path/to/file.py:function' or an http(s) URL of your agent service"
+            )
+        if not w.agent.startswith(("http://", "https://")) and ":" not in w.agent:
+            raise ValueError(
+                f"worker.agent: {w.agent!r} is neither 'package.module:function', 'path/to/file.py:function' "
+                "nor an http(s) URL"
+            )
+        if w.agent_timeout_seconds >= w.timeout_seconds:
+            raise ValueError(
+                f"worker.agent_timeout_seconds ({w.agent_timeout_seconds:g}) must be below worker.timeout_seconds "
+                f"({w.timeout_seconds:g}): the rollout's limit would cut episodes before their own"
+            )
+        if w.session_ttl_seconds is not None and w.session_ttl_seconds <= w.agent_timeout_seconds:
+            raise ValueError(
+                f"worker.session_ttl_seconds ({w.session_ttl_seconds:g}) must exceed worker.agent_timeout_seconds "
+                f"({w.agent_timeout_seconds:g}): the session's records must outlive the episode"
+            )
 
     def _check_schedule(self) -> None:
         """Which sync schedules each mode can keep (docs/architecture.md, "Who moves the weights")."""

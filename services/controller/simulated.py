@@ -275,6 +275,12 @@ class SimulatedRolloutEngine:
             event.set()
         return self.version
 
+    async def sessions(self) -> Any:
+        raise FailedPrecondition(
+            f"{self.name} is a simulated replica and serves no agent sessions: the external worker needs real "
+            "rollout replicas"
+        )
+
 
 # -- the synchronizer --------------------------------------------------------------
 @dataclass

@@ -4,7 +4,9 @@ user of the typed client (`flywheel.rollout.client`).
 Prompts go out as token ids, text or chat messages, each generation tagged
 with its run step and least weight version (the context's RUN_STEP and
 MIN_WEIGHT_VERSION); samples come back as the controller's `Generation`s.
-Weight updates (the operator's path) name their source by method.
+Weight updates (the operator's path) name their source by method. The
+replica's HTTP server (OpenAI API, agent sessions) is found from GetStatus's
+`http_port` on the host of the gRPC address.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from flywheel.common.v1 import common_pb2 as cpb
+from flywheel.errors import FailedPrecondition
 from flywheel.rollout.client import RolloutClient
 from flywheel.rollout.v1 import rollout_pb2 as pb
+from services.controller.adapters.sessions import SessionClient
 from services.controller.domain import (
     MIN_WEIGHT_VERSION,
     RUN_STEP,
@@ -51,6 +55,11 @@ def sampling_params(s: SamplingSpec) -> dict:
     return fields
 
 
+def http_host(address: str) -> str:
+    """The host of a gRPC address ("host:port", "[::1]:port", "dns:///host:port")."""
+    return address.split("///", 1)[-1].rsplit(":", 1)[0]
+
+
 def generation(sample: cpb.Sample) -> Generation:
     return Generation(
         prompt_token_ids=list(sample.prompt_token_ids),
@@ -73,9 +82,13 @@ class GrpcRolloutEngine:
         # Few transport retries: the engine pool fails over to another replica
         # faster than backing off on a dead one.
         self.client = RolloutClient(address, token=token, timeout=timeout, max_attempts=max_attempts)
+        self._token = token
+        self._sessions: SessionClient | None = None
 
     async def close(self) -> None:
         await self.client.close()
+        if self._sessions is not None:
+            await self._sessions.close()
 
     async def generate(self, prompts: Sequence[PromptInput], sampling: SamplingSpec) -> list[list[Generation]]:
         results = await self.client.generate(
@@ -93,6 +106,24 @@ class GrpcRolloutEngine:
 
     async def weight_version(self) -> int:
         return (await self.client.status()).weight_version
+
+    async def http_url(self) -> str:
+        """The replica's HTTP root, "http://host:port"."""
+        port = (await self.client.status()).http_port
+        if not port:
+            raise FailedPrecondition(f"rollout {self.name} reports no HTTP port: its OpenAI-compatible API is not up")
+        return f"http://{http_host(self.address)}:{port}"
+
+    async def sessions(self) -> SessionClient:
+        # The port is asked for every time (one small call per episode): a replica that
+        # restarts on the same id may serve HTTP on another port (http_port 0 picks a free one).
+        url = await self.http_url()
+        previous = self._sessions
+        if previous is None or previous.http_url != url:
+            self._sessions = SessionClient(url, token=self._token)  # set before awaiting: one client per URL
+            if previous is not None:
+                await previous.close()
+        return self._sessions
 
     async def update_weights(self, version: int, source: WeightSource, *, pause_mode: str) -> int:
         if source.method == "memory":

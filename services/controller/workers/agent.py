@@ -111,6 +111,7 @@ class AgentRolloutWorker(RolloutWorker):
             response_mask=mask,
             version_start=min(starts),
             version_end=max(ends),
+            turn_versions=list(zip(starts, ends)),
             finish_reason=finish,
             text="".join(texts),
             sample_index=index,

@@ -18,6 +18,7 @@ flight.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from services.controller.domain import (
     Trajectory,
     TrajectoryStatus,
 )
+from services.controller.errors_report import ErrorReporter
 from services.controller.rewards import RewardError, RewardFn, score
 
 
@@ -54,11 +56,21 @@ class WorkerContext:
     #: Agent workers: the tools and how their results are rendered.
     tools: Any = None
     tool_result_template: str | None = None
+    #: External worker: the user's agent, called as agent(task, base_url, api_key, session_id)
+    #: (services/controller/workers/external.py `load_agent`), its limit per episode, and
+    #: how long a replica keeps a session's records.
+    agent: Any = None
+    agent_timeout_seconds: float = 300.0
+    session_ttl_seconds: float | None = None
+    #: Where a worker records what its outcome does not carry (e.g. a retried episode's cause).
+    errors: ErrorReporter | None = None
 
 
 class RolloutWorker(ABC):
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
+        #: Counts a worker keeps of its own (reported as `worker/<name>_total` metrics).
+        self.stats: Counter[str] = Counter()
 
     @abstractmethod
     async def rollout(self, task: Task, n: int, sampling: SamplingSpec) -> RolloutOutcome:
