@@ -5,6 +5,12 @@ a ready file; it is ready when that file appears (the service writes it only
 after reporting SERVING). Its output goes to `<run_dir>/<name>.log`. Children
 get their own process group so a stop reaches anything they spawned, and the
 parent's death is noticed by `PR_SET_PDEATHSIG` on Linux so none is orphaned.
+
+No Python code runs between fork and exec (no `preexec_fn`): the parent holds
+live gRPC channels, and gRPC's fork handlers running in a half-made child
+restart pollers on descriptors the exec is about to close, which aborted
+children at random. The child sets its own death signal instead, first thing
+(`die_with_launcher`), told the launcher's pid by `LAUNCHER_PID_ENV`.
 """
 
 from __future__ import annotations
@@ -27,11 +33,20 @@ class ServiceDied(RuntimeError):
     """A child exited; the message names it and ends with its last log lines."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    os.setpgrp()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+#: Set in a child's environment to the pid of the launcher that started it.
+LAUNCHER_PID_ENV = "FLYWHEEL_LAUNCHER_PID"
+
+
+def die_with_launcher() -> None:
+    """In a started child: get SIGTERM when the launcher dies, or exit now if it
+    already has (it may die between the spawn and this call)."""
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)  # not inherited by the child's own children
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(launcher):
+        sys.exit(f"the launcher (pid {launcher}) exited before this service started")
 
 
 def tail(path: Path, lines: int = 20) -> str:
@@ -144,7 +159,7 @@ def start_service(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=dict(os.environ if env is None else env),
-            preexec_fn=_die_with_parent,
+            env={**(os.environ if env is None else env), LAUNCHER_PID_ENV: str(os.getpid())},
+            process_group=0,  # its own group, set without running Python in the child
         )
     return ServiceProcess(name=name, process=process, log_path=log_path, ready_path=ready_path)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
+from flywheel.launcher.processes import die_with_launcher
 from flywheel.runtime.config import ConfigError, load_config, redacted
 from flywheel.runtime.logging import configure_logging
 
@@ -35,6 +36,7 @@ def run_main(
     argv: Sequence[str] | None = None,
 ) -> None:
     """Entry point of a service; `build` is "module:function" returning a ServiceSpec."""
+    die_with_launcher()
     config = load_config(
         config_cls, argv, prog=f"python -m services.{service}", description=description, env_prefix=env_prefix(service),
         section=service,

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 from flywheel.launcher.processes import (
+    LAUNCHER_PID_ENV,
     ServiceDied,
     ServiceProcess,
-    _die_with_parent,
     group_alive,
     tail,
 )
@@ -21,7 +21,7 @@ from flywheel.launcher.processes import (
 def _child(tmp_path: Path) -> ServiceProcess:
     # A leader with a grandchild in its group, like a rollout service and its engine process.
     code = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
-    process = subprocess.Popen([sys.executable, "-c", code], preexec_fn=_die_with_parent)  # noqa: PLW1509 (one thread)
+    process = subprocess.Popen([sys.executable, "-c", code], process_group=0)
     log = tmp_path / "x.log"
     log.write_text("first\n\n\nlast words\n")
     return ServiceProcess("rollout", process, log, tmp_path / "x.ready.json")
@@ -55,3 +55,44 @@ def test_tail_skips_blank_lines(tmp_path):
     path.write_text("a\n\n \nb\nc\n")
     assert tail(path, 2) == "b\nc"
     assert tail(tmp_path / "missing") == ""
+
+
+def test_a_started_child_dies_with_its_launcher(tmp_path):
+    # launcher -> child as start_service wires them: the pid in the environment, no preexec_fn.
+    pid_file = tmp_path / "child.pid"
+    child_code = (
+        "import os, time; from flywheel.launcher.processes import die_with_launcher; die_with_launcher(); "
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    launcher_code = (
+        "import os, subprocess, sys, time; from flywheel.launcher.processes import LAUNCHER_PID_ENV; "
+        f"subprocess.Popen([sys.executable, '-c', {child_code!r}], env={{**os.environ, LAUNCHER_PID_ENV: str(os.getpid())}}); "
+        "time.sleep(60)"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code])
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child_pid = int(pid_file.read_text())
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while _running(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(child_pid)
+
+
+def test_a_child_whose_launcher_is_already_gone_exits(tmp_path):
+    code = "from flywheel.launcher.processes import die_with_launcher; die_with_launcher(); print('ran on')"
+    env = {**os.environ, LAUNCHER_PID_ENV: "1"}  # not our parent
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "ran on" not in done.stdout
+    assert "the launcher (pid 1) exited before this service started" in done.stderr
+
+
+def _running(pid: int) -> bool:
+    # A zombie (reparented, not yet reaped) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
