@@ -69,12 +69,13 @@ def bench_trainer(model_dir: Path, run: dict, spec: object, steps: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from services.trainer.config import TrainerConfig
+    from services.trainer.policy import autocast_dtype
     from services.trainer.training import LossRequest, TrainingEngine
 
     trainer_spec = dict(getattr(spec, "trainer", {}) or {})
     model_spec = dict(trainer_spec.get("model") or {})
     autocast_name = model_spec.get("autocast", "none")
-    autocast = {"none": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[autocast_name]
+    autocast = autocast_dtype(autocast_name, "cpu")
     threads = model_spec.get("cpu_threads") or os.cpu_count() or 1
     torch.set_num_threads(threads)
     batch_size = int(run["algorithm"]["train_batch_size"])
@@ -124,7 +125,7 @@ def bench_trainer(model_dir: Path, run: dict, spec: object, steps: int) -> dict:
         gc.collect()
         floor.append(floor_step())
     result = {
-        "trainer_batch": f"{batch_size}x{seq_len} tokens ({completion} completion), autocast {autocast_name}, {threads} threads",
+        "trainer_batch": f"{batch_size}x{seq_len} tokens ({completion} completion), autocast {autocast_name} ({autocast}), {threads} threads",
         "trainer_step_seconds": round(statistics.median(mine), 3),
         "torch_floor_step_seconds": round(statistics.median(floor), 3),
     }

@@ -33,9 +33,10 @@ class ModelConfig(StrictModel):
     path: Path | None = Field(None, description="HF model directory to train; none serves GetInfo only")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="parameter dtype")
     device: str = Field("cpu", description='torch device, e.g. "cpu" or "cuda:0"')
-    autocast: Literal["none", "bfloat16", "float16"] = Field(
+    autocast: Literal["none", "auto", "bfloat16", "float16"] = Field(
         "none", description="mixed precision: forward matmuls in this dtype, parameters, gradients and optimizer "
-        "state in `dtype` (bfloat16 is 2-3x faster on CPUs with AMX, and on GPUs)"
+        "state in `dtype`. bfloat16 is 2-3x faster on GPUs and CPUs with AMX, but emulated (many times slower) "
+        "on CPUs without AVX-512; auto: bfloat16 where the device has it natively, else none"
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="attention kernel of transformers")

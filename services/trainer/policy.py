@@ -33,6 +33,27 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def native_bfloat16(device: str) -> bool:
+    """Whether `device` computes bfloat16 matmuls in hardware. A CPU without
+    AVX-512 (or AMX) emulates them: measured on an AVX2 EPYC, a SmolLM2
+    forward+backward under bfloat16 autocast took 27x as long as in float32."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def autocast_dtype(choice: str, device: str) -> torch.dtype | None:
+    """The dtype forward matmuls run in for `model.autocast` on `device`; None: no autocast."""
+    if choice == "auto":
+        return torch.bfloat16 if native_bfloat16(device) else None
+    if choice == "bfloat16" and not native_bfloat16(device):
+        log.warning(
+            "model.autocast bfloat16 on %s, which has no native bfloat16: it runs in emulation, many times "
+            "slower than float32; `autocast: auto` picks what is fast on each machine", device,
+        )
+    return None if choice == "none" else DTYPES[choice]
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

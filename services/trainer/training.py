@@ -42,7 +42,7 @@ from services.trainer.losses import (
     loss_denominators,
     policy_loss,
 )
-from services.trainer.policy import Policy
+from services.trainer.policy import Policy, autocast_dtype
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class TrainingEngine:
         self.config = config
         self.policy: Policy | None = None
         self._lock = threading.Lock()
-        self._autocast = {"none": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.model.autocast]
+        self._autocast = autocast_dtype(config.model.autocast, config.model.device)
         # Every step runs on this one thread. glibc gives each thread that allocates its own heap and keeps
         # what is freed there: steps spread over a pool's threads left one step's activations (GBs) resident
         # per thread, and a 64-sample SmolLM2 run grew past 18 GB until the kernel killed it.

@@ -179,3 +179,17 @@ def test_bfloat16_autocast_keeps_float32_parameters_and_close_logprobs(make_engi
     assert result.weight_version == 1 and math.isfinite(result.grad_norm)
     assert all(p.dtype == torch.float32 for p in mixed.policy.model.parameters())
     assert all(s.dtype == torch.float32 for s in optimizer_state(mixed) if s.is_floating_point())
+
+
+def test_auto_autocast_is_bfloat16_only_where_the_device_has_it_natively(monkeypatch, caplog) -> None:
+    from services.trainer import policy
+
+    monkeypatch.setattr(policy, "native_bfloat16", lambda device: False)
+    assert policy.autocast_dtype("auto", "cpu") is None
+    assert policy.autocast_dtype("none", "cpu") is None
+    with caplog.at_level("WARNING", logger=policy.log.name):
+        assert policy.autocast_dtype("bfloat16", "cpu") is torch.bfloat16  # asked for: kept, with a warning
+    assert "no native bfloat16" in caplog.text and "autocast: auto" in caplog.text
+    monkeypatch.setattr(policy, "native_bfloat16", lambda device: True)
+    assert policy.autocast_dtype("auto", "cpu") is torch.bfloat16
+    assert policy.autocast_dtype("float16", "cpu") is torch.float16
