@@ -4,7 +4,8 @@ An external agent (code written against the `openai` SDK only) reaches a
 rollout replica through a *session*: an OpenAI base URL scoped to one
 episode, whose every model call the replica records token-exact: prompt ids,
 completion ids, one log-prob per completion token, and the weight versions of
-the first and last token. `rebuild` turns a session's calls into what the
+the first and last token. `rebuild` turns a session's calls (each a `Generation` the replica served)
+into what the
 trainer sees, from those ids alone. Text is never tokenized again: a
 conversation re-tokenized from its text can differ from the ids that were
 sampled, and the loss must see exactly the sampled tokens.
@@ -36,27 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flywheel.errors import Aborted
-from services.controller.domain import FinishReason, Task, Trajectory
-
-
-@dataclass(frozen=True)
-class SessionCall:
-    """One model call a session recorded, as the replica served it."""
-
-    #: "chat.completions" | "completions" | "responses".
-    api: str
-    prompt_token_ids: Sequence[int]
-    completion_token_ids: Sequence[int]
-    #: Log-prob of each completion token under the weights that sampled it.
-    logprobs: Sequence[float]
-    #: Weight version at the call's first / last token.
-    version_start: int
-    version_end: int
-    finish_reason: FinishReason
-    #: The replica's own name for itself.
-    replica: str = ""
-    #: The completion's text (informational: the ids are what is trained).
-    text: str = ""
+from services.controller.domain import FinishReason, Generation, Task, Trajectory
 
 
 @dataclass(frozen=True)
@@ -81,7 +62,7 @@ class SessionRecord:
     state: str
     #: The reward the agent posted with `finish`, if any.
     reward: float | None
-    calls: list[SessionCall]
+    calls: list[Generation]
 
 
 class SessionLost(Aborted):
@@ -110,11 +91,11 @@ class Segment:
         """Every id so far: what the next call's prompt must start with to join this segment."""
         return self.prompt_ids + self.response_ids
 
-    def extends(self, call: SessionCall) -> bool:
+    def extends(self, call: Generation) -> bool:
         context = self.context
         return list(call.prompt_token_ids[: len(context)]) == context
 
-    def add(self, call: SessionCall) -> None:
+    def add(self, call: Generation) -> None:
         """Appends a call that extends this segment: the new prompt ids masked out, the completion in."""
         glue = list(call.prompt_token_ids[len(self.context):])
         self.response_ids += glue
@@ -122,16 +103,16 @@ class Segment:
         self.response_mask += [0] * len(glue)
         self._complete(call)
 
-    def _complete(self, call: SessionCall) -> None:
+    def _complete(self, call: Generation) -> None:
         self.response_ids += call.completion_token_ids
-        self.response_logprobs += [float(lp) for lp in call.logprobs]
+        self.response_logprobs += [float(lp) for lp in call.completion_logprobs]
         self.response_mask += [1] * len(call.completion_token_ids)
         self.turn_versions.append((call.version_start, call.version_end))
         self.finish_reason = call.finish_reason
         self.final_text = call.text
 
     @classmethod
-    def start(cls, call: SessionCall) -> Segment:
+    def start(cls, call: Generation) -> Segment:
         segment = cls(prompt_ids=list(call.prompt_token_ids))
         segment._complete(call)
         return segment
@@ -157,13 +138,13 @@ class Episode:
         return max(0, len(self.segments) - 1)
 
 
-def rebuild(calls: Sequence[SessionCall]) -> Episode:
+def rebuild(calls: Sequence[Generation]) -> Episode:
     """The episode of a session's calls, in call order; ValueError for a malformed call."""
     segments: list[Segment] = []
     for i, call in enumerate(calls):
-        if len(call.logprobs) != len(call.completion_token_ids):
+        if len(call.completion_logprobs) != len(call.completion_token_ids):
             raise ValueError(
-                f"call {i}: {len(call.logprobs)} log-probs for {len(call.completion_token_ids)} completion tokens"
+                f"call {i}: {len(call.completion_logprobs)} log-probs for {len(call.completion_token_ids)} completion tokens"
             )
         if segments and segments[-1].extends(call):
             segments[-1].add(call)

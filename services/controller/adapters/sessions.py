@@ -36,8 +36,8 @@ from flywheel.errors import (
     Unauthenticated,
     Unavailable,
 )
-from services.controller.domain import FinishReason
-from services.controller.episodes import OpenedSession, SessionCall, SessionLost, SessionRecord
+from services.controller.domain import FinishReason, Generation
+from services.controller.episodes import OpenedSession, SessionLost, SessionRecord
 
 
 def _message(response: httpx.Response) -> str:
@@ -97,17 +97,16 @@ def _finish(value: Any) -> FinishReason:
         return FinishReason.ERROR  # an unknown reason is not trusted as a clean stop
 
 
-def session_call(data: Mapping[str, Any]) -> SessionCall:
-    return SessionCall(
-        api=str(data.get("api", "")),
+def session_call(data: Mapping[str, Any]) -> Generation:
+    return Generation(
         prompt_token_ids=[int(i) for i in data["prompt_token_ids"]],
         completion_token_ids=[int(i) for i in data["completion_token_ids"]],
-        logprobs=[float(lp) for lp in data["logprobs"]],
+        completion_logprobs=[float(lp) for lp in data["logprobs"]],
         version_start=int(data["version_start"]),
         version_end=int(data["version_end"]),
         finish_reason=_finish(data.get("finish_reason")),
-        replica=str(data.get("replica", "")),
         text=str(data.get("text", "")),
+        engine=str(data.get("replica", "")),
     )
 
 

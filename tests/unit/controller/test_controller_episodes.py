@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from services.controller.domain import FinishReason
-from services.controller.episodes import SessionCall, rebuild, trajectory
+from services.controller.domain import FinishReason, Generation
+from services.controller.episodes import rebuild, trajectory
 from tests.unit.controller.controller_helpers import task
 
 
-def call(prompt, completion, *, versions=(1, 1), finish=FinishReason.STOP, text="", logprobs=None) -> SessionCall:
-    return SessionCall(
-        api="chat.completions", prompt_token_ids=list(prompt), completion_token_ids=list(completion),
-        logprobs=list(logprobs) if logprobs is not None else [-0.1 * (i + 1) for i in range(len(completion))],
-        version_start=versions[0], version_end=versions[1], finish_reason=finish, replica="r0", text=text,
+def call(prompt, completion, *, versions=(1, 1), finish=FinishReason.STOP, text="", logprobs=None) -> Generation:
+    return Generation(
+        prompt_token_ids=list(prompt), completion_token_ids=list(completion),
+        completion_logprobs=list(logprobs) if logprobs is not None else [-0.1 * (i + 1) for i in range(len(completion))],
+        version_start=versions[0], version_end=versions[1], finish_reason=finish, engine="r0", text=text,
     )
 
 
