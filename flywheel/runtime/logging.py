@@ -46,10 +46,22 @@ class TextFormatter(logging.Formatter):
         return f"{line} {extras}" if extras else line
 
 
+#: HTTP clients that log every request at INFO: an external agent's openai SDK
+#: calls (run inside the controller) would bury the run's own lines.
+PER_REQUEST_LOGGERS = ("httpx", "httpx2", "httpcore")
+
+
+def route_root_logging(handler: logging.Handler, level: str | int) -> None:
+    """All logging to `handler` at `level`, per-request client logs at WARNING and up (idempotent)."""
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for name in PER_REQUEST_LOGGERS:
+        logging.getLogger(name).setLevel(max(root.level, logging.WARNING))
+
+
 def configure_logging(service: str, level: str = "INFO", fmt: str = "json") -> None:
     """Routes all logging to stderr in the chosen format (idempotent)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service) if fmt == "json" else TextFormatter(service))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
+    route_root_logging(handler, level)

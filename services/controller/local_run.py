@@ -35,6 +35,7 @@ from services.controller.launcher.report import write_report
 from services.controller.launcher.spec import LaunchSpec, resume_section, split_run_file
 from services.controller.launcher.supervisor import Supervisor
 from flywheel.runtime.config import ConfigError, submodel, deep_merge, read_config_file
+from flywheel.runtime.logging import route_root_logging
 from services.controller.run_config import RunConfig, ServicesConfig, parse_run_config
 
 log = logging.getLogger("flywheel.launch")
@@ -84,9 +85,7 @@ def run_env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
 def _configure_file_logging(path: Path) -> None:
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+    route_root_logging(handler, logging.INFO)
 
 
 def _port_free(host: str, port: int) -> bool:
