@@ -5,8 +5,9 @@ The model gets an arithmetic question ("What is 7 * 3 + 12?") and a
 `calculator` tool. Each tool call runs here and its result goes back as a
 "tool" message, after the conversation so far, unchanged: the rollout then
 reuses the exact tokens of the earlier turns, so what is trained is what was
-sampled. The episode ends when the model answers without calling the tool,
-or after MAX_TURNS model calls. The reward: 1.0 when a number in the final
+sampled. The first call must use the tool (`tool_choice="required"`), the
+last one may not (`"none"`): the episode ends with an answer, at the latest
+after MAX_TURNS model calls. The reward: 1.0 when a number in the final
 answer equals the task's answer, else 0.0.
 
 Flywheel calls `run(task, base_url, api_key)` once per episode, with the base
@@ -27,7 +28,9 @@ import re
 
 from openai import AsyncOpenAI
 
-MAX_TURNS = 4
+MAX_TURNS = 3
+#: 0.7: at 1.0 SmolLM2-135M's turns lose the thread (tool JSON with prose in it, code instead of answers).
+TEMPERATURE = 0.7
 SYSTEM = "You are a careful assistant. Use the calculator tool for each step, then state the final result."
 TOOLS = [{
     "type": "function",
@@ -74,9 +77,12 @@ async def run(task: dict, base_url: str, api_key: str) -> float:
     async with AsyncOpenAI(base_url=base_url, api_key=api_key) as client:
         model = (await client.models.list()).data[0].id
         messages: list = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["prompt"]}]
-        for _ in range(MAX_TURNS):
+        for turn in range(MAX_TURNS):
+            # Left to itself a small model rarely calls a tool, or calls it forever and never answers.
+            tool_choice = "required" if turn == 0 else "none" if turn == MAX_TURNS - 1 else "auto"
             response = await client.chat.completions.create(
-                model=model, messages=messages, tools=TOOLS, temperature=1.0, max_tokens=128,
+                model=model, messages=messages, tools=TOOLS, tool_choice=tool_choice,
+                temperature=TEMPERATURE, max_tokens=128,
             )
             message = response.choices[0].message
             messages.append(message)  # the assistant turn exactly as it came back

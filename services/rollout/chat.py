@@ -25,8 +25,10 @@ from services.rollout.tool_calls import HermesFormat, tool_plan
 class ChatTurn:
     prompt: ResolvedPrompt
     messages: list[dict[str, Any]]
-    #: The tools the model was shown (None: none, or tool_choice "none").
+    #: The tools the model was shown (None: none).
     tools: list[dict[str, Any]] | None
+    #: Whether tool calls are parsed out of the reply (tools shown, and tool_choice not "none").
+    parses_calls: bool
     #: Whether the output was constrained to tool calls.
     forced: bool
     constraint: OutputConstraint | None
@@ -81,14 +83,15 @@ def prepare_turn(
         prompt = ResolvedPrompt(prompt.ids, request_id, shown)
     else:
         prompt = core.resolve(ChatPrompt(messages, shown, add_generation_prompt), "", request_id)
-    return ChatTurn(prompt, messages, shown, forced is not None, constraint, tool_format)
+    parses_calls = bool(shown) and tool_choice != "none"
+    return ChatTurn(prompt, messages, shown, parses_calls, forced is not None, constraint, tool_format)
 
 
 def reply_of(turn: ChatTurn, sample: SampleOutput) -> tuple[dict[str, Any], str]:
-    """(the assistant message, its finish reason) of a finished sample: tool calls parsed when tools were shown."""
+    """(the assistant message, its finish reason) of a finished sample: tool calls parsed when they may be called."""
     message: dict[str, Any] = {"role": "assistant", "content": sample.text}
     finish = sample.finish_reason
-    if turn.tools:
+    if turn.parses_calls:
         content, calls = turn.tool_format.parse(sample.text)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": calls}

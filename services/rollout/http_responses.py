@@ -81,7 +81,7 @@ async def _stream(core: RolloutCore, turn: ChatTurn, spec: SamplingSpec, reserva
                 if d.final is None:
                     text += d.text
                     # Text from a tool-call marker on is held back until the call is parsed.
-                    end = turn.tool_format.streamable_prefix(text) if turn.tools else len(text)
+                    end = turn.tool_format.streamable_prefix(text) if turn.parses_calls else len(text)
                     for event in events.text(text[sent:end]):
                         yield event
                     sent = max(sent, end)

@@ -136,7 +136,7 @@ async def chat_stream(core: RolloutCore, body: ChatRequest, turn: ChatTurn, spec
                 i = d.index
                 texts[i] = d.final.text if d.final is not None else texts.get(i, "") + d.text
                 full, start = texts[i], sent.get(i, 0)
-                end = len(full) if d.final is not None or not turn.tools else turn.tool_format.streamable_prefix(full)
+                end = len(full) if d.final is not None or not turn.parses_calls else turn.tool_format.streamable_prefix(full)
                 delta: dict[str, Any] = {"content": full[start:end]} if end > start else {}
                 finish = None
                 if d.final is not None:

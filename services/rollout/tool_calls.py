@@ -98,11 +98,11 @@ def tool_plan(tools: list[dict[str, Any]] | None, choice: Any,
               field: str) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
     """For an OpenAI `tool_choice`: (the tools the model is shown, the tools it must call one of, or None).
 
-    "none" hides the tools; "required" forces a call of any; a named choice forces that function."""
-    if choice in (None, "auto"):
+    "none" still shows the tools (as vLLM and OpenAI do: an agent's prompt stays the same from turn to
+    turn, so a session continues token-exact and the prefix cache holds) but no call is parsed;
+    "required" forces a call of any; a named choice forces that function."""
+    if choice in (None, "auto", "none"):
         return tools, None
-    if choice == "none":
-        return None, None
     if not tools:
         raise InvalidArgument(f"{field}: {json.dumps(choice)} needs tools")
     if choice == "required":

@@ -41,9 +41,13 @@ ARGS = {**engine_args("vllm"), "max_model_len": 1024}
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory):
+def model(tmp_path_factory: pytest.TempPathFactory):
     need_engine("vllm")
-    model = build_tiny_model(tmp_path_factory.mktemp("agent-api") / "model")
+    return build_tiny_model(tmp_path_factory.mktemp("agent-api") / "model")
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory: pytest.TempPathFactory, model):
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env["FLYWHEEL_AUTH_TOKEN"] = TEST_TOKEN
     child = start_service("rollout", tmp_path_factory.mktemp("agent-api-rollout"), [
@@ -125,7 +129,7 @@ def test_responses_text_and_function_calls_streamed_and_not(client) -> None:
     assert streamed.arguments == call.arguments  # greedy: the same call either way
 
 
-def test_session_records_are_the_ids_the_client_got(base_url: str) -> None:
+def test_session_records_are_the_ids_the_client_got(base_url: str, model) -> None:
     manage = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {TEST_TOKEN}"}, timeout=60)
     opened = manage.post("/v1/sessions", json={}).json()
     agent = openai.OpenAI(base_url=f"{base_url}{opened['base_path']}", api_key=opened["key"], timeout=120)
@@ -139,7 +143,13 @@ def test_session_records_are_the_ids_the_client_got(base_url: str) -> None:
         assert call["prompt_token_ids"] == extra["prompt_token_ids"]
         assert call["completion_token_ids"] == got.choices[0].model_extra["token_ids"]
     ids = calls[0]["completion_token_ids"]
-    # A random model's ids rarely re-tokenize to themselves; the second prompt still holds them exactly.
+    # The case that matters: re-tokenizing the answer's text does not give the sampled ids back (a
+    # random model's ids rarely do), and the second prompt still holds them exactly.
+    from transformers import AutoTokenizer
+
+    retokenized = AutoTokenizer.from_pretrained(str(model)).encode(answer, add_special_tokens=False)
+    assert first.choices[0].finish_reason == "length"  # no end token among the ids: only the text differs
+    assert retokenized != ids, (answer, ids)
     assert calls[1]["prompt_token_ids"][: len(calls[0]["prompt_token_ids"]) + len(ids)] == calls[0]["prompt_token_ids"] + ids
     manage.delete(f"/v1/sessions/{opened['id']}")
 

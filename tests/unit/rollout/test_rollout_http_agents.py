@@ -143,6 +143,61 @@ async def test_auto_tool_calls_are_parsed_in_chat_and_responses(client, engine) 
     assert response["usage"]["output_tokens"] == len(response["token_ids"])
 
 
+async def test_auto_tool_calls_through_the_openai_sdk_streamed_and_not(core, engine) -> None:
+    import openai
+
+    app = create_app(core, core.config, TOKEN, SessionStore(default_ttl_seconds=60, max_open=4), "rollout-a")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rollout")
+    sdk = openai.AsyncOpenAI(base_url="http://rollout/v1", api_key=TOKEN, http_client=http)
+    # Two calls in one turn, as hermes models emit parallel calls.
+    engine.reply = ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
+                    '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>')
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "1+2 and 3+4?"}], tools=TOOLS, tool_choice="auto")
+    plain = (await sdk.chat.completions.create(**ask)).choices[0]
+    assert plain.finish_reason == "tool_calls" and not plain.message.content
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in plain.message.tool_calls]
+    assert calls == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    assert len({c.id for c in plain.message.tool_calls}) == 2
+    streamed: dict[int, dict] = {}
+    finish = None
+    async for chunk in await sdk.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                entry = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += (delta.function.name or "") if delta.function else ""
+                entry["arguments"] += (delta.function.arguments or "") if delta.function else ""
+    assert finish == "tool_calls"
+    assert [(e["name"], json.loads(e["arguments"])) for _, e in sorted(streamed.items())] == calls
+    # With tool_choice none the same text is the answer, not parsed.
+    plain = (await sdk.chat.completions.create(**{**ask, "tool_choice": "none"})).choices[0]
+    assert plain.message.tool_calls is None and plain.message.content.startswith("<tool_call>")
+
+
+async def test_an_agent_turns_continue_token_exact_whatever_its_tool_choice(client, engine) -> None:
+    # The usual agent loop: a forced first call, then auto, then "none" to get an answer. Every turn
+    # must extend the previous one's ids, or the episode splits (and only its last part trains).
+    import openai
+
+    engine.supports_constraints = True
+    base, key = await _open(client)
+    sdk = openai.AsyncOpenAI(base_url=f"http://rollout{base}", api_key=key["Authorization"][7:], http_client=client)
+    engine.reply = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    messages: list = [{"role": "system", "content": "be careful"}, {"role": "user", "content": "1+2?"}]
+    for choice in ("required", "auto", "none"):
+        reply = await sdk.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice=choice)
+        message = reply.choices[0].message
+        messages.append(message)  # sent back as the SDK gave it
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": "3"} for c in message.tool_calls or []]
+        engine.reply = "It is 3." if choice == "auto" else engine.reply
+    assert message.content == "It is 3." and message.tool_calls is None
+    calls = (await client.get(f"/v1/sessions/{base.split('/')[2]}", headers=AUTH)).json()["calls"]
+    assert len(calls) == 3
+    for earlier, later in zip(calls, calls[1:]):
+        context = earlier["prompt_token_ids"] + earlier["completion_token_ids"]
+        assert later["prompt_token_ids"][: len(context)] == context
+
+
 async def test_a_streamed_response_sends_the_documented_events(client, engine) -> None:
     engine.reply = "Hi there"
     async with client.stream("POST", "/v1/responses", headers=AUTH, json={"input": "hello", "stream": True}) as r:
