@@ -89,7 +89,7 @@ def test_the_trained_tokens_are_the_session_records(run_dir: Path) -> None:
         trained = [i for i, m in zip(t["response_ids"], t["response_mask"]) if m]
         assert trained == [i for c in calls for i in c["completion_token_ids"]]
         logprobs = [lp for lp, m in zip(t["response_logprobs"], t["response_mask"]) if m]
-        assert logprobs == pytest.approx([lp for c in calls for lp in c["logprobs"]])
+        assert logprobs == pytest.approx([lp for c in calls for lp in c["completion_logprobs"]])
         assert all(lp == 0.0 for lp, m in zip(t["response_logprobs"], t["response_mask"]) if not m)
         assert [tuple(v) for v in t["turn_versions"]] == [(c["version_start"], c["version_end"]) for c in calls]
     summary = json.loads((run_dir / "summary.json").read_text())
