@@ -1,6 +1,10 @@
 """Server interceptors: bearer-token auth, and domain-error to status mapping
 (with per-method metrics).
 
+Requests that do not decode, or hold enum values their schema does not
+define, are refused with INVALID_ARGUMENT before the handler runs
+(flywheel.runtime.requests).
+
 Handlers raise `flywheel.errors.FlywheelError` subclasses (or codec errors,
 which carry a `code` too); the error interceptor aborts the call with the
 matching `grpc.StatusCode` and the message as details. Handlers never have to
@@ -20,6 +24,7 @@ from typing import Any
 import grpc
 
 from flywheel.errors import FlywheelError
+from flywheel.runtime import requests
 from flywheel.runtime.metrics import RPC_DURATION, RPC_REQUESTS
 
 log = logging.getLogger(__name__)
@@ -47,9 +52,13 @@ def _method_name(full_method: str) -> str:
     return full_method.rsplit("/", 1)[-1]
 
 
-def _rebuild(handler: grpc.RpcMethodHandler, unary: Callable, streaming: Callable) -> grpc.RpcMethodHandler:
-    """A handler of the same kind whose behaviour is wrapped."""
-    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+def _rebuild(
+    handler: grpc.RpcMethodHandler, unary: Callable, streaming: Callable,
+    deserializer: Callable[[bytes], Any] | None = None,
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind whose behaviour (and, if given, request deserializer) is wrapped."""
+    kw = dict(request_deserializer=deserializer or handler.request_deserializer,
+              response_serializer=handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
     if handler.stream_unary:
@@ -70,7 +79,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = _method_name(details.method)
-        return _rebuild(handler, lambda b: self._unary(b, method), lambda b: self._streaming(b, method))
+        # Requests are checked as they are decoded (flywheel.runtime.requests) and refused here, inside
+        # the wrapper that turns errors into statuses: a stream's requests one by one as the handler reads.
+        admit = requests.admit_each if handler.request_streaming else requests.admit
+        return _rebuild(handler, lambda b: self._unary(b, method, admit), lambda b: self._streaming(b, method, admit),
+                        requests.checked(handler.request_deserializer))
 
     async def _fail(self, exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
         code, message = status_for(exc)
@@ -87,11 +100,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         code = context.code()
         return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
 
-    def _unary(self, behaviour: Callable[..., Any], method: str) -> Callable[..., Awaitable[Any]]:
+    def _unary(self, behaviour: Callable[..., Any], method: str, admit: Callable[[Any], Any]
+               ) -> Callable[..., Awaitable[Any]]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
             try:
-                result = behaviour(request, context)
+                result = behaviour(admit(request), context)
                 if inspect.isawaitable(result):
                     result = await result
             except grpc.aio.AbortError:
@@ -108,11 +122,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return wrapper
 
-    def _streaming(self, behaviour: Callable[..., Any], method: str) -> Callable[..., AsyncIterator[Any]]:
+    def _streaming(self, behaviour: Callable[..., Any], method: str, admit: Callable[[Any], Any]
+                   ) -> Callable[..., AsyncIterator[Any]]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             started = time.perf_counter()
             try:
-                result = behaviour(request, context)
+                result = behaviour(admit(request), context)
                 if inspect.isasyncgen(result):
                     async for item in result:
                         yield item

@@ -53,6 +53,25 @@ async def _call(channel: grpc.aio.Channel, method, timeout: float = 5.0) -> grpc
     return grpc.StatusCode.OK
 
 
+async def _call_raw(channel: grpc.aio.Channel, method, data: bytes) -> tuple[grpc.StatusCode, str]:
+    """Calls an RPC with `data` as the request's bytes (a stream's only message); its status and details."""
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    try:
+        if method.client_streaming:
+            kind = channel.stream_stream if method.server_streaming else channel.stream_unary
+            call = kind(path)(iter([data]), timeout=5)
+        else:
+            call = (channel.unary_stream if method.server_streaming else channel.unary_unary)(path)(data, timeout=5)
+        if method.server_streaming:
+            async for _ in call:
+                pass
+        else:
+            await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
 @pytest.mark.parametrize("name", SERVICES)
 async def test_service_is_healthy_and_guards_every_rpc(name: str, run_service) -> None:
     child = run_service(name)
@@ -81,6 +100,16 @@ async def test_service_is_healthy_and_guards_every_rpc(name: str, run_service) -
     bad = {m: c.name for m, c in codes.items() if c not in answered}
     assert not bad, bad
     assert grpc.StatusCode.OK in codes.values(), "each service answers at least its status RPC for real"
+
+    # Bytes that are no request at all are refused as the client's error, on every RPC, and the server goes on.
+    async with open_channel(child.grpc_address, token=TEST_TOKEN, max_attempts=1) as channel:
+        for garbage in (b"\xff\xff\xff", b"\x0a\x05ab"):
+            codes = {method.name: await _call_raw(channel, method, garbage) for method in service.methods}
+            # (PushWeights takes raw frames and checks them itself, with its own words.)
+            bad = {m: c for m, c in codes.items() if c[0] != grpc.StatusCode.INVALID_ARGUMENT or not c[1]}
+            assert not bad, (garbage, bad)
+        response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_missing_token_is_unauthenticated(run_service, monkeypatch: pytest.MonkeyPatch) -> None:

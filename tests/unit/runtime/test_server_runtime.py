@@ -113,6 +113,64 @@ async def test_error_inside_a_stream_ends_it_with_the_mapped_status(server: str)
     assert "after_step" in err.value.details()
 
 
+@pytest.mark.parametrize("method", ["Start", "StreamMetrics"])
+@pytest.mark.parametrize("data", [b"\xff\xff\xff", b"\x0a\x05ab"], ids=["garbage", "truncated"])
+async def test_bytes_that_are_no_request_get_invalid_argument_and_the_server_goes_on(
+    server: str, method: str, data: bytes
+) -> None:
+    async with open_channel(server, max_attempts=1) as channel:
+        path = f"/flywheel.controller.v1.ControllerService/{method}"
+        call = (channel.unary_unary if method == "Start" else channel.unary_stream)(path)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            result = call(data, timeout=5)
+            if method == "Start":
+                await result
+            else:
+                async for _ in result:
+                    pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "not a valid flywheel.controller.v1." in err.value.details()
+        # The next good request is served as ever.
+        await pb_grpc.ControllerServiceStub(channel).Stop(pb.StopRequest(grace_seconds=0), timeout=5)
+
+
+def test_enum_values_the_schema_does_not_define_are_refused_naming_the_field() -> None:
+    from flywheel.common.v1 import common_pb2
+    from flywheel.runtime.requests import BadRequest, checked
+
+    parse = checked(common_pb2.ComponentIdentity.FromString)
+    good = common_pb2.ComponentIdentity(role=common_pb2.COMPONENT_ROLE_ROLLOUT, capabilities=[1, 2], labels={"a": "b"})
+    assert parse(good.SerializeToString()) == good
+    bad_role = common_pb2.ComponentIdentity(role=9).SerializeToString()
+    assert parse(bad_role) == BadRequest("role: 9 is not a ComponentRole value (one of COMPONENT_ROLE_UNSPECIFIED, "
+                                         "COMPONENT_ROLE_TRAINER, COMPONENT_ROLE_ROLLOUT, COMPONENT_ROLE_CONTROLLER, "
+                                         "COMPONENT_ROLE_SYNCHRONIZER)")
+    nested = common_pb2.ComponentStatus(identity=common_pb2.ComponentIdentity(capabilities=[2, 10]))
+    assert parse_status(nested).reason.startswith("identity.capabilities[1]: 10 is not a SyncMethod value")
+
+
+def parse_status(message):
+    from flywheel.common.v1 import common_pb2
+    from flywheel.runtime.requests import checked
+
+    return checked(common_pb2.ComponentStatus.FromString)(message.SerializeToString())
+
+
+async def test_a_bad_message_in_a_request_stream_fails_the_call_after_the_good_ones() -> None:
+    from flywheel.runtime.requests import BadRequest, admit_each
+
+    async def stream():
+        yield 1
+        yield BadRequest("chunk 2: not a WeightChunk")
+        yield 3
+
+    seen = []
+    with pytest.raises(InvalidArgument, match="chunk 2"):
+        async for item in admit_each(stream()):
+            seen.append(item)
+    assert seen == [1]
+
+
 async def test_every_call_gets_a_default_deadline(server: str) -> None:
     async with open_channel(server, max_attempts=1, default_timeout=0.3) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as err:
