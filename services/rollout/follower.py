@@ -25,7 +25,9 @@ ABORTED (retry later); nothing half-applied is ever served.
 
 At registration a replica catches up to the newest committed version before
 it reports SERVING, so a replica that joins mid-run (scale-out, a restart)
-never generates on its base weights.
+never generates on its base weights: it pulls a MEMORY or CHECKPOINT version,
+and waits for an NCCL one, which the trainer broadcasts again to the replicas
+behind it (services/synchronizer/policy.py).
 """
 
 from __future__ import annotations
@@ -154,6 +156,9 @@ class Follower:
     async def reach(self, version: int, timeout: float) -> None:
         """Returns once the served version is at least `version`; Aborted after `timeout` seconds."""
         self._aim(version)
+        await self._served_at_least(version, timeout)
+
+    async def _served_at_least(self, version: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while self.served < version:
             left = deadline - time.monotonic()
@@ -215,13 +220,24 @@ class Follower:
         for info in status.versions:
             self.sources.setdefault(info.version, (info.method, info.path))
         self._hear(status.latest_version)
-        if status.latest_version > self.served and self._source_known(status.latest_version):
-            log.info("catching up to the synchronizer's newest version",
-                     extra={"id": self.component_id, "serving": self.served, "version": status.latest_version})
-            try:
-                await self.reach(status.latest_version, timeout)
-            except Aborted as exc:
-                log.warning("catching up failed; the first step syncs again", extra={"error": str(exc)})
+        latest = status.latest_version
+        if latest <= self.served:
+            return
+        method = self.sources.get(latest, (None, ""))[0]
+        if not self._source_known(latest) and method != Method.NCCL:
+            return
+        log.info("catching up to the synchronizer's newest version",
+                 extra={"id": self.component_id, "serving": self.served, "version": latest,
+                        "method": method.name.lower() if method else "unknown"})
+        try:
+            if method == Method.NCCL:
+                # Nothing to pull: registering behind it made the synchronizer ask
+                # the trainer to broadcast it again, and this replica joins (learn).
+                await self._served_at_least(latest, timeout)
+            else:
+                await self.reach(latest, timeout)
+        except Aborted as exc:
+            log.warning("catching up failed; the first step syncs again", extra={"error": str(exc)})
 
     def _source_known(self, version: int) -> bool:
         method, path = self.sources.get(version, (None, ""))

@@ -158,6 +158,13 @@ class Synchronizer:
             # A component registering again restarted: it left whatever it was in.
             self.transfers.member_left(identity.id, "registered again (restarted)")
         c = self.registry.register(identity, step, weight_version)
+        newest = self.catalog.latest_record()
+        if c.role == Role.ROLLOUT and newest is not None and newest.method == Method.NCCL and weight_version < newest.version:
+            # NCCL versions are kept nowhere to pull from: the replica awaits the
+            # newest one, and the trainer broadcasts it again to those behind.
+            c.requested_at, c.request_step, c.awaited_version = self._clock(), step, newest.version
+            self.registry.move(c, State.REQUIRE_SYNC, EventKind.SYNC_REQUESTED,
+                               message=f"joined on version {weight_version}, behind NCCL version {newest.version}")
         if c.role == Role.TRAINER and self.push_requested:
             self.events.publish(
                 EventKind.PUSH_REQUESTED, c, version=self.catalog.latest,

@@ -174,9 +174,10 @@ class WeightPlane:
         if rollout_ids:
             rollouts = [self._member(rid, Role.ROLLOUT) for rid in dict.fromkeys(rollout_ids)]
         else:
+            # Those behind it: every one for a new version, the late ones when it is broadcast again.
             rollouts = [
                 r for r in self.sync.registry.live(Role.ROLLOUT)
-                if not r.identity.capabilities or Method.NCCL in r.identity.capabilities
+                if (not r.identity.capabilities or Method.NCCL in r.identity.capabilities) and r.weight_version < version
             ]
         group = self.sync.transfers.allocate(version, trainer, rollouts, timeout, backend)
         self.sync.events.publish(

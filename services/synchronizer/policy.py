@@ -12,6 +12,12 @@ sync failed (an aborted transfer, a lapsed wait) is told to sync again at
 its next step, until it holds the version of its last sync point: FIXED is
 a schedule both sides keep, not a one-shot chance.
 
+NCCL versions are kept nowhere a rollout could pull them from: a rollout
+that registers behind the newest one (it joined mid-run or restarted) awaits
+it at once, and the trainer broadcasts it again, to the rollouts behind it
+only, while its step is that version; otherwise the next broadcast, which
+takes every rollout behind, brings it along.
+
 DYNAMIC_BY_EXPLORER(interval, timeout): a rollout asks for new weights
 (REQUIRE_SYNC) once `interval` steps passed since its last satisfied request,
 awaiting any version newer than its own; the trainer syncs whenever some
@@ -90,7 +96,12 @@ def trainer_decision(
         # The newest version's bytes were lost: publish the current weights again.
         return Decision(True, max(step, latest), trainer.state)
     if step <= latest:
-        need = False  # this step's version (or a newer one) is out already
+        # This step's version (or a newer one) is out already. Over NCCL it is
+        # kept nowhere: a rollout that awaits it and missed the broadcast (it
+        # joined later, or its transfer failed) gets it again, while the
+        # trainer still holds exactly those weights.
+        need = policy.method == Method.NCCL and step == latest and any(
+            _awaiting(r) and r.weight_version < r.awaited_version <= latest for r in rollouts)
     elif policy.style == Style.FIXED:
         due = fixed_due_version(step, policy.interval, 0)
         need = due > 0 and latest < due

@@ -94,3 +94,50 @@ def test_replicas_join_die_and_rejoin_without_losing_a_task(tmp_path: Path) -> N
         assert "STOPPED" in r0 and r0.index("STOPPED") < len(r0) - 1
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(900)
+def test_a_replica_that_joins_an_nccl_run_is_sent_the_newest_version_before_it_serves(tmp_path: Path) -> None:
+    """NCCL versions are kept nowhere to pull from: the synchronizer asks the trainer to broadcast the
+    newest one again to the late replica (gloo on CPU), whose first sample is on it, not on its base weights.
+    FIXED(4): between broadcasts the trainer has moved on, so a late replica must wait for it to come round."""
+    model = prepare_tiny_model()
+    cluster = Cluster(tmp_path)
+    run_dir = tmp_path / "run"
+    steps = 16
+
+    def ledger() -> list[dict]:
+        return jsonl(run_dir / "trained_tasks.jsonl")
+
+    def events() -> list[dict]:
+        return jsonl(run_dir / "synchronizer_events.jsonl")
+
+    try:
+        sync = cluster.synchronizer()
+        trainer = cluster.trainer(model, sync)
+        cluster.rollout("r0", model, sync)
+        for name in ("trainer", "r0"):
+            cluster[name].wait_ready(300)
+        run = tiny_run("nccl-join", steps, sync, trainer.grpc_address, mode="fully-async",
+                       sync={"method": "nccl", "interval": 4})
+        controller = cluster.controller(run, run_dir)
+        try:
+            wait_for(lambda: any(e["kind"] == "VERSION_COMMITTED" for e in events()), 300, "a broadcast", controller)
+            joined_at = max(e["latest_version"] for e in events())
+            assert joined_at >= 4
+            cluster.rollout("r1", model, sync).wait_ready(300)
+            first = wait_for(lambda: samples_of(ledger(), "r1"), 300, "work on r1", controller)
+            assert min(v for _, v in first) >= joined_at, "r1 generated on its base weights"
+            assert controller.wait(600) == 0, cluster.controller_output()
+        finally:
+            if controller.poll() is None:
+                controller.kill()
+        r1 = [e for e in events() if e.get("id") == "r1"]
+        assert r1[0]["kind"] == "COMPONENT_REGISTERED" and r1[0]["weight_version"] == 0
+        # The version that was newest when r1 registered (the trainer may have moved on since joined_at).
+        behind = r1[0]["latest_version"]
+        assert any(e["kind"] == "SYNC_REQUESTED" and e["version"] == behind for e in r1), r1
+        assert min(v for _, v in samples_of(ledger(), "r1")) >= behind, "r1 generated before it was sent the newest"
+        assert any(e["weight_version"] >= behind for e in r1 if e["kind"] != "COMPONENT_REGISTERED")
+    finally:
+        cluster.stop()

@@ -109,6 +109,44 @@ def test_nccl_commit_abort_and_expiry_move_states() -> None:
     assert sync.catalog.latest == 1 and sync.catalog.get(1).method == Method.NCCL
 
 
+def test_a_rollout_that_joins_behind_an_nccl_version_gets_it_broadcast_again() -> None:
+    """NCCL keeps no copy to pull: a late replica awaits the newest version at registration, the trainer
+    (still holding it) is told to broadcast it again, to the late replica only."""
+    sync, plane, _ = service()
+    sync.configure_policy(style=Style.FIXED, method=Method.NCCL, interval=2)
+    sync.register(Identity(Role.TRAINER, "t", "127.0.0.1:1"), 0, 0)
+    sync.register(Identity(Role.ROLLOUT, "a", capabilities=frozenset({Method.NCCL})), 0, 0)
+    assert sync.need_sync("t", 2).decision.need_sync
+    plane.report_transfer(plane.allocate_group(2, "t", [], 0, "").group_id, "a", True, "")
+    assert sync.catalog.latest == 2 and not sync.need_sync("t", 2).decision.need_sync
+
+    sub = sync.events.subscribe([])
+    late = sync.register(Identity(Role.ROLLOUT, "late", capabilities=frozenset({Method.NCCL})), 0, 0)
+    assert (late.state, late.awaited_version) == (State.REQUIRE_SYNC, 2)
+    assert [e.kind for e in sub._queue][-1] == EventKind.SYNC_REQUESTED  # what wakes the trainer's publisher
+    answer = sync.need_sync("t", 2)
+    assert answer.decision.need_sync and answer.decision.version == 2
+    group = plane.allocate_group(2, "t", [], 0, "")
+    assert [m for m, _ in group.members] == ["t", "late"], "the replica already on version 2 is left alone"
+    sync.set_state("late", State.WAITING_SYNC)  # as the replica does when it joins
+    plane.report_transfer(group.group_id, "late", True, "")
+    assert (sync.registry.get("late").state, sync.registry.get("late").weight_version) == (State.RUNNING, 2)
+    assert sync.catalog.latest == 2 and not sync.need_sync("t", 2).decision.need_sync
+
+    # A trainer that has moved past the version cannot send it: the late one waits for the next broadcast.
+    sync.register(Identity(Role.ROLLOUT, "later", capabilities=frozenset({Method.NCCL})), 0, 0)
+    assert not sync.need_sync("t", 3).decision.need_sync
+    assert sync.need_sync("t", 4).decision.need_sync
+    assert [m for m, _ in plane.allocate_group(4, "t", [], 0, "").members] == ["t", "a", "late", "later"]
+
+    # MEMORY versions are pulled by the replica itself: registering behind one asks nothing of anyone.
+    memory, mplane, _ = service()
+    memory.configure_policy(style=Style.FIXED, method=Method.MEMORY, interval=1)
+    memory.register(Identity(Role.TRAINER, "t"), 1, 0)
+    push(mplane, 1)
+    assert memory.register(Identity(Role.ROLLOUT, "r"), 0, 0).state == State.RUNNING
+
+
 def test_restart_restores_state_and_asks_for_lost_bytes(tmp_path: Path) -> None:
     sync, plane, _ = service(tmp_path)
     sync.configure_policy(style=Style.FIXED, method=Method.MEMORY, interval=10, offset=5)
