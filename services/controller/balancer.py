@@ -10,8 +10,10 @@ liveness monitor marks replicas up again once their health check passes.
 An external agent's session stays on the replica it was opened on;
 `occupied` counts the episode in that replica's load meanwhile.
 
-The pool also remembers each replica's weight version (from updates and from
-the versions its samples report); the staleness gate reads `min_version()`.
+The pool also remembers each replica's weight version: the synchronizer's
+view when it governs (services.controller.membership), else from updates;
+and from the versions its samples report. The staleness gate reads
+`min_version()`.
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ class EnginePool:
     def set_version(self, name: str, version: int) -> None:
         replica = self._by_name[name]
         replica.version = max(replica.version, version)
+
+    def observe_version(self, name: str, version: int) -> None:
+        """The version the synchronizer says the replica serves: it may go down (a restart registers on
+        its base weights), which versions taken from updates and samples never do."""
+        self._by_name[name].version = version
 
     def mark(self, name: str, healthy: bool, error: str = "") -> None:
         replica = self._by_name[name]

@@ -7,6 +7,7 @@ says SERVING, which a replica reports only after it caught up to the newest
 version (services/rollout/follower.py). One that deregisters or whose lease
 expires is marked down; its requests fail over to the others (balancer.py).
 One that restarts on the same id registers again and comes back the same way.
+The pool's version of each replica is the one the synchronizer reports.
 `services.rollout` in the run config, when given, is a filter: replicas whose
 id or address it does not name are left alone.
 """
@@ -49,10 +50,14 @@ class Membership:
                 if self.liveness is not None:
                     self.liveness.forget_health(c.id)  # a restart is marked up by its first passing check
             return
-        if c.id in self.engines or not c.identity.address:
+        if c.id in self.engines:
+            self.engines.observe_version(c.id, c.weight_version)
+            return
+        if not c.identity.address:
             return
         engine, probe = self.connect(c.id, c.identity.address)
         self.engines.add(engine, healthy=self.liveness is None)
+        self.engines.observe_version(c.id, c.weight_version)
         if self.liveness is not None:
             self.liveness.add(probe, healthy=False)
             task = asyncio.ensure_future(self.liveness.check(c.id))

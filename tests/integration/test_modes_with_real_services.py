@@ -16,7 +16,8 @@ What must hold:
   at that step (FIXED(1, 0): on-policy; FIXED(2, 1): versions 0, 0, 0, 2, 2, 4);
 - batch-async: no sample further behind than the threshold;
 - fully-async: no bound from the mode, but never a sample newer than the
-  trainer, and the weights do move;
+  trainer, and the weights do move; with DYNAMIC_BY_EXPLORER(2), once they
+  first moved, no sample is more than 3 versions behind;
 - in every case: the trainer publishes by itself (the controller exports
   nothing), the rollout asks for a sync exactly at the policy's points (its own
   steps), and its states follow Trinity-RFT's table for MEMORY: RUNNING ->
@@ -165,6 +166,10 @@ def test_fully_async_follows_the_trainer_without_waiting(tmp_path: Path, model_c
         # A request every `interval` of the rollout's own steps, each for something newer than it held.
         steps = [s for s, _ in requests]
         assert all(b - a >= sync["interval"] for a, b in zip(steps, steps[1:])), requests
+        # Once the weights first moved, no sample is more than interval + 1 versions behind the trainer:
+        # the replica asks every `interval` of its steps, and its steps keep pace with the trainer's.
+        moved = [(row["trained_version"], start) for row in rows for start, _ in row["sample_versions"] if start >= 1]
+        assert moved and all(trained - start <= sync["interval"] + 1 for trained, start in moved), moved
     assert max(end for row in rows for _, end in row["sample_versions"]) >= 1, "weights never reached the rollout"
 
 

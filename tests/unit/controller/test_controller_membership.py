@@ -66,6 +66,25 @@ async def test_the_run_config_list_is_a_filter_by_id_or_address() -> None:
     assert [r.name for r in engines.healthy()] == ["r1", "r3"]
 
 
+def test_the_pool_takes_each_replicas_version_from_the_synchronizer() -> None:
+    """Including down: a restarted replica registers on its base weights, which samples and updates
+    (they only ever raise it) would never say."""
+    engines = EnginePool([], dynamic=True)
+    membership = Membership(engines, None, Replicas().connect)
+    for cid, version in (("r0", 3), ("r1", 2)):
+        c = rollout(cid, f"10.0.0.{cid[-1]}:50053")
+        c.weight_version = version
+        membership.update(c)
+    assert engines.min_version() == 2
+    moved = rollout("r1", "10.0.0.1:50053")
+    moved.weight_version = 4
+    membership.update(moved)
+    assert engines.replica("r1").version == 4 and engines.min_version() == 3
+    restarted = rollout("r0", "10.0.0.0:50053")  # registers again on version 0
+    membership.update(restarted)
+    assert engines.replica("r0").version == 0
+
+
 def test_a_fixed_pool_still_needs_a_replica() -> None:
     try:
         EnginePool([])
