@@ -46,6 +46,9 @@ def run_service(
 
     def run(name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120.0) -> ServiceProcess:
         model_args = MODEL_FLAGS[name](service_model) if name in MODEL_FLAGS and "model" not in " ".join(args) else ()
+        if name == "trainer" and "--checkpoint.dir" not in args:
+            # Its default is relative to the working directory: the repository, when tests run.
+            model_args = (*model_args, "--checkpoint.dir", str(tmp_path / "run" / "checkpoints"))
         child = start_service(name, tmp_path / "run", (*model_args, *args), env or service_env)
         started.append(child)
         child.wait_ready(timeout)
