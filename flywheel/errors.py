@@ -66,3 +66,9 @@ class Unavailable(FlywheelError):
 
 class Unauthenticated(FlywheelError):
     code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(FlywheelError):
+    """The caller may not do this (a path outside the service's directories, a scope too narrow)."""
+
+    code = "PERMISSION_DENIED"

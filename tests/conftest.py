@@ -49,6 +49,10 @@ def run_service(
         if name == "trainer" and "--checkpoint.dir" not in args:
             # Its default is relative to the working directory: the repository, when tests run.
             model_args = (*model_args, "--checkpoint.dir", str(tmp_path / "run" / "checkpoints"))
+        # Paths in requests must lie inside these (flywheel.runtime.paths); tests keep their files in tmp_path.
+        root_flag = {"synchronizer": "--checkpoint-root", "rollout": "--updates.checkpoint-root"}.get(name)
+        if root_flag and root_flag not in args:
+            model_args = (*model_args, root_flag, str(tmp_path))
         child = start_service(name, tmp_path / "run", (*model_args, *args), env or service_env)
         started.append(child)
         child.wait_ready(timeout)

@@ -37,7 +37,7 @@ _ERRORS: dict[str, type[errors.FlywheelError]] = {
     for cls in (
         errors.InvalidArgument, errors.FailedPrecondition, errors.NotFound, errors.AlreadyExists,
         errors.ResourceExhausted, errors.DataLoss, errors.DeadlineExceeded, errors.Aborted,
-        errors.Unavailable, errors.Unauthenticated,
+        errors.Unavailable, errors.Unauthenticated, errors.PermissionDenied,
     )
 }
 

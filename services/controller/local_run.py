@@ -258,6 +258,17 @@ class LocalRun:
             "engine": {"model_path": str(self.model_dir)},
             "synchronizer": {"address": synchronizer_address, "component_id": ROLLOUT_ID},
         }
+        resume = self.data.get("resume") or {}
+        if resume.get("from") not in (None, "none", "latest"):
+            # A checkpoint to resume from, named on this machine: the trainer refuses request paths outside
+            # the directories it is configured with, so the one holding it is added, and the path made absolute
+            # (a relative one would be taken inside the trainer's checkpoint directory).
+            source = Path(resume["from"]).absolute()
+            self.data["resume"] = {**resume, "from": str(source)}
+            trainer["checkpoint"]["allowed_roots"] = [str(source.parent)]
+        # CHECKPOINT versions are published under the run directory; the synchronizer and the rollout take
+        # the paths they are sent only from there.
+        rollout["updates"] = {"checkpoint_root": str(self.run_dir)}
         return {"trainer": deep_merge(trainer, spec.trainer), "rollout": deep_merge(rollout, spec.rollout)}
 
     def start_services(self) -> RunConfig:
@@ -271,7 +282,8 @@ class LocalRun:
         t = time.monotonic()
         deadline = t + self.spec.ready_timeout_seconds
         # First, and alone: the trainer and the rollout register with it as soon as they are loaded.
-        self.supervisor.start("synchronizer", dict(self.spec.synchronizer))
+        synchronizer_config = deep_merge({"checkpoint_root": str(self.run_dir)}, dict(self.spec.synchronizer))
+        self.supervisor.start("synchronizer", synchronizer_config)
         self.supervisor.wait_ready(self.spec.ready_timeout_seconds)
         synchronizer = self.supervisor.child("synchronizer").grpc_address
         # The two slow ones load their models in parallel.

@@ -25,6 +25,7 @@ import yaml
 
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.runtime.config import ConfigError
+from flywheel.runtime.paths import confine
 from flywheel.synchronizer.types import Component
 from services.controller.assemble import Services, build_pipeline
 from services.controller.errors_report import ErrorRecord
@@ -90,7 +91,8 @@ class RunManager:
         run_id = run_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         if "/" in run_id or run_id.startswith("."):
             raise InvalidArgument(f"run_id {run_id!r}: must be a plain directory name")
-        run_dir = cfg.run.output_dir or self.runs_dir / run_id
+        # A Start request may name where the run writes, but only inside this controller's runs directory.
+        run_dir = confine(cfg.run.output_dir or run_id, [self.runs_dir], "run.output_dir")
         services = self.connect(cfg)
         try:
             pipeline = build_pipeline(cfg, services, run_dir=run_dir, sinks=self.sinks())

@@ -58,6 +58,11 @@ class UpdatesConfig(StrictModel):
     staging_dir: Path | None = Field(
         None, description="where the vLLM engine stages verified weights for its worker; default /dev/shm or $TMPDIR"
     )
+    checkpoint_root: Path | None = Field(
+        None, description="the shared directory CHECKPOINT versions are published in: a checkpoint path this "
+        "replica is sent must lie inside it (PERMISSION_DENIED otherwise; a relative one is taken there); none: "
+        "CHECKPOINT updates are refused"
+    )
     reuse_staging: bool = Field(
         True, description="keep the CPU tensors a MEMORY update was staged in and stage the next one into them "
         "(no page faults per update; holds one model's worth of memory between updates)"

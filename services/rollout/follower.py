@@ -313,6 +313,6 @@ class Follower:
                                 timeout=self.config.updates.timeout_seconds, max_message_bytes=server.max_message_bytes,
                                 buffers=self.core.staging)
         if method == Method.CHECKPOINT and location:
-            return checkpoint_stage(location, version, specs)
+            return checkpoint_stage(location, version, specs, self.config.updates.checkpoint_root)
         name = method.name if method else "an unknown method"
         raise FailedPrecondition(f"version {version} travels by {name}, which a rollout cannot pull by itself")

@@ -191,7 +191,7 @@ class RolloutServicer:
         if source == "checkpoint":
             if not request.checkpoint.path:
                 raise InvalidArgument("checkpoint.path: empty")
-            stage = checkpoint_stage(request.checkpoint.path, version, specs)
+            stage = checkpoint_stage(request.checkpoint.path, version, specs, self.config.updates.checkpoint_root)
         elif source == "memory":
             if not request.memory.synchronizer_address:
                 raise InvalidArgument("memory.synchronizer_address: empty")

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+
+from flywheel.runtime.paths import confine
 
 from services.rollout.engine.base import StagedWeights, TensorSpec
 from services.rollout.staging import StagingBuffers
@@ -17,9 +20,13 @@ from services.rollout.weights import stage_checkpoint
 Stage = Callable[[], Awaitable[StagedWeights]]
 
 
-def checkpoint_stage(path: str, version: int, specs: Mapping[str, TensorSpec]) -> Stage:
+def checkpoint_stage(path: str, version: int, specs: Mapping[str, TensorSpec], root: Path | None) -> Stage:
+    """`path` must lie inside `root` (updates.checkpoint_root), whoever sent it: an operator's UpdateWeights
+    or the synchronizer's catalog. It is checked here, before the update starts."""
+    directory = confine(path, [root] if root else [], "checkpoint.path")
+
     async def stage() -> StagedWeights:
-        return await asyncio.to_thread(stage_checkpoint, path, version, specs)
+        return await asyncio.to_thread(stage_checkpoint, directory, version, specs)
 
     return stage
 

@@ -64,6 +64,11 @@ class SynchronizerConfig(StrictModel):
     sweep_interval_seconds: float = Field(
         0.2, gt=0, description="how often leases, sync-request timeouts and transfer deadlines are checked, in seconds"
     )
+    checkpoint_root: Path | None = Field(
+        None, description="the shared directory CHECKPOINT versions are published in: a registered path must lie "
+        "inside it (PERMISSION_DENIED otherwise; a relative one is taken there); none: CHECKPOINT registrations "
+        "are refused"
+    )
     checkpoint_require_manifest: bool = Field(
         False, description="reject checkpoint directories without weight_manifest.pb"
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument, NotFound, Unavailable
+from flywheel.runtime.paths import confine
 from services.synchronizer import metrics
 from services.synchronizer.buffers import VersionBuffer
 from services.synchronizer.checkpoints import verify_checkpoint
@@ -125,6 +126,8 @@ class WeightPlane:
     async def register_checkpoint(self, version: int, path: str, trainer_id: str) -> int:
         if not path:
             raise InvalidArgument("path: empty")
+        root = self.sync.config.checkpoint_root
+        path = str(confine(path, [root] if root else [], "path"))
         existing = self.sync.catalog.get(version) if version else None
         if existing is not None and existing.method == Method.CHECKPOINT and existing.path == path:
             return version  # a retried registration

@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,17 @@ log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^global_step_(\d+)$")
+
+
+def publish_dir(config: TrainerConfig) -> Path:
+    """Where CHECKPOINT versions are written by default: `sync.publish_dir`, else `<checkpoint.dir>/published`."""
+    return config.sync.publish_dir or config.checkpoint.dir / "published"
+
+
+def request_roots(config: TrainerConfig) -> list[Path]:
+    """The directories a request's paths may lie in (flywheel.runtime.paths.confine): the checkpoint
+    directory first (a relative path is taken there), the publish directory, and any others allowed."""
+    return [config.checkpoint.dir, publish_dir(config), *config.checkpoint.allowed_roots]
 
 
 def list_checkpoints(parent: Path) -> list[tuple[int, Path]]:

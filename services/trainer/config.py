@@ -118,6 +118,10 @@ class CheckpointConfig(StrictModel):
     dir: Path = Field(Path("checkpoints"), description="where global_step_N/ directories are written")
     keep_last: int = Field(0, ge=0, description="keep this many newest checkpoints after a save; 0 keeps all")
     resume_latest: bool = Field(False, description="at startup, load the newest complete checkpoint under dir if any")
+    allowed_roots: list[Path] = Field(
+        default_factory=list, description="directories, besides dir and sync.publish_dir, that a request's paths "
+        "(SaveCheckpoint, LoadCheckpoint, ExportWeights) may lie in; any other path is refused (PERMISSION_DENIED)"
+    )
 
 
 class SyncConfig(PresenceConfig):

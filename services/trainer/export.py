@@ -62,9 +62,10 @@ from flywheel.codec import (
     encode_state_dict,
 )
 from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument
+from flywheel.runtime.paths import confine
 from flywheel.synchronizer.client import SynchronizerClient
-from services.trainer.checkpoints import _fsync_dir, _fsync_tree
-from services.trainer.config import SyncConfig, TrainerConfig
+from services.trainer.checkpoints import _fsync_dir, _fsync_tree, publish_dir, request_roots
+from services.trainer.config import SyncConfig
 from services.trainer.policy import Policy
 from services.trainer.training import TrainingEngine
 
@@ -72,11 +73,6 @@ log = logging.getLogger(__name__)
 
 #: Serialized WeightManifest of a checkpoint directory (read by the synchronizer and rollouts).
 MANIFEST_FILE = "weight_manifest.pb"
-
-
-def publish_dir(config: TrainerConfig) -> Path:
-    """Where CHECKPOINT versions are written by default: `sync.publish_dir`, else `<checkpoint.dir>/published`."""
-    return config.sync.publish_dir or config.checkpoint.dir / "published"
 
 
 @dataclass(frozen=True)
@@ -216,14 +212,16 @@ class WeightExporter:
 
     async def checkpoint(self, directory: str = "", *, merge_lora: bool = False) -> ExportResult:
         """Writes `<directory>/version_N` (default: `publish_dir`) and registers it with the synchronizer."""
-        parent = Path(directory) if directory else publish_dir(self.engine.config)
+        config = self.engine.config
+        parent = confine(directory, request_roots(config), "directory") if directory else publish_dir(config)
         started = time.perf_counter()
         async with self._snapshot(merge_lora) as (version, state):
             policy = self.engine.ready_policy()
             path, nbytes = await asyncio.to_thread(write_version, policy, state, version, parent, merge_lora)
         if self.sync.synchronizer_address:
             async with self._client(self.sync.synchronizer_address) as client:
-                await client.register_checkpoint(version, str(path), self.sync.trainer_id)
+                # Absolute: the synchronizer takes a relative path inside its own checkpoint_root.
+                await client.register_checkpoint(version, str(path.absolute()), self.sync.trainer_id)
         duration = time.perf_counter() - started
         log.info("weights exported", extra={"method": "checkpoint", "version": version, "bytes": nbytes,
                                             "seconds": round(duration, 3), "path": str(path)})

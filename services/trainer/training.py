@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from flywheel.errors import FailedPrecondition, InvalidArgument
+from flywheel.runtime.paths import confine
 from services.trainer import checkpoints
 from services.trainer.batch import Batch, BatchLimits, input_batch, training_batch
 from services.trainer.config import LossConfig, TrainerConfig
@@ -326,6 +327,8 @@ class TrainingEngine:
         with self._lock:
             policy = self._ready(None)
             cfg = self.config.checkpoint
+            if directory is not None:
+                directory = confine(directory, checkpoints.request_roots(self.config), "directory")
             path, size = checkpoints.save(
                 policy, directory or cfg.dir, client_state=client_state, keep_last=cfg.keep_last,
                 remove_previous=remove_previous,
@@ -342,5 +345,7 @@ class TrainingEngine:
                 path = checkpoints.latest(self.config.checkpoint.dir)
                 if path is None:
                     return None, policy.step, policy.weight_version, b""
+            else:
+                path = confine(path, checkpoints.request_roots(self.config), "path")
             step, version, client_state = checkpoints.load(policy, path)
             return path, step, version, client_state

@@ -68,7 +68,7 @@ class Cluster:
         return self.services[name]
 
     def synchronizer(self, **config: Any) -> str:
-        sync = self.start("synchronizer", "synchronizer", config)
+        sync = self.start("synchronizer", "synchronizer", {"checkpoint_root": str(self.root), **config})
         sync.wait_ready(60)
         return sync.grpc_address
 
@@ -92,6 +92,7 @@ class Cluster:
                        "args": {"dtype": "float32", "max_model_len": 256, "seed": 0}},
             "synchronizer": {"address": synchronizer, "component_id": name.split("@")[0],
                              "heartbeat_interval_seconds": 0.5},
+            "updates": {"checkpoint_root": str(self.root)},
         }, port)
 
     def controller(self, run: dict, run_dir: Path) -> subprocess.Popen:

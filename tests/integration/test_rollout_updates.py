@@ -58,12 +58,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module", params=ENGINES)
-def server(request: pytest.FixtureRequest, model_dir: Path):
+def server(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     need_engine(request.param)
     args = engine_args(request.param)
     if request.param == "vllm":
         args["enable_prefix_caching"] = True  # explicit: the prefix-cache test below needs it on
-    srv = ServerThread(rollout_config(model_dir, request.param, engine={"args": args})).start()
+    # Checkpoints are sent from each test's tmp_path: all of them lie under the session's base.
+    updates = {"checkpoint_root": str(tmp_path_factory.getbasetemp())}
+    srv = ServerThread(rollout_config(model_dir, request.param, engine={"args": args}, updates=updates)).start()
     srv.track = Track(model_dir, 0, load_file(str(model_dir / "model.safetensors")))
     yield srv
     srv.stop()
@@ -303,8 +305,25 @@ async def test_update_must_move_forward(server) -> None:
     async with open_channel(server.address, token=TEST_TOKEN, max_attempts=1) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await update(rollout, server.track.version, checkpoint=pb.CheckpointSource(path="/nonexistent"))
+            await update(rollout, server.track.version, checkpoint=pb.CheckpointSource(path="nonexistent"))
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await update(rollout, 99, checkpoint=pb.CheckpointSource(path="/x"), method=common_pb2.SYNC_METHOD_MEMORY)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_checkpoint_paths_outside_the_root_are_refused_and_nothing_changes(server, tmp_path: Path) -> None:
+    outside = tmp_path.parent.parent.parent  # above the session's base temp: outside updates.checkpoint_root
+    async with open_channel(server.address, token=TEST_TOKEN, max_attempts=1) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        before = await greedy(rollout)
+        for path, code in [(str(outside), grpc.StatusCode.PERMISSION_DENIED),
+                           (f"{tmp_path}/../../../..", grpc.StatusCode.PERMISSION_DENIED),
+                           ("ck\0pt", grpc.StatusCode.INVALID_ARGUMENT), ("n" * 300, grpc.StatusCode.INVALID_ARGUMENT)]:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await update(rollout, server.track.version + 1, checkpoint=pb.CheckpointSource(path=path))
+            assert info.value.code() == code, (path, info.value.details())
+            assert "checkpoint.path" in info.value.details()
+        after = await greedy(rollout)
+    assert (after.weight_version_end, list(after.completion_token_ids)) == (
+        before.weight_version_end, list(before.completion_token_ids))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flywheel.codec import ChunkCorrupted, encode_state_dict
-from flywheel.errors import Aborted, FailedPrecondition, NotFound
+from flywheel.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from flywheel.runtime.client import open_channel
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.transfer.frames import encoded_frames
@@ -217,15 +217,25 @@ async def test_checkpoint_versions_are_checked_then_announced(tmp_path) -> None:
     from safetensors.torch import save_file
 
     state = {k: v for k, v in small_state().items() if v.numel()}
-    good, bad = tmp_path / "v5", tmp_path / "v6"
-    for d in (good, bad):
-        d.mkdir()
+    root = tmp_path / "published"
+    good, bad, elsewhere = root / "v5", root / "v6", tmp_path / "elsewhere"
+    for d in (good, bad, elsewhere):
+        d.mkdir(parents=True)
         save_file(state, str(d / "model.safetensors"))
     (bad / "model.safetensors").write_bytes((bad / "model.safetensors").read_bytes()[:-7])  # a torn copy
     async with embedded_synchronizer() as server, SynchronizerClient(server.address) as c:
+        with pytest.raises(FailedPrecondition, match="accepts no paths"):
+            await c.register_checkpoint(5, str(good), "trainer")  # no checkpoint_root: no CHECKPOINT versions
+    async with embedded_synchronizer(checkpoint_root=root) as server, SynchronizerClient(server.address) as c:
         events = c.watch(send_initial=False)
         first = asyncio.ensure_future(anext(events))
         await asyncio.sleep(0.1)
+        # Paths outside the root, or that no file system holds, are refused before anything is read.
+        for path, error in [(str(elsewhere), PermissionDenied), ("v5/../../elsewhere", PermissionDenied),
+                            ("v5\0", InvalidArgument), ("x" * 300, InvalidArgument)]:
+            with pytest.raises(error):
+                await c.register_checkpoint(5, path, "trainer")
+        assert not first.done()
         assert await c.register_checkpoint(5, str(good), "trainer") == 5
         event = await asyncio.wait_for(first, 5)
         assert (event.kind.name, event.version, event.location, event.method.name) == (

@@ -54,9 +54,10 @@ async def rejected(call, field: str) -> None:
 
 
 async def test_export_memory_and_checkpoint_bit_identical(run_service, tiny_model: Path, tmp_path: Path) -> None:
-    async with embedded_synchronizer() as sync:
+    async with embedded_synchronizer(checkpoint_root=tmp_path) as sync:
         trainer_proc = run_service(
-            "trainer", "--model.path", str(tiny_model), "--checkpoint.dir", str(tmp_path / "ckpt"),
+            # The checkpoint directory holds what this test saves and exports (request paths stay inside it).
+            "trainer", "--model.path", str(tiny_model), "--checkpoint.dir", str(tmp_path),
             "--optimizer.lr", "1e-3", "--model.cpu-threads", "1", "--sync.synchronizer-address", sync.address,
             "--sync.publish", "false",  # exports by hand only: the operator's path
         )

@@ -112,7 +112,13 @@ async def test_train_resume_export_and_reject(run_service, tiny_model: Path, tmp
         assert torch.allclose(offline, live, atol=1e-6)
 
         # Bad input: rejected with a message naming the field, nothing changes.
-        before = await trainer.save_checkpoint(str(tmp_path / "before"))
+        # Paths stay inside the checkpoint directory: a relative one is taken there, one outside is refused.
+        await expect_error(trainer.save_checkpoint(str(tmp_path / "outside")), grpc.StatusCode.PERMISSION_DENIED,
+                           "outside the directories")
+        await expect_error(trainer.load_checkpoint("../../etc"), grpc.StatusCode.PERMISSION_DENIED, "path")
+        await expect_error(trainer.save_checkpoint("bad\0dir"), grpc.StatusCode.INVALID_ARGUMENT, "NUL")
+        assert not (tmp_path / "outside").exists()
+        before = await trainer.save_checkpoint("before")
         nan_adv = make_train_batch(**{**batch, "advantages": torch.tensor([1.0, float("nan")])},
                                    behaviour_logprobs=behaviour)
         short_mask = make_train_batch(**{**batch, "loss_mask": batch["loss_mask"][:, :-1]}, behaviour_logprobs=behaviour)
@@ -131,7 +137,7 @@ async def test_train_resume_export_and_reject(run_service, tiny_model: Path, tmp
         await expect_error(trainer.train_step(train_batch, LOSS, expected_step=3),
                            grpc.StatusCode.FAILED_PRECONDITION, "expected_step")
         await expect_error(trainer.optim_step(), grpc.StatusCode.FAILED_PRECONDITION, "no accumulated gradients")
-        after = await trainer.save_checkpoint(str(tmp_path / "after"))
+        after = await trainer.save_checkpoint("after")
         assert before.step == after.step == 10
         for name in ("model/model.safetensors",):
             a, b = load_file(Path(before.path) / name), load_file(Path(after.path) / name)

@@ -102,6 +102,21 @@ async def test_bad_configs_are_invalid_argument_naming_the_field(controller) -> 
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+async def test_a_run_writes_only_inside_the_runs_directory(controller, tmp_path: Path) -> None:
+    stub, runs = controller
+    for output_dir, code in [(str(tmp_path / "elsewhere"), grpc.StatusCode.PERMISSION_DENIED),
+                             ("../elsewhere", grpc.StatusCode.PERMISSION_DENIED),
+                             ("n" * 300, grpc.StatusCode.INVALID_ARGUMENT)]:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Start(pb.StartRequest(config_yaml=run_yaml(run={"name": "t", "output_dir": output_dir})))
+        assert err.value.code() == code and "run.output_dir" in err.value.details()
+    assert not (tmp_path / "elsewhere").exists() and runs.run_id == ""
+    started = await stub.Start(pb.StartRequest(config_yaml=run_yaml(run={"name": "t", "max_steps": 2,
+                                                                          "output_dir": "mine"})))
+    assert Path(started.run_dir) == tmp_path / "runs" / "mine"
+    await wait_phase(stub, {pb.RUN_PHASE_COMPLETED})
+
+
 async def test_one_run_at_a_time_and_stop_with_a_checkpoint(controller) -> None:
     stub, runs = controller
     await stub.Start(pb.StartRequest(config_yaml=run_yaml(run={"name": "long", "max_steps": 100000})))

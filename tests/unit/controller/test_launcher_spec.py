@@ -67,6 +67,24 @@ def test_trainer_and_rollout_register_under_the_names_the_controller_uses(tmp_pa
     assert rollout.retry_max_seconds == 5  # the run file's launch section still wins
 
 
+def test_local_services_take_paths_from_the_run_directory_and_the_checkpoint_resumed(tmp_path, monkeypatch):
+    from services.controller.local_run import LocalRun
+    from services.rollout.config import RolloutConfig
+    from services.trainer.checkpoints import request_roots
+    from services.trainer.config import TrainerConfig
+
+    monkeypatch.chdir(tmp_path)
+    spec, data = split_run_file({"resume": {"from_path": "old/checkpoints/global_step_4"}}, "test")
+    run = LocalRun(spec=spec, data=data, run_dir=tmp_path / "run")
+    run.model_dir = tmp_path / "model"
+    configs = run.service_configs("127.0.0.1:4242")
+    # Made absolute here: the trainer takes a relative request path inside its own checkpoint directory.
+    assert run.data["resume"] == {"from": str(tmp_path / "old/checkpoints/global_step_4")}
+    trainer = TrainerConfig.model_validate(configs["trainer"])
+    assert tmp_path / "old/checkpoints" in request_roots(trainer)
+    assert RolloutConfig.model_validate(configs["rollout"]).updates.checkpoint_root == tmp_path / "run"
+
+
 def test_run_variables_override_the_run_files_fields(tmp_path):
     from argparse import Namespace
 

@@ -160,7 +160,7 @@ async def test_an_update_anyone_triggers_is_reported(rollout_model, codec, base_
             await link.presence.registered.wait()
             specs = core.engine.weight_specs()
             # As UpdateWeights (the operator's path) does it: the core, with a checkpoint.
-            await core.update_weights(1, checkpoint_stage(str(ckpt), 1, specs), None, 30)
+            await core.update_weights(1, checkpoint_stage(str(ckpt), 1, specs, tmp_path), None, 30)
             c = await eventually(lambda: _at_version(client, 1), what="version 1 reported")
             assert c.state == State.RUNNING
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from services.trainer import checkpoints
 from services.trainer.forward import token_logprobs
 from services.trainer.training import LossRequest
@@ -84,7 +84,7 @@ def test_latest_with_none_saved(make_engine) -> None:
 
 
 def test_keep_last_and_remove_previous(make_engine, tmp_path: Path) -> None:
-    engine = make_engine(checkpoint={"keep_last": 2})
+    engine = make_engine(checkpoint={"keep_last": 2, "allowed_roots": [str(tmp_path / "elsewhere")]})
     parent = engine.config.checkpoint.dir
     for _ in range(3):
         engine.train_step(make_batch(), LOSS)
@@ -96,6 +96,23 @@ def test_keep_last_and_remove_previous(make_engine, tmp_path: Path) -> None:
     engine.train_step(make_batch(), LOSS)
     engine.save_checkpoint(directory=other, remove_previous=True)
     assert [s for s, _ in checkpoints.list_checkpoints(other)] == [5]
+
+
+def test_request_paths_stay_inside_the_checkpoint_directories(make_engine, tmp_path: Path) -> None:
+    engine = make_engine()
+    engine.train_step(make_batch(), LOSS)
+    outside = tmp_path / "outside"
+    for bad, error in [(outside, PermissionDenied), (Path("../outside"), PermissionDenied),
+                       (Path("ck\0pt"), InvalidArgument), (Path("n" * 300), InvalidArgument)]:
+        with pytest.raises(error):
+            engine.save_checkpoint(directory=bad)
+        with pytest.raises(error):
+            engine.load_checkpoint(bad)
+    assert not outside.exists() and not (tmp_path / "ckpt").exists(), "nothing was written"
+    # A relative path is taken inside checkpoint.dir, as is the default.
+    path, step, _ = engine.save_checkpoint(directory=Path("mine"))
+    assert path == (tmp_path / "ckpt" / "mine" / f"global_step_{step}").resolve()
+    assert engine.load_checkpoint(Path("mine") / path.name)[1] == step
 
 
 def test_a_corrupt_checkpoint_is_rejected_without_changes(make_engine) -> None:

@@ -42,10 +42,10 @@ def step(engine: TrainingEngine) -> None:
 
 
 async def test_memory_and_checkpoint_are_bit_identical(make_engine, tiny_model: Path, tmp_path: Path) -> None:
-    engine = make_engine()
+    engine = make_engine(checkpoint={"allowed_roots": [str(tmp_path / "exports")]})
     step(engine)
     live = live_hf(engine)
-    async with embedded_synchronizer() as server:
+    async with embedded_synchronizer(checkpoint_root=tmp_path) as server:
         exporter = WeightExporter(engine, SyncConfig(synchronizer_address=server.address))
         result = await exporter.memory()
         assert result.weight_version == 1 and result.bytes > 0
@@ -81,7 +81,7 @@ async def test_lora_merged_and_adapter_exports(make_engine, tiny_model: Path) ->
 
 
 async def test_rejections_and_info_not_blocked(make_engine, tmp_path: Path) -> None:
-    engine = make_engine()
+    engine = make_engine(checkpoint={"allowed_roots": [str(tmp_path)]})
     servicer = TrainerServicer(engine)
     exporter = servicer.exporter
     with pytest.raises(FailedPrecondition, match="version 0"):
