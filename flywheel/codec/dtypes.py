@@ -81,6 +81,10 @@ def element_size(value: int) -> int:
     return _ITEMSIZE[value]
 
 
+#: Most dimensions a wire tensor may have (torch's own limit is 64).
+MAX_DIMS = 64
+
+
 def expected_nbytes(dtype: int, shape: Sequence[int], what: str) -> int:
     """numel * itemsize for a wire dtype and shape; rejects negative dimensions.
 
@@ -88,7 +92,14 @@ def expected_nbytes(dtype: int, shape: Sequence[int], what: str) -> int:
     """
     if any(d < 0 for d in shape):
         raise InvalidTensor(f"{what}: shape {list(shape)} has a negative dimension")
-    return math.prod(shape) * element_size(dtype)
+    if len(shape) > MAX_DIMS:
+        raise InvalidTensor(f"{what}: shape has {len(shape)} dimensions, more than {MAX_DIMS}")
+    itemsize = element_size(dtype)
+    # torch lays a tensor out with int64 strides, which a zero dimension does not shrink: a shape such as
+    # [0, 2**63 - 1] holds no bytes, yet cannot be made.
+    if math.prod(max(d, 1) for d in shape) * itemsize >= 2**63:
+        raise InvalidTensor(f"{what}: shape {list(shape)} is too large to lay out")
+    return math.prod(shape) * itemsize
 
 
 def contiguous_cpu(t: torch.Tensor) -> torch.Tensor:

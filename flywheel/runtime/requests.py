@@ -1,8 +1,8 @@
 """Requests checked where the server decodes them, before any interceptor or
-handler runs: bytes that are not the method's message, and enum values its
-schema does not define, are the client's error (INVALID_ARGUMENT, naming
-the message or the field), never UNKNOWN or INTERNAL from deep inside a
-handler.
+handler runs: bytes that are not the method's message (naming the string field that is
+not UTF-8, when that is why), and enum values its schema does not define,
+are the client's error (INVALID_ARGUMENT, naming the message or the field),
+never UNKNOWN or INTERNAL from deep inside a handler.
 
 gRPC calls the request deserializer outside every handler, and a raise
 there reaches the client as UNKNOWN. So the deserializer returns a
@@ -23,6 +23,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from flywheel.errors import InvalidArgument
+from flywheel.runtime.proto_utf8 import find_invalid_utf8
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ def checked(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any
         try:
             message = deserialize(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever else garbage makes the runtime raise
+            where = find_invalid_utf8(message_type, data) if message_type is not None else None
+            if where:
+                return BadRequest(f"{where}: not valid UTF-8")
             return BadRequest(f"the request bytes are not a valid {name}: {exc}")
         if isinstance(message, Message):
             problem = undefined_enum(message)

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import services.rollout.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.models.check import require_model_dir
-from flywheel.rollout.v1 import rollout_pb2
+from flywheel.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from flywheel.runtime.auth import resolve_token
 from flywheel.runtime.server import ServiceSpec
 from services.rollout.config import RolloutConfig
 from services.rollout.core import RolloutCore
-from services.rollout.servicer import RolloutServicer, add_to_server
+from services.rollout.servicer import RolloutServicer
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def build(config: RolloutConfig) -> ServiceSpec:
     return ServiceSpec(
         name="rollout",
         proto_services=[PROTO_SERVICE],
-        register=lambda server: add_to_server(servicer, server),
+        register=lambda server: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server),
         on_bound=lambda port: state.__setitem__("grpc_port", port),
         startup=startup,
         shutdown=shutdown,

@@ -1,9 +1,5 @@
 """gRPC servicer of the rollout service: translates protobuf to the domain
 (`services.rollout.core`) and back; no engine or update logic lives here.
-
-Requests are parsed here rather than by grpc, so that a string field with
-invalid UTF-8 is an INVALID_ARGUMENT naming the field instead of an opaque
-deserialization failure (see `add_to_server`).
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ from services.rollout.nccl_update import NcclTarget, update_over_group
 from services.rollout.prompts import (
     ChatPrompt, PromptInput, TextPrompt, TokenPrompt, check_token_ids, validate_messages, validate_tools,
 )
-from services.rollout.proto_utf8 import find_invalid_utf8
 from services.rollout.sources import checkpoint_stage, memory_stage
 
 _MODES: dict[int, PauseMode] = {pb.PAUSE_MODE_ABORT: "abort", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_KEEP: "keep"}
@@ -230,45 +225,3 @@ async def _with_retry_hint(context: grpc.aio.ServicerContext, coro: Any) -> Any:
     except QueueFull as exc:
         _set_retry_hint(context, exc)
         raise
-
-
-def add_to_server(servicer: RolloutServicer, server: grpc.aio.Server) -> None:
-    """Registers every RolloutService method, parsing requests itself (see module doc)."""
-    service = pb.DESCRIPTOR.services_by_name["RolloutService"]
-    handlers = {}
-    for method in service.methods:
-        request_cls = getattr(pb, method.input_type.name)
-        response_cls = getattr(pb, method.output_type.name)
-        behaviour = getattr(servicer, method.name)
-        if method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _streaming(behaviour, request_cls), response_serializer=response_cls.SerializeToString)
-        else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _unary(behaviour, request_cls), response_serializer=response_cls.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-
-
-def _parse(request_cls: Any, raw: bytes) -> Any:
-    try:
-        return request_cls.FromString(raw)
-    except Exception:  # noqa: BLE001 - protobuf's DecodeError
-        where = find_invalid_utf8(request_cls.DESCRIPTOR, raw)
-        if where:
-            raise InvalidArgument(f"{where}: not valid UTF-8") from None
-        raise InvalidArgument(f"request is not a valid {request_cls.DESCRIPTOR.full_name}") from None
-
-
-def _unary(behaviour: Callable, request_cls: Any) -> Callable:
-    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        return await behaviour(_parse(request_cls, raw), context)
-
-    return handler
-
-
-def _streaming(behaviour: Callable, request_cls: Any) -> Callable:
-    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for item in behaviour(_parse(request_cls, raw), context):
-            yield item
-
-    return handler

@@ -130,3 +130,11 @@ def test_decoding_readonly_bytes_emits_no_warning() -> None:
     assert torch.equal(out, torch.ones(4))
     out += 1  # the result owns writable memory, independent of the message
     assert bits(tensor_from_proto(msg)).sum() == bits(torch.ones(4)).sum()
+
+
+@pytest.mark.parametrize("shape", [[0, 2, 2**63 - 1], [2**40, 2**40], [1] * 65])
+def test_shapes_torch_cannot_lay_out_are_invalid_even_when_empty(shape: list[int]) -> None:
+    # A zero dimension makes the byte count 0, and the data (none) matches it; the layout still cannot be made.
+    msg = common_pb2.Tensor(dtype=common_pb2.DTYPE_BOOL, shape=shape, data=b"")
+    with pytest.raises(InvalidTensor, match="too large|dimensions"):
+        tensor_from_proto(msg)

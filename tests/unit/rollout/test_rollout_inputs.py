@@ -9,7 +9,7 @@ from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
 from flywheel.rollout.v1 import rollout_pb2 as pb
 from services.rollout.prompts import ChatPrompt, TextPrompt, TokenPrompt, resolve, validate_messages
-from services.rollout.proto_utf8 import find_invalid_utf8
+from flywheel.runtime.proto_utf8 import find_invalid_utf8
 from services.rollout.sampling import from_proto, make_spec
 
 
