@@ -32,6 +32,10 @@ SERVICES = ("synchronizer", "trainer", "rollout", "controller")
 class ServiceDied(RuntimeError):
     """A child exited; the message names it and ends with its last log lines."""
 
+    def __init__(self, message: str, service: str = "", exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.service, self.exit_code = service, exit_code
+
 
 #: Set in a child's environment to the pid of the launcher that started it.
 LAUNCHER_PID_ENV = "FLYWHEEL_LAUNCHER_PID"
@@ -78,7 +82,8 @@ class ServiceProcess:
         code = self.process.poll()
         if code is not None:
             raise ServiceDied(
-                f"service {self.name} exited with code {code}; last lines of {self.log_path}:\n{tail(self.log_path)}"
+                f"service {self.name} exited with code {code}; last lines of {self.log_path}:\n{tail(self.log_path)}",
+                self.name, code,
             )
 
     def wait_ready(self, timeout: float) -> dict:
@@ -140,8 +145,13 @@ def start_service(
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     python: str = sys.executable,
+    *,
+    port: int = 0,
+    metrics_port: int = 0,
 ) -> ServiceProcess:
-    """Starts `python -m services.<name>` on free ports; call `wait_ready` next."""
+    """Starts `python -m services.<name>` on the given ports (0: free ones); call `wait_ready` next.
+
+    A restarted child is given its predecessor's ports: the others hold its address."""
     if name not in SERVICES:
         raise ValueError(f"unknown service {name!r}; expected one of {SERVICES}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +160,7 @@ def start_service(
     log_path = run_dir / f"{name}.log"
     command = [
         python, "-m", f"services.{name}",
-        "--server.port", "0", "--server.metrics-port", "0", "--server.ready-file", str(ready_path),
+        "--server.port", str(port), "--server.metrics-port", str(metrics_port), "--server.ready-file", str(ready_path),
         *args,
     ]  # fmt: skip
     with open(log_path, "ab") as log:

@@ -124,11 +124,12 @@ def build_pipeline(
         session_ttl_seconds=cfg.worker.session_ttl_seconds, errors=errors,
     )
     worker = worker_cls(ctx)
+
     rollouts = RolloutManager(
         worker, loader, instance, gate, tracker, errors,
         group_size=group, sampling=sampling_spec(cfg.worker.sampling), max_in_flight=cfg.worker.max_in_flight,
         max_retries=cfg.worker.max_retries, timeout_seconds=cfg.worker.timeout_seconds,
-        retry_backoff_seconds=retry_backoff_seconds,
+        retry_backoff_seconds=retry_backoff_seconds, until_a_replica_serves=engines.until_one_serves,
     )
     batches = TrainBatchPool(maxsize=1)
     processor = AlgorithmProcessor(

@@ -18,6 +18,7 @@ and from the versions its samples report. The staleness gate reads
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import zlib
@@ -86,6 +87,20 @@ class EnginePool:
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
+
+    async def until_one_serves(self, limit_seconds: float | None = None, poll_seconds: float = 0.2) -> bool:
+        """Waits until some replica is healthy; False when none is within `limit_seconds` (None: no limit).
+
+        Rollouts wait here instead of failing while every replica is down (the only one is
+        restarting, say): a failed call counts toward a task's retries, and a task out of retries
+        is given up, which would lose it from the epoch."""
+        loop = asyncio.get_running_loop()  # its clock: simulated runs advance it without waiting
+        deadline = None if limit_seconds is None else loop.time() + limit_seconds
+        while not self.healthy():
+            if deadline is not None and loop.time() > deadline:
+                return False
+            await asyncio.sleep(poll_seconds)
+        return True
 
     def min_version(self) -> int:
         """Oldest weight version any healthy replica may still generate with (0 with none)."""

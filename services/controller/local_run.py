@@ -11,8 +11,11 @@
     report()           summary.json + progress.png
 
 A `finally` stops every child whatever happened. The pipeline's main loop
-runs as a task next to a watcher that checks the children twice a second:
-a dead child cancels the loop and surfaces as `ServiceDied`.
+runs as a task next to a watcher that checks the children twice a second.
+A dead rollout replica is started again while the run goes on; a dead
+trainer or synchronizer cancels the loop, surfaces as `ServiceDied`, and the
+run rewinds: every service restarted, resumed from the last checkpoint
+(launcher/healing.py says why, and how often).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from services.controller.launcher.healing import REWIND_ON_DEATH, Healer, Restart
 from services.controller.launcher.prepare import prepare_data, prepare_model
 from flywheel.launcher.processes import ServiceDied
 from services.controller.launcher.progress import Progress
@@ -146,8 +150,15 @@ class LocalRun:
     supervisor: Supervisor | None = None
     progress: Progress | None = None
     interrupted: int = 0
-    #: Rollout replicas that exited during the run (reported once; the run goes on).
+    #: Rollout replicas that exited during the run and are not restarted (reported once; the run goes on).
     lost_replicas: set[str] = field(default_factory=set)
+    #: Rollout replicas that exited, and when (monotonic) each is started again.
+    pending_restarts: dict[str, float] = field(default_factory=dict)
+    healer: Healer | None = None
+    #: The pipeline of the current session (the run's state when a service dies).
+    pipeline: Any = None
+    #: Sessions driven by this launch: 1, and one more for each rewind.
+    sessions: int = 0
     _train_metrics: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     #: When the services answered ready (monotonic; None until then): the job's own time counts from here.
@@ -192,13 +203,26 @@ class LocalRun:
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         # Until the pipeline's own handlers are installed, a signal ends the launch.
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        self.healer = Healer(self.spec.restarts)
         try:
             self.prepare()
-            cfg = self.start_services()
-            self.services_ready = time.monotonic()
-            code, summary = asyncio.run(self.drive(cfg))
-            self.report(cfg, summary)
-            return code
+            started_here = "services" not in self.data
+            while True:
+                try:
+                    cfg = self.start_services()
+                    if self.services_ready is None:
+                        self.services_ready = time.monotonic()
+                    code, summary = asyncio.run(self.drive(cfg))
+                except ServiceDied as exc:
+                    # Only once a run was under way: a service that cannot start at all is a
+                    # configuration problem, not something a restart fixes.
+                    if not (started_here and self.sessions > 0 and self.healer.may_restart()):
+                        raise
+                    self.rewind(exc)
+                    continue
+                summary["restarts"] = self.healer.summary()
+                self.report(cfg, summary)
+                return code
         except ServiceDied as exc:
             self.say(f"error: {exc}")
             return EXIT_FAILED
@@ -218,6 +242,36 @@ class LocalRun:
                 self.progress.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    def rewind(self, death: ServiceDied) -> None:
+        """After `death` of the trainer or the synchronizer (or of any service while a rewind
+        starts): stops the others, waits the backoff, and sets the next session to resume from
+        the newest checkpoint this launch knows of (healing.py says why not less). The pipeline
+        is the last session's: a death while a rewind starts services again keeps its figures."""
+        assert self.healer is not None and self.pipeline is not None
+        step = self.pipeline.train_worker.step
+        if self.pipeline.last_checkpoint_path:  # written by the session that just died
+            self.data["resume"] = {"from": self.pipeline.last_checkpoint_path}
+        source = self.data["resume"].get("from", "none")
+        if source == "latest":
+            source = latest_checkpoint(self.run_dir / "checkpoints")
+        source = "" if source == "none" else source
+        name = Path(source).name
+        resumed_step = int(name.removeprefix("global_step_")) if name.removeprefix("global_step_").isdigit() else 0
+        delay = self.healer.backoff()
+        restart = self.healer.record(Restart(
+            death.service, death.exit_code, step, "rewound", resumed_from=source, redo_from_step=resumed_step + 1))
+        log.warning("healing: %s (restart %d of at most %d)", restart.describe(), len(self.healer.history),
+                    self.healer.policy.max_restarts)
+        self.say(f"healing: {restart.describe()} (restart {len(self.healer.history)} of at most "
+                 f"{self.healer.policy.max_restarts}, in {delay:.0f}s; {death.service} log: "
+                 f"{self.run_dir / (death.service + '.log')})")
+        self.stop_services()
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        self.data.pop("services", None)  # filled in again by start_services with the new children
+        time.sleep(delay)
 
     # -- steps ----------------------------------------------------------------
     def prepare(self) -> None:
@@ -408,9 +462,12 @@ class LocalRun:
         controller = self.controller_config()
         services = connect(cfg)
         pipeline = build_pipeline(cfg, services, run_dir=self.run_dir, sinks=[PrometheusSink()])
+        self.pipeline, self.sessions = pipeline, self.sessions + 1
         ledger = self._keep_ledger(pipeline)
         _count_resumed_steps(pipeline)
         self.progress = Progress(cfg.run.max_steps, self.out)
+        for restart in self.healer.history if self.healer else []:  # the status page lists them with the errors
+            pipeline.errors.report("launcher", restart.describe(), severity="warning")
         # The controller service around this run: Status, StreamMetrics and Stop
         # over gRPC, health, /metrics and the status page, as deployed.
         runs = RunManager(controller.runs_dir, connect)
@@ -468,6 +525,7 @@ class LocalRun:
             while not run_task.done():
                 await asyncio.wait([run_task], timeout=0.5)
                 self._check_children()
+                await self._restart_due_replicas()
                 self._draw(pipeline)
             summary = run_task.result()
             self._check_children()  # a child's death may have ended the run first
@@ -514,16 +572,44 @@ class LocalRun:
         return getattr(pipeline, "resumed_at_step", 0)
 
     def _check_children(self) -> None:
-        """A dead trainer or synchronizer ends the run; a dead rollout replica does not: the
-        synchronizer drops it, its requests go to the others, and a restarted one rejoins."""
+        """A dead trainer or synchronizer raises ServiceDied (the run rewinds, see execute); a
+        dead rollout replica does not: the synchronizer drops it, its requests go to the others,
+        and it is started again after the backoff (or, out of restarts, left dead)."""
         if self.supervisor is None:
             return
         for name in self.supervisor.dead():
-            if name.startswith("rollout") and name not in self.lost_replicas:
+            if name in REWIND_ON_DEATH or name in self.pending_restarts or name in self.lost_replicas:
+                continue  # the first raises ServiceDied below
+            log_path = self.supervisor.child(name).log_path
+            if self.healer is None or not self.healer.may_restart():
                 self.lost_replicas.add(name)
-                log_path = self.supervisor.child(name).log_path
                 self.say(f"warning: {name} exited (see {log_path}); the run goes on with the other replicas")
-        self.supervisor.check(expendable=self.lost_replicas)
+                continue
+            step = self.pipeline.train_worker.step if self.pipeline is not None else 0
+            delay = self.healer.backoff()
+            restart = self.healer.record(Restart(
+                name, self.supervisor.child(name).process.returncode, step, "restarted", redo_from_step=step + 1))
+            if self.pipeline is not None:
+                self.pipeline.errors.report("launcher", restart.describe(), severity="warning")
+            self.say(f"healing: {restart.describe()} (restart {len(self.healer.history)} of at most "
+                     f"{self.healer.policy.max_restarts}, in {delay:.0f}s; log: {log_path})")
+            self.pending_restarts[name] = time.monotonic() + delay
+        self.supervisor.check(expendable=self.lost_replicas | set(self.pending_restarts))
+
+    async def _restart_due_replicas(self) -> None:
+        """Starts again, on their old ports, the replicas whose backoff is over. The new one
+        registers with the synchronizer, catches up to the newest version before it reports
+        SERVING, and the controller's pool (membership.py) gives it work again."""
+        if self.supervisor is None:
+            return
+        for name, due in list(self.pending_restarts.items()):
+            if time.monotonic() < due:
+                continue
+            http = self.run_dir / f"{name}.ready.http.json"  # the HTTP port the dead one served on
+            overrides = {"http_port": json.loads(http.read_text())["http_port"]} if http.is_file() else None
+            await asyncio.to_thread(self.supervisor.restart, name, overrides)
+            del self.pending_restarts[name]
+            log.info("%s started again", name)
 
     def _keep_ledger(self, pipeline: Any) -> Any:
         """Appends each trained step's task ids and sample versions to `trained_tasks.jsonl`.
@@ -533,7 +619,7 @@ class LocalRun:
         kills and resumes: per step, the last session's line counts.
         """
         ledger = (self.run_dir / "trained_tasks.jsonl").open("a")
-        session = f"{os.getpid()}-{int(time.time())}"
+        session = f"{os.getpid()}-{int(time.time())}-{self.sessions}"  # a rewind may start one in the same second
         record = pipeline.record
 
         def record_with_ledger(batch: Any, result: Any) -> dict[str, float]:

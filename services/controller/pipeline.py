@@ -137,6 +137,20 @@ class Pipeline:
     def start_rollouts(self) -> None:
         self.rollouts.start()
         self._background.append(asyncio.ensure_future(self._guard("algorithm_processor", self.processor.run())))
+        self._background.append(asyncio.ensure_future(self._guard("controller", self._watch_replicas())))
+
+    async def _watch_replicas(self) -> None:
+        """Stops the run once no rollout replica has served for services.wait_for_rollout_seconds:
+        rollouts wait for one (RolloutManager), and a wait with no end would be a hang."""
+        limit = self.config.services.wait_for_rollout_seconds
+        while True:
+            while self.engines.healthy():
+                await asyncio.sleep(0.5)
+            if not await self.engines.until_one_serves(limit):
+                self.errors.report(
+                    "controller", f"no rollout replica served for {limit:g} s (services.wait_for_rollout_seconds)",
+                    severity="critical")
+                return
 
     async def _guard(self, module: str, work: Any) -> None:
         try:

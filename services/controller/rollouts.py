@@ -4,6 +4,7 @@ Each of `max_in_flight` slots loops:
 
     admit n samples at the staleness gate   (batch-async / sync may block here)
     reserve room for them in the pool       (producers wait when it is full)
+    wait while no rollout replica serves     (one restarting: tasks' retries are not used up)
     take the next task from the loader
     worker.rollout(task)                    (tracked as in-flight activity)
     SUCCESS    -> trajectories into the pool
@@ -22,6 +23,7 @@ import asyncio
 import logging
 import traceback
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 from services.controller.activity import ActivityTracker
 from services.controller.data import DataLoader
@@ -50,12 +52,15 @@ class RolloutManager:
         max_retries: int = 3,
         timeout_seconds: float = 600.0,
         retry_backoff_seconds: float = 0.5,
+        until_a_replica_serves: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.worker, self.loader, self.pool, self.gate = worker, loader, pool, gate
         self.tracker, self.errors = tracker, errors
         self.group_size, self.sampling = group_size, sampling
         self.max_in_flight, self.max_retries = max_in_flight, max_retries
         self.timeout_seconds, self.retry_backoff_seconds = timeout_seconds, retry_backoff_seconds
+        #: Waits while no replica serves (the pipeline stops the run if that lasts too long).
+        self.until_a_replica_serves = until_a_replica_serves
         self.retries: Counter[str] = Counter()
         self.stats: Counter[str] = Counter()
         self.data_done = False
@@ -110,6 +115,9 @@ class RolloutManager:
             # The batch these samples are planned into; replicas count their steps by it.
             RUN_STEP.set(self.gate.run_step_of_admitted(n))
             await self.pool.reserve(n)
+            # Checked last, right before a task is taken: the wait at the gate may be long.
+            if self.until_a_replica_serves is not None:
+                await self.until_a_replica_serves()
             task = self.loader.next() if self._running.is_set() else None
             if task is None:
                 self.gate.drop(n)

@@ -65,8 +65,8 @@ class ServicesConfig(StrictModel):
         "not listed in services.rollout (a generation, including its wait for the weights its step needs), in seconds"
     )
     wait_for_rollout_seconds: float = Field(
-        600.0, gt=0, description="with a synchronizer: how long the run waits at start for a first rollout replica "
-        "to register and serve, in seconds"
+        600.0, gt=0, description="how long the run waits for a rollout replica to serve, at start (with a "
+        "synchronizer: to register and serve) and whenever every replica is down, in seconds; then it stops"
     )
     synchronizer: ServiceEndpoint | None = Field(
         None, description="the synchronizer; without it the sync policy is applied locally (memory method unavailable)"

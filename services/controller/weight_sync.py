@@ -205,9 +205,13 @@ class WeightSyncController:
     async def _transfer(self, version: int, *, pause_mode: str) -> None:
         """Trainer -> every healthy replica behind `version`, awaited."""
         behind = [r for r in self.engines.healthy() if r.version < version]
-        if not behind:
-            return
         exported = self.published is not None and self.published[0] == version
+        if not behind:
+            if len(self.engines.healthy()) < len(self.engines) and not exported:
+                # A replica that is down misses this version: kept as published, it is what
+                # replica_recovered brings it to (else sync mode's gate would wait for it forever).
+                self.published = (version, await self._export(version))
+            return
         source = self.published[1] if exported else await self._export(version)  # type: ignore[index]
         await asyncio.gather(*(self._update(r, version, source, pause_mode) for r in behind))
         self.published = (version, source)

@@ -8,6 +8,7 @@
       rollout: {engine: {kind: auto}}     # any RolloutConfig fields
       synchronizer: {}                    # any SynchronizerConfig fields
       controller: {status_port: 8080}     # any ControllerConfig fields (this process)
+      restarts: {max_restarts: 5}         # a dead service is restarted (healing.py)
     resume: auto                          # auto | disable | {from_path: DIR}
 
 Everything else is the controller's `RunConfig` (services/controller/
@@ -28,6 +29,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from flywheel.runtime.config import ConfigError, StrictModel
+from services.controller.launcher.healing import RestartPolicy
 
 
 class ModelSource(StrictModel):
@@ -66,6 +68,10 @@ class LaunchSpec(StrictModel):
     )
     ready_timeout_seconds: float = Field(900.0, gt=0, description="time each service may take to report SERVING")
     stop_grace_seconds: float = Field(20.0, ge=0, description="SIGTERM-to-SIGKILL grace of each child, in seconds")
+    restarts: RestartPolicy = Field(
+        default_factory=RestartPolicy, description="what happens when a service dies: a replica is restarted "
+        "alone, a trainer or synchronizer rewinds the run to its last checkpoint (launcher/healing.py)"
+    )
     cpu_threads: int = Field(
         0, ge=0, description="default torch threads of the trainer (launch.trainer.model.cpu_threads wins); "
         "0: half the cores, since the rollout engine runs beside it"

@@ -6,6 +6,7 @@
 parallel); `check()` raises `ServiceDied` naming the first child that exited,
 with the last lines of its log; `stop()` stops every child, newest first,
 SIGTERM then SIGKILL after a grace period, and is safe to call twice.
+`restart(name)` replaces a child that died with a new one on the same ports.
 """
 
 from __future__ import annotations
@@ -31,6 +32,25 @@ class Supervisor:
         path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
         child = start_service(name, self.run_dir, ["--config", str(path)], env=self.env)
         self.children.append(child)
+        return child
+
+    def restart(self, name: str, config_overrides: Mapping[str, Any] | None = None) -> ServiceProcess:
+        """Starts `name` again with its config file (updated by `config_overrides`) on the ports the
+        dead one had: the other services and the controller hold its address. Whatever the dead
+        child left running in its process group (an engine worker) is stopped first."""
+        old = self.child(name)
+        old.stop(grace=0.0)  # its leader is dead: what is left of its group serves nothing
+        path = self.run_dir / f"{name}.yaml"
+        config = yaml.safe_load(path.read_text()) or {}
+        if config_overrides:
+            config.update(config_overrides)
+            path.write_text(yaml.safe_dump(config, sort_keys=False))
+        child = start_service(
+            name, self.run_dir, ["--config", str(path)], env=self.env,
+            port=old.info.get("grpc_port", 0), metrics_port=old.info.get("metrics_port", 0),
+        )
+        child.info = dict(old.info)  # the same ports; a later restart takes them from here again
+        self.children[self.children.index(old)] = child
         return child
 
     def child(self, name: str) -> ServiceProcess:

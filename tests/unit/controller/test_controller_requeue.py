@@ -87,3 +87,46 @@ def test_metrics_are_written_as_jsonl_per_step(tmp_path: Path) -> None:
     for key in ("rollout/reward_mean", "staleness/max", "throughput/samples_per_second", "time/trainer_idle_fraction",
                 "pool/trajectory", "time/busy_seconds/rollout", "train/loss"):
         assert key in lines[-1]
+
+
+def _with_outage(p, down_at: float, up_after: float | None):
+    """The run, with its only replica marked down at `down_at` (virtual seconds) and up again
+    `up_after` seconds later (never, with None): a replica restarting, or gone."""
+    import asyncio
+
+    async def outage() -> None:
+        await asyncio.sleep(down_at)
+        p.engines.mark("sim-0", False, "restarting")
+        if up_after is not None:
+            await asyncio.sleep(up_after)
+            p.engines.mark("sim-0", True)  # as the liveness monitor does when its check passes again
+            p.weight_sync.replica_recovered("sim-0")
+
+    async def run_through_outage():
+        side = asyncio.ensure_future(outage())
+        summary = await run(p)
+        side.cancel()
+        return summary
+
+    return run_virtual(run_through_outage())
+
+
+@pytest.mark.parametrize("mode", ["sync", "batch-async", "fully-async"])
+def test_while_no_replica_serves_rollouts_wait_instead_of_using_up_their_tasks_retries(mode: str) -> None:
+    # One retry only: without the wait, every task tried during the outage would be given up.
+    cfg = config(mode=mode, data={"train": {"items": items(N_TASKS)}, "drop_last": False}, worker={"max_retries": 1})
+    p, _, _ = simulated_pipeline(cfg, seed=3)
+    summary = _with_outage(p, down_at=0.3, up_after=30.0)
+    assert summary.stop_reason == "data exhausted"
+    assert p.rollouts.stats["fail"] == 0 and not p.errors.records
+    trained = Counter(t for record in p.train_worker.history for t in record.task_ids)
+    assert set(trained) == {f"train:0:{i}" for i in range(N_TASKS)}
+
+
+def test_a_replica_that_never_comes_back_stops_the_run_naming_the_setting() -> None:
+    cfg = config(data={"train": {"items": items(N_TASKS)}, "drop_last": False},
+                 services={"wait_for_rollout_seconds": 5.0})
+    p, _, _ = simulated_pipeline(cfg, seed=3)
+    summary = _with_outage(p, down_at=0.3, up_after=None)
+    assert p.errors.should_stop and "services.wait_for_rollout_seconds" in summary.stop_reason
+    assert p.rollouts.stats["fail"] == 0  # stopped, not given up task by task
