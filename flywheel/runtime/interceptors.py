@@ -1,4 +1,4 @@
-"""Server interceptors: bearer-token auth, and domain-error to status mapping
+"""Server interceptors: bearer-token auth with scopes (flywheel.runtime.auth), and domain-error to status mapping
 (with per-method metrics).
 
 Requests that do not decode, or hold enum values their schema does not
@@ -14,17 +14,17 @@ know about status codes, and nothing is logged-and-swallowed.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
 
 from flywheel.errors import FlywheelError
 from flywheel.runtime import requests
+from flywheel.runtime.auth import Scope, TokenScopes, refusal
 from flywheel.runtime.metrics import RPC_DURATION, RPC_REQUESTS
 
 log = logging.getLogger(__name__)
@@ -151,28 +151,41 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without `authorization: Bearer <token>` with UNAUTHENTICATED."""
+    """Admits a call whose `authorization: Bearer <token>` names one of `tokens` of a scope
+    the method allows. No or an unknown token: UNAUTHENTICATED; a token whose scope is too
+    small: PERMISSION_DENIED, naming the scope the method needs.
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    `method_scopes` maps full method names ("/pkg.Service/Method") to the least scope
+    that may call them; a method it does not name needs OPERATOR."""
 
-    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(given, self._expected)
-        return False
+    def __init__(self, tokens: TokenScopes, method_scopes: Mapping[str, Scope]) -> None:
+        self._tokens = tokens
+        self._method_scopes = method_scopes
+
+    def _refusal(self, details: grpc.HandlerCallDetails) -> tuple[grpc.StatusCode, str] | None:
+        given = next((value for key, value in details.invocation_metadata or () if key == "authorization"), None)
+        held = self._tokens.scope_of(given)
+        if held is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"
+        needed = self._method_scopes.get(details.method, Scope.OPERATOR)
+        if held < needed:
+            return grpc.StatusCode.PERMISSION_DENIED, refusal(_method_name(details.method), needed, held)
+        return None
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(AUTH_EXEMPT_PREFIXES) or self._authorized(details):
+        if handler is None or details.method.startswith(AUTH_EXEMPT_PREFIXES):
             return handler
+        refused = self._refusal(details)
+        if refused is None:
+            return handler
+        code, message = refused
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            await context.abort(code, message)
 
         async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            await context.abort(code, message)
             yield  # pragma: no cover - makes this an async generator
 
         return _rebuild(handler, lambda _b: deny, lambda _b: deny_stream)

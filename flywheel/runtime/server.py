@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from flywheel.runtime.auth import resolve_token
+from flywheel.runtime.auth import Scope, accepted_tokens
 from flywheel.runtime.channel_options import server_options
 from flywheel.runtime.interceptors import AuthInterceptor, ErrorInterceptor
 from flywheel.runtime.metrics import BUILD_INFO, SERVICE_READY, serve_metrics
@@ -55,12 +55,31 @@ class ServiceSpec:
     shutdown: Callable[[], Awaitable[None]] | None = None
     #: Extra coroutines run while serving (background loops); cancelled on stop.
     background: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    #: The least token scope each method of `proto_services` may be called with, by method
+    #: name ("Generate"); methods not named need Scope.OPERATOR (flywheel.runtime.auth).
+    method_scopes: Mapping[str, Scope] = field(default_factory=dict)
 
 
 @dataclass
 class RunningServer:
     grpc_port: int
     metrics_port: int
+
+
+def full_method_scopes(spec: ServiceSpec) -> dict[str, Scope]:
+    """`spec.method_scopes` by full method name; a name no proto service of the spec has is an
+    error here, at start, rather than a method silently left to operators."""
+    from google.protobuf import descriptor_pool
+
+    services = [descriptor_pool.Default().FindServiceByName(name) for name in spec.proto_services]
+    scopes: dict[str, Scope] = {}
+    for method, scope in spec.method_scopes.items():
+        owners = [s for s in services if method in s.methods_by_name]
+        if not owners:
+            raise ValueError(f"{spec.name}: method_scopes names {method!r}, which none of {list(spec.proto_services)} has")
+        for service in owners:
+            scopes[f"/{service.full_name}/{method}"] = scope
+    return scopes
 
 
 def _write_ready_file(path: Path, info: dict) -> None:
@@ -80,12 +99,11 @@ async def serve(
     """Runs the service until SIGTERM/SIGINT (or `stop` is set). With
     `handle_signals=False` the caller owns the signals and sets `stop` itself
     (the controller's launcher: its first Ctrl-C checkpoints before stopping)."""
-    token = resolve_token(
-        config.auth_token.get_secret_value() if config.auth_token else None, config.auth_token_file
-    )
+    tokens = accepted_tokens(config)
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(spec.name)]
-    if token:
-        interceptors.append(AuthInterceptor(token))
+    if tokens:
+        interceptors.append(AuthInterceptor(tokens, full_method_scopes(spec)))
+        log.info("auth on", extra={"tokens": repr(tokens)})
     else:
         log.warning("no auth token configured: every client is accepted")
 

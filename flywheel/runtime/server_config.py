@@ -23,6 +23,11 @@ class ServerConfig(StrictModel):
     auth_token_file: Path | None = Field(
         None, description="file holding the bearer token; falls back to env FLYWHEEL_AUTH_TOKEN_FILE"
     )
+    tokens_file: Path | None = Field(
+        None, description="YAML file of scoped tokens, {agent|service|operator: token or [tokens]}; falls back to "
+        "env FLYWHEEL_TOKENS_FILE. auth_token keeps meaning scope operator. This service calls the others with its "
+        "service token",
+    )
     max_message_bytes: int = Field(
         64 * MIB, ge=4 * MIB, description="largest gRPC message sent or received, in bytes (clients use the same)"
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 import services.rollout.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.models.check import require_model_dir
 from flywheel.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from flywheel.runtime.auth import resolve_token
+from flywheel.runtime.auth import Scope, accepted_tokens
 from flywheel.runtime.server import ServiceSpec
 from services.rollout.config import RolloutConfig
 from services.rollout.core import RolloutCore
@@ -35,6 +35,12 @@ from services.rollout.servicer import RolloutServicer
 log = logging.getLogger(__name__)
 
 PROTO_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+#: Agents may generate and tokenize; pausing, status and weight updates are the services'.
+#: The HTTP API's routes are all the agent's (services.rollout.http_api).
+METHOD_SCOPES = {
+    "Generate": Scope.AGENT, "GenerateStream": Scope.AGENT, "Tokenize": Scope.AGENT, "Detokenize": Scope.AGENT,
+    "GetStatus": Scope.SERVICE, "Pause": Scope.SERVICE, "Resume": Scope.SERVICE, "UpdateWeights": Scope.SERVICE,
+}
 
 
 def http_ready_file(ready_file: Path) -> Path:
@@ -72,13 +78,12 @@ def build(config: RolloutConfig) -> ServiceSpec:
         log.info("engine started", extra={"engine": engine.kind, "model": name, "max_model_len": engine.max_model_len,
                                           "weight_version": engine.version})
         server = config.server
-        token = resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
         from services.rollout.link import default_component_id
         from services.rollout.sessions import SessionStore
 
         sessions = SessionStore(default_ttl_seconds=config.sessions.ttl_seconds, max_open=config.sessions.max_open)
         replica = config.synchronizer.component_id or default_component_id(config, state["grpc_port"])
-        http = HttpServer(create_app(core, config, token, sessions, replica), server.host, config.http_port)
+        http = HttpServer(create_app(core, config, accepted_tokens(server), sessions, replica), server.host, config.http_port)
         await http.start()
         state["http"] = http
         if server.ready_file is not None:
@@ -105,6 +110,7 @@ def build(config: RolloutConfig) -> ServiceSpec:
         name="rollout",
         proto_services=[PROTO_SERVICE],
         register=lambda server: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server),
+        method_scopes=METHOD_SCOPES,
         on_bound=lambda port: state.__setitem__("grpc_port", port),
         startup=startup,
         shutdown=shutdown,

@@ -18,7 +18,6 @@ controller (service token).
 
 from __future__ import annotations
 
-import hmac
 import math
 from typing import Any
 
@@ -27,7 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from flywheel.errors import FlywheelError, InvalidArgument, NotFound, Unauthenticated
+from flywheel.errors import FlywheelError, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from flywheel.runtime.auth import Scope, TokenScopes, refusal
 from services.rollout import sampling
 from services.rollout.chat import ChatTurn, prepare_turn, record, reply_of, response_format_constraint
 from services.rollout.config import RolloutConfig
@@ -42,6 +42,10 @@ from services.rollout.prompts import PromptInput, TextPrompt, TokenPrompt
 from services.rollout.sessions import Session, SessionStore, pace
 from services.rollout.tool_calls import tool_format
 
+#: Every route of this API is for agents (generation, tokenize, sessions); larger scopes may call them too.
+API_SCOPE = Scope.AGENT
+
+
 def _completion_prompts(prompt: Any) -> list[PromptInput]:
     if isinstance(prompt, str):
         return [TextPrompt(prompt)]
@@ -54,23 +58,25 @@ def _completion_prompts(prompt: Any) -> list[PromptInput]:
     return [TokenPrompt(list(p)) for p in prompt]
 
 
-def create_app(core: RolloutCore, config: RolloutConfig, token: str | None, sessions: SessionStore,
+def create_app(core: RolloutCore, config: RolloutConfig, tokens: TokenScopes, sessions: SessionStore,
                replica: str) -> FastAPI:
-    """`replica`: this rollout's name in session records (its synchronizer component id)."""
+    """`tokens`: the bearer tokens accepted, by scope (none: auth off); `replica`: this rollout's name
+    in session records (its synchronizer component id)."""
     app = FastAPI(title="Flywheel rollout", docs_url=None, redoc_url=None, openapi_url=None)
-    expected = f"Bearer {token}".encode() if token else None
     limits = config.limits
     tools_format = tool_format(config.engine.tool_parser)
 
     def authorize(request: Request) -> Session | None:
-        """The session of a session-scoped route (its key checked), else the service token checked."""
+        """The session of a session-scoped route (its key checked), else the bearer token's scope checked."""
         session_id = request.path_params.get("session_id")
         if session_id is not None:
             return sessions.authorize(session_id, request.headers.get("authorization", ""))
-        if expected is not None:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+        if tokens:
+            held = tokens.scope_of(request.headers.get("authorization"))
+            if held is None:
                 raise Unauthenticated("missing or wrong bearer token")
+            if held < API_SCOPE:
+                raise PermissionDenied(refusal(f"{request.method} {request.url.path}", API_SCOPE, held))
         return None
 
     @app.exception_handler(FlywheelError)

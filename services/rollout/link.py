@@ -10,7 +10,7 @@ runs.
 
 from __future__ import annotations
 
-from flywheel.runtime.auth import resolve_token
+from flywheel.runtime.auth import own_token
 from services.rollout.config import RolloutConfig
 from services.rollout.core import RolloutCore
 from services.rollout.follower import Follower
@@ -37,7 +37,7 @@ def default_component_id(config: RolloutConfig, grpc_port: int) -> str:
 class SynchronizerLink:
     def __init__(self, config: RolloutConfig, core: RolloutCore, grpc_port: int) -> None:
         link, server = config.synchronizer, config.server
-        token = resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
+        token = own_token(server)
         self.component_id = link.component_id or default_component_id(config, grpc_port)
         self.client = SynchronizerClient(
             link.address, token, timeout=link.rpc_timeout_seconds, max_message_bytes=server.max_message_bytes

@@ -13,7 +13,7 @@ import grpc
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
 from flywheel.rollout.v1 import rollout_pb2 as pb
-from flywheel.runtime.auth import resolve_token
+from flywheel.runtime.auth import own_token
 from services.rollout import sampling as sampling_mod
 from services.rollout.config import RolloutConfig
 from services.rollout.core import QueueFull, RolloutCore, UpdateOutcome
@@ -198,7 +198,7 @@ class RolloutServicer:
     def _token(self) -> str | None:
         """This service's own token, presented to the synchronizer it pulls from or reports to."""
         server = self.config.server
-        return resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
+        return own_token(server)
 
 
 def _nccl_target(nccl: pb.NcclSource) -> NcclTarget:

@@ -18,6 +18,7 @@ from google.protobuf import message_factory
 
 import services.synchronizer.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.codec.malloc import tune_allocator
+from flywheel.runtime.auth import Scope
 from flywheel.runtime.server import ServiceSpec
 from flywheel.synchronizer.v1 import synchronizer_pb2
 from services.synchronizer.config import SynchronizerConfig
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 SERVICE = synchronizer_pb2.DESCRIPTOR.services_by_name["SynchronizerService"]
 PROTO_SERVICE = SERVICE.full_name
+#: Every method is for the trainer, the rollouts and the controller to call on the synchronizer.
+METHOD_SCOPES = {method.name: Scope.SERVICE for method in SERVICE.methods}
 #: Methods whose request (push) or response (pull) stays raw bytes.
 RAW_REQUEST = {"PushWeights"}
 RAW_RESPONSE = {"PullWeights"}
@@ -103,6 +106,7 @@ def build(config: SynchronizerConfig) -> ServiceSpec:
         name="synchronizer",
         proto_services=[PROTO_SERVICE],
         register=lambda server: register(server, servicer),
+        method_scopes=METHOD_SCOPES,
         shutdown=shutdown,
         background=[sweep_loop],
     )

@@ -15,6 +15,7 @@ import gc
 
 import services.trainer.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.models.check import require_model_dir
+from flywheel.runtime.auth import Scope
 from flywheel.runtime.server import ServiceSpec
 from flywheel.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.config import TrainerConfig
@@ -22,6 +23,8 @@ from services.trainer.servicer import TrainerServicer
 from services.trainer.training import TrainingEngine
 
 PROTO_SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+#: Every method is for the controller to call (an operator may call them too).
+METHOD_SCOPES = {method.name: Scope.SERVICE for method in trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].methods}
 
 
 def build(config: TrainerConfig) -> ServiceSpec:
@@ -59,6 +62,7 @@ def build(config: TrainerConfig) -> ServiceSpec:
         name="trainer",
         proto_services=[PROTO_SERVICE],
         register=lambda server: trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server),
+        method_scopes=METHOD_SCOPES,
         on_bound=lambda port: state.__setitem__("grpc_port", port),
         startup=startup,
         shutdown=shutdown,

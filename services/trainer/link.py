@@ -10,7 +10,7 @@ graceful shutdown, which deregisters it.
 
 from __future__ import annotations
 
-from flywheel.runtime.auth import resolve_token
+from flywheel.runtime.auth import own_token
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.presence import Presence, advertised_address
 from flywheel.synchronizer.types import Method, Role
@@ -26,7 +26,7 @@ CAPABILITIES = (Method.MEMORY, Method.CHECKPOINT, Method.NCCL)
 class TrainerLink:
     def __init__(self, config: TrainerConfig, engine: TrainingEngine, grpc_port: int) -> None:
         sync, server = config.sync, config.server
-        token = resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
+        token = own_token(server)
         self.client = SynchronizerClient(
             sync.synchronizer_address or "", token, timeout=sync.rpc_timeout_seconds,
             max_message_bytes=server.max_message_bytes,

@@ -17,7 +17,7 @@ from torch import Tensor
 from flywheel.codec.dtypes import tensor_from_proto, tensor_to_proto
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
-from flywheel.runtime.auth import resolve_token
+from flywheel.runtime.auth import own_token
 from flywheel.trainer.types import aggregation_from_pb, loss_kind_from_pb
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
@@ -83,7 +83,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     def __init__(self, engine: TrainingEngine, exporter: WeightExporter | None = None) -> None:
         self.engine = engine
         server = engine.config.server
-        token = resolve_token(server.auth_token.get_secret_value() if server.auth_token else None, server.auth_token_file)
+        token = own_token(server)
         self.exporter = exporter or WeightExporter(engine, engine.config.sync, token)
         #: Runs after every optimizer step, before the step's RPC answers (the publisher, when linked).
         self.after_step: Callable[[], Awaitable[None]] | None = None

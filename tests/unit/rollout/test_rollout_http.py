@@ -10,6 +10,7 @@ import pytest
 
 from services.rollout.config import RolloutConfig
 from services.rollout.core import RolloutCore
+from flywheel.runtime.auth import Scope, TokenScopes
 from services.rollout.http_api import create_app
 from services.rollout.sessions import SessionStore
 from tests.unit.rollout.fake_engine import FakeEngine
@@ -26,7 +27,7 @@ def core(codec) -> RolloutCore:
 
 @pytest.fixture
 def client(core: RolloutCore) -> httpx.AsyncClient:
-    app = create_app(core, core.config, TOKEN, SessionStore(default_ttl_seconds=60, max_open=4), "rollout-test")
+    app = create_app(core, core.config, TokenScopes.of({Scope.OPERATOR: [TOKEN]}), SessionStore(default_ttl_seconds=60, max_open=4), "rollout-test")
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rollout")
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from services.rollout.config import RolloutConfig
 from services.rollout.core import RolloutCore
+from flywheel.runtime.auth import Scope, TokenScopes
 from services.rollout.http_api import create_app
 from services.rollout.sessions import SessionStore
 from tests.unit.rollout.fake_engine import FakeEngine
@@ -33,7 +34,7 @@ def core(codec, engine) -> RolloutCore:
 
 @pytest.fixture
 def client(core) -> httpx.AsyncClient:
-    app = create_app(core, core.config, TOKEN, SessionStore(default_ttl_seconds=60, max_open=4), "rollout-a")
+    app = create_app(core, core.config, TokenScopes.of({Scope.OPERATOR: [TOKEN]}), SessionStore(default_ttl_seconds=60, max_open=4), "rollout-a")
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rollout")
 
 
@@ -146,7 +147,7 @@ async def test_auto_tool_calls_are_parsed_in_chat_and_responses(client, engine) 
 async def test_auto_tool_calls_through_the_openai_sdk_streamed_and_not(core, engine) -> None:
     import openai
 
-    app = create_app(core, core.config, TOKEN, SessionStore(default_ttl_seconds=60, max_open=4), "rollout-a")
+    app = create_app(core, core.config, TokenScopes.of({Scope.OPERATOR: [TOKEN]}), SessionStore(default_ttl_seconds=60, max_open=4), "rollout-a")
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rollout")
     sdk = openai.AsyncOpenAI(base_url="http://rollout/v1", api_key=TOKEN, http_client=http)
     # Two calls in one turn, as hermes models emit parallel calls.
