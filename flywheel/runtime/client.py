@@ -7,7 +7,9 @@
   a call without a deadline can hang a whole pipeline),
 - retries UNAVAILABLE with exponential backoff (gRPC's own retry machinery,
   configured through the service config),
-- sets keepalive and message sizes the same way servers do.
+- sets keepalive and message sizes the same way servers do,
+- uses TLS, verifying the server, when the process has a CA
+  (flywheel.runtime.tls).
 
 `translated(what)` / `domain_error(exc, what)` turn a failed call into the
 `flywheel.errors` exception of its status code (the one mapping every client
@@ -28,6 +30,7 @@ from flywheel import errors
 from flywheel.runtime.auth import resolve_token
 from flywheel.runtime.channel_options import client_options
 from flywheel.runtime.server_config import MIB
+from flywheel.runtime.tls import TlsFiles, channel_credentials, process_tls
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
 
@@ -129,16 +132,18 @@ def open_channel(
     max_message_bytes: int = 64 * MIB,
     max_attempts: int = 5,
     extra_options: Sequence[tuple[str, Any]] = (),
+    tls: TlsFiles | None = None,
 ) -> grpc.aio.Channel:
-    """An insecure aio channel with auth, deadlines, retries and keepalive."""
+    """An aio channel with auth, deadlines, retries and keepalive; TLS verifying the server when
+    `tls` (default: this process's, flywheel.runtime.tls) has a CA."""
     options = [*client_options(max_message_bytes), *extra_options]
     if max_attempts > 1:  # gRPC rejects a retry policy of fewer than 2 attempts
         options.append(("grpc.service_config", retry_service_config(max_attempts)))
-    return grpc.aio.insecure_channel(
-        address,
-        options=options,
-        interceptors=[
-            kind(resolve_token(token), default_timeout)
-            for kind in (_UnaryUnaryDefaults, _UnaryStreamDefaults, _StreamUnaryDefaults, _StreamStreamDefaults)
-        ],
-    )
+    interceptors = [
+        kind(resolve_token(token), default_timeout)
+        for kind in (_UnaryUnaryDefaults, _UnaryStreamDefaults, _StreamUnaryDefaults, _StreamStreamDefaults)
+    ]
+    credentials = channel_credentials(tls if tls is not None else process_tls())
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)

@@ -1,6 +1,9 @@
 """Runs an HTTP app (the rollout's OpenAI API, the controller's status page) with
 uvicorn on the gRPC server's event loop.
 
+It serves TLS only when the process has a certificate (flywheel.runtime.tls),
+and then requires client certificates under mutual TLS.
+
 The socket is bound before uvicorn starts, so port 0 resolves to a real port
 that the service can report. uvicorn's own signal handling is disabled: the
 runtime owns SIGTERM and stops this server from the service's shutdown.
@@ -12,10 +15,13 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Iterator
 
 import uvicorn
 from fastapi import FastAPI
+
+from flywheel.runtime.tls import TlsFiles, process_tls
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +33,9 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, name: str = "http") -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, name: str = "http", tls: TlsFiles | None = None) -> None:
+        """`tls`: default this process's (flywheel.runtime.tls): TLS only when it has a certificate."""
+        self._tls = tls if tls is not None else process_tls()
         self._app = app
         self._name = name
         self._host = host
@@ -44,8 +52,12 @@ class HttpServer:
         sock.listen(2048)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30, log_config=None)
+        tls = self._tls
+        config = uvicorn.Config(
+            self._app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, log_config=None,
+            ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file, ssl_ca_certs=tls.client_ca_file,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls.client_ca_file else ssl.CERT_NONE,
+        )
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name=self._name)
         while not self._server.started:

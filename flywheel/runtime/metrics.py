@@ -7,7 +7,15 @@ Each process runs one service, so the default registry is the service's.
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+import threading
+from collections.abc import Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from flywheel.runtime.auth import TokenScopes
+from flywheel.runtime.tls import TlsFiles, server_ssl_context
 
 RPC_REQUESTS = Counter(
     "flywheel_rpc_requests_total",
@@ -32,7 +40,34 @@ BUILD_INFO = Gauge(
 )
 
 
-def serve_metrics(host: str, port: int) -> tuple[int, object]:
-    """Starts /metrics in a daemon thread; returns (bound port, server to shut down)."""
-    server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - scrapes are not news
+        pass
+
+
+def _requiring_token(app: Callable, tokens: TokenScopes) -> Callable:
+    """A WSGI app that answers 401 unless the request carries one of `tokens` (any scope)."""
+
+    def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if tokens.scope_of(environ.get("HTTP_AUTHORIZATION")) is None:
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"missing or wrong bearer token\n"]
+        return app(environ, start_response)
+
+    return guarded
+
+
+def serve_metrics(
+    host: str, port: int, *, tls: TlsFiles | None = None, tokens: TokenScopes | None = None
+) -> tuple[int, object]:
+    """Starts /metrics in a daemon thread, over TLS when `tls` serves it, needing one of `tokens`
+    when given; returns (bound port, server to shut down)."""
+    app = make_wsgi_app(REGISTRY)
+    if tokens:
+        app = _requiring_token(app, tokens)
+    server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+    context = server_ssl_context(tls) if tls is not None else None
+    if context is not None:
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
     return server.server_port, server

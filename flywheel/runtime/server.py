@@ -3,7 +3,8 @@
 `serve(spec, config)`:
 1. builds a `grpc.aio` server with the error and auth interceptors, the
    standard `grpc.health.v1` service (NOT_SERVING to begin with) and reflection;
-2. binds the port and starts /metrics;
+2. binds the port (TLS only, when the config has a certificate: the process's
+   clients and HTTP listeners then use the same TLS) and starts /metrics;
 3. runs the service's `startup` (load a model, open a store...), and only then
    reports SERVING and writes the ready file;
 4. on SIGTERM or SIGINT reports NOT_SERVING, stops with a grace period for
@@ -29,7 +30,9 @@ from flywheel.runtime.auth import Scope, accepted_tokens
 from flywheel.runtime.channel_options import server_options
 from flywheel.runtime.interceptors import AuthInterceptor, ErrorInterceptor
 from flywheel.runtime.metrics import BUILD_INFO, SERVICE_READY, serve_metrics
+from flywheel.runtime.config import ConfigError
 from flywheel.runtime.server_config import ServerConfig
+from flywheel.runtime.tls import adopt as adopt_tls, describe as describe_tls, resolve as resolve_tls, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,8 @@ async def serve(
     `handle_signals=False` the caller owns the signals and sets `stop` itself
     (the controller's launcher: its first Ctrl-C checkpoints before stopping)."""
     tokens = accepted_tokens(config)
+    if config.metrics_auth and not tokens:
+        raise ConfigError("server.metrics_auth: /metrics cannot need a token when no token is configured")
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(spec.name)]
     if tokens:
         interceptors.append(AuthInterceptor(tokens, full_method_scopes(spec)))
@@ -117,15 +122,22 @@ async def serve(
     for name in ("", *spec.proto_services):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    grpc_port = server.add_insecure_port(f"{config.host}:{config.port}")
+    tls = resolve_tls(config.tls)
+    adopt_tls(tls)  # this process's clients and HTTP listeners use it too
+    credentials = server_credentials(tls)
+    address = f"{config.host}:{config.port}"
+    grpc_port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if grpc_port == 0:
         raise OSError(f"cannot bind gRPC port {config.host}:{config.port}")
     await server.start()
     if spec.on_bound is not None:
         spec.on_bound(grpc_port)
-    metrics_port, metrics_server = serve_metrics(config.host, config.metrics_port)
+    metrics_port, metrics_server = serve_metrics(
+        config.metrics_host or config.host, config.metrics_port, tls=tls, tokens=tokens if config.metrics_auth else None
+    )
     BUILD_INFO.labels(spec.name, FLYWHEEL_VERSION).set(1)
-    log.info("listening", extra={"grpc_port": grpc_port, "metrics_port": metrics_port, "host": config.host})
+    log.info("listening", extra={"grpc_port": grpc_port, "metrics_port": metrics_port, "host": config.host,
+                                 "tls": describe_tls(tls) or "off"})
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 
 from flywheel.runtime.config import StrictModel
+from flywheel.runtime.tls import TlsConfig
 
 MIB = 1024 * 1024
 
@@ -17,6 +18,13 @@ class ServerConfig(StrictModel):
     host: str = Field("127.0.0.1", description="interface to listen on; 0.0.0.0 in containers")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one (see ready_file)")
     metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus /metrics HTTP port; 0 picks a free one")
+    metrics_host: str | None = Field(
+        None, description="interface /metrics listens on (e.g. a cluster-internal one); unset: host"
+    )
+    metrics_auth: bool = Field(
+        False, description="/metrics (the metrics port, and the rollout's HTTP /metrics) needs a bearer token "
+        "of any scope, like the RPCs; give the scraper an agent token"
+    )
     auth_token: SecretStr | None = Field(
         None, description="bearer token clients must send; falls back to env FLYWHEEL_AUTH_TOKEN, then none (auth off)"
     )
@@ -28,6 +36,7 @@ class ServerConfig(StrictModel):
         "env FLYWHEEL_TOKENS_FILE. auth_token keeps meaning scope operator. This service calls the others with its "
         "service token",
     )
+    tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS for every listener and call (flywheel.runtime.tls)")
     max_message_bytes: int = Field(
         64 * MIB, ge=4 * MIB, description="largest gRPC message sent or received, in bytes (clients use the same)"
     )

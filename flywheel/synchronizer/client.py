@@ -34,6 +34,7 @@ import torch
 from flywheel.codec import MAX_CHUNK_BYTES, EncodedVersion, encode_state_dict
 from flywheel.errors import InvalidArgument
 from flywheel.runtime.client import domain_error, open_channel
+from flywheel.runtime.tls import TlsFiles
 from flywheel.runtime.server_config import MIB
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as pb_grpc
@@ -69,12 +70,15 @@ class SynchronizerClient:
         watch_timeout: float = 24 * 3600.0,
         max_message_bytes: int = 64 * MIB,
         shared_memory: bool = True,
+        tls: TlsFiles | None = None,
     ) -> None:
+        """`tls`: default this process's (flywheel.runtime.tls)."""
         self.address = address
         #: Offer to read pulled versions in place when the synchronizer is on this host.
         self.shared_memory = shared_memory
         self.timeout, self.transfer_timeout, self.watch_timeout = timeout, transfer_timeout, watch_timeout
-        self.channel = open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes)
+        self.channel = open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes,
+                                    tls=tls)
         self.stub = pb_grpc.SynchronizerServiceStub(self.channel)
         self._push = self.channel.stream_unary(
             _SERVICE + "PushWeights", request_serializer=None, response_deserializer=pb.PushWeightsResponse.FromString

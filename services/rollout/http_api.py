@@ -7,7 +7,7 @@ bodies are in `http_stream`.
     POST /v1/chat/completions  chat messages, tools, structured output; SSE when stream=true
     POST /v1/responses         the Responses API (services.rollout.http_responses)
     GET  /health               200 once a model is served (no auth)
-    GET  /metrics              Prometheus text (no auth, like the metrics port)
+    GET  /metrics              Prometheus text (a token of any scope with server.metrics_auth, like the metrics port)
 
 Agent sessions (services.rollout.sessions): the same four API routes under
 `/sessions/{id}/v1/`, authorized by that session's key and recorded
@@ -99,7 +99,9 @@ def create_app(core: RolloutCore, config: RolloutConfig, tokens: TokenScopes, se
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        if config.server.metrics_auth:  # as the metrics port: any scope's token
+            authorize(request)
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     # The API routes are plain Starlette routes: FastAPI's per-request

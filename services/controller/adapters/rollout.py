@@ -18,6 +18,7 @@ from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import FailedPrecondition
 from flywheel.rollout.client import RolloutClient
 from flywheel.rollout.v1 import rollout_pb2 as pb
+from flywheel.runtime.tls import process_tls, scheme as tls_scheme
 from services.controller.adapters.sessions import SessionClient
 from services.controller.domain import (
     MIN_WEIGHT_VERSION,
@@ -108,11 +109,11 @@ class GrpcRolloutEngine:
         return (await self.client.status()).weight_version
 
     async def http_url(self) -> str:
-        """The replica's HTTP root, "http://host:port"."""
+        """The replica's HTTP root, "http://host:port" ("https" when this process calls with TLS)."""
         port = (await self.client.status()).http_port
         if not port:
             raise FailedPrecondition(f"rollout {self.name} reports no HTTP port: its OpenAI-compatible API is not up")
-        return f"http://{http_host(self.address)}:{port}"
+        return f"{tls_scheme(process_tls())}://{http_host(self.address)}:{port}"
 
     async def sessions(self) -> SessionClient:
         # The port is asked for every time (one small call per episode): a replica that

@@ -36,6 +36,7 @@ from flywheel.errors import (
     Unauthenticated,
     Unavailable,
 )
+from flywheel.runtime.tls import client_ssl_context, process_tls
 from services.controller.domain import FinishReason, Generation
 from services.controller.episodes import OpenedSession, SessionLost, SessionRecord
 
@@ -120,7 +121,10 @@ class SessionClient:
         """`http_url`: the replica's HTTP root ("http://host:port"); `transport`: for tests."""
         self.http_url = http_url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(base_url=self.http_url, headers=headers, timeout=timeout, transport=transport)
+        # Verified against this process's CA when the URL is https (flywheel.runtime.tls).
+        verify = client_ssl_context(process_tls()) or True
+        self._http = httpx.AsyncClient(base_url=self.http_url, headers=headers, timeout=timeout, transport=transport,
+                                       verify=verify)
 
     async def close(self) -> None:
         await self._http.aclose()
