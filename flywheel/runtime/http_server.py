@@ -34,8 +34,9 @@ class _Server(uvicorn.Server):
 
 class HttpServer:
     def __init__(self, app: FastAPI, host: str, port: int, name: str = "http", tls: TlsFiles | None = None) -> None:
-        """`tls`: default this process's (flywheel.runtime.tls): TLS only when it has a certificate."""
-        self._tls = tls if tls is not None else process_tls()
+        """`tls`: default this process's when started (flywheel.runtime.tls; the bootstrap adopts the
+        service's before startup runs): TLS only when it has a certificate."""
+        self._tls = tls
         self._app = app
         self._name = name
         self._host = host
@@ -52,7 +53,7 @@ class HttpServer:
         sock.listen(2048)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
-        tls = self._tls
+        tls = self._tls if self._tls is not None else process_tls()
         config = uvicorn.Config(
             self._app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, log_config=None,
             ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file, ssl_ca_certs=tls.client_ca_file,

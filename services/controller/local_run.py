@@ -38,6 +38,8 @@ from services.controller.launcher.progress import Progress
 from services.controller.launcher.report import write_report
 from services.controller.launcher.spec import LaunchSpec, resume_section, split_run_file
 from services.controller.launcher.supervisor import Supervisor
+from services.controller.launcher.tls import LaunchTls
+from flywheel.runtime.tls import process_tls
 from flywheel.runtime.config import ConfigError, submodel, deep_merge, read_config_file
 from flywheel.runtime.logging import route_root_logging
 from services.controller.run_config import RunConfig, ServicesConfig, parse_run_config
@@ -165,6 +167,8 @@ class LocalRun:
     services_ready: float | None = None
     #: The status page's address once it serves ("" until then).
     status_url: str = ""
+    #: launch.tls: the run's throwaway CA, made when services are first started here.
+    launch_tls: LaunchTls | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> LocalRun:
@@ -323,7 +327,15 @@ class LocalRun:
         # CHECKPOINT versions are published under the run directory; the synchronizer and the rollout take
         # the paths they are sent only from there.
         rollout["updates"] = {"checkpoint_root": str(self.run_dir)}
-        return {"trainer": deep_merge(trainer, spec.trainer), "rollout": deep_merge(rollout, spec.rollout)}
+        tls = self._tls_section()
+        return {"trainer": deep_merge(deep_merge(trainer, tls), spec.trainer),
+                "rollout": deep_merge(deep_merge(rollout, tls), spec.rollout)}
+
+    def _tls_section(self) -> dict[str, Any]:
+        """The services' `server.tls` under launch.tls (one CA for the whole launch), else {}."""
+        if self.launch_tls is None:
+            self.launch_tls = LaunchTls(self.spec.tls, self.run_dir)
+        return self.launch_tls.section()
 
     def start_services(self) -> RunConfig:
         if "services" in self.data:
@@ -336,7 +348,8 @@ class LocalRun:
         t = time.monotonic()
         deadline = t + self.spec.ready_timeout_seconds
         # First, and alone: the trainer and the rollout register with it as soon as they are loaded.
-        synchronizer_config = deep_merge({"checkpoint_root": str(self.run_dir)}, dict(self.spec.synchronizer))
+        synchronizer_config = deep_merge({"checkpoint_root": str(self.run_dir), **self._tls_section()},
+                                         dict(self.spec.synchronizer))
         self.supervisor.start("synchronizer", synchronizer_config)
         self.supervisor.wait_ready(self.spec.ready_timeout_seconds)
         synchronizer = self.supervisor.child("synchronizer").grpc_address
@@ -443,7 +456,8 @@ class LocalRun:
         from services.controller.config import ControllerConfig
 
         local = self.supervisor is not None
-        base = deep_merge({"server": {"port": 0, "metrics_port": 0}} if local else {}, self.spec.controller)
+        base = deep_merge(deep_merge({"server": {"port": 0, "metrics_port": 0}}, self._tls_section()) if local else {},
+                          self.spec.controller)
         config = resolve(ControllerConfig, env_prefix=env_prefix("controller"), base=base)
         if local and not _port_free(config.server.host, config.status_port):
             log.info("status page port %d is taken; using a free one", config.status_port)
@@ -479,7 +493,7 @@ class LocalRun:
         def page_ready(port: int) -> None:
             host = controller.server.host
             shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-            self.status_url = f"http://{shown}:{port}/"
+            self.status_url = f"{'https' if process_tls().serving else 'http'}://{shown}:{port}/"
             (self.run_dir / "status_url").write_text(self.status_url + "\n")
             self.say(f"status page: {self.status_url}")
 

@@ -76,6 +76,11 @@ class LaunchSpec(StrictModel):
         0, ge=0, description="default torch threads of the trainer (launch.trainer.model.cpu_threads wins); "
         "0: half the cores, since the rollout engine runs beside it"
     )
+    tls: bool | Literal["mutual"] = Field(
+        False, description="true: a throwaway CA in <run_dir>/tls, and every service started here (and this "
+        "process) serves TLS and verifies what it calls; mutual: clients must show its certificate too. "
+        "FLYWHEEL_TLS_* variables with certificates of your own work without it (launcher/tls.py)"
+    )
 
 
 def resume_section(value: Any) -> dict[str, Any]:
