@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -112,11 +113,15 @@ class _Session:
             self.check("rendezvous")
             wait = min(spec.remaining("rendezvous"), 2.0)
             try:
+                # Rank 0 hands the store a socket of its own, bound to the advertised interface only:
+                # a TCPStore left to bind itself listens on every interface.
+                listener = _rendezvous_listener(spec) if spec.rank == 0 else None
                 return dist.TCPStore(
                     spec.host, spec.port, spec.world_size, is_master=spec.rank == 0,
                     timeout=datetime.timedelta(seconds=wait), wait_for_workers=False,
+                    master_listen_fd=listener,
                 )
-            except (RuntimeError, dist.DistStoreError) as exc:
+            except (OSError, RuntimeError, dist.DistStoreError) as exc:
                 if spec.rank == 0:  # the port is taken or unbindable: nothing to wait for
                     raise FailedPrecondition(f"transfer {spec.group_id}: cannot host the rendezvous: {exc}") from None
 
@@ -178,6 +183,24 @@ class _Session:
         if pg is not None and hasattr(pg, "shutdown") and self.spec.backend == "nccl":
             pg.shutdown()
         del pg
+        # The last reference to the store: rank 0's rendezvous port closes now, not whenever this
+        # session is collected (a traceback can keep it alive long after the transfer).
+        self.store = None
+
+
+def _rendezvous_listener(spec: GroupSpec) -> int:
+    """A listening socket on the rendezvous address (its interface, not all of them), as a file
+    descriptor the TCPStore takes over and closes with itself."""
+    family, kind, proto, _, address = socket.getaddrinfo(spec.host, spec.port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(max(16, spec.world_size * 2))
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 def _run(spec: GroupSpec, device: torch.device, should_abort, body: Callable[[_Session], object]):

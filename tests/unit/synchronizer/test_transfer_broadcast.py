@@ -72,3 +72,26 @@ def test_rendezvous_honours_abort_and_deadline() -> None:
     with pytest.raises(DeadlineExceeded):
         send(spec(0, 2, port, seconds=1.0), small_state())
     assert time.monotonic() - started < 5
+
+
+def test_the_rendezvous_listens_on_its_interface_only_and_only_during_the_transfer() -> None:
+    import socket
+
+    import psutil
+
+    state = small_state()
+    port = next(_port)
+    seen: list[set[str]] = []
+
+    def listening(_bucket: int) -> None:
+        seen.append({c.laddr.ip for c in psutil.net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port})
+
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    with ThreadPoolExecutor(2) as pool:
+        sent = pool.submit(send, spec(0, 2, port), state, on_bucket=listening)
+        got = pool.submit(receive, spec(1, 2, port), live)
+        sent.result(60), got.result(60)
+    assert seen and all(ips == {"127.0.0.1"} for ips in seen)  # not 0.0.0.0 / ::
+    with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+        probe.connect(("127.0.0.1", port))
