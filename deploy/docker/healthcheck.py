@@ -5,7 +5,7 @@
 
 Exits 0 when SERVING, 1 otherwise (not serving, unreachable, timeout), which
 is what Docker's HEALTHCHECK expects. The health service is exempt from auth,
-so no token is needed. Without an argument the port is the one
+so no token is needed; with FLYWHEEL_TLS_* set it asks over TLS. Without an argument the port is the one
 `FLYWHEEL_<SVC>__SERVER__PORT` variable the container sets, else the default
 port of the service PID 1 runs (`python -m services.<name>`), so the built-in
 HEALTHCHECK works for every service without knowing which one the image runs.
@@ -54,8 +54,33 @@ def default_address(env: dict[str, str]) -> str:
     return f"127.0.0.1:{config_cls().server.port}"
 
 
+def _channel(address: str) -> grpc.Channel:
+    """Plaintext, or with FLYWHEEL_TLS_* set TLS as the service's own clients use it (its certificate
+    presented under mutual TLS). The service is asked on 127.0.0.1, which its certificate need not
+    name, so the name checked is the first DNS name the certificate holds."""
+    from flywheel.runtime import tls
+
+    files = tls.resolve()
+    credentials = tls.channel_credentials(files)
+    if credentials is None:
+        return grpc.insecure_channel(address)
+    options = []
+    if files.cert_file is not None:
+        from cryptography import x509
+
+        cert = x509.load_pem_x509_certificate(files.cert_file.read_bytes())
+        try:
+            names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+                x509.DNSName)
+        except x509.ExtensionNotFound:
+            names = []
+        if names:
+            options.append(("grpc.ssl_target_name_override", names[0]))
+    return grpc.secure_channel(address, credentials, options=options)
+
+
 def check(address: str, timeout: float = 3.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)

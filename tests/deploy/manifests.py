@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
-from flywheel.runtime.auth import TOKEN_ENV, TOKEN_FILE_ENV
+from flywheel.runtime.auth import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_FILE_ENV
+from flywheel.runtime.tls import ENV as TLS_ENV
 from flywheel.runtime.config import resolve
 from flywheel.runtime.entry import env_prefix
 
@@ -36,7 +37,7 @@ KUSTOMIZE_ROOT = ROOT / "deploy" / "kubernetes"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 COMPOSE_ENV_EXAMPLE = ROOT / "deploy" / "compose" / "flywheel.env.example"
 # Variables every service reads besides its own FLYWHEEL_<SVC>__ fields.
-SHARED_ENV = (TOKEN_ENV, TOKEN_FILE_ENV)
+SHARED_ENV = (TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_FILE_ENV, *TLS_ENV.values())
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
 
 
