@@ -7,6 +7,7 @@ bodies are in `http_stream`.
     POST /v1/chat/completions  chat messages, tools, structured output; SSE when stream=true
     POST /v1/responses         the Responses API (services.rollout.http_responses)
     GET  /health               200 once a model is served (no auth)
+    GET  /openapi.json         the OpenAPI document of every route here (no auth; services.rollout.openapi)
     GET  /metrics              Prometheus text (a token of any scope with server.metrics_auth, like the metrics port)
 
 Agent sessions (services.rollout.sessions): the same four API routes under
@@ -18,7 +19,6 @@ controller (service token).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,17 +26,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from flywheel.errors import FlywheelError, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from flywheel.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from flywheel.runtime.auth import Scope, TokenScopes, refusal
 from services.rollout import sampling
 from services.rollout.chat import ChatTurn, prepare_turn, record, reply_of, response_format_constraint
 from services.rollout.config import RolloutConfig
 from services.rollout.core import PromptOutput, RolloutCore
-from services.rollout.http_common import error_response, json_body, json_response, parse
+from services.rollout.http_common import install_error_handlers, json_response, parse
 from services.rollout.http_responses import responses_route
 from services.rollout.http_stream import chat_stream, completion_stream
+from services.rollout.openapi import openapi_document
 from services.rollout.openai_protocol import (
-    ChatRequest, CompletionRequest, chat_logprobs, completion_logprobs, envelope, new_id, usage, version_of,
+    ChatRequest, CompletionRequest, FinishSessionRequest, OpenSessionRequest, chat_logprobs, completion_logprobs, envelope, new_id, usage, version_of,
 )
 from services.rollout.prompts import PromptInput, TextPrompt, TokenPrompt
 from services.rollout.sessions import Session, SessionStore, pace
@@ -79,9 +80,7 @@ def create_app(core: RolloutCore, config: RolloutConfig, tokens: TokenScopes, se
                 raise PermissionDenied(refusal(f"{request.method} {request.url.path}", API_SCOPE, held))
         return None
 
-    @app.exception_handler(FlywheelError)
-    async def flywheel_error(request: Request, exc: FlywheelError) -> JSONResponse:
-        return error_response(exc)
+    install_error_handlers(app)
 
     def check_model(name: str | None) -> None:
         if name and name != core.model_name:
@@ -97,6 +96,12 @@ def create_app(core: RolloutCore, config: RolloutConfig, tokens: TokenScopes, se
         ok = core.engine is not None
         return JSONResponse({"status": "ok" if ok else "no model", "weight_version": s.version, "paused": s.paused},
                             status_code=200 if ok else 503)
+
+    document = openapi_document(metrics_auth=config.server.metrics_auth)
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return json_response(document)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
@@ -174,15 +179,8 @@ def create_app(core: RolloutCore, config: RolloutConfig, tokens: TokenScopes, se
 
     async def open_session(request: Request) -> Response:
         authorize(request)
-        data = await json_body(request) if await request.body() else {}
-        ttl = data.get("ttl_seconds") if isinstance(data, dict) else None
-        metadata = data.get("metadata") if isinstance(data, dict) else None
-        if ttl is not None and (not isinstance(ttl, (int, float)) or not 0 < ttl <= 7 * 86400):
-            raise InvalidArgument(f"ttl_seconds: must be a number of seconds in (0, 604800], got {ttl!r}")
-        if metadata is not None and not (isinstance(metadata, dict) and
-                                         all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-            raise InvalidArgument("metadata: must map strings to strings")
-        session = sessions.open(ttl, metadata)
+        body: OpenSessionRequest = await parse(request, OpenSessionRequest, may_be_empty=True)
+        session = sessions.open(body.ttl_seconds, body.metadata)
         return json_response({"id": session.id, "key": session.key, "base_path": f"/sessions/{session.id}/v1",
                       "expires_in": session.ttl_seconds})
 
@@ -198,12 +196,8 @@ def create_app(core: RolloutCore, config: RolloutConfig, tokens: TokenScopes, se
     async def finish_session(request: Request) -> Response:
         session = authorize(request)
         assert session is not None
-        data = await json_body(request) if await request.body() else {}
-        reward = data.get("reward") if isinstance(data, dict) else None
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
-                                   or not math.isfinite(reward)):
-            raise InvalidArgument(f"reward: must be a finite number or null, got {reward!r}")
-        return json_response(sessions.finish(session.id, None if reward is None else float(reward)).to_json())
+        body: FinishSessionRequest = await parse(request, FinishSessionRequest, may_be_empty=True)
+        return json_response(sessions.finish(session.id, body.reward).to_json())
 
     responses = responses_route(core, config, authorize, check_model, tools_format, replica)
     for prefix in ("/v1", "/sessions/{session_id}/v1"):

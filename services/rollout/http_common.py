@@ -8,11 +8,12 @@ import json
 import math
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
-from flywheel.errors import InvalidArgument
+from flywheel.errors import FlywheelError, InvalidArgument
 from services.rollout.core import QueueFull
 
 HTTP_STATUS = {
@@ -20,8 +21,8 @@ HTTP_STATUS = {
     "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "FAILED_PRECONDITION": 409, "ABORTED": 409,
     "RESOURCE_EXHAUSTED": 429, "UNIMPLEMENTED": 501, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
 }
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                410: "not_found_error", 429: "rate_limit_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 410: "not_found_error", 429: "rate_limit_error"}
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -35,6 +36,25 @@ def error_response(exc: Exception) -> JSONResponse:
     if isinstance(exc, QueueFull):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_seconds)))
     return JSONResponse(error_body(status, str(exc)), status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error answer OpenAI-shaped: domain errors with their status, the router's (unknown path,
+    wrong method) too, and anything unexpected a 500 (Starlette re-raises it after answering: the
+    server logs its traceback)."""
+
+    @app.exception_handler(FlywheelError)
+    async def domain_error(request: Request, exc: FlywheelError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def routing_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -57,8 +77,9 @@ async def json_body(request: Request) -> Any:
         raise InvalidArgument(f"body: not valid JSON: {exc}") from None
 
 
-async def parse(request: Request, model: type[BaseModel]) -> Any:
-    data = await json_body(request)
+async def parse(request: Request, model: type[BaseModel], *, may_be_empty: bool = False) -> Any:
+    """The body validated by `model`; `may_be_empty`: an empty body is the model's defaults."""
+    data = await json_body(request) if await request.body() or not may_be_empty else {}
     try:
         body = model.model_validate(data)
     except ValidationError as exc:

@@ -1,7 +1,7 @@
 """OpenAI request models and response bodies, plus Flywheel's extensions.
 
-Requests: unknown parameters are refused (400 naming them), so a typo never
-silently changes sampling. Responses are what the official SDK parses, plus
+Requests: unknown parameters and values of the wrong JSON type are refused
+(400 naming them), so a typo never silently changes sampling. Responses are what the official SDK parses, plus
 extra fields it ignores: `prompt_token_ids`, each choice's `token_ids` and
 `weight_version` {start, end}, and the response's `weight_version` (the
 lowest start and highest end over its choices).
@@ -20,7 +20,9 @@ from services.rollout.text import TextCodec
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict types too: "1" is not a number and 1 is not true, as OpenAI's API and this API's
+    # OpenAPI document (services.rollout.openapi) say.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     def unsupported(self) -> list[str]:
         return []
@@ -123,6 +125,20 @@ class ResponsesRequest(_Strict):
 
     def unsupported(self) -> list[str]:
         return ["reasoning"] if self.reasoning and self.reasoning.get("effort") not in (None, "none", "minimal") else []
+
+
+class OpenSessionRequest(_Strict):
+    """POST /v1/sessions (Flywheel); the body may be empty."""
+
+    ttl_seconds: float | None = Field(None, gt=0, le=7 * 86400)
+    #: "run_step" and "min_weight_version" (whole numbers) pace the session's calls like the controller's Generate.
+    metadata: dict[str, str] | None = None
+
+
+class FinishSessionRequest(_Strict):
+    """POST /sessions/{id}/v1/finish (Flywheel); the body may be empty."""
+
+    reward: float | None = Field(None, allow_inf_nan=False)
 
 
 def new_id(prefix: str) -> str:

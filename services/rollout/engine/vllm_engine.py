@@ -176,8 +176,12 @@ class VllmEngine(Engine):
             raise FailedPrecondition("the vLLM engine is not running")
         try:
             params = self._params(sampling, stream)
-        except ValueError as exc:  # vLLM's own validation (VLLMValidationError)
-            raise InvalidArgument(f"sampling: {exc}") from None
+        except Exception as exc:
+            # vLLM's own validation (VLLMValidationError, a ValueError in older releases), e.g. its
+            # temperature range [0, 2]; the request's fault, so never an internal error.
+            if isinstance(exc, ValueError) or type(exc).__name__ == "VLLMValidationError":
+                raise InvalidArgument(f"sampling: {exc}") from None
+            raise
         self._active += 1
         try:
             # aclosing: an abandoned request reaches vLLM's abort at once, not at garbage collection.
