@@ -231,14 +231,15 @@ async def bench_updates(address: str, model_dir: Path, work: Path, reps: int) ->
     return {key: statistics.median(values) for key, values in results.items()}
 
 
-def start_rollout(model_dir: Path, args: dict, run_dir: Path):
+def start_rollout(model_dir: Path, args: dict, run_dir: Path, max_pending: int = 4096):
+    """The rollout service on free ports with HTTP on; `max_pending`: its admission limit (samples)."""
     from flywheel.launcher.processes import start_service
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env["FLYWHEEL_AUTH_TOKEN"] = TOKEN
     child = start_service("rollout", run_dir, [
         "--engine.model-path", str(model_dir), "--engine.kind", "vllm", "--engine.args", json.dumps(args),
-        "--http-port", "0", "--limits.max-pending-requests", "4096", "--server.log-level", "WARNING",
+        "--http-port", "0", "--limits.max-pending-requests", str(max_pending), "--server.log-level", "WARNING",
     ], env)
     child.wait_ready(1800)
     return child

@@ -20,7 +20,6 @@ import json
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
 import pytest
