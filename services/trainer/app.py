@@ -6,7 +6,9 @@ once the policy is ready. With `sync.synchronizer_address` set, the loaded
 trainer then registers with the synchronizer, heartbeats its step and
 weight version, and publishes every version the synchronizer's policy makes
 due after the step that made it (`services.trainer.link`); graceful shutdown
-deregisters it.
+deregisters it. With `parallel.world_size` N > 1 this process is rank 0 of
+a sharded policy and starts the other N - 1 ranks while it loads
+(`services.trainer.distributed`); they stop with it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def build(config: TrainerConfig) -> ServiceSpec:
         if state["link"] is not None:
             servicer.after_step = None
             await state["link"].stop()
+        # A sharded policy's other ranks (parallel.world_size > 1) stop with the service.
+        await engine.run(engine.close)
         # Frozen objects are never collected; extension modules (nanobind)
         # then report them as leaked at exit.
         gc.unfreeze()

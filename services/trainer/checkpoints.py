@@ -13,6 +13,14 @@ Layout of one checkpoint:
       client_state.bin     opaque bytes of the caller (e.g. a data cursor)
       trainer_state.json   step, weight version, model, lora; written last
 
+A sharded policy (`parallel`, FSDP2 ranks) writes the same directory with
+`sharded/` (torch.distributed.checkpoint: every rank's shards of the model
+and the optimizer, each rank writing its own) in place of optimizer.pt,
+`rank_<r>/rng.pt` + `rng.json` per rank, and `world_size` in
+trainer_state.json; `model/` holds the whole weights, gathered one
+parameter at a time on rank 0. DCP reshards on load, so any number of ranks
+resumes it exactly (the same number of ranks gives bit-identical next steps).
+
 Everything is written into a hidden `.tmp-…` sibling, fsynced, then renamed to
 `global_step_N`, so a crash never leaves a directory with the final name that
 is incomplete; `list_checkpoints` also requires trainer_state.json.
@@ -22,6 +30,7 @@ checkpoint leaves the model and optimizer as they were.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +39,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -38,6 +48,9 @@ from torch import Tensor
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from services.trainer.distributed import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +118,14 @@ def _write(policy: Policy, out: Path, client_state: bytes) -> None:
         policy.tokenizer.save_pretrained(model_dir)
     torch.save(policy.optimizer.state_dict(), out / "optimizer.pt")
     torch.save(policy.scheduler.state_dict(), out / "scheduler.pt")
+    _write_rng(out)
+    (out / "client_state.bin").write_bytes(client_state)
+    state = {"format_version": FORMAT_VERSION, "step": policy.step, "weight_version": policy.weight_version,
+             "model": policy.name, "lora": policy.lora}
+    (out / STATE_FILE).write_text(json.dumps(state))
+
+
+def _write_rng(out: Path) -> None:
     rng = rng_state()
     torch.save({"torch": rng["torch"], "cuda": rng.get("cuda", [])}, out / "rng.pt")
     py_version, py_state, py_gauss = rng["python"]
@@ -113,10 +134,21 @@ def _write(policy: Policy, out: Path, client_state: bytes) -> None:
         "python": [py_version, list(py_state), py_gauss],
         "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
     }))
-    (out / "client_state.bin").write_bytes(client_state)
-    state = {"format_version": FORMAT_VERSION, "step": policy.step, "weight_version": policy.weight_version,
-             "model": policy.name, "lora": policy.lora}
-    (out / STATE_FILE).write_text(json.dumps(state))
+
+
+def _read_rng(directory: Path) -> dict:
+    """The RNG states `_write_rng` wrote, as `set_rng_state` takes them."""
+    import numpy as np
+
+    rng_json = json.loads((directory / "rng.json").read_text())
+    rng_tensors = torch.load(directory / "rng.pt", map_location="cpu", weights_only=True)
+    py, npy = rng_json["python"], rng_json["numpy"]
+    return {
+        "python": (py[0], tuple(py[1]), py[2]),
+        "numpy": (npy[0], np.asarray(npy[1], dtype=np.uint32), npy[2], npy[3], npy[4]),
+        "torch": rng_tensors["torch"],
+        **({"cuda": rng_tensors["cuda"]} if rng_tensors.get("cuda") else {}),
+    }
 
 
 def save(
@@ -205,6 +237,13 @@ def load(policy: Policy, path: Path) -> tuple[int, int, bytes]:
         raise NotFound(f"checkpoint {path}: no such directory")
     if not (path / STATE_FILE).is_file():
         raise InvalidArgument(f"checkpoint {path}: not a complete checkpoint (no {STATE_FILE})")
+    with contextlib.suppress(OSError, ValueError):
+        sharded = json.loads((path / STATE_FILE).read_text()).get("world_size")
+        if sharded:
+            raise FailedPrecondition(
+                f"checkpoint {path}: written by {sharded} sharded ranks; resume it with parallel on "
+                "(its model/ directory loads anywhere as weights)"
+            )
     try:
         state = json.loads((path / STATE_FILE).read_text())
         rng_json = json.loads((path / "rng.json").read_text())
@@ -264,3 +303,126 @@ def _load_adapter(policy: Policy, weights: dict[str, Tensor], path: Path) -> Non
             for n, p in trainable.items():
                 p.copy_(backup[n])
         raise InvalidArgument(f"checkpoint {path}: adapter weights do not match the model ({unexpected[:5]})")
+
+
+# ---------------------------------------------------------------- sharded (FSDP2 ranks)
+
+
+def save_sharded(
+    policy: Policy, parent: Path, ranks: Ranks, *, client_state: bytes = b"", keep_last: int = 0,
+    remove_previous: bool = False,
+) -> tuple[Path, int]:
+    """Every rank calls it together; writes global_step_<step> atomically; returns (path, size) on every rank."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from flywheel.codec import DEFAULT_BUCKET_BYTES
+    from services.trainer.distributed import gather_state, save_hf
+
+    first = ranks.rank == 0
+    final = parent / f"global_step_{policy.step}"
+    box: list = [None]
+    if first:
+        parent.mkdir(parents=True, exist_ok=True)
+        for stale in parent.glob(".tmp-global_step_*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-save
+        box[0] = tempfile.mkdtemp(prefix=f".tmp-global_step_{policy.step}-", dir=parent)
+    dist.broadcast_object_list(box, src=0, group=ranks.control)
+    tmp = Path(box[0])
+    error: BaseException | None = None
+    try:
+        model_state, optim_state = get_state_dict(policy.model, policy.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp / "sharded"))
+        (tmp / f"rank_{ranks.rank}").mkdir()
+        _write_rng(tmp / f"rank_{ranks.rank}")
+        weights = gather_state(policy.model, DEFAULT_BUCKET_BYTES, keep=first)
+        if first:
+            (tmp / "model").mkdir()
+            save_hf(policy.hf_model, tmp / "model", weights)
+            del weights
+            if policy.tokenizer is not None:
+                policy.tokenizer.save_pretrained(tmp / "model")
+            torch.save(policy.scheduler.state_dict(), tmp / "scheduler.pt")
+            (tmp / "client_state.bin").write_bytes(client_state)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone renames
+        error = exc
+    if not ranks.all_agree(error is None):
+        if first:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise FailedPrecondition(f"checkpoint {final}: another rank failed to write its shards; nothing saved")
+    size = 0
+    if first:
+        try:
+            state = {"format_version": FORMAT_VERSION, "step": policy.step, "weight_version": policy.weight_version,
+                     "model": policy.name, "lora": policy.lora, "world_size": ranks.world_size}
+            (tmp / STATE_FILE).write_text(json.dumps(state))
+            _fsync_tree(tmp)
+            replaced = None
+            if final.exists():
+                replaced = parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(final, replaced)
+            os.rename(tmp, final)
+            _fsync_dir(parent)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _prune(parent, final, policy.step, keep_last, remove_previous)
+        size = _tree_size(final)
+        log.info("checkpoint saved", extra={"path": str(final), "step": policy.step, "bytes": size,
+                                            "world_size": ranks.world_size})
+    return final, size
+
+
+def load_sharded(policy: Policy, path: Path, ranks: Ranks) -> tuple[int, int, bytes]:
+    """Every rank calls it together: restores shards, optimizer, scheduler, this rank's RNG and the step.
+    Everything is read and checked on every rank before any of them applies it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    error: BaseException | None = None
+    try:
+        if not path.is_dir():
+            raise NotFound(f"checkpoint {path}: no such directory")
+        if not (path / STATE_FILE).is_file():
+            raise InvalidArgument(f"checkpoint {path}: not a complete checkpoint (no {STATE_FILE})")
+        try:
+            state = json.loads((path / STATE_FILE).read_text())
+            scheduler = torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)
+            client_state = (path / "client_state.bin").read_bytes()
+            own = path / f"rank_{ranks.rank}"
+            # More ranks than wrote it: the new ones keep their RNG as seeded.
+            rng = _read_rng(own) if own.is_dir() else None
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise DataLoss(f"checkpoint {path}: unreadable: {exc}") from None
+        if not state.get("world_size"):
+            raise FailedPrecondition(f"checkpoint {path}: written by one unsharded trainer; a sharded trainer "
+                                     "resumes only sharded checkpoints")
+        if state.get("format_version") != FORMAT_VERSION:
+            raise InvalidArgument(f"checkpoint {path}: format_version {state.get('format_version')} is not {FORMAT_VERSION}")
+        # get_state_dict gives the optimizer state its shape (AdamW has none before its first step).
+        model_state, optim_state = get_state_dict(policy.model, policy.optimizer)
+        try:
+            dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path / "sharded"))
+        except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException, RuntimeError, KeyError...
+            raise DataLoss(f"checkpoint {path}: sharded state does not load: {exc}") from None
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    if not ranks.all_agree(error is None):
+        policy.zero_grad()
+        if error is not None:
+            raise error
+        raise FailedPrecondition(f"checkpoint {path}: another rank could not read it; nothing loaded")
+    set_state_dict(policy.model, policy.optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    policy.scheduler.load_state_dict(scheduler)
+    if rng is not None:
+        set_rng_state(rng)
+    policy.zero_grad()
+    policy.step = int(state["step"])
+    policy.weight_version = int(state["weight_version"])
+    log.info("checkpoint loaded", extra={"path": str(path), "step": policy.step, "world_size": ranks.world_size})
+    return policy.step, policy.weight_version, client_state

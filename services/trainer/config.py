@@ -147,6 +147,21 @@ class SyncConfig(PresenceConfig):
     )
 
 
+class ParallelConfig(StrictModel):
+    world_size: int = Field(
+        1, ge=1, description="ranks of the policy (one process per GPU, started by the service on this machine; "
+        "the model sharded over them with FSDP2, the batch split across them); 1: one process, unsharded"
+    )
+    shard: bool = Field(False, description="shard with FSDP2 even at world_size 1 (world_size > 1 always does)")
+    timeout_seconds: float = Field(
+        600.0, gt=0, description="how long a rank waits for the others (start-up, each collective), in seconds"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1 or self.shard
+
+
 class TrainerConfig(StrictModel):
     server: ServerConfig = Field(
         default_factory=lambda: ServerConfig(port=50052, metrics_port=9092), description="gRPC server"
@@ -158,3 +173,10 @@ class TrainerConfig(StrictModel):
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="batch size limits")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
     sync: SyncConfig = Field(default_factory=SyncConfig, description="weight export to the synchronizer")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="ranks of a sharded (FSDP2) policy")
+
+    @model_validator(mode="after")
+    def _parallel_without_lora(self) -> TrainerConfig:
+        if self.parallel.enabled and self.model.lora.enabled:
+            raise ValueError("parallel: a sharded policy (world_size > 1 or shard) does not train LoRA adapters yet")
+        return self

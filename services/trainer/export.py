@@ -30,6 +30,10 @@ eval mode for the duration and back to train mode after. Hashing runs in a
 worker thread; the push stream builds one frame (one chunk copy, <= 4 MiB) at
 a time on the event loop, so other RPCs interleave between chunks.
 
+A sharded policy (`parallel`) exports the same names and bytes: rank 0
+gathers them from the ranks one parameter at a time onto its host
+(`distributed.gather_buckets`), still under the training lock.
+
 Versions are monotonic at the synchronizer across methods: exporting the same
 version twice, or by two methods, is refused there (FAILED_PRECONDITION),
 except a CHECKPOINT registration retried with the same path.
@@ -181,6 +185,11 @@ class WeightExporter:
                     "weight version 0 is the initial model (rollouts load it from model.path): "
                     "nothing to export before the first optimizer step"
                 )
+            if self.engine.sharded:
+                # Gathered from the ranks one parameter at a time into this host's memory (one copy).
+                state = await asyncio.to_thread(self.engine.gathered_state, DEFAULT_BUCKET_BYTES)
+                yield version, state
+                return
             with _eval_mode(policy):
                 state = await asyncio.to_thread(export_state, policy, merge_lora)
                 yield version, state
@@ -299,7 +308,12 @@ def write_version(
         if policy.lora and not merge_lora:
             policy.model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
         else:
-            policy.hf_model.save_pretrained(tmp, state_dict=state)
+            if policy.sharded:
+                from services.trainer.distributed import save_hf
+
+                save_hf(policy.hf_model, tmp, state)
+            else:
+                policy.hf_model.save_pretrained(tmp, state_dict=state)
             if policy.tokenizer is not None:
                 policy.tokenizer.save_pretrained(tmp)
         names = _safetensors_names(tmp)

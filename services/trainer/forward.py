@@ -89,9 +89,13 @@ def token_logprobs(
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1][wanted]
         else:
             decoder, head = parts
-            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-            # Position t is predicted by the hidden state at t - 1.
-            logits = head(hidden[:, :-1][wanted])
+
+            def selected_logits() -> Tensor:
+                hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+                # Position t is predicted by the hidden state at t - 1.
+                return head(hidden[:, :-1][wanted])
+
+            logits = _as_forward(model, selected_logits) if _sharded(model) else selected_logits()
     targets = input_ids[:, 1:][wanted]
     picked = _TargetLogprob.apply(logits, targets)
     logprobs = nn.functional.pad(_scatter(picked, wanted), (1, 0))
@@ -111,3 +115,19 @@ def _scatter(values: Tensor, where: Tensor) -> Tensor:
     """values (one per True of `where`) laid out as `where`'s shape, 0 elsewhere, float32, differentiable."""
     out = torch.zeros(where.shape, dtype=torch.float32, device=values.device)
     return out.masked_scatter(where, values.float())
+
+
+def _sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _as_forward(model: nn.Module, fn):
+    """fn() run as `model`'s forward: the hooks FSDP2 put on the root (gathering its own
+    parameters, the embeddings and the head, and reducing their gradients) wrap it."""
+    model.forward = fn
+    try:
+        return model()
+    finally:
+        del model.forward

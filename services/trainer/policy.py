@@ -109,7 +109,9 @@ class Policy:
     # ------------------------------------------------------------ loading
 
     @classmethod
-    def load(cls, config: TrainerConfig) -> Policy:
+    def load(cls, config: TrainerConfig, shard: bool = False) -> Policy:
+        """The policy of `config`; with `shard`, FSDP2-sharded over the default process group
+        (`services.trainer.distributed`), the optimizer built over the shards."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -134,6 +136,10 @@ class Policy:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if mcfg.lora.enabled:
             model = _wrap_lora(model, config)
+        if shard:
+            from services.trainer.distributed import shard_model
+
+            model = shard_model(model)
         model.train()
         policy = cls(config, model, _load_tokenizer(mcfg.path), str(mcfg.path))
         if config.reference.preload:
@@ -186,6 +192,13 @@ class Policy:
     def hf_model(self) -> nn.Module:
         """The transformers model (below the peft wrapper when LoRA is on)."""
         return self.model.get_base_model() if self.lora else self.model
+
+    @functools.cached_property
+    def sharded(self) -> bool:
+        """Whether the model is FSDP2-sharded over ranks (`parallel`)."""
+        from services.trainer.distributed import is_sharded
+
+        return is_sharded(self.model)
 
     @property
     def learning_rate(self) -> float:

@@ -9,14 +9,20 @@ Every method validates its whole request before it touches the model or the
 optimizer, and a failure half-way through a step (a non-finite loss or
 gradient) discards the gradients it produced, so a rejected call leaves the
 parameters and optimizer state as they were.
+
+With `parallel` on, the policy is sharded over ranks (`distributed`): the
+public methods validate on rank 0, then `_spmd` has every rank run the same
+`_do_*` method on the same arguments, each on its own rows of the batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -27,11 +33,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from flywheel.errors import FailedPrecondition, InvalidArgument
+from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument
 from flywheel.runtime.paths import confine
 from services.trainer import checkpoints
 from services.trainer.batch import Batch, BatchLimits, input_batch, training_batch
 from services.trainer.config import LossConfig, TrainerConfig
+from services.trainer.distributed import Ranks, gather_state, reshard, row_slices
+from services.trainer.distributed import full as full_tensor
 from services.trainer.forward import token_logprobs
 from flywheel.trainer.types import AGGREGATIONS
 from flywheel.trainer.types import LOSS_KINDS as KINDS
@@ -118,6 +126,8 @@ class TrainingEngine:
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
         self.policy: Policy | None = None
+        #: This process's place among the ranks of a sharded policy (`parallel`); None: one unsharded process.
+        self.ranks: Ranks | None = None
         self._lock = threading.Lock()
         self._autocast = autocast_dtype(config.model.autocast, config.model.device)
         # Every step runs on this one thread. glibc gives each thread that allocates its own heap and keeps
@@ -135,6 +145,10 @@ class TrainingEngine:
         while they read the live parameters; `info()` never does)."""
         return self._lock
 
+    @property
+    def sharded(self) -> bool:
+        return self.ranks is not None
+
     def ready_policy(self) -> Policy:
         """The loaded policy, or FailedPrecondition; call it holding `lock`."""
         return self._ready(None)
@@ -142,13 +156,65 @@ class TrainingEngine:
     # ------------------------------------------------------------ lifecycle
 
     def load(self) -> None:
-        """Loads the policy (and resumes from the latest checkpoint if configured)."""
-        policy = Policy.load(self.config)
+        """Loads the policy (and resumes from the latest checkpoint if configured).
+
+        With `parallel` on, rank 0 (the service) first starts the other ranks,
+        which load and shard the same policy (`services.trainer.distributed`)."""
+        par = self.config.parallel
+        if par.enabled:
+            self._join_ranks()
+        policy = Policy.load(self.config, shard=self.ranks is not None)
         if self.config.checkpoint.resume_latest:
+            # Every rank finds the same directory: they share the machine's file system.
             found = checkpoints.latest(self.config.checkpoint.dir)
             if found is not None:
-                checkpoints.load(policy, found)
+                self._load_from(policy, found)
         self.policy = policy
+
+    def _join_ranks(self) -> None:
+        from services.trainer.distributed import ENV_RANK, RANK_SECTIONS, Ranks, rank_device
+
+        par, device = self.config.parallel, self.config.model.device
+        if ENV_RANK in os.environ:
+            self.ranks = Ranks.join_from_env(device, par.timeout_seconds)
+        else:
+            sections = {k: v for k, v in self.config.model_dump(mode="json").items() if k in RANK_SECTIONS}
+            self.ranks = Ranks.start(sections, par.world_size, device, par.timeout_seconds)
+        mine = rank_device(device, self.ranks.rank)
+        if mine != device:
+            self.config = self.config.model_copy(update={"model": self.config.model.model_copy(update={"device": mine})})
+
+    def close(self) -> None:
+        """Rank 0: stops the other ranks; every rank leaves the process group. Idempotent."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            with self._lock:
+                ranks.close()
+
+    def serve_commands(self) -> None:
+        """Ranks 1..N-1: runs what rank 0 broadcasts until it says "stop"."""
+        assert self.ranks is not None and self.ranks.rank > 0
+        while True:
+            name, args = self.ranks.receive()
+            if name == "stop":
+                return
+            with self._lock:
+                try:
+                    getattr(self, f"_do_{name}")(*args)
+                except FlywheelError as exc:
+                    # Rank 0 ran into the same error and answers its caller.
+                    log.info("rank command refused", extra={"command": name, "error": str(exc)})
+                except Exception:  # noqa: BLE001 - keep serving; rank 0 reports its own failure
+                    log.exception("rank command failed", extra={"command": name})
+
+    def _spmd(self, name: str, *args: object):
+        """Runs `_do_<name>(*args)` here and, on every other rank, the same (call it holding the lock)."""
+        if self.ranks is not None and self.ranks.world_size > 1:
+            self.ranks.command(name, args)
+        return getattr(self, f"_do_{name}")(*args)
+
+    def _rank_world(self) -> tuple[int, int]:
+        return (self.ranks.rank, self.ranks.world_size) if self.ranks is not None else (0, 1)
 
     def info(self) -> Info:
         p, m = self.policy, self.config.model
@@ -184,13 +250,18 @@ class TrainingEngine:
 
     # ------------------------------------------------------------ training
 
-    def _accumulate(self, policy: Policy, batch: Batch, loss: LossSettings, micro: int) -> LossOutput:
-        """Forward + backward over micro-batches; gradients add up in .grad."""
+    def _accumulate(self, policy: Policy, batch: Batch, loss: LossSettings, micro: int) -> LossOutput | None:
+        """Forward + backward over this rank's micro-batches; gradients add up in .grad.
+
+        Returns the whole batch's statistics on rank 0 (None on other ranks)."""
         num_tokens, num_seqs = loss_denominators(batch.loss_mask)
+        rank, world = self._rank_world()
         total: LossOutput | None = None
         policy.model.train()
-        for start in range(0, batch.size, micro):
-            mb = batch.rows(start, start + micro).to(policy.device)
+        for rows in row_slices(batch.size, micro, rank, world):
+            # A rank without rows of its own still runs FSDP's collectives, on a stand-in row, times zero.
+            start, stop = rows or (0, 1)
+            mb = batch.rows(start, stop).to(policy.device)
             ref = mb.ref_logprobs
             if loss.kl_coef > 0 and ref is None:
                 with torch.no_grad(), policy.reference_context() as reference:
@@ -207,12 +278,26 @@ class TrainingEngine:
                 behaviour_logprobs=mb.behaviour_logprobs, old_logprobs=mb.old_logprobs, ref_logprobs=ref,
                 entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs,
             )
-            if not torch.isfinite(out.loss):
-                raise FailedPrecondition(f"loss is {float(out.loss.detach())} on samples {start}..{start + len(mb.input_ids) - 1}")
-            out.loss.backward()
+            finite = bool(torch.isfinite(out.loss))
+            if not finite and rows is not None:
+                raise FailedPrecondition(f"loss is {float(out.loss.detach())} on samples {start}..{stop - 1}")
+            if world > 1 and not self.ranks.all_agree(finite or rows is None):  # type: ignore[union-attr]
+                raise FailedPrecondition("loss is not finite on another rank's samples")
+            if rows is None:
+                (out.loss * 0).backward()
+                continue
+            # FSDP averages gradients over the ranks; the loss already divides by the whole batch.
+            (out.loss * world if world > 1 else out.loss).backward()
             total = out if total is None else total.merge(out)
-        assert total is not None
-        return total
+        if world == 1:
+            assert total is not None
+            return total
+        mine = None if total is None else dataclasses.replace(total, loss=total.loss.detach().cpu())
+        merged: LossOutput | None = None
+        for part in self.ranks.gather(mine) or ():  # type: ignore[union-attr]
+            if part is not None:
+                merged = part if merged is None else merged.merge(part)
+        return merged
 
     def _run_discarding_on_error(self, policy: Policy, fn, *args):
         """Runs fn; on failure drops whatever gradients exist so no half-step survives."""
@@ -233,9 +318,13 @@ class TrainingEngine:
             loss = resolve_loss(loss_request, self.config.loss)
             batch = self._training_batch(policy, tensors, loss)
             micro = self._micro_size(batch, 0)
-            out = self._run_discarding_on_error(policy, self._accumulate, policy, batch, loss, micro)
+            out = self._spmd("accumulate", batch, loss, micro)
             return StepResult(policy.step, policy.weight_version, tokens=batch.real_tokens, loss_tokens=int(out.tokens),
                               metrics={**out.metrics(), **self._staleness(policy, batch)})
+
+    def _do_accumulate(self, batch: Batch, loss: LossSettings, micro: int) -> LossOutput | None:
+        policy = self._ready(None)
+        return self._run_discarding_on_error(policy, self._accumulate, policy, batch, loss, micro)
 
     def _optim(self, policy: Policy) -> tuple[float, float]:
         params = policy.trainable_parameters()
@@ -243,7 +332,8 @@ class TrainingEngine:
             raise FailedPrecondition("no accumulated gradients: call ForwardBackward first")
         lr = policy.learning_rate
         max_norm = self.config.optimizer.max_grad_norm or math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        # A sharded policy's norm is a DTensor: its value is a collective over the ranks.
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         if not math.isfinite(grad_norm):
             raise FailedPrecondition(f"gradient norm is {grad_norm}")
         policy.optimizer.step()
@@ -256,8 +346,14 @@ class TrainingEngine:
     def optim_step(self, expected_step: int | None = None) -> StepResult:
         with self._lock:
             policy = self._ready(expected_step)
-            grad_norm, lr = self._run_discarding_on_error(policy, self._optim, policy)
+            if not policy.has_gradients():
+                raise FailedPrecondition("no accumulated gradients: call ForwardBackward first")
+            grad_norm, lr = self._spmd("optim")
             return StepResult(policy.step, policy.weight_version, grad_norm=grad_norm, learning_rate=lr)
+
+    def _do_optim(self) -> tuple[float, float]:
+        policy = self._ready(None)
+        return self._run_discarding_on_error(policy, self._optim, policy)
 
     def train_step(
         self, tensors: Mapping[str, Tensor | None], loss_request: LossRequest, micro_batch_size: int = 0,
@@ -272,18 +368,22 @@ class TrainingEngine:
             micro = self._micro_size(batch, micro_batch_size)
             if policy.has_gradients():
                 raise FailedPrecondition("gradients from ForwardBackward are pending: call OptimStep first")
-
-            def step() -> tuple[LossOutput, float, float]:
-                out = self._accumulate(policy, batch, loss, micro)
-                return (out, *self._optim(policy))
-
-            out, grad_norm, lr = self._run_discarding_on_error(policy, step)
+            out, grad_norm, lr = self._spmd("train", batch, loss, micro)
             metrics = {**out.metrics(), **self._staleness(policy, batch, before_step=True),
                        "grad_norm": grad_norm, "learning_rate": lr,
                        # Validation + compute, without the wire: callers can tell RPC overhead apart.
                        "step_seconds": time.perf_counter() - started}
             return StepResult(policy.step, policy.weight_version, tokens=batch.real_tokens, loss_tokens=int(out.tokens),
                               grad_norm=grad_norm, learning_rate=lr, metrics=metrics)
+
+    def _do_train(self, batch: Batch, loss: LossSettings, micro: int) -> tuple[LossOutput | None, float, float]:
+        policy = self._ready(None)
+
+        def step() -> tuple[LossOutput | None, float, float]:
+            out = self._accumulate(policy, batch, loss, micro)
+            return (out, *self._optim(policy))
+
+        return self._run_discarding_on_error(policy, step)
 
     @staticmethod
     def _staleness(policy: Policy, batch: Batch, before_step: bool = False) -> dict[str, float]:
@@ -304,21 +404,45 @@ class TrainingEngine:
             policy = self._ready(None)
             batch = input_batch(tensors, self._limits(policy))
             micro = self._micro_size(batch, micro_batch_size)
-            pieces = []
-            policy.model.eval()
-            try:
-                with torch.no_grad():
-                    for start in range(0, batch.size, micro):
-                        mb = batch.rows(start, start + micro).to(policy.device)
-                        if reference:
-                            with policy.reference_context() as model:
-                                logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, autocast=self._autocast)
-                        else:
-                            logprobs, _ = token_logprobs(policy.model, mb.input_ids, mb.attention_mask, autocast=self._autocast)
+            return self._spmd("logprobs", batch, reference, micro), policy.weight_version
+
+    def _do_logprobs(self, batch: Batch, reference: bool, micro: int) -> Tensor | None:
+        policy = self._ready(None)
+        rank, world = self._rank_world()
+        pieces = []
+        policy.model.eval()
+        try:
+            with torch.no_grad():
+                for rows in row_slices(batch.size, micro, rank, world):
+                    start, stop = rows or (0, 1)
+                    mb = batch.rows(start, stop).to(policy.device)
+                    if reference:
+                        with policy.reference_context() as model:
+                            logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, autocast=self._autocast)
+                    else:
+                        logprobs, _ = token_logprobs(policy.model, mb.input_ids, mb.attention_mask, autocast=self._autocast)
+                    if rows is not None:
                         pieces.append(logprobs.cpu())
-            finally:
-                policy.model.train()
-            return torch.cat(pieces), policy.weight_version
+        finally:
+            policy.model.train()
+            if policy.sharded:
+                reshard(policy.model)  # a forward without backward leaves the root's parameters gathered
+        if world == 1:
+            return torch.cat(pieces)
+        parts = self.ranks.gather(torch.cat(pieces) if pieces else None)  # type: ignore[union-attr]
+        return None if parts is None else torch.cat([p for p in parts if p is not None])
+
+    # ------------------------------------------------------------ weights
+
+    def gathered_state(self, bucket_bytes: int) -> dict[str, Tensor]:
+        """A sharded policy's export tensors on rank 0's host, gathered one parameter at
+        a time (`distributed.gather_buckets`); call it holding `lock`."""
+        self._ready(None)
+        return self._spmd("gather", bucket_bytes)
+
+    def _do_gather(self, bucket_bytes: int) -> dict[str, Tensor]:
+        policy = self._ready(None)
+        return gather_state(policy.model, bucket_bytes, keep=self._rank_world()[0] == 0)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -326,14 +450,19 @@ class TrainingEngine:
         """Returns (path, step, size in bytes)."""
         with self._lock:
             policy = self._ready(None)
-            cfg = self.config.checkpoint
             if directory is not None:
                 directory = confine(directory, checkpoints.request_roots(self.config), "directory")
-            path, size = checkpoints.save(
-                policy, directory or cfg.dir, client_state=client_state, keep_last=cfg.keep_last,
-                remove_previous=remove_previous,
-            )
+            path, size = self._spmd("save", directory or self.config.checkpoint.dir, remove_previous, client_state)
             return path, policy.step, size
+
+    def _do_save(self, parent: Path, remove_previous: bool, client_state: bytes) -> tuple[Path, int]:
+        policy = self._ready(None)
+        keep_last = self.config.checkpoint.keep_last
+        if self.ranks is not None:
+            return checkpoints.save_sharded(policy, parent, self.ranks, client_state=client_state,
+                                            keep_last=keep_last, remove_previous=remove_previous)
+        return checkpoints.save(policy, parent, client_state=client_state, keep_last=keep_last,
+                                remove_previous=remove_previous)
 
     def load_checkpoint(self, path: Path | None = None, latest: bool = False) -> tuple[Path | None, int, int, bytes]:
         """Returns (path loaded or None when latest found none, step, weight_version, client_state)."""
@@ -347,5 +476,13 @@ class TrainingEngine:
                     return None, policy.step, policy.weight_version, b""
             else:
                 path = confine(path, checkpoints.request_roots(self.config), "path")
-            step, version, client_state = checkpoints.load(policy, path)
+            step, version, client_state = self._spmd("load", path)
             return path, step, version, client_state
+
+    def _do_load(self, path: Path) -> tuple[int, int, bytes]:
+        return self._load_from(self._ready(None), path)
+
+    def _load_from(self, policy: Policy, path: Path) -> tuple[int, int, bytes]:
+        if self.ranks is not None:
+            return checkpoints.load_sharded(policy, path, self.ranks)
+        return checkpoints.load(policy, path)
