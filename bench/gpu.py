@@ -1,0 +1,248 @@
+"""The sharded trainer on a GPU, each figure beside a plain-torch baseline from the same run.
+
+Run manual:
+    python bench/gpu.py                       # Qwen2-0.5B architecture, random weights, cuda:0
+    python bench/gpu.py --steps 10 --batch-size 8 --seq-len 512
+    python bench/gpu.py --cpu-smoke           # no GPU: a tiny model on CPU (gloo), to check the script runs
+
+Without CUDA (and without --cpu-smoke) it says so and exits 0: there is
+nothing to measure.
+
+The model: the Qwen2.5-0.5B architecture (24 layers, hidden 896, 14 heads,
+2 KV heads, MLP 4864, vocabulary 151936, tied embeddings; 494M parameters)
+with random weights built here from its config (no hub download), saved
+once into a temporary directory that both sides load. Parameters float32,
+forward matmuls under bfloat16 autocast on both sides.
+
+Measured in the same run, on the same model directory and the same batch:
+  trainer step   TrainingEngine.train_step with parallel.shard (one rank,
+                 FSDP2 over nccl, one FSDP unit per decoder layer + the
+                 root): validation, the loss-mask-only output head, the
+                 DAPO loss, backward, clipping, AdamW, the step counters.
+  plain step     the same model loaded with from_pretrained onto the GPU,
+                 unsharded: full logits, log-softmax, the policy-gradient
+                 term -mean(logp * advantage) over the loss mask, backward,
+                 clip_grad_norm_, AdamW (fused=False, foreach=False, as the
+                 trainer). The floor a training step cannot beat by much.
+  export buckets gather_buckets over the sharded model (one parameter at a
+                 time gathered, copied to the host into 512 MiB buckets):
+                 what every weight export of a sharded trainer does first.
+  d2h copy       `.to("cpu", copy=True)` of every exported tensor of the
+                 plain model: the same bytes, device to host, nothing else
+                 (on CPU, --cpu-smoke, a memcpy: no figure to read there).
+Each side runs --warmup rounds first, then --steps timed rounds; the sides
+alternate round by round so anything else on the machine hits both alike;
+figures are medians. Ratios are throughput ratios, ours over the baseline
+(baseline seconds / our seconds: 1.0 is parity, above 1 is faster):
+  fsdp_step_vs_plain_step, export_buckets_vs_d2h_copy.
+Also printed: the GPU memory peaks of both steps and the export's GPU peak
+above the resident model (about one parameter: no second copy).
+Ends with one JSON line of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+QWEN2_05B = dict(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+TINY = dict(
+    vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True,
+)
+
+
+def build_model(out: Path, shape: dict, seed: int = 0) -> Path:
+    """A random-weight Qwen2 causal LM written as an HF directory (float32)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(**shape, torch_dtype="float32")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    return out
+
+
+def make_batch(batch_size: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch_size, seq_len), generator=g)
+    attention = torch.ones(batch_size, seq_len, dtype=torch.int64)
+    loss_mask = torch.zeros(batch_size, seq_len)
+    loss_mask[:, seq_len // 4:] = 1.0  # a quarter prompt, the rest completion
+    return {
+        "input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask,
+        "advantages": torch.linspace(-1.0, 1.0, batch_size),
+        "behaviour_logprobs": (-torch.rand(batch_size, seq_len, generator=g) - 10.0) * loss_mask,
+    }
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class PlainStep:
+    """The baseline: the unsharded model, a textbook policy-gradient step."""
+
+    def __init__(self, path: Path, device: str, lr: float, autocast: torch.dtype | None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.device, self.autocast = device, autocast
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
+        self.model.config.use_cache = False
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, foreach=False)
+
+    def step(self, batch: dict[str, torch.Tensor]) -> float:
+        ids = batch["input_ids"].to(self.device)
+        mask = batch["loss_mask"].to(self.device)[:, 1:]
+        adv = batch["advantages"].to(self.device)[:, None]
+        with torch.autocast(ids.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            logits = self.model(input_ids=ids, attention_mask=batch["attention_mask"].to(self.device)).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        loss = -(logp * adv * mask).sum() / mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def d2h(self) -> int:
+        from services.trainer.export import drop_tied
+
+        state = drop_tied(self.model, {k: v.detach() for k, v in self.model.state_dict().items()})
+        host = [t.to("cpu", copy=True) for t in state.values()]
+        return sum(t.numel() * t.element_size() for t in host)
+
+
+def timed(fn, device: str) -> float:
+    sync(device)
+    started = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: a tiny model on CPU, to check the script runs")
+    args = parser.parse_args()
+    if args.cpu_smoke:
+        device, shape, autocast = "cpu", TINY, "none"
+        args.batch_size, args.seq_len = min(args.batch_size, 4), min(args.seq_len, 64)
+    elif torch.cuda.is_available():
+        device, shape, autocast = "cuda:0", QWEN2_05B, "bfloat16"
+    else:
+        print("bench/gpu.py: no CUDA device here; nothing to measure (run it on a GPU machine, or --cpu-smoke)")
+        return 0
+
+    from services.trainer.config import TrainerConfig
+    from services.trainer.distributed import gather_buckets
+    from services.trainer.training import LossRequest, TrainingEngine
+
+    loss = LossRequest(kind="dapo", is_cap=2.0)
+    lr = 1e-6
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
+        path = build_model(Path(tmp) / "model", shape)
+        batch = make_batch(args.batch_size, args.seq_len, shape["vocab_size"])
+        tokens = int(batch["attention_mask"].sum())
+
+        config = TrainerConfig.model_validate({
+            "model": {"path": str(path), "device": device, "autocast": autocast},
+            "optimizer": {"lr": lr, "weight_decay": 0.0},
+            "limits": {"max_batch_tokens": 1 << 22},
+            "checkpoint": {"dir": str(Path(tmp) / "ckpt")},
+            "parallel": {"shard": True},
+        })
+        engine = TrainingEngine(config)
+        engine.load()
+        plain = PlainStep(path, device, lr, torch.bfloat16 if autocast == "bfloat16" else None)
+        params = sum(p.numel() for p in plain.model.parameters())
+        print(f"model: Qwen2 architecture, {params / 1e6:.0f}M parameters, random weights; device {device}; "
+              f"batch {args.batch_size} x {args.seq_len} ({tokens} tokens)")
+
+        ours: list[float] = []
+        base: list[float] = []
+        for i in range(args.warmup + args.steps):
+            t_ours = timed(lambda: engine.train_step(batch, loss), device)
+            t_base = timed(lambda: plain.step(batch), device)
+            if i >= args.warmup:
+                ours.append(t_ours)
+                base.append(t_base)
+        step_ours, step_base = statistics.median(ours), statistics.median(base)
+        peaks = {}
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+            engine.train_step(batch, loss)
+            peaks["fsdp_step_peak_bytes"] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            plain.step(batch)
+            peaks["plain_step_peak_bytes"] = torch.cuda.max_memory_allocated()
+
+        bucket_bytes = args.bucket_mib << 20
+        exported = {"bytes": 0}
+
+        def export() -> None:
+            with engine.lock:
+                exported["bytes"] = sum(
+                    t.numel() * t.element_size() for b in gather_buckets(engine.policy.model, bucket_bytes) for t in b.values()
+                )
+
+        copied = {"bytes": 0}
+        e_ours, e_base = [], []
+        for i in range(args.warmup + args.steps):
+            t_ours = timed(export, device)
+            t_base = timed(lambda: copied.__setitem__("bytes", plain.d2h()), device)
+            if i >= args.warmup:
+                e_ours.append(t_ours)
+                e_base.append(t_base)
+        export_ours, export_base = statistics.median(e_ours), statistics.median(e_base)
+        assert exported["bytes"] == copied["bytes"], (exported, copied)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            resident = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            export()
+            peaks["export_peak_above_resident_bytes"] = torch.cuda.max_memory_allocated() - resident
+        engine.close()
+
+    gib = exported["bytes"] / 2**30
+    print(f"{'':22}{'ours':>14}{'baseline':>14}{'ratio':>8}")
+    print(f"{'step (s)':22}{step_ours:>14.4f}{step_base:>14.4f}{step_base / step_ours:>8.2f}   "
+          f"trainer step (1-rank FSDP2) vs plain torch step; {tokens / step_ours:,.0f} vs {tokens / step_base:,.0f} tokens/s")
+    print(f"{'export (s)':22}{export_ours:>14.4f}{export_base:>14.4f}{export_base / export_ours:>8.2f}   "
+          f"buckets gathered to host vs raw D2H copy of the same {gib:.2f} GiB; "
+          f"{gib / export_ours:.2f} vs {gib / export_base:.2f} GiB/s")
+    for name, value in peaks.items():
+        print(f"{name}: {value / 2**30:.2f} GiB")
+    figures = {
+        "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
+        "parameters": params, "tokens_per_step": tokens,
+        "fsdp_step_seconds": step_ours, "plain_step_seconds": step_base,
+        "fsdp_step_vs_plain_step": step_base / step_ours,
+        "export_bytes": exported["bytes"], "export_buckets_seconds": export_ours, "d2h_copy_seconds": export_base,
+        "export_buckets_vs_d2h_copy": export_base / export_ours,
+        **peaks,
+    }
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
