@@ -6,16 +6,19 @@ Rank 0 is this test process; the engine starts rank 1 as a subprocess
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from flywheel.errors import FailedPrecondition
 from services.trainer.config import TrainerConfig
-from services.trainer.export import export_state
+from services.trainer.export import WeightExporter, export_state
 from services.trainer.training import LossRequest, TrainingEngine
 from tests.unit.trainer.trainer_helpers import make_batch
 
@@ -93,12 +96,6 @@ def test_two_ranks_train_like_one_and_export_bit_exact(tiny_model: Path, tmp_pat
         torch.testing.assert_close(lp2, lp1, rtol=1e-4, atol=1e-5)
 
         # The CHECKPOINT export writes the gathered bytes (HF names, tied head dropped).
-        from safetensors.torch import load_file
-
-        from services.trainer.export import WeightExporter
-
-        import asyncio
-
         result = asyncio.run(WeightExporter(two, two.config.sync).checkpoint())
         written = {}
         for file in sorted(Path(result.path).glob("*.safetensors")):
@@ -120,17 +117,10 @@ def test_sharded_checkpoint_resumes_exactly(tiny_model: Path, tmp_path: Path) ->
         assert (path / "sharded").is_dir() and (path / "rank_0").is_dir() and (path / "rank_1").is_dir()
         uninterrupted = [first.train_step(b, LOSS, micro_batch_size=2).metrics for b in batches[2:]]
         final = _state(first)
-        saved_weights = None
-        with first.lock:
-            pass
 
-    # The sharded checkpoint's whole state, read back without any rank: the model as exported at step 2.
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+    # The sharded checkpoint's whole state, read back without any rank: its model/ holds the same bytes.
     dcp_to_torch_save(path / "sharded", tmp_path / "whole.pt")
     whole = torch.load(tmp_path / "whole.pt", weights_only=False)["model"]
-    from safetensors.torch import load_file
-
     saved_weights = load_file(str(next((path / "model").glob("*.safetensors"))))
     assert all(torch.equal(saved_weights[n], whole[n]) for n in saved_weights)
 
@@ -148,3 +138,14 @@ def test_sharded_checkpoint_resumes_exactly(tiny_model: Path, tmp_path: Path) ->
     one.load()
     with pytest.raises(FailedPrecondition, match="sharded ranks"):
         one.load_checkpoint(path)
+
+
+def test_a_dead_rank_is_reported_not_waited_for(tiny_model: Path, tmp_path: Path) -> None:
+    with ranks(tiny_model, tmp_path / "ckpt") as engine:
+        engine.train_step(make_batch(), LOSS)
+        [worker] = engine.ranks.workers
+        worker.kill()
+        worker.wait()
+        with pytest.raises(FailedPrecondition, match="trainer rank 1 exited"):
+            engine.train_step(make_batch(), LOSS)
+        assert engine.info().step == 1
