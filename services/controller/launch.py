@@ -15,10 +15,22 @@ this process (its log: `<run dir>/controller.log`) with a live progress line,
 and at the end `<run dir>/summary.json` and `progress.png` are written.
 
 Stopping: Ctrl-C (or SIGTERM) asks the run to stop after a checkpoint; a
-second one stops at once. Any child service exiting stops the run: its name
-and last log lines are printed and the exit status is 1. Every child is
-stopped before this process exits, and children die with it even if it is
-SIGKILLed (PR_SET_PDEATHSIG).
+second one stops at once. Every child is stopped before this process exits,
+and children die with it even if it is SIGKILLed (PR_SET_PDEATHSIG).
+
+Healing (launch.restarts: how many, and a doubling backoff): a child service
+that dies is started again: a rollout replica alone; the trainer or the
+synchronizer by restarting every service and resuming from the last
+checkpoint (the steps after it are redone, each task still trained once).
+With `services:`, something else restarts them (the kubelet) and the run
+catches up: a restarted synchronizer is handed the run's policy and the
+trainer's weights, replicas rejoin by themselves, and a trainer that lost
+its state rewinds the run to the last checkpoint once the synchronizer and
+the replicas hold nothing newer (the console says which to restart). Each
+death is said on the console (`healing:`), the status page and in
+summary.json (`restarts`). Out of restarts, a death ends the run: its name
+and last log lines are printed and the exit status is 1; the same command
+again resumes from the last checkpoint.
 
 Containers: `FLYWHEEL_RUN__<SECTION>__<FIELD>` variables (YAML values)
 override the run file's fields. `FLYWHEEL_RUN__SERVICES='{trainer: {address:

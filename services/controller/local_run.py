@@ -16,6 +16,13 @@ A dead rollout replica is started again while the run goes on; a dead
 trainer or synchronizer cancels the loop, surfaces as `ServiceDied`, and the
 run rewinds: every service restarted, resumed from the last checkpoint
 (launcher/healing.py says why, and how often).
+
+Deployed (`services:` named, nothing started here), the same watcher asks the
+services what they hold (healing.RemoteWatch): a synchronizer the kubelet
+restarted is handed the run's policy and weights again while the run goes
+on; a trainer that came back without the run's state surfaces as
+`ServiceDied` and the run resumes from the last checkpoint, once the
+services answer again and none holds weights newer than it.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from services.controller.launcher.healing import REWIND_ON_DEATH, Healer, Restart
+from services.controller.launcher.healing import REWIND_ON_DEATH, Healer, RemoteWatch, Restart
 from services.controller.launcher.prepare import prepare_data, prepare_model
 from flywheel.launcher.processes import ServiceDied
 from services.controller.launcher.progress import Progress
@@ -169,6 +176,13 @@ class LocalRun:
     status_url: str = ""
     #: launch.tls: the run's throwaway CA, made when services are first started here.
     launch_tls: LaunchTls | None = None
+    #: The run file names its services (a deployment): none is started here.
+    deployed: bool = False
+    #: Deployed: what the services answer, looked at while a session runs (None: not watched).
+    remote: RemoteWatch | None = None
+    #: Deployed, after the trainer died: the step the next session resumes at; it waits until no
+    #: service holds weights newer than that (they were made by weights that died with the trainer).
+    rewound_to: int | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> LocalRun:
@@ -210,7 +224,7 @@ class LocalRun:
         self.healer = Healer(self.spec.restarts)
         try:
             self.prepare()
-            started_here = "services" not in self.data
+            self.deployed = "services" in self.data
             while True:
                 try:
                     cfg = self.start_services()
@@ -220,7 +234,7 @@ class LocalRun:
                 except ServiceDied as exc:
                     # Only once a run was under way: a service that cannot start at all is a
                     # configuration problem, not something a restart fixes.
-                    if not (started_here and self.sessions > 0 and self.healer.may_restart()):
+                    if not (self.sessions > 0 and self.healer.may_restart()):
                         raise
                     self.rewind(exc)
                     continue
@@ -258,23 +272,31 @@ class LocalRun:
             self.data["resume"] = {"from": self.pipeline.last_checkpoint_path}
         source = self.data["resume"].get("from", "none")
         if source == "latest":
-            source = latest_checkpoint(self.run_dir / "checkpoints")
+            # Deployed, the checkpoints are on the trainer's volume: the one this session started from.
+            source = (latest_checkpoint(self.run_dir / "checkpoints") if not self.deployed
+                      else f"the trainer's newest checkpoint (step {self._resumed_at(self.pipeline)})")
         source = "" if source == "none" else source
         name = Path(source).name
-        resumed_step = int(name.removeprefix("global_step_")) if name.removeprefix("global_step_").isdigit() else 0
+        resumed_step = (int(name.removeprefix("global_step_")) if name.removeprefix("global_step_").isdigit()
+                        else self._resumed_at(self.pipeline) if source else 0)
         delay = self.healer.backoff()
         restart = self.healer.record(Restart(
-            death.service, death.exit_code, step, "rewound", resumed_from=source, redo_from_step=resumed_step + 1))
+            death.service, death.exit_code, step, "resumed" if self.deployed else "rewound", resumed_from=source,
+            redo_from_step=resumed_step + 1))
         log.warning("healing: %s (restart %d of at most %d)", restart.describe(), len(self.healer.history),
                     self.healer.policy.max_restarts)
+        where = (f"its log: {self.run_dir / (death.service + '.log')}" if not self.deployed
+                 else "its own log (kubectl logs --previous)")
         self.say(f"healing: {restart.describe()} (restart {len(self.healer.history)} of at most "
-                 f"{self.healer.policy.max_restarts}, in {delay:.0f}s; {death.service} log: "
-                 f"{self.run_dir / (death.service + '.log')})")
+                 f"{self.healer.policy.max_restarts}, in {delay:.0f}s; {where})")
         self.stop_services()
         if self.progress is not None:
             self.progress.close()
             self.progress = None
-        self.data.pop("services", None)  # filled in again by start_services with the new children
+        if self.deployed:
+            self.rewound_to = resumed_step  # start_services waits for the services, restarted by others
+        else:
+            self.data.pop("services", None)  # filled in again by start_services with the new children
         time.sleep(delay)
 
     # -- steps ----------------------------------------------------------------
@@ -342,6 +364,10 @@ class LocalRun:
             self.say("using the services named in the run file")
             cfg = parse_run_config(self.data, "run file")
             self.wait_for_named_services(cfg)
+            if self.rewound_to is not None:
+                self.wait_for_nothing_newer(cfg, self.rewound_to)
+                self.wait_for_named_services(cfg)  # the trainer registered with a restarted synchronizer
+                self.rewound_to = None
             return cfg
         self.supervisor = Supervisor(self.run_dir, stop_grace_seconds=self.spec.stop_grace_seconds)
         self.say(f"starting synchronizer, then trainer and rollout (logs: {self.run_dir}/<service>.log)")
@@ -415,6 +441,51 @@ class LocalRun:
                     "sync.trainer_id be services.trainer_id (the trainer's log says what failed)")
             time.sleep(1.0)
 
+    def wait_for_nothing_newer(self, cfg: RunConfig, step: int) -> None:
+        """Deployed, before a session resumes at `step` after the trainer died: the synchronizer and
+        the rollout replicas may still hold versions made by the weights that died with it, and
+        refuse older ones (versions only go up). Waits, up to launch.ready_timeout_seconds, until
+        none holds a version newer than `step`: they were restarted (the synchronizer without a
+        store comes back empty, a replica with its base weights)."""
+        if cfg.services.synchronizer is None:
+            return
+        deadline = time.monotonic() + self.spec.ready_timeout_seconds
+        said = False
+        while (held := asyncio.run(self._newer_than(cfg, step))) != []:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{', '.join(held or ['the synchronizer (not answering)'])} still hold weights newer than step "
+                    f"{step} after "
+                    f"{self.spec.ready_timeout_seconds:.0f}s (launch.ready_timeout_seconds): restart them, then run "
+                    "the same command again")
+            if held and not said:
+                self.say(f"healing: {', '.join(held)} hold weights newer than step {step}, made by weights that died "
+                         "with the trainer: restart them (Kubernetes: kubectl -n flywheel rollout restart "
+                         "statefulset/flywheel-synchronizer deployment/flywheel-rollout); waiting up to "
+                         f"{self.spec.ready_timeout_seconds:.0f}s")
+                said = True
+            time.sleep(1.0)
+
+    @staticmethod
+    async def _newer_than(cfg: RunConfig, version: int) -> list[str] | None:
+        """The services that hold a weight version newer than `version` (None: the synchronizer does not answer)."""
+        from flywheel.runtime.auth import resolve_token
+        from flywheel.synchronizer.client import SynchronizerClient
+        from flywheel.synchronizer.types import Role, State
+
+        assert cfg.services.synchronizer is not None
+        client = SynchronizerClient(cfg.services.synchronizer.address,
+                                    resolve_token(None, cfg.services.auth_token_file), timeout=5.0)
+        try:
+            status = await client.status()
+        except Exception:  # noqa: BLE001 - asked again until the deadline
+            return None
+        finally:
+            await client.close()
+        held = [f"the synchronizer (version {status.latest_version})"] if status.latest_version > version else []
+        return held + [f"rollout {c.id} (version {c.weight_version})" for c in status.components
+                       if c.role == Role.ROLLOUT and c.state != State.STOPPED and c.weight_version > version]
+
     @staticmethod
     async def _trainer_registration(cfg: RunConfig) -> str:
         """"registered" when the synchronizer lists the run's trainer, else what it lists instead."""
@@ -480,6 +551,7 @@ class LocalRun:
         ledger = self._keep_ledger(pipeline)
         _count_resumed_steps(pipeline)
         self.progress = Progress(cfg.run.max_steps, self.out)
+        close_watch = self._watch_remote_services(cfg)
         for restart in self.healer.history if self.healer else []:  # the status page lists them with the errors
             pipeline.errors.report("launcher", restart.describe(), severity="warning")
         # The controller service around this run: Status, StreamMetrics and Stop
@@ -517,6 +589,7 @@ class LocalRun:
             await asyncio.gather(server, return_exceptions=True)
             if services.close is not None:
                 await services.close()
+            await close_watch()
             ledger.close()
 
     async def _supervise(self, pipeline: Any, run_task: asyncio.Future) -> tuple[int, dict[str, Any]]:
@@ -540,9 +613,12 @@ class LocalRun:
                 await asyncio.wait([run_task], timeout=0.5)
                 self._check_children()
                 await self._restart_due_replicas()
+                await self._look_at_remote_services(pipeline)
                 self._draw(pipeline)
             summary = run_task.result()
             self._check_children()  # a child's death may have ended the run first
+            if pipeline.errors.should_stop and not self.interrupted:
+                await self._diagnose_remote_services(pipeline)
         except ServiceDied:
             run_task.cancel()
             await asyncio.gather(run_task, return_exceptions=True)
@@ -555,6 +631,7 @@ class LocalRun:
             # A service that died is the better explanation of a failed RPC.
             await asyncio.sleep(1.0)
             self._check_children()
+            await self._diagnose_remote_services(pipeline)
             log.exception("run failed")
             self.say(f"error: the run failed: {type(exc).__name__}: {exc} (see {self.run_dir / 'controller.log'})")
             return EXIT_FAILED, {"stop_reason": f"{type(exc).__name__}: {exc}", "exit_code": EXIT_FAILED}
@@ -609,6 +686,95 @@ class LocalRun:
                      f"{self.healer.policy.max_restarts}, in {delay:.0f}s; log: {log_path})")
             self.pending_restarts[name] = time.monotonic() + delay
         self.supervisor.check(expendable=self.lost_replicas | set(self.pending_restarts))
+
+    def _watch_remote_services(self, cfg: RunConfig) -> Any:
+        """Deployed, with restarts allowed: `self.remote` looks at the trainer and the synchronizer
+        for this session (healing.RemoteWatch). Returns what closes its clients."""
+        from flywheel.runtime.auth import resolve_token
+        from flywheel.synchronizer.client import SynchronizerClient
+        from flywheel.trainer.client import TrainerClient
+
+        async def nothing() -> None:
+            return None
+
+        self.remote = None
+        if not self.deployed or self.healer is None or self.healer.policy.max_restarts == 0:
+            return nothing
+        token = resolve_token(None, cfg.services.auth_token_file)
+        trainer = TrainerClient(cfg.services.trainer.address, token=token, timeout=5.0)
+        sync = cfg.services.synchronizer
+        synchronizer = SynchronizerClient(sync.address, token, timeout=5.0) if sync is not None else None
+
+        async def look_trainer() -> int | None:
+            info = await trainer.get_info(timeout=5.0)
+            return info.step if info.ready else None
+
+        async def look_synchronizer() -> tuple[int, Any]:
+            assert synchronizer is not None
+            status = await synchronizer.status()
+            return status.latest_version, status.policy
+
+        self.remote = RemoteWatch(look_trainer, look_synchronizer if synchronizer is not None else None)
+
+        async def close() -> None:
+            self.remote = None
+            await trainer.close()
+            if synchronizer is not None:
+                await synchronizer.close()
+
+        return close
+
+    async def _look_at_remote_services(self, pipeline: Any, *, even_before_start: bool = False) -> None:
+        """Deployed: what the services answer now (healing.RemoteWatch), and what is done about it.
+        A synchronizer the kubelet restarted is handed the run's policy and the trainer's weights
+        while the run goes on; a trainer that lost the run's state raises ServiceDied (a rewind)."""
+        if self.remote is None or not (even_before_start or hasattr(pipeline, "resumed_at_step")):
+            return  # until the session's start is done (resumed, policy given): the services move under it
+        step = pipeline.train_worker.step
+        for service, finding in await self.remote.look(step):
+            if finding == "down":
+                message = f"{service} stopped answering at step {step}; waiting for it"
+                pipeline.errors.report("launcher", message, severity="warning")
+                self.say(f"warning: {message}")
+            elif service == "trainer" and finding == "back":
+                self.say(f"the trainer answers again at step {step}, its state intact")
+            elif service == "trainer":
+                raise ServiceDied(f"the trainer came back without the run's state (the run was at step {step})",
+                                  "trainer")
+            elif finding == "back":
+                await self._catch_up_synchronizer(pipeline)
+
+    async def _catch_up_synchronizer(self, pipeline: Any) -> None:
+        """A restarted synchronizer knows no policy and no version; the trainer and the replicas
+        re-register by their heartbeats with their weights. Handing it the run's policy and the
+        trainer's current version is all it lacks: nothing is redone."""
+        assert self.healer is not None
+        step = pipeline.train_worker.step
+        if not self.healer.may_restart():
+            raise ServiceDied(f"the synchronizer came back empty at step {step}, and no restart is left "
+                              f"(launch.restarts.max_restarts {self.healer.policy.max_restarts})", "synchronizer")
+        restart = self.healer.record(Restart("synchronizer", None, step, "caught up", redo_from_step=step + 1))
+        pipeline.errors.report("launcher", restart.describe(), severity="warning")
+        log.warning("healing: %s", restart.describe())
+        self.say(f"healing: {restart.describe()} (restart {len(self.healer.history)} of at most "
+                 f"{self.healer.policy.max_restarts})")
+        try:
+            await pipeline.weight_sync.configure()
+            await pipeline.weight_sync.publish(pipeline.train_worker.version)
+        except Exception as exc:  # noqa: BLE001 - the trainer publishes its next version by itself
+            log.warning("handing the restarted synchronizer the run's state: %s", exc)
+
+    async def _diagnose_remote_services(self, pipeline: Any) -> None:
+        """Deployed, the run failed: if the trainer died (no answer for RemoteWatch.down_after, or
+        back without the run's state), that is the cause, and ServiceDied rewinds the run."""
+        if self.remote is None:
+            return
+        deadline = time.monotonic() + self.remote.down_after + 5.0
+        while time.monotonic() < deadline and "trainer" not in self.remote.down:
+            await self._look_at_remote_services(pipeline, even_before_start=True)
+            await asyncio.sleep(0.5)
+        if "trainer" in self.remote.down:
+            raise ServiceDied(f"the trainer stopped answering at step {pipeline.train_worker.step}", "trainer")
 
     async def _restart_due_replicas(self) -> None:
         """Starts again, on their old ports, the replicas whose backoff is over. The new one

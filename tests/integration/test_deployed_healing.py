@@ -1,0 +1,193 @@
+"""A deployed run heals itself: services the launcher did not start die, someone else
+(the kubelet) starts them again, and the one controller command catches up and exits 0.
+
+Real processes: a synchronizer, a trainer and a rollout replica (the transformers engine
+on the tiny model) started by the test on fixed ports, and the controller driving them
+through a `services:` section, as a Kubernetes Job does. The test plays the kubelet: it
+SIGKILLs a service after the step-2 checkpoint and starts the same command on the same
+ports a moment later (a restarted pod keeps its Service name; a synchronizer without a
+store comes back empty, a trainer with its base weights at step 0).
+
+- The synchronizer: the controller notices (it stopped answering, or answers with another
+  policy than the run gave it), hands it the run's policy and the trainer's weights, and
+  the run goes on: no step is redone.
+- The trainer: the run resumes from the last checkpoint. The synchronizer and the replica
+  hold versions made by the lost weights and refuse older ones; the controller says so,
+  the test restarts them as an operator would, and the steps after the checkpoint are
+  redone.
+
+Both check summary.json's `restarts` and that the final model's lineage (per step, the
+last ledger line) trains every task exactly once. A replica's death needs nothing from
+the controller (test_elastic_replicas.py).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run, wait_for
+
+pytestmark = pytest.mark.slow
+
+STEPS, TASKS_PER_STEP = 8, 4
+#: The kubelet's delay before it starts a dead container again (a pod restarts in seconds).
+KUBELET_DELAY_SECONDS = 2.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Deployment:
+    """The three services on fixed ports, each restartable with the same command (a pod)."""
+
+    def __init__(self, root: Path, model: Path) -> None:
+        self.cluster = Cluster(root)
+        self.model, self.root = model, root
+        self.ports = {name: free_port() for name in ("synchronizer", "trainer", "rollout-0")}
+        self.sync_address = f"127.0.0.1:{self.ports['synchronizer']}"
+        self.configs = {
+            # No store (as deployed): a restarted synchronizer knows no component and no version.
+            "synchronizer": ("synchronizer", {"checkpoint_root": str(root), "lease_seconds": 3.0,
+                                              "sweep_interval_seconds": 0.2}),
+            "trainer": ("trainer", {
+                "model": {"path": str(model), "cpu_threads": 1},
+                "optimizer": {"lr": 1e-4},
+                "checkpoint": {"dir": str(root / "checkpoints")},
+                "sync": {"synchronizer_address": self.sync_address},
+            }),
+            "rollout-0": ("rollout", {
+                "http_port": 0,
+                "engine": {"kind": "transformers", "model_path": str(model),
+                           "args": {"dtype": "float32", "max_model_len": 256, "seed": 0}},
+                "synchronizer": {"address": self.sync_address, "component_id": "rollout-0",
+                                 "heartbeat_interval_seconds": 0.5},
+                "updates": {"checkpoint_root": str(root)},
+            }),
+        }
+
+    def start(self, name: str) -> None:
+        kind, config = self.configs[name]
+        self.cluster.start(name, kind, config, self.ports[name])
+
+    def start_all(self) -> None:
+        self.start("synchronizer")
+        self.cluster["synchronizer"].wait_ready(120)
+        for name in ("trainer", "rollout-0"):
+            self.start(name)
+        for name in ("trainer", "rollout-0"):
+            self.cluster[name].wait_ready(300)
+
+    def kill_and_restart(self, name: str) -> None:
+        """What the kubelet does for a container that died: the same command, same ports, shortly after."""
+        process = self.cluster[name].process
+        process.send_signal(signal.SIGKILL)
+        process.wait(30)
+        time.sleep(KUBELET_DELAY_SECONDS)
+        self.start(name)
+
+    def run_file(self, name: str) -> dict:
+        run = tiny_run(name, STEPS, self.sync_address, f"127.0.0.1:{self.ports['trainer']}")
+        run.update(resume="auto", checkpoint={"interval": 2, "at_end": True})
+        run["launch"].update(ready_timeout_seconds=300, restarts={"backoff_seconds": 1.0},
+                             # Free ports: other runs on this machine may hold the defaults.
+                             controller={"status_port": 0, "server": {"port": 0, "metrics_port": 0}})
+        return run
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+def final_lineage(rows: list[dict]) -> dict[int, list[str]]:
+    """Per step, the tasks of its last ledger line: the steps the final model is made of."""
+    return {r["step"]: r["tasks"] for r in rows}
+
+
+def assert_each_task_trained_once(rows: list[dict]) -> None:
+    final = final_lineage(rows)
+    assert sorted(final) == list(range(1, STEPS + 1)), sorted(final)
+    trained = [task for step in sorted(final) for task in final[step]]
+    assert len(trained) == len(set(trained)) == STEPS * TASKS_PER_STEP, "a task was trained twice or skipped"
+
+
+def start_controller(tmp_path: Path, victim: str) -> tuple[Deployment, subprocess.Popen, Path]:
+    deployment = Deployment(tmp_path, prepare_tiny_model())
+    run_dir = tmp_path / "run"
+    try:
+        deployment.start_all()
+        return deployment, deployment.cluster.controller(deployment.run_file(f"deployed-{victim}"), run_dir), run_dir
+    except BaseException:
+        deployment.stop()
+        raise
+
+
+def trained_steps(run_dir: Path) -> int:
+    return max((r["step"] for r in jsonl(run_dir / "trained_tasks.jsonl")), default=0)
+
+
+@pytest.mark.timeout(900)
+def test_a_synchronizer_restarted_by_the_kubelet_is_caught_up_and_the_run_goes_on(tmp_path: Path) -> None:
+    """It comes back empty (no store): the trainer and the replica re-register with their weights, the
+    controller hands it the run's policy and the trainer's version again; nothing is redone."""
+    deployment, controller, run_dir = start_controller(tmp_path, "synchronizer")
+    try:
+        wait_for(lambda: trained_steps(run_dir) >= 3, 600, "step 3", controller)
+        killed_at = trained_steps(run_dir)
+        deployment.kill_and_restart("synchronizer")
+        code = controller.wait(600)
+        output = deployment.cluster.controller_output()
+        assert code == 0, output
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+        deployment.stop()
+    assert killed_at < STEPS, "the run finished before it could be killed"
+    assert "healing: synchronizer died at step" in output, output
+    rows = jsonl(run_dir / "trained_tasks.jsonl")
+    assert_each_task_trained_once(rows)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "a step was redone: nothing needed to be"
+    [restart] = json.loads((run_dir / "summary.json").read_text())["restarts"]
+    assert restart["service"] == "synchronizer" and restart["action"] == "caught up"
+    # The restarted synchronizer was handed the run's policy again (its own default is not the run's).
+    assert (tmp_path / "synchronizer" / "synchronizer.log").read_text().count("policy configured") == 2
+
+
+@pytest.mark.timeout(900)
+def test_a_trainer_restarted_by_the_kubelet_rewinds_the_run_to_its_last_checkpoint(tmp_path: Path) -> None:
+    """It comes back with its base weights: the run resumes from the step-2 checkpoint once the
+    synchronizer and the replica, which hold versions made by the lost weights, were restarted too
+    (the controller says so; the test does it, as an operator would), and redoes the later steps."""
+    deployment, controller, run_dir = start_controller(tmp_path, "trainer")
+    try:
+        wait_for(lambda: trained_steps(run_dir) >= 3, 600, "step 3", controller)
+        deployment.kill_and_restart("trainer")
+        wait_for(lambda: "hold weights newer than step" in deployment.cluster.controller_output(), 300,
+                 "the controller asking for the synchronizer and the replica to be restarted", controller)
+        deployment.kill_and_restart("synchronizer")
+        deployment.kill_and_restart("rollout-0")
+        code = controller.wait(600)
+        output = deployment.cluster.controller_output()
+        assert code == 0, output
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+        deployment.stop()
+    assert "healing: trainer died at step" in output, output
+    rows = jsonl(run_dir / "trained_tasks.jsonl")
+    assert_each_task_trained_once(rows)
+    sessions = list(dict.fromkeys(r["session"] for r in rows))
+    assert len(sessions) == 2
+    redone = [r["step"] for r in rows if r["session"] == sessions[1]]
+    [restart] = json.loads((run_dir / "summary.json").read_text())["restarts"]
+    assert restart["service"] == "trainer" and restart["action"] == "resumed"
+    assert Path(restart["resumed_from"]).name == f"global_step_{redone[0] - 1}"
+    assert redone == list(range(restart["redo_from_step"], STEPS + 1))
