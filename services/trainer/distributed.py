@@ -66,14 +66,20 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def shard_model(model: nn.Module) -> nn.Module:
+def shard_model(model: nn.Module, device: str) -> nn.Module:
     """FSDP2 over the default process group: each decoder layer, then the root
-    (embeddings, final norm and a tied head stay together in the root unit)."""
+    (embeddings, final norm and a tied head stay together in the root unit).
+
+    `model` may still be on the CPU: each unit's weights move to `device` as it
+    is sharded, so the GPU holds one layer whole at most, never the model."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # Named, not FSDP's default (the machine's accelerator): a CPU trainer on a GPU machine stays on the CPU.
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -130,7 +130,9 @@ class Policy:
             torch.use_deterministic_algorithms(True, warn_only=True)
         model = AutoModelForCausalLM.from_pretrained(
             str(mcfg.path), dtype=DTYPES[mcfg.dtype], attn_implementation=mcfg.attn_implementation
-        ).to(mcfg.device)
+        )
+        if not shard:
+            model = model.to(mcfg.device)  # a sharded model moves there shard by shard
         model.config.use_cache = False
         if mcfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -139,7 +141,7 @@ class Policy:
         if shard:
             from services.trainer.distributed import shard_model
 
-            model = shard_model(model)
+            model = shard_model(model, mcfg.device)
         model.train()
         policy = cls(config, model, _load_tokenizer(mcfg.path), str(mcfg.path))
         if config.reference.preload:
