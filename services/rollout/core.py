@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from flywheel.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
-from services.rollout.engine.base import Delta, Engine, PauseMode, SampleOutput, SamplingSpec, StagedWeights
+from services.rollout.engine.base import (
+    Delta, Engine, PauseMode, SampleOutput, SamplingSpec, StagedWeights, engine_pulls_memory,
+)
 from services.rollout.prompts import PromptInput, ResolvedPrompt, resolve
 from services.rollout.staging import StagingBuffers
 from services.rollout.text import TextCodec
@@ -348,6 +350,7 @@ class RolloutCore:
                 log.exception("weight update observer failed", extra={"version": report.version})
 
     async def _stage(self, engine: Engine, stage: Callable[[], Awaitable[StagedWeights]]) -> StagedWeights:
+        engine_pulls_memory.set(engine.pulls_memory)  # this task's context only
         staged = await stage()
         try:
             prepared = await engine.prepare_weights(staged)
@@ -356,7 +359,7 @@ class RolloutCore:
             _release(staged)
             raise
         if prepared is not staged:
-            _release(staged)  # the engine made its own copy (e.g. a file for its worker)
+            _release(staged)  # the engine made its own copy (e.g. shared memory for its worker)
         return prepared
 
     async def _swap(self, engine: Engine, staged: StagedWeights, mode: PauseMode) -> UpdateOutcome:

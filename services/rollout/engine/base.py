@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -69,20 +70,46 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class MemorySource:
+    """Where a MEMORY version is, for an engine that pulls it itself (`Engine.pulls_memory`)."""
+
+    #: The synchronizer's "host:port".
+    address: str
+    version: int
+    #: Bearer token presented to the synchronizer (None: the process's own, if any).
+    token: str | None = field(repr=False)
+    #: Deadline of the whole pull, in seconds.
+    timeout: float
+    max_message_bytes: int
+    #: Names this pull among the engine's staged versions (unique per update).
+    ticket: str
+
+
 @dataclass
 class StagedWeights:
-    """A verified weight version, ready to be swapped in.
+    """A weight version, ready to be swapped in.
 
-    Exactly one of `tensors` (CPU tensors in memory) or `files` (safetensors
-    files whose headers were checked) is set. `release`, if set, is called
-    once nothing reads `tensors` any more (their owner may then reuse them).
+    Exactly one of `tensors` (verified CPU tensors in memory), `files`
+    (safetensors files whose headers were checked) or `source` (a MEMORY
+    version the engine pulls and verifies itself) is set. `release`, if set,
+    is called once nothing reads `tensors` any more (their owner may then
+    reuse them).
     """
 
     version: int
     tensors: dict[str, torch.Tensor] | None = None
     files: list[str] | None = None
+    source: MemorySource | None = None
     nbytes: int = 0
     release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+
+#: True while an update is staged for an engine that pulls MEMORY versions
+#: itself: the MEMORY source then hands over `StagedWeights.source` instead of
+#: pulling the bytes into this process (set by the service core, read by
+#: `services.rollout.sync_client`).
+engine_pulls_memory: ContextVar[bool] = ContextVar("engine_pulls_memory", default=False)
 
 
 class Engine(abc.ABC):
@@ -96,6 +123,8 @@ class Engine(abc.ABC):
     vocab_size: int
     #: Whether it enforces `SamplingSpec.constraint` (structured output) while sampling.
     supports_constraints: bool = False
+    #: Whether it pulls MEMORY versions itself (staged with `source`, not `tensors`).
+    pulls_memory: bool = False
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -138,7 +167,7 @@ class Engine(abc.ABC):
         """Names, dtypes and shapes an update must provide (the checkpoint's)."""
 
     async def prepare_weights(self, staged: StagedWeights) -> StagedWeights:
-        """Work done before generation pauses (e.g. writing a file for a worker).
+        """Work done before generation pauses (e.g. pulling a `source`, sharing tensors with a worker).
 
         May return `staged` itself or new StagedWeights; in the latter case
         nothing may read `staged.tensors` once this returns."""

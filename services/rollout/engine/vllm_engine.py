@@ -1,11 +1,18 @@
 """The default engine: vLLM's AsyncLLM in this process (its engine core in a
-child process, as vLLM always runs it), with weight swaps through a worker
-extension.
+child process, as vLLM always runs it), with weight updates through vLLM's
+weight-transfer API and Flywheel's engine in its worker (`vllm_transfer`).
 
 Versions come from vLLM itself: the engine core stamps every step's output
 with the weight version we set after a swap, and each finished sample carries
 its version spans, so the version reported for a token is the one that
 produced it, even across a `keep` pause.
+
+Weights reach the worker without a file. A MEMORY version is pulled and
+verified by the worker itself, in the background while generation goes on
+(`prepare_weights`); the swap, generation paused, only loads it. Tensors this
+process received (an NCCL/gloo transfer) are shared with the worker in an
+anonymous memory file (memfd); a CHECKPOINT directory's files are read by
+the worker where they lie.
 """
 
 from __future__ import annotations
@@ -14,30 +21,31 @@ import asyncio
 import contextlib
 import json
 import logging
+import mmap
 import os
-import tempfile
-import uuid
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from flywheel import errors
 from flywheel.errors import FailedPrecondition, InvalidArgument
+from flywheel.runtime.tls import process_tls
 from services.rollout.engine.base import (
-    Delta, Engine, EngineLoad, PauseMode, SampleOutput, SamplingSpec, StagedWeights, TensorSpec,
+    Delta, Engine, EngineLoad, MemorySource, PauseMode, SampleOutput, SamplingSpec, StagedWeights, TensorSpec,
 )
+from services.rollout.engine.vllm_transfer import BACKEND, decode_error, error_of
 from services.rollout.text import TextCodec
 from services.rollout.weights import checkpoint_specs
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "services.rollout.engine.vllm_worker.FlywheelWorkerExtension"
-
-
-def _staging_dir(configured: Path | None) -> Path:
-    if configured is not None:
-        return configured
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+#: How often a staging in the worker is asked whether it is done, in seconds.
+_POLL_SECONDS = 0.02
+_ALIGN = 64
 
 
 def _read_through(files: list[str]) -> None:
@@ -46,6 +54,44 @@ def _read_through(files: list[str]) -> None:
         with open(file, "rb", buffering=0) as fh:
             while fh.readinto(buffer):
                 pass
+
+
+@dataclass
+class _SharedStaged(StagedWeights):
+    """Tensors copied into an anonymous memory file the worker maps (no file in any directory)."""
+
+    fd: int = -1
+    layout: dict[str, Any] = field(default_factory=dict)
+
+
+def _share(staged: StagedWeights) -> _SharedStaged:
+    """Copies `staged.tensors` into a memfd (blocking; run it in a thread)."""
+    assert staged.tensors is not None
+    entries, size = [], 0
+    for name, tensor in staged.tensors.items():
+        entries.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), size])
+        size += -(-tensor.nbytes // _ALIGN) * _ALIGN
+    fd = os.memfd_create(f"flywheel-staged-v{staged.version}", os.MFD_CLOEXEC)
+    try:
+        if size:
+            os.ftruncate(fd, size)
+            with mmap.mmap(fd, size) as region:
+                for (_, _, _, offset), tensor in zip(entries, staged.tensors.values()):
+                    if tensor.nbytes:
+                        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+                        torch.frombuffer(region, dtype=torch.uint8, count=flat.numel(), offset=offset).copy_(flat)
+                        del flat
+    except BaseException:
+        os.close(fd)
+        raise
+    layout = {"pid": os.getpid(), "fd": fd, "size": size, "tensors": entries}
+    return _SharedStaged(version=staged.version, nbytes=staged.nbytes, fd=fd, layout=layout)
+
+
+def _worker_error(exc: BaseException) -> errors.FlywheelError | None:
+    """The worker's FlywheelError behind a failed vLLM RPC (its status code kept), if it was one."""
+    found = decode_error(str(exc))
+    return error_of(*found) if found else None
 
 
 class _Sample:
@@ -73,20 +119,18 @@ class VllmEngine(Engine):
     kind = "vllm"
     supports_constraints = True
 
-    def __init__(
-        self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0,
-        staging_dir: Path | None = None,
-    ) -> None:
-        if "worker_extension_cls" in args:
-            raise InvalidArgument("engine.args.worker_extension_cls: set by the rollout service; remove it")
+    pulls_memory = True
+
+    def __init__(self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0) -> None:
+        for name in ("worker_extension_cls", "weight_transfer_config"):
+            if name in args:
+                raise InvalidArgument(f"engine.args.{name}: set by the rollout service; remove it")
         self._path = Path(model_path)
         self._args = dict(args)
         self._codec = codec
         self._version = initial_version
-        self._staging_dir = _staging_dir(staging_dir)
         self._stats: Any = None
         self._llm: Any = None
-        self._own_files: set[str] = set()
         self._active = 0  # requests between submission and their last output
 
     async def start(self) -> None:
@@ -115,7 +159,8 @@ class VllmEngine(Engine):
         # unless engine.args names one.
         args.setdefault("dtype", _checkpoint_dtype(self._path))
         try:
-            engine_args = AsyncEngineArgs(model=str(self._path), worker_extension_cls=WORKER_EXTENSION, **args)
+            engine_args = AsyncEngineArgs(model=str(self._path), worker_extension_cls=WORKER_EXTENSION,
+                                          weight_transfer_config={"backend": BACKEND}, **args)
         except TypeError as exc:
             raise InvalidArgument(f"engine.args: {exc}") from None
         # Built off the event loop: it blocks until the engine core is up
@@ -125,14 +170,15 @@ class VllmEngine(Engine):
         self.max_model_len = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
         self._specs = checkpoint_specs(self._path)
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
         await self._llm.update_weight_version(str(self._version))
 
     async def stop(self) -> None:
         if self._llm is not None:
             await asyncio.to_thread(self._llm.shutdown)
             self._llm = None
-        for file in list(self._own_files):
-            Path(file).unlink(missing_ok=True)
 
     @property
     def version(self) -> int:
@@ -243,23 +289,51 @@ class VllmEngine(Engine):
         await self._llm.resume_generation()
 
     async def prepare_weights(self, staged: StagedWeights) -> StagedWeights:
-        if staged.tensors is None:
-            # The worker reads these files while generation is paused: bring
-            # them into the page cache first, so the pause is not disk-bound.
-            await asyncio.to_thread(_read_through, staged.files or [])
-            return staged
-        from safetensors.torch import save_file
+        if staged.source is not None:
+            return await self._stage_in_worker(staged.source)
+        if staged.tensors is not None:
+            # Before generation pauses: the copy into shared memory is the slow part.
+            return await asyncio.to_thread(_share, staged)
+        # The worker reads these files while generation is paused: bring
+        # them into the page cache first, so the pause is not disk-bound.
+        await asyncio.to_thread(_read_through, staged.files or [])
+        return staged
 
-        path = self._staging_dir / f"flywheel-rollout-{os.getpid()}-v{staged.version}-{uuid.uuid4().hex[:8]}.safetensors"
-        self._own_files.add(str(path))
-        # The worker lives in another process: it reads the staged tensors from
-        # (shared-memory) file; written before generation pauses.
-        await asyncio.to_thread(save_file, staged.tensors, str(path))
-        return StagedWeights(version=staged.version, files=[str(path)], nbytes=staged.nbytes)
+    async def _stage_in_worker(self, source: MemorySource) -> StagedWeights:
+        """The worker pulls and verifies the version while generation goes on; returns once it holds it."""
+        tls = process_tls()
+        info = {
+            "synchronizer": source.address, "version": source.version, "token": source.token,
+            "timeout_seconds": source.timeout, "max_message_bytes": source.max_message_bytes,
+            "tls": {name: str(getattr(tls, name)) if getattr(tls, name) else None
+                    for name in ("cert_file", "key_file", "client_ca_file", "ca_file")},
+        }
+        await self._llm.collective_rpc("flywheel_stage", args=(source.ticket, info))
+        while True:
+            [state] = await self._llm.collective_rpc("flywheel_staged", args=(source.ticket,))
+            if state["state"] == "ready":
+                return StagedWeights(version=source.version, source=source, nbytes=int(state["bytes"]))
+            if state["state"] == "failed":
+                raise error_of(state["code"], state["message"])
+            await asyncio.sleep(_POLL_SECONDS)
 
     async def swap_weights(self, staged: StagedWeights) -> None:
-        assert staged.files is not None, "prepare_weights turns tensors into files"
-        await self._llm.collective_rpc("flywheel_load_weights", args=(staged.files,))
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        if staged.source is not None:
+            info: dict[str, Any] = {"ticket": staged.source.ticket}
+        elif isinstance(staged, _SharedStaged):
+            info = {"shared": staged.layout}
+        else:
+            assert staged.files is not None, "prepare_weights shares tensors"
+            info = {"files": list(staged.files)}
+        await self._llm.start_weight_update()
+        try:
+            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+        except Exception as exc:
+            # The worker ends the update itself when a chunk fails.
+            raise _worker_error(exc) or exc from exc
+        await self._llm.finish_weight_update()
         # KV computed with the old weights must not be reused: frozen requests
         # are preempted (they recompute on resume) and the prefix cache emptied.
         await self._llm.reset_prefix_cache(reset_running_requests=True)
@@ -267,7 +341,9 @@ class VllmEngine(Engine):
         self._version = staged.version
 
     async def discard_weights(self, staged: StagedWeights) -> None:
-        for file in staged.files or ():
-            if file in self._own_files:
-                self._own_files.discard(file)
-                Path(file).unlink(missing_ok=True)
+        if staged.source is not None and self._llm is not None:
+            # Cancels a pull still running there, or frees a version never swapped in.
+            await self._llm.collective_rpc("flywheel_drop", args=(staged.source.ticket,))
+        if isinstance(staged, _SharedStaged) and staged.fd >= 0:
+            os.close(staged.fd)
+            staged.fd = -1

@@ -1,64 +1,39 @@
-"""Runs inside vLLM's worker process: swaps verified weights in place.
+"""Runs inside vLLM's worker process: registers Flywheel's weight-transfer
+engine and gives the service a way to stage a version ahead of an update.
 
-vLLM imports this class by name (`worker_extension_cls`) and mixes it into
-its worker, so `collective_rpc("flywheel_load_weights", ...)` reaches the
-live model. Weights come as safetensors files the service staged and
-verified; they are streamed tensor by tensor into vLLM's own in-place reload,
-which also redoes any kernel-specific weight processing (repacking, fusing).
-
-One gap is closed here (`_refresh_kept_cpu_gemms`): on CPU, vLLM packs a copy
-of every GEMM weight at load for its kernels, and layers that keep their
-weight besides (the token embedding, and an LM head tied to it) are not
-repacked by a reload. A model with tied embeddings (SmolLM2, the tiny test
-models) then served new weights everywhere but in its output head: samples
-came from a model nobody trained.
+vLLM imports this class by name (`worker_extension_cls`) in its worker
+process, before the worker builds its weight-transfer engine from the
+factory, so importing this module is where the engine is registered
+(`vllm_transfer.register`, idempotent). vLLM mixes the class into its worker,
+so `collective_rpc("flywheel_stage", ...)` reaches the worker's engine.
+Updates themselves go through vLLM's own API (start_weight_update,
+update_weights, finish_weight_update).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import Any
 
-import torch
+from services.rollout.engine.vllm_transfer import FlywheelWeightTransferEngine, register
+
+register()
 
 
 class FlywheelWorkerExtension:
-    def flywheel_load_weights(self, files: list[str]) -> int:
-        from safetensors import safe_open
+    def _flywheel_engine(self) -> FlywheelWeightTransferEngine:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, FlywheelWeightTransferEngine):
+            raise RuntimeError("the worker's weight-transfer engine is not Flywheel's (weight_transfer_config.backend)")
+        return engine
 
-        count = 0
+    def flywheel_stage(self, ticket: str, update_info: dict[str, Any]) -> None:
+        """Starts pulling and verifying a version under `ticket`, in the background."""
+        self._flywheel_engine().stage(ticket, update_info)
 
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal count
-            for file in files:
-                with safe_open(file, framework="pt") as fh:
-                    for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
-                        count += 1
-                        yield name, fh.get_tensor(name)
+    def flywheel_staged(self, ticket: str) -> dict[str, Any]:
+        """Where the staging under `ticket` stands (see FlywheelWeightTransferEngine.staged)."""
+        return self._flywheel_engine().staged(ticket)
 
-        self.model_runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        _refresh_kept_cpu_gemms(self.model_runner.model)  # type: ignore[attr-defined]
-        return count
-
-
-def _refresh_kept_cpu_gemms(model: torch.nn.Module) -> int:
-    """Re-ties a tied LM head to the (reloaded) embedding and repacks the CPU GEMM copy of every
-    layer that keeps its weight; a no-op off CPU. Returns how many layers were repacked."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return 0
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    config = getattr(model, "config", None)
-    head, body = getattr(model, "lm_head", None), getattr(model, "model", None)
-    embedding = getattr(body, "embed_tokens", None)
-    if getattr(config, "tie_word_embeddings", False) and head is not None and embedding is not None:
-        head.weight = embedding.weight
-    repacked = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        # Layers whose weight was removed after packing (linear layers) were repacked by the reload.
-        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.numel():
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-            repacked += 1
-    return repacked
+    def flywheel_drop(self, ticket: str) -> None:
+        """Cancels or forgets the staging under `ticket`."""
+        self._flywheel_engine().drop(ticket)

@@ -1,0 +1,367 @@
+"""Flywheel's weight-transfer engine for vLLM ("flywheel"), run in vLLM's worker.
+
+vLLM's weight-transfer framework (`vllm.distributed.weight_transfer`) creates
+one engine per worker from `weight_transfer_config.backend`, and its
+`update_weights` API hands that engine an update info. This engine takes
+weights from three places, and verifies everything before it loads the first
+parameter, so a rejected update leaves the model untouched:
+
+* the synchronizer (MEMORY): it pulls the version itself, through
+  `flywheel.synchronizer.pull` (payloads read in place from the synchronizer's
+  shared-memory segments when it is on this host, else from the stream),
+  checking every chunk's checksum, the version's digest, and names, dtypes and
+  shapes against the served checkpoint. `stage` does that in the background
+  while generation goes on, and the update names the staged version by its
+  ticket; an update info naming a synchronizer and a version pulls and loads in
+  one call instead;
+* memory the rollout service shares (tensors it received and verified, in an
+  anonymous memory file of its process: `shared`);
+* safetensors files of a checkpoint directory the service verified (`files`).
+
+The load is vLLM's in-place reload (kernel-specific processing redone), plus
+`refresh_kept_cpu_gemms`. No weight file is ever written.
+
+Why an engine of ours: vLLM's own engines (nccl, ipc, sparse) are CUDA-only,
+and none reads the synchronizer's checksummed chunks or segments. The base
+`update_weights` calls `torch.accelerator.synchronize()`, which raises on the
+CPU build; this one synchronizes only a CUDA device.
+
+`register()` adds it to vLLM's factory, which raises on a second registration
+of a name; the worker extension (`vllm_worker`) calls it when vLLM imports it
+in the worker process, before the worker creates its engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import mmap
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo,
+)
+
+from flywheel import errors
+from flywheel.errors import Aborted, DeadlineExceeded, FlywheelError, NotFound
+
+#: The backend name in vLLM's factory (`weight_transfer_config.backend`).
+BACKEND = "flywheel"
+
+_ERRORS = {cls.code: cls for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, FlywheelError)}
+_CODED = re.compile(r"\[flywheel:([A-Z_]+)\] (.*)", re.DOTALL)
+
+
+def coded(code: str, message: str) -> str:
+    """An error message that carries its status code through vLLM's RPC (which keeps only text)."""
+    return f"[flywheel:{code}] {message}"
+
+
+def decode_error(text: str) -> tuple[str, str] | None:
+    """(code, message) of a `coded` message found anywhere in `text`."""
+    match = _CODED.search(text)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def error_of(code: str, message: str) -> FlywheelError:
+    """The FlywheelError of status `code` (FlywheelError itself, INTERNAL, for a code it has no class of)."""
+    return _ERRORS.get(code, FlywheelError)(message)
+
+
+@dataclass
+class FlywheelInitInfo(WeightTransferInitInfo):
+    """Nothing to rendezvous: each update names its source."""
+
+
+@dataclass
+class SharedTensors:
+    """Tensors laid out in an anonymous memory file (memfd) of process `pid`."""
+
+    pid: int
+    fd: int
+    size: int
+    #: [name, dtype (e.g. "float32"), shape, byte offset] per tensor.
+    tensors: list[list[Any]]
+
+
+@dataclass
+class FlywheelUpdateInfo(WeightTransferUpdateInfo):
+    """One update; exactly one of ticket, synchronizer, shared or files."""
+
+    #: A version `stage` pulled and verified, by its ticket.
+    ticket: str = ""
+    #: Or pull now: the synchronizer's "host:port" and the version to pull.
+    synchronizer: str = ""
+    version: int = 0
+    token: str | None = field(default=None, repr=False)
+    #: Deadline of the whole pull, in seconds.
+    timeout_seconds: float = 300.0
+    max_message_bytes: int = 64 * 2**20
+    #: TLS files to call the synchronizer with (fields of `flywheel.runtime.tls.TlsFiles`); none: the worker
+    #: process's own (FLYWHEEL_TLS_* variables).
+    tls: dict[str, str | None] | None = None
+    #: Or tensors the service verified, in its memory (`SharedTensors` as a dict).
+    shared: dict[str, Any] | None = None
+    #: Or safetensors files the service verified (a checkpoint directory's).
+    files: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [bool(self.ticket), bool(self.synchronizer), self.shared is not None, self.files is not None]
+        if sum(given) != 1:
+            raise ValueError("a flywheel update names exactly one of ticket, synchronizer, shared or files")
+        if self.synchronizer and self.version < 1:
+            raise ValueError("a flywheel update from a synchronizer names a version >= 1")
+
+
+class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, FlywheelUpdateInfo]):
+    init_info_cls = FlywheelInitInfo
+    update_info_cls = FlywheelUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._staged: dict[str, concurrent.futures.Future] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._specs: dict | None = None
+
+    # -- vLLM's lifecycle ------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: FlywheelInitInfo) -> None:
+        self._pull_loop()
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: loading starts only once the whole version is verified."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing to finalize: `receive_weights` reloads the model whole."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes torch.accelerator, which raises on CPU builds.
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except FlywheelError as exc:
+            raise RuntimeError(coded(exc.code, str(exc))) from exc
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: FlywheelUpdateInfo) -> None:
+        if update_info.files is not None:
+            self._load(_file_tensors(update_info.files))
+        elif update_info.shared is not None:
+            with _mapped(SharedTensors(**update_info.shared)) as tensors:
+                self._load(tensors.items())
+        else:
+            if update_info.ticket:
+                future = self._staged.pop(update_info.ticket, None)
+                if future is None:
+                    raise NotFound(f"no version staged under ticket {update_info.ticket}")
+            else:
+                future = self._start_pull(update_info)
+            _, tensors = _result(future)
+            self._load(tensors.items())
+
+    def shutdown(self) -> None:
+        for ticket in list(self._staged):
+            self.drop(ticket)
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+
+    # -- staging ahead of an update (the worker extension's RPCs) --------------
+
+    def stage(self, ticket: str, update_info: dict[str, Any]) -> None:
+        """Starts pulling and verifying a version in the background; returns at once."""
+        info = self.parse_update_info(update_info)
+        if not info.synchronizer:
+            raise ValueError("stage needs an update info naming a synchronizer")
+        self.drop(ticket)
+        self._staged[ticket] = self._start_pull(info)
+
+    def staged(self, ticket: str) -> dict[str, Any]:
+        """{"state": "pending"}, {"state": "ready", "bytes": n} or {"state": "failed", "code", "message"}
+        (a failed stage is forgotten once reported)."""
+        future = self._staged.get(ticket)
+        if future is None:
+            return {"state": "failed", "code": NotFound.code, "message": f"no version staged under ticket {ticket}"}
+        if not future.done():
+            return {"state": "pending"}
+        try:
+            manifest, _ = _result(future)
+        except FlywheelError as exc:
+            del self._staged[ticket]
+            return {"state": "failed", "code": exc.code, "message": str(exc)}
+        return {"state": "ready", "bytes": int(manifest.total_bytes)}
+
+    def drop(self, ticket: str) -> None:
+        """Cancels or forgets a staged version (nothing if unknown)."""
+        future = self._staged.pop(ticket, None)
+        if future is not None:
+            future.cancel()
+
+    # -- internals -------------------------------------------------------------
+
+    def _pull_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop pulls run on, on a thread of its own (the worker's thread runs the model)."""
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="flywheel-weight-pull", daemon=True)
+            thread.start()
+            self._loop, self._thread = loop, thread
+        return self._loop
+
+    def _start_pull(self, info: FlywheelUpdateInfo) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(self._pull(info), self._pull_loop())
+
+    async def _pull(self, info: FlywheelUpdateInfo) -> tuple[Any, dict[str, torch.Tensor]]:
+        from flywheel.runtime.tls import TlsFiles
+        from services.rollout.sync_client import pull_tensors
+
+        from flywheel.runtime.client import translated
+
+        # None: the worker process's own TLS (its env variables).
+        tls = TlsFiles(**{k: Path(v) if v else None for k, v in info.tls.items()}) if info.tls is not None else None
+        try:
+            with translated(f"PullWeights from {info.synchronizer}"):
+                return await asyncio.wait_for(
+                    pull_tensors(info.synchronizer, info.version, self._served_specs(), token=info.token,
+                                 timeout=info.timeout_seconds, max_message_bytes=info.max_message_bytes, tls=tls),
+                    info.timeout_seconds,
+                )
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                f"version {info.version} not pulled from {info.synchronizer} within {info.timeout_seconds:g} s"
+            ) from None
+
+    def _served_specs(self) -> dict:
+        """Names, dtypes and shapes of the checkpoint the model was loaded from: what an update must provide."""
+        if self._specs is None:
+            from services.rollout.weights import checkpoint_specs
+
+            self._specs = checkpoint_specs(Path(self.model_config.model))
+        return self._specs
+
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_in_place(self.vllm_config, self.model, weights)
+
+
+def _result(future: concurrent.futures.Future) -> Any:
+    """The pull's result, its failure as a FlywheelError (status code kept)."""
+    try:
+        return future.result()
+    except FlywheelError:
+        raise
+    except concurrent.futures.CancelledError:
+        raise Aborted("the staged version was dropped before it was loaded") from None
+    except Exception as exc:  # noqa: BLE001 - the codec's or the channel's own errors
+        raise FlywheelError(f"pulling the version failed: {type(exc).__name__}: {exc}") from exc
+
+
+def load_in_place(vllm_config: Any, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """vLLM's in-place reload of checkpoint-format weights, then the CPU GEMM refresh."""
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    reload_weights(vllm_config, model, weights_iterator=weights, weights_path=None, is_checkpoint_format=True)
+    refresh_kept_cpu_gemms(model)
+
+
+def _file_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, fh.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _mapped(shared: SharedTensors) -> Iterator[dict[str, torch.Tensor]]:
+    """The service's shared tensors, read in place (views valid inside the block only)."""
+    fd = os.open(f"/proc/{shared.pid}/fd/{shared.fd}", os.O_RDONLY)
+    try:
+        region = mmap.mmap(fd, shared.size, prot=mmap.PROT_READ) if shared.size else None
+    finally:
+        os.close(fd)
+    try:
+        tensors = {}
+        for name, dtype, shape, offset in shared.tensors:
+            kind = getattr(torch, dtype)
+            count = _numel(shape) * torch.empty((), dtype=kind).element_size()
+            if count == 0 or region is None:
+                tensors[name] = torch.empty(shape, dtype=kind)
+                continue
+            # A read-only map: torch warns that the tensor is not writable; the load only reads it.
+            with _quiet_nonwritable():
+                raw = torch.frombuffer(region, dtype=torch.uint8, count=count, offset=offset)
+            tensors[name] = raw.view(kind).reshape(shape)
+        yield tensors
+        del tensors
+    finally:
+        if region is not None:
+            with contextlib.suppress(BufferError):
+                region.close()
+
+
+@contextlib.contextmanager
+def _quiet_nonwritable() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        yield
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def register() -> None:
+    """Adds this engine to vLLM's factory as `BACKEND`; a second call changes nothing."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    loader = WeightTransferEngineFactory._registry.get(BACKEND)
+    if loader is None:
+        WeightTransferEngineFactory.register_engine(BACKEND, FlywheelWeightTransferEngine)
+    elif loader() is not FlywheelWeightTransferEngine:
+        raise RuntimeError(f"vLLM's weight-transfer backend {BACKEND!r} is registered to another engine")
+
+
+def refresh_kept_cpu_gemms(model: torch.nn.Module) -> int:
+    """Re-ties a tied LM head to the (reloaded) embedding and repacks the CPU GEMM copy of every
+    layer that keeps its weight; a no-op off CPU. Returns how many layers were repacked.
+
+    On CPU, vLLM packs a copy of every GEMM weight at load for its kernels, and
+    layers that keep their weight besides (the token embedding, and an LM head
+    tied to it) are not repacked by a reload. A model with tied embeddings
+    (SmolLM2, the tiny test models) then served new weights everywhere but in
+    its output head: samples came from a model nobody trained."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    config = getattr(model, "config", None)
+    head, body = getattr(model, "lm_head", None), getattr(model, "model", None)
+    embedding = getattr(body, "embed_tokens", None)
+    if getattr(config, "tie_word_embeddings", False) and head is not None and embedding is not None:
+        head.weight = embedding.weight
+    repacked = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        # Layers whose weight was removed after packing (linear layers) were repacked by the reload.
+        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.numel():
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            repacked += 1
+    return repacked

@@ -1,0 +1,252 @@
+"""MEMORY updates reach vLLM (the CPU build) through Flywheel's registered
+weight-transfer engine, in vLLM's worker process, without a weight file:
+
+* an update from the real synchronizer is read in place from its
+  shared-memory segments by the worker, and the rollout then generates what
+  transformers computes with the new weights (tokens and log-probs); no file
+  appears in /dev/shm (the old staging directory) or the synchronizer's
+  segment directory besides its segments, and nothing saves safetensors;
+* a corrupt byte in a segment, or in the stream, rejects the update whole:
+  DATA_LOSS, the old version serving bit for bit.
+
+Spies are installed before vLLM forks its engine core, so they run in the
+worker too, and write what they saw to a log the test reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flywheel.common.v1 import common_pb2
+from flywheel.models.tiny import build_tiny_model
+from flywheel.rollout.v1 import rollout_pb2 as pb
+from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from flywheel.runtime.client import open_channel
+from tests.conftest import TEST_TOKEN
+from tests.unit.rollout.fake_synchronizer import FakeSynchronizer
+from tests.unit.rollout.rollout_helpers import (
+    ServerThread, need_engine, reference_greedy, reference_logprobs, rollout_config,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+PROMPT = [318, 268, 223, 20, 284, 223, 21, 33]
+STEPS = 12
+GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+SEGMENT_PREFIX = "flywheel-weights-"
+# Other processes' IPC objects on this shared machine (vLLM's shm broadcast, multiprocessing
+# semaphores, other synchronizers' segments): never weight files of this rollout.
+OTHERS = ("psm_", "sem.", SEGMENT_PREFIX, f".draft-{SEGMENT_PREFIX}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-transfer") / "model")
+
+
+# Installed in every Python process started while the spy is on: vLLM spawns its engine core
+# (a fresh interpreter), which imports this `sitecustomize` first. It records every load
+# through Flywheel's weight-transfer engine, and every safetensors save.
+SPY = """
+import json, os
+
+LOG = os.environ.get("FLYWHEEL_TEST_SPY_LOG")
+
+
+def record(**event):
+    with open(LOG, "a") as fh:
+        fh.write(json.dumps({"pid": os.getpid(), **event}) + "\\n")
+
+
+def install():
+    import safetensors.torch
+
+    from flywheel.transfer import segments
+    from services.rollout.engine.vllm_transfer import FlywheelWeightTransferEngine
+
+    receive = FlywheelWeightTransferEngine.receive_weights
+
+    def spied_receive(self, update_info):
+        kind = next(k for k in ("ticket", "synchronizer", "shared", "files") if getattr(update_info, k))
+        receive(self, update_info)
+        record(event="loaded", kind=kind, mapped=segments.SEGMENT_MAPS.paths)
+
+    FlywheelWeightTransferEngine.receive_weights = spied_receive
+    for name in ("save_file", "save"):
+        original = getattr(safetensors.torch, name)
+
+        def save(*args, _name=name, _original=original, **kwargs):
+            record(event="safetensors." + _name)
+            return _original(*args, **kwargs)
+
+        setattr(safetensors.torch, name, save)
+
+
+if LOG:
+    install()
+"""
+
+
+@pytest.fixture(scope="module")
+def spy_log(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The spy's log; the spy runs in this process (the rollout service) and in the processes it starts."""
+    directory = tmp_path_factory.mktemp("spy")
+    (directory / "sitecustomize.py").write_text(SPY)
+    log = directory / "events.jsonl"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FLYWHEEL_TEST_SPY_LOG", str(log))
+    mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")])))
+    import safetensors.torch
+
+    from services.rollout.engine.vllm_transfer import FlywheelWeightTransferEngine
+
+    for owner, name in ((FlywheelWeightTransferEngine, "receive_weights"), (safetensors.torch, "save_file"),
+                        (safetensors.torch, "save")):
+        mp.setattr(owner, name, getattr(owner, name))  # restored after the module
+    exec(compile(SPY, str(directory / "sitecustomize.py"), "exec"), {})  # noqa: S102 - and in this process
+    yield log
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, spy_log: Path) -> Iterator[ServerThread]:
+    need_engine("vllm")
+    srv = ServerThread(rollout_config(model_dir, "vllm")).start()
+    srv.version = 0
+    srv.state = load_file(str(model_dir / "model.safetensors"))
+    yield srv
+    srv.stop()
+
+
+def events(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def listing(directory: Path) -> set[str]:
+    return set(os.listdir(directory))
+
+
+async def greedy(rollout: pb_grpc.RolloutServiceStub) -> common_pb2.Sample:
+    response = await rollout.Generate(pb.GenerateRequest(prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=PROMPT))],
+                                                         sampling=GREEDY))
+    return response.results[0].samples[0]
+
+
+def scaled(model_dir: Path, factor: float) -> dict[str, torch.Tensor]:
+    torch.manual_seed(int(factor * 1000))
+    base = load_file(str(model_dir / "model.safetensors"))
+    # Noise as well as scale: a scaled model keeps many argmaxes, and log-probs must tell the weights apart.
+    return {k: (v * factor + 0.02 * torch.randn_like(v)).contiguous() for k, v in base.items()}
+
+
+async def push(address: str, state: dict[str, torch.Tensor], version: int) -> None:
+    from flywheel.synchronizer.client import SynchronizerClient
+
+    async with SynchronizerClient(address, token=TEST_TOKEN) as sync:
+        await sync.push_weights(state, version)
+
+
+async def test_memory_update_from_segments_goes_through_the_registered_engine_and_writes_no_file(
+    server: ServerThread, run_service, tmp_path: Path, spy_log: Path, model_dir: Path,
+) -> None:
+    segment_dir = tmp_path / "segments"
+    segment_dir.mkdir()
+    synchronizer = run_service("synchronizer", "--shared-memory-dir", str(segment_dir))
+    new = scaled(model_dir, 1.2)
+    await push(synchronizer.grpc_address, new, 1)
+    assert any(name.startswith(SEGMENT_PREFIX) for name in listing(segment_dir)), "the version must be in a segment"
+    shm_before, tmp_before = listing(Path("/dev/shm")), listing(Path(tempfile.gettempdir()))
+    logged = len(events(spy_log))
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        before = await greedy(rollout)
+        response = await rollout.UpdateWeights(pb.UpdateWeightsRequest(
+            version=1, memory=pb.MemorySource(synchronizer_address=synchronizer.grpc_address)), timeout=120)
+        assert response.weight_version == 1 and response.bytes == sum(t.nbytes for t in new.values())
+        after = await greedy(rollout)
+        assert (await rollout.GetStatus(pb.GetStatusRequest())).weight_version == 1
+    completion = list(after.completion_token_ids)
+    assert completion == reference_greedy(model_dir, PROMPT, STEPS, new) != list(before.completion_token_ids)
+    assert list(after.completion_logprobs) == pytest.approx(reference_logprobs(model_dir, PROMPT, completion, new),
+                                                            abs=2e-3)
+    assert (after.weight_version_start, after.weight_version_end) == (1, 1)
+
+    new_events = events(spy_log)[logged:]
+    loads = [e for e in new_events if e["event"] == "loaded"]
+    assert len(loads) == 1 and loads[0]["kind"] == "ticket", new_events
+    assert loads[0]["pid"] != os.getpid(), "loaded in vLLM's engine-core process, not the service's"
+    assert any(Path(p).parent == segment_dir for p in loads[0]["mapped"]), "the worker read the segment in place"
+    assert not [e for e in new_events if e["event"].startswith("safetensors.")], new_events
+    new_shm = {n for n in listing(Path("/dev/shm")) - shm_before if not n.startswith(OTHERS)}
+    assert not new_shm, f"files appeared in /dev/shm during the update: {new_shm}"
+    new_tmp = {n for n in listing(Path(tempfile.gettempdir())) - tmp_before
+               if n.endswith(".safetensors") or n.startswith("flywheel-rollout-")}
+    assert not new_tmp, new_tmp
+    assert all(n.startswith(SEGMENT_PREFIX) for n in listing(segment_dir)), listing(segment_dir)
+    server.version, server.state = 1, new
+
+
+async def _rejected(server: ServerThread, address: str, version: int) -> str:
+    """A MEMORY update that must fail DATA_LOSS and leave the served weights exactly as they were."""
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120, max_attempts=1) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        before = await greedy(rollout)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await rollout.UpdateWeights(pb.UpdateWeightsRequest(
+                version=version, memory=pb.MemorySource(synchronizer_address=address)), timeout=120)
+        assert info.value.code() == grpc.StatusCode.DATA_LOSS, info.value.details()
+        after = await greedy(rollout)
+        status = await rollout.GetStatus(pb.GetStatusRequest())
+    assert list(after.completion_token_ids) == list(before.completion_token_ids)
+    assert list(after.completion_logprobs) == list(before.completion_logprobs)  # the same weights, bit for bit
+    assert status.weight_version == server.version and not status.updating and not status.paused
+    assert after.weight_version_start == server.version
+    return info.value.details()
+
+
+async def test_a_corrupt_byte_in_a_segment_rejects_the_update_whole(
+    server: ServerThread, run_service, tmp_path: Path, spy_log: Path, model_dir: Path,
+) -> None:
+    segment_dir = tmp_path / "segments"
+    segment_dir.mkdir()
+    synchronizer = run_service("synchronizer", "--shared-memory-dir", str(segment_dir))
+    version = server.version + 1
+    await push(synchronizer.grpc_address, scaled(model_dir, 0.8), version)
+    segments = [p for p in segment_dir.iterdir() if p.name.startswith(SEGMENT_PREFIX)]
+    assert len(segments) == 1
+    with open(segments[0], "r+b") as fh:  # the synchronizer maps it shared: it serves the flipped byte
+        fh.seek(4096 + (segments[0].stat().st_size - 4096) // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    logged = len(events(spy_log))
+    details = await _rejected(server, synchronizer.grpc_address, version)
+    assert "checksum" in details
+    assert not [e for e in events(spy_log)[logged:] if e["event"] == "loaded"], "nothing may be loaded"
+
+
+async def test_a_corrupt_byte_in_the_stream_rejects_the_update_whole(
+    server: ServerThread, spy_log: Path, model_dir: Path,
+) -> None:
+    sync = FakeSynchronizer()
+    version = server.version + 1
+    sync.add(version, scaled(model_dir, 1.4))
+    sync.corrupt[version] = 7
+    await sync.start()
+    try:
+        logged = len(events(spy_log))
+        details = await _rejected(server, sync.address, version)
+    finally:
+        await sync.stop()
+    assert "checksum" in details
+    assert not [e for e in events(spy_log)[logged:] if e["event"] == "loaded"], "nothing may be loaded"

@@ -1,0 +1,140 @@
+"""Flywheel's vLLM weight-transfer engine without a vLLM engine around it:
+registered once however often it is imported, stages a MEMORY version in the
+background and verifies it whole before anything is loaded, and carries the
+status code of a refusal through vLLM's text-only RPC errors."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.unit.rollout.fake_synchronizer import FakeSynchronizer
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: E402
+
+from services.rollout.engine import vllm_transfer  # noqa: E402
+from services.rollout.engine.vllm_transfer import BACKEND, FlywheelWeightTransferEngine, register  # noqa: E402
+
+STATE = {"model.embed_tokens.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4)}
+
+
+def test_registering_twice_changes_nothing_and_a_foreign_engine_under_the_name_is_refused() -> None:
+    register()
+    register()
+    importlib.reload(importlib.import_module("services.rollout.engine.vllm_worker"))  # registers on import
+    assert WeightTransferEngineFactory._registry[BACKEND]() is FlywheelWeightTransferEngine
+    saved = WeightTransferEngineFactory._registry.pop(BACKEND)
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, type("Other", (FlywheelWeightTransferEngine,), {}))
+        with pytest.raises(RuntimeError, match="another engine"):
+            register()
+    finally:
+        WeightTransferEngineFactory._registry[BACKEND] = saved
+
+
+class Recorder(FlywheelWeightTransferEngine):
+    """The engine with vLLM's reload replaced by a record of what it was given."""
+
+    def __init__(self, model_dir: Path) -> None:
+        config = SimpleNamespace(parallel_config=None, model_config=SimpleNamespace(model=str(model_dir)))
+        super().__init__(SimpleNamespace(backend=BACKEND), config, torch.device("cpu"), torch.nn.Module())
+        self.loads: list[dict[str, torch.Tensor]] = []
+
+    def _load(self, weights: Any) -> None:
+        self.loads.append({name: tensor.clone() for name, tensor in weights})
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    save_file(STATE, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+async def wait_staged(engine: FlywheelWeightTransferEngine, ticket: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while (state := engine.staged(ticket))["state"] == "pending":
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)  # the synchronizer double serves on this loop
+    return state
+
+
+async def test_a_staged_version_is_loaded_whole_and_a_corrupt_one_never(model_dir: Path) -> None:
+    new = {name: t * 2 for name, t in STATE.items()}
+    sync = FakeSynchronizer()
+    sync.add(1, new, chunk_bytes=32)
+    sync.add(2, new, chunk_bytes=32)
+    sync.corrupt[2] = 1
+    await sync.start()
+    engine = Recorder(model_dir)
+    try:
+        pull = {"synchronizer": sync.address, "timeout_seconds": 30, "tls": {}}
+        engine.stage("a", {**pull, "version": 1})
+        engine.stage("b", {**pull, "version": 2})
+        assert await wait_staged(engine, "a") == {"state": "ready", "bytes": sum(t.nbytes for t in new.values())}
+        failed = await wait_staged(engine, "b")
+        assert failed["state"] == "failed" and failed["code"] == "DATA_LOSS" and "checksum" in failed["message"]
+        assert engine.loads == []  # staging never loads
+        await asyncio.to_thread(engine.update_weights, {"ticket": "a"})
+        assert len(engine.loads) == 1
+        assert all(torch.equal(engine.loads[0][name], new[name]) for name in new)
+        # A refusal in update_weights comes back as text through vLLM: the code travels in it.
+        with pytest.raises(RuntimeError) as info:
+            await asyncio.to_thread(engine.update_weights, {**pull, "version": 2})
+        assert vllm_transfer.decode_error(f"Call to update_weights failed: {info.value}")[0] == "DATA_LOSS"
+        with pytest.raises(RuntimeError, match="NOT_FOUND"):
+            await asyncio.to_thread(engine.update_weights, {"ticket": "a"})  # loaded once, then forgotten
+        assert len(engine.loads) == 1
+    finally:
+        engine.shutdown()
+        await sync.stop()
+
+
+async def test_a_version_the_model_cannot_serve_is_refused_before_its_chunks(model_dir: Path) -> None:
+    bad = dict(STATE, **{"model.norm.weight": torch.ones(5)})
+    sync = FakeSynchronizer()
+    sync.add(1, bad)
+    await sync.start()
+    engine = Recorder(model_dir)
+    try:
+        engine.stage("a", {"synchronizer": sync.address, "version": 1, "timeout_seconds": 30, "tls": {}})
+        failed = await wait_staged(engine, "a")
+        assert failed["code"] == "INVALID_ARGUMENT" and "model.norm.weight" in failed["message"]
+        assert engine.loads == []
+    finally:
+        engine.shutdown()
+        await sync.stop()
+
+
+async def test_a_stalled_pull_ends_at_its_deadline(model_dir: Path) -> None:
+    sync = FakeSynchronizer()
+    sync.add(1, STATE)
+    sync.stall[1] = 30
+    await sync.start()
+    engine = Recorder(model_dir)
+    try:
+        started = time.monotonic()
+        engine.stage("a", {"synchronizer": sync.address, "version": 1, "timeout_seconds": 1.0, "tls": {}})
+        failed = await wait_staged(engine, "a")
+        assert failed["code"] == "DEADLINE_EXCEEDED" and time.monotonic() - started < 10
+        assert engine.loads == []
+    finally:
+        engine.shutdown()
+        await sync.stop()
+
+
+def test_update_info_names_exactly_one_source() -> None:
+    from services.rollout.engine.vllm_transfer import FlywheelUpdateInfo
+
+    for bad in ({}, {"ticket": "a", "files": []}, {"synchronizer": "x:1"}):
+        with pytest.raises(ValueError):
+            FlywheelUpdateInfo(**bad)
