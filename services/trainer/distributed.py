@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: Environment of a rank process (`services.trainer.rank`); its config arrives on stdin as JSON.
 ENV_RANK, ENV_WORLD, ENV_STORE = "FLYWHEEL_TRAINER_RANK", "FLYWHEEL_TRAINER_WORLD_SIZE", "FLYWHEEL_TRAINER_STORE"
+#: "<level> <format>" of the service's log (server.log_level, server.log_format), for the ranks' logs.
+ENV_LOG = "FLYWHEEL_TRAINER_RANK_LOG"
 #: Config sections a rank needs (the server's, with its tokens, stays in the service).
 RANK_SECTIONS = ("model", "reference", "optimizer", "loss", "limits", "checkpoint", "parallel")
 
@@ -213,14 +215,15 @@ class Ranks:
     # -- rank 0
 
     @classmethod
-    def start(cls, sections: dict, world_size: int, device: str, timeout_seconds: float) -> Ranks:
+    def start(cls, sections: dict, world_size: int, device: str, timeout_seconds: float, log_setting: str = "INFO json") -> Ranks:
         """Rank 0: hosts the rendezvous on 127.0.0.1, starts ranks 1..N-1, joins the group."""
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_seconds))
         workers: list[subprocess.Popen] = []
         config = json.dumps(sections)
         for rank in range(1, world_size):
-            env = {**os.environ, ENV_RANK: str(rank), ENV_WORLD: str(world_size), ENV_STORE: f"127.0.0.1:{store.port}"}
+            env = {**os.environ, ENV_RANK: str(rank), ENV_WORLD: str(world_size), ENV_STORE: f"127.0.0.1:{store.port}",
+                   ENV_LOG: log_setting}
             proc = subprocess.Popen([sys.executable, "-m", "services.trainer.rank"], stdin=subprocess.PIPE, env=env)
             assert proc.stdin is not None
             proc.stdin.write(config.encode())

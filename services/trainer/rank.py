@@ -11,7 +11,6 @@ answers the caller; this process logs it and waits for the next.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import threading
@@ -33,10 +32,13 @@ def _exit_with_parent() -> None:
 
 def main() -> int:
     _exit_with_parent()
+    from flywheel.runtime.logging import configure_logging
     from services.trainer.config import TrainerConfig
+    from services.trainer.distributed import ENV_LOG, ENV_RANK
     from services.trainer.training import TrainingEngine
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank %(process)d %(levelname)s %(name)s: %(message)s")
+    level, fmt = os.environ.get(ENV_LOG, "INFO json").split()
+    configure_logging(f"trainer-rank{os.environ[ENV_RANK]}", level, fmt)
     config = TrainerConfig.model_validate(json.loads(sys.stdin.read()))
     engine = TrainingEngine(config)
     engine.load()

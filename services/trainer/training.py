@@ -179,7 +179,8 @@ class TrainingEngine:
             self.ranks = Ranks.join_from_env(device, par.timeout_seconds)
         else:
             sections = {k: v for k, v in self.config.model_dump(mode="json").items() if k in RANK_SECTIONS}
-            self.ranks = Ranks.start(sections, par.world_size, device, par.timeout_seconds)
+            log = f"{self.config.server.log_level} {self.config.server.log_format}"
+            self.ranks = Ranks.start(sections, par.world_size, device, par.timeout_seconds, log)
         mine = rank_device(device, self.ranks.rank)
         if mine != device:
             self.config = self.config.model_copy(update={"model": self.config.model.model_copy(update={"device": mine})})
