@@ -280,9 +280,13 @@ class TrainingEngine:
                 entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs,
             )
             finite = bool(torch.isfinite(out.loss))
-            if not finite and rows is not None:
-                raise FailedPrecondition(f"loss is {float(out.loss.detach())} on samples {start}..{stop - 1}")
-            if world > 1 and not self.ranks.all_agree(finite or rows is None):  # type: ignore[union-attr]
+            # Every rank learns of a bad loss before any raises: one rank leaving alone would leave the
+            # others waiting in a collective that never comes.
+            agreed = finite if world == 1 else self.ranks.all_agree(finite)  # type: ignore[union-attr]
+            if not finite:
+                rows_text = f"samples {start}..{stop - 1}" if rows is not None else "a stand-in row"
+                raise FailedPrecondition(f"loss is {float(out.loss.detach())} on {rows_text}")
+            if not agreed:
                 raise FailedPrecondition("loss is not finite on another rank's samples")
             if rows is None:
                 (out.loss * 0).backward()

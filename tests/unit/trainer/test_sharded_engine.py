@@ -140,12 +140,21 @@ def test_sharded_checkpoint_resumes_exactly(tiny_model: Path, tmp_path: Path) ->
         one.load_checkpoint(path)
 
 
-def test_a_dead_rank_is_reported_not_waited_for(tiny_model: Path, tmp_path: Path) -> None:
+def test_a_bad_loss_on_one_rank_and_a_dead_rank(tiny_model: Path, tmp_path: Path) -> None:
     with ranks(tiny_model, tmp_path / "ckpt") as engine:
         engine.train_step(make_batch(), LOSS)
+        before = _state(engine)
+        # Rank 1's rows (2, 3) overflow to an infinite loss; rank 0's are fine. Both refuse, nothing moves.
+        batch = make_batch()
+        overflow = {**batch, "advantages": torch.tensor([1.0, -1.0, 3e38, 3e38])}
+        with pytest.raises(FailedPrecondition, match="another rank's samples.*discarded"):
+            engine.train_step(overflow, LOSS)
+        _assert_bit_equal(_state(engine), before)
+        assert engine.train_step(batch, LOSS).step == 2  # the ranks are still in step
+
         [worker] = engine.ranks.workers
         worker.kill()
         worker.wait()
         with pytest.raises(FailedPrecondition, match="trainer rank 1 exited"):
             engine.train_step(make_batch(), LOSS)
-        assert engine.info().step == 1
+        assert engine.info().step == 2
