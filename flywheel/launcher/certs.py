@@ -93,3 +93,25 @@ def make_pki(directory: Path, hosts: Sequence[str] = DEFAULT_HOSTS, *, name: str
     _write_key(pki.key_file, key)
     # The CA's key is not kept: nothing more is ever signed with it.
     return pki
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m flywheel.launcher.certs DIR --hosts NAME...`: a throwaway CA and one certificate
+    for a deployment, written under the keys of a Kubernetes TLS Secret (ca.crt, tls.crt, tls.key),
+    the names deploy/ mounts (Secret flywheel-tls, compose's FLYWHEEL_TLS_DIR)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m flywheel.launcher.certs", description=main.__doc__)
+    parser.add_argument("directory", type=Path, help="where to write ca.crt, tls.crt and tls.key (made if missing)")
+    parser.add_argument("--hosts", nargs="+", default=list(DEFAULT_HOSTS),
+                        help="the names and IP addresses the certificate holds (a DNS name may be a *.wildcard)")
+    parser.add_argument("--days", type=int, default=30, help="how long it is valid")
+    args = parser.parse_args(argv)
+    pki = make_pki(args.directory, args.hosts, days=args.days)
+    for made, name in ((pki.ca_file, "ca.crt"), (pki.cert_file, "tls.crt"), (pki.key_file, "tls.key")):
+        made.replace(args.directory / name)
+    print(f"{args.directory}: ca.crt, tls.crt, tls.key (for {', '.join(args.hosts)}; valid {args.days} days)")
+
+
+if __name__ == "__main__":
+    main()

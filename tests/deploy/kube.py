@@ -23,20 +23,24 @@ What is emulated, each as Kubernetes documents it:
 - Probes, as the kubelet runs them from the node (this namespace) to the pod
   IP: startup first, then readiness and liveness, each with its period,
   timeout, initial delay and thresholds; grpc (grpc.health.v1 Check, no
-  credentials), httpGet, tcpSocket and exec. A failed startup or liveness
-  probe restarts the container (counted in `restarts`).
+  credentials), httpGet, tcpSocket and exec (in the container, with its
+  environment). A failed startup or liveness probe restarts the container
+  (counted in `restarts`).
 - Restart policy: Always restarts an exited container (Deployments,
   StatefulSets); Never leaves the pod Succeeded or Failed (the Job).
 - Services: a ClusterIP Service gets a virtual IP in this namespace with a
   user-space proxy to its ready endpoints (kube-proxy's userspace mode); a
   headless one resolves to its endpoints' pod IPs, not-ready ones included
-  where publishNotReadyAddresses says so. DNS: `<svc>.<ns>.svc.cluster.local`
-  and `<pod hostname>.<svc>.<ns>.svc.cluster.local`, answered by a small DNS
-  server on the bridge (NXDOMAIN otherwise, so search domains work).
+  where publishNotReadyAddresses says so. DNS: `<svc>.<ns>.svc.cluster.local`,
+  `<pod hostname>.<svc>.<ns>.svc.cluster.local` and every pod's
+  `<IP with dashes>.<ns>.pod.cluster.local` (CoreDNS's `pods verified`),
+  answered by a small DNS server on the bridge (NXDOMAIN otherwise, so search
+  domains work).
 
 Not emulated: resource requests and limits, security contexts (processes run
-as root), scheduling constraints (one node), disruption budgets, a Job's
-retries (the test wants its first pod to succeed), rolling updates.
+as root), scheduling constraints (one node), disruption budgets,
+NetworkPolicies (every pod reaches every other), a Job's retries (the test wants its first pod
+to succeed), rolling updates.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class Pod:
     home: Path
     subdomain: str = ""
     containers: list[Container] = field(default_factory=list)
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)  # container name -> its environment
     phase: str = "Pending"  # Pending, Running, Succeeded, Failed
     log: Path = field(init=False)
 
@@ -131,7 +136,7 @@ class Kube:
         self.errors: list[str] = []
         self._dns: DnsServer | None = None
         unknown = {o["kind"] for o in objects} - {"Namespace", "ConfigMap", "Secret", "Service", "PersistentVolumeClaim",
-                                                  "PodDisruptionBudget", *WORKLOAD_KINDS}
+                                                  "PodDisruptionBudget", "NetworkPolicy", *WORKLOAD_KINDS}
         assert not unknown, f"kinds this emulation does not run: {unknown}"
 
     # -- objects ----------------------------------------------------------------
@@ -232,7 +237,10 @@ class Kube:
                **self._service_links()}
         env.update(k8s_env(spec, self.objects, fields))
         argv = [k8s_expand(a, env) for a in [*spec.get("command", []), *spec.get("args", [])]]
-        assert argv and argv[0] == "python", f"{pod.name}/{spec['name']}: the image's interpreter is `python`: {argv}"
+        # The image's interpreter, or the image's shell handing over to it (`sh -c '...; exec python ...'`).
+        assert argv and (argv[0] == "python" or argv[:2] == ["sh", "-c"] and "exec python " in argv[2]), (
+            f"{pod.name}/{spec['name']}: the image's interpreter is `python`: {argv}")
+        pod.envs[spec["name"]] = env
         mounts = {target: (source, True) for target, source in image_files().items()}
         for mount in spec.get("volumeMounts", []):
             assert "subPath" not in mount, f"{pod.name}: subPath is not emulated"
@@ -356,7 +364,12 @@ class Kube:
                     return True
             if "exec" in probe:
                 assert c.proc is not None
-                done = self.cluster.exec(c.proc, probe["exec"]["command"], env={"PATH": IMAGE_PATH}, timeout=timeout)
+                done = self.cluster.exec(c.proc, probe["exec"]["command"], env=pod.envs[c.name], timeout=timeout)
+                if done.returncode != 0:  # what `kubectl describe pod` shows for a failed exec probe
+                    output = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o or ""
+                                     for o in (done.stdout, done.stderr))
+                    with pod.log.open("a") as out:
+                        out.write(f"--- {c.name}: probe failed ({done.returncode}): {output.strip()[-300:]}\n")
                 return done.returncode == 0
         except (grpc.RpcError, OSError):
             return False
@@ -371,6 +384,10 @@ class Kube:
 
     def resolve(self, name: str) -> list[str]:
         """What the cluster DNS answers for a fully qualified name (A records)."""
+        pod_suffix = f".{self.namespace}.pod.{CLUSTER_DOMAIN}"
+        if name.endswith(pod_suffix):
+            address = name.removesuffix(pod_suffix).replace("-", ".")
+            return [p.ip for p in self.pods if p.ip == address and p.phase in ("Pending", "Running")]
         suffix = f".{self.namespace}.svc.{CLUSTER_DOMAIN}"
         if not name.endswith(suffix):
             return []

