@@ -442,29 +442,33 @@ class LocalRun:
             time.sleep(1.0)
 
     def wait_for_nothing_newer(self, cfg: RunConfig, step: int) -> None:
-        """Deployed, before a session resumes at `step` after the trainer died: the synchronizer and
-        the rollout replicas may still hold versions made by the weights that died with it, and
-        refuse older ones (versions only go up). Waits, up to launch.ready_timeout_seconds, until
-        none holds a version newer than `step`: they were restarted (the synchronizer without a
-        store comes back empty, a replica with its base weights)."""
+        """Deployed, before a session resumes at `step` after the trainer died: see `until_nothing_newer`."""
+        asyncio.run(self.until_nothing_newer(cfg, step))
+
+    async def until_nothing_newer(self, cfg: RunConfig, step: int) -> None:
+        """Deployed, resuming at `step`: the synchronizer and the rollout replicas may still hold
+        versions made by weights that died with a trainer after `step` (they refuse older ones:
+        versions only go up, and a replica would serve the lost weights). Waits, up to
+        launch.ready_timeout_seconds, until none holds a version newer than `step`: they were
+        restarted (the synchronizer without a store comes back empty, a replica with its base
+        weights). Says once which ones to restart."""
         if cfg.services.synchronizer is None:
             return
         deadline = time.monotonic() + self.spec.ready_timeout_seconds
         said = False
-        while (held := asyncio.run(self._newer_than(cfg, step))) != []:
+        while (held := await self._newer_than(cfg, step)) != []:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{', '.join(held or ['the synchronizer (not answering)'])} still hold weights newer than step "
-                    f"{step} after "
-                    f"{self.spec.ready_timeout_seconds:.0f}s (launch.ready_timeout_seconds): restart them, then run "
-                    "the same command again")
+                    f"{step} after {self.spec.ready_timeout_seconds:.0f}s (launch.ready_timeout_seconds): "
+                    "restart them, then run the same command again")
             if held and not said:
                 self.say(f"healing: {', '.join(held)} hold weights newer than step {step}, made by weights that died "
                          "with the trainer: restart them (Kubernetes: kubectl -n flywheel rollout restart "
                          "statefulset/flywheel-synchronizer deployment/flywheel-rollout); waiting up to "
                          f"{self.spec.ready_timeout_seconds:.0f}s")
                 said = True
-            time.sleep(1.0)
+            await asyncio.sleep(1.0)
 
     @staticmethod
     async def _newer_than(cfg: RunConfig, version: int) -> list[str] | None:
@@ -550,6 +554,8 @@ class LocalRun:
         self.pipeline, self.sessions = pipeline, self.sessions + 1
         ledger = self._keep_ledger(pipeline)
         _count_resumed_steps(pipeline)
+        if self.deployed:
+            self._check_resumed_against_services(pipeline, cfg)
         self.progress = Progress(cfg.run.max_steps, self.out)
         close_watch = self._watch_remote_services(cfg)
         for restart in self.healer.history if self.healer else []:  # the status page lists them with the errors
@@ -686,6 +692,19 @@ class LocalRun:
                      f"{self.healer.policy.max_restarts}, in {delay:.0f}s; log: {log_path})")
             self.pending_restarts[name] = time.monotonic() + delay
         self.supervisor.check(expendable=self.lost_replicas | set(self.pending_restarts))
+
+    def _check_resumed_against_services(self, pipeline: Any, cfg: RunConfig) -> None:
+        """Deployed: once the session resumed from a checkpoint (the trainer loaded it), and before
+        anything is generated, no service may hold newer weights (`until_nothing_newer`). A rewind
+        in this command waited for that already; this covers a new command (a Job's next pod)
+        after a trainer died."""
+        resume = pipeline._resume
+
+        async def resume_then_check(source: str) -> None:
+            await resume(source)
+            await self.until_nothing_newer(cfg, pipeline.train_worker.version)
+
+        pipeline._resume = resume_then_check
 
     def _watch_remote_services(self, cfg: RunConfig) -> Any:
         """Deployed, with restarts allowed: `self.remote` looks at the trainer and the synchronizer

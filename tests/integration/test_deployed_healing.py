@@ -191,3 +191,38 @@ def test_a_trainer_restarted_by_the_kubelet_rewinds_the_run_to_its_last_checkpoi
     assert restart["service"] == "trainer" and restart["action"] == "resumed"
     assert Path(restart["resumed_from"]).name == f"global_step_{redone[0] - 1}"
     assert redone == list(range(restart["redo_from_step"], STEPS + 1))
+
+
+@pytest.mark.timeout(900)
+def test_with_restarts_off_the_jobs_next_pod_resumes_the_run_once_nothing_holds_lost_weights(tmp_path: Path) -> None:
+    """`launch.restarts.max_restarts: 0`: the trainer's death ends the controller (exit 1), and the
+    Job starts it again. The new one resumes from the last checkpoint, and waits, before anything is
+    generated, until the synchronizer and the replica no longer hold the lost weights' versions."""
+    deployment = Deployment(tmp_path, prepare_tiny_model())
+    run_dir = tmp_path / "run"
+    run = deployment.run_file("deployed-job")
+    run["launch"]["restarts"] = {"max_restarts": 0}
+    try:
+        deployment.start_all()
+        controller = deployment.cluster.controller(run, run_dir)
+        try:
+            wait_for(lambda: trained_steps(run_dir) >= 3, 600, "step 3", controller)
+            deployment.kill_and_restart("trainer")
+            assert controller.wait(300) == 1, deployment.cluster.controller_output()
+            assert "healing" not in deployment.cluster.controller_output()
+            controller = deployment.cluster.controller(run, run_dir)  # the Job's next pod
+            wait_for(lambda: "hold weights newer than step" in deployment.cluster.controller_output(), 300,
+                     "the controller asking for the synchronizer and the replica to be restarted", controller)
+            deployment.kill_and_restart("synchronizer")
+            deployment.kill_and_restart("rollout-0")
+            code = controller.wait(600)
+            output = deployment.cluster.controller_output()
+            assert code == 0, output
+        finally:
+            if controller.poll() is None:
+                controller.kill()
+    finally:
+        deployment.stop()
+    rows = jsonl(run_dir / "trained_tasks.jsonl")
+    assert_each_task_trained_once(rows)
+    assert len({r["session"] for r in rows}) == 2
