@@ -32,7 +32,8 @@ def create_engine(config: RolloutConfig, codec: TextCodec) -> Engine:
             raise FailedPrecondition("engine.kind is vllm but the vllm package is not installed")
         from services.rollout.engine.vllm_engine import VllmEngine
 
-        return VllmEngine(Path(engine.model_path), engine.args, codec, engine.initial_version)
+        return VllmEngine(Path(engine.model_path), engine.args, codec, engine.initial_version,
+                          config.updates.reuse_staging)
     from services.rollout.engine.transformers_engine import TransformersEngine
 
     return TransformersEngine(Path(engine.model_path), engine.args, codec, engine.initial_version)

@@ -121,7 +121,10 @@ class VllmEngine(Engine):
 
     pulls_memory = True
 
-    def __init__(self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0) -> None:
+    def __init__(
+        self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0,
+        reuse_staging: bool = True,
+    ) -> None:
         for name in ("worker_extension_cls", "weight_transfer_config"):
             if name in args:
                 raise InvalidArgument(f"engine.args.{name}: set by the rollout service; remove it")
@@ -129,6 +132,7 @@ class VllmEngine(Engine):
         self._args = dict(args)
         self._codec = codec
         self._version = initial_version
+        self._reuse_staging = reuse_staging
         self._stats: Any = None
         self._llm: Any = None
         self._active = 0  # requests between submission and their last output
@@ -305,6 +309,7 @@ class VllmEngine(Engine):
         info = {
             "synchronizer": source.address, "version": source.version, "token": source.token,
             "timeout_seconds": source.timeout, "max_message_bytes": source.max_message_bytes,
+            "reuse_staging": self._reuse_staging,
             "tls": {name: str(getattr(tls, name)) if getattr(tls, name) else None
                     for name in ("cert_file", "key_file", "client_ca_file", "ca_file")},
         }

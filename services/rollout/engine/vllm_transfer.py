@@ -105,6 +105,9 @@ class FlywheelUpdateInfo(WeightTransferUpdateInfo):
     #: Deadline of the whole pull, in seconds.
     timeout_seconds: float = 300.0
     max_message_bytes: int = 64 * 2**20
+    #: Keep the tensors this version is staged in, once loaded, and stage the next one into them
+    #: (no page faults per update; holds a model's worth of memory in the worker between updates).
+    reuse_staging: bool = False
     #: TLS files to call the synchronizer with (fields of `flywheel.runtime.tls.TlsFiles`); none: the worker
     #: process's own (FLYWHEEL_TLS_* variables).
     tls: dict[str, str | None] | None = None
@@ -128,7 +131,10 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self._staged: dict[str, concurrent.futures.Future] = {}
+        #: ticket -> (the pull, whether its tensors are kept for the next one once loaded)
+        self._staged: dict[str, tuple[concurrent.futures.Future, bool]] = {}
+        #: Tensors of the last version loaded, to stage the next one into (reuse_staging).
+        self._free: dict[str, torch.Tensor] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._specs: dict | None = None
@@ -161,13 +167,15 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
                 self._load(tensors.items())
         else:
             if update_info.ticket:
-                future = self._staged.pop(update_info.ticket, None)
+                future, reuse = self._staged.pop(update_info.ticket, (None, False))
                 if future is None:
                     raise NotFound(f"no version staged under ticket {update_info.ticket}")
             else:
-                future = self._start_pull(update_info)
+                future, reuse = self._start_pull(update_info), update_info.reuse_staging
             _, tensors = _result(future)
             self._load(tensors.items())
+            # Kept only if the model took copies: a staging tensor it still held would change under it.
+            self._free = tensors if reuse and not _shares_storage(self.model, tensors) else None
 
     def shutdown(self) -> None:
         for ticket in list(self._staged):
@@ -184,12 +192,12 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         if not info.synchronizer:
             raise ValueError("stage needs an update info naming a synchronizer")
         self.drop(ticket)
-        self._staged[ticket] = self._start_pull(info)
+        self._staged[ticket] = (self._start_pull(info), info.reuse_staging)
 
     def staged(self, ticket: str) -> dict[str, Any]:
         """{"state": "pending"}, {"state": "ready", "bytes": n} or {"state": "failed", "code", "message"}
         (a failed stage is forgotten once reported)."""
-        future = self._staged.get(ticket)
+        future, _ = self._staged.get(ticket, (None, False))
         if future is None:
             return {"state": "failed", "code": NotFound.code, "message": f"no version staged under ticket {ticket}"}
         if not future.done():
@@ -203,7 +211,7 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
 
     def drop(self, ticket: str) -> None:
         """Cancels or forgets a staged version (nothing if unknown)."""
-        future = self._staged.pop(ticket, None)
+        future, _ = self._staged.pop(ticket, (None, False))
         if future is not None:
             future.cancel()
 
@@ -219,9 +227,13 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         return self._loop
 
     def _start_pull(self, info: FlywheelUpdateInfo) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(self._pull(info), self._pull_loop())
+        # The kept set is this pull's alone now; a failed pull leaves it half written, and it is dropped.
+        staging, self._free = (self._free if info.reuse_staging else None), None
+        return asyncio.run_coroutine_threadsafe(self._pull(info, staging), self._pull_loop())
 
-    async def _pull(self, info: FlywheelUpdateInfo) -> tuple[Any, dict[str, torch.Tensor]]:
+    async def _pull(
+        self, info: FlywheelUpdateInfo, staging: dict[str, torch.Tensor] | None
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
         from flywheel.runtime.tls import TlsFiles
         from services.rollout.sync_client import pull_tensors
 
@@ -233,7 +245,8 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
             with translated(f"PullWeights from {info.synchronizer}"):
                 return await asyncio.wait_for(
                     pull_tensors(info.synchronizer, info.version, self._served_specs(), token=info.token,
-                                 timeout=info.timeout_seconds, max_message_bytes=info.max_message_bytes, tls=tls),
+                                 timeout=info.timeout_seconds, max_message_bytes=info.max_message_bytes, tls=tls,
+                                 staging=staging),
                     info.timeout_seconds,
                 )
         except asyncio.TimeoutError:
@@ -263,6 +276,11 @@ def _result(future: concurrent.futures.Future) -> Any:
         raise Aborted("the staged version was dropped before it was loaded") from None
     except Exception as exc:  # noqa: BLE001 - the codec's or the channel's own errors
         raise FlywheelError(f"pulling the version failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _shares_storage(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
+    held = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu"}
+    return any(t.untyped_storage().data_ptr() in held for t in tensors.values())
 
 
 def load_in_place(vllm_config: Any, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -50,8 +50,16 @@ class Recorder(FlywheelWeightTransferEngine):
         super().__init__(SimpleNamespace(backend=BACKEND), config, torch.device("cpu"), torch.nn.Module())
         self.loads: list[dict[str, torch.Tensor]] = []
 
+        self.staged_at: list[int] = []
+        self.keep = False  # True: the model keeps the loaded tensors themselves (no copy)
+
     def _load(self, weights: Any) -> None:
-        self.loads.append({name: tensor.clone() for name, tensor in weights})
+        weights = dict(weights)
+        self.staged_at.append(next(iter(weights.values())).untyped_storage().data_ptr())
+        self.loads.append({name: tensor.clone() for name, tensor in weights.items()})
+        if self.keep:
+            for i, tensor in enumerate(weights.values()):
+                self.model.register_parameter(f"p{i}", torch.nn.Parameter(tensor, requires_grad=False))
 
 
 @pytest.fixture
@@ -130,6 +138,30 @@ async def test_a_stalled_pull_ends_at_its_deadline(model_dir: Path) -> None:
     finally:
         engine.shutdown()
         await sync.stop()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+async def test_staging_tensors_are_reused_only_when_the_model_copied_them(model_dir: Path, keep: bool) -> None:
+    versions = {v: {name: t * v for name, t in STATE.items()} for v in (1, 2, 3)}
+    sync = FakeSynchronizer()
+    for version, state in versions.items():
+        sync.add(version, state)
+    await sync.start()
+    engine = Recorder(model_dir)
+    engine.keep = keep
+    try:
+        for version, state in versions.items():
+            engine.stage(str(version), {"synchronizer": sync.address, "version": version, "timeout_seconds": 30,
+                                        "tls": {}, "reuse_staging": True})
+            assert (await wait_staged(engine, str(version)))["state"] == "ready"
+            await asyncio.to_thread(engine.update_weights, {"ticket": str(version)})
+            assert all(torch.equal(engine.loads[-1][name], state[name]) for name in state)
+    finally:
+        engine.shutdown()
+        await sync.stop()
+    reused = [engine.staged_at[i] == engine.staged_at[i + 1] for i in range(2)]
+    # Kept by the model: staging the next version into them would change the served weights under it.
+    assert reused == ([False, False] if keep else [True, True])
 
 
 def test_update_info_names_exactly_one_source() -> None:
