@@ -8,6 +8,8 @@ weight-transfer engine, in vLLM's worker process, without a weight file:
   segment directory besides its segments, and nothing saves safetensors;
 * a corrupt byte in a segment, or in the stream, rejects the update whole:
   DATA_LOSS, the old version serving bit for bit.
+* vLLM's own API, without the rollout service, updates from an update info
+  naming a synchronizer and a version, and refuses a corrupt one.
 
 Spies are installed before vLLM forks its engine core, so they run in the
 worker too, and write what they saw to a log the test reads.
@@ -250,3 +252,52 @@ async def test_a_corrupt_byte_in_the_stream_rejects_the_update_whole(
         await sync.stop()
     assert "checksum" in details
     assert not [e for e in events(spy_log)[logged:] if e["event"] == "loaded"], "nothing may be loaded"
+
+
+async def test_vllm_api_alone_updates_from_a_synchronizer_and_refuses_a_corrupt_version(model_dir: Path) -> None:
+    """vLLM's own API, no rollout service: an update info naming a synchronizer and a version pulls,
+    verifies and loads in one update_weights call; a corrupt chunk fails it, weights untouched."""
+    need_engine("vllm")
+    from vllm import SamplingParams
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from services.rollout.engine.vllm_engine import WORKER_EXTENSION
+    from tests.unit.rollout.rollout_helpers import VLLM_ARGS
+
+    async def generate() -> tuple[list[int], list[float]]:
+        params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
+        async for output in llm.generate({"prompt_token_ids": PROMPT}, params, f"r{os.urandom(4).hex()}"):
+            final = output
+        sample = final.outputs[0]
+        return list(sample.token_ids), [entry[t].logprob for t, entry in zip(sample.token_ids, sample.logprobs)]
+
+    async def update(version: int) -> None:
+        await llm.start_weight_update()
+        await llm.update_weights(WeightTransferUpdateRequest(update_info={
+            "synchronizer": sync.address, "version": version, "timeout_seconds": 60}))
+        await llm.finish_weight_update(weight_version=str(version))
+        await llm.reset_prefix_cache()
+
+    new = scaled(model_dir, 0.6)
+    sync = FakeSynchronizer()
+    sync.add(1, new)
+    sync.add(2, scaled(model_dir, 1.6))
+    sync.corrupt[2] = 3
+    await sync.start()
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=str(model_dir), worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": "flywheel"},
+        **VLLM_ARGS))
+    try:
+        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+        await update(1)
+        tokens, logprobs = await generate()
+        assert tokens == reference_greedy(model_dir, PROMPT, STEPS, new)
+        assert logprobs == pytest.approx(reference_logprobs(model_dir, PROMPT, tokens, new), abs=2e-3)
+        with pytest.raises(Exception, match=r"\[flywheel:DATA_LOSS\].*checksum"):
+            await update(2)
+        assert await generate() == (tokens, logprobs)  # version 1, bit for bit
+    finally:
+        llm.shutdown()
+        await sync.stop()
