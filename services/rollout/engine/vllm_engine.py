@@ -315,11 +315,13 @@ class VllmEngine(Engine):
         }
         await self._llm.collective_rpc("flywheel_stage", args=(source.ticket, info))
         while True:
-            [state] = await self._llm.collective_rpc("flywheel_staged", args=(source.ticket,))
-            if state["state"] == "ready":
-                return StagedWeights(version=source.version, source=source, nbytes=int(state["bytes"]))
-            if state["state"] == "failed":
-                raise error_of(state["code"], state["message"])
+            # One state per worker (tensor parallelism: each pulls the version and loads its shard).
+            states = await self._llm.collective_rpc("flywheel_staged", args=(source.ticket,))
+            for state in states:
+                if state["state"] == "failed":
+                    raise error_of(state["code"], state["message"])
+            if all(state["state"] == "ready" for state in states):
+                return StagedWeights(version=source.version, source=source, nbytes=int(states[0]["bytes"]))
             await asyncio.sleep(_POLL_SECONDS)
 
     async def swap_weights(self, staged: StagedWeights) -> None:
