@@ -308,14 +308,16 @@ class RolloutCore:
     # -- weight updates --------------------------------------------------------
 
     async def update_weights(
-        self, version: int, stage: Callable[[], Awaitable[StagedWeights]], mode: PauseMode | None, timeout: float | None
+        self, version: int, stage: Callable[[], Awaitable[StagedWeights]], mode: PauseMode | None, timeout: float | None,
+        *, rewind: bool = False,
     ) -> UpdateOutcome:
-        """Stages (fetch + verify) within `timeout`, then swaps under the gate."""
+        """Stages (fetch + verify) within `timeout`, then swaps under the gate. Versions only go
+        up, except for `rewind` (the synchronizer rewound the run's weights below the served ones)."""
         engine, _ = self.require_engine()
         mode = mode or self.config.updates.default_pause_mode
         timeout = timeout or self.config.updates.timeout_seconds
         async with self._update:
-            if version <= engine.version:
+            if version <= engine.version and not (rewind and version < engine.version):
                 raise FailedPrecondition(f"version {version} is not newer than the served version {engine.version}")
             try:
                 try:
