@@ -312,12 +312,13 @@ class RolloutCore:
         *, rewind: bool = False,
     ) -> UpdateOutcome:
         """Stages (fetch + verify) within `timeout`, then swaps under the gate. Versions only go
-        up, except for `rewind` (the synchronizer rewound the run's weights below the served ones)."""
+        up, except for `rewind`: the synchronizer rewound the run's weights below the served ones,
+        and any version of the new lineage replaces them (the same number may be other weights)."""
         engine, _ = self.require_engine()
         mode = mode or self.config.updates.default_pause_mode
         timeout = timeout or self.config.updates.timeout_seconds
         async with self._update:
-            if version <= engine.version and not (rewind and version < engine.version):
+            if version <= engine.version and not rewind:
                 raise FailedPrecondition(f"version {version} is not newer than the served version {engine.version}")
             try:
                 try:
