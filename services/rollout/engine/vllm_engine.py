@@ -325,6 +325,16 @@ class VllmEngine(Engine):
             await asyncio.sleep(_POLL_SECONDS)
 
     async def swap_weights(self, staged: StagedWeights) -> None:
+        # Once the worker starts loading it finishes, whatever becomes of this call: an abandoned
+        # swap still ends with the version set to the weights the worker holds.
+        swap = asyncio.ensure_future(self._swap(staged))
+        try:
+            await asyncio.shield(swap)
+        except asyncio.CancelledError:
+            await swap
+            raise
+
+    async def _swap(self, staged: StagedWeights) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         if staged.source is not None:
@@ -338,7 +348,8 @@ class VllmEngine(Engine):
         try:
             await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
         except Exception as exc:
-            # The worker ends the update itself when a chunk fails.
+            # The worker has ended the update session itself; nothing was loaded unless the
+            # load proper failed, which verification before it leaves to vLLM's own errors.
             raise _worker_error(exc) or exc from exc
         await self._llm.finish_weight_update()
         # KV computed with the old weights must not be reused: frozen requests

@@ -170,3 +170,41 @@ def test_update_info_names_exactly_one_source() -> None:
     for bad in ({}, {"ticket": "a", "files": []}, {"synchronizer": "x:1"}):
         with pytest.raises(ValueError):
             FlywheelUpdateInfo(**bad)
+
+
+async def test_an_abandoned_swap_still_ends_with_the_version_of_the_loaded_weights(tmp_path: Path) -> None:
+    """Cancelling the swap while the worker loads must not leave new weights under the old version."""
+    from services.rollout.engine.base import MemorySource, StagedWeights
+    from services.rollout.engine.vllm_engine import VllmEngine
+
+    calls: list[str] = []
+    loading = asyncio.Event()
+
+    class StubLLM:
+        async def start_weight_update(self) -> None:
+            calls.append("start")
+
+        async def update_weights(self, request: Any) -> None:
+            calls.append(f"update {request.update_info}")
+            loading.set()
+            await asyncio.sleep(0.3)
+
+        async def finish_weight_update(self, weight_version: str | None = None) -> None:
+            calls.append("finish")
+
+        async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+            calls.append("reset")
+
+        async def update_weight_version(self, version: str) -> None:
+            calls.append(f"version {version}")
+
+    engine = VllmEngine(tmp_path, {}, codec=None, initial_version=1)  # type: ignore[arg-type]
+    engine._llm = StubLLM()
+    source = MemorySource("sync:1", 2, None, 10.0, 1 << 20, ticket="t")
+    swap = asyncio.ensure_future(engine.swap_weights(StagedWeights(version=2, source=source)))
+    await loading.wait()
+    swap.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await swap
+    assert calls == ["start", "update {'ticket': 't'}", "finish", "reset", "version 2"]
+    assert engine.version == 2
