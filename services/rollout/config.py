@@ -55,9 +55,6 @@ class UpdatesConfig(StrictModel):
     timeout_seconds: float = Field(
         300.0, gt=0, description="default deadline of fetching and staging one weight update, in seconds"
     )
-    staging_dir: Path | None = Field(
-        None, description="where the vLLM engine stages verified weights for its worker; default /dev/shm or $TMPDIR"
-    )
     checkpoint_root: Path | None = Field(
         None, description="the shared directory CHECKPOINT versions are published in: a checkpoint path this "
         "replica is sent must lie inside it (PERMISSION_DENIED otherwise; a relative one is taken there); none: "

@@ -28,8 +28,8 @@ model's memory for nothing.
 
 Backends: gloo receives on CPU; nccl receives on this process's current CUDA
 device and the staged tensors are copied to CPU after the commit (the
-engine contract is CPU tensors; the vLLM engine writes them to a file its
-worker loads). nccl without CUDA is FAILED_PRECONDITION.
+engine contract is CPU tensors; the vLLM engine hands them to its worker in
+an anonymous memory file, services/rollout/engine/vllm_transfer.py). nccl without CUDA is FAILED_PRECONDITION.
 
 The staging deadline is the later of the update's timeout and the group's
 deadline (plus the wait for the verdict): every rank gives up at the group's

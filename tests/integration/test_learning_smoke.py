@@ -7,7 +7,7 @@ task a random tiny model can learn fast: start the answer with the letter "a"
 one fails on what only the whole shows: a flipped advantage sign, a loss mask
 on the wrong tokens, or rollouts that keep serving stale weights (an engine
 that ignored part of each update made exactly this flat: see
-services/rollout/engine/vllm_worker.py).
+services/rollout/engine/vllm_transfer.py, refresh_kept_cpu_gemms).
 """
 
 from __future__ import annotations
