@@ -103,6 +103,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def replace_directory(tmp: Path, final: Path) -> None:
+    """Makes the complete directory `tmp` appear as `final` at once, durably (a crash leaves the
+    old `final` or the new one, never a mix). An existing `final` (the same step or version saved
+    twice) is moved aside first, since rename cannot replace a non-empty directory."""
+    _fsync_tree(tmp)
+    replaced = None
+    if final.exists():
+        replaced = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, replaced)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
 def _tree_size(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
@@ -162,17 +177,7 @@ def save(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{policy.step}-", dir=parent))
     try:
         _write(policy, tmp, client_state)
-        _fsync_tree(tmp)
-        replaced = None
-        if final.exists():
-            # Saving the same step twice: move the old one aside first, since
-            # rename cannot replace a non-empty directory.
-            replaced = parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, replaced)
-        os.rename(tmp, final)
-        _fsync_dir(parent)
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
+        replace_directory(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -359,15 +364,7 @@ def save_sharded(
             state = {"format_version": FORMAT_VERSION, "step": policy.step, "weight_version": policy.weight_version,
                      "model": policy.name, "lora": policy.lora, "world_size": ranks.world_size}
             (tmp / STATE_FILE).write_text(json.dumps(state))
-            _fsync_tree(tmp)
-            replaced = None
-            if final.exists():
-                replaced = parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-                os.rename(final, replaced)
-            os.rename(tmp, final)
-            _fsync_dir(parent)
-            if replaced is not None:
-                shutil.rmtree(replaced, ignore_errors=True)
+            replace_directory(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -46,12 +46,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +66,7 @@ from flywheel.codec import (
 from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument
 from flywheel.runtime.paths import confine
 from flywheel.synchronizer.client import SynchronizerClient
-from services.trainer.checkpoints import _fsync_dir, _fsync_tree, publish_dir, request_roots
+from services.trainer.checkpoints import publish_dir, replace_directory, request_roots
 from services.trainer.config import SyncConfig
 from services.trainer.policy import Policy
 from services.trainer.training import TrainingEngine
@@ -325,15 +323,7 @@ def write_version(
             log.warning("export: the written tensors differ from the exported ones; no weight manifest",
                         extra={"path": str(final)})
         nbytes = sum(state[n].numel() * state[n].element_size() for n in names if n in state)
-        _fsync_tree(tmp)
-        replaced = None
-        if final.exists():
-            replaced = parent / f".old-{name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, replaced)
-        os.rename(tmp, final)
-        _fsync_dir(parent)
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
+        replace_directory(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
