@@ -1,7 +1,7 @@
 """The rollout's OpenAI HTTP API under many concurrent clients: errors, latency, memory, tokens/s.
 
 Run manual:
-    python bench/load.py                                # tiny model, 256 clients for 60 s (~3 minutes on 2 cores)
+    python bench/load.py                                # tiny model, 256 clients for 60 s (~2 minutes on 2 cores)
     python bench/load.py --clients 16 --seconds 10      # a smoke run
     python bench/load.py --max-pending-requests 512     # the service's default limit: 256 clients are never refused
     python bench/load.py --model smollm2 --clients 64 --max-tokens 32
@@ -39,13 +39,14 @@ status, a timeout, a broken connection, a stream with an error event or
 without [DONE], a body without the M tokens asked for), latency p50/p99 of the
 served requests and time to first token of the streamed ones, both from the
 first attempt (Retry-After waits included: what a client sees); the rollout's
-RSS, sampled every 0.5 s, before the load, its peak during it, and after: the
-service process and its children (vLLM's engine core and CPU worker) summed
-(pages they share, ~200 MB each, counted in each), and the service process
-alone; and whether /health answers 200 after everything. Ends with one JSON
-line; the ratio is `loaded_tokens_per_s_vs_unloaded`. Exits 1 (after the JSON)
-when any request erred, the ratio is under 0.5, or the service does not answer
-/health.
+RSS, sampled every 0.5 s, before the load, its peak during it, and after (and
+how much the peak of the load's second half exceeds its first half's: a leak
+keeps growing): the service process and its children (vLLM's engine core and
+CPU worker) summed (pages they share, ~200 MB each, counted in each), and the
+service process alone; and whether /health answers 200 after everything. Ends
+with one JSON line; the ratio is `loaded_tokens_per_s_vs_unloaded`. Exits 1
+(after the JSON) when any request erred, the ratio is under 0.5, or the
+service does not answer /health.
 """
 
 from __future__ import annotations
@@ -262,7 +263,11 @@ async def bench(url: str, rss: RssSampler, opts: argparse.Namespace) -> dict:
     rss_before = rss.now()
     start = time.perf_counter()
     load = await phase(url, opts.clients, opts.seconds, opts.max_tokens, opts.deadline)
-    rss_peak = tuple(map(max, rss.peak(start, time.perf_counter()), rss_before))
+    end = time.perf_counter()
+    rss_peak = tuple(map(max, rss.peak(start, end), rss_before))
+    # A leak keeps growing through the window; buffers sized for the larger batch stop early.
+    mid = start + opts.seconds / 2
+    rss_growth = rss.peak(mid, end)[0] - rss.peak(start, mid)[0]
     rss_after = rss.now()
     report("load", load)
     after = await phase(url, *base)
@@ -283,7 +288,8 @@ async def bench(url: str, rss: RssSampler, opts: argparse.Namespace) -> dict:
         "unloaded_tokens_per_s": round(unloaded, 1),
         "loaded_tokens_per_s_vs_unloaded": round(load.tokens_per_s / unloaded, 3) if unloaded else 0.0,
         "rss_before_mb": round(rss_before[0] / mb), "rss_peak_mb": round(rss_peak[0] / mb),
-        "rss_after_mb": round(rss_after[0] / mb), "rss_service_alone_before_mb": round(rss_before[1] / mb),
+        "rss_after_mb": round(rss_after[0] / mb), "rss_second_half_growth_mb": round(rss_growth / mb),
+        "rss_service_alone_before_mb": round(rss_before[1] / mb),
         "rss_service_alone_peak_mb": round(rss_peak[1] / mb), "rss_service_alone_after_mb": round(rss_after[1] / mb),
     }
 
