@@ -43,7 +43,10 @@ class LimitsConfig(StrictModel):
         description="samples (prompts x n) admitted and not finished, running or waiting; past it new work is "
         "refused with RESOURCE_EXHAUSTED / HTTP 429",
     )
-    retry_after_seconds: float = Field(1.0, gt=0, description="retry hint sent with RESOURCE_EXHAUSTED / 429, in seconds")
+    retry_after_seconds: float = Field(
+        1.0, gt=0, description="retry hint sent with RESOURCE_EXHAUSTED / 429, in seconds; each refusal says a random "
+        "delay between it and twice it, so clients refused together do not retry together"
+    )
     max_prompts_per_request: int = Field(1024, ge=1, description="most prompts one Generate call may carry")
     max_top_logprobs: int = Field(20, ge=0, description="largest top_logprobs a request may ask for, in tokens")
 

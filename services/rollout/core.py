@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -162,10 +163,12 @@ class RolloutCore:
         limit = self.config.limits.max_pending_requests
         if self._pending + samples > limit:
             metrics.REJECTED_REQUESTS.labels("queue_full").inc()
-            retry = self.config.limits.retry_after_seconds
+            # Spread over [hint, 2 x hint]: clients refused together, told the same delay, would all
+            # come back at once and be refused together again (bench/load.py: p99 13 s without it).
+            retry = self.config.limits.retry_after_seconds * random.uniform(1.0, 2.0)
             raise QueueFull(
                 f"rollout queue is full ({self._pending} of {limit} samples pending, this request needs {samples}); "
-                f"retry after {retry:g} s", retry)
+                f"retry after {retry:.1f} s", retry)
         self._pending += samples
         return Reservation(self, samples)
 

@@ -45,7 +45,7 @@ async def test_queue_full_is_refused_with_a_retry_hint_and_frees_on_finish() -> 
     await asyncio.sleep(0.005)
     with pytest.raises(QueueFull) as info:
         await core.generate([prompt()], SamplingSpec(max_tokens=1))
-    assert info.value.code == "RESOURCE_EXHAUSTED" and info.value.retry_after_seconds == 2
+    assert info.value.code == "RESOURCE_EXHAUSTED" and 2 <= info.value.retry_after_seconds <= 4
     assert "4 of 4" in str(info.value)
     await running
     await core.generate([prompt()], SamplingSpec(max_tokens=1))  # capacity is back
