@@ -41,6 +41,7 @@ from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as pb_grpc
 from flywheel.transfer.frames import encoded_frames
 from flywheel.synchronizer.client_types import (
     Beat,
+    Rewind,
     PulledWeights,
     PushResult,
     Registration,
@@ -320,4 +321,10 @@ class SynchronizerClient:
 
     async def status(self) -> SyncStatus:
         return SyncStatus.from_pb(await self._call("Status", self.stub.Status, pb.StatusRequest()))
+
+    async def rewind(self, to_version: int, reason: str = "") -> Rewind:
+        """Drops every version above `to_version` and sends the rollouts serving one back to it
+        (the trainer resumed from the checkpoint of step `to_version`)."""
+        request = pb.RewindRequest(to_version=to_version, reason=reason[:4000])
+        return Rewind.from_pb(await self._call("Rewind", self.stub.Rewind, request))
 

@@ -58,6 +58,21 @@ class SyncDecision:
 
 
 @dataclass(frozen=True)
+class Rewind:
+    #: The lineage after it (rewinds so far).
+    epoch: int
+    latest_version: int
+    #: The versions dropped, oldest first.
+    dropped: list[int]
+    #: Rollouts that served a newer version and go back.
+    rewinding: list[str]
+
+    @classmethod
+    def from_pb(cls, r: pb.RewindResponse) -> Rewind:
+        return cls(r.epoch, r.latest_version, list(r.dropped_versions), list(r.rewinding))
+
+
+@dataclass(frozen=True)
 class PushResult:
     version: int
     nbytes: int
@@ -99,6 +114,9 @@ class WatchEvent:
     group: GroupInfo | None
     transfer_state: TransferState | None
     message: str
+    #: Rewinds so far, and the version the last one went back to (0: none).
+    epoch: int = 0
+    rewound_to: int = 0
 
     @classmethod
     def from_pb(cls, r: pb.WatchResponse) -> WatchEvent:
@@ -106,7 +124,7 @@ class WatchEvent:
             EventKind(r.kind), r.sequence, r.unix_ms, r.latest_version,
             component_from_pb(r.component) if r.HasField("component") else None, r.version, _method(r.method),
             r.location, group_from_pb(r.group) if r.HasField("group") else None,
-            TransferState(r.transfer_state) if r.transfer_state else None, r.message,
+            TransferState(r.transfer_state) if r.transfer_state else None, r.message, r.epoch, r.rewound_to,
         )
 
 
@@ -128,6 +146,9 @@ class SyncStatus:
     policy: Policy
     transfers: list[TransferOutcome]
     held_bytes: int
+    #: Rewinds so far, and the version the last one went back to (0: none).
+    epoch: int = 0
+    rewound_to: int = 0
 
     @classmethod
     def from_pb(cls, r: pb.StatusResponse) -> SyncStatus:
@@ -138,6 +159,7 @@ class SyncStatus:
                 for v in r.versions
             ],
             r.latest_version, policy_from_status_pb(r.policy), [TransferOutcome.from_pb(t) for t in r.transfers], r.held_bytes,
+            r.epoch, r.rewound_to,
         )
 
     def component(self, component_id: str) -> Component | None:

@@ -69,6 +69,7 @@ class EventKind(enum.IntEnum):
     SYNC_REQUESTED = 7
     PUSH_REQUESTED = 8
     VERSION_STAGED = 9
+    REWOUND = 10
 
 
 def parse_enum(kind: type[enum.IntEnum], value: object, what: str) -> enum.IntEnum:

@@ -25,8 +25,10 @@ checkpoint (the steps after it are redone, each task still trained once).
 With `services:`, something else restarts them (the kubelet) and the run
 catches up: a restarted synchronizer is handed the run's policy and the
 trainer's weights, replicas rejoin by themselves, and a trainer that lost
-its state rewinds the run to the last checkpoint once the synchronizer and
-the replicas hold nothing newer (the console says which to restart). Each
+its state rewinds the run to the last checkpoint: the synchronizer and the
+replicas are rewound to its version too (they may hold versions made by the
+lost weights), nothing restarted by hand. A synchronizer too old to rewind
+must be restarted with the replicas instead (the console says which). Each
 death is said on the console (`healing:`), the status page and in
 summary.json (`restarts`). Out of restarts, a death ends the run: its name
 and last log lines are printed and the exit status is 1; the same command

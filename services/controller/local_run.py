@@ -22,7 +22,9 @@ services what they hold (healing.RemoteWatch): a synchronizer the kubelet
 restarted is handed the run's policy and weights again while the run goes
 on; a trainer that came back without the run's state surfaces as
 `ServiceDied` and the run resumes from the last checkpoint, once the
-services answer again and none holds weights newer than it.
+services answer again; the synchronizer and the replicas, which may hold
+versions made by the lost weights, are rewound to the checkpoint's version
+(the synchronizer's Rewind) before anything is generated.
 """
 
 from __future__ import annotations
@@ -180,8 +182,9 @@ class LocalRun:
     deployed: bool = False
     #: Deployed: what the services answer, looked at while a session runs (None: not watched).
     remote: RemoteWatch | None = None
-    #: Deployed, after the trainer died: the step the next session resumes at; it waits until no
-    #: service holds weights newer than that (they were made by weights that died with the trainer).
+    #: Deployed, after the trainer died: the step the next session resumes at. Its resume rewinds
+    #: the synchronizer and the replicas to it (`rewind_services`); at 0 (no checkpoint yet) there
+    #: is nothing to rewind to, and start_services waits until they were restarted.
     rewound_to: int | None = None
 
     @classmethod
@@ -294,7 +297,7 @@ class LocalRun:
             self.progress.close()
             self.progress = None
         if self.deployed:
-            self.rewound_to = resumed_step  # start_services waits for the services, restarted by others
+            self.rewound_to = resumed_step  # the next session's resume rewinds the others to it
         else:
             self.data.pop("services", None)  # filled in again by start_services with the new children
         time.sleep(delay)
@@ -364,10 +367,10 @@ class LocalRun:
             self.say("using the services named in the run file")
             cfg = parse_run_config(self.data, "run file")
             self.wait_for_named_services(cfg)
-            if self.rewound_to is not None:
-                self.wait_for_nothing_newer(cfg, self.rewound_to)
+            if self.rewound_to == 0:
+                self.wait_for_nothing_newer(cfg, 0)
                 self.wait_for_named_services(cfg)  # the trainer registered with a restarted synchronizer
-                self.rewound_to = None
+            self.rewound_to = None
             return cfg
         self.supervisor = Supervisor(self.run_dir, stop_grace_seconds=self.spec.stop_grace_seconds)
         self.say(f"starting synchronizer, then trainer and rollout (logs: {self.run_dir}/<service>.log)")
@@ -445,23 +448,24 @@ class LocalRun:
         """Deployed, before a session resumes at `step` after the trainer died: see `until_nothing_newer`."""
         asyncio.run(self.until_nothing_newer(cfg, step))
 
-    async def until_nothing_newer(self, cfg: RunConfig, step: int) -> None:
+    async def until_nothing_newer(self, cfg: RunConfig, step: int, *, rewound: bool = False) -> None:
         """Deployed, resuming at `step`: the synchronizer and the rollout replicas may still hold
-        versions made by weights that died with a trainer after `step` (they refuse older ones:
-        versions only go up, and a replica would serve the lost weights). Waits, up to
-        launch.ready_timeout_seconds, until none holds a version newer than `step`: they were
-        restarted (the synchronizer without a store comes back empty, a replica with its base
-        weights). Says once which ones to restart."""
+        versions made by weights that died with a trainer after `step` (a replica would serve the
+        lost weights). Waits, up to launch.ready_timeout_seconds, until none holds a version newer
+        than `step`: `rewound` (the synchronizer was rewound to `step`), until the replicas loaded
+        it; else until they were restarted (a synchronizer that cannot rewind; the synchronizer
+        without a store comes back empty, a replica with its base weights), saying once which."""
         if cfg.services.synchronizer is None:
             return
         deadline = time.monotonic() + self.spec.ready_timeout_seconds
-        said = False
+        said = rewound
         while (held := await self._newer_than(cfg, step)) != []:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{', '.join(held or ['the synchronizer (not answering)'])} still hold weights newer than step "
-                    f"{step} after {self.spec.ready_timeout_seconds:.0f}s (launch.ready_timeout_seconds): "
-                    "restart them, then run the same command again")
+                    f"{step} after {self.spec.ready_timeout_seconds:.0f}s (launch.ready_timeout_seconds)"
+                    + (" although the synchronizer was rewound to it" if rewound else "")
+                    + ": restart them, then run the same command again")
             if held and not said:
                 self.say(f"healing: {', '.join(held)} hold weights newer than step {step}, made by weights that died "
                          "with the trainer: restart them (Kubernetes: kubectl -n flywheel rollout restart "
@@ -695,16 +699,54 @@ class LocalRun:
 
     def _check_resumed_against_services(self, pipeline: Any, cfg: RunConfig) -> None:
         """Deployed: once the session resumed from a checkpoint (the trainer loaded it), and before
-        anything is generated, no service may hold newer weights (`until_nothing_newer`). A rewind
-        in this command waited for that already; this covers a new command (a Job's next pod)
-        after a trainer died."""
+        anything is generated, no service may hold newer weights: `rewind_services`. After a
+        trainer death in this command, and in a new command (a Job's next pod) after one."""
         resume = pipeline._resume
 
         async def resume_then_check(source: str) -> None:
             await resume(source)
-            await self.until_nothing_newer(cfg, pipeline.train_worker.version)
+            await self.rewind_services(pipeline, cfg)
 
         pipeline._resume = resume_then_check
+
+    async def rewind_services(self, pipeline: Any, cfg: RunConfig) -> None:
+        """The trainer is at the checkpoint's version N. A synchronizer or replica holding a newer
+        one holds weights that died with an earlier trainer: the synchronizer is rewound to N
+        (its Rewind drops the newer versions and sends the replicas back), the trainer publishes
+        N again for the replicas to load, and this waits until every replica did. A synchronizer
+        without Rewind (older), or N = 0 (nothing to go back to), leaves it to an operator to
+        restart them (`until_nothing_newer` says which)."""
+        from flywheel.errors import FlywheelError
+        from flywheel.runtime.auth import resolve_token
+        from flywheel.synchronizer.client import SynchronizerClient
+
+        version = pipeline.train_worker.version
+        if cfg.services.synchronizer is None or version < 1 or not await self._newer_than(cfg, version):
+            await self.until_nothing_newer(cfg, version)
+            return
+        client = SynchronizerClient(cfg.services.synchronizer.address,
+                                    resolve_token(None, cfg.services.auth_token_file), timeout=10.0)
+        try:
+            rewound = await client.rewind(version, f"the trainer resumed from its checkpoint of step {version}")
+        except FlywheelError as exc:
+            if getattr(exc, "code", "") != "UNIMPLEMENTED":
+                raise
+            log.warning("the synchronizer cannot rewind (%s); waiting for an operator to restart it", exc)
+            await self.until_nothing_newer(cfg, version)
+            return
+        finally:
+            await client.close()
+        dropped = ", ".join(map(str, rewound.dropped)) or "none"
+        replicas = ", ".join(rewound.rewinding) or "none"
+        message = (f"healing: rewound the synchronizer and the replicas to version {version} (lineage "
+                   f"{rewound.epoch}; versions dropped: {dropped}; replicas going back: {replicas})")
+        log.warning(message)
+        self.say(message)
+        restart = self.healer.history[-1] if self.healer and self.healer.history else None
+        if restart is not None and restart.action == "resumed" and restart.rewound_to is None:
+            restart.rewound_to = version
+        await pipeline.weight_sync.publish(version)  # the rewound version, for the replicas to load
+        await self.until_nothing_newer(cfg, version, rewound=True)
 
     def _watch_remote_services(self, cfg: RunConfig) -> Any:
         """Deployed, with restarts allowed: `self.remote` looks at the trainer and the synchronizer

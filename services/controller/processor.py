@@ -3,8 +3,10 @@
 The processor takes released groups from the trajectory pool one at a time,
 in completion order, and for each:
 
-1. checks it against the version of the batch it would join; a group over
-   the staleness limit is dropped (its task re-queued: retried on fresher
+1. checks it against the version of the batch it would join; a group made
+   by a version newer than that came from weights the run no longer has (a
+   lineage lost with a trainer, see the rewind in docs/architecture.md): it
+   is dropped and its task re-queued; a group over the staleness limit is dropped (its task re-queued: retried on fresher
    weights) or, with policy "correct", kept for the trainer's importance-
    sampling correction;
 2. runs the algorithm (reward shaping, advantages, dynamic-sampling
@@ -106,6 +108,9 @@ class AlgorithmProcessor:
         batch: list[Trajectory] = []
         while (group := await self.pool.get_group()) is not None:
             version = self.gate.next_batch_version
+            if max(_newest_version(t) for t in group) > version:
+                self._drop(group, "lost weights", retry=True)
+                continue
             if is_stale(min(t.version for t in group), version, self.limit) and self.stale_policy == "drop":
                 self._drop(group, "stale", retry=True)
                 continue
@@ -125,3 +130,8 @@ class AlgorithmProcessor:
             for task_id in {t.task.id for t in batch}:
                 self.finish(task_id)
         await self.out.close()
+
+
+def _newest_version(t: Trajectory) -> int:
+    """The newest weight version that made any of its tokens."""
+    return max([t.version_end, *(end for _, end in t.turn_versions)])

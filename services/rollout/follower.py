@@ -23,6 +23,16 @@ A request may also name `min_weight_version` (validation measures the weights
 it names). A wait that outlasts the policy's timeout fails the request with
 ABORTED (retry later); nothing half-applied is ever served.
 
+A rewind (the trainer died and resumed from its checkpoint at version N) is
+the one way down: the synchronizer drops every version above N and starts a
+new lineage (its epoch, on every Watch event). A replica serving a version
+above N forgets what it heard of the old lineage, holds its generations back,
+and installs the new lineage's newest version once there is one (N, which the
+controller has the trainer publish again) with `update_weights(rewind=True)`;
+its next report (at or below N) is what the synchronizer takes as its way
+back. A replica that missed the REWOUND event sees the new epoch on the next
+event it gets (a reconnecting Watch sends one at once).
+
 At registration a replica catches up to the newest committed version before
 it reports SERVING, so a replica that joins mid-run (scale-out, a restart)
 never generates on its base weights: it pulls a MEMORY or CHECKPOINT version,
@@ -89,6 +99,10 @@ class Follower:
         self.sources: dict[int, tuple[Method | None, str]] = {}
         #: The version the sync loop moves towards (at least).
         self.target = 0
+        #: The synchronizer's lineage (rewinds so far) as last heard.
+        self.epoch = 0
+        #: A rewind to this version is under way: the served weights are of a lost lineage.
+        self.rewind_to: int | None = None
         self._asked: dict[int, asyncio.Future] = {}
         self._heard = asyncio.Event()  # self.latest moved
         self._moved = asyncio.Event()  # the served version moved (or a sync attempt ended)
@@ -115,6 +129,8 @@ class Follower:
 
     async def before_generate(self, run_step: int, min_version: int) -> None:
         """Waits until a generation of `run_step` may run on the served weights."""
+        if self.rewind_to is not None:
+            await self._rewound(self._timeout())
         due = 0
         if run_step > 0:
             due = await self._reached_step(run_step - 1)
@@ -173,6 +189,19 @@ class Follower:
             except TimeoutError:
                 pass
 
+    async def _rewound(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while (to := self.rewind_to) is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Aborted(
+                    f"rollout {self.component_id} serves version {self.served} of weights the run was rewound past "
+                    f"(to version {to}); the new lineage's version did not arrive within {timeout:g} s")
+            try:
+                await asyncio.wait_for(self._moved.wait(), left)
+            except TimeoutError:
+                pass
+
     def _aim(self, version: int) -> None:
         if version > self.target:
             self.target = version
@@ -194,6 +223,11 @@ class Follower:
             await backoff.wait()
 
     def learn(self, event: WatchEvent) -> None:
+        if event.kind == EventKind.REWOUND or event.epoch != self.epoch:
+            self.epoch = event.epoch
+            if event.kind == EventKind.REWOUND or event.epoch > 0:
+                self.rewind(event.version if event.kind == EventKind.REWOUND else event.rewound_to,
+                            event.latest_version)
         group = event.group
         if event.kind == EventKind.TRANSFER_STARTED and group is not None and group.ranks.get(self.component_id, 0) > 0:
             self._joins.append(asyncio.ensure_future(self._join(group)))
@@ -203,6 +237,25 @@ class Follower:
             self.sources[event.version] = (event.method, event.location)
             latest = max(latest, event.version)
         self._hear(latest)
+
+    def rewind(self, to_version: int, latest: int) -> None:
+        """The synchronizer went back to `to_version` (newest committed now: `latest`): what was
+        heard above it is gone, the steps after it are served again, and weights newer than it
+        are replaced by the new lineage's."""
+        self.latest = latest
+        self.sources = {v: s for v, s in self.sources.items() if v <= to_version}
+        self.target = min(self.target, to_version)
+        self.step = min(self.step, to_version)
+        for step in [s for s in self._asked if s >= to_version]:
+            self._asked.pop(step)
+        self.due = {s: v for s, v in self.due.items() if s < to_version and v <= to_version}
+        if self.served > to_version:
+            log.warning("the run's weights were rewound; replacing the served ones",
+                        extra={"id": self.component_id, "serving": self.served, "to_version": to_version,
+                               "epoch": self.epoch})
+            self.rewind_to = to_version
+            self._wake.set()
+        _notify(self, "_heard")
 
     def _hear(self, latest: int) -> None:
         if latest > self.latest:
@@ -217,6 +270,7 @@ class Follower:
             log.warning("could not read the synchronizer's versions to catch up", extra={"error": str(exc)})
             return
         self.policy = status.policy
+        self.epoch = status.epoch
         for info in status.versions:
             self.sources.setdefault(info.version, (info.method, info.path))
         self._hear(status.latest_version)
@@ -250,13 +304,16 @@ class Follower:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self.target > self.served:
+            while self.rewind_to is not None or self.target > self.served:
                 try:
-                    version = await self._committed_at_least(self.target)
-                    await self.apply(version)
+                    if self.rewind_to is not None:
+                        await self._go_back()
+                    else:
+                        version = await self._committed_at_least(self.target)
+                        await self.apply(version)
                     backoff.reset()
                 except Exception as exc:  # noqa: BLE001 - any failure leaves the old version serving; go on
-                    if getattr(exc, "code", "") not in TRANSIENT:
+                    if getattr(exc, "code", "") not in TRANSIENT and self.rewind_to is None:
                         log.warning("sync failed; waiting for the next request",
                                     extra={"id": self.component_id, "target": self.target, "error": str(exc)})
                         self.target = self.served  # the next step (or generation) aims again
@@ -281,16 +338,31 @@ class Follower:
     async def _committed_at_least(self, version: int) -> int:
         """The newest committed version once it is newer than the served one (a
         step towards `version` is progress: generations waiting for less than
-        `version` may run on it), or once it reaches `version`."""
-        while self.latest < version and self.latest <= self.served:
+        `version` may run on it), or once it reaches `version` (or a rewind begins)."""
+        while self.rewind_to is None and self.latest < version and self.latest <= self.served:
             await self._heard.wait()
         return self.latest
 
-    async def apply(self, version: int) -> None:
-        if version <= self.served:
+    async def _go_back(self) -> None:
+        """A rewind: installs the new lineage's newest version (at least the rewound one, which
+        the trainer publishes again) in place of the served weights, however their numbers compare."""
+        to = self.rewind_to
+        while to is not None and self.latest < to:
+            await self._heard.wait()
+            to = self.rewind_to
+        if to is None:
+            return
+        version = self.latest
+        await self.apply(version, rewind=True)
+        if self.rewind_to == to:  # no newer rewind meanwhile
+            self.rewind_to = None
+            log.info("rewound", extra={"id": self.component_id, "version": self.served, "epoch": self.epoch})
+
+    async def apply(self, version: int, *, rewind: bool = False) -> None:
+        if version <= self.served and not rewind:
             return
         stage = await self._stage_for(version)
-        outcome = await self.core.update_weights(version, stage, None, None)
+        outcome = await self.core.update_weights(version, stage, None, None, rewind=rewind)
         log.info("synced to the synchronizer's version",
                  extra={"id": self.component_id, "version": outcome.version,
                         "pause_seconds": round(outcome.pause_seconds, 4)})

@@ -230,6 +230,14 @@ class WeightStore:
             self.abort(self.staging[version], Aborted(f"superseded by version {buffer.version}"))
         return evicted
 
+    def drop_above(self, version: int) -> None:
+        """A rewind: every committed version above `version` leaves (readers already streaming
+        one finish), every push of one is aborted."""
+        for v in [v for v in self.staging if v > version]:
+            self.abort(self.staging[v], Aborted(f"the weights were rewound to version {version}"))
+        for v in [v for v in self.committed if v > version]:
+            self.committed.pop(v).retire()
+
     def abort(self, buffer: VersionBuffer, error: FlywheelError) -> None:
         buffer.abort(error)
         if self.staging.get(buffer.version) is buffer:

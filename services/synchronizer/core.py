@@ -58,6 +58,18 @@ class SyncAnswer:
     policy: Policy
 
 
+@dataclass(frozen=True)
+class Rewound:
+    """What a rewind did."""
+
+    epoch: int
+    latest_version: int
+    #: The committed versions dropped, oldest first.
+    dropped: list[int]
+    #: Rollouts serving a version above the rewound one: they go back to it.
+    rewinding: list[str]
+
+
 def policy_from_config(config: SynchronizerConfig) -> Policy:
     p = config.policy
     return Policy(Style[p.style.upper()], Method[p.method.upper()], p.interval, p.offset, p.timeout_seconds)
@@ -100,6 +112,10 @@ class Synchronizer:
         self.registry.restore(components)
         self.catalog.restore(self.store.load_versions())
         self.events.latest_version = self.catalog.latest
+        self.events.epoch, self.events.rewound_to = self.store.load_lineage()
+        if self.epoch:  # rollouts that had not come back from the last rewind still may
+            self.registry.rewinding = {c.id: self.rewound_to for c in components
+                                       if c.role == Role.ROLLOUT and c.weight_version > self.rewound_to}
         if components or self.catalog.records:
             log.info(
                 "restored state",
@@ -188,6 +204,7 @@ class Synchronizer:
         self.registry.check(c, state, expected)
         previous, version_changed = c.state, bool(weight_version) and weight_version != c.weight_version
         if weight_version:
+            self.registry.went_back(c, weight_version)
             c.weight_version = weight_version
         if c.awaited_version and c.weight_version >= c.awaited_version:
             # Its last request is satisfied (even if it lapsed while the pull ran).
@@ -255,6 +272,66 @@ class Synchronizer:
             group=self.transfers.pending_for(c.id), push_requested=self.push_requested and c.role == Role.TRAINER,
             request_deadline_unix_ms=deadline, policy=self.policy,
         )
+
+    # -- lineage -------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """Rewinds so far: the lineage of the versions held now."""
+        return self.events.epoch
+
+    @property
+    def rewound_to(self) -> int:
+        """The version the last rewind went back to (0: none yet)."""
+        return self.events.rewound_to
+
+    def rewind(self, to_version: int, reason: str = "") -> Rewound:
+        """Goes back to `to_version`: the trainer lost the weights after it and resumed from its
+        checkpoint. Every version above it is dropped (catalog, store, bytes, pushes and NCCL
+        transfers in progress) and a new lineage starts (the epoch goes up): the trainer
+        publishes `to_version` + 1 and on again. Rollouts serving a version above it are sent
+        back (the REWOUND event; their first report at or below it is taken). Versions only go
+        up within a lineage; this is the one way down."""
+        if to_version < 1:
+            raise InvalidArgument(
+                f"to_version must be >= 1 (the step of the checkpoint the trainer resumed from), got {to_version}; "
+                "going back to the base model means restarting the rollouts")
+        ahead = [c for c in self.registry.live(Role.TRAINER) if c.weight_version > to_version]
+        if ahead:
+            raise FailedPrecondition(
+                f"trainer {ahead[0].id!r} holds version {ahead[0].weight_version}, newer than {to_version}: it would "
+                "publish the weights a rewind drops; resume it from the checkpoint first")
+        rollouts = [c.id for c in self.registry.live(Role.ROLLOUT) if c.weight_version > to_version]
+        pending = [g for g in self.transfers.pending() if g.version > to_version]
+        staging = [v for v in self.weights.staging if v > to_version]
+        if self.catalog.latest <= to_version and not (rollouts or pending or staging):
+            raise FailedPrecondition(
+                f"nothing to rewind: the newest committed version is {self.catalog.latest} and no rollout serves "
+                f"or receives a version above {to_version}")
+        dropped = self.catalog.drop_above(to_version)
+        self.store.drop_versions_above(to_version)
+        self.weights.drop_above(to_version)
+        for group in pending:
+            self.transfers.member_left(group.trainer_id, f"the weights were rewound to version {to_version}")
+        epoch = self.epoch + 1
+        self.events.epoch, self.events.rewound_to = epoch, to_version
+        self.events.latest_version = self.catalog.latest
+        self.store.save_lineage(epoch, to_version)
+        for c in self.registry.components.values():
+            # The steps after to_version are redone: DYNAMIC counts from there again.
+            c.last_sync_step = min(c.last_sync_step, to_version)
+            c.step = min(c.step, to_version)
+            if c.id in rollouts:
+                self.registry.rewinding[c.id] = to_version
+            if c.state in (State.REQUIRE_SYNC, State.WAITING_SYNC) and c.awaited_version > to_version:
+                c.awaited_version = 0
+                self.registry.move(c, State.RUNNING, message=f"its sync request went with the rewind to {to_version}")
+        why = reason or "the trainer resumed from its checkpoint"
+        log.warning("rewound", extra={"to_version": to_version, "epoch": epoch, "dropped": dropped,
+                                      "rewinding": rollouts, "reason": why})
+        self.events.publish(EventKind.REWOUND, version=to_version, message=why)
+        self._refresh_metrics()
+        return Rewound(epoch, self.catalog.latest, dropped, rollouts)
 
     # -- time ----------------------------------------------------------------
 

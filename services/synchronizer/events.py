@@ -38,6 +38,9 @@ class Event:
     group: Any = None
     transfer_state: TransferState | None = None
     message: str = ""
+    #: Rewinds so far (the lineage) and the version the last one went back to.
+    epoch: int = 0
+    rewound_to: int = 0
 
 
 class Subscription:
@@ -91,6 +94,9 @@ class EventBus:
         self._subscribers: set[Subscription] = set()
         self._sequence = 0
         self.latest_version = 0
+        #: The lineage every event carries (see `Synchronizer.rewind`).
+        self.epoch = 0
+        self.rewound_to = 0
 
     @property
     def sequence(self) -> int:
@@ -105,7 +111,8 @@ class EventBus:
         snapshot = dataclasses.replace(component) if component is not None else None
         event = Event(
             kind=kind, sequence=self._sequence, unix_ms=int(time.time() * 1000),
-            latest_version=self.latest_version, component=snapshot, **fields,
+            latest_version=self.latest_version, component=snapshot, epoch=self.epoch, rewound_to=self.rewound_to,
+            **fields,
         )
         for sub in list(self._subscribers):
             if sub.wants(event) and not sub.offer(event):
@@ -117,7 +124,8 @@ class EventBus:
         numbered with the current sequence (what a new watcher gets first)."""
         now = int(time.time() * 1000)
         return [
-            Event(EventKind.STATE_CHANGED, self._sequence, now, self.latest_version, dataclasses.replace(c))
+            Event(EventKind.STATE_CHANGED, self._sequence, now, self.latest_version, dataclasses.replace(c),
+                  epoch=self.epoch, rewound_to=self.rewound_to)
             for c in components
             if not ids or c.id in ids
         ]

@@ -53,6 +53,9 @@ class Registry:
         self._on_change = on_change
         self._clock = clock
         self.components: dict[str, Component] = {}
+        #: Component id -> the version a rewind sent it back to, while it still serves a newer
+        #: one: its first report at or below that version is taken although it is lower.
+        self.rewinding: dict[str, int] = {}
 
     def restore(self, components: Iterable[Component]) -> None:
         """Loads persisted components; each gets a fresh lease to heartbeat or re-register in."""
@@ -88,6 +91,7 @@ class Registry:
                 f"stop it or pick another id for this {identity.role.name.lower()}"
             )
         c = Component(identity=identity, state=S.RUNNING, step=step, weight_version=weight_version)
+        self.rewinding.pop(identity.id, None)  # a registration says exactly what it holds
         if old is not None and old.role == identity.role:
             c.last_sync_step = old.last_sync_step
         self.renew(c)
@@ -101,13 +105,24 @@ class Registry:
             return c  # a stopped component must register again; its lease is not renewed
         self.renew(c)
         # Versions only move forward here: a beat may have been sent before a
-        # SetState that raised the version, and 0 means "not tracked".
-        version_changed = weight_version > c.weight_version
+        # SetState that raised the version, and 0 means "not tracked". After a
+        # rewind, the first beat at or below the rewound version is the way back.
+        version_changed = weight_version > c.weight_version or self.went_back(c, weight_version)
         c.step = step or c.step
         c.weight_version = max(weight_version, c.weight_version)
         if version_changed:
             self._on_change(c, EventKind.STATE_CHANGED, "weight version changed")
         return c
+
+    def went_back(self, c: Component, weight_version: int) -> bool:
+        """Whether `weight_version` is `c` arriving at (or below) the version a rewind sent it
+        back to; then it is recorded, and the rewind is over for `c`."""
+        floor = self.rewinding.get(c.id)
+        if floor is None or not 0 < weight_version <= floor:
+            return False
+        del self.rewinding[c.id]
+        c.weight_version = weight_version
+        return True
 
     def check(self, c: Component, to: State, expected: State | None = None) -> None:
         """FailedPrecondition unless `c` is in `expected` (if given) and may move to `to`."""

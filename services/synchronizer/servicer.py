@@ -42,7 +42,7 @@ from flywheel.synchronizer.types import Component, Role
 def event_to_pb(e: Event) -> pb.WatchResponse:
     msg = pb.WatchResponse(
         kind=int(e.kind), latest_version=e.latest_version, location=e.location, sequence=e.sequence,
-        unix_ms=e.unix_ms, version=e.version, message=e.message,
+        unix_ms=e.unix_ms, version=e.version, message=e.message, epoch=e.epoch, rewound_to=e.rewound_to,
     )
     if e.component is not None:
         msg.component.CopyFrom(component_to_pb(e.component))
@@ -236,4 +236,12 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
             ],
             latest_version=s.latest_version, policy=policy_to_pb(s.policy),
             transfers=[transfer_to_pb(g) for g in s.transfers], held_bytes=s.held_bytes,
+            epoch=self.sync.epoch, rewound_to=self.sync.rewound_to,
         )
+
+    # -- lineage -------------------------------------------------------------
+
+    async def Rewind(self, request: pb.RewindRequest, context) -> pb.RewindResponse:
+        r = self.sync.rewind(request.to_version, request.reason)
+        return pb.RewindResponse(epoch=r.epoch, latest_version=r.latest_version, dropped_versions=r.dropped,
+                                 rewinding=r.rewinding)

@@ -117,6 +117,25 @@ class Store:
         wait = RolloutWait[data.get("rollout_wait", "NONE")]  # absent in stores written before it existed
         return Policy(**{**data, "style": Style[data["style"]], "method": Method[data["method"]], "rollout_wait": wait})
 
+    def drop_versions_above(self, version: int) -> None:
+        if self._db is not None:
+            self._db.execute("DELETE FROM versions WHERE version > ?", (version,))
+
+    def save_lineage(self, epoch: int, rewound_to: int) -> None:
+        if self._db is not None:
+            value = json.dumps({"epoch": epoch, "rewound_to": rewound_to})
+            self._db.execute("INSERT OR REPLACE INTO settings VALUES ('lineage', ?)", (value,))
+
+    def load_lineage(self) -> tuple[int, int]:
+        """(epoch, rewound_to) of the last rewind; (0, 0) before any."""
+        if self._db is None:
+            return 0, 0
+        row = self._db.execute("SELECT value FROM settings WHERE key = 'lineage'").fetchone()
+        if row is None:
+            return 0, 0
+        data = json.loads(row[0])
+        return int(data["epoch"]), int(data["rewound_to"])
+
     def trim_versions(self, keep_from: int) -> None:
         if self._db is not None:
             self._db.execute("DELETE FROM versions WHERE version < ?", (keep_from,))

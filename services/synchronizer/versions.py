@@ -1,8 +1,9 @@
 """The catalog of committed weight versions, whatever method carried them.
 
-Versions are monotonic across methods: a MEMORY push, a CHECKPOINT
-registration or an NCCL transfer must carry a version at least as new as the
-newest committed one. Only metadata lives here (it is persisted); the bytes
+Versions are monotonic across methods within a lineage: a MEMORY push, a
+CHECKPOINT registration or an NCCL transfer must carry a version at least as
+new as the newest committed one. Only a rewind (`Synchronizer.rewind`) drops
+the versions above a point, and starts a new lineage there. Only metadata lives here (it is persisted); the bytes
 of MEMORY versions live in `buffers.WeightStore` and may be lost on restart.
 """
 
@@ -50,6 +51,13 @@ class VersionCatalog:
         self.records[record.version] = record
         for version in sorted(self.records)[: -self.max_records]:
             del self.records[version]
+
+    def drop_above(self, version: int) -> list[int]:
+        """Forgets every version above `version` (a rewind); returns them, oldest first."""
+        dropped = sorted(v for v in self.records if v > version)
+        for v in dropped:
+            del self.records[v]
+        return dropped
 
     def restore(self, records: list[VersionRecord]) -> None:
         for r in records:

@@ -12,9 +12,10 @@ store comes back empty, a trainer with its base weights at step 0).
   policy than the run gave it), hands it the run's policy and the trainer's weights, and
   the run goes on: no step is redone.
 - The trainer: the run resumes from the last checkpoint. The synchronizer and the replica
-  hold versions made by the lost weights and refuse older ones; the controller says so,
-  the test restarts them as an operator would, and the steps after the checkpoint are
-  redone.
+  hold versions made by the lost weights: the controller rewinds them to the checkpoint's
+  version (the synchronizer's Rewind; the replica installs the version the trainer
+  publishes again, although it is lower), and the steps after the checkpoint are redone.
+  Nobody restarts anything but the trainer.
 
 Both check summary.json's `restarts` and that the final model's lineage (per step, the
 last ledger line) trains every task exactly once. A replica's death needs nothing from
@@ -30,8 +31,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import asyncio
+
 import pytest
 
+from flywheel.synchronizer.client import SynchronizerClient
+from tests.conftest import TEST_TOKEN
 from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run, wait_for
 
 pytestmark = pytest.mark.slow
@@ -130,6 +135,14 @@ def start_controller(tmp_path: Path, victim: str) -> tuple[Deployment, subproces
         raise
 
 
+def synchronizer_status(deployment: Deployment):
+    async def ask():
+        async with SynchronizerClient(deployment.sync_address, TEST_TOKEN, timeout=10) as client:
+            return await client.status()
+
+    return asyncio.run(ask())
+
+
 def trained_steps(run_dir: Path) -> int:
     return max((r["step"] for r in jsonl(run_dir / "trained_tasks.jsonl")), default=0)
 
@@ -163,25 +176,23 @@ def test_a_synchronizer_restarted_by_the_kubelet_is_caught_up_and_the_run_goes_o
 
 @pytest.mark.timeout(900)
 def test_a_trainer_restarted_by_the_kubelet_rewinds_the_run_to_its_last_checkpoint(tmp_path: Path) -> None:
-    """It comes back with its base weights: the run resumes from the step-2 checkpoint once the
-    synchronizer and the replica, which hold versions made by the lost weights, were restarted too
-    (the controller says so; the test does it, as an operator would), and redoes the later steps."""
+    """It comes back with its base weights: the run resumes from the step-2 checkpoint, the
+    controller rewinds the synchronizer and the replica (which hold versions made by the lost
+    weights) to version 2, and the later steps are redone. Only the trainer is restarted."""
     deployment, controller, run_dir = start_controller(tmp_path, "trainer")
     try:
         wait_for(lambda: trained_steps(run_dir) >= 3, 600, "step 3", controller)
         deployment.kill_and_restart("trainer")
-        wait_for(lambda: "hold weights newer than step" in deployment.cluster.controller_output(), 300,
-                 "the controller asking for the synchronizer and the replica to be restarted", controller)
-        deployment.kill_and_restart("synchronizer")
-        deployment.kill_and_restart("rollout-0")
         code = controller.wait(600)
         output = deployment.cluster.controller_output()
         assert code == 0, output
+        status = synchronizer_status(deployment)
     finally:
         if controller.poll() is None:
             controller.kill()
         deployment.stop()
     assert "healing: trainer died at step" in output, output
+    assert "hold weights newer than step" not in output, "nobody but the kubelet restarts anything"
     rows = jsonl(run_dir / "trained_tasks.jsonl")
     assert_each_task_trained_once(rows)
     sessions = list(dict.fromkeys(r["session"] for r in rows))
@@ -190,14 +201,21 @@ def test_a_trainer_restarted_by_the_kubelet_rewinds_the_run_to_its_last_checkpoi
     [restart] = json.loads((run_dir / "summary.json").read_text())["restarts"]
     assert restart["service"] == "trainer" and restart["action"] == "resumed"
     assert Path(restart["resumed_from"]).name == f"global_step_{redone[0] - 1}"
+    assert restart["rewound_to"] == redone[0] - 1
+    assert f"rewound the synchronizer and the replicas to version {redone[0] - 1}" in output, output
     assert redone == list(range(restart["redo_from_step"], STEPS + 1))
+    # One lineage since the rewind, and the replica followed it to the end: the last step's rollouts
+    # were made by version STEPS - 1 (FIXED(1, 0): run step r generates on version r - 1).
+    assert (status.epoch, status.rewound_to, status.latest_version) == (1, redone[0] - 1, STEPS)
+    [replica] = [c for c in status.components if c.id == "rollout-0"]
+    assert replica.weight_version == STEPS - 1, status.describe()
 
 
 @pytest.mark.timeout(900)
 def test_with_restarts_off_the_jobs_next_pod_resumes_the_run_once_nothing_holds_lost_weights(tmp_path: Path) -> None:
     """`launch.restarts.max_restarts: 0`: the trainer's death ends the controller (exit 1), and the
-    Job starts it again. The new one resumes from the last checkpoint, and waits, before anything is
-    generated, until the synchronizer and the replica no longer hold the lost weights' versions."""
+    Job starts it again. The new one resumes from the last checkpoint and, before anything is
+    generated, rewinds the synchronizer and the replica, which hold the lost weights' versions."""
     deployment = Deployment(tmp_path, prepare_tiny_model())
     run_dir = tmp_path / "run"
     run = deployment.run_file("deployed-job")
@@ -211,10 +229,6 @@ def test_with_restarts_off_the_jobs_next_pod_resumes_the_run_once_nothing_holds_
             assert controller.wait(300) == 1, deployment.cluster.controller_output()
             assert "healing" not in deployment.cluster.controller_output()
             controller = deployment.cluster.controller(run, run_dir)  # the Job's next pod
-            wait_for(lambda: "hold weights newer than step" in deployment.cluster.controller_output(), 300,
-                     "the controller asking for the synchronizer and the replica to be restarted", controller)
-            deployment.kill_and_restart("synchronizer")
-            deployment.kill_and_restart("rollout-0")
             code = controller.wait(600)
             output = deployment.cluster.controller_output()
             assert code == 0, output
@@ -223,6 +237,7 @@ def test_with_restarts_off_the_jobs_next_pod_resumes_the_run_once_nothing_holds_
                 controller.kill()
     finally:
         deployment.stop()
+    assert "healing: rewound the synchronizer and the replicas to version" in output, output
     rows = jsonl(run_dir / "trained_tasks.jsonl")
     assert_each_task_trained_once(rows)
     assert len({r["session"] for r in rows}) == 2

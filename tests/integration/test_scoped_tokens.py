@@ -104,6 +104,12 @@ async def test_service_token_links_services_and_operator_owns_the_controller(
     async with SynchronizerClient(synchronizer.grpc_address, SERVICE, timeout=10) as client:
         components = [c.id for c in (await client.status()).components]
     assert "trainer-scoped" in components
+    # Rewinding the run's weights is for services (the controller) and operators, not agents.
+    code, details = await _code_and_details(synchronizer.grpc_address, AGENT, "synchronizer", "Rewind")
+    assert (code, details) == (
+        grpc.StatusCode.PERMISSION_DENIED, "Rewind needs scope service or operator; this token has scope agent")
+    code, details = await _code_and_details(synchronizer.grpc_address, SERVICE, "synchronizer", "Rewind")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "to_version must be >= 1" in details
 
     # The trainer is for services: an agent may not checkpoint it.
     code, details = await _code_and_details(trainer.grpc_address, AGENT, "trainer", "SaveCheckpoint")

@@ -20,6 +20,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_SYNC_REQUESTED: _ClassVar[EventKind]
     EVENT_KIND_PUSH_REQUESTED: _ClassVar[EventKind]
     EVENT_KIND_VERSION_STAGED: _ClassVar[EventKind]
+    EVENT_KIND_REWOUND: _ClassVar[EventKind]
 
 class RolloutWait(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ EVENT_KIND_TRANSFER_FINISHED: EventKind
 EVENT_KIND_SYNC_REQUESTED: EventKind
 EVENT_KIND_PUSH_REQUESTED: EventKind
 EVENT_KIND_VERSION_STAGED: EventKind
+EVENT_KIND_REWOUND: EventKind
 ROLLOUT_WAIT_UNSPECIFIED: RolloutWait
 ROLLOUT_WAIT_NONE: RolloutWait
 ROLLOUT_WAIT_DUE_VERSION: RolloutWait
@@ -134,7 +136,7 @@ class WatchRequest(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[str]] = ..., send_initial: _Optional[bool] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
-    __slots__ = ("kind", "component", "latest_version", "method", "location", "sequence", "unix_ms", "version", "group", "transfer_state", "message")
+    __slots__ = ("kind", "component", "latest_version", "method", "location", "sequence", "unix_ms", "version", "group", "transfer_state", "message", "epoch", "rewound_to")
     KIND_FIELD_NUMBER: _ClassVar[int]
     COMPONENT_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,8 @@ class WatchResponse(_message.Message):
     GROUP_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REWOUND_TO_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     component: _common_pb2.ComponentStatus
     latest_version: int
@@ -157,7 +161,9 @@ class WatchResponse(_message.Message):
     group: AllocateGroupResponse
     transfer_state: TransferState
     message: str
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., component: _Optional[_Union[_common_pb2.ComponentStatus, _Mapping]] = ..., latest_version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., location: _Optional[str] = ..., sequence: _Optional[int] = ..., unix_ms: _Optional[int] = ..., version: _Optional[int] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., transfer_state: _Optional[_Union[TransferState, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    epoch: int
+    rewound_to: int
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., component: _Optional[_Union[_common_pb2.ComponentStatus, _Mapping]] = ..., latest_version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., location: _Optional[str] = ..., sequence: _Optional[int] = ..., unix_ms: _Optional[int] = ..., version: _Optional[int] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., transfer_state: _Optional[_Union[TransferState, str]] = ..., message: _Optional[str] = ..., epoch: _Optional[int] = ..., rewound_to: _Optional[int] = ...) -> None: ...
 
 class ConfigurePolicyRequest(_message.Message):
     __slots__ = ("style", "method", "sync_interval", "sync_offset", "sync_timeout_seconds", "rollout_wait", "max_staleness")
@@ -412,17 +418,41 @@ class VersionInfo(_message.Message):
     def __init__(self, version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., bytes: _Optional[int] = ..., in_memory: _Optional[bool] = ..., path: _Optional[str] = ..., committed_unix_ms: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("components", "versions", "latest_version", "policy", "transfers", "held_bytes")
+    __slots__ = ("components", "versions", "latest_version", "policy", "transfers", "held_bytes", "epoch", "rewound_to")
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REWOUND_TO_FIELD_NUMBER: _ClassVar[int]
     components: _containers.RepeatedCompositeFieldContainer[_common_pb2.ComponentStatus]
     versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
     latest_version: int
     policy: ConfigurePolicyRequest
     transfers: _containers.RepeatedCompositeFieldContainer[GetTransferResponse]
     held_bytes: int
-    def __init__(self, components: _Optional[_Iterable[_Union[_common_pb2.ComponentStatus, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., latest_version: _Optional[int] = ..., policy: _Optional[_Union[ConfigurePolicyRequest, _Mapping]] = ..., transfers: _Optional[_Iterable[_Union[GetTransferResponse, _Mapping]]] = ..., held_bytes: _Optional[int] = ...) -> None: ...
+    epoch: int
+    rewound_to: int
+    def __init__(self, components: _Optional[_Iterable[_Union[_common_pb2.ComponentStatus, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., latest_version: _Optional[int] = ..., policy: _Optional[_Union[ConfigurePolicyRequest, _Mapping]] = ..., transfers: _Optional[_Iterable[_Union[GetTransferResponse, _Mapping]]] = ..., held_bytes: _Optional[int] = ..., epoch: _Optional[int] = ..., rewound_to: _Optional[int] = ...) -> None: ...
+
+class RewindRequest(_message.Message):
+    __slots__ = ("to_version", "reason")
+    TO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    to_version: int
+    reason: str
+    def __init__(self, to_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RewindResponse(_message.Message):
+    __slots__ = ("epoch", "latest_version", "dropped_versions", "rewinding")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    REWINDING_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    latest_version: int
+    dropped_versions: _containers.RepeatedScalarFieldContainer[int]
+    rewinding: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., latest_version: _Optional[int] = ..., dropped_versions: _Optional[_Iterable[int]] = ..., rewinding: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -110,6 +110,11 @@ class SynchronizerServiceStub:
                 request_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.StatusRequest.SerializeToString,
                 response_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Rewind = channel.unary_unary(
+                '/flywheel.synchronizer.v1.SynchronizerService/Rewind',
+                request_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RewindRequest.SerializeToString,
+                response_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RewindResponse.FromString,
+                _registered_method=True)
 
 
 class SynchronizerServiceServicer:
@@ -222,6 +227,15 @@ class SynchronizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rewind(self, request, context):
+        """Rewinds the run's weights to a version (the trainer resumed from its
+        checkpoint): drops every newer version and starts a new lineage; replicas
+        holding a newer version go back to it. Operator/controller scope.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SynchronizerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -299,6 +313,11 @@ def add_SynchronizerServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.StatusRequest.FromString,
                     response_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.StatusResponse.SerializeToString,
+            ),
+            'Rewind': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rewind,
+                    request_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RewindRequest.FromString,
+                    response_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RewindResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -707,6 +726,33 @@ class SynchronizerService:
             '/flywheel.synchronizer.v1.SynchronizerService/Status',
             flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.StatusRequest.SerializeToString,
             flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rewind(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.synchronizer.v1.SynchronizerService/Rewind',
+            flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RewindRequest.SerializeToString,
+            flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RewindResponse.FromString,
             options,
             channel_credentials,
             insecure,

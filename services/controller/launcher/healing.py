@@ -79,6 +79,8 @@ class Restart:
     resumed_from: str = ""
     #: The first step trained again after a rewind (at_step + 1 for a restart: nothing is redone).
     redo_from_step: int = 0
+    #: Deployed "resumed": the version the synchronizer and the replicas were rewound to (None: not rewound).
+    rewound_to: int | None = None
     unix_time: float = field(default_factory=time.time)
 
     def describe(self) -> str:
@@ -92,6 +94,9 @@ class Restart:
         first, last = self.redo_from_step, self.at_step
         again = ("nothing is redone" if last < first else f"step {first} is redone" if last == first
                  else f"steps {first}-{last} are redone")
+        if self.action == "resumed" and self.rewound_to is not None:
+            return (f"{died}: resumed the run from {source} once it answered again, and rewound the synchronizer "
+                    f"and the replicas to version {self.rewound_to}; {again}")
         if self.action == "resumed":
             return f"{died}: resumed the run from {source} once it answered again; {again}"
         return f"{died}: restarted every service and resumed from {source}; {again}"

@@ -1,0 +1,116 @@
+"""A rollout replica and a rewind: versions only go up, except when the synchronizer rewound
+the run's weights; then a replica serving a version of the lost lineage holds its generations
+back and installs the new lineage's version, although its number is lower (or the same).
+A real synchronizer server and the transformers engine on a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flywheel.errors import FailedPrecondition
+from flywheel.synchronizer.client import SynchronizerClient
+from services.rollout.core import RolloutCore, UpdateReport
+from services.rollout.engine.transformers_engine import TransformersEngine
+from services.rollout.sources import checkpoint_stage
+from services.synchronizer.embedded import embedded_synchronizer
+from tests.unit.rollout.rollout_helpers import rollout_config
+from tests.unit.rollout.test_rollout_follower import _at_version, eventually, generate, linked_rollout, shifted
+
+
+@pytest.fixture
+def base_state(rollout_model: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(rollout_model / "model.safetensors"))
+
+
+def first_weight(core: RolloutCore) -> torch.Tensor:
+    return next(iter(core.engine.model.state_dict().values())).detach().float().clone()
+
+
+async def test_the_core_installs_an_older_version_only_for_a_rewind(rollout_model, codec, base_state, tmp_path) -> None:
+    config = rollout_config(rollout_model, "transformers")
+    engine = TransformersEngine(rollout_model, dict(config.engine.args), codec)
+    await engine.start()
+    try:
+        core = RolloutCore(config, engine, codec, "tiny")
+        specs = engine.weight_specs()
+        for version in (2, 3):
+            (tmp_path / f"v{version}").mkdir()
+            save_file(shifted(base_state, 0.01 * version), str(tmp_path / f"v{version}" / "model.safetensors"))
+        await core.update_weights(3, checkpoint_stage(str(tmp_path / "v3"), 3, specs, tmp_path), None, 30)
+        for version in (2, 3):
+            with pytest.raises(FailedPrecondition, match=f"version {version} is not newer than the served version 3"):
+                await core.update_weights(version, checkpoint_stage(str(tmp_path / "v2"), version, specs, tmp_path),
+                                          None, 30)
+        assert core.status().version == 3
+        await core.update_weights(2, checkpoint_stage(str(tmp_path / "v2"), 2, specs, tmp_path), None, 30, rewind=True)
+        assert core.status().version == 2
+        assert (await generate(core)).version_start == 2
+    finally:
+        await engine.stop()
+
+
+async def test_a_replica_on_a_lost_version_goes_back_to_the_rewound_one(rollout_model, codec, base_state) -> None:
+    """Versions 1-3 made, 3 lost with the trainer: rewound to 2, the replica (on 3) holds generation
+    back until the trainer publishes 2 again (its bytes were evicted), installs it, and reports 2;
+    the new lineage's 3 (other weights) follows as an ordinary update."""
+    async with embedded_synchronizer(keep_versions=1) as sync, SynchronizerClient(sync.address) as client:
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+            await link.ready(5.0)
+            for version in (1, 2, 3):
+                await client.push_weights(shifted(base_state, 0.01 * version), version)
+            await link.follower.reach(3, 30)
+            await eventually(lambda: _at_version(client, 3), what="version 3 reported")
+            reports: list[UpdateReport] = []
+            core.update_observers.append(reports.append)
+
+            rewound = await client.rewind(2, "the trainer resumed from step 2")
+            assert (rewound.epoch, rewound.dropped, rewound.rewinding) == (1, [3], ["rollout-under-test"])
+            await eventually(lambda: link.follower.rewind_to == 2, what="the replica heard of the rewind")
+            held = asyncio.ensure_future(generate(core, 0))
+            await asyncio.sleep(0.5)
+            assert not held.done(), "a generation must not run on the lost lineage's weights"
+            assert core.status().version == 3
+
+            lineage = shifted(base_state, 0.5)  # the checkpoint's weights, published again as version 2
+            await client.push_weights(lineage, 2)
+            assert (await asyncio.wait_for(held, 30)).version_start == 2
+            assert core.status().version == 2 and link.follower.rewind_to is None
+            assert torch.allclose(first_weight(core), next(iter(lineage.values())).float())
+            await eventually(lambda: _at_version(client, 2), what="version 2 reported back")
+            assert [(r.version, r.error) for r in reports] == [(2, None)]
+
+            await client.push_weights(shifted(base_state, 0.6), 3)  # the new lineage goes on: an ordinary update
+            await link.follower.reach(3, 30)
+            assert torch.allclose(first_weight(core), next(iter(shifted(base_state, 0.6).values())).float())
+            status = await client.status()
+            assert (status.epoch, status.rewound_to) == (1, 2)
+
+
+async def test_a_replica_that_missed_the_rewind_event_goes_back_at_the_next_event(rollout_model, codec,
+                                                                                   base_state) -> None:
+    """An event of a newer lineage (its Watch was down during the rewind) is enough to go back."""
+    from flywheel.synchronizer.client_types import WatchEvent
+    from flywheel.synchronizer.types import EventKind
+
+    async with embedded_synchronizer(keep_versions=3) as sync, SynchronizerClient(sync.address) as client:
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+            await link.ready(5.0)
+            for version in (1, 2, 3):
+                await client.push_weights(shifted(base_state, 0.01 * version), version)
+            await link.follower.reach(3, 30)
+            await client.rewind(2)
+            await eventually(lambda: core.status().version == 2, what="back on version 2")
+            # Replayed as if missed: an ordinary event that carries the lineage (epoch 1, rewound to 2).
+            link.follower.epoch = 0
+            await client.push_weights(shifted(base_state, 0.7), 3)
+            await link.follower.reach(3, 30)
+            link.follower.epoch = 0
+            link.follower.learn(WatchEvent(EventKind.STATE_CHANGED, 1, 0, 3, None, 0, None, "", None, None, "", 1, 2))
+            assert link.follower.rewind_to == 2  # serving 3 (perhaps of the lost lineage): it goes back
+            await eventually(lambda: link.follower.rewind_to is None, what="the rewind done")
+            assert core.status().version == 3  # the new lineage's newest, installed again

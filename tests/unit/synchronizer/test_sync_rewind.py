@@ -1,0 +1,100 @@
+"""Rewind: the one way down for versions. The catalog, the store and the bytes drop every
+version above the rewound one, the lineage (epoch) goes up, the rollouts above it are sent
+back and their first report at or below it is taken; bad requests say why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound
+from flywheel.runtime.auth import Scope
+from flywheel.synchronizer.types import EventKind, Identity, Role, State
+from services.synchronizer.app import METHOD_SCOPES
+from services.synchronizer.core import Synchronizer
+from tests.unit.synchronizer.test_sync_core import push, service
+
+
+def three_versions(tmp_path: Path | None = None):
+    sync, plane, clock = service(tmp_path, keep_versions=3)
+    sync.register(Identity(Role.TRAINER, "t"), 0, 0)
+    sync.register(Identity(Role.ROLLOUT, "r"), 0, 0)
+    sync.register(Identity(Role.ROLLOUT, "behind"), 0, 0)
+    for version in (1, 2, 3):
+        push(plane, version, seed=version)
+    sync.heartbeat("r", 3, 3)
+    sync.heartbeat("behind", 3, 1)
+    return sync, plane, clock
+
+
+async def test_rewind_drops_newer_versions_raises_the_epoch_and_sends_rollouts_back(tmp_path: Path) -> None:
+    sync, plane, _ = three_versions(tmp_path)
+    sub = sync.events.subscribe(["r"])
+    rewound = sync.rewind(2, "trainer resumed at step 2")
+    assert (rewound.epoch, rewound.latest_version, rewound.dropped, rewound.rewinding) == (1, 2, [3], ["r"])
+    assert sync.catalog.latest == 2 and list(sync.weights.committed) == [1, 2]
+    with pytest.raises(NotFound):
+        await plane.open_pull(3)
+    event = sub._queue[-1]
+    assert (event.kind, event.version, event.epoch, event.rewound_to) == (EventKind.REWOUND, 2, 1, 2)
+    assert event.latest_version == 2 and "step 2" in event.message
+    # The rollout still serves 3: a stale beat changes nothing, its first report at or below 2 is taken.
+    sync.heartbeat("r", 0, 3)
+    assert sync.registry.get("r").weight_version == 3
+    sync.heartbeat("r", 0, 2)
+    assert sync.registry.get("r").weight_version == 2
+    sync.heartbeat("r", 0, 1)  # the rewind is over for it: versions only go up again
+    assert sync.registry.get("r").weight_version == 2
+    # The new lineage goes on from 2: version 3 again, with other weights.
+    push(plane, 3, seed=33)
+    assert sync.catalog.latest == 3 and sync.epoch == 1
+    # A restart (with the store) keeps the lineage, the dropped versions dropped, and the way back
+    # open for a rollout that had not come back yet.
+    sync.rewind(1)
+    again = Synchronizer(sync.config)
+    assert (again.epoch, again.rewound_to) == (2, 1)
+    assert sorted(again.catalog.records) == [1]
+    again.heartbeat("r", 0, 1)
+    assert again.registry.get("r").weight_version == 1
+
+
+def test_rewind_refuses_what_it_cannot_do_and_says_why() -> None:
+    sync, _, _ = three_versions()
+    with pytest.raises(InvalidArgument, match="to_version must be >= 1"):
+        sync.rewind(0)
+    with pytest.raises(FailedPrecondition, match="nothing to rewind: the newest committed version is 3"):
+        sync.rewind(3)
+    with pytest.raises(FailedPrecondition, match="nothing to rewind"):
+        sync.rewind(2**63)
+    sync.heartbeat("t", 3, 3)  # a live trainer on version 3 would publish what a rewind to 2 drops
+    with pytest.raises(FailedPrecondition, match="trainer 't' holds version 3, newer than 2"):
+        sync.rewind(2)
+    assert sync.catalog.latest == 3 and sync.epoch == 0  # a refusal changes nothing
+
+
+def test_rewind_aborts_pushes_above_it_and_cancels_sync_requests_for_dropped_versions() -> None:
+    from tests.unit.synchronizer.sync_helpers import frames_of, small_state
+
+    sync, plane, _ = three_versions()
+    manifest, frame, _ = frames_of(small_state(4), 4)
+    buffer = plane.begin_push(manifest, frame)
+    c = sync.registry.get("behind")
+    c.state, c.awaited_version, c.last_sync_step = State.REQUIRE_SYNC, 3, 3
+    sync.rewind(2)
+    assert buffer.phase.value == "aborted" and not sync.weights.staging
+    assert c.state == State.RUNNING and c.awaited_version == 0 and c.last_sync_step == 2
+    assert "behind" not in sync.registry.rewinding  # it serves 1: nothing to go back from
+
+
+def test_a_rollout_registering_again_ends_its_rewind() -> None:
+    sync, _, _ = three_versions()
+    sync.rewind(1)
+    assert sync.registry.rewinding == {"r": 1}  # "behind" serves 1 already
+    sync.register(Identity(Role.ROLLOUT, "r"), 0, 0)
+    assert "r" not in sync.registry.rewinding
+
+
+def test_rewind_is_for_services_and_operators() -> None:
+    # The controller calls it with the service token; an agent token is refused (test_scoped_tokens.py).
+    assert METHOD_SCOPES["Rewind"] == Scope.SERVICE
