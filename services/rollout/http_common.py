@@ -5,7 +5,6 @@ each domain error."""
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,7 +33,9 @@ def error_response(exc: Exception) -> JSONResponse:
     status = getattr(exc, "http_status", None) or HTTP_STATUS.get(code, 500)
     headers = {}
     if isinstance(exc, QueueFull):
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_seconds)))
+        # Whole seconds (RFC 9110), rounded, not ceiled: the hint is spread over [hint, 2 x hint]
+        # (RolloutCore.reserve), and a ceiling would turn a 1 s hint into 2 s for everyone.
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_seconds)))
     return JSONResponse(error_body(status, str(exc)), status_code=status, headers=headers)
 
 
