@@ -745,7 +745,8 @@ class LocalRun:
         restart = self.healer.history[-1] if self.healer and self.healer.history else None
         if restart is not None and restart.action == "resumed" and restart.rewound_to is None:
             restart.rewound_to = version
-        await pipeline.weight_sync.publish(version)  # the rewound version, for the replicas to load
+        # The rewound version, for the replicas to load (NCCL: broadcast to them again).
+        await pipeline.weight_sync.publish(version, again=bool(rewound.rewinding))
         await self.until_nothing_newer(cfg, version, rewound=True)
 
     def _watch_remote_services(self, cfg: RunConfig) -> Any:

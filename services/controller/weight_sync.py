@@ -178,14 +178,19 @@ class WeightSyncController:
         newest = max(self.engines.min_version(), self.published[0] if self.published else 0)
         return version - newest > self.gate.limit
 
-    async def publish(self, version: int) -> None:
+    async def publish(self, version: int, *, again: bool = False) -> None:
         """Governed: the synchronizer holds `version` (the trainer's current) once this returns.
 
         For versions the policy did not make due: the trainer publishes them
-        itself at its steps, and NeedSync refuses nothing published twice."""
+        itself at its steps, and NeedSync refuses nothing published twice.
+        `again` (after a rewind, replicas going back to `version`): an NCCL
+        version is broadcast although the synchronizer lists it, since
+        nobody can pull it."""
         assert self.synchronizer is not None
-        if version < 1 or await self.synchronizer.latest_version() >= version:
+        if version < 1:
             return  # version 0 is the base model every replica loads
+        if await self.synchronizer.latest_version() >= version and not (again and self.method == "nccl"):
+            return
         if self.method == "nccl":
             # Every registered replica joins the group on its own (it watches the synchronizer).
             group = await self.synchronizer.allocate_group(version, [], self.timeout_seconds)

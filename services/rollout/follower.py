@@ -28,7 +28,9 @@ the one way down: the synchronizer drops every version above N and starts a
 new lineage (its epoch, on every Watch event). A replica serving a version
 above N forgets what it heard of the old lineage, holds its generations back,
 and installs the new lineage's newest version once there is one (N, which the
-controller has the trainer publish again) with `update_weights(rewind=True)`;
+controller has the trainer publish again; by NCCL, the synchronizer puts the
+replica in its broadcast although its number is higher) with
+`update_weights(rewind=True)`;
 its next report (at or below N) is what the synchronizer takes as its way
 back. A replica that missed the REWOUND event sees the new epoch on the next
 event it gets (a reconnecting Watch sends one at once).
@@ -327,9 +329,13 @@ class Follower:
     async def _join(self, group: GroupInfo) -> None:
         """NCCL: receives the trainer's broadcast in a group the synchronizer put this replica in."""
         target = NcclTarget(group.group_id, self.client.address, group.ranks[self.component_id])
+        to = self.rewind_to  # a group after a rewind carries the new lineage's version, whatever its number
         try:
             await update_over_group(self.core, target, group.version, None, self.config.updates.timeout_seconds,
-                                    token=self.token)
+                                    token=self.token, rewind=to is not None)
+            if to is not None and self.rewind_to == to:  # no newer rewind meanwhile
+                self.rewind_to = None
+                log.info("rewound", extra={"id": self.component_id, "version": self.served, "epoch": self.epoch})
         except Exception as exc:  # noqa: BLE001 - reported to the synchronizer already; the old version serves on
             log.warning("joining transfer failed", extra={"group": group.group_id, "error": str(exc)})
         finally:
@@ -353,6 +359,11 @@ class Follower:
         if to is None:
             return
         version = self.latest
+        if (await self._source(version))[0] == Method.NCCL:
+            # Nothing to pull: the trainer broadcasts it again with this replica in the group (_join).
+            if self.rewind_to == to:
+                await self._moved.wait()
+            return
         await self.apply(version, rewind=True)
         if self.rewind_to == to:  # no newer rewind meanwhile
             self.rewind_to = None
@@ -367,7 +378,8 @@ class Follower:
                  extra={"id": self.component_id, "version": outcome.version,
                         "pause_seconds": round(outcome.pause_seconds, 4)})
 
-    async def _stage_for(self, version: int) -> Stage:
+    async def _source(self, version: int) -> tuple[Method | None, str]:
+        """How `version` travels: its method and checkpoint path."""
         if version not in self.sources:
             # Heard of only through an event's latest_version (a commit while
             # the stream was down): the synchronizer's status names its source.
@@ -376,7 +388,10 @@ class Follower:
                 self.sources.setdefault(info.version, (info.method, info.path))
         if version not in self.sources:
             raise NotFound(f"the synchronizer no longer lists version {version}")
-        method, location = self.sources[version]
+        return self.sources[version]
+
+    async def _stage_for(self, version: int) -> Stage:
+        method, location = await self._source(version)
         engine, _ = self.core.require_engine()
         specs = engine.weight_specs()
         if method == Method.MEMORY:

@@ -144,9 +144,11 @@ async def _stage(
 
 
 async def update_over_group(
-    core: RolloutCore, target: NcclTarget, version: int, mode: PauseMode | None, timeout: float, *, token: str | None
+    core: RolloutCore, target: NcclTarget, version: int, mode: PauseMode | None, timeout: float, *, token: str | None,
+    rewind: bool = False,
 ) -> UpdateOutcome:
-    """Receives `version` in the target's group and swaps it in on commit (see module doc)."""
+    """Receives `version` in the target's group and swaps it in on commit (see module doc);
+    `rewind`: in place of a lost lineage's weights, whatever their number (`RolloutCore.update_weights`)."""
     engine, _ = core.require_engine()
     async with SynchronizerClient(target.synchronizer_address, token, timeout=RPC_SECONDS) as client:
         group = await _group(client, target)
@@ -157,7 +159,7 @@ async def update_over_group(
             specs = dict(engine.weight_specs())
             left = group.deadline_unix_ms / 1000 - time.time() + _VERDICT_MARGIN_SECONDS
             return await core.update_weights(
-                version, lambda: _stage(client, member, group, specs, device), mode, max(timeout, left)
+                version, lambda: _stage(client, member, group, specs, device), mode, max(timeout, left), rewind=rewind
             )
         except BaseException as exc:
             # Also for failures before the receive started (a stale version, no

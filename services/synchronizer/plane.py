@@ -177,10 +177,13 @@ class WeightPlane:
         if rollout_ids:
             rollouts = [self._member(rid, Role.ROLLOUT) for rid in dict.fromkeys(rollout_ids)]
         else:
-            # Those behind it: every one for a new version, the late ones when it is broadcast again.
+            # Those behind it: every one for a new version, the late ones when it is broadcast again;
+            # and those a rewind sent back, whatever their number (they serve a lost lineage's weights).
+            rewinding = self.sync.registry.rewinding
             rollouts = [
                 r for r in self.sync.registry.live(Role.ROLLOUT)
-                if (not r.identity.capabilities or Method.NCCL in r.identity.capabilities) and r.weight_version < version
+                if (not r.identity.capabilities or Method.NCCL in r.identity.capabilities)
+                and (r.weight_version < version or r.id in rewinding)
             ]
         group = self.sync.transfers.allocate(version, trainer, rollouts, timeout, backend)
         self.sync.events.publish(

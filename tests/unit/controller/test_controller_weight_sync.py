@@ -120,6 +120,13 @@ def test_with_a_synchronizer_the_controller_moves_no_weights(mode: str, wait: in
         trainer.version = 1
         await nccl.settle(1)  # a group of every registered replica; they join on their own
         assert nccl.synchronizer.groups == 1 and trainer.exports == 1
+        # After a rewind to 1 the synchronizer still lists 1, but replicas going back to it cannot
+        # pull an NCCL version: it is broadcast again (a MEMORY or CHECKPOINT one is not).
+        nccl.synchronizer.latest = 1
+        await nccl.publish(1, again=True)
+        assert nccl.synchronizer.groups == 2 and trainer.exports == 2
+        await sync.publish(3, again=True)
+        assert sync.trainer.exports == 1
 
     run_virtual(scenario())
 

@@ -6,6 +6,7 @@ A real synchronizer server and the transformers engine on a tiny model."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,14 @@ from safetensors.torch import load_file, save_file
 
 from flywheel.errors import FailedPrecondition
 from flywheel.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.participant import broadcast_version
+from flywheel.synchronizer.types import TransferState
 from services.rollout.core import RolloutCore, UpdateReport
 from services.rollout.engine.transformers_engine import TransformersEngine
 from services.rollout.sources import checkpoint_stage
 from services.synchronizer.embedded import embedded_synchronizer
 from tests.unit.rollout.rollout_helpers import rollout_config
-from tests.unit.rollout.test_rollout_follower import _at_version, eventually, generate, linked_rollout, shifted
+from tests.unit.rollout.test_rollout_follower import CID, _at_version, eventually, generate, linked_rollout, shifted
 
 
 @pytest.fixture
@@ -114,3 +117,46 @@ async def test_a_replica_that_missed_the_rewind_event_goes_back_at_the_next_even
             assert link.follower.rewind_to == 2  # serving 3 (perhaps of the lost lineage): it goes back
             await eventually(lambda: link.follower.rewind_to is None, what="the rewind done")
             assert core.status().version == 3  # the new lineage's newest, installed again
+
+
+async def test_a_replica_on_a_lost_nccl_version_is_broadcast_the_rewound_one(rollout_model, codec, base_state) -> None:
+    """NCCL (gloo on CPU, the trainer's rank in a thread here): versions 1-3 broadcast, 3 lost with the
+    trainer. Nothing can be pulled: after Rewind(2) the trainer broadcasts 2 again, the synchronizer
+    puts the replica (on 3) in the group although its number is higher, and the replica installs 2
+    in place of 3 and reports it."""
+    port = 43000 + os.getpid() % 500 * 4  # rendezvous ports away from other tests'
+    async with embedded_synchronizer(group_backend="gloo", rendezvous_host="127.0.0.1", rendezvous_port_min=port,
+                                     rendezvous_port_max=port + 3) as sync, \
+            SynchronizerClient(sync.address) as client:
+        await client.configure_policy("fixed", "nccl", 1)
+        await client.register("trainer", "trainer-0")
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+            await link.ready(5.0)
+            for version in (1, 2, 3):
+                sent = await broadcast_version(client, "trainer-0", version, shifted(base_state, 0.01 * version),
+                                               timeout_seconds=30)
+                assert sent.state == TransferState.COMMITTED, sent.error
+                await eventually(lambda: core.status().version == version, what=f"version {version} installed")
+            await eventually(lambda: _at_version(client, 3), what="version 3 reported")
+            reports: list[UpdateReport] = []
+            core.update_observers.append(reports.append)
+
+            rewound = await client.rewind(2, "the trainer resumed from step 2")
+            assert (rewound.epoch, rewound.dropped, rewound.rewinding) == (1, [3], [CID])
+            await eventually(lambda: link.follower.rewind_to == 2, what="the replica heard of the rewind")
+            held = asyncio.ensure_future(generate(core, 0))
+            await asyncio.sleep(0.5)
+            assert not held.done(), "a generation must not run on the lost lineage's weights"
+            assert core.status().version == 3 and link.follower.rewind_to == 2  # nothing to pull: it waits
+
+            lineage = shifted(base_state, 0.5)  # the checkpoint's weights, broadcast again as version 2
+            sent = await broadcast_version(client, "trainer-0", 2, lineage, timeout_seconds=30)
+            assert sent.state == TransferState.COMMITTED, sent.error
+            assert sent.group is not None and sent.group.ranks == {"trainer-0": 0, CID: 1}
+            assert (await asyncio.wait_for(held, 30)).version_start == 2
+            assert core.status().version == 2 and link.follower.rewind_to is None
+            assert torch.allclose(first_weight(core), next(iter(lineage.values())).float())
+            await eventually(lambda: _at_version(client, 2), what="version 2 reported back")
+            assert [(r.version, r.error) for r in reports] == [(2, None)]
+            status = await client.status()
+            assert (status.epoch, status.rewound_to, status.latest_version) == (1, 2, 2)
