@@ -6,7 +6,6 @@ A real synchronizer server and the transformers engine on a tiny model."""
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,9 @@ from services.rollout.engine.transformers_engine import TransformersEngine
 from services.rollout.sources import checkpoint_stage
 from services.synchronizer.embedded import embedded_synchronizer
 from tests.unit.rollout.rollout_helpers import rollout_config
-from tests.unit.rollout.test_rollout_follower import CID, _at_version, eventually, generate, linked_rollout, shifted
+from tests.unit.rollout.test_rollout_follower import (
+    CID, _at_version, eventually, free_port, generate, linked_rollout, shifted,
+)
 
 
 @pytest.fixture
@@ -124,9 +125,9 @@ async def test_a_replica_on_a_lost_nccl_version_is_broadcast_the_rewound_one(rol
     trainer. Nothing can be pulled: after Rewind(2) the trainer broadcasts 2 again, the synchronizer
     puts the replica (on 3) in the group although its number is higher, and the replica installs 2
     in place of 3 and reports it."""
-    port = 43000 + os.getpid() % 500 * 4  # rendezvous ports away from other tests'
+    port = free_port()  # one rendezvous port, free now, for every transfer in turn
     async with embedded_synchronizer(group_backend="gloo", rendezvous_host="127.0.0.1", rendezvous_port_min=port,
-                                     rendezvous_port_max=port + 3) as sync, \
+                                     rendezvous_port_max=port) as sync, \
             SynchronizerClient(sync.address) as client:
         await client.configure_policy("fixed", "nccl", 1)
         await client.register("trainer", "trainer-0")
