@@ -194,9 +194,15 @@ async def test_update_racing_50_requests_tags_each_answer_with_one_version(serve
             while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
                 await asyncio.sleep(0.005)
             updating = asyncio.ensure_future(update(rollout, 3, memory=pb.MemorySource(synchronizer_address=sync.address)))
-            for _ in range(25):
+            # Requests keep arriving for as long as the update takes (the engine may stage the new
+            # version for a while before it pauses; on a loaded machine 25 requests 5 ms apart all
+            # arrived before the pause), and a few after it.
+            for arrived in range(1000):
+                if arrived >= 25 and updating.done():
+                    break
                 requests.append(asyncio.ensure_future(greedy(rollout)))
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0.005 if arrived < 25 else 0.1)
+            requests += [asyncio.ensure_future(greedy(rollout)) for _ in range(3)]
             response = await updating
             samples = await asyncio.gather(*requests)
     finally:
@@ -207,8 +213,8 @@ async def test_update_racing_50_requests_tags_each_answer_with_one_version(serve
         assert sample.weight_version_start == sample.weight_version_end
         assert list(sample.completion_token_ids) == expected[sample.weight_version_start]
         seen.add(sample.weight_version_start)
-    # Requests in flight when the update began drained on the old weights
-    # (pause mode "wait"); those that arrived during it ran on the new ones.
+    # Requests in flight when the update paused generation drained on the old weights
+    # (pause mode "wait"); those that arrived after the pause ran on the new ones.
     assert seen == set(expected)
     track.version, track.state = 3, new
 
