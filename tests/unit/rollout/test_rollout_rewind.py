@@ -67,7 +67,9 @@ async def test_a_replica_on_a_lost_version_goes_back_to_the_rewound_one(rollout_
             await link.ready(5.0)
             for version in (1, 2, 3):
                 await client.push_weights(shifted(base_state, 0.01 * version), version)
-            await link.follower.reach(3, 30)
+                # One at a time: with keep_versions 1, a version pushed before the replica pulled the
+                # previous one evicts it, and a failed pull waits for the next sync request (1 run in 6).
+                await link.follower.reach(version, 30)
             await eventually(lambda: _at_version(client, 3), what="version 3 reported")
             reports: list[UpdateReport] = []
             core.update_observers.append(reports.append)
