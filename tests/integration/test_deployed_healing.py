@@ -204,11 +204,14 @@ def test_a_trainer_restarted_by_the_kubelet_rewinds_the_run_to_its_last_checkpoi
     assert restart["rewound_to"] == redone[0] - 1
     assert f"rewound the synchronizer and the replicas to version {redone[0] - 1}" in output, output
     assert redone == list(range(restart["redo_from_step"], STEPS + 1))
-    # One lineage since the rewind, and the replica followed it to the end: the last step's rollouts
-    # were made by version STEPS - 1 (FIXED(1, 0): run step r generates on version r - 1).
+    # One lineage since the rewind, and the replica followed it to the end. batch-async with staleness
+    # threshold 1: step r's rollouts are made while step r - 1 trains, on version r - 2 or r - 1, and
+    # the sync to version STEPS - 1 may still be in flight when the controller exits.
     assert (status.epoch, status.rewound_to, status.latest_version) == (1, redone[0] - 1, STEPS)
     [replica] = [c for c in status.components if c.id == "rollout-0"]
-    assert replica.weight_version == STEPS - 1, status.describe()
+    assert replica.weight_version in (STEPS - 2, STEPS - 1), status.describe()
+    last_versions = [start for start, _ in rows[-1]["sample_versions"]]
+    assert min(last_versions) >= STEPS - 2, last_versions
 
 
 @pytest.mark.timeout(900)

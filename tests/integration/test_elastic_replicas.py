@@ -100,11 +100,13 @@ def test_replicas_join_die_and_rejoin_without_losing_a_task(tmp_path: Path) -> N
 def test_a_replica_that_joins_an_nccl_run_is_sent_the_newest_version_before_it_serves(tmp_path: Path) -> None:
     """NCCL versions are kept nowhere to pull from: the synchronizer asks the trainer to broadcast the
     newest one again to the late replica (gloo on CPU), whose first sample is on it, not on its base weights.
-    FIXED(4): between broadcasts the trainer has moved on, so a late replica must wait for it to come round."""
+    FIXED(4): between broadcasts the trainer has moved on, so a late replica must wait for it to come round.
+    The run is long enough for that: r1 starts in 5-30 s (load), the trainer makes about two steps a second,
+    and with 16 steps r1 registered at version 8, missed 12 (the trainer held 13) and the run ended at 16."""
     model = prepare_tiny_model()
     cluster = Cluster(tmp_path)
     run_dir = tmp_path / "run"
-    steps = 16
+    steps = 64
 
     def ledger() -> list[dict]:
         return jsonl(run_dir / "trained_tasks.jsonl")
