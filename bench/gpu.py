@@ -30,11 +30,26 @@ Measured in the same run, on the same model directory and the same batch:
   d2h copy       `.to("cpu", copy=True)` of every exported tensor of the
                  plain model: the same bytes, device to host, nothing else
                  (on CPU, --cpu-smoke, a memcpy: no figure to read there).
+  rollout        the rollout service (`python -m services.rollout`, the
+  generate       transformers engine on the device, bfloat16) started as
+                 its own process; one Generate RPC over gRPC with
+                 --prompts prompts, greedy, --gen-tokens tokens each
+                 (ignore_eos), timed at the client. The engine decodes
+                 each sequence with its own KV cache, one token per step.
+  in-process     the same checkpoint loaded in this process, bfloat16 on
+  generate       the same device; `model.generate` of the same prompts,
+                 one after another (batch 1, greedy, a KV cache), the
+                 same number of tokens. The model for these two: the
+                 Qwen2.5-0.5B body (24 layers, hidden 896, 14/2 heads,
+                 MLP 4864) with the local tokenizer's vocabulary
+                 (`flywheel.models.tiny`: the service needs tokenizer
+                 files, and the hub is not reachable).
 Each side runs --warmup rounds first, then --steps timed rounds; the sides
 alternate round by round so anything else on the machine hits both alike;
 figures are medians. Ratios are throughput ratios, ours over the baseline
 (baseline seconds / our seconds: 1.0 is parity, above 1 is faster):
-  fsdp_step_vs_plain_step, export_buckets_vs_d2h_copy.
+  fsdp_step_vs_plain_step, export_buckets_vs_d2h_copy,
+  rollout_generate_vs_inprocess_generate.
 Also printed: the GPU memory peaks of both steps and the export's GPU peak
 above the resident model (about one parameter: no second copy).
 Ends with one JSON line of the figures.
@@ -134,6 +149,82 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - started
 
 
+def generation_figures(tmp: Path, device: str, smoke: bool, args: argparse.Namespace) -> dict:
+    """Tokens per second through the rollout service vs in-process generate (see the module doc)."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    from flywheel.launcher.processes import start_service
+    from flywheel.models.tiny import build_tiny_model
+    from flywheel.common.v1 import common_pb2
+    from flywheel.rollout.v1 import rollout_pb2 as pb
+    from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
+    from flywheel.runtime.client import open_channel
+
+    body = dict(num_layers=2, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256) if smoke else \
+        dict(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+             max_position_embeddings=32768)
+    path = build_tiny_model(tmp / "generation-model", **body)
+    dtype = "float32" if smoke else "bfloat16"
+    config = tmp / "rollout.yaml"
+    config.write_text(json.dumps({  # JSON is YAML
+        "http_port": 0,
+        "engine": {"kind": "transformers", "model_path": str(path),
+                   "args": {"device": device, "dtype": dtype, "max_num_seqs": args.prompts, "seed": 0}},
+    }))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device).eval()
+    g = torch.Generator().manual_seed(1)
+    vocab = int(model.config.vocab_size)
+    prompts = [torch.randint(10, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+    tokens = args.prompts * args.gen_tokens
+
+    def in_process() -> None:
+        with torch.inference_mode():
+            for prompt in prompts:
+                ids = torch.tensor([prompt], device=device)
+                out = model.generate(ids, max_new_tokens=args.gen_tokens, min_new_tokens=args.gen_tokens,
+                                     do_sample=False, use_cache=True, pad_token_id=0)
+                assert out.shape[1] == len(prompt) + args.gen_tokens
+
+    service = start_service("rollout", tmp / "rollout-run", ["--config", str(config)])
+    try:
+        service.wait_ready(600)
+        request = pb.GenerateRequest(
+            prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=p)) for p in prompts],
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True),
+        )
+
+        async def through_service(rounds: int) -> list[float]:
+            times = []
+            async with open_channel(service.grpc_address, default_timeout=600) as channel:
+                stub = pb_grpc.RolloutServiceStub(channel)
+                for _ in range(rounds):
+                    started = time.perf_counter()
+                    response = await stub.Generate(request, timeout=600)
+                    times.append(time.perf_counter() - started)
+                    assert sum(len(s.completion_token_ids) for r in response.results for s in r.samples) == tokens
+            return times
+
+        ours, base = [], []
+        for i in range(args.warmup + args.steps):
+            [t_ours] = asyncio.run(through_service(1))
+            t_base = timed(in_process, device)
+            if i >= args.warmup:
+                ours.append(t_ours)
+                base.append(t_base)
+    finally:
+        service.stop()
+    gen_ours, gen_base = statistics.median(ours), statistics.median(base)
+    print(f"{'generate (s)':22}{gen_ours:>14.4f}{gen_base:>14.4f}{gen_base / gen_ours:>8.2f}   "
+          f"rollout service (gRPC, transformers engine) vs in-process generate, {args.prompts} prompts x "
+          f"{args.gen_tokens} tokens; {tokens / gen_ours:,.0f} vs {tokens / gen_base:,.0f} tokens/s")
+    return {
+        "generated_tokens": tokens, "rollout_generate_seconds": gen_ours, "inprocess_generate_seconds": gen_base,
+        "rollout_generate_vs_inprocess_generate": gen_base / gen_ours,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -141,11 +232,15 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per Generate (generation figure)")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: a tiny model on CPU, to check the script runs")
     args = parser.parse_args()
     if args.cpu_smoke:
         device, shape, autocast = "cpu", TINY, "none"
         args.batch_size, args.seq_len = min(args.batch_size, 4), min(args.seq_len, 64)
+        args.prompts, args.gen_tokens = min(args.prompts, 2), min(args.gen_tokens, 8)
     elif torch.cuda.is_available():
         device, shape, autocast = "cuda:0", QWEN2_05B, "bfloat16"
     else:
@@ -221,14 +316,19 @@ def main() -> int:
             export()
             peaks["export_peak_above_resident_bytes"] = torch.cuda.max_memory_allocated() - resident
         engine.close()
+        plain.model = plain.optimizer = None  # the GPU memory goes to the generation figure's models
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        gib = exported["bytes"] / 2**30
+        print(f"{'':22}{'ours':>14}{'baseline':>14}{'ratio':>8}")
+        print(f"{'step (s)':22}{step_ours:>14.4f}{step_base:>14.4f}{step_base / step_ours:>8.2f}   "
+              f"trainer step (1-rank FSDP2) vs plain torch step; {tokens / step_ours:,.0f} vs "
+              f"{tokens / step_base:,.0f} tokens/s")
+        print(f"{'export (s)':22}{export_ours:>14.4f}{export_base:>14.4f}{export_base / export_ours:>8.2f}   "
+              f"buckets gathered to host vs raw D2H copy of the same {gib:.2f} GiB; "
+              f"{gib / export_ours:.2f} vs {gib / export_base:.2f} GiB/s")
+        generation = generation_figures(Path(tmp), device, args.cpu_smoke, args)
 
-    gib = exported["bytes"] / 2**30
-    print(f"{'':22}{'ours':>14}{'baseline':>14}{'ratio':>8}")
-    print(f"{'step (s)':22}{step_ours:>14.4f}{step_base:>14.4f}{step_base / step_ours:>8.2f}   "
-          f"trainer step (1-rank FSDP2) vs plain torch step; {tokens / step_ours:,.0f} vs {tokens / step_base:,.0f} tokens/s")
-    print(f"{'export (s)':22}{export_ours:>14.4f}{export_base:>14.4f}{export_base / export_ours:>8.2f}   "
-          f"buckets gathered to host vs raw D2H copy of the same {gib:.2f} GiB; "
-          f"{gib / export_ours:.2f} vs {gib / export_base:.2f} GiB/s")
     for name, value in peaks.items():
         print(f"{name}: {value / 2**30:.2f} GiB")
     figures = {
@@ -238,6 +338,7 @@ def main() -> int:
         "fsdp_step_vs_plain_step": step_base / step_ours,
         "export_bytes": exported["bytes"], "export_buckets_seconds": export_ours, "d2h_copy_seconds": export_base,
         "export_buckets_vs_d2h_copy": export_base / export_ours,
+        **generation,
         **peaks,
     }
     print(json.dumps(figures))

@@ -9,6 +9,8 @@ weights only if the synchronizer declares the transfer COMMITTED.
     outcome = await receive_version(sync, "rollout-0", group, live_weights)
     # rollout that swaps weights itself (the rollout service): staged only
     received = await stage_version(sync, "rollout-0", group, like)
+    # rollout whose engine's worker process joins the group itself
+    received = await stage_version(sync, "rollout-0", group, receiver=..., discard=...)
 
 While the blocking broadcast runs in a worker thread, a watcher follows the
 transfer on the synchronizer and raises the abort flag the broadcast polls,
@@ -22,8 +24,9 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -134,11 +137,18 @@ class Received:
 
     #: The synchronizer's verdict (COMMITTED, ABORTED, or PENDING if it never came).
     outcome: TransferOutcome
-    #: The staged tensors, set only when the transfer COMMITTED.
-    staged: dict[str, torch.Tensor] | None
+    #: What the receive staged (the staged tensors, unless a `receiver` was given), set only when
+    #: the transfer COMMITTED.
+    staged: Any | None
     #: This side's own failure (already reported), kept so a caller can raise it
     #: with its own status (a wrong shape is INVALID_ARGUMENT, not ABORTED).
     error: BaseException | None
+
+
+#: Receives this rank's share of a transfer somewhere else than this thread (e.g. in an inference
+#: engine's worker process): (the rank's group spec, the abort flag to honour) -> what it staged.
+#: It ends within the spec's deadline, and stops at once when cancelled or when the flag is raised.
+Receiver = Callable[[GroupSpec, Callable[[], bool]], Awaitable[Any]]
 
 
 async def _join(client: SynchronizerClient, rollout_id: str) -> None:
@@ -154,26 +164,38 @@ async def stage_version(
     client: SynchronizerClient,
     rollout_id: str,
     group: GroupInfo,
-    like: Mapping[str, torch.Tensor],
+    like: Mapping[str, torch.Tensor] | None = None,
     *,
     on_bucket: Callable[[int], None] | None = None,
+    receiver: Receiver | None = None,
+    discard: Callable[[Any], Awaitable[None]] | None = None,
 ) -> Received:
     """Rollout: joins `group`, receives into fresh staging buffers shaped and
     placed like `like` (only its names, dtypes, shapes and device are read),
     reports, and waits for the outcome. Nothing live is touched.
+
+    With `receiver`, that receives instead (`like` and `on_bucket` unused), and
+    `discard` is handed what it staged if the transfer does not commit.
 
     Cancelled mid-receive (the caller's own deadline), it raises the abort
     flag the receiving thread polls and reports the failure before
     re-raising, so neither this thread nor the other ranks wait for the
     group's deadline.
     """
+    if receiver is None:
+        if like is None:
+            raise ValueError("stage_version needs `like` or a `receiver`")
+
+        def receiver(spec: GroupSpec, should_abort: Callable[[], bool]) -> Awaitable[dict[str, torch.Tensor]]:
+            return asyncio.to_thread(receive, spec, like, should_abort=should_abort, on_bucket=on_bucket)
+
     await _join(client, rollout_id)
     spec = spec_for(group, rollout_id)
-    staged: dict[str, torch.Tensor] | None = None
+    staged: Any | None = None
     error: BaseException | None = None
     async with _abort_flag(client, group.group_id) as aborted:
         try:
-            staged = await asyncio.to_thread(receive, spec, like, should_abort=aborted.is_set, on_bucket=on_bucket)
+            staged = await receiver(spec, aborted.is_set)
         except asyncio.CancelledError:
             aborted.set()
             with contextlib.suppress(FlywheelError):
@@ -181,8 +203,15 @@ async def stage_version(
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is reported, then the outcome decides
             error = exc
-    outcome = await _finish(client, group, rollout_id, error)
+    try:
+        outcome = await _finish(client, group, rollout_id, error)
+    except BaseException:
+        if staged is not None and discard is not None:
+            await discard(staged)
+        raise
     committed = outcome.state == TransferState.COMMITTED and staged is not None
+    if not committed and staged is not None and discard is not None:
+        await discard(staged)
     return Received(outcome, staged if committed else None, error)
 
 

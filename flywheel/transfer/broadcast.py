@@ -29,6 +29,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -299,6 +300,13 @@ def receive(
         return staged
 
     return _run(spec, device, should_abort, body)
+
+
+def placeholders(specs: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """A `like` for `receive` from specs (anything with .dtype and .shape): stride-0 views of one
+    element each. `receive` reads only names, dtypes, shapes and the device from `like`, and
+    full-size empties would cost a second copy of the model's memory for nothing."""
+    return {name: torch.empty((), dtype=s.dtype, device=device).expand(tuple(s.shape)) for name, s in specs.items()}
 
 
 def _check_like(metas: list[tuple[str, torch.dtype, tuple[int, ...]]], like: Mapping[str, torch.Tensor]) -> None:

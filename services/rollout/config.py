@@ -27,7 +27,8 @@ class EngineConfig(StrictModel):
     args: dict[str, Any] = Field(
         default_factory=dict,
         description="engine arguments passed to vLLM's AsyncEngineArgs untouched (e.g. {max_model_len: 1024}); "
-        "the transformers engine reads dtype, max_model_len, seed and tokenizer from them",
+        "the transformers engine reads device (default cpu), dtype, max_model_len, max_num_seqs, seed and "
+        "tokenizer from them",
     )
     initial_version: int = Field(0, ge=0, description="weight version of the weights in model_path (0: base model)")
     tool_parser: Literal["hermes"] = Field(

@@ -9,27 +9,26 @@ replica's `UpdateWeights(nccl=...)` together. On this side:
    the source of truth (deadline, members), and the member holding the
    request's rank is this replica's component id there, so the request needs
    no second name for it. Fields the request repeats must agree with it.
-2. Staging (`flywheel.synchronizer.participant.stage_version`, in a worker
-   thread) joins the group and receives into fresh bucket buffers shaped by
-   the engine's `weight_specs()`; names, dtypes and shapes are checked before
-   any bucket moves (INVALID_ARGUMENT), gloo buckets are checksummed on CPU
-   (DATA_LOSS). This side's outcome is reported, then the synchronizer's
-   verdict awaited: only COMMITTED (every receiver confirmed) hands
-   `StagedWeights(tensors=...)` to the core's swap under the request gate.
+2. Staging (`flywheel.synchronizer.participant.stage_version`) joins the
+   group and receives into fresh bucket buffers shaped by the engine's
+   `weight_specs()`; names, dtypes and shapes are checked before any bucket
+   moves (INVALID_ARGUMENT), gloo buckets are checksummed on CPU (DATA_LOSS).
+   This side's outcome is reported, then the synchronizer's verdict awaited:
+   only COMMITTED (every receiver confirmed) hands the staged weights to the
+   core's swap under the request gate.
 3. Any failure, abort or timeout before the swap leaves the engine on its old
    weights, untouched, and is reported to the synchronizer (a late report
    after the verdict changes nothing there), so the trainer and the other
    replicas stop at once instead of at the group's deadline.
 
-Why `like` holds stride-0 views of one element rather than `torch.empty`
-tensors of the real shapes: `receive` reads only names, dtypes, shapes and
-the device from it, and full-size empties would cost a second copy of the
-model's memory for nothing.
-
-Backends: gloo receives on CPU; nccl receives on this process's current CUDA
-device and the staged tensors are copied to CPU after the commit (the
-engine contract is CPU tensors; the vLLM engine hands them to its worker in
-an anonymous memory file, services/rollout/engine/vllm_transfer.py). nccl without CUDA is FAILED_PRECONDITION.
+Who receives: an engine that joins groups itself (`Engine.joins_groups`: the
+vLLM engine, whose worker process holds the served model) is handed the
+group and receives there, on the worker's device, with the same code and
+checks (`receive_in_group`); the buckets never pass through this process.
+Otherwise this process receives, in a thread: gloo on CPU, nccl on its
+current CUDA device with the staged tensors copied to CPU after the commit
+(the engine contract is CPU tensors). nccl without CUDA where the receive
+runs is FAILED_PRECONDITION.
 
 The staging deadline is the later of the update's timeout and the group's
 deadline (plus the wait for the verdict): every rank gives up at the group's
@@ -43,15 +42,17 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from flywheel.errors import Aborted, DeadlineExceeded, FailedPrecondition, FlywheelError, InvalidArgument, NotFound
 from services.rollout.core import RolloutCore, UpdateOutcome
-from services.rollout.engine.base import PauseMode, StagedWeights, TensorSpec
+from services.rollout.engine.base import Engine, PauseMode, StagedWeights, TensorSpec
 from flywheel.synchronizer.client import SynchronizerClient
-from flywheel.synchronizer.participant import stage_version
+from flywheel.synchronizer.participant import Received, stage_version
 from flywheel.synchronizer.types import GroupInfo, TransferState
+from flywheel.transfer.broadcast import placeholders
 
 #: Deadline of each plain synchronizer call (state changes, reports), in seconds.
 RPC_SECONDS = 10.0
@@ -108,11 +109,6 @@ def check_agrees(group: GroupInfo, target: NcclTarget, version: int) -> None:
         raise InvalidArgument(f"version: {version}, but transfer group {group.group_id!r} carries version {group.version}")
 
 
-def shape_only(specs: dict[str, TensorSpec], device: torch.device) -> dict[str, torch.Tensor]:
-    """Tensors with the specs' dtypes and shapes that own one element each (see module doc)."""
-    return {name: torch.empty((), dtype=s.dtype, device=device).expand(s.shape) for name, s in specs.items()}
-
-
 async def _group(client: SynchronizerClient, target: NcclTarget) -> GroupInfo:
     outcome = await client.get_transfer(target.group_id)
     if outcome.group is None:
@@ -127,7 +123,24 @@ async def _group(client: SynchronizerClient, target: NcclTarget) -> GroupInfo:
 async def _stage(
     client: SynchronizerClient, member: str, group: GroupInfo, specs: dict[str, TensorSpec], device: torch.device
 ) -> StagedWeights:
-    received = await stage_version(client, member, group, shape_only(specs, device))
+    """This process receives: into CPU tensors (copied off the GPU after the commit, for nccl)."""
+    received = await stage_version(client, member, group, placeholders(specs, device))
+    staged = _committed(received, group)
+    tensors = staged
+    if device.type != "cpu":
+        tensors = await asyncio.to_thread(lambda: {n: t.to("cpu") for n, t in staged.items()})
+    return StagedWeights(version=group.version, tensors=tensors, nbytes=sum(t.nbytes for t in tensors.values()))
+
+
+async def _stage_in_engine(client: SynchronizerClient, member: str, group: GroupInfo, engine: Engine) -> StagedWeights:
+    """The engine receives, in its own process (its worker: the tensors land where they are served)."""
+    received = await stage_version(client, member, group, receiver=engine.receive_in_group,
+                                   discard=engine.discard_weights)
+    return _committed(received, group)
+
+
+def _committed(received: Received, group: GroupInfo) -> Any:
+    """What was staged, once the synchronizer declared the transfer COMMITTED; else its error."""
     if received.error is not None:
         if isinstance(received.error, FlywheelError):
             raise received.error  # keeps its status: a wrong shape is INVALID_ARGUMENT, corrupt bytes DATA_LOSS
@@ -137,10 +150,7 @@ async def _stage(
         error = DeadlineExceeded if outcome.state == TransferState.PENDING else Aborted
         raise error(f"transfer {group.group_id} of version {group.version} ended "
                     f"{outcome.state.name}: {outcome.error or 'no verdict by the deadline'}")
-    tensors = received.staged
-    if device.type != "cpu":
-        tensors = await asyncio.to_thread(lambda: {n: t.to("cpu") for n, t in received.staged.items()})
-    return StagedWeights(version=group.version, tensors=tensors, nbytes=sum(t.nbytes for t in tensors.values()))
+    return received.staged
 
 
 async def update_over_group(
@@ -155,12 +165,14 @@ async def update_over_group(
         member = member_of(group, target.rank)
         try:
             check_agrees(group, target, version)
-            device = receive_device(group.backend)
-            specs = dict(engine.weight_specs())
+            if engine.joins_groups:
+                stage = lambda: _stage_in_engine(client, member, group, engine)  # noqa: E731
+            else:
+                device = receive_device(group.backend)
+                specs = dict(engine.weight_specs())
+                stage = lambda: _stage(client, member, group, specs, device)  # noqa: E731
             left = group.deadline_unix_ms / 1000 - time.time() + _VERDICT_MARGIN_SECONDS
-            return await core.update_weights(
-                version, lambda: _stage(client, member, group, specs, device), mode, max(timeout, left), rewind=rewind
-            )
+            return await core.update_weights(version, stage, mode, max(timeout, left), rewind=rewind)
         except BaseException as exc:
             # Also for failures before the receive started (a stale version, no
             # CUDA): the other ranks then stop now rather than at the deadline.

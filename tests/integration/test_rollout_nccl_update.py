@@ -33,6 +33,7 @@ from flywheel.runtime.client import open_channel
 from flywheel.synchronizer.client import SynchronizerClient
 from services.synchronizer.embedded import embedded_synchronizer
 from flywheel.transfer.broadcast import send
+from flywheel.synchronizer import participant
 from flywheel.synchronizer.participant import send_in_group, spec_for
 from flywheel.synchronizer.types import GroupInfo, State, TransferState
 from tests.conftest import TEST_TOKEN
@@ -66,6 +67,7 @@ def server(request: pytest.FixtureRequest, model_dir: Path):
     need_engine(request.param)
     srv = ServerThread(rollout_config(model_dir, request.param)).start()
     srv.track = Track(model_dir, 0, load_file(str(model_dir / "model.safetensors")))
+    srv.engine_kind = request.param
     yield srv
     srv.stop()
 
@@ -135,9 +137,19 @@ async def rejected(server, code: grpc.StatusCode | tuple[grpc.StatusCode, ...], 
         return info.value.details()
 
 
-async def test_gloo_broadcast_moves_the_rollout_to_the_new_version(server) -> None:
+async def test_gloo_broadcast_moves_the_rollout_to_the_new_version(server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's worker joins the group itself: the buckets never pass through the service process,
+    where the transformers engine receives them."""
     track: Track = server.track
     new = track.scaled(1.5)
+    received_here: list[str] = []
+    real_receive = participant.receive
+
+    def receive_in_this_process(spec, like, **kwargs):
+        received_here.append(spec.group_id)
+        return real_receive(spec, like, **kwargs)
+
+    monkeypatch.setattr(participant, "receive", receive_in_this_process)
     async with cluster(server.address) as c, open_channel(server.address, token=TEST_TOKEN) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)
         before = await greedy(rollout)
@@ -157,6 +169,7 @@ async def test_gloo_broadcast_moves_the_rollout_to_the_new_version(server) -> No
         assert (after.weight_version_start, after.weight_version_end) == (1, 1)
         status = await c.client.status()
         assert {x.identity.id: x.weight_version for x in status.components}[ROLLOUT] == 1
+    assert received_here == ([] if server.engine_kind == "vllm" else [group.group_id])
     track.version, track.state = 1, new
 
 

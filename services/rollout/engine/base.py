@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from flywheel.common.types import FinishReason, SamplingSpec
+from flywheel.transfer.broadcast import GroupSpec
 
 PauseMode = Literal["abort", "wait", "keep"]
 
@@ -86,13 +87,24 @@ class MemorySource:
     ticket: str
 
 
+@dataclass(frozen=True)
+class GroupSource:
+    """An NCCL/gloo transfer the engine received itself, in its own process (`Engine.joins_groups`)."""
+
+    group_id: str
+    version: int
+    #: Names the received version among the engine's staged versions.
+    ticket: str
+
+
 @dataclass
 class StagedWeights:
     """A weight version, ready to be swapped in.
 
     Exactly one of `tensors` (verified CPU tensors in memory), `files`
     (safetensors files whose headers were checked) or `source` (a MEMORY
-    version the engine pulls and verifies itself) is set. `release`, if set,
+    version the engine pulls and verifies itself, or a transfer it received
+    itself) is set. `release`, if set,
     is called once nothing reads `tensors` any more (their owner may then
     reuse them).
     """
@@ -100,7 +112,7 @@ class StagedWeights:
     version: int
     tensors: dict[str, torch.Tensor] | None = None
     files: list[str] | None = None
-    source: MemorySource | None = None
+    source: MemorySource | GroupSource | None = None
     nbytes: int = 0
     release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
@@ -125,6 +137,18 @@ class Engine(abc.ABC):
     supports_constraints: bool = False
     #: Whether it pulls MEMORY versions itself (staged with `source`, not `tensors`).
     pulls_memory: bool = False
+
+    @property
+    def joins_groups(self) -> bool:
+        """Whether it joins NCCL/gloo transfer groups itself (`receive_in_group`), rather than
+        being handed tensors this process received."""
+        return False
+
+    async def receive_in_group(self, spec: GroupSpec, should_abort: Callable[[], bool]) -> StagedWeights:
+        """Joins the transfer group as `spec`'s rank and stages what it broadcasts, verified
+        (`flywheel.transfer.broadcast.receive`'s checks), without touching the live weights;
+        returns StagedWeights with a `GroupSource`. Stops once `should_abort()` or when cancelled."""
+        raise NotImplementedError(f"the {self.kind} engine does not join transfer groups")
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -5,6 +5,10 @@ about what is engine-specific. One worker thread owns the model: decode steps
 and weight swaps both run on it, so a swap can never interleave with a step.
 Sequences are stepped round-robin, one token each per round, up to
 `max_num_seqs` at a time (the rest wait), each with its own KV cache.
+
+It runs on CPU unless `engine.args.device` names another torch device
+(e.g. "cuda:0"); sampling then reads each step's last-position logits on
+the host (one vocabulary-sized copy per token).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from services.rollout.weights import checkpoint_specs, read_files
 log = logging.getLogger(__name__)
 
 # Engine arguments this engine understands; the rest are vLLM's and ignored here.
-_KNOWN_ARGS = {"dtype", "max_model_len", "max_num_seqs", "seed", "tokenizer"}
+_KNOWN_ARGS = {"device", "dtype", "max_model_len", "max_num_seqs", "seed", "tokenizer"}
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "half": torch.float16}
 
@@ -56,6 +60,12 @@ class TransformersEngine(Engine):
         self._codec = codec
         self._version = initial_version
         self._max_num_seqs = int(args.get("max_num_seqs", 64))
+        try:
+            self._device = torch.device(str(args.get("device", "cpu")))
+        except RuntimeError as exc:
+            raise InvalidArgument(f"engine.args.device: {exc}") from None
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            raise FailedPrecondition(f"engine.args.device is {self._device}, but this machine has no CUDA device")
         self._seed = int(args.get("seed", 0))
         self._seed_counter = itertools.count()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
@@ -97,7 +107,7 @@ class TransformersEngine(Engine):
         dtype = self._args.get("dtype", "auto")
         torch_dtype = _DTYPES.get(dtype, "auto") if isinstance(dtype, str) else dtype
         torch.manual_seed(self._seed)
-        return AutoModelForCausalLM.from_pretrained(str(self._path), dtype=torch_dtype).eval()
+        return AutoModelForCausalLM.from_pretrained(str(self._path), dtype=torch_dtype).to(self._device).eval()
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -184,10 +194,10 @@ class TransformersEngine(Engine):
             for seq in batch:
                 if seq.finish is not None:
                     continue
-                ids = torch.tensor([seq.next_input()], dtype=torch.long)
+                ids = torch.tensor([seq.next_input()], dtype=torch.long, device=self._device)
                 out = self.model(input_ids=ids, past_key_values=seq.cache, use_cache=True)
                 seq.cache = out.past_key_values
-                seq.step(out.logits[0, -1], self._codec, version)
+                seq.step(out.logits[0, -1].cpu(), self._codec, version)
 
     def _dispatch(self, batch: list[Sequence], version: int) -> None:
         per_request: dict[str, list[Delta]] = {}

@@ -9,10 +9,14 @@ produced it, even across a `keep` pause.
 
 Weights reach the worker without a file. A MEMORY version is pulled and
 verified by the worker itself, in the background while generation goes on
-(`prepare_weights`); the swap, generation paused, only loads it. Tensors this
-process received (an NCCL/gloo transfer) are shared with the worker in an
-anonymous memory file (memfd); a CHECKPOINT directory's files are read by
-the worker where they lie.
+(`prepare_weights`); the swap, generation paused, only loads it. An
+NCCL/gloo transfer is received by the worker too: it joins the
+synchronizer's group as the replica's rank (`receive_in_group`) and holds
+the version until the service, told COMMITTED, loads it by its ticket. With
+tensor parallelism each worker holds a shard, and the synchronizer's group
+has one rank per replica: this process then receives, and shares the
+tensors with the workers in an anonymous memory file (memfd). A CHECKPOINT
+directory's files are read by the worker where they lie.
 """
 
 from __future__ import annotations
@@ -23,18 +27,21 @@ import json
 import logging
 import mmap
 import os
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from flywheel import errors
-from flywheel.errors import FailedPrecondition, InvalidArgument
+from flywheel.errors import Aborted, FailedPrecondition, InvalidArgument
 from flywheel.runtime.tls import process_tls
+from flywheel.transfer.broadcast import GroupSpec
 from services.rollout.engine.base import (
-    Delta, Engine, EngineLoad, MemorySource, PauseMode, SampleOutput, SamplingSpec, StagedWeights, TensorSpec,
+    Delta, Engine, EngineLoad, GroupSource, MemorySource, PauseMode, SampleOutput, SamplingSpec, StagedWeights,
+    TensorSpec,
 )
 from services.rollout.engine.vllm_transfer import BACKEND, decode_error, error_of
 from services.rollout.text import TextCodec
@@ -292,7 +299,38 @@ class VllmEngine(Engine):
     async def resume(self) -> None:
         await self._llm.resume_generation()
 
+    @property
+    def joins_groups(self) -> bool:
+        # One rank per replica in the synchronizer's groups: one worker can take it.
+        return all(int(self._args.get(name) or 1) == 1 for name in ("tensor_parallel_size", "pipeline_parallel_size"))
+
+    async def receive_in_group(self, spec: GroupSpec, should_abort: Callable[[], bool]) -> StagedWeights:
+        """The worker joins the group and receives while generation goes on; returns once it holds
+        the version (loaded later by its ticket, or dropped)."""
+        ticket = uuid.uuid4().hex
+        source = GroupSource(spec.group_id, spec.version, ticket)
+        try:
+            await self._llm.collective_rpc("flywheel_stage", args=(ticket, {"group": asdict(spec)}))
+            while True:
+                if should_abort():
+                    raise Aborted(f"transfer {spec.group_id} was aborted (during the receive)")
+                [state] = await self._llm.collective_rpc("flywheel_staged", args=(ticket,))
+                if state["state"] == "failed":
+                    raise error_of(state["code"], state["message"])
+                if state["state"] == "ready":
+                    return StagedWeights(version=spec.version, source=source, nbytes=int(state["bytes"]))
+                await asyncio.sleep(_POLL_SECONDS)
+        except BaseException as exc:
+            # Stops the worker's receive (and, through the group's store, its peers) now.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._llm.collective_rpc("flywheel_drop", args=(ticket,)))
+            if isinstance(exc, Exception) and (found := _worker_error(exc)) is not None:
+                raise found from exc
+            raise
+
     async def prepare_weights(self, staged: StagedWeights) -> StagedWeights:
+        if isinstance(staged.source, GroupSource):
+            return staged  # the worker already holds it
         if staged.source is not None:
             return await self._stage_in_worker(staged.source)
         if staged.tensors is not None:

@@ -6,6 +6,12 @@ one engine per worker from `weight_transfer_config.backend`, and its
 weights from three places, and verifies everything before it loads the first
 parameter, so a rejected update leaves the model untouched:
 
+* the synchronizer's NCCL/gloo transfer group (`group`): it joins the group
+  as the replica's rank and receives the broadcast on the worker's device
+  (`flywheel.transfer.broadcast.receive`: names, dtypes and shapes checked
+  before any bucket moves, gloo buckets checksummed). `stage` does that in
+  the background; the service reports to the synchronizer and loads the
+  version by its ticket only once the transfer COMMITTED, else drops it;
 * the synchronizer (MEMORY): it pulls the version itself, through
   `flywheel.synchronizer.pull` (payloads read in place from the synchronizer's
   shared-memory segments when it is on this host, else from the stream),
@@ -22,7 +28,14 @@ The load is vLLM's in-place reload (kernel-specific processing redone), plus
 `refresh_kept_cpu_gemms`. No weight file is ever written.
 
 Why an engine of ours: vLLM's own engines (nccl, ipc, sparse) are CUDA-only,
-and none reads the synchronizer's checksummed chunks or segments. The base
+and none reads the synchronizer's checksummed chunks or segments. Its nccl
+engine also brings its own rendezvous (a StatelessProcessGroup the trainer
+hosts, one group kept for the engine's life) with no abort flag, no deadline
+per transfer and no verdict: a receiver cannot stop when a peer fails, nor
+wait for the synchronizer's COMMITTED before it loads. The synchronizer's
+groups are one per transfer, bounded by its deadline, abortable from either
+side and gloo-capable, so the worker joins them with Flywheel's own
+broadcast code, the same the trainer sends with. The base
 `update_weights` calls `torch.accelerator.synchronize()`, which raises on the
 CPU build; this one synchronizes only a CUDA device.
 
@@ -51,7 +64,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from flywheel import errors
-from flywheel.errors import Aborted, DeadlineExceeded, FlywheelError, NotFound
+from flywheel.errors import Aborted, DeadlineExceeded, FailedPrecondition, FlywheelError, NotFound
+from flywheel.transfer.broadcast import GroupSpec
 
 #: The backend name in vLLM's factory (`weight_transfer_config.backend`).
 BACKEND = "flywheel"
@@ -94,7 +108,7 @@ class SharedTensors:
 
 @dataclass
 class FlywheelUpdateInfo(WeightTransferUpdateInfo):
-    """One update; exactly one of ticket, synchronizer, shared or files."""
+    """One update; exactly one of ticket, synchronizer, group, shared or files."""
 
     #: A version `stage` pulled and verified, by its ticket.
     ticket: str = ""
@@ -115,11 +129,14 @@ class FlywheelUpdateInfo(WeightTransferUpdateInfo):
     shared: dict[str, Any] | None = None
     #: Or safetensors files the service verified (a checkpoint directory's).
     files: list[str] | None = None
+    #: Or (`stage` only) the transfer group to receive in: `flywheel.transfer.broadcast.GroupSpec`'s fields.
+    group: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        given = [bool(self.ticket), bool(self.synchronizer), self.shared is not None, self.files is not None]
+        given = [bool(self.ticket), bool(self.synchronizer), self.shared is not None, self.files is not None,
+                 self.group is not None]
         if sum(given) != 1:
-            raise ValueError("a flywheel update names exactly one of ticket, synchronizer, shared or files")
+            raise ValueError("a flywheel update names exactly one of ticket, synchronizer, group, shared or files")
         if self.synchronizer and self.version < 1:
             raise ValueError("a flywheel update from a synchronizer names a version >= 1")
 
@@ -131,8 +148,10 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        #: ticket -> (the pull, whether its tensors are kept for the next one once loaded)
+        #: ticket -> (the pull or receive: (bytes, tensors), whether its tensors are kept for the next one)
         self._staged: dict[str, tuple[concurrent.futures.Future, bool]] = {}
+        #: ticket -> the flag a receive in a transfer group polls (raised by `drop`)
+        self._aborts: dict[str, threading.Event] = {}
         #: Tensors of the last version loaded, to stage the next one into (reuse_staging).
         self._free: dict[str, torch.Tensor] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,6 +179,9 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: FlywheelUpdateInfo) -> None:
+        if update_info.group is not None:
+            raise ValueError("a transfer group's version is staged first (flywheel_stage) and loaded by its "
+                             "ticket once the synchronizer declared the transfer COMMITTED")
         if update_info.files is not None:
             self._load(_file_tensors(update_info.files))
         elif update_info.shared is not None:
@@ -173,12 +195,13 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
             else:
                 future, reuse = self._start_pull(update_info), update_info.reuse_staging
             _, tensors = _result(future)
+            self._aborts.pop(update_info.ticket, None)
             self._load(tensors.items())
             # Kept only if the model took copies: a staging tensor it still held would change under it.
             self._free = tensors if reuse and not _shares_storage(self.model, tensors) else None
 
     def shutdown(self) -> None:
-        for ticket in list(self._staged):
+        for ticket in [*self._staged, *self._aborts]:
             self.drop(ticket)
         loop, self._loop = self._loop, None
         if loop is not None:
@@ -187,12 +210,16 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
     # -- staging ahead of an update (the worker extension's RPCs) --------------
 
     def stage(self, ticket: str, update_info: dict[str, Any]) -> None:
-        """Starts pulling and verifying a version in the background; returns at once."""
+        """Starts pulling and verifying a version, or receiving it in a transfer group, in the
+        background; returns at once."""
         info = self.parse_update_info(update_info)
-        if not info.synchronizer:
-            raise ValueError("stage needs an update info naming a synchronizer")
+        if not info.synchronizer and info.group is None:
+            raise ValueError("stage needs an update info naming a synchronizer or a transfer group")
         self.drop(ticket)
-        self._staged[ticket] = (self._start_pull(info), info.reuse_staging)
+        if info.group is not None:
+            self._staged[ticket] = (self._start_receive(ticket, GroupSpec(**info.group)), False)
+        else:
+            self._staged[ticket] = (self._start_pull(info), info.reuse_staging)
 
     def staged(self, ticket: str) -> dict[str, Any]:
         """{"state": "pending"}, {"state": "ready", "bytes": n} or {"state": "failed", "code", "message"}
@@ -203,14 +230,19 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         if not future.done():
             return {"state": "pending"}
         try:
-            manifest, _ = _result(future)
+            nbytes, _ = _result(future)
         except FlywheelError as exc:
             del self._staged[ticket]
+            self._aborts.pop(ticket, None)
             return {"state": "failed", "code": exc.code, "message": str(exc)}
-        return {"state": "ready", "bytes": int(manifest.total_bytes)}
+        return {"state": "ready", "bytes": nbytes}
 
     def drop(self, ticket: str) -> None:
-        """Cancels or forgets a staged version (nothing if unknown)."""
+        """Cancels or forgets a staged version (nothing if unknown); a receive in a transfer group
+        stops at its next check (and its peers with it)."""
+        aborted = self._aborts.pop(ticket, None)
+        if aborted is not None:
+            aborted.set()
         future, _ = self._staged.pop(ticket, (None, False))
         if future is not None:
             future.cancel()
@@ -231,9 +263,33 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         staging, self._free = (self._free if info.reuse_staging else None), None
         return asyncio.run_coroutine_threadsafe(self._pull(info, staging), self._pull_loop())
 
+    def _start_receive(self, ticket: str, spec: GroupSpec) -> concurrent.futures.Future:
+        """Receives in the group on a thread of its own (blocking, bounded by the group's deadline)."""
+        from flywheel.transfer.broadcast import placeholders, receive
+
+        if spec.backend == "nccl" and self.device.type != "cuda":
+            raise FailedPrecondition(f"transfer group {spec.group_id} uses nccl, which needs a CUDA device, but this "
+                                     f"worker runs on {self.device.type}; allocate the group with backend gloo")
+        device = self.device if spec.backend == "nccl" else torch.device("cpu")
+        like = placeholders(self._served_specs(), device)
+        aborted = self._aborts[ticket] = threading.Event()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                tensors = receive(spec, like, should_abort=aborted.is_set)
+                future.set_result((sum(t.nbytes for t in tensors.values()), tensors))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever asks for the result
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name=f"flywheel-receive-{spec.group_id}", daemon=True).start()
+        return future
+
     async def _pull(
         self, info: FlywheelUpdateInfo, staging: dict[str, torch.Tensor] | None
-    ) -> tuple[Any, dict[str, torch.Tensor]]:
+    ) -> tuple[int, dict[str, torch.Tensor]]:
         from flywheel.runtime.tls import TlsFiles
         from services.rollout.sync_client import pull_tensors
 
@@ -243,7 +299,7 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         tls = TlsFiles(**{k: Path(v) if v else None for k, v in info.tls.items()}) if info.tls is not None else None
         try:
             with translated(f"PullWeights from {info.synchronizer}"):
-                return await asyncio.wait_for(
+                manifest, tensors = await asyncio.wait_for(
                     pull_tensors(info.synchronizer, info.version, self._served_specs(), token=info.token,
                                  timeout=info.timeout_seconds, max_message_bytes=info.max_message_bytes, tls=tls,
                                  staging=staging),
@@ -253,6 +309,7 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
             raise DeadlineExceeded(
                 f"version {info.version} not pulled from {info.synchronizer} within {info.timeout_seconds:g} s"
             ) from None
+        return int(manifest.total_bytes), tensors
 
     def _served_specs(self) -> dict:
         """Names, dtypes and shapes of the checkpoint the model was loaded from: what an update must provide."""
@@ -275,7 +332,7 @@ def _result(future: concurrent.futures.Future) -> Any:
     except concurrent.futures.CancelledError:
         raise Aborted("the staged version was dropped before it was loaded") from None
     except Exception as exc:  # noqa: BLE001 - the codec's or the channel's own errors
-        raise FlywheelError(f"pulling the version failed: {type(exc).__name__}: {exc}") from exc
+        raise FlywheelError(f"staging the version failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _shares_storage(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> bool:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.rollout.engine.vllm_transfer import FlywheelWeightTransferEngine, register
+from flywheel.errors import FlywheelError
+from services.rollout.engine.vllm_transfer import FlywheelWeightTransferEngine, coded, register
 
 register()
 
@@ -27,8 +28,12 @@ class FlywheelWorkerExtension:
         return engine
 
     def flywheel_stage(self, ticket: str, update_info: dict[str, Any]) -> None:
-        """Starts pulling and verifying a version under `ticket`, in the background."""
-        self._flywheel_engine().stage(ticket, update_info)
+        """Starts pulling and verifying a version, or receiving it in a transfer group, under
+        `ticket`, in the background."""
+        try:
+            self._flywheel_engine().stage(ticket, update_info)
+        except FlywheelError as exc:
+            raise RuntimeError(coded(exc.code, str(exc))) from exc  # vLLM's RPC keeps only the text
 
     def flywheel_staged(self, ticket: str) -> dict[str, Any]:
         """Where the staging under `ticket` stands (see FlywheelWeightTransferEngine.staged)."""

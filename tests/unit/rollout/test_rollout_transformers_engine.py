@@ -112,3 +112,34 @@ async def test_weight_swap_changes_greedy_output(engine, rollout_model: Path) ->
     assert after.token_ids == reference_greedy(rollout_model, PROMPT, 8, state)
     assert after.token_ids != before.token_ids and after.version_start == 3
     torch.testing.assert_close(engine.model.state_dict()["model.norm.weight"], state["model.norm.weight"])
+
+
+def test_a_device_it_cannot_use_is_refused_before_it_loads(rollout_model: Path, codec) -> None:
+    from flywheel.errors import FailedPrecondition, InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="engine.args.device"):
+        TransformersEngine(rollout_model, {"device": "no-such-device"}, codec)
+    if not torch.cuda.is_available():
+        with pytest.raises(FailedPrecondition, match="no CUDA device"):
+            TransformersEngine(rollout_model, {"device": "cuda:0"}, codec)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_on_cuda_it_decodes_like_a_plain_forward_pass_and_swaps_weights_there(rollout_model: Path, codec) -> None:
+    engine = TransformersEngine(rollout_model, {"device": "cuda:0", "dtype": "float32", "max_model_len": 128}, codec)
+    await engine.start()
+    try:
+        assert next(engine.model.parameters()).device.type == "cuda"
+        (sample,), _ = await run(engine, SamplingSpec(temperature=0, max_tokens=10, ignore_eos=True))
+        assert sample.token_ids == reference_greedy(rollout_model, PROMPT, 10)  # TF32 off: float32 on both
+        new = {name: t * 1.5 for name, t in load_file(str(rollout_model / "model.safetensors")).items()}
+        staged = StagedWeights(version=1, tensors=new, nbytes=sum(t.nbytes for t in new.values()))
+        await engine.pause("wait")
+        await engine.swap_weights(staged)
+        await engine.resume()
+        (after,), _ = await run(engine, SamplingSpec(temperature=0, max_tokens=10, ignore_eos=True))
+        assert after.token_ids == reference_greedy(rollout_model, PROMPT, 10, new)
+        assert (after.version_start, after.version_end) == (1, 1)
+    finally:
+        await engine.stop()

@@ -208,3 +208,102 @@ async def test_an_abandoned_swap_still_ends_with_the_version_of_the_loaded_weigh
         await swap
     assert calls == ["start", "update {'ticket': 't'}", "finish", "reset", "version 2"]
     assert engine.version == 2
+
+
+# -- receiving in the synchronizer's transfer group (gloo on CPU) -----------------
+
+def group_spec(rank: int, port: int, *, backend: str = "gloo", seconds: float = 30.0) -> dict[str, Any]:
+    return {"group_id": f"v1-test{port}", "rendezvous_address": f"127.0.0.1:{port}", "world_size": 2, "rank": rank,
+            "backend": backend, "deadline": time.time() + seconds, "version": 1}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_sends(spec: dict[str, Any], state: dict[str, torch.Tensor]) -> asyncio.Future:
+    """Rank 0 of the group: the trainer's broadcast, in a thread of this process."""
+    from flywheel.transfer.broadcast import GroupSpec, send
+
+    return asyncio.ensure_future(asyncio.to_thread(send, GroupSpec(**spec), state, bucket_bytes=64))
+
+
+async def test_a_version_received_in_the_group_is_held_until_loaded_by_its_ticket(model_dir: Path) -> None:
+    new = {name: t * 3 for name, t in STATE.items()}
+    port = free_port()
+    engine = Recorder(model_dir)
+    try:
+        engine.stage("g", {"group": group_spec(1, port)})
+        sent = trainer_sends(group_spec(0, port), new)
+        assert await wait_staged(engine, "g") == {"state": "ready", "bytes": sum(t.nbytes for t in new.values())}
+        await asyncio.wait_for(sent, 30)
+        assert engine.loads == []  # received, not loaded: the synchronizer's verdict comes first
+        await asyncio.to_thread(engine.update_weights, {"ticket": "g"})
+        assert [set(load) for load in engine.loads] == [set(new)]
+        assert all(torch.equal(engine.loads[0][name], new[name]) for name in new)
+        with pytest.raises(ValueError, match="staged first"):
+            engine.receive_weights(vllm_transfer.FlywheelUpdateInfo(group=group_spec(1, port)))
+    finally:
+        engine.shutdown()
+
+
+async def test_a_corrupt_bucket_or_a_misshapen_broadcast_is_refused_and_nothing_loaded(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from flywheel.transfer import broadcast
+
+    real = broadcast.xxhash.xxh3_64_intdigest
+
+    def flipped_on_receipt(data: Any) -> int:
+        # The bytes the worker's receive thread hashes differ from what the trainer hashed: a corrupt bucket.
+        return real(data) ^ (1 if threading.current_thread().name.startswith("flywheel-receive") else 0)
+
+    monkeypatch.setattr(broadcast.xxhash, "xxh3_64_intdigest", flipped_on_receipt)
+    engine = Recorder(model_dir)
+    try:
+        port = free_port()
+        engine.stage("corrupt", {"group": group_spec(1, port)})
+        sent = trainer_sends(group_spec(0, port), STATE)
+        failed = await wait_staged(engine, "corrupt")
+        assert failed["state"] == "failed" and failed["code"] == "DATA_LOSS", failed
+        with pytest.raises(Exception):  # noqa: B017 - the trainer learns it through the store's abort key
+            await asyncio.wait_for(sent, 30)
+        monkeypatch.setattr(broadcast.xxhash, "xxh3_64_intdigest", real)
+        port = free_port()
+        engine.stage("misshapen", {"group": group_spec(1, port)})
+        sent = trainer_sends(group_spec(0, port), dict(STATE, **{"model.norm.weight": torch.ones(5)}))
+        failed = await wait_staged(engine, "misshapen")
+        assert failed["code"] == "INVALID_ARGUMENT" and "model.norm.weight" in failed["message"]
+        with pytest.raises(Exception):  # noqa: B017
+            await asyncio.wait_for(sent, 30)
+        assert engine.loads == []
+    finally:
+        engine.shutdown()
+
+
+async def test_dropping_a_receive_stops_it_at_once_and_nccl_without_cuda_is_refused(model_dir: Path) -> None:
+    engine = Recorder(model_dir)
+    try:
+        engine.stage("waiting", {"group": group_spec(1, free_port(), seconds=60)})  # no trainer ever comes
+        future, _ = engine._staged["waiting"]
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        engine.drop("waiting")
+        with pytest.raises(Exception, match="aborted"):
+            await asyncio.wait_for(asyncio.wrap_future(future), 15)
+        assert time.monotonic() - started < 10, "a dropped receive waited for the group's deadline"
+        assert engine.staged("waiting")["code"] == "NOT_FOUND"
+        if not torch.cuda.is_available():
+            from flywheel.errors import FailedPrecondition
+
+            with pytest.raises(FailedPrecondition, match="gloo"):
+                engine.stage("nccl", {"group": group_spec(1, free_port(), backend="nccl")})
+        assert engine.loads == []
+    finally:
+        engine.shutdown()
