@@ -44,12 +44,22 @@ Measured in the same run, on the same model directory and the same batch:
                  MLP 4864) with the local tokenizer's vocabulary
                  (`flywheel.models.tiny`: the service needs tokenizer
                  files, and the hub is not reachable).
+  ipc handoff    a co-located trainer (a child process on the same GPU)
+                 hands the 0.5B model's parameters (bfloat16) to this
+                 process through a transfer group with backend ipc
+                 (`flywheel.transfer.broadcast`: rendezvous, buckets
+                 packed into one shared device buffer, each copied out
+                 into the receiver's staging memory), timed at the
+                 receiver from joining the group to holding the version.
+  d2d copy       `copy_` of the same tensors into preallocated tensors in
+                 this process: the same bytes, device to device, once.
+                 (No --cpu-smoke figure: ipc needs CUDA.)
 Each side runs --warmup rounds first, then --steps timed rounds; the sides
 alternate round by round so anything else on the machine hits both alike;
 figures are medians. Ratios are throughput ratios, ours over the baseline
 (baseline seconds / our seconds: 1.0 is parity, above 1 is faster):
   fsdp_step_vs_plain_step, export_buckets_vs_d2h_copy,
-  rollout_generate_vs_inprocess_generate.
+  rollout_generate_vs_inprocess_generate, ipc_handoff_vs_d2d_copy.
 Also printed: the GPU memory peaks of both steps and the export's GPU peak
 above the resident model (about one parameter: no second copy).
 Ends with one JSON line of the figures.
@@ -225,6 +235,82 @@ def generation_figures(tmp: Path, device: str, smoke: bool, args: argparse.Names
     }
 
 
+def _ipc_shapes() -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of the Qwen2.5-0.5B architecture (the tied output head is the embedding)."""
+    s, h, kv, m = QWEN2_05B, QWEN2_05B["hidden_size"], 2 * 64, QWEN2_05B["intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s["vocab_size"], h), "model.norm.weight": (h,)}
+    for i in range(s["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.q_proj.bias": (h,),
+                   p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
+                   p + "self_attn.o_proj.weight": (h, h), p + "mlp.gate_proj.weight": (m, h),
+                   p + "mlp.up_proj.weight": (m, h), p + "mlp.down_proj.weight": (h, m),
+                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    return shapes
+
+
+def _ipc_trainer(ports, bucket_bytes: int) -> None:
+    """The co-located trainer: sends its parameters in every group whose port it is handed (None: stop)."""
+    from flywheel.transfer.broadcast import GroupSpec, send
+
+    tensors = {n: torch.randn(shape, device="cuda:0").to(torch.bfloat16) for n, shape in _ipc_shapes().items()}
+    while (port := ports.get()) is not None:
+        send(GroupSpec(f"bench{port}", f"127.0.0.1:{port}", 2, 0, "ipc", time.time() + 120, 1), tensors,
+             bucket_bytes=bucket_bytes)
+
+
+def ipc_figures(args: argparse.Namespace) -> dict:
+    """A co-located trainer's handoff through CUDA IPC vs a device-to-device copy (see the module doc)."""
+    import multiprocessing
+    import socket
+    from types import SimpleNamespace
+
+    from flywheel.transfer.broadcast import GroupSpec, placeholders, receive
+
+    shapes = _ipc_shapes()
+    like = placeholders({n: SimpleNamespace(dtype=torch.bfloat16, shape=s) for n, s in shapes.items()},
+                        torch.device("cuda:0"))
+    source = {n: torch.randn(s, device="cuda:0").to(torch.bfloat16) for n, s in shapes.items()}
+    target = {n: torch.empty_like(t) for n, t in source.items()}
+    nbytes = sum(t.nbytes for t in source.values())
+    context = multiprocessing.get_context("spawn")
+    ports = context.Queue()
+    trainer = context.Process(target=_ipc_trainer, args=(ports, args.bucket_mib << 20), daemon=True)
+    trainer.start()
+
+    def handoff() -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ports.put(port)
+        staged = receive(GroupSpec(f"bench{port}", f"127.0.0.1:{port}", 2, 1, "ipc", time.time() + 120, 1), like)
+        assert sum(t.nbytes for t in staged.values()) == nbytes
+
+    def d2d() -> None:
+        for name, tensor in source.items():
+            target[name].copy_(tensor)
+
+    ours, base = [], []
+    try:
+        for i in range(args.warmup + args.steps):
+            t_ours = timed(handoff, "cuda:0")
+            t_base = timed(d2d, "cuda:0")
+            if i >= args.warmup:
+                ours.append(t_ours)
+                base.append(t_base)
+    finally:
+        ports.put(None)
+        trainer.join(60)
+    ipc_ours, ipc_base = statistics.median(ours), statistics.median(base)
+    gib = nbytes / 2**30
+    print(f"{'ipc handoff (s)':22}{ipc_ours:>14.4f}{ipc_base:>14.4f}{ipc_base / ipc_ours:>8.2f}   "
+          f"co-located trainer -> this process through CUDA IPC vs a d2d copy of the same {gib:.2f} GiB; "
+          f"{gib / ipc_ours:.1f} vs {gib / ipc_base:.1f} GiB/s")
+    return {"ipc_bytes": nbytes, "ipc_handoff_seconds": ipc_ours, "d2d_copy_seconds": ipc_base,
+            "ipc_handoff_vs_d2d_copy": ipc_base / ipc_ours}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -328,6 +414,7 @@ def main() -> int:
               f"buckets gathered to host vs raw D2H copy of the same {gib:.2f} GiB; "
               f"{gib / export_ours:.2f} vs {gib / export_base:.2f} GiB/s")
         generation = generation_figures(Path(tmp), device, args.cpu_smoke, args)
+        ipc = ipc_figures(args) if device.startswith("cuda") else {}
 
     for name, value in peaks.items():
         print(f"{name}: {value / 2**30:.2f} GiB")
@@ -339,6 +426,7 @@ def main() -> int:
         "export_bytes": exported["bytes"], "export_buckets_seconds": export_ours, "d2h_copy_seconds": export_base,
         "export_buckets_vs_d2h_copy": export_base / export_ours,
         **generation,
+        **ipc,
         **peaks,
     }
     print(json.dumps(figures))

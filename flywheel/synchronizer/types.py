@@ -147,7 +147,7 @@ class GroupInfo:
     #: "host:port" of rank 0's rendezvous store.
     rendezvous_address: str
     world_size: int
-    #: "nccl" or "gloo".
+    #: "nccl", "gloo" or "ipc" (`flywheel.transfer.broadcast.BACKENDS`).
     backend: str
     #: Component id -> rank (the trainer is rank 0).
     ranks: dict[str, int]

@@ -19,6 +19,14 @@ and bounded by the deadline in every step:
    transfer COMMITTED, so an aborted transfer leaves the live weights alone.
 Any failure sets `abort` in the store, so peers stop waiting for this rank.
 The same code runs nccl on GPUs and gloo on CPUs.
+
+Backend "ipc" is for members that share one GPU (a co-located trainer and
+rollout): no process group; rank 0 packs each bucket into one device buffer
+it shares once per transfer (`flywheel.transfer.cuda_ipc`), and receivers
+copy the bucket out of it, device to device, between two store barriers
+(bucket ready, bucket copied) so the buffer is refilled only once every
+receiver has its copy. The rendezvous, deadline, abort and verdict are the
+same as for the other backends.
 """
 
 from __future__ import annotations
@@ -38,9 +46,13 @@ import xxhash
 from flywheel.codec import DEFAULT_BUCKET_BYTES
 from flywheel.codec.layout import assign_buckets
 from flywheel.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from flywheel.transfer.cuda_ipc import open_shared, require_cuda, share
 
 ALIGN = 64
 _POLL_SECONDS = 0.02
+#: ipc's per-bucket barriers wait for a device copy (milliseconds), not a network: poll faster.
+_IPC_POLL_SECONDS = 0.0005
+BACKENDS = ("nccl", "gloo", "ipc")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -135,7 +147,7 @@ class _Session:
             return self.store.get("abort").decode(errors="replace")
         return None
 
-    def barrier(self, name: str, limit: float | None = None) -> None:
+    def barrier(self, name: str, limit: float | None = None, poll: float = _POLL_SECONDS) -> None:
         spec = self.spec
         self.store.set(f"{name}/{spec.rank}", "1")
         keys = [f"{name}/{r}" for r in range(spec.world_size)]
@@ -146,7 +158,7 @@ class _Session:
                 raise Aborted(f"transfer {spec.group_id}: a peer aborted: {reason}")
             if time.time() > min(end, spec.deadline):
                 raise DeadlineExceeded(f"transfer {spec.group_id}: not every rank reached {name!r} in time")
-            time.sleep(_POLL_SECONDS)
+            time.sleep(poll)
 
     def join(self) -> None:
         self.barrier("joined")
@@ -164,8 +176,8 @@ class _Session:
             )
             opts._devices = [device]
             self.pg = dist.ProcessGroupGloo(self.store, self.spec.rank, self.spec.world_size, opts)
-        else:
-            raise InvalidArgument(f"unknown backend {self.spec.backend!r}; expected nccl or gloo")
+        elif self.spec.backend != "ipc":  # ipc moves buckets through shared device memory: no group
+            raise InvalidArgument(f"unknown backend {self.spec.backend!r}; expected one of {BACKENDS}")
 
     def broadcast(self, buffer: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -205,6 +217,8 @@ def _rendezvous_listener(spec: GroupSpec) -> int:
 
 
 def _run(spec: GroupSpec, device: torch.device, should_abort, body: Callable[[_Session], object]):
+    if spec.backend == "ipc":
+        require_cuda(device, f"transfer {spec.group_id}")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL binds its communicator to the current device
     session = _Session(spec, should_abort)
@@ -235,10 +249,13 @@ def send(
     checksum = device.type == "cpu"
 
     def body(session: _Session) -> int:
+        ipc = spec.backend == "ipc"
+        buffer = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device)
         meta = {"bucket_bytes": bucket_bytes, "checksums": checksum,
                 "tensors": [[n, str(d), list(s)] for n, d, s in metas]}
+        if ipc:
+            meta["ipc"] = share(buffer) if buffer.numel() else None
         session.store.set("meta", json.dumps(meta))
-        buffer = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device)
         for b, size in enumerate(sizes):
             view = buffer[:size]
             for slot in (s for s in slots if s.bucket == b and s.nbytes):
@@ -247,7 +264,12 @@ def send(
             if checksum:
                 session.store.set(f"sum/{b}", str(xxhash.xxh3_64_intdigest(view.numpy())))
             session.check(f"bucket {b}")
-            session.broadcast(view)
+            if ipc:
+                torch.cuda.current_stream(device).synchronize()  # the bucket is in memory before anyone reads it
+                session.barrier(f"ready/{b}", poll=_IPC_POLL_SECONDS)
+                session.barrier(f"copied/{b}", poll=_IPC_POLL_SECONDS)  # refilled only once everyone copied it
+            else:
+                session.broadcast(view)
             if on_bucket is not None:
                 on_bucket(b)
         # Receivers read bucket checksums from the store this rank hosts:
@@ -280,11 +302,18 @@ def receive(
         metas = [(n, _dtype(d), tuple(s)) for n, d, s in meta["tensors"]]
         _check_like(metas, like)
         slots, sizes = plan(metas, int(meta["bucket_bytes"]))
+        shared = open_shared(meta["ipc"], device) if spec.backend == "ipc" and meta.get("ipc") else None
         staged: dict[str, torch.Tensor] = {}
         for b, size in enumerate(sizes):
             buffer = torch.empty(size, dtype=torch.uint8, device=device)
             session.check(f"bucket {b}")
-            session.broadcast(buffer)
+            if spec.backend == "ipc":
+                session.barrier(f"ready/{b}", poll=_IPC_POLL_SECONDS)
+                buffer.copy_(shared[:size])
+                torch.cuda.current_stream(device).synchronize()
+                session.barrier(f"copied/{b}", poll=_IPC_POLL_SECONDS)
+            else:
+                session.broadcast(buffer)
             if meta["checksums"] and device.type == "cpu":
                 want = int(session.store.get(f"sum/{b}"))
                 if xxhash.xxh3_64_intdigest(buffer.numpy()) != want:
@@ -296,6 +325,7 @@ def receive(
                 )
             if on_bucket is not None:
                 on_bucket(b)
+        shared = None  # unmapped before rank 0, which owns the buffer, is told it may go
         session.store.set(f"done/{spec.rank}", "1")  # rank 0 may close the store now
         return staged
 

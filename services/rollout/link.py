@@ -10,6 +10,9 @@ runs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from flywheel.runtime.auth import own_token
 from services.rollout.config import RolloutConfig
 from services.rollout.core import RolloutCore
@@ -17,17 +20,20 @@ from services.rollout.follower import Follower
 from services.rollout.presence import RolloutPresence
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.presence import advertised_address, reachable_host
+from flywheel.transfer.cuda_ipc import gpu_label
 
 
-def device_of(engine_kind: str) -> str:
+def device_of(engine_kind: str, engine_args: Mapping[str, Any]) -> str:
     """The device the engine computes on, as the synchronizer's `auto` group backend reads it
-    ("cuda" on every member picks nccl): vLLM uses the GPU whenever torch sees one; the
-    transformers fallback engine runs on the CPU."""
-    if engine_kind != "vllm":
-        return "cpu"
+    ("cuda" on every member picks nccl, one GPU for all ipc): vLLM uses the GPU whenever torch
+    sees one (the current device: its worker's with one worker); the transformers engine, the
+    device of its `device` argument (default cpu)."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if engine_kind != "vllm":
+        device = torch.device(str(engine_args.get("device", "cpu")))
+        return str(device) if device.type != "cuda" or device.index is not None else "cuda:0"
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
 
 
 def default_component_id(config: RolloutConfig, grpc_port: int) -> str:
@@ -43,10 +49,11 @@ class SynchronizerLink:
             link.address, token, timeout=link.rpc_timeout_seconds, max_message_bytes=server.max_message_bytes
         )
         status = core.status()
+        device = device_of(status.engine, config.engine.args)
         self.follower = Follower(self.client, core, config, self.component_id, token=token)
         self.presence = RolloutPresence(
             self.client, core, link, self.component_id, advertised_address(link, server.host, grpc_port),
-            labels={"model": core.model_name, "engine": status.engine, "device": device_of(status.engine)},
+            labels={"model": core.model_name, "engine": status.engine, "device": device, **gpu_label(device)},
             step=lambda: self.follower.step,
         )
         self.core = core

@@ -52,7 +52,7 @@ from services.rollout.engine.base import Engine, PauseMode, StagedWeights, Tenso
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.participant import Received, stage_version
 from flywheel.synchronizer.types import GroupInfo, TransferState
-from flywheel.transfer.broadcast import placeholders
+from flywheel.transfer.broadcast import BACKENDS, placeholders
 
 #: Deadline of each plain synchronizer call (state changes, reports), in seconds.
 RPC_SECONDS = 10.0
@@ -76,14 +76,14 @@ class NcclTarget:
 def receive_device(backend: str) -> torch.device:
     if backend == "gloo":
         return torch.device("cpu")
-    if backend == "nccl":
+    if backend in ("nccl", "ipc"):
         if not torch.cuda.is_available():
             raise FailedPrecondition(
-                "the transfer group uses backend nccl, but this rollout process has no CUDA device; "
+                f"the transfer group uses backend {backend}, but this rollout process has no CUDA device; "
                 "allocate the group with backend gloo"
             )
         return torch.device("cuda", torch.cuda.current_device())
-    raise InvalidArgument(f"unknown backend {backend!r} in the transfer group; expected nccl or gloo")
+    raise InvalidArgument(f"unknown backend {backend!r} in the transfer group; expected one of {BACKENDS}")
 
 
 def member_of(group: GroupInfo, rank: int) -> str:

@@ -52,8 +52,9 @@ class SynchronizerConfig(StrictModel):
     )
     rendezvous_port_min: int = Field(29600, ge=1, le=65535, description="lowest rendezvous port handed out")
     rendezvous_port_max: int = Field(29999, ge=1, le=65535, description="highest rendezvous port handed out")
-    group_backend: Literal["auto", "nccl", "gloo"] = Field(
-        "auto", description="process-group backend; auto: nccl when every member has the label device=cuda*, else gloo"
+    group_backend: Literal["auto", "nccl", "gloo", "ipc"] = Field(
+        "auto", description="transfer-group backend; auto: ipc when every member has the label device=cuda* and "
+        "the same gpu label (one GPU: co-located), nccl when every member is on cuda, else gloo"
     )
     transfer_timeout_seconds: float = Field(
         300.0, gt=0, description="default deadline of an NCCL/gloo transfer, in seconds"

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.synchronizer.buffers import Signal
 from flywheel.synchronizer.types import Component, TransferState
+from flywheel.transfer.broadcast import BACKENDS
+from flywheel.transfer.cuda_ipc import GPU_LABEL
 
-BACKENDS = ("nccl", "gloo")
 
 
 @dataclass
@@ -99,7 +100,9 @@ class Transfers:
         backend = requested or self.default_backend
         if backend == "auto":
             on_cuda = all(m.identity.labels.get("device", "").startswith("cuda") for m in members)
-            backend = "nccl" if on_cuda else "gloo"
+            gpus = {m.identity.labels.get(GPU_LABEL, "") for m in members}
+            # Everyone on one GPU (co-located): NCCL refuses two ranks on one device; ipc copies in place.
+            backend = ("ipc" if len(gpus) == 1 and "" not in gpus else "nccl") if on_cuda else "gloo"
         if backend not in BACKENDS:
             raise InvalidArgument(f"backend must be one of {BACKENDS} (or empty for the default), got {backend!r}")
         return backend

@@ -14,6 +14,7 @@ from flywheel.runtime.auth import own_token
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.presence import Presence, advertised_address
 from flywheel.synchronizer.types import Method, Role
+from flywheel.transfer.cuda_ipc import gpu_label
 from services.trainer.config import TrainerConfig
 from services.trainer.export import WeightExporter
 from services.trainer.publisher import Publisher
@@ -40,7 +41,8 @@ class TrainerLink:
         self.presence = Presence(
             self.client, Role.TRAINER, sync.trainer_id, advertised_address(sync, server.host, grpc_port), sync,
             progress, capabilities=CAPABILITIES,
-            labels={"model": engine.info().model_name, "device": config.model.device},
+            labels={"model": engine.info().model_name, "device": config.model.device,
+                    **gpu_label(config.model.device)},
         )
 
         self.config = config

@@ -267,10 +267,10 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         """Receives in the group on a thread of its own (blocking, bounded by the group's deadline)."""
         from flywheel.transfer.broadcast import placeholders, receive
 
-        if spec.backend == "nccl" and self.device.type != "cuda":
-            raise FailedPrecondition(f"transfer group {spec.group_id} uses nccl, which needs a CUDA device, but this "
-                                     f"worker runs on {self.device.type}; allocate the group with backend gloo")
-        device = self.device if spec.backend == "nccl" else torch.device("cpu")
+        if spec.backend != "gloo" and self.device.type != "cuda":
+            raise FailedPrecondition(f"transfer group {spec.group_id} uses {spec.backend}, which needs a CUDA device, "
+                                     f"but this worker runs on {self.device.type}; allocate the group with backend gloo")
+        device = torch.device("cpu") if spec.backend == "gloo" else self.device
         like = placeholders(self._served_specs(), device)
         aborted = self._aborts[ticket] = threading.Event()
         future: concurrent.futures.Future = concurrent.futures.Future()

@@ -106,3 +106,18 @@ def test_event_filters() -> None:
     assert [e.kind for e in sub._queue] == [EventKind.VERSION_COMMITTED]
     snapshot = bus.snapshot_events([R1, R2], frozenset({"r2"}))
     assert [e.component.id for e in snapshot] == ["r2"]
+
+
+def test_auto_picks_ipc_for_one_gpu_nccl_for_several_and_gloo_off_cuda() -> None:
+    def on(component: str, role: Role, gpu: str) -> Component:
+        labels = {"device": "cuda:0", "gpu": gpu} if gpu else {"device": "cpu"}
+        return Component(Identity(role, component, "10.1.2.3:50052", labels=labels))
+
+    t, _, _ = transfers(range(30000, 30010))
+    trainer = on("t", Role.TRAINER, "GPU-a")
+    assert t.allocate(1, trainer, [on("r1", Role.ROLLOUT, "GPU-a")], 5, "").backend == "ipc"  # co-located
+    assert t.allocate(1, trainer, [on("r1", Role.ROLLOUT, "GPU-a"), on("r2", Role.ROLLOUT, "GPU-b")], 5, "").backend == "nccl"
+    assert t.allocate(1, trainer, [on("r1", Role.ROLLOUT, "")], 5, "").backend == "gloo"
+    unlabelled = Component(Identity(Role.ROLLOUT, "r3", labels={"device": "cuda:0"}))  # no gpu label: not known to share
+    assert t.allocate(1, trainer, [unlabelled], 5, "").backend == "nccl"
+    assert t.allocate(1, trainer, [on("r1", Role.ROLLOUT, "")], 5, "ipc").backend == "ipc"  # asked for explicitly
