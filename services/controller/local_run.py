@@ -18,7 +18,7 @@ run rewinds: every service restarted, resumed from the last checkpoint
 (launcher/healing.py says why, and how often).
 
 Deployed (`services:` named, nothing started here), the same watcher asks the
-services what they hold (healing.RemoteWatch): a synchronizer the kubelet
+services what they hold (launcher/deployed.py): a synchronizer the kubelet
 restarted is handed the run's policy and weights again while the run goes
 on; a trainer that came back without the run's state surfaces as
 `ServiceDied` and the run resumes from the last checkpoint, once the
@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from services.controller.launcher.healing import REWIND_ON_DEATH, Healer, RemoteWatch, Restart
+from services.controller.launcher.deployed import Deployment
+from services.controller.launcher.healing import REWIND_ON_DEATH, Healer, Restart
 from services.controller.launcher.prepare import prepare_data, prepare_model
 from flywheel.launcher.processes import ServiceDied
 from services.controller.launcher.progress import Progress
@@ -117,6 +118,10 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
+async def _nothing() -> None:
+    return None
+
+
 def _raise_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
@@ -180,10 +185,10 @@ class LocalRun:
     launch_tls: LaunchTls | None = None
     #: The run file names its services (a deployment): none is started here.
     deployed: bool = False
-    #: Deployed: what the services answer, looked at while a session runs (None: not watched).
-    remote: RemoteWatch | None = None
+    #: Deployed: the services the run file names (launcher/deployed.py), set by start_services.
+    deployment: Deployment | None = None
     #: Deployed, after the trainer died: the step the next session resumes at. Its resume rewinds
-    #: the synchronizer and the replicas to it (`rewind_services`); at 0 (no checkpoint yet) there
+    #: the synchronizer and the replicas to it (`Deployment.rewind`); at 0 (no checkpoint yet) there
     #: is nothing to rewind to, and start_services waits until they were restarted.
     rewound_to: int | None = None
 
@@ -366,10 +371,11 @@ class LocalRun:
         if "services" in self.data:
             self.say("using the services named in the run file")
             cfg = parse_run_config(self.data, "run file")
-            self.wait_for_named_services(cfg)
+            self.deployment = Deployment(cfg.services, self.spec.ready_timeout_seconds, self.say, self.healer)
+            self.deployment.wait_until_serving()
             if self.rewound_to == 0:
-                self.wait_for_nothing_newer(cfg, 0)
-                self.wait_for_named_services(cfg)  # the trainer registered with a restarted synchronizer
+                self.deployment.wait_for_nothing_newer(0)
+                self.deployment.wait_until_serving()  # the trainer registered with a restarted synchronizer
             self.rewound_to = None
             return cfg
         self.supervisor = Supervisor(self.run_dir, stop_grace_seconds=self.spec.stop_grace_seconds)
@@ -398,119 +404,6 @@ class LocalRun:
             "trainer_id": self._trainer_id(),
         }
         return parse_run_config(self.data, "run file")
-
-    def wait_for_named_services(self, cfg: RunConfig) -> None:
-        """Deployed services come up in any order: a Kubernetes Job starts beside the pods it
-        drives, which may still be loading their models. Waits, up to
-        launch.ready_timeout_seconds, until the synchronizer, the trainer and every listed
-        rollout report SERVING (unreachable or unresolvable names are retried) and, with a
-        synchronizer, until the trainer is registered there: a trainer that cannot reach the
-        synchronizer publishes nothing, and the run would wait for its first version forever.
-        Registered rollouts are waited for by the run itself (services.wait_for_rollout_seconds)."""
-        from flywheel.runtime.health import check_health
-
-        pending = {
-            name: endpoint.address
-            for name, endpoint in [("synchronizer", cfg.services.synchronizer), ("trainer", cfg.services.trainer),
-                                   *((f"rollout {r.address}", r) for r in cfg.services.rollout)]
-            if endpoint is not None
-        }
-        deadline = time.monotonic() + self.spec.ready_timeout_seconds
-        status: dict[str, str] = {}
-        said = False
-        while pending:
-            for name, address in list(pending.items()):
-                status[name] = asyncio.run(check_health(address, timeout=2.0))
-                if status[name] == "SERVING":
-                    del pending[name]
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"services not ready after {self.spec.ready_timeout_seconds:.0f}s (launch.ready_timeout_seconds): "
-                    + ", ".join(f"{n} at {a}: {status[n]}" for n, a in pending.items()))
-            if not said:
-                self.say("waiting for " + ", ".join(f"{n} ({a})" for n, a in pending.items()) + " to report SERVING")
-                said = True
-            time.sleep(1.0)
-        if cfg.services.synchronizer is None:
-            return
-        while (registration := asyncio.run(self._trainer_registration(cfg))) != "registered":
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the trainer {cfg.services.trainer_id!r} never registered with the synchronizer at "
-                    f"{cfg.services.synchronizer.address} within {self.spec.ready_timeout_seconds:.0f}s "
-                    f"({registration}): its sync.synchronizer_address must reach this synchronizer and its "
-                    "sync.trainer_id be services.trainer_id (the trainer's log says what failed)")
-            time.sleep(1.0)
-
-    def wait_for_nothing_newer(self, cfg: RunConfig, step: int) -> None:
-        """Deployed, before a session resumes at `step` after the trainer died: see `until_nothing_newer`."""
-        asyncio.run(self.until_nothing_newer(cfg, step))
-
-    async def until_nothing_newer(self, cfg: RunConfig, step: int, *, rewound: bool = False) -> None:
-        """Deployed, resuming at `step`: the synchronizer and the rollout replicas may still hold
-        versions made by weights that died with a trainer after `step` (a replica would serve the
-        lost weights). Waits, up to launch.ready_timeout_seconds, until none holds a version newer
-        than `step`: `rewound` (the synchronizer was rewound to `step`), until the replicas loaded
-        it; else until they were restarted (a synchronizer that cannot rewind; the synchronizer
-        without a store comes back empty, a replica with its base weights), saying once which."""
-        if cfg.services.synchronizer is None:
-            return
-        deadline = time.monotonic() + self.spec.ready_timeout_seconds
-        said = rewound
-        while (held := await self._newer_than(cfg, step)) != []:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{', '.join(held or ['the synchronizer (not answering)'])} still hold weights newer than step "
-                    f"{step} after {self.spec.ready_timeout_seconds:.0f}s (launch.ready_timeout_seconds)"
-                    + (" although the synchronizer was rewound to it" if rewound else "")
-                    + ": restart them, then run the same command again")
-            if held and not said:
-                self.say(f"healing: {', '.join(held)} hold weights newer than step {step}, made by weights that died "
-                         "with the trainer: restart them (Kubernetes: kubectl -n flywheel rollout restart "
-                         "statefulset/flywheel-synchronizer deployment/flywheel-rollout); waiting up to "
-                         f"{self.spec.ready_timeout_seconds:.0f}s")
-                said = True
-            await asyncio.sleep(1.0)
-
-    @staticmethod
-    async def _newer_than(cfg: RunConfig, version: int) -> list[str] | None:
-        """The services that hold a weight version newer than `version` (None: the synchronizer does not answer)."""
-        from flywheel.runtime.auth import resolve_token
-        from flywheel.synchronizer.client import SynchronizerClient
-        from flywheel.synchronizer.types import Role, State
-
-        assert cfg.services.synchronizer is not None
-        client = SynchronizerClient(cfg.services.synchronizer.address,
-                                    resolve_token(None, cfg.services.auth_token_file), timeout=5.0)
-        try:
-            status = await client.status()
-        except Exception:  # noqa: BLE001 - asked again until the deadline
-            return None
-        finally:
-            await client.close()
-        held = [f"the synchronizer (version {status.latest_version})"] if status.latest_version > version else []
-        return held + [f"rollout {c.id} (version {c.weight_version})" for c in status.components
-                       if c.role == Role.ROLLOUT and c.state != State.STOPPED and c.weight_version > version]
-
-    @staticmethod
-    async def _trainer_registration(cfg: RunConfig) -> str:
-        """"registered" when the synchronizer lists the run's trainer, else what it lists instead."""
-        from flywheel.runtime.auth import resolve_token
-        from flywheel.synchronizer.client import SynchronizerClient
-
-        assert cfg.services.synchronizer is not None
-        token = resolve_token(None, cfg.services.auth_token_file)
-        client = SynchronizerClient(cfg.services.synchronizer.address, token, timeout=5.0)
-        try:
-            components = (await client.status()).components
-        except Exception as exc:  # noqa: BLE001 - retried until the deadline
-            return f"status failed: {exc}"
-        finally:
-            await client.close()
-        ids = [c.id for c in components]
-        return "registered" if cfg.services.trainer_id in ids else f"the synchronizer lists {ids}"
 
     def stop_services(self) -> None:
         if self.supervisor is None:
@@ -558,10 +451,10 @@ class LocalRun:
         self.pipeline, self.sessions = pipeline, self.sessions + 1
         ledger = self._keep_ledger(pipeline)
         _count_resumed_steps(pipeline)
-        if self.deployed:
-            self._check_resumed_against_services(pipeline, cfg)
+        if self.deployment is not None:
+            self.deployment.rewind_on_resume(pipeline)
         self.progress = Progress(cfg.run.max_steps, self.out)
-        close_watch = self._watch_remote_services(cfg)
+        close_watch = self.deployment.watch() if self.deployment is not None else _nothing
         for restart in self.healer.history if self.healer else []:  # the status page lists them with the errors
             pipeline.errors.report("launcher", restart.describe(), severity="warning")
         # The controller service around this run: Status, StreamMetrics and Stop
@@ -623,12 +516,13 @@ class LocalRun:
                 await asyncio.wait([run_task], timeout=0.5)
                 self._check_children()
                 await self._restart_due_replicas()
-                await self._look_at_remote_services(pipeline)
+                if self.deployment is not None:
+                    await self.deployment.look(pipeline)
                 self._draw(pipeline)
             summary = run_task.result()
             self._check_children()  # a child's death may have ended the run first
             if pipeline.errors.should_stop and not self.interrupted:
-                await self._diagnose_remote_services(pipeline)
+                await self._diagnose(pipeline)
         except ServiceDied:
             run_task.cancel()
             await asyncio.gather(run_task, return_exceptions=True)
@@ -641,7 +535,7 @@ class LocalRun:
             # A service that died is the better explanation of a failed RPC.
             await asyncio.sleep(1.0)
             self._check_children()
-            await self._diagnose_remote_services(pipeline)
+            await self._diagnose(pipeline)
             log.exception("run failed")
             self.say(f"error: the run failed: {type(exc).__name__}: {exc} (see {self.run_dir / 'controller.log'})")
             return EXIT_FAILED, {"stop_reason": f"{type(exc).__name__}: {exc}", "exit_code": EXIT_FAILED}
@@ -697,146 +591,10 @@ class LocalRun:
             self.pending_restarts[name] = time.monotonic() + delay
         self.supervisor.check(expendable=self.lost_replicas | set(self.pending_restarts))
 
-    def _check_resumed_against_services(self, pipeline: Any, cfg: RunConfig) -> None:
-        """Deployed: once the session resumed from a checkpoint (the trainer loaded it), and before
-        anything is generated, no service may hold newer weights: `rewind_services`. After a
-        trainer death in this command, and in a new command (a Job's next pod) after one."""
-        resume = pipeline._resume
-
-        async def resume_then_check(source: str) -> None:
-            await resume(source)
-            await self.rewind_services(pipeline, cfg)
-
-        pipeline._resume = resume_then_check
-
-    async def rewind_services(self, pipeline: Any, cfg: RunConfig) -> None:
-        """The trainer is at the checkpoint's version N. A synchronizer or replica holding a newer
-        one holds weights that died with an earlier trainer: the synchronizer is rewound to N
-        (its Rewind drops the newer versions and sends the replicas back), the trainer publishes
-        N again for the replicas to load, and this waits until every replica did. A synchronizer
-        without Rewind (older), or N = 0 (nothing to go back to), leaves it to an operator to
-        restart them (`until_nothing_newer` says which)."""
-        from flywheel.errors import FlywheelError
-        from flywheel.runtime.auth import resolve_token
-        from flywheel.synchronizer.client import SynchronizerClient
-
-        version = pipeline.train_worker.version
-        if cfg.services.synchronizer is None or version < 1 or not await self._newer_than(cfg, version):
-            await self.until_nothing_newer(cfg, version)
-            return
-        client = SynchronizerClient(cfg.services.synchronizer.address,
-                                    resolve_token(None, cfg.services.auth_token_file), timeout=10.0)
-        try:
-            rewound = await client.rewind(version, f"the trainer resumed from its checkpoint of step {version}")
-        except FlywheelError as exc:
-            if getattr(exc, "code", "") != "UNIMPLEMENTED":
-                raise
-            log.warning("the synchronizer cannot rewind (%s); waiting for an operator to restart it", exc)
-            await self.until_nothing_newer(cfg, version)
-            return
-        finally:
-            await client.close()
-        dropped = ", ".join(map(str, rewound.dropped)) or "none"
-        replicas = ", ".join(rewound.rewinding) or "none"
-        message = (f"healing: rewound the synchronizer and the replicas to version {version} (lineage "
-                   f"{rewound.epoch}; versions dropped: {dropped}; replicas going back: {replicas})")
-        log.warning(message)
-        self.say(message)
-        restart = self.healer.history[-1] if self.healer and self.healer.history else None
-        if restart is not None and restart.action == "resumed" and restart.rewound_to is None:
-            restart.rewound_to = version
-        # The rewound version, for the replicas to load (NCCL: broadcast to them again).
-        await pipeline.weight_sync.publish(version, again=bool(rewound.rewinding))
-        await self.until_nothing_newer(cfg, version, rewound=True)
-
-    def _watch_remote_services(self, cfg: RunConfig) -> Any:
-        """Deployed, with restarts allowed: `self.remote` looks at the trainer and the synchronizer
-        for this session (healing.RemoteWatch). Returns what closes its clients."""
-        from flywheel.runtime.auth import resolve_token
-        from flywheel.synchronizer.client import SynchronizerClient
-        from flywheel.trainer.client import TrainerClient
-
-        async def nothing() -> None:
-            return None
-
-        self.remote = None
-        if not self.deployed or self.healer is None or self.healer.policy.max_restarts == 0:
-            return nothing
-        token = resolve_token(None, cfg.services.auth_token_file)
-        trainer = TrainerClient(cfg.services.trainer.address, token=token, timeout=5.0)
-        sync = cfg.services.synchronizer
-        synchronizer = SynchronizerClient(sync.address, token, timeout=5.0) if sync is not None else None
-
-        async def look_trainer() -> int | None:
-            info = await trainer.get_info(timeout=5.0)
-            return info.step if info.ready else None
-
-        async def look_synchronizer() -> tuple[int, Any]:
-            assert synchronizer is not None
-            status = await synchronizer.status()
-            return status.latest_version, status.policy
-
-        self.remote = RemoteWatch(look_trainer, look_synchronizer if synchronizer is not None else None)
-
-        async def close() -> None:
-            self.remote = None
-            await trainer.close()
-            if synchronizer is not None:
-                await synchronizer.close()
-
-        return close
-
-    async def _look_at_remote_services(self, pipeline: Any, *, even_before_start: bool = False) -> None:
-        """Deployed: what the services answer now (healing.RemoteWatch), and what is done about it.
-        A synchronizer the kubelet restarted is handed the run's policy and the trainer's weights
-        while the run goes on; a trainer that lost the run's state raises ServiceDied (a rewind)."""
-        if self.remote is None or not (even_before_start or hasattr(pipeline, "resumed_at_step")):
-            return  # until the session's start is done (resumed, policy given): the services move under it
-        step = pipeline.train_worker.step
-        for service, finding in await self.remote.look(step):
-            if finding == "down":
-                message = f"{service} stopped answering at step {step}; waiting for it"
-                pipeline.errors.report("launcher", message, severity="warning")
-                self.say(f"warning: {message}")
-            elif service == "trainer" and finding == "back":
-                self.say(f"the trainer answers again at step {step}, its state intact")
-            elif service == "trainer":
-                raise ServiceDied(f"the trainer came back without the run's state (the run was at step {step})",
-                                  "trainer")
-            elif finding == "back":
-                await self._catch_up_synchronizer(pipeline)
-
-    async def _catch_up_synchronizer(self, pipeline: Any) -> None:
-        """A restarted synchronizer knows no policy and no version; the trainer and the replicas
-        re-register by their heartbeats with their weights. Handing it the run's policy and the
-        trainer's current version is all it lacks: nothing is redone."""
-        assert self.healer is not None
-        step = pipeline.train_worker.step
-        if not self.healer.may_restart():
-            raise ServiceDied(f"the synchronizer came back empty at step {step}, and no restart is left "
-                              f"(launch.restarts.max_restarts {self.healer.policy.max_restarts})", "synchronizer")
-        restart = self.healer.record(Restart("synchronizer", None, step, "caught up", redo_from_step=step + 1))
-        pipeline.errors.report("launcher", restart.describe(), severity="warning")
-        log.warning("healing: %s", restart.describe())
-        self.say(f"healing: {restart.describe()} (restart {len(self.healer.history)} of at most "
-                 f"{self.healer.policy.max_restarts})")
-        try:
-            await pipeline.weight_sync.configure()
-            await pipeline.weight_sync.publish(pipeline.train_worker.version)
-        except Exception as exc:  # noqa: BLE001 - the trainer publishes its next version by itself
-            log.warning("handing the restarted synchronizer the run's state: %s", exc)
-
-    async def _diagnose_remote_services(self, pipeline: Any) -> None:
-        """Deployed, the run failed: if the trainer died (no answer for RemoteWatch.down_after, or
-        back without the run's state), that is the cause, and ServiceDied rewinds the run."""
-        if self.remote is None:
-            return
-        deadline = time.monotonic() + self.remote.down_after + 5.0
-        while time.monotonic() < deadline and "trainer" not in self.remote.down:
-            await self._look_at_remote_services(pipeline, even_before_start=True)
-            await asyncio.sleep(0.5)
-        if "trainer" in self.remote.down:
-            raise ServiceDied(f"the trainer stopped answering at step {pipeline.train_worker.step}", "trainer")
+    async def _diagnose(self, pipeline: Any) -> None:
+        """The run failed: a dead service is the better explanation (ServiceDied)."""
+        if self.deployment is not None:
+            await self.deployment.diagnose(pipeline)
 
     async def _restart_due_replicas(self) -> None:
         """Starts again, on their old ports, the replicas whose backoff is over. The new one

@@ -135,7 +135,7 @@ def test_named_services_are_waited_for_until_serving(tmp_path, monkeypatch):
     import io
 
     import flywheel.runtime.health as health
-    from services.controller.local_run import LocalRun
+    from services.controller.launcher.deployed import Deployment
 
     answers = {"sync:1": ["UNAVAILABLE", "SERVING"], "trainer:2": ["UNAVAILABLE", "NOT_SERVING", "SERVING"]}
     asked = []
@@ -146,13 +146,13 @@ def test_named_services_are_waited_for_until_serving(tmp_path, monkeypatch):
 
     registrations = ["the synchronizer lists []", "registered"]
 
-    async def fake_registration(cfg):
+    async def fake_registration(deployment):
         asked.append("registration")
         return registrations.pop(0)
 
     monkeypatch.setattr(health, "check_health", fake_check)
-    monkeypatch.setattr(LocalRun, "_trainer_registration", staticmethod(fake_registration))
-    monkeypatch.setattr("services.controller.local_run.time.sleep", lambda s: None)
+    monkeypatch.setattr(Deployment, "trainer_registration", fake_registration)
+    monkeypatch.setattr("services.controller.launcher.deployed.time.sleep", lambda s: None)
     run = _named_run(tmp_path, 60)
     run.out = io.StringIO()
     cfg = run.start_services()
@@ -165,16 +165,16 @@ def test_named_services_are_waited_for_until_serving(tmp_path, monkeypatch):
 def test_a_trainer_never_registering_times_out_naming_its_settings(tmp_path, monkeypatch):
     """A trainer pointed at the wrong synchronizer serves, but publishes nothing: the run must not wait forever."""
     import flywheel.runtime.health as health
-    from services.controller.local_run import LocalRun
+    from services.controller.launcher.deployed import Deployment
 
     async def serving(address, service="", timeout=5.0):
         return "SERVING"
 
-    async def unregistered(cfg):
+    async def unregistered(deployment):
         return "the synchronizer lists ['rollout-a-50053']"
 
     monkeypatch.setattr(health, "check_health", serving)
-    monkeypatch.setattr(LocalRun, "_trainer_registration", staticmethod(unregistered))
+    monkeypatch.setattr(Deployment, "trainer_registration", unregistered)
     run = _named_run(tmp_path, 0.01)
     run.say = lambda text: None
     with pytest.raises(TimeoutError, match=r"trainer 'trainer-0' never registered .* sync.synchronizer_address"):
