@@ -246,6 +246,10 @@ def send(
     metas = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
     slots, sizes = plan(metas, bucket_bytes)
     device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    if spec.backend in ("nccl", "ipc") and device.type != "cuda" and torch.cuda.is_available():
+        # Host tensors (a sharded trainer's export, gathered into host memory) go through a
+        # bucket on this process's GPU: one bucket of device memory, not a model's worth.
+        device = torch.device("cuda", torch.cuda.current_device())
     checksum = device.type == "cpu"
 
     def body(session: _Session) -> int:

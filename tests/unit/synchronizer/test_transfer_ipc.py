@@ -50,8 +50,9 @@ def test_without_cuda_both_sides_refuse_ipc_before_the_rendezvous() -> None:
     assert cuda_ipc.gpu_label("cpu") == {} and cuda_ipc.gpu_uuid("cpu") == ""
 
 
-def _trainer(port: int, bucket_bytes: int, fail: bool) -> None:
-    tensors = state("cuda:0")
+def _trainer(port: int, bucket_bytes: int, fail: bool, device: str = "cuda:0") -> None:
+    torch.cuda.set_device(0)
+    tensors = state(device)
     if fail:  # a sender whose description of its buffer is damaged: the receiver refuses it
         from flywheel.transfer import broadcast
 
@@ -65,11 +66,12 @@ def _trainer(port: int, bucket_bytes: int, fail: bool) -> None:
 
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("bucket_bytes", [64 * 1024, 1 << 30], ids=["several buckets", "one bucket"])
-def test_a_co_located_trainer_hands_its_weights_over_bit_exact(bucket_bytes: int) -> None:
+@pytest.mark.parametrize(("bucket_bytes", "held_on"), [(64 * 1024, "cuda:0"), (1 << 30, "cuda:0"), (64 * 1024, "cpu")],
+                         ids=["several buckets", "one bucket", "host tensors (a sharded trainer's export)"])
+def test_a_co_located_trainer_hands_its_weights_over_bit_exact(bucket_bytes: int, held_on: str) -> None:
     port = free_port()
     context = multiprocessing.get_context("spawn")
-    trainer = context.Process(target=_trainer, args=(port, bucket_bytes, False))
+    trainer = context.Process(target=_trainer, args=(port, bucket_bytes, False, held_on))
     trainer.start()
     try:
         like = {name: torch.zeros_like(t) for name, t in state("cuda:0").items()}
