@@ -45,6 +45,7 @@ behind it (services/synchronizer/policy.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -307,14 +308,20 @@ class Follower:
             await self._wake.wait()
             self._wake.clear()
             while self.rewind_to is not None or self.target > self.served:
+                tried = 0
                 try:
                     if self.rewind_to is not None:
                         await self._go_back()
                     else:
-                        version = await self._committed_at_least(self.target)
-                        await self.apply(version)
+                        tried = await self._committed_at_least(self.target)
+                        await self.apply(tried)
                     backoff.reset()
                 except Exception as exc:  # noqa: BLE001 - any failure leaves the old version serving; go on
+                    if tried and getattr(exc, "code", "") == NotFound.code and await self._superseded(tried):
+                        # A newer push evicted it before it was pulled (keep_versions): the newest now.
+                        log.info("version evicted before it was pulled; going for the newest",
+                                 extra={"id": self.component_id, "version": tried, "latest": self.latest})
+                        continue
                     if getattr(exc, "code", "") not in TRANSIENT and self.rewind_to is None:
                         log.warning("sync failed; waiting for the next request",
                                     extra={"id": self.component_id, "target": self.target, "error": str(exc)})
@@ -325,6 +332,18 @@ class Follower:
                     await backoff.wait()
                 finally:
                     _notify(self, "_moved")
+
+    async def _superseded(self, version: int, wait: float = 5.0) -> bool:
+        """Whether a version newer than `version` is committed (heard on Watch within `wait` s:
+        the push that evicted `version` is announced right after it)."""
+        deadline = time.monotonic() + wait
+        while self.latest <= version and self.rewind_to is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._heard.wait(), left)
+        return self.latest > version
 
     async def _join(self, group: GroupInfo) -> None:
         """NCCL: receives the trainer's broadcast in a group the synchronizer put this replica in."""

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from flywheel.common.v1 import common_pb2
-from flywheel.runtime.client import open_channel
+from flywheel.runtime.client import open_channel, translated
 from flywheel.runtime.tls import TlsFiles
 from flywheel.synchronizer.pull import pull_version
 from flywheel.synchronizer.v1 import synchronizer_pb2
@@ -43,13 +43,15 @@ async def pull_tensors(
         pull = channel.unary_stream(
             _PULL, request_serializer=synchronizer_pb2.PullWeightsRequest.SerializeToString, response_deserializer=None
         )
-        return await pull_version(
-            lambda request: pull(request, timeout=timeout),
-            synchronizer_pb2.PullWeightsRequest(version=version),
-            synchronizer=address,
-            check_manifest=lambda m: check_stream_manifest(version, m, want),
-            staging=staging,
-        )
+        # The synchronizer's refusals as domain errors, status kept (NOT_FOUND: evicted by a newer push).
+        with translated(f"PullWeights from {address}"):
+            return await pull_version(
+                lambda request: pull(request, timeout=timeout),
+                synchronizer_pb2.PullWeightsRequest(version=version),
+                synchronizer=address,
+                check_manifest=lambda m: check_stream_manifest(version, m, want),
+                staging=staging,
+            )
 
 
 async def pull_staged(

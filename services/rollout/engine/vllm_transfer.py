@@ -293,18 +293,15 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         from flywheel.runtime.tls import TlsFiles
         from services.rollout.sync_client import pull_tensors
 
-        from flywheel.runtime.client import translated
-
         # None: the worker process's own TLS (its env variables).
         tls = TlsFiles(**{k: Path(v) if v else None for k, v in info.tls.items()}) if info.tls is not None else None
         try:
-            with translated(f"PullWeights from {info.synchronizer}"):
-                manifest, tensors = await asyncio.wait_for(
-                    pull_tensors(info.synchronizer, info.version, self._served_specs(), token=info.token,
-                                 timeout=info.timeout_seconds, max_message_bytes=info.max_message_bytes, tls=tls,
-                                 staging=staging),
-                    info.timeout_seconds,
-                )
+            manifest, tensors = await asyncio.wait_for(
+                pull_tensors(info.synchronizer, info.version, self._served_specs(), token=info.token,
+                             timeout=info.timeout_seconds, max_message_bytes=info.max_message_bytes, tls=tls,
+                             staging=staging),
+                info.timeout_seconds,
+            )
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
                 f"version {info.version} not pulled from {info.synchronizer} within {info.timeout_seconds:g} s"

@@ -301,6 +301,33 @@ async def test_a_failed_update_is_reported_with_its_reason_and_the_old_version_k
                 await eventually(lambda: _at_version(client, 2), what="version 2 reported")
 
 
+async def test_a_version_evicted_before_it_was_pulled_is_passed_over_for_the_newest(
+    rollout_model, codec, base_state, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """keep_versions 1: a push lands while the replica sets out to pull the version before it, which
+    is gone (NOT_FOUND). It pulls the newest at once instead of waiting for another sync request."""
+    async with embedded_synchronizer(keep_versions=1) as sync, SynchronizerClient(sync.address) as client:
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+            await link.ready(5.0)
+            follower = link.follower
+            stage_for = follower._stage_for
+            failures: list[UpdateReport] = []
+            core.update_observers.append(lambda r: failures.append(r) if r.error is not None else None)
+
+            async def pushed_over(version: int):
+                if version == 1:
+                    await client.push_weights(shifted(base_state, 0.02), 2)  # evicts version 1
+                return await stage_for(version)
+
+            monkeypatch.setattr(follower, "_stage_for", pushed_over)
+            await client.push_weights(shifted(base_state, 0.01), 1)
+            await eventually(lambda: follower.latest >= 1, what="version 1 heard")
+            await follower.reach(1, 30.0)
+            assert core.status().version == 2
+            assert [(r.version, getattr(r.error, "code", "")) for r in failures] == [(1, "NOT_FOUND")]
+            await eventually(lambda: _at_version(client, 2), what="version 2 reported")
+
+
 async def test_min_weight_version_without_a_synchronizer_is_refused(rollout_model, codec) -> None:
     config = rollout_config(rollout_model, "transformers")
     engine = TransformersEngine(rollout_model, dict(config.engine.args), codec)
