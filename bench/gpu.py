@@ -236,18 +236,12 @@ def generation_figures(tmp: Path, device: str, smoke: bool, args: argparse.Names
 
 
 def _ipc_shapes() -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of the Qwen2.5-0.5B architecture (the tied output head is the embedding)."""
-    s, h, kv, m = QWEN2_05B, QWEN2_05B["hidden_size"], 2 * 64, QWEN2_05B["intermediate_size"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s["vocab_size"], h), "model.norm.weight": (h,)}
-    for i in range(s["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.q_proj.bias": (h,),
-                   p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
-                   p + "self_attn.o_proj.weight": (h, h), p + "mlp.gate_proj.weight": (m, h),
-                   p + "mlp.up_proj.weight": (m, h), p + "mlp.down_proj.weight": (h, m),
-                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-    return shapes
+    """Parameter shapes of the Qwen2.5-0.5B architecture (built on the meta device: no memory)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN2_05B))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}  # the tied head once
 
 
 def _ipc_trainer(ports, bucket_bytes: int) -> None:

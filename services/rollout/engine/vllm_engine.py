@@ -307,26 +307,10 @@ class VllmEngine(Engine):
     async def receive_in_group(self, spec: GroupSpec, should_abort: Callable[[], bool]) -> StagedWeights:
         """The worker joins the group and receives while generation goes on; returns once it holds
         the version (loaded later by its ticket, or dropped)."""
-        ticket = uuid.uuid4().hex
-        source = GroupSource(spec.group_id, spec.version, ticket)
-        try:
-            await self._llm.collective_rpc("flywheel_stage", args=(ticket, {"group": asdict(spec)}))
-            while True:
-                if should_abort():
-                    raise Aborted(f"transfer {spec.group_id} was aborted (during the receive)")
-                [state] = await self._llm.collective_rpc("flywheel_staged", args=(ticket,))
-                if state["state"] == "failed":
-                    raise error_of(state["code"], state["message"])
-                if state["state"] == "ready":
-                    return StagedWeights(version=spec.version, source=source, nbytes=int(state["bytes"]))
-                await asyncio.sleep(_POLL_SECONDS)
-        except BaseException as exc:
-            # Stops the worker's receive (and, through the group's store, its peers) now.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._llm.collective_rpc("flywheel_drop", args=(ticket,)))
-            if isinstance(exc, Exception) and (found := _worker_error(exc)) is not None:
-                raise found from exc
-            raise
+        source = GroupSource(spec.group_id, spec.version, uuid.uuid4().hex)
+        nbytes = await self._staged_in_worker(source.ticket, {"group": asdict(spec)}, should_abort,
+                                              f"transfer {spec.group_id}")
+        return StagedWeights(version=spec.version, source=source, nbytes=nbytes)
 
     async def prepare_weights(self, staged: StagedWeights) -> StagedWeights:
         if isinstance(staged.source, GroupSource):
@@ -351,16 +335,33 @@ class VllmEngine(Engine):
             "tls": {name: str(getattr(tls, name)) if getattr(tls, name) else None
                     for name in ("cert_file", "key_file", "client_ca_file", "ca_file")},
         }
-        await self._llm.collective_rpc("flywheel_stage", args=(source.ticket, info))
-        while True:
-            # One state per worker (tensor parallelism: each pulls the version and loads its shard).
-            states = await self._llm.collective_rpc("flywheel_staged", args=(source.ticket,))
-            for state in states:
-                if state["state"] == "failed":
-                    raise error_of(state["code"], state["message"])
-            if all(state["state"] == "ready" for state in states):
-                return StagedWeights(version=source.version, source=source, nbytes=int(states[0]["bytes"]))
-            await asyncio.sleep(_POLL_SECONDS)
+        nbytes = await self._staged_in_worker(source.ticket, info, lambda: False, f"version {source.version}")
+        return StagedWeights(version=source.version, source=source, nbytes=nbytes)
+
+    async def _staged_in_worker(self, ticket: str, info: dict[str, Any], should_abort: Callable[[], bool],
+                                what: str) -> int:
+        """Has every worker stage `info` under `ticket` and polls until all hold it; returns its bytes.
+        A failure, an abort or a cancellation drops the ticket: the worker stops pulling or receiving
+        (a receive's peers with it, through the group's store)."""
+        try:
+            await self._llm.collective_rpc("flywheel_stage", args=(ticket, info))
+            while True:
+                if should_abort():
+                    raise Aborted(f"{what} was aborted (while the worker staged it)")
+                # One state per worker (tensor parallelism: each pulls the version and loads its shard).
+                states = await self._llm.collective_rpc("flywheel_staged", args=(ticket,))
+                for state in states:
+                    if state["state"] == "failed":
+                        raise error_of(state["code"], state["message"])
+                if all(state["state"] == "ready" for state in states):
+                    return int(states[0]["bytes"])
+                await asyncio.sleep(_POLL_SECONDS)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._llm.collective_rpc("flywheel_drop", args=(ticket,)))
+            if isinstance(exc, Exception) and (found := _worker_error(exc)) is not None:
+                raise found from exc
+            raise
 
     async def swap_weights(self, staged: StagedWeights) -> None:
         # Once the worker starts loading it finishes, whatever becomes of this call: an abandoned
