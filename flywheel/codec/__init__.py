@@ -26,6 +26,10 @@ One `WeightManifest`, then exactly `chunk_count` `WeightChunk` messages.
   (3) per chunk in sequence order: u32 tensor index, u32 bucket index,
       u64 offset, u64 length, u64 checksum.
   So it binds every chunk's metadata and checksum, in order, to the manifest.
+* Identity (`flywheel.codec.identity`): what the weights are, independent of
+  this transfer's layout: each TensorMeta carries its tensor's digest and the
+  manifest the version's (`identity`); with 1 MiB chunks the receiver checks
+  every tensor digest from the chunk checksums.
 * Ordering tolerance: chunks of the current bucket (the lowest one with
   chunks missing) may arrive in any order; a later bucket's chunk before that
   is an error.
@@ -87,6 +91,7 @@ from flywheel.codec.errors import (
     StreamTruncated,
     UnsupportedDType,
 )
+from flywheel.codec.identity import VersionIdentity, identify, manifest_identity
 from flywheel.codec.wire import parse_chunk, serialize_chunk
 
 __all__ = [
@@ -108,6 +113,7 @@ __all__ = [
     "ManifestMismatch",
     "StreamTruncated",
     "UnsupportedDType",
+    "VersionIdentity",
     "WeightAssembler",
     "assemble",
     "build_manifest",
@@ -116,6 +122,8 @@ __all__ = [
     "dtype_to_proto",
     "element_size",
     "encode_state_dict",
+    "identify",
+    "manifest_identity",
     "parse_chunk",
     "serialize_chunk",
     "tensor_from_proto",

@@ -28,6 +28,7 @@ from flywheel.codec.errors import (
     ManifestMismatch,
     StreamTruncated,
 )
+from flywheel.codec.identity import IDENTITY_BLOCK_BYTES, tensor_digest
 from flywheel.codec.layout import TensorEntry, compute_digest, validate_manifest
 from flywheel.common.v1 import common_pb2
 
@@ -162,3 +163,21 @@ class ChunkChecker:
                 f"version {v}: every chunk arrived intact but the version digest is "
                 f"{digest.hex()}, manifest says {self.manifest.digest.hex()} (manifest or checksums tampered)"
             )
+        self._check_identity()
+
+    def _check_identity(self) -> None:
+        """With chunks of the identity's block size, the checksums are its block hashes:
+        every tensor's identity digest is checked for free (other sizes: the receiver
+        verifies the identity on what it loaded)."""
+        m = self.manifest
+        if m.chunk_bytes != IDENTITY_BLOCK_BYTES:
+            return
+        bounds = self.plan.tensor_bounds.tolist()
+        for i, (entry, meta) in enumerate(zip(self.entries, m.tensors)):
+            if not meta.digest:
+                continue
+            blocks = self._checksums[bounds[i] : bounds[i + 1]] if entry.nbytes else []
+            if tensor_digest(entry.name, entry.dtype, entry.shape, entry.nbytes, blocks) != meta.digest:
+                raise DigestMismatch(
+                    f"version {m.version}: tensor {entry.name!r} arrived intact but its identity digest differs "
+                    "from the manifest's (manifest tampered)")

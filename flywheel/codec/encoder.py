@@ -22,6 +22,7 @@ import torch
 
 from flywheel.codec.dtypes import byte_view, contiguous_cpu, dtype_to_proto
 from flywheel.codec.errors import InvalidManifest
+from flywheel.codec.identity import IDENTITY_BLOCK_BYTES, block_slices, tensor_digest, version_digest
 from flywheel.codec.layout import ChunkPlan, TensorEntry, compute_digest, plan_chunks
 from flywheel.codec.malloc import tune_allocator
 from flywheel.codec.parallel import hash_many
@@ -185,6 +186,26 @@ def _checksums(tensors: list[tuple[str, torch.Tensor]], plan: ChunkPlan) -> np.n
     return out
 
 
+def _tensor_digests(
+    tensors: list[tuple[str, torch.Tensor]], entries: list[TensorEntry], plan: ChunkPlan, checksums: np.ndarray,
+    chunk_bytes: int,
+) -> list[bytes]:
+    """Each tensor's identity digest (flywheel.codec.identity). With chunks of
+    the identity's block size the chunk checksums are its block hashes; other
+    chunk sizes cost one more hashing pass."""
+    digests: list[bytes] = []
+    bounds = plan.tensor_bounds.tolist()
+    for i, ((_, tensor), e) in enumerate(zip(tensors, entries)):
+        if e.nbytes == 0:
+            blocks: list[int] | np.ndarray = []
+        elif chunk_bytes == IDENTITY_BLOCK_BYTES:
+            blocks = checksums[bounds[i] : bounds[i + 1]]
+        else:
+            blocks = hash_many(block_slices(byte_view(contiguous_cpu(tensor))))
+        digests.append(tensor_digest(e.name, e.dtype, e.shape, e.nbytes, blocks))
+    return digests
+
+
 def encode_state_dict(
     state: Mapping[str, torch.Tensor],
     version: int,
@@ -193,7 +214,8 @@ def encode_state_dict(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> EncodedVersion:
-    """Checksum `state` (in its iteration order) and return it ready to stream.
+    """Checksum `state` (in its iteration order) and return it ready to stream,
+    its manifest carrying the version's identity (flywheel.codec.identity).
 
     Raises UnsupportedDType / InvalidManifest for tensors that cannot travel,
     ValueError for out-of-range sizes or versions.
@@ -205,10 +227,14 @@ def encode_state_dict(
     tensors, entries = _entries(state)
     plan = plan_chunks([e.nbytes for e in entries], chunk_bytes, bucket_bytes)
     checksums = _checksums(tensors, plan)
+    digests = _tensor_digests(tensors, entries, plan, checksums, chunk_bytes)
     manifest = common_pb2.WeightManifest(
         version=version,
         base_version=base_version,
-        tensors=[common_pb2.TensorMeta(name=e.name, dtype=e.dtype, shape=e.shape, nbytes=e.nbytes) for e in entries],
+        tensors=[
+            common_pb2.TensorMeta(name=e.name, dtype=e.dtype, shape=e.shape, nbytes=e.nbytes, digest=d)
+            for e, d in zip(entries, digests)
+        ],
         total_bytes=sum(e.nbytes for e in entries),
         chunk_count=plan.count,
         chunk_bytes=chunk_bytes,
@@ -216,6 +242,7 @@ def encode_state_dict(
         checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_XXH3,
     )
     manifest.digest = compute_digest(manifest, entries, plan, checksums)
+    manifest.identity = version_digest({e.name: d for e, d in zip(entries, digests)})
     return EncodedVersion(tensors, entries, plan, checksums, manifest)
 
 

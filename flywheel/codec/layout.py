@@ -25,6 +25,7 @@ import xxhash
 
 from flywheel.codec.dtypes import dtype_from_proto, dtype_name, expected_nbytes
 from flywheel.codec.errors import InvalidManifest, InvalidTensor, UnsupportedDType
+from flywheel.codec.identity import IDENTITY_BYTES, version_digest
 from flywheel.common.v1 import common_pb2
 
 #: 32-byte little-endian record per chunk in the digest (see `compute_digest`).
@@ -172,6 +173,22 @@ def manifest_entries(manifest: common_pb2.WeightManifest) -> list[TensorEntry]:
     return entries
 
 
+def check_identity_fields(manifest: common_pb2.WeightManifest) -> None:
+    """The identity fields are well formed, and the version's identity is its tensors'.
+
+    Both may be absent (a manifest written before identities); a manifest
+    with every tensor digest but a wrong version identity is refused."""
+    if manifest.identity and len(manifest.identity) != IDENTITY_BYTES:
+        raise InvalidManifest(f"identity is {len(manifest.identity)} bytes, XXH3-128 needs {IDENTITY_BYTES}")
+    digests = {}
+    for meta in manifest.tensors:
+        if meta.digest and len(meta.digest) != IDENTITY_BYTES:
+            raise InvalidManifest(f"tensor {meta.name!r}: digest is {len(meta.digest)} bytes, needs {IDENTITY_BYTES}")
+        digests[meta.name] = meta.digest
+    if manifest.identity and all(digests.values()) and version_digest(digests) != manifest.identity:
+        raise InvalidManifest("identity does not match the tensors' digests")
+
+
 def validate_manifest(manifest: common_pb2.WeightManifest) -> tuple[list[TensorEntry], ChunkPlan]:
     """Check a manifest is self-consistent; return its entries and chunk plan."""
     if manifest.checksum_algorithm != common_pb2.CHECKSUM_ALGORITHM_XXH3:
@@ -181,6 +198,7 @@ def validate_manifest(manifest: common_pb2.WeightManifest) -> tuple[list[TensorE
     if len(manifest.digest) != DIGEST_BYTES:
         raise InvalidManifest(f"digest is {len(manifest.digest)} bytes, XXH3-128 needs {DIGEST_BYTES}")
     entries = manifest_entries(manifest)
+    check_identity_fields(manifest)
     total = sum(e.nbytes for e in entries)
     if manifest.total_bytes != total:
         raise InvalidManifest(f"total_bytes {manifest.total_bytes} but the tensors add up to {total}")

@@ -1,13 +1,18 @@
-"""Words every service shares, defined once: how to sample and why a sample ended.
+"""Words every service shares, defined once: how to sample, why a sample
+ended, and what happens to in-flight requests while weights change.
 
-Plain Python (no grpc, no protobuf), so domain modules of any service use
-them; the servicers and clients translate them to `common.v1` messages.
+Plain Python types, so domain modules of any service use them; their wire
+conversions are derived here from the `common.v1` enums they are named after
+(`FINISH_REASON_<NAME>`, `PAUSE_MODE_<NAME>`), the one table of each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal, get_args
+
+from flywheel.common.v1 import common_pb2 as pb
 
 
 class FinishReason(str, Enum):
@@ -20,6 +25,31 @@ class FinishReason(str, Enum):
     #: Cut short (e.g. a weight update in ABORT mode): retry it.
     ABORT = "abort"
     ERROR = "error"
+
+
+def finish_reason_to_pb(reason: FinishReason | str) -> int:
+    return pb.FinishReason.Value(f"FINISH_REASON_{FinishReason(reason).name}")
+
+
+def finish_reason_from_pb(value: int) -> FinishReason:
+    """ValueError for UNSPECIFIED or a number the proto does not define."""
+    return FinishReason[pb.FinishReason.Name(value).removeprefix("FINISH_REASON_")]
+
+
+#: What happens to a replica's in-flight requests while its weights change:
+#: abort (they end with ABORT and are retried), wait (they finish first),
+#: keep (frozen in place, they continue on the new weights).
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+
+
+def pause_mode_to_pb(mode: str | None) -> int:
+    return pb.PauseMode.Value(f"PAUSE_MODE_{mode.upper()}") if mode else pb.PAUSE_MODE_UNSPECIFIED
+
+
+def pause_mode_from_pb(value: int) -> str | None:
+    """The mode's name; None for UNSPECIFIED; ValueError for a number the proto does not define."""
+    return pb.PauseMode.Name(value).removeprefix("PAUSE_MODE_").lower() if value else None
 
 
 @dataclass(frozen=True)

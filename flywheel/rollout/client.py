@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from flywheel import errors
+from flywheel.common.types import pause_mode_to_pb
 from flywheel.common.v1 import common_pb2
 from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
@@ -27,7 +28,6 @@ from flywheel.runtime.client import domain_error, open_channel, translated
 from flywheel.runtime.server_config import MIB
 
 PromptLike = str | Sequence[int] | Sequence[dict[str, Any]]
-_PAUSE = {"abort": pb.PAUSE_MODE_ABORT, "wait": pb.PAUSE_MODE_WAIT, "keep": pb.PAUSE_MODE_KEEP, None: pb.PAUSE_MODE_UNSPECIFIED}
 
 
 def chat_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = (),
@@ -121,7 +121,7 @@ class RolloutClient:
 
     async def pause(self, mode: str = "abort") -> list[str]:
         """Pauses; returns the request ids aborted (mode abort) for the caller to retry."""
-        response = await self._call("Pause", self._stub.Pause, pb.PauseRequest(mode=_PAUSE[mode]))
+        response = await self._call("Pause", self._stub.Pause, pb.PauseRequest(mode=pause_mode_to_pb(mode)))
         return list(response.aborted_request_ids)
 
     async def resume(self) -> int:
@@ -133,7 +133,7 @@ class RolloutClient:
         """Moves to `version` from a checkpoint directory, a synchronizer's memory or an NCCL group (exactly one)."""
         if sum(x is not None for x in (checkpoint, synchronizer, nccl)) != 1:
             raise errors.InvalidArgument("update_weights: give exactly one of checkpoint, synchronizer or nccl")
-        request = pb.UpdateWeightsRequest(version=version, pause_mode=_PAUSE[pause_mode], timeout_seconds=timeout_seconds)
+        request = pb.UpdateWeightsRequest(version=version, pause_mode=pause_mode_to_pb(pause_mode), timeout_seconds=timeout_seconds)
         if checkpoint is not None:
             request.checkpoint.path = checkpoint
         elif nccl is not None:

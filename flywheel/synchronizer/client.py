@@ -32,6 +32,7 @@ import grpc
 import torch
 
 from flywheel.codec import MAX_CHUNK_BYTES, EncodedVersion, encode_state_dict
+from flywheel.common.types import pause_mode_to_pb
 from flywheel.errors import InvalidArgument
 from flywheel.runtime.client import domain_error, open_channel
 from flywheel.runtime.tls import TlsFiles
@@ -50,11 +51,11 @@ from flywheel.synchronizer.client_types import (
     TransferOutcome,
     WatchEvent,
 )
-from flywheel.synchronizer.convert import group_from_pb, identity_to_pb
+from flywheel.synchronizer.convert import group_from_pb, identity_to_pb, timings_to_pb, update_from_pb
 from flywheel.synchronizer.heartbeats import Heartbeats
 from flywheel.synchronizer.pull import pull_version
 from flywheel.synchronizer.types import (
-    GroupInfo, Identity, Method, Role, RolloutWait, State, Style, TransferState, parse_enum,
+    GroupInfo, Identity, Method, Role, RolloutWait, State, Style, TransferState, UpdateRecord, parse_enum,
 )
 
 _SERVICE = "/flywheel.synchronizer.v1.SynchronizerService/"
@@ -120,23 +121,28 @@ class SynchronizerClient:
         labels: Mapping[str, str] | None = None,
         step: int = 0,
         weight_version: int = 0,
+        weight_identity: bytes = b"",
     ) -> Registration:
+        """`weight_identity`: the identity of the weights held (flywheel.codec.identity), b"" when unknown."""
         identity = Identity(
             parse_enum(Role, role, "role"), component_id, address,
             frozenset(parse_enum(Method, m, "capability") for m in capabilities), dict(labels or {}),
         )
-        request = pb.RegisterRequest(identity=identity_to_pb(identity), step=step, weight_version=weight_version)
+        request = pb.RegisterRequest(identity=identity_to_pb(identity), step=step, weight_version=weight_version,
+                                     weight_identity=weight_identity)
         r = await self._call("Register", self.stub.Register, request)
         self.identities[component_id] = identity
         self.leases[component_id] = r.lease_seconds
         return Registration(r.lease_seconds, State(r.state), r.latest_version, r.push_requested)
 
-    async def reregister(self, component_id: str, step: int = 0, weight_version: int = 0) -> Registration:
+    async def reregister(
+        self, component_id: str, step: int = 0, weight_version: int = 0, weight_identity: bytes = b"",
+    ) -> Registration:
         """Registers again with the identity last registered through this client."""
         i = self.identities[component_id]
         return await self.register(
             i.role, i.id, address=i.address, capabilities=i.capabilities, labels=i.labels,
-            step=step, weight_version=weight_version,
+            step=step, weight_version=weight_version, weight_identity=weight_identity,
         )
 
     async def heartbeat(self, component_id: str, step: int = 0, weight_version: int = 0) -> Beat:
@@ -166,10 +172,11 @@ class SynchronizerClient:
         expected: State | str | None = None,
         weight_version: int = 0,
         reason: str = "",
+        weight_identity: bytes = b"",
     ) -> State:
         request = pb.SetStateRequest(
             id=component_id, state=int(parse_enum(State, state, "state")), weight_version=weight_version,
-            reason=reason[:4000],
+            reason=reason[:4000], weight_identity=weight_identity,
             expected_state=int(parse_enum(State, expected, "expected")) if expected is not None else 0,
         )
         return State((await self._call("SetState", self.stub.SetState, request)).state)
@@ -200,13 +207,15 @@ class SynchronizerClient:
         timeout_seconds: float = 0.0,
         rollout_wait: RolloutWait | str | None = None,
         max_staleness: int = 0,
+        pause_mode: str | None = None,
     ) -> None:
-        """Sets the run's policy; `rollout_wait` None keeps the current rule (and its max_staleness)."""
+        """Sets the run's policy; `rollout_wait` None keeps the current rule (and its max_staleness),
+        `pause_mode` None keeps the current one ("abort", "wait" or "keep")."""
         request = pb.ConfigurePolicyRequest(
             style=int(parse_enum(Style, style, "style")), method=int(parse_enum(Method, method, "method")),
             sync_interval=interval, sync_offset=offset, sync_timeout_seconds=timeout_seconds,
             rollout_wait=int(parse_enum(RolloutWait, rollout_wait, "rollout_wait")) if rollout_wait else 0,
-            max_staleness=max_staleness,
+            max_staleness=max_staleness, pause_mode=pause_mode_to_pb(pause_mode),
         )
         await self._call("ConfigurePolicy", self.stub.ConfigurePolicy, request)
 
@@ -306,8 +315,12 @@ class SynchronizerClient:
         assert group is not None
         return group
 
-    async def report_transfer(self, group_id: str, component_id: str, success: bool, error: str = "") -> TransferState:
-        request = pb.ReportTransferRequest(group_id=group_id, id=component_id, success=success, error=error[:4000])
+    async def report_transfer(
+        self, group_id: str, component_id: str, success: bool, error: str = "", *, identity: bytes = b"",
+    ) -> TransferState:
+        """`identity`: rank 0 (the trainer), with success, the identity of the weights it sent."""
+        request = pb.ReportTransferRequest(group_id=group_id, id=component_id, success=success, error=error[:4000],
+                                           identity=identity)
         r = await self._call("ReportTransfer", self.stub.ReportTransfer, request)
         return TransferState(r.state)
 
@@ -328,3 +341,26 @@ class SynchronizerClient:
         request = pb.RewindRequest(to_version=to_version, reason=reason[:4000])
         return Rewind.from_pb(await self._call("Rewind", self.stub.Rewind, request))
 
+
+    async def request_version(self, min_version: int, reason: str = "") -> int:
+        """Asks for a version >= `min_version` outside the schedule (the trainer publishes its weights
+        once it holds one); returns the newest committed version now."""
+        request = pb.RequestVersionRequest(min_version=min_version, reason=reason[:4000])
+        return (await self._call("RequestVersion", self.stub.RequestVersion, request)).latest_version
+
+    # -- fleet updates -------------------------------------------------------
+
+    async def report_update(self, report: UpdateRecord) -> UpdateRecord:
+        """A rollout's result of one weight update; returns it as recorded, with the synchronizer's verdict."""
+        r = report
+        request = pb.ReportUpdateRequest(
+            id=r.component_id, version=r.version, resident_identity=r.resident_identity, outcome=int(r.outcome),
+            failed_phase=int(r.failed_phase) if r.failed_phase else 0, reason=r.reason[:4000],
+            timings=timings_to_pb(r.timings), served_version=r.served_version,
+        )
+        return update_from_pb((await self._call("ReportUpdate", self.stub.ReportUpdate, request)).record)
+
+    async def list_updates(self, version: int = 0) -> list[UpdateRecord]:
+        """The recorded update results of `version` (0: every version kept), oldest version first."""
+        r = await self._call("ListUpdates", self.stub.ListUpdates, pb.ListUpdatesRequest(version=version))
+        return [update_from_pb(u) for u in r.records]

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
-from flywheel.synchronizer.convert import component_from_pb, group_from_pb, policy_from_status_pb
-from flywheel.synchronizer.types import Component, EventKind, GroupInfo, Method, Policy, State, TransferState
+from flywheel.synchronizer.convert import component_from_pb, group_from_pb, policy_from_status_pb, update_from_pb
+from flywheel.synchronizer.types import (
+    Component, EventKind, GroupInfo, Method, Policy, State, TransferState, UpdateRecord,
+)
 
 
 def _method(value: int) -> Method | None:
@@ -94,11 +96,14 @@ class TransferOutcome:
     error: str
     group: GroupInfo | None
     confirmed: list[str]
+    #: The identity rank 0 reported for the weights it sent (b"" until it did).
+    identity: bytes = b""
 
     @classmethod
     def from_pb(cls, r: pb.GetTransferResponse) -> TransferOutcome:
         state = TransferState(r.state) if r.state else TransferState.PENDING
-        return cls(state, r.error, group_from_pb(r.group) if r.HasField("group") else None, list(r.confirmed))
+        return cls(state, r.error, group_from_pb(r.group) if r.HasField("group") else None, list(r.confirmed),
+                   r.identity)
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,10 @@ class WatchEvent:
     #: Rewinds so far, and the version the last one went back to (0: none).
     epoch: int = 0
     rewound_to: int = 0
+    #: VERSION_COMMITTED, TRANSFER_FINISHED: the version's identity (b"": none).
+    identity: bytes = b""
+    #: UPDATE_REPORTED: the result as recorded.
+    update: UpdateRecord | None = None
 
     @classmethod
     def from_pb(cls, r: pb.WatchResponse) -> WatchEvent:
@@ -125,6 +134,7 @@ class WatchEvent:
             component_from_pb(r.component) if r.HasField("component") else None, r.version, _method(r.method),
             r.location, group_from_pb(r.group) if r.HasField("group") else None,
             TransferState(r.transfer_state) if r.transfer_state else None, r.message, r.epoch, r.rewound_to,
+            r.identity, update_from_pb(r.update) if r.HasField("update") else None,
         )
 
 
@@ -136,6 +146,9 @@ class VersionInfo:
     in_memory: bool
     path: str
     committed_unix_ms: int
+    #: The version's identity (b"": none recorded) and the lineage it was committed in.
+    identity: bytes = b""
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,7 +168,8 @@ class SyncStatus:
         return cls(
             [component_from_pb(c) for c in r.components],
             [
-                VersionInfo(v.version, _method(v.method), v.bytes, v.in_memory, v.path, v.committed_unix_ms)
+                VersionInfo(v.version, _method(v.method), v.bytes, v.in_memory, v.path, v.committed_unix_ms,
+                            v.identity, v.epoch)
                 for v in r.versions
             ],
             r.latest_version, policy_from_status_pb(r.policy), [TransferOutcome.from_pb(t) for t in r.transfers], r.held_bytes,
@@ -164,6 +178,9 @@ class SyncStatus:
 
     def component(self, component_id: str) -> Component | None:
         return next((c for c in self.components if c.id == component_id), None)
+
+    def version(self, version: int) -> VersionInfo | None:
+        return next((v for v in self.versions if v.version == version), None)
 
     def describe(self) -> str:
         """A plain-text table for the CLI and logs."""
@@ -175,11 +192,14 @@ class SyncStatus:
             f"{'component':<24}{'role':<12}{'state':<14}{'step':>8}{'version':>9}",
         ]
         for c in self.components:
-            lines.append(f"{c.id:<24}{c.role.name.lower():<12}{c.state.name:<14}{c.step:>8}{c.weight_version:>9}")
+            quarantine = f"  QUARANTINED: {c.quarantine_reason}" if c.quarantined else ""
+            lines.append(f"{c.id:<24}{c.role.name.lower():<12}{c.state.name:<14}{c.step:>8}{c.weight_version:>9}"
+                         f"{quarantine}")
         for v in self.versions:
             where = v.path or ("in memory" if v.in_memory else "bytes not held")
             method = v.method.name.lower() if v.method else "?"
-            lines.append(f"version {v.version}: {method}, {v.nbytes / 2**20:.1f} MiB, {where}")
+            identity = f", identity {v.identity.hex()[:16]}" if v.identity else ""
+            lines.append(f"version {v.version}: {method}, {v.nbytes / 2**20:.1f} MiB, {where}{identity}")
         for t in self.transfers[-5:]:
             group = t.group.group_id if t.group else "?"
             lines.append(f"transfer {group}: {t.state.name}{' - ' + t.error if t.error else ''}")

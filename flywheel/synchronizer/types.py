@@ -70,6 +70,27 @@ class EventKind(enum.IntEnum):
     PUSH_REQUESTED = 8
     VERSION_STAGED = 9
     REWOUND = 10
+    UPDATE_REPORTED = 11
+    VERSION_REQUESTED = 12
+
+
+class UpdateOutcome(enum.IntEnum):
+    """How a replica's weight update ended."""
+
+    #: Applied, and the resident weights' identity is the version's.
+    VERIFIED = 1
+    #: A phase failed: the replica is quarantined until an update verifies.
+    FAILED = 2
+
+
+class UpdatePhase(enum.IntEnum):
+    """The phases of a weight update on one replica, in order."""
+
+    ADMIT = 1
+    TRANSFER = 2
+    APPLY = 3
+    VERIFY = 4
+    REOPEN = 5
 
 
 def parse_enum(kind: type[enum.IntEnum], value: object, what: str) -> enum.IntEnum:
@@ -113,6 +134,11 @@ class Component:
     requested_at: float | None = None
     request_step: int = 0
     awaited_version: int = 0
+    #: Identity of the weights held (flywheel.codec.identity; b"" when unknown).
+    weight_identity: bytes = b""
+    #: Rollouts: the last weight update failed; no traffic until one verifies.
+    quarantined: bool = False
+    quarantine_reason: str = ""
 
     @property
     def id(self) -> str:
@@ -136,6 +162,47 @@ class Policy:
     rollout_wait: RolloutWait = RolloutWait.NONE
     #: RolloutWait.STALENESS: the most versions its weights may lag r - 1.
     max_staleness: int = 0
+    #: What a rollout does with its in-flight requests while it swaps weights
+    #: (flywheel.common.types.PauseMode); "" leaves it to the rollout's own default.
+    pause_mode: str = ""
+
+
+@dataclass(frozen=True)
+class UpdateTimings:
+    """How long each phase of one weight update took, in seconds (0: not reached)."""
+
+    admit_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    apply_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    reopen_seconds: float = 0.0
+    #: Generation paused, admit to reopen: the cost users feel.
+    pause_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """One replica's result of one weight update, with the synchronizer's verdict."""
+
+    component_id: str
+    version: int
+    outcome: UpdateOutcome
+    #: The version's identity as recorded (b"": none recorded).
+    expected_identity: bytes = b""
+    #: Measured on the resident weights (b"": failed before verification).
+    resident_identity: bytes = b""
+    #: FAILED: the phase that failed, and why.
+    failed_phase: UpdatePhase | None = None
+    reason: str = ""
+    timings: UpdateTimings = field(default_factory=UpdateTimings)
+    unix_ms: int = 0
+    epoch: int = 0
+    #: The version served after it.
+    served_version: int = 0
+
+    @property
+    def verified(self) -> bool:
+        return self.outcome == UpdateOutcome.VERIFIED
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from flywheel.common.types import finish_reason_to_pb, pause_mode_from_pb
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
 from flywheel.rollout.v1 import rollout_pb2 as pb
@@ -24,9 +25,6 @@ from services.rollout.prompts import (
 )
 from services.rollout.sources import checkpoint_stage, memory_stage
 
-_MODES: dict[int, PauseMode] = {pb.PAUSE_MODE_ABORT: "abort", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_KEEP: "keep"}
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-           "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR}
 
 
 def _json(text: str, field: str) -> Any:
@@ -72,7 +70,7 @@ def sample_to_proto(sample: SampleOutput, prompt_ids: list[int]) -> common_pb2.S
         prompt_token_ids=prompt_ids,
         completion_token_ids=sample.token_ids,
         completion_logprobs=sample.logprobs,
-        finish_reason=_FINISH[sample.finish_reason],
+        finish_reason=finish_reason_to_pb(sample.finish_reason),
         stop_reason=sample.stop_reason,
         weight_version_start=sample.version_start,
         weight_version_end=sample.version_end,
@@ -150,11 +148,11 @@ class RolloutServicer:
         )
 
     def _mode(self, mode: int, field: str) -> PauseMode:
-        if mode == pb.PAUSE_MODE_UNSPECIFIED:
-            return self.config.updates.default_pause_mode
-        if mode not in _MODES:
-            raise InvalidArgument(f"{field}: unknown pause mode {mode}")
-        return _MODES[mode]
+        try:
+            name = pause_mode_from_pb(mode)
+        except ValueError:
+            raise InvalidArgument(f"{field}: unknown pause mode {mode}") from None
+        return name or self.config.updates.default_pause_mode  # type: ignore[return-value]
 
     async def Pause(self, request: pb.PauseRequest, context: grpc.aio.ServicerContext) -> pb.PauseResponse:
         aborted, version = await self.core.pause(self._mode(request.mode, "mode"))

@@ -22,7 +22,7 @@ from services.synchronizer.buffers import WeightStore
 from services.synchronizer.config import SynchronizerConfig
 from services.synchronizer.events import EventBus
 from services.synchronizer.groups import Group, Transfers
-from services.synchronizer.policy import Decision, decide, validate
+from flywheel.synchronizer.policy import Decision, decide, validate
 from services.synchronizer.registry import Registry
 from services.synchronizer.storage import open_pool
 from services.synchronizer.store import Store

@@ -171,7 +171,7 @@ async def test_pause_abort_returns_the_aborted_requests(server) -> None:
             prompts=[pb.Prompt(text=QUESTION, request_id=f"job-{i}") for i in range(3)], sampling=long)))
         while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
             await asyncio.sleep(0.01)
-        paused = await rollout.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_ABORT))
+        paused = await rollout.Pause(pb.PauseRequest(mode=common_pb2.PAUSE_MODE_ABORT))
         assert sorted(paused.aborted_request_ids) == ["job-0", "job-1", "job-2"]
         results = (await generation).results
         assert all(r.samples[0].finish_reason == common_pb2.FINISH_REASON_ABORT for r in results)

@@ -230,7 +230,7 @@ async def test_keep_mode_update_continues_requests_across_versions(server, tmp_p
             prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=PROMPT), request_id="long")], sampling=long)))
         while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
             await asyncio.sleep(0.005)
-        response = await update(rollout, 4, checkpoint=pb.CheckpointSource(path=str(tmp_path)), pause_mode=pb.PAUSE_MODE_KEEP)
+        response = await update(rollout, 4, checkpoint=pb.CheckpointSource(path=str(tmp_path)), pause_mode=common_pb2.PAUSE_MODE_KEEP)
         assert response.weight_version == 4 and not response.aborted_request_ids
         sample = (await generation).results[0].samples[0]
     assert sample.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(sample.completion_token_ids) == 200
@@ -297,7 +297,7 @@ async def test_no_prefix_cached_under_old_weights_is_reused_after_an_update(serv
             await rollout.Generate(request)
         version = track.version + 1
         await update(rollout, version, checkpoint=pb.CheckpointSource(path=str(tmp_path)),
-                     pause_mode=pb.PAUSE_MODE_KEEP)
+                     pause_mode=common_pb2.PAUSE_MODE_KEEP)
         sample = (await rollout.Generate(request)).results[0].samples[0]
     completion = list(sample.completion_token_ids)
     expected = reference_logprobs(track.model, prompt, completion, new)

@@ -54,6 +54,13 @@ class SyncMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SYNC_METHOD_MEMORY: _ClassVar[SyncMethod]
     SYNC_METHOD_CHECKPOINT: _ClassVar[SyncMethod]
 
+class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAUSE_MODE_UNSPECIFIED: _ClassVar[PauseMode]
+    PAUSE_MODE_ABORT: _ClassVar[PauseMode]
+    PAUSE_MODE_WAIT: _ClassVar[PauseMode]
+    PAUSE_MODE_KEEP: _ClassVar[PauseMode]
+
 class SyncStyle(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SYNC_STYLE_UNSPECIFIED: _ClassVar[SyncStyle]
@@ -99,6 +106,10 @@ SYNC_METHOD_UNSPECIFIED: SyncMethod
 SYNC_METHOD_NCCL: SyncMethod
 SYNC_METHOD_MEMORY: SyncMethod
 SYNC_METHOD_CHECKPOINT: SyncMethod
+PAUSE_MODE_UNSPECIFIED: PauseMode
+PAUSE_MODE_ABORT: PauseMode
+PAUSE_MODE_WAIT: PauseMode
+PAUSE_MODE_KEEP: PauseMode
 SYNC_STYLE_UNSPECIFIED: SyncStyle
 SYNC_STYLE_FIXED: SyncStyle
 SYNC_STYLE_DYNAMIC_BY_EXPLORER: SyncStyle
@@ -109,16 +120,18 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class TensorMeta(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "nbytes")
+    __slots__ = ("name", "dtype", "shape", "nbytes", "digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -131,7 +144,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "base_version", "tensors", "total_bytes", "chunk_count", "chunk_bytes", "bucket_bytes", "checksum_algorithm", "digest")
+    __slots__ = ("version", "base_version", "tensors", "total_bytes", "chunk_count", "chunk_bytes", "bucket_bytes", "checksum_algorithm", "digest", "identity")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +154,7 @@ class WeightManifest(_message.Message):
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     version: int
     base_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
@@ -150,7 +164,8 @@ class WeightManifest(_message.Message):
     bucket_bytes: int
     checksum_algorithm: ChecksumAlgorithm
     digest: bytes
-    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    identity: bytes
+    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., digest: _Optional[bytes] = ..., identity: _Optional[bytes] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("version", "base_version", "tensor_name", "dtype", "shape", "offset", "data", "checksum", "last", "bucket_index", "sequence")
@@ -200,18 +215,24 @@ class ComponentIdentity(_message.Message):
     def __init__(self, role: _Optional[_Union[ComponentRole, str]] = ..., id: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Iterable[_Union[SyncMethod, str]]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ComponentStatus(_message.Message):
-    __slots__ = ("identity", "state", "step", "weight_version", "last_heartbeat_unix_ms")
+    __slots__ = ("identity", "state", "step", "weight_version", "last_heartbeat_unix_ms", "weight_identity", "quarantined", "quarantine_reason")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
     identity: ComponentIdentity
     state: ComponentState
     step: int
     weight_version: int
     last_heartbeat_unix_ms: int
-    def __init__(self, identity: _Optional[_Union[ComponentIdentity, _Mapping]] = ..., state: _Optional[_Union[ComponentState, str]] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ...) -> None: ...
+    weight_identity: bytes
+    quarantined: bool
+    quarantine_reason: str
+    def __init__(self, identity: _Optional[_Union[ComponentIdentity, _Mapping]] = ..., state: _Optional[_Union[ComponentState, str]] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., weight_identity: _Optional[bytes] = ..., quarantined: _Optional[bool] = ..., quarantine_reason: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "top_logprobs", "min_tokens", "repetition_penalty", "ignore_eos")

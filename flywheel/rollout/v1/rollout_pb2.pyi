@@ -1,23 +1,11 @@
 from flywheel.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    PAUSE_MODE_UNSPECIFIED: _ClassVar[PauseMode]
-    PAUSE_MODE_ABORT: _ClassVar[PauseMode]
-    PAUSE_MODE_WAIT: _ClassVar[PauseMode]
-    PAUSE_MODE_KEEP: _ClassVar[PauseMode]
-PAUSE_MODE_UNSPECIFIED: PauseMode
-PAUSE_MODE_ABORT: PauseMode
-PAUSE_MODE_WAIT: PauseMode
-PAUSE_MODE_KEEP: PauseMode
 
 class Prompt(_message.Message):
     __slots__ = ("token_ids", "text", "messages", "request_id")
@@ -160,8 +148,8 @@ class GetStatusResponse(_message.Message):
 class PauseRequest(_message.Message):
     __slots__ = ("mode",)
     MODE_FIELD_NUMBER: _ClassVar[int]
-    mode: PauseMode
-    def __init__(self, mode: _Optional[_Union[PauseMode, str]] = ...) -> None: ...
+    mode: _common_pb2.PauseMode
+    def __init__(self, mode: _Optional[_Union[_common_pb2.PauseMode, str]] = ...) -> None: ...
 
 class PauseResponse(_message.Message):
     __slots__ = ("aborted_request_ids", "weight_version")
@@ -223,9 +211,9 @@ class UpdateWeightsRequest(_message.Message):
     memory: MemorySource
     checkpoint: CheckpointSource
     nccl: NcclSource
-    pause_mode: PauseMode
+    pause_mode: _common_pb2.PauseMode
     timeout_seconds: float
-    def __init__(self, version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., memory: _Optional[_Union[MemorySource, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSource, _Mapping]] = ..., nccl: _Optional[_Union[NcclSource, _Mapping]] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., memory: _Optional[_Union[MemorySource, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSource, _Mapping]] = ..., nccl: _Optional[_Union[NcclSource, _Mapping]] = ..., pause_mode: _Optional[_Union[_common_pb2.PauseMode, str]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("weight_version", "pause_seconds", "bytes", "aborted_request_ids")

@@ -21,6 +21,8 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_PUSH_REQUESTED: _ClassVar[EventKind]
     EVENT_KIND_VERSION_STAGED: _ClassVar[EventKind]
     EVENT_KIND_REWOUND: _ClassVar[EventKind]
+    EVENT_KIND_UPDATE_REPORTED: _ClassVar[EventKind]
+    EVENT_KIND_VERSION_REQUESTED: _ClassVar[EventKind]
 
 class RolloutWait(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +37,21 @@ class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_STATE_PENDING: _ClassVar[TransferState]
     TRANSFER_STATE_COMMITTED: _ClassVar[TransferState]
     TRANSFER_STATE_ABORTED: _ClassVar[TransferState]
+
+class UpdateOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_OUTCOME_UNSPECIFIED: _ClassVar[UpdateOutcome]
+    UPDATE_OUTCOME_VERIFIED: _ClassVar[UpdateOutcome]
+    UPDATE_OUTCOME_FAILED: _ClassVar[UpdateOutcome]
+
+class UpdatePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_PHASE_UNSPECIFIED: _ClassVar[UpdatePhase]
+    UPDATE_PHASE_ADMIT: _ClassVar[UpdatePhase]
+    UPDATE_PHASE_TRANSFER: _ClassVar[UpdatePhase]
+    UPDATE_PHASE_APPLY: _ClassVar[UpdatePhase]
+    UPDATE_PHASE_VERIFY: _ClassVar[UpdatePhase]
+    UPDATE_PHASE_REOPEN: _ClassVar[UpdatePhase]
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_STATE_CHANGED: EventKind
 EVENT_KIND_VERSION_COMMITTED: EventKind
@@ -46,6 +63,8 @@ EVENT_KIND_SYNC_REQUESTED: EventKind
 EVENT_KIND_PUSH_REQUESTED: EventKind
 EVENT_KIND_VERSION_STAGED: EventKind
 EVENT_KIND_REWOUND: EventKind
+EVENT_KIND_UPDATE_REPORTED: EventKind
+EVENT_KIND_VERSION_REQUESTED: EventKind
 ROLLOUT_WAIT_UNSPECIFIED: RolloutWait
 ROLLOUT_WAIT_NONE: RolloutWait
 ROLLOUT_WAIT_DUE_VERSION: RolloutWait
@@ -54,16 +73,27 @@ TRANSFER_STATE_UNSPECIFIED: TransferState
 TRANSFER_STATE_PENDING: TransferState
 TRANSFER_STATE_COMMITTED: TransferState
 TRANSFER_STATE_ABORTED: TransferState
+UPDATE_OUTCOME_UNSPECIFIED: UpdateOutcome
+UPDATE_OUTCOME_VERIFIED: UpdateOutcome
+UPDATE_OUTCOME_FAILED: UpdateOutcome
+UPDATE_PHASE_UNSPECIFIED: UpdatePhase
+UPDATE_PHASE_ADMIT: UpdatePhase
+UPDATE_PHASE_TRANSFER: UpdatePhase
+UPDATE_PHASE_APPLY: UpdatePhase
+UPDATE_PHASE_VERIFY: UpdatePhase
+UPDATE_PHASE_REOPEN: UpdatePhase
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("identity", "step", "weight_version")
+    __slots__ = ("identity", "step", "weight_version", "weight_identity")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     identity: _common_pb2.ComponentIdentity
     step: int
     weight_version: int
-    def __init__(self, identity: _Optional[_Union[_common_pb2.ComponentIdentity, _Mapping]] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    weight_identity: bytes
+    def __init__(self, identity: _Optional[_Union[_common_pb2.ComponentIdentity, _Mapping]] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., weight_identity: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("lease_seconds", "state", "latest_version", "push_requested")
@@ -108,18 +138,20 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SetStateRequest(_message.Message):
-    __slots__ = ("id", "state", "expected_state", "weight_version", "reason")
+    __slots__ = ("id", "state", "expected_state", "weight_version", "reason", "weight_identity")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_STATE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: _common_pb2.ComponentState
     expected_state: _common_pb2.ComponentState
     weight_version: int
     reason: str
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., expected_state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., weight_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    weight_identity: bytes
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., expected_state: _Optional[_Union[_common_pb2.ComponentState, str]] = ..., weight_version: _Optional[int] = ..., reason: _Optional[str] = ..., weight_identity: _Optional[bytes] = ...) -> None: ...
 
 class SetStateResponse(_message.Message):
     __slots__ = ("state",)
@@ -136,7 +168,7 @@ class WatchRequest(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[str]] = ..., send_initial: _Optional[bool] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
-    __slots__ = ("kind", "component", "latest_version", "method", "location", "sequence", "unix_ms", "version", "group", "transfer_state", "message", "epoch", "rewound_to")
+    __slots__ = ("kind", "component", "latest_version", "method", "location", "sequence", "unix_ms", "version", "group", "transfer_state", "message", "epoch", "rewound_to", "identity", "update")
     KIND_FIELD_NUMBER: _ClassVar[int]
     COMPONENT_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +182,8 @@ class WatchResponse(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REWOUND_TO_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     component: _common_pb2.ComponentStatus
     latest_version: int
@@ -163,10 +197,12 @@ class WatchResponse(_message.Message):
     message: str
     epoch: int
     rewound_to: int
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., component: _Optional[_Union[_common_pb2.ComponentStatus, _Mapping]] = ..., latest_version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., location: _Optional[str] = ..., sequence: _Optional[int] = ..., unix_ms: _Optional[int] = ..., version: _Optional[int] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., transfer_state: _Optional[_Union[TransferState, str]] = ..., message: _Optional[str] = ..., epoch: _Optional[int] = ..., rewound_to: _Optional[int] = ...) -> None: ...
+    identity: bytes
+    update: UpdateRecord
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., component: _Optional[_Union[_common_pb2.ComponentStatus, _Mapping]] = ..., latest_version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., location: _Optional[str] = ..., sequence: _Optional[int] = ..., unix_ms: _Optional[int] = ..., version: _Optional[int] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., transfer_state: _Optional[_Union[TransferState, str]] = ..., message: _Optional[str] = ..., epoch: _Optional[int] = ..., rewound_to: _Optional[int] = ..., identity: _Optional[bytes] = ..., update: _Optional[_Union[UpdateRecord, _Mapping]] = ...) -> None: ...
 
 class ConfigurePolicyRequest(_message.Message):
-    __slots__ = ("style", "method", "sync_interval", "sync_offset", "sync_timeout_seconds", "rollout_wait", "max_staleness")
+    __slots__ = ("style", "method", "sync_interval", "sync_offset", "sync_timeout_seconds", "rollout_wait", "max_staleness", "pause_mode")
     STYLE_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     SYNC_INTERVAL_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +210,7 @@ class ConfigurePolicyRequest(_message.Message):
     SYNC_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_WAIT_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
     style: _common_pb2.SyncStyle
     method: _common_pb2.SyncMethod
     sync_interval: int
@@ -181,7 +218,8 @@ class ConfigurePolicyRequest(_message.Message):
     sync_timeout_seconds: float
     rollout_wait: RolloutWait
     max_staleness: int
-    def __init__(self, style: _Optional[_Union[_common_pb2.SyncStyle, str]] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., sync_interval: _Optional[int] = ..., sync_offset: _Optional[int] = ..., sync_timeout_seconds: _Optional[float] = ..., rollout_wait: _Optional[_Union[RolloutWait, str]] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    pause_mode: _common_pb2.PauseMode
+    def __init__(self, style: _Optional[_Union[_common_pb2.SyncStyle, str]] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., sync_interval: _Optional[int] = ..., sync_offset: _Optional[int] = ..., sync_timeout_seconds: _Optional[float] = ..., rollout_wait: _Optional[_Union[RolloutWait, str]] = ..., max_staleness: _Optional[int] = ..., pause_mode: _Optional[_Union[_common_pb2.PauseMode, str]] = ...) -> None: ...
 
 class ConfigurePolicyResponse(_message.Message):
     __slots__ = ()
@@ -360,16 +398,18 @@ class AllocateGroupResponse(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., deadline_unix_ms: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ReportTransferRequest(_message.Message):
-    __slots__ = ("group_id", "id", "success", "error")
+    __slots__ = ("group_id", "id", "success", "error", "identity")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     id: str
     success: bool
     error: str
-    def __init__(self, group_id: _Optional[str] = ..., id: _Optional[str] = ..., success: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    identity: bytes
+    def __init__(self, group_id: _Optional[str] = ..., id: _Optional[str] = ..., success: _Optional[bool] = ..., error: _Optional[str] = ..., identity: _Optional[bytes] = ...) -> None: ...
 
 class ReportTransferResponse(_message.Message):
     __slots__ = ("state",)
@@ -386,36 +426,42 @@ class GetTransferRequest(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class GetTransferResponse(_message.Message):
-    __slots__ = ("state", "error", "group", "confirmed")
+    __slots__ = ("state", "error", "group", "confirmed", "identity")
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     state: TransferState
     error: str
     group: AllocateGroupResponse
     confirmed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, state: _Optional[_Union[TransferState, str]] = ..., error: _Optional[str] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., confirmed: _Optional[_Iterable[str]] = ...) -> None: ...
+    identity: bytes
+    def __init__(self, state: _Optional[_Union[TransferState, str]] = ..., error: _Optional[str] = ..., group: _Optional[_Union[AllocateGroupResponse, _Mapping]] = ..., confirmed: _Optional[_Iterable[str]] = ..., identity: _Optional[bytes] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("version", "method", "bytes", "in_memory", "path", "committed_unix_ms")
+    __slots__ = ("version", "method", "bytes", "in_memory", "path", "committed_unix_ms", "identity", "epoch")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     version: int
     method: _common_pb2.SyncMethod
     bytes: int
     in_memory: bool
     path: str
     committed_unix_ms: int
-    def __init__(self, version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., bytes: _Optional[int] = ..., in_memory: _Optional[bool] = ..., path: _Optional[str] = ..., committed_unix_ms: _Optional[int] = ...) -> None: ...
+    identity: bytes
+    epoch: int
+    def __init__(self, version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., bytes: _Optional[int] = ..., in_memory: _Optional[bool] = ..., path: _Optional[str] = ..., committed_unix_ms: _Optional[int] = ..., identity: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("components", "versions", "latest_version", "policy", "transfers", "held_bytes", "epoch", "rewound_to")
@@ -456,3 +502,97 @@ class RewindResponse(_message.Message):
     dropped_versions: _containers.RepeatedScalarFieldContainer[int]
     rewinding: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, epoch: _Optional[int] = ..., latest_version: _Optional[int] = ..., dropped_versions: _Optional[_Iterable[int]] = ..., rewinding: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UpdateTimings(_message.Message):
+    __slots__ = ("admit_seconds", "transfer_seconds", "apply_seconds", "verify_seconds", "reopen_seconds", "pause_seconds")
+    ADMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REOPEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    admit_seconds: float
+    transfer_seconds: float
+    apply_seconds: float
+    verify_seconds: float
+    reopen_seconds: float
+    pause_seconds: float
+    def __init__(self, admit_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., reopen_seconds: _Optional[float] = ..., pause_seconds: _Optional[float] = ...) -> None: ...
+
+class UpdateRecord(_message.Message):
+    __slots__ = ("component_id", "version", "expected_identity", "resident_identity", "outcome", "failed_phase", "reason", "timings", "unix_ms", "epoch", "served_version")
+    COMPONENT_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PHASE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SERVED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    component_id: str
+    version: int
+    expected_identity: bytes
+    resident_identity: bytes
+    outcome: UpdateOutcome
+    failed_phase: UpdatePhase
+    reason: str
+    timings: UpdateTimings
+    unix_ms: int
+    epoch: int
+    served_version: int
+    def __init__(self, component_id: _Optional[str] = ..., version: _Optional[int] = ..., expected_identity: _Optional[bytes] = ..., resident_identity: _Optional[bytes] = ..., outcome: _Optional[_Union[UpdateOutcome, str]] = ..., failed_phase: _Optional[_Union[UpdatePhase, str]] = ..., reason: _Optional[str] = ..., timings: _Optional[_Union[UpdateTimings, _Mapping]] = ..., unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., served_version: _Optional[int] = ...) -> None: ...
+
+class ReportUpdateRequest(_message.Message):
+    __slots__ = ("id", "version", "resident_identity", "outcome", "failed_phase", "reason", "timings", "served_version")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PHASE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    version: int
+    resident_identity: bytes
+    outcome: UpdateOutcome
+    failed_phase: UpdatePhase
+    reason: str
+    timings: UpdateTimings
+    served_version: int
+    def __init__(self, id: _Optional[str] = ..., version: _Optional[int] = ..., resident_identity: _Optional[bytes] = ..., outcome: _Optional[_Union[UpdateOutcome, str]] = ..., failed_phase: _Optional[_Union[UpdatePhase, str]] = ..., reason: _Optional[str] = ..., timings: _Optional[_Union[UpdateTimings, _Mapping]] = ..., served_version: _Optional[int] = ...) -> None: ...
+
+class ReportUpdateResponse(_message.Message):
+    __slots__ = ("record",)
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    record: UpdateRecord
+    def __init__(self, record: _Optional[_Union[UpdateRecord, _Mapping]] = ...) -> None: ...
+
+class ListUpdatesRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class ListUpdatesResponse(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[UpdateRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[UpdateRecord, _Mapping]]] = ...) -> None: ...
+
+class RequestVersionRequest(_message.Message):
+    __slots__ = ("min_version", "reason")
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    min_version: int
+    reason: str
+    def __init__(self, min_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RequestVersionResponse(_message.Message):
+    __slots__ = ("latest_version",)
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    latest_version: int
+    def __init__(self, latest_version: _Optional[int] = ...) -> None: ...

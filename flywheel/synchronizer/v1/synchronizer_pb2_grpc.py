@@ -115,6 +115,21 @@ class SynchronizerServiceStub:
                 request_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RewindRequest.SerializeToString,
                 response_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RewindResponse.FromString,
                 _registered_method=True)
+        self.ReportUpdate = channel.unary_unary(
+                '/flywheel.synchronizer.v1.SynchronizerService/ReportUpdate',
+                request_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.ReportUpdateRequest.SerializeToString,
+                response_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.ReportUpdateResponse.FromString,
+                _registered_method=True)
+        self.ListUpdates = channel.unary_unary(
+                '/flywheel.synchronizer.v1.SynchronizerService/ListUpdates',
+                request_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.ListUpdatesRequest.SerializeToString,
+                response_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.ListUpdatesResponse.FromString,
+                _registered_method=True)
+        self.RequestVersion = channel.unary_unary(
+                '/flywheel.synchronizer.v1.SynchronizerService/RequestVersion',
+                request_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RequestVersionRequest.SerializeToString,
+                response_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RequestVersionResponse.FromString,
+                _registered_method=True)
 
 
 class SynchronizerServiceServicer:
@@ -236,6 +251,31 @@ class SynchronizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportUpdate(self, request, context):
+        """A rollout's result of one weight update: each phase's duration, and
+        whether the weights resident in its engine proved to be the version.
+        A failed update quarantines the replica until one verifies.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListUpdates(self, request, context):
+        """The recorded update results of the versions kept, per replica.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RequestVersion(self, request, context):
+        """Asks for a version outside the schedule (a run's start or resume, a
+        validation): the trainer publishes its weights once it holds at least
+        `min_version`. Controller scope.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SynchronizerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -318,6 +358,21 @@ def add_SynchronizerServiceServicer_to_server(servicer, server):
                     servicer.Rewind,
                     request_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RewindRequest.FromString,
                     response_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RewindResponse.SerializeToString,
+            ),
+            'ReportUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportUpdate,
+                    request_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.ReportUpdateRequest.FromString,
+                    response_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.ReportUpdateResponse.SerializeToString,
+            ),
+            'ListUpdates': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListUpdates,
+                    request_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.ListUpdatesRequest.FromString,
+                    response_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.ListUpdatesResponse.SerializeToString,
+            ),
+            'RequestVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestVersion,
+                    request_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RequestVersionRequest.FromString,
+                    response_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RequestVersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -753,6 +808,87 @@ class SynchronizerService:
             '/flywheel.synchronizer.v1.SynchronizerService/Rewind',
             flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RewindRequest.SerializeToString,
             flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RewindResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.synchronizer.v1.SynchronizerService/ReportUpdate',
+            flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.ReportUpdateRequest.SerializeToString,
+            flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.ReportUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListUpdates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.synchronizer.v1.SynchronizerService/ListUpdates',
+            flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.ListUpdatesRequest.SerializeToString,
+            flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.ListUpdatesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.synchronizer.v1.SynchronizerService/RequestVersion',
+            flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RequestVersionRequest.SerializeToString,
+            flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RequestVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,

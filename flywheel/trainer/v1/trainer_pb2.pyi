@@ -224,14 +224,12 @@ class LoadCheckpointResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., client_state: _Optional[bytes] = ...) -> None: ...
 
 class MemoryTarget(_message.Message):
-    __slots__ = ("synchronizer_address", "chunk_bytes", "bucket_bytes")
-    SYNCHRONIZER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("chunk_bytes", "bucket_bytes")
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
-    synchronizer_address: str
     chunk_bytes: int
     bucket_bytes: int
-    def __init__(self, synchronizer_address: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, chunk_bytes: _Optional[int] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class CheckpointTarget(_message.Message):
     __slots__ = ("directory",)
@@ -260,13 +258,15 @@ class ExportWeightsRequest(_message.Message):
     def __init__(self, method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., memory: _Optional[_Union[MemoryTarget, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointTarget, _Mapping]] = ..., nccl: _Optional[_Union[NcclTarget, _Mapping]] = ..., merge_lora: _Optional[bool] = ...) -> None: ...
 
 class ExportWeightsResponse(_message.Message):
-    __slots__ = ("weight_version", "bytes", "duration_seconds", "path")
+    __slots__ = ("weight_version", "bytes", "duration_seconds", "path", "identity")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     bytes: int
     duration_seconds: float
     path: str
-    def __init__(self, weight_version: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., path: _Optional[str] = ...) -> None: ...
+    identity: bytes
+    def __init__(self, weight_version: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., path: _Optional[str] = ..., identity: _Optional[bytes] = ...) -> None: ...

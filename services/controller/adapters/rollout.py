@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from flywheel.common.types import finish_reason_from_pb
 from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import FailedPrecondition
 from flywheel.rollout.client import RolloutClient
@@ -30,12 +31,16 @@ from services.controller.domain import (
     WeightSource,
 )
 
-FINISH = {
-    cpb.FINISH_REASON_STOP: FinishReason.STOP,
-    cpb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    cpb.FINISH_REASON_ABORT: FinishReason.ABORT,
-    cpb.FINISH_REASON_ERROR: FinishReason.ERROR,
-}
+
+
+def finish_reason(value: int) -> FinishReason:
+    """An UNSPECIFIED or unknown reason (a newer rollout's) counts as an engine error."""
+    try:
+        return finish_reason_from_pb(value)
+    except ValueError:
+        return FinishReason.ERROR
+
+
 #: SamplingSpec fields the wire's SamplingParams carries under the same name.
 _SAMPLING_FIELDS = frozenset(cpb.SamplingParams.DESCRIPTOR.fields_by_name)
 
@@ -66,7 +71,7 @@ def generation(sample: cpb.Sample) -> Generation:
         prompt_token_ids=list(sample.prompt_token_ids),
         completion_token_ids=list(sample.completion_token_ids),
         completion_logprobs=list(sample.completion_logprobs),
-        finish_reason=FINISH.get(sample.finish_reason, FinishReason.ERROR),
+        finish_reason=finish_reason(sample.finish_reason),
         version_start=sample.weight_version_start,
         version_end=sample.weight_version_end,
         text=sample.text,

@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from flywheel.codec.dtypes import tensor_from_proto
+from flywheel.common.types import finish_reason_to_pb
 from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import FailedPrecondition, InvalidArgument, Unavailable
 from flywheel.rollout.v1 import rollout_pb2 as rpb
@@ -29,8 +30,6 @@ from services.controller.loop import run
 from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant
 from tests.unit.controller.controller_helpers import config, task, trajectory
 
-FINISH = {FinishReason.STOP: cpb.FINISH_REASON_STOP, FinishReason.LENGTH: cpb.FINISH_REASON_LENGTH,
-          FinishReason.ABORT: cpb.FINISH_REASON_ABORT, FinishReason.ERROR: cpb.FINISH_REASON_ERROR}
 
 
 class FakeTrainer(tpb_grpc.TrainerServiceServicer):
@@ -89,7 +88,7 @@ class FakeRollout(rpb_grpc.RolloutServiceServicer):
         return rpb.GenerateResponse(results=[
             rpb.PromptResult(request_id=p.request_id, samples=[
                 cpb.Sample(prompt_token_ids=g.prompt_token_ids, completion_token_ids=g.completion_token_ids,
-                           completion_logprobs=g.completion_logprobs, finish_reason=FINISH[g.finish_reason],
+                           completion_logprobs=g.completion_logprobs, finish_reason=finish_reason_to_pb(g.finish_reason),
                            weight_version_start=g.version_start, weight_version_end=g.version_end, text=g.text, index=i)
                 for i, g in enumerate(gens)])
             for p, gens in zip(prompts, results)])
@@ -103,7 +102,7 @@ class FakeRollout(rpb_grpc.RolloutServiceServicer):
     async def UpdateWeights(self, request, context):
         self.updates.append(request)
         source = WeightSource("checkpoint", path=request.checkpoint.path)
-        pause = {rpb.PAUSE_MODE_KEEP: "keep", rpb.PAUSE_MODE_WAIT: "wait", rpb.PAUSE_MODE_ABORT: "abort"}[request.pause_mode]
+        pause = {cpb.PAUSE_MODE_KEEP: "keep", cpb.PAUSE_MODE_WAIT: "wait", cpb.PAUSE_MODE_ABORT: "abort"}[request.pause_mode]
         return rpb.UpdateWeightsResponse(weight_version=await self.sim.update_weights(request.version, source, pause_mode=pause))
 
 
@@ -213,7 +212,7 @@ async def test_rollout_adapter_round_trip_and_unreachable_replicas(cluster) -> N
     assert await engine.tokenize(messages=[{"role": "user", "content": "x"}]) == [1, 2, 3]
     assert await engine.update_weights(3, WeightSource("checkpoint", path="/w/v3"), pause_mode="wait") == 3
     assert await engine.weight_version() == 3
-    assert fakes["r0"].updates[0].checkpoint.path == "/w/v3" and fakes["r0"].updates[0].pause_mode == rpb.PAUSE_MODE_WAIT
+    assert fakes["r0"].updates[0].checkpoint.path == "/w/v3" and fakes["r0"].updates[0].pause_mode == cpb.PAUSE_MODE_WAIT
     with pytest.raises(FailedPrecondition):
         await engine.update_weights(2, WeightSource("checkpoint", path="/w/v2"), pause_mode="keep")
     await engine.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flywheel.errors import FailedPrecondition, InvalidArgument
-from services.synchronizer.policy import (
+from flywheel.synchronizer.policy import (
     decide,
     dynamic_rollout_due,
     fixed_due_version,
