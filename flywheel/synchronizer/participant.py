@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from flywheel.codec import DEFAULT_BUCKET_BYTES
+from flywheel.codec.identity import identify
 from flywheel.errors import FailedPrecondition, FlywheelError
 from flywheel.transfer.broadcast import GroupSpec, apply_staged, receive, send
 from flywheel.synchronizer.client import SynchronizerClient
@@ -77,11 +78,12 @@ async def _abort_flag(client: SynchronizerClient, group_id: str) -> AsyncIterato
 
 
 async def _finish(
-    client: SynchronizerClient, group: GroupInfo, component_id: str, error: BaseException | None
+    client: SynchronizerClient, group: GroupInfo, component_id: str, error: BaseException | None,
+    identity: bytes = b"",
 ) -> TransferOutcome:
-    """Reports this side's outcome and waits for the transfer's."""
+    """Reports this side's outcome (the sender's with the identity of what it sent) and waits for the transfer's."""
     reason = "" if error is None else f"{type(error).__name__}: {error}"
-    await client.report_transfer(group.group_id, component_id, error is None, reason)
+    await client.report_transfer(group.group_id, component_id, error is None, reason, identity=identity)
     wait = max(0.0, group.deadline_unix_ms / 1000 - time.time()) + 1.0
     return await client.get_transfer(group.group_id, wait_seconds=wait)
 
@@ -94,17 +96,26 @@ async def send_in_group(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     on_bucket: Callable[[int], None] | None = None,
+    identity: bytes | None = None,
 ) -> TransferOutcome:
+    """Broadcasts `tensors` as rank 0. The version's identity (`identity`, or measured on
+    `tensors` while the broadcast runs) goes with the success report."""
     spec = spec_for(group, trainer_id)
     error: BaseException | None = None
+    measured = None if identity is not None else asyncio.ensure_future(asyncio.to_thread(identify, tensors))
     async with _abort_flag(client, group.group_id) as aborted:
         try:
             await asyncio.to_thread(
                 send, spec, tensors, bucket_bytes=bucket_bytes, should_abort=aborted.is_set, on_bucket=on_bucket
             )
+            if measured is not None:
+                identity = (await measured).digest
         except Exception as exc:  # noqa: BLE001 - every failure is reported, then the outcome decides
             error = exc
-    return await _finish(client, group, trainer_id, error)
+        finally:
+            if measured is not None and not measured.done():
+                measured.cancel()
+    return await _finish(client, group, trainer_id, error, identity or b"")
 
 
 async def broadcast_version(

@@ -18,6 +18,10 @@ it at once, and the trainer broadcasts it again, to the rollouts behind it
 only, while its step is that version; otherwise the next broadcast, which
 takes every rollout behind, brings it along.
 
+Outside either schedule, a version can be asked for (RequestVersion: the
+start of a run or a resume, a validation measuring the weights it names):
+the trainer publishes as soon as its step reaches the version asked for.
+
 DYNAMIC_BY_EXPLORER(interval, timeout): a rollout asks for new weights
 (REQUIRE_SYNC) once `interval` steps passed since its last satisfied request,
 awaiting any version newer than its own; the trainer syncs whenever some
@@ -90,12 +94,16 @@ def _awaiting(c: Component) -> bool:
 
 
 def trainer_decision(
-    policy: Policy, trainer: Component, step: int, latest: int, rollouts: Iterable[Component], push_requested: bool
+    policy: Policy, trainer: Component, step: int, latest: int, rollouts: Iterable[Component], push_requested: bool,
+    wanted: int = 0,
 ) -> Decision:
     if push_requested and policy.method == Method.MEMORY:
         # The newest version's bytes were lost: publish the current weights again.
         return Decision(True, max(step, latest), trainer.state)
-    if step <= latest:
+    if latest < wanted <= step:
+        # A version was asked for outside the schedule (a run's start, a validation): this one will do.
+        need = True
+    elif step <= latest:
         # This step's version (or a newer one) is out already. Over NCCL it is
         # kept nowhere: a rollout that awaits it and missed the broadcast (it
         # joined later, or its transfer failed) gets it again, while the
@@ -134,11 +142,13 @@ def decide(
     latest: int,
     rollouts: Iterable[Component],
     push_requested: bool = False,
+    wanted: int = 0,
 ) -> Decision:
+    """`wanted`: the least version asked for outside the schedule and not committed yet (0: none)."""
     if component.state == State.STOPPED:
         raise FailedPrecondition(f"{component.role.name.lower()} {component.id!r} is STOPPED; register it again")
     if component.role == Role.TRAINER:
-        return trainer_decision(policy, component, step, latest, rollouts, push_requested)
+        return trainer_decision(policy, component, step, latest, rollouts, push_requested, wanted)
     if component.role == Role.ROLLOUT:
         return rollout_decision(policy, component, step)
     raise InvalidArgument(f"NeedSync is for trainers and rollouts; {component.id!r} is a {component.role.name.lower()}")

@@ -181,15 +181,15 @@ class TrainerClient:
         return LoadedCheckpoint(response.path, response.step, response.weight_version, response.client_state)
 
     async def export_weights(
-        self, method: str, *, synchronizer_address: str = "", directory: str = "", group_id: str = "",
+        self, method: str, *, directory: str = "", group_id: str = "",
         merge_lora: bool = True, timeout: float | None = None,
     ) -> pb.ExportWeightsResponse:
         """Exports the current version (the operator's path; a linked trainer publishes by itself):
-        memory to `synchronizer_address`, checkpoint into `directory` (empty: its publish_dir), nccl over
-        `group_id`. Merged LoRA by default: rollouts serve full models."""
+        memory to the trainer's own synchronizer, checkpoint into `directory` (empty: its publish_dir),
+        nccl over `group_id`. Merged LoRA by default: rollouts serve full models."""
         request = pb.ExportWeightsRequest(method=int(Method[method.upper()]), merge_lora=merge_lora)
         if method == "memory":
-            request.memory.synchronizer_address = synchronizer_address
+            request.memory.SetInParent()
         elif method == "checkpoint":
             request.checkpoint.directory = directory
         else:

@@ -116,6 +116,14 @@ def _verify_digest(directory: Path, manifest: common_pb2.WeightManifest) -> None
         raise DataLoss(f"{directory}: the bytes do not match {MANIFEST_FILE}'s digest (corrupt or altered)")
 
 
+def checkpoint_identity(path: str) -> bytes:
+    """The identity `weight_manifest.pb` records for a (verified) checkpoint directory; b"" without one."""
+    manifest_path = Path(path) / MANIFEST_FILE
+    if not manifest_path.exists():
+        return b""
+    return bytes(common_pb2.WeightManifest.FromString(manifest_path.read_bytes()).identity)
+
+
 def verify_checkpoint(path: str, version: int, *, require_manifest: bool = False, verify_digest: bool = False) -> int:
     """Checks a checkpoint directory is complete; returns its weight bytes."""
     directory = Path(path)

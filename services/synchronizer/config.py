@@ -77,6 +77,9 @@ class SynchronizerConfig(StrictModel):
         False, description="re-hash checkpoint bytes against weight_manifest.pb's digest (reads the whole checkpoint)"
     )
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="initial sync policy")
+    keep_update_results: int = Field(
+        16, ge=1, description="versions whose per-replica update results (ReportUpdate) are kept for ListUpdates"
+    )
 
     @model_validator(mode="after")
     def _ports_ordered(self) -> SynchronizerConfig:

@@ -26,6 +26,7 @@ from flywheel.synchronizer.policy import Decision, decide, validate
 from services.synchronizer.registry import Registry
 from services.synchronizer.storage import open_pool
 from services.synchronizer.store import Store
+from services.synchronizer.updates import UpdateLedger, judge
 from flywheel.synchronizer.types import (
     Component,
     EventKind,
@@ -37,6 +38,7 @@ from flywheel.synchronizer.types import (
     State,
     Style,
     TransferState,
+    UpdateRecord,
 )
 from services.synchronizer.versions import VersionCatalog, VersionRecord
 
@@ -95,6 +97,10 @@ class Synchronizer:
             clock=clock,
         )
         self.policy = validate(self.store.load_policy() or policy_from_config(config))
+        #: Every replica's result of every update of the last versions (memory only).
+        self.updates = UpdateLedger(config.keep_update_results)
+        #: The least version asked for outside the schedule (RequestVersion) and not committed yet; 0: none.
+        self.wanted_version = 0
         self._restore()
 
     # -- bookkeeping ---------------------------------------------------------
@@ -146,15 +152,24 @@ class Synchronizer:
         metrics.WATCHERS.set(self.events.subscriber_count)
 
     def commit_version(self, record: VersionRecord, *, location: str = "") -> None:
-        """Records a committed version (any method) and announces it."""
+        """Records a committed version (any method) in this lineage and announces it."""
+        record.epoch = self.epoch
         self.catalog.commit(record)
         self.store.save_version(record)
         self.store.trim_versions(min(self.catalog.records))
         self.events.latest_version = self.catalog.latest
+        if record.version >= self.wanted_version:
+            self.wanted_version = 0
         self.events.publish(
-            EventKind.VERSION_COMMITTED, version=record.version, method=record.method, location=location or record.path
+            EventKind.VERSION_COMMITTED, version=record.version, method=record.method, location=location or record.path,
+            identity=record.identity,
         )
         self._refresh_metrics()
+
+    def identity_of(self, version: int) -> bytes:
+        """The identity `version` was committed with in this lineage (b"": unknown or none)."""
+        record = self.catalog.records.get(version) if version else None
+        return record.identity if record is not None else b""
 
     @property
     def push_requested(self) -> bool:
@@ -168,12 +183,18 @@ class Synchronizer:
 
     # -- components ----------------------------------------------------------
 
-    def register(self, identity: Identity, step: int, weight_version: int) -> Component:
+    def register(self, identity: Identity, step: int, weight_version: int, weight_identity: bytes = b"") -> Component:
         old = self.registry.components.get(identity.id)
         if old is not None and old.state != State.STOPPED:
             # A component registering again restarted: it left whatever it was in.
             self.transfers.member_left(identity.id, "registered again (restarted)")
-        c = self.registry.register(identity, step, weight_version)
+        c = self.registry.register(identity, step, weight_version, weight_identity)
+        expected = self.identity_of(weight_version)
+        if c.role == Role.ROLLOUT and weight_identity and expected and weight_identity != expected:
+            # The same number, other bytes: a lineage a rewind abandoned. Never current:
+            # no traffic until it installs and verifies the run's version.
+            self._quarantine(c, f"holds version {weight_version} with identity {weight_identity.hex()[:16]}, not the "
+                                f"run's {expected.hex()[:16]} (weights of a lineage a rewind abandoned)")
         newest = self.catalog.latest_record()
         if c.role == Role.ROLLOUT and newest is not None and newest.method == Method.NCCL and weight_version < newest.version:
             # NCCL versions are kept nowhere to pull from: the replica awaits the
@@ -198,7 +219,7 @@ class Synchronizer:
 
     def set_state(
         self, component_id: str, state: State, *, expected: State | None = None, weight_version: int = 0,
-        reason: str = "",
+        reason: str = "", weight_identity: bytes = b"",
     ) -> Component:
         c = self.registry.get(component_id)
         self.registry.check(c, state, expected)
@@ -206,6 +227,8 @@ class Synchronizer:
         if weight_version:
             self.registry.went_back(c, weight_version)
             c.weight_version = weight_version
+            if weight_identity:
+                c.weight_identity = weight_identity
         if c.awaited_version and c.weight_version >= c.awaited_version:
             # Its last request is satisfied (even if it lapsed while the pull ran).
             c.last_sync_step = max(c.last_sync_step, c.request_step)
@@ -234,6 +257,7 @@ class Synchronizer:
         timeout_seconds: float = 0.0,
         rollout_wait: RolloutWait | None = None,
         max_staleness: int = 0,
+        pause_mode: str | None = None,
     ) -> Policy:
         """Updates the policy; unset (None/0) fields keep their value, except
         offset, and max_staleness, which comes with rollout_wait."""
@@ -246,6 +270,7 @@ class Synchronizer:
             timeout_seconds=timeout_seconds or current.timeout_seconds,
             rollout_wait=rollout_wait or current.rollout_wait,
             max_staleness=max_staleness if rollout_wait else current.max_staleness,
+            pause_mode=pause_mode or current.pause_mode,
         )
         self.policy = validate(policy)
         self.store.save_policy(self.policy)
@@ -258,7 +283,8 @@ class Synchronizer:
             self.registry.renew(c)  # asking is a sign of life
         c.step = step
         latest = self.catalog.latest
-        decision = decide(self.policy, c, step, latest, self.registry.live(Role.ROLLOUT), self.push_requested)
+        decision = decide(self.policy, c, step, latest, self.registry.live(Role.ROLLOUT), self.push_requested,
+                          self.wanted_version)
         if decision.new_request:
             c.requested_at, c.request_step, c.awaited_version = self._clock(), step, decision.version
             self.registry.move(c, decision.state, EventKind.SYNC_REQUESTED)
@@ -311,6 +337,9 @@ class Synchronizer:
         dropped = self.catalog.drop_above(to_version)
         self.store.drop_versions_above(to_version)
         self.weights.drop_above(to_version)
+        self.updates.drop_above(to_version)
+        if self.wanted_version > to_version:
+            self.wanted_version = 0  # asked for weights that are gone; whoever needs more asks again
         for group in pending:
             self.transfers.member_left(group.trainer_id, f"the weights were rewound to version {to_version}")
         epoch = self.epoch + 1
@@ -332,6 +361,60 @@ class Synchronizer:
         self.events.publish(EventKind.REWOUND, version=to_version, message=why)
         self._refresh_metrics()
         return Rewound(epoch, self.catalog.latest, dropped, rollouts)
+
+    # -- versions asked for, and fleet updates --------------------------------
+
+    def request_version(self, min_version: int, reason: str = "") -> int:
+        """A version >= `min_version` is needed outside the schedule (a run's start or resume, a
+        validation): the trainer publishes its weights once its step reaches it (NeedSync says so,
+        and VERSION_REQUESTED wakes it between steps). Returns the newest committed version."""
+        if min_version < 1:
+            raise InvalidArgument(f"min_version must be >= 1 (version 0 is the base model), got {min_version}")
+        latest = self.catalog.latest
+        if latest >= min_version:
+            return latest
+        self.wanted_version = max(self.wanted_version, min_version)
+        log.info("version requested", extra={"min_version": min_version, "latest": latest, "reason": reason})
+        self.events.publish(EventKind.VERSION_REQUESTED, version=min_version, message=reason)
+        return latest
+
+    def _quarantine(self, c: Component, reason: str) -> None:
+        c.quarantined, c.quarantine_reason = True, reason
+        metrics.QUARANTINED.set(sum(r.quarantined for r in self.registry.live(Role.ROLLOUT)))
+        log.warning("rollout quarantined", extra={"id": c.id, "reason": reason})
+        self.registry.touch(c, f"quarantined: {reason}")
+
+    def report_update(self, report: UpdateRecord) -> UpdateRecord:
+        """Records a rollout's update result with the synchronizer's verdict; a failed update
+        quarantines the rollout, a verified one ends its quarantine."""
+        c = self.registry.get(report.component_id)
+        if c.role != Role.ROLLOUT:
+            raise InvalidArgument(f"ReportUpdate is for rollouts; {c.id!r} is a {c.role.name.lower()}")
+        record = judge(report, self.identity_of(report.version), self.epoch)
+        self.updates.record(record)
+        t = record.timings
+        for phase, seconds in (("admit", t.admit_seconds), ("transfer", t.transfer_seconds),
+                               ("apply", t.apply_seconds), ("verify", t.verify_seconds),
+                               ("reopen", t.reopen_seconds), ("pause", t.pause_seconds)):
+            if seconds:
+                metrics.UPDATE_PHASE_SECONDS.labels(phase).observe(seconds)
+        if record.resident_identity:
+            c.weight_identity = record.resident_identity
+        if record.verified:
+            metrics.UPDATES.labels("verified").inc()
+            if c.quarantined:
+                log.info("rollout rejoins: its update verified", extra={"id": c.id, "version": record.version})
+            c.quarantined, c.quarantine_reason = False, ""
+            metrics.QUARANTINED.set(sum(r.quarantined for r in self.registry.live(Role.ROLLOUT)))
+            self.store.save_component(c)
+        else:
+            metrics.UPDATES.labels("failed").inc()
+            phase = record.failed_phase.name.lower() if record.failed_phase else "update"
+            self.store.save_component(c)
+            self._quarantine(c, f"{phase} of version {record.version} failed: {record.reason or 'no reason given'}")
+        self.events.publish(EventKind.UPDATE_REPORTED, c, version=record.version, update=record,
+                            message=record.reason if not record.verified else "")
+        return record
 
     # -- time ----------------------------------------------------------------
 
@@ -372,13 +455,14 @@ class Synchronizer:
         if committed:
             metrics.WEIGHT_SYNC_DURATION.labels("nccl").observe(elapsed)
             if group.version > self.catalog.latest:
-                self.commit_version(VersionRecord(group.version, Method.NCCL), location=group.group_id)
+                self.commit_version(VersionRecord(group.version, Method.NCCL, identity=group.identity),
+                                    location=group.group_id)
         else:
             metrics.WEIGHT_SYNC_FAILURES.labels("nccl").inc()
             log.warning("transfer aborted", extra={"group_id": group.group_id, "reason": group.error})
         self.events.publish(
             EventKind.TRANSFER_FINISHED, version=group.version, method=Method.NCCL, location=group.group_id,
-            group=group, transfer_state=group.state, message=group.error,
+            group=group, transfer_state=group.state, message=group.error, identity=group.identity,
         )
 
     def check_version(self, version: int, what: str, *, allow_equal: bool = False) -> None:

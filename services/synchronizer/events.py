@@ -41,6 +41,10 @@ class Event:
     #: Rewinds so far (the lineage) and the version the last one went back to.
     epoch: int = 0
     rewound_to: int = 0
+    #: VERSION_COMMITTED, TRANSFER_FINISHED: the version's identity.
+    identity: bytes = b""
+    #: UPDATE_REPORTED: the result as recorded (flywheel.synchronizer.types.UpdateRecord).
+    update: Any = None
 
 
 class Subscription:

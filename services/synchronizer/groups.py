@@ -43,6 +43,8 @@ class Group:
     error: str = ""
     confirmed: set[str] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
+    #: What rank 0 reported it sent (flywheel.codec.identity); the version's identity once committed.
+    identity: bytes = b""
 
     @property
     def trainer_id(self) -> str:
@@ -150,7 +152,10 @@ class Transfers:
             raise NotFound(f"transfer group {group_id!r} is unknown (finished long ago, or before a restart)")
         return group
 
-    def report(self, group_id: str, component_id: str, success: bool, error: str = "") -> Group:
+    def report(self, group_id: str, component_id: str, success: bool, error: str = "", identity: bytes = b"") -> Group:
+        """A member's outcome. The transfer commits once every member confirmed, the sender
+        included: its confirmation carries the identity of what it sent, which the version
+        is committed with and the receivers verify their loaded weights against."""
         group = self.get(group_id)
         if not group.has(component_id):
             raise FailedPrecondition(f"{component_id!r} is not a member of transfer group {group_id!r}")
@@ -159,8 +164,10 @@ class Transfers:
         if not success:
             self._finish(group, TransferState.ABORTED, f"{component_id} failed: {error or 'no reason given'}")
         else:
+            if component_id == group.trainer_id and identity:
+                group.identity = identity
             group.confirmed.add(component_id)
-            if all(r in group.confirmed for r in group.receivers):
+            if all(cid in group.confirmed for cid, _ in group.members):
                 self._finish(group, TransferState.COMMITTED, "")
         return group
 

@@ -65,6 +65,30 @@ LEASE_EXPIRATIONS = Counter(
     "Components marked STOPPED because their lease ran out.",
 )
 
+#: The phases of a replica's weight update, and the pause they add up to.
+UPDATE_PHASES = ("admit", "transfer", "apply", "verify", "reopen", "pause")
+UPDATE_PHASE_SECONDS = Histogram(
+    "flywheel_update_phase_seconds",
+    "Duration of each phase of the rollouts' weight updates, as they report them (pause: admit to reopen), "
+    "in seconds.",
+    ["phase"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+UPDATES = Counter(
+    "flywheel_updates_total",
+    "Rollouts' weight updates by the synchronizer's verdict (verified, or failed in some phase).",
+    ["outcome"],
+)
+QUARANTINED = Gauge(
+    "flywheel_synchronizer_quarantined_rollouts",
+    "Live rollouts quarantined (no traffic) since a weight update of theirs failed.",
+)
+
+for _phase in UPDATE_PHASES:
+    UPDATE_PHASE_SECONDS.labels(_phase)
+for _outcome in ("verified", "failed"):
+    UPDATES.labels(_outcome)
+
 for _role in ROLES:
     for _state in STATES:
         COMPONENTS.labels(_role, _state)

@@ -20,7 +20,7 @@ from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument, 
 from flywheel.runtime.paths import confine
 from services.synchronizer import metrics
 from services.synchronizer.buffers import VersionBuffer
-from services.synchronizer.checkpoints import verify_checkpoint
+from services.synchronizer.checkpoints import checkpoint_identity, verify_checkpoint
 from services.synchronizer.core import Synchronizer
 from services.synchronizer.groups import Group
 from flywheel.synchronizer.types import Component, EventKind, Method, Policy, Role, State
@@ -68,7 +68,7 @@ class WeightPlane:
         """Verifies completeness and digest, then commits; returns the kept versions."""
         self.sync.check_version(buffer.version, "push", allow_equal=self.sync.push_requested)
         evicted = self.weights.commit(buffer)
-        record = VersionRecord(buffer.version, Method.MEMORY, buffer.payload_bytes)
+        record = VersionRecord(buffer.version, Method.MEMORY, buffer.payload_bytes, identity=bytes(buffer.manifest.identity))
         self.sync.commit_version(record)
         metrics.WEIGHT_SYNC_DURATION.labels("memory").observe(time.monotonic() - buffer.started)
         log.info(
@@ -139,11 +139,12 @@ class WeightPlane:
                 require_manifest=self.sync.config.checkpoint_require_manifest,
                 verify_digest=self.sync.config.checkpoint_verify_digest,
             )
+            identity = await asyncio.to_thread(checkpoint_identity, path)
             self.sync.check_version(version, "checkpoint")  # something newer may have landed meanwhile
         except FlywheelError:
             metrics.WEIGHT_SYNC_FAILURES.labels("checkpoint").inc()
             raise
-        self.sync.commit_version(VersionRecord(version, Method.CHECKPOINT, nbytes, path))
+        self.sync.commit_version(VersionRecord(version, Method.CHECKPOINT, nbytes, path, identity=identity))
         metrics.WEIGHT_SYNC_DURATION.labels("checkpoint").observe(time.monotonic() - started)
         log.info("checkpoint registered", extra={"version": version, "path": path, "trainer_id": trainer_id})
         return version
@@ -194,8 +195,10 @@ class WeightPlane:
         )
         return group
 
-    def report_transfer(self, group_id: str, component_id: str, success: bool, error: str) -> Group:
-        return self.sync.transfers.report(group_id, component_id, success, error)
+    def report_transfer(self, group_id: str, component_id: str, success: bool, error: str,
+                        identity: bytes = b"") -> Group:
+        """`identity`: rank 0's report of what it sent (the version's identity once committed)."""
+        return self.sync.transfers.report(group_id, component_id, success, error, identity)
 
     async def get_transfer(self, group_id: str, wait_seconds: float) -> Group:
         return await self.sync.transfers.wait(group_id, wait_seconds)

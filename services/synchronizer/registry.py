@@ -77,7 +77,7 @@ class Registry:
         c.lease_expires = self._clock() + self.lease_seconds
         c.last_heartbeat_ms = _now_ms()
 
-    def register(self, identity: Identity, step: int, weight_version: int) -> Component:
+    def register(self, identity: Identity, step: int, weight_version: int, weight_identity: bytes = b"") -> Component:
         if not identity.id:
             raise InvalidArgument("identity.id: empty")
         if identity.role not in LEGAL:
@@ -90,7 +90,8 @@ class Registry:
                 f"id {identity.id!r} is taken by a running {old.role.name.lower()}; "
                 f"stop it or pick another id for this {identity.role.name.lower()}"
             )
-        c = Component(identity=identity, state=S.RUNNING, step=step, weight_version=weight_version)
+        c = Component(identity=identity, state=S.RUNNING, step=step, weight_version=weight_version,
+                      weight_identity=weight_identity)
         self.rewinding.pop(identity.id, None)  # a registration says exactly what it holds
         if old is not None and old.role == identity.role:
             c.last_sync_step = old.last_sync_step

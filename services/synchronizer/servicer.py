@@ -27,10 +27,13 @@ from services.synchronizer.buffers import COMMITTED_FRAME
 from flywheel.synchronizer.convert import (
     component_to_pb,
     group_to_pb,
+    identity_bytes,
     identity_from_pb,
     policy_from_pb,
     policy_to_pb,
     state_from_pb,
+    update_report_from_pb,
+    update_to_pb,
 )
 from services.synchronizer.core import Synchronizer
 from services.synchronizer.events import Event
@@ -43,7 +46,10 @@ def event_to_pb(e: Event) -> pb.WatchResponse:
     msg = pb.WatchResponse(
         kind=int(e.kind), latest_version=e.latest_version, location=e.location, sequence=e.sequence,
         unix_ms=e.unix_ms, version=e.version, message=e.message, epoch=e.epoch, rewound_to=e.rewound_to,
+        identity=e.identity,
     )
+    if e.update is not None:
+        msg.update.CopyFrom(update_to_pb(e.update))
     if e.component is not None:
         msg.component.CopyFrom(component_to_pb(e.component))
     if e.method is not None:
@@ -57,7 +63,8 @@ def event_to_pb(e: Event) -> pb.WatchResponse:
 
 def transfer_to_pb(group: Group) -> pb.GetTransferResponse:
     return pb.GetTransferResponse(
-        state=int(group.state), error=group.error, group=group_to_pb(group), confirmed=sorted(group.confirmed)
+        state=int(group.state), error=group.error, group=group_to_pb(group), confirmed=sorted(group.confirmed),
+        identity=group.identity,
     )
 
 
@@ -79,7 +86,8 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
     # -- components ----------------------------------------------------------
 
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
-        c = self.sync.register(identity_from_pb(request.identity), request.step, request.weight_version)
+        c = self.sync.register(identity_from_pb(request.identity), request.step, request.weight_version,
+                               identity_bytes(request.weight_identity, "weight_identity"))
         return pb.RegisterResponse(
             lease_seconds=self.sync.config.lease_seconds, state=int(c.state),
             latest_version=self.sync.catalog.latest, push_requested=self._push_requested(c),
@@ -103,6 +111,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
             request.id, state_from_pb(request.state, "state"),
             expected=state_from_pb(request.expected_state, "expected_state", optional=True),
             weight_version=request.weight_version, reason=request.reason,
+            weight_identity=identity_bytes(request.weight_identity, "weight_identity"),
         )
         return pb.SetStateResponse(state=int(c.state))
 
@@ -213,7 +222,8 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
         return group_to_pb(group)
 
     async def ReportTransfer(self, request: pb.ReportTransferRequest, context) -> pb.ReportTransferResponse:
-        group = self.plane.report_transfer(request.group_id, request.id, request.success, request.error)
+        group = self.plane.report_transfer(request.group_id, request.id, request.success, request.error,
+                                           identity_bytes(request.identity, "identity"))
         return pb.ReportTransferResponse(state=int(group.state))
 
     async def GetTransfer(self, request: pb.GetTransferRequest, context) -> pb.GetTransferResponse:
@@ -231,6 +241,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
                 pb.VersionInfo(
                     version=v.record.version, method=int(v.record.method), bytes=v.record.nbytes,
                     in_memory=v.in_memory, path=v.record.path, committed_unix_ms=v.record.committed_unix_ms,
+                    identity=v.record.identity, epoch=v.record.epoch,
                 )
                 for v in s.versions
             ],
@@ -245,3 +256,14 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
         r = self.sync.rewind(request.to_version, request.reason)
         return pb.RewindResponse(epoch=r.epoch, latest_version=r.latest_version, dropped_versions=r.dropped,
                                  rewinding=r.rewinding)
+
+    async def RequestVersion(self, request: pb.RequestVersionRequest, context) -> pb.RequestVersionResponse:
+        return pb.RequestVersionResponse(latest_version=self.sync.request_version(request.min_version, request.reason))
+
+    # -- fleet updates -------------------------------------------------------
+
+    async def ReportUpdate(self, request: pb.ReportUpdateRequest, context) -> pb.ReportUpdateResponse:
+        return pb.ReportUpdateResponse(record=update_to_pb(self.sync.report_update(update_report_from_pb(request))))
+
+    async def ListUpdates(self, request: pb.ListUpdatesRequest, context) -> pb.ListUpdatesResponse:
+        return pb.ListUpdatesResponse(records=[update_to_pb(r) for r in self.sync.updates.records(request.version)])

@@ -29,6 +29,11 @@ CREATE TABLE IF NOT EXISTS versions (
 );
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+#: Columns added after the first schema, with their values for rows written before them.
+_ADDED_COLUMNS = {
+    "components": {"weight_identity": "BLOB NOT NULL DEFAULT x''", "quarantine_reason": "TEXT"},
+    "versions": {"identity": "BLOB NOT NULL DEFAULT x''", "epoch": "INTEGER NOT NULL DEFAULT 0"},
+}
 
 
 class Store:
@@ -43,6 +48,16 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            self._add_columns()
+
+    def _add_columns(self) -> None:
+        """A store written by an older synchronizer gains the newer columns (rows keep their defaults)."""
+        assert self._db is not None
+        for table, columns in _ADDED_COLUMNS.items():
+            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            for name, decl in columns.items():
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
 
     @property
     def enabled(self) -> bool:
@@ -60,11 +75,14 @@ class Store:
             return
         ident = c.identity
         self._db.execute(
-            "INSERT OR REPLACE INTO components VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO components (id, role, address, capabilities, labels, state, step, weight_version,"
+            " last_heartbeat_ms, last_sync_step, awaited_version, weight_identity, quarantine_reason)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 ident.id, int(ident.role), ident.address, json.dumps(sorted(int(m) for m in ident.capabilities)),
                 json.dumps(ident.labels), int(c.state), c.step, c.weight_version, c.last_heartbeat_ms,
-                c.last_sync_step, c.awaited_version,
+                c.last_sync_step, c.awaited_version, c.weight_identity,
+                c.quarantine_reason if c.quarantined else None,
             ),
         )
 
@@ -72,15 +90,16 @@ class Store:
         if self._db is None:
             return
         self._db.execute(
-            "INSERT OR REPLACE INTO versions VALUES (?,?,?,?,?)",
-            (r.version, int(r.method), r.nbytes, r.path, r.committed_unix_ms),
+            "INSERT OR REPLACE INTO versions (version, method, nbytes, path, committed_unix_ms, identity, epoch)"
+            " VALUES (?,?,?,?,?,?,?)",
+            (r.version, int(r.method), r.nbytes, r.path, r.committed_unix_ms, r.identity, r.epoch),
         )
 
     def save_policy(self, policy: Policy) -> None:
         if self._db is None:
             return
         value = {**asdict(policy), "style": policy.style.name, "method": policy.method.name,
-                 "rollout_wait": policy.rollout_wait.name}
+                 "rollout_wait": policy.rollout_wait.name}  # pause_mode is a name already
         self._db.execute("INSERT OR REPLACE INTO settings VALUES ('policy', ?)", (json.dumps(value),))
 
     # -- reads ---------------------------------------------------------------
@@ -88,9 +107,12 @@ class Store:
     def load_components(self) -> list[Component]:
         if self._db is None:
             return []
-        rows = self._db.execute("SELECT * FROM components ORDER BY id").fetchall()
+        rows = self._db.execute(
+            "SELECT id, role, address, capabilities, labels, state, step, weight_version, last_heartbeat_ms,"
+            " last_sync_step, awaited_version, weight_identity, quarantine_reason FROM components ORDER BY id"
+        ).fetchall()
         out = []
-        for cid, role, address, caps, labels, state, step, version, hb, last_sync, awaited in rows:
+        for cid, role, address, caps, labels, state, step, version, hb, last_sync, awaited, held, why in rows:
             identity = Identity(
                 role=Role(role), id=cid, address=address,
                 capabilities=frozenset(Method(m) for m in json.loads(caps)), labels=json.loads(labels),
@@ -98,14 +120,17 @@ class Store:
             out.append(Component(
                 identity=identity, state=State(state), step=step, weight_version=version,
                 last_heartbeat_ms=hb, last_sync_step=last_sync, awaited_version=awaited,
+                weight_identity=bytes(held), quarantined=why is not None, quarantine_reason=why or "",
             ))
         return out
 
     def load_versions(self) -> list[VersionRecord]:
         if self._db is None:
             return []
-        rows = self._db.execute("SELECT * FROM versions ORDER BY version").fetchall()
-        return [VersionRecord(v, Method(m), n, p, t) for v, m, n, p, t in rows]
+        rows = self._db.execute(
+            "SELECT version, method, nbytes, path, committed_unix_ms, identity, epoch FROM versions ORDER BY version"
+        ).fetchall()
+        return [VersionRecord(v, Method(m), n, p, t, bytes(i), e) for v, m, n, p, t, i, e in rows]
 
     def load_policy(self) -> Policy | None:
         if self._db is None:

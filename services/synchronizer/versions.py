@@ -24,6 +24,10 @@ class VersionRecord:
     #: Checkpoint directory (CHECKPOINT).
     path: str = ""
     committed_unix_ms: int = 0
+    #: The version's identity (flywheel.codec.identity; b"" when the publisher sent none).
+    identity: bytes = b""
+    #: The lineage (rewinds so far) it was committed in.
+    epoch: int = 0
 
 
 class VersionCatalog:

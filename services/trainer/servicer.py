@@ -193,9 +193,7 @@ async def export_weights(exporter: WeightExporter, request: pb.ExportWeightsRequ
         )
     if want == "memory":
         m = request.memory
-        return await exporter.memory(
-            m.synchronizer_address, chunk_bytes=m.chunk_bytes, bucket_bytes=m.bucket_bytes, merge_lora=request.merge_lora
-        )
+        return await exporter.memory(chunk_bytes=m.chunk_bytes, bucket_bytes=m.bucket_bytes, merge_lora=request.merge_lora)
     if want == "checkpoint":
         return await exporter.checkpoint(request.checkpoint.directory, merge_lora=request.merge_lora)
     return await exporter.nccl(request.nccl.group_id, merge_lora=request.merge_lora)

@@ -67,7 +67,7 @@ async def test_export_memory_and_checkpoint_bit_identical(run_service, tiny_mode
             # Nothing to export before the first step.
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.ExportWeights(pb.ExportWeightsRequest(
-                    method=MEMORY, memory=pb.MemoryTarget(synchronizer_address=sync.address)))
+                    method=MEMORY, memory=pb.MemoryTarget()))
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
             for step in (1, 2):
@@ -77,7 +77,7 @@ async def test_export_memory_and_checkpoint_bit_identical(run_service, tiny_mode
 
             # MEMORY, with GetInfo polled while it runs.
             export = asyncio.ensure_future(stub.ExportWeights(pb.ExportWeightsRequest(
-                method=MEMORY, memory=pb.MemoryTarget(synchronizer_address=sync.address, chunk_bytes=64 << 10))))
+                method=MEMORY, memory=pb.MemoryTarget(chunk_bytes=64 << 10))))
             infos = 0
             while not export.done():
                 info = await trainer.get_info(timeout=5)

@@ -105,8 +105,11 @@ def test_nccl_commit_abort_and_expiry_move_states() -> None:
     g3 = plane.allocate_group(1, "t", [], 0, "")  # b is not in the rebuilt group
     assert [m for m, _ in g3.members] == ["t", "a"]
     plane.report_transfer(g3.group_id, "a", True, "")
+    assert g3.state == TransferState.PENDING, "the sender has not confirmed (with what it sent) yet"
+    plane.report_transfer(g3.group_id, "t", True, "", b"\x07" * 16)
     assert g3.state == TransferState.COMMITTED and sync.registry.get("a").weight_version == 1
     assert sync.catalog.latest == 1 and sync.catalog.get(1).method == Method.NCCL
+    assert sync.catalog.get(1).identity == b"\x07" * 16, "the version is committed with the sender's identity"
 
 
 def test_a_rollout_that_joins_behind_an_nccl_version_gets_it_broadcast_again() -> None:
@@ -117,7 +120,9 @@ def test_a_rollout_that_joins_behind_an_nccl_version_gets_it_broadcast_again() -
     sync.register(Identity(Role.TRAINER, "t", "127.0.0.1:1"), 0, 0)
     sync.register(Identity(Role.ROLLOUT, "a", capabilities=frozenset({Method.NCCL})), 0, 0)
     assert sync.need_sync("t", 2).decision.need_sync
-    plane.report_transfer(plane.allocate_group(2, "t", [], 0, "").group_id, "a", True, "")
+    first = plane.allocate_group(2, "t", [], 0, "")
+    for member, _ in first.members:
+        plane.report_transfer(first.group_id, member, True, "")
     assert sync.catalog.latest == 2 and not sync.need_sync("t", 2).decision.need_sync
 
     sub = sync.events.subscribe([])
@@ -130,6 +135,7 @@ def test_a_rollout_that_joins_behind_an_nccl_version_gets_it_broadcast_again() -
     assert [m for m, _ in group.members] == ["t", "late"], "the replica already on version 2 is left alone"
     sync.set_state("late", State.WAITING_SYNC)  # as the replica does when it joins
     plane.report_transfer(group.group_id, "late", True, "")
+    plane.report_transfer(group.group_id, "t", True, "")
     assert (sync.registry.get("late").state, sync.registry.get("late").weight_version) == (State.RUNNING, 2)
     assert sync.catalog.latest == 2 and not sync.need_sync("t", 2).decision.need_sync
 

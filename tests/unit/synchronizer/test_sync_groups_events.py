@@ -29,15 +29,17 @@ def transfers(ports: range = range(30000, 30003), backend: str = "auto") -> tupl
     return t, finished, clock
 
 
-def test_commit_needs_every_receiver() -> None:
+def test_commit_needs_every_member_the_sender_too() -> None:
     t, finished, _ = transfers()
     g = t.allocate(7, T, [R1, R2], 0, "")
     assert g.members == [("t", 0), ("r1", 1), ("r2", 2)] and g.world_size == 3
     assert g.rendezvous_address == "10.1.2.3:30000" and g.backend == "gloo"  # r1 is not on cuda
-    assert t.report(g.group_id, "t", True).state == TransferState.PENDING
     assert t.report(g.group_id, "r1", True).state == TransferState.PENDING
-    assert t.report(g.group_id, "r2", True).state == TransferState.COMMITTED
-    assert finished == [g]
+    assert t.report(g.group_id, "r2", True).state == TransferState.PENDING  # the sender has not confirmed
+    assert t.report(g.group_id, "r1", True, identity=b"\x01" * 16).state == TransferState.PENDING
+    assert g.identity == b"", "only the sender's report names what was sent"
+    assert t.report(g.group_id, "t", True, identity=b"\x02" * 16).state == TransferState.COMMITTED
+    assert finished == [g] and g.identity == b"\x02" * 16
     assert t.report(g.group_id, "r2", False, "late").state == TransferState.COMMITTED  # final
 
 
@@ -79,6 +81,7 @@ async def test_wait_returns_when_the_outcome_is_known() -> None:
     await asyncio.sleep(0.01)
     assert not waiter.done()
     t.report(g.group_id, "r1", True)
+    t.report(g.group_id, "t", True)
     assert (await asyncio.wait_for(waiter, 1)).state == TransferState.COMMITTED
     assert (await t.wait(g.group_id, 0)).state == TransferState.COMMITTED
 

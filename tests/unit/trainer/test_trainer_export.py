@@ -91,15 +91,17 @@ async def test_rejections_and_info_not_blocked(make_engine, tmp_path: Path) -> N
         (pb.ExportWeightsRequest(), "method"),
         (pb.ExportWeightsRequest(method=common_pb2.SYNC_METHOD_MEMORY, checkpoint=pb.CheckpointTarget(directory="d")),
          "checkpoint"),
-        (pb.ExportWeightsRequest(method=common_pb2.SYNC_METHOD_MEMORY), "memory.synchronizer_address"),
         (pb.ExportWeightsRequest(method=common_pb2.SYNC_METHOD_NCCL), "nccl.group_id"),
         (pb.ExportWeightsRequest(method=common_pb2.SYNC_METHOD_MEMORY,
-                                 memory=pb.MemoryTarget(synchronizer_address="x:1", chunk_bytes=1 << 30)),
+                                 memory=pb.MemoryTarget(chunk_bytes=1 << 30)),
          "memory.chunk_bytes"),
     ]
     for request, field in bad:
         with pytest.raises(InvalidArgument, match=field):
             await export_weights(exporter, request)
+    # MEMORY goes to the trainer's own synchronizer; a request never names one.
+    with pytest.raises(FailedPrecondition, match="sync.synchronizer_address"):
+        await export_weights(exporter, pb.ExportWeightsRequest(method=common_pb2.SYNC_METHOD_MEMORY))
 
     # An export holding the training lock (as a long one does) never delays GetInfo.
     engine.lock.acquire()
