@@ -18,7 +18,7 @@ from flywheel.runtime.tls import TlsFiles
 from flywheel.synchronizer.pull import pull_version
 from flywheel.synchronizer.v1 import synchronizer_pb2
 from services.rollout.engine.base import MemorySource, StagedWeights, TensorSpec, engine_pulls_memory
-from services.rollout.weights import check_stream_manifest
+from services.rollout.weights.verify import check_stream_manifest
 
 _PULL = "/flywheel.synchronizer.v1.SynchronizerService/PullWeights"
 
