@@ -296,7 +296,7 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         # None: the worker process's own TLS (its env variables).
         tls = TlsFiles(**{k: Path(v) if v else None for k, v in info.tls.items()}) if info.tls is not None else None
         try:
-            manifest, tensors = await asyncio.wait_for(
+            pulled = await asyncio.wait_for(
                 pull_tensors(info.synchronizer, info.version, self._served_specs(), token=info.token,
                              timeout=info.timeout_seconds, max_message_bytes=info.max_message_bytes, tls=tls,
                              staging=staging),
@@ -306,7 +306,7 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
             raise DeadlineExceeded(
                 f"version {info.version} not pulled from {info.synchronizer} within {info.timeout_seconds:g} s"
             ) from None
-        return int(manifest.total_bytes), tensors
+        return int(pulled.nbytes), pulled.tensors
 
     def _served_specs(self) -> dict:
         """Names, dtypes and shapes of the checkpoint the model was loaded from: what an update must provide."""
