@@ -33,6 +33,7 @@ import torch
 
 from flywheel.codec import MAX_CHUNK_BYTES, EncodedVersion, encode_state_dict
 from flywheel.common.types import pause_mode_to_pb
+from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import InvalidArgument
 from flywheel.runtime.client import domain_error, open_channel
 from flywheel.runtime.tls import TlsFiles
@@ -265,6 +266,7 @@ class SynchronizerClient:
         wait_seconds: float = 0.0,
         at_least: bool = False,
         staging: Mapping[str, torch.Tensor] | None = None,
+        check_manifest: Callable[[cpb.WeightManifest], None] | None = None,
         timeout: float | None = None,
     ) -> PulledWeights:
         """Streams a version (0: the newest) and assembles it, all or nothing.
@@ -274,16 +276,22 @@ class SynchronizerClient:
         pushed yet and stream it while it arrives (cut-through). `at_least`:
         `version` is a minimum (what NeedSync answers a rollout): the newest
         version >= it. `staging`: reusable staging tensors (see WeightAssembler).
+        `check_manifest` sees the version's manifest before any chunk arrives
+        and refuses the version by raising (a rollout checks it against the
+        model it serves). `timeout`: the stream's deadline (default
+        transfer_timeout + wait_seconds). The synchronizer's refusals raise
+        their domain errors, status kept (NOT_FOUND: not held, e.g. evicted
+        by a newer push).
         """
         request = pb.PullWeightsRequest(version=version, wait_seconds=wait_seconds, at_least=at_least)
         deadline = timeout or (self.transfer_timeout + wait_seconds)
         try:
             manifest, tensors = await pull_version(
                 lambda r: self._pull(r, timeout=deadline), request, synchronizer=self.address,
-                shared_memory=self.shared_memory, into=into, staging=staging,
+                shared_memory=self.shared_memory, check_manifest=check_manifest, into=into, staging=staging,
             )
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc, "synchronizer PullWeights") from None
+            raise domain_error(exc, f"synchronizer PullWeights from {self.address}") from None
         return PulledWeights(manifest.version, tensors, manifest.total_bytes)
 
     # -- CHECKPOINT ----------------------------------------------------------

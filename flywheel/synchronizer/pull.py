@@ -1,6 +1,7 @@
 """The receiving end of PullWeights: raw response frames in, one verified
-version out (all or nothing). The synchronizer's client and the rollout
-both pull through here.
+version out (all or nothing). Every pull goes through here, by way of the
+synchronizer's typed client (`flywheel.synchronizer.client`; the rollout's
+pulls too).
 
 A pull asks for shared memory. When the synchronizer holds the version in
 a segment this process can map (same host), the stream carries only chunk

@@ -4,7 +4,7 @@ The controller's pool is the set of rollout components registered with the
 synchronizer (its event stream, `observer.py`): a replica that registers is
 added to the pool as not yet healthy, and takes work once its health check
 says SERVING, which a replica reports only after it caught up to the newest
-version (services/rollout/follower.py). One that deregisters or whose lease
+version (services/rollout/weights/follower.py). One that deregisters or whose lease
 expires is marked down; its requests fail over to the others (balancer.py).
 One that restarts on the same id registers again and comes back the same way.
 The pool's version of each replica is the one the synchronizer reports.

@@ -6,7 +6,7 @@ from the mode, what a replica waits for before it generates for a run step
 (sync: the version due at its step; batch-async: to be at most
 `staleness.threshold` behind; fully-async: nothing). The trainer then
 publishes every due version itself and each replica follows the policy by its
-own steps (services/trainer/publisher.py, services/rollout/follower.py).
+own steps (services/trainer/publisher.py, services/rollout/weights/follower.py).
 What remains here: the staleness gate paces dispatch on the trainer's
 version, and a version the run must measure outside the schedule (the start
 of a run or a resume, validation) is published once if the synchronizer does

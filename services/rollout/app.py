@@ -9,7 +9,7 @@ setting).
 
 With `synchronizer.address` set, the loaded rollout registers with the
 synchronizer, heartbeats, reports every weight update and moves its weights
-as the synchronizer's policy directs (`services.rollout.link`); SERVING waits
+as the synchronizer's policy directs (`services.rollout.weights.link`); SERVING waits
 for the first registration (at most `synchronizer.rpc_timeout_seconds`, then
 it retries in the background) and for the catch-up to the newest committed
 version, and graceful shutdown deregisters it first.
@@ -29,14 +29,14 @@ from flywheel.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from flywheel.runtime.auth import Scope, accepted_tokens
 from flywheel.runtime.server import ServiceSpec
 from services.rollout.config import RolloutConfig
-from services.rollout.core import RolloutCore
+from services.rollout.serving.core import RolloutCore
 from services.rollout.servicer import RolloutServicer
 
 log = logging.getLogger(__name__)
 
 PROTO_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 #: Agents may generate and tokenize; pausing, status and weight updates are the services'.
-#: The HTTP API's routes are all the agent's (services.rollout.http_api).
+#: The HTTP API's routes are all the agent's (services.rollout.openai_api.http_api).
 METHOD_SCOPES = {
     "Generate": Scope.AGENT, "GenerateStream": Scope.AGENT, "Tokenize": Scope.AGENT, "Detokenize": Scope.AGENT,
     "GetStatus": Scope.SERVICE, "Pause": Scope.SERVICE, "Resume": Scope.SERVICE, "UpdateWeights": Scope.SERVICE,
@@ -61,9 +61,9 @@ def build(config: RolloutConfig) -> ServiceSpec:
 
     async def startup() -> None:
         from services.rollout.engine import create_engine
-        from services.rollout.http_api import create_app
+        from services.rollout.openai_api.http_api import create_app
         from flywheel.runtime.http_server import HttpServer
-        from services.rollout.text import TextCodec
+        from services.rollout.serving.text import TextCodec
 
         codec = TextCodec.load(config.engine.args.get("tokenizer") or model_path)
         engine = create_engine(config, codec)
@@ -78,8 +78,8 @@ def build(config: RolloutConfig) -> ServiceSpec:
         log.info("engine started", extra={"engine": engine.kind, "model": name, "max_model_len": engine.max_model_len,
                                           "weight_version": engine.version})
         server = config.server
-        from services.rollout.link import default_component_id
-        from services.rollout.sessions import SessionStore
+        from services.rollout.weights.link import default_component_id
+        from services.rollout.openai_api.sessions import SessionStore
 
         sessions = SessionStore(default_ttl_seconds=config.sessions.ttl_seconds, max_open=config.sessions.max_open)
         replica = config.synchronizer.component_id or default_component_id(config, state["grpc_port"])
@@ -92,7 +92,7 @@ def build(config: RolloutConfig) -> ServiceSpec:
             tmp.write_text(json.dumps({"http_port": http.port}))
             os.replace(tmp, target)
         if config.synchronizer.address:
-            from services.rollout.link import SynchronizerLink
+            from services.rollout.weights.link import SynchronizerLink
 
             state["link"] = SynchronizerLink(config, core, state["grpc_port"])
             state["link"].start()

@@ -80,7 +80,7 @@ class SessionsConfig(StrictModel):
 
 class SynchronizerLinkConfig(PresenceConfig):
     """Where and as whom the rollout registers (it then follows the
-    synchronizer's policy: services.rollout.follower); the shared fields (advertise_address, heartbeat, deadlines, retries) are
+    synchronizer's policy: services.rollout.weights.follower); the shared fields (advertise_address, heartbeat, deadlines, retries) are
     `PresenceConfig`'s."""
 
     address: str = Field(

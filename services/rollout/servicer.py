@@ -1,5 +1,5 @@
 """gRPC servicer of the rollout service: translates protobuf to the domain
-(`services.rollout.core`) and back; no engine or update logic lives here.
+(`services.rollout.serving.core`) and back; no engine or update logic lives here.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
 from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.runtime.auth import own_token
-from services.rollout import sampling as sampling_mod
+from services.rollout.serving import sampling as sampling_mod
 from services.rollout.config import RolloutConfig
-from services.rollout.core import QueueFull, RolloutCore, UpdateOutcome
+from services.rollout.serving.core import QueueFull, RolloutCore, UpdateOutcome
 from services.rollout.engine.base import PauseMode, SampleOutput
-from services.rollout.nccl_update import NcclTarget, update_over_group
-from services.rollout.prompts import (
+from services.rollout.weights.nccl import NcclTarget, update_over_group
+from services.rollout.serving.prompts import (
     ChatPrompt, PromptInput, TextPrompt, TokenPrompt, check_token_ids, validate_messages, validate_tools,
 )
-from services.rollout.sources import checkpoint_stage, memory_stage
+from services.rollout.weights.sources import checkpoint_stage, memory_stage
 
 
 

@@ -140,7 +140,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_and_finishes(tmp_path: Pa
     # and no update of the second session failed (the first one's was cut by SIGKILL).
     second_session_log = (run_dir / "rollout.log").read_text().splitlines()[first_session_log_lines:]
     rollout_events = [json.loads(line) for line in second_session_log
-                      if line.startswith("{") and '"services.rollout.core"' in line]
+                      if line.startswith("{") and '"services.rollout.serving.core"' in line]
     assert not [e for e in rollout_events if e["msg"] == "weight update failed"]
     assert max(e["version"] for e in rollout_events if e["msg"] == "weights committed") == STEPS
     from transformers import AutoModelForCausalLM

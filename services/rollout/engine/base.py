@@ -4,7 +4,7 @@ An engine generates from token ids (prompts are tokenized before they reach
 it, so every engine sees exactly the ids the caller is told about), reports
 per sample the weight version of its first and last token, pauses in one of
 three modes, and swaps in verified weights while paused. The service core
-(`services.rollout.core`) owns admission, the update gate and versions; an
+(`services.rollout.serving.core`) owns admission, the update gate and versions; an
 engine only does what it is told.
 """
 
@@ -120,7 +120,7 @@ class StagedWeights:
 #: True while an update is staged for an engine that pulls MEMORY versions
 #: itself: the MEMORY source then hands over `StagedWeights.source` instead of
 #: pulling the bytes into this process (set by the service core, read by
-#: `services.rollout.sync_client`).
+#: `services.rollout.weights.memory`).
 engine_pulls_memory: ContextVar[bool] = ContextVar("engine_pulls_memory", default=False)
 
 

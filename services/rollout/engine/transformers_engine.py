@@ -28,8 +28,8 @@ import torch
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from services.rollout.engine.base import Delta, Engine, EngineLoad, PauseMode, SamplingSpec, StagedWeights, TensorSpec
 from services.rollout.engine.hf_sequence import Sequence
-from services.rollout.text import TextCodec
-from services.rollout.weights import checkpoint_specs, read_files
+from services.rollout.serving.text import TextCodec
+from services.rollout.weights.verify import checkpoint_specs, read_files
 
 log = logging.getLogger(__name__)
 

@@ -44,8 +44,8 @@ from services.rollout.engine.base import (
     TensorSpec,
 )
 from services.rollout.engine.vllm_transfer import BACKEND, decode_error, error_of
-from services.rollout.text import TextCodec
-from services.rollout.weights import checkpoint_specs
+from services.rollout.serving.text import TextCodec
+from services.rollout.weights.verify import checkpoint_specs
 
 log = logging.getLogger(__name__)
 

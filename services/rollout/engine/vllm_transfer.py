@@ -291,12 +291,12 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         self, info: FlywheelUpdateInfo, staging: dict[str, torch.Tensor] | None
     ) -> tuple[int, dict[str, torch.Tensor]]:
         from flywheel.runtime.tls import TlsFiles
-        from services.rollout.sync_client import pull_tensors
+        from services.rollout.weights.memory import pull_tensors
 
         # None: the worker process's own TLS (its env variables).
         tls = TlsFiles(**{k: Path(v) if v else None for k, v in info.tls.items()}) if info.tls is not None else None
         try:
-            manifest, tensors = await asyncio.wait_for(
+            pulled = await asyncio.wait_for(
                 pull_tensors(info.synchronizer, info.version, self._served_specs(), token=info.token,
                              timeout=info.timeout_seconds, max_message_bytes=info.max_message_bytes, tls=tls,
                              staging=staging),
@@ -306,12 +306,12 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
             raise DeadlineExceeded(
                 f"version {info.version} not pulled from {info.synchronizer} within {info.timeout_seconds:g} s"
             ) from None
-        return int(manifest.total_bytes), tensors
+        return int(pulled.nbytes), pulled.tensors
 
     def _served_specs(self) -> dict:
         """Names, dtypes and shapes of the checkpoint the model was loaded from: what an update must provide."""
         if self._specs is None:
-            from services.rollout.weights import checkpoint_specs
+            from services.rollout.weights.verify import checkpoint_specs
 
             self._specs = checkpoint_specs(Path(self.model_config.model))
         return self._specs

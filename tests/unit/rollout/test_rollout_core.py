@@ -9,9 +9,9 @@ import torch
 
 from flywheel.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 from services.rollout.config import RolloutConfig
-from services.rollout.core import QueueFull, RolloutCore
+from services.rollout.serving.core import QueueFull, RolloutCore
 from services.rollout.engine.base import SamplingSpec, StagedWeights
-from services.rollout.prompts import ResolvedPrompt
+from services.rollout.serving.prompts import ResolvedPrompt
 from tests.unit.rollout.fake_engine import FakeEngine
 
 

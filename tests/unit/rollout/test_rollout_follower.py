@@ -22,12 +22,12 @@ from safetensors.torch import load_file, save_file
 
 from flywheel.errors import Aborted, FailedPrecondition
 from flywheel.runtime.server import RunningServer, serve
-from services.rollout.core import RolloutCore, UpdateReport
+from services.rollout.serving.core import RolloutCore, UpdateReport
 from services.rollout.engine.base import SampleOutput, SamplingSpec
 from services.rollout.engine.transformers_engine import TransformersEngine
-from services.rollout.prompts import ResolvedPrompt
-from services.rollout.link import SynchronizerLink
-from services.rollout.sources import checkpoint_stage
+from services.rollout.serving.prompts import ResolvedPrompt
+from services.rollout.weights.link import SynchronizerLink
+from services.rollout.weights.sources import checkpoint_stage
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.client_types import WatchEvent
 from services.synchronizer.embedded import embedded_synchronizer

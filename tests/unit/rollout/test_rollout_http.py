@@ -9,10 +9,10 @@ import httpx
 import pytest
 
 from services.rollout.config import RolloutConfig
-from services.rollout.core import RolloutCore
+from services.rollout.serving.core import RolloutCore
 from flywheel.runtime.auth import Scope, TokenScopes
-from services.rollout.http_api import create_app
-from services.rollout.sessions import SessionStore
+from services.rollout.openai_api.http_api import create_app
+from services.rollout.openai_api.sessions import SessionStore
 from tests.unit.rollout.fake_engine import FakeEngine
 
 TOKEN = "secret"

@@ -8,9 +8,9 @@ from google.protobuf.message import DecodeError
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
 from flywheel.rollout.v1 import rollout_pb2 as pb
-from services.rollout.prompts import ChatPrompt, TextPrompt, TokenPrompt, resolve, validate_messages
+from services.rollout.serving.prompts import ChatPrompt, TextPrompt, TokenPrompt, resolve, validate_messages
 from flywheel.runtime.proto_utf8 import find_invalid_utf8
-from services.rollout.sampling import from_proto, make_spec
+from services.rollout.serving.sampling import from_proto, make_spec
 
 
 def test_proto_zeros_mean_defaults() -> None:

@@ -16,9 +16,9 @@ from flywheel.errors import FailedPrecondition
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.participant import broadcast_version
 from flywheel.synchronizer.types import TransferState
-from services.rollout.core import RolloutCore, UpdateReport
+from services.rollout.serving.core import RolloutCore, UpdateReport
 from services.rollout.engine.transformers_engine import TransformersEngine
-from services.rollout.sources import checkpoint_stage
+from services.rollout.weights.sources import checkpoint_stage
 from services.synchronizer.embedded import embedded_synchronizer
 from tests.unit.rollout.rollout_helpers import rollout_config
 from tests.unit.rollout.test_rollout_follower import (

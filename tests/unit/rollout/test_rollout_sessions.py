@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flywheel.errors import NotFound, ResourceExhausted, Unauthenticated
-from services.rollout.sessions import CallRecord, SessionGone, SessionStore, continued_prompt
+from services.rollout.openai_api.sessions import CallRecord, SessionGone, SessionStore, continued_prompt
 
 
 class Clock:

@@ -9,10 +9,10 @@ import torch
 
 from flywheel.errors import DataLoss
 from services.rollout.config import RolloutConfig
-from services.rollout.core import RolloutCore
+from services.rollout.serving.core import RolloutCore
 from services.rollout.engine.base import StagedWeights, TensorSpec
-from services.rollout.sources import memory_stage
-from services.rollout.staging import StagingBuffers
+from services.rollout.weights.sources import memory_stage
+from services.rollout.weights.staging import StagingBuffers
 from tests.unit.rollout.fake_engine import FakeEngine
 from tests.unit.rollout.fake_synchronizer import FakeSynchronizer
 

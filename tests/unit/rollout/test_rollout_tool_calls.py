@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from services.rollout.tool_calls import HermesFormat
+from services.rollout.openai_api.tool_calls import HermesFormat
 
 parse_tool_calls = HermesFormat().parse
 streamable_prefix = HermesFormat().streamable_prefix

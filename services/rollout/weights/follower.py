@@ -55,9 +55,9 @@ from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.client_types import WatchEvent
 from flywheel.synchronizer.types import EventKind, GroupInfo, Method, Policy, RolloutWait
 from services.rollout.config import RolloutConfig
-from services.rollout.core import RolloutCore
-from services.rollout.nccl_update import NcclTarget, update_over_group
-from services.rollout.sources import Stage, checkpoint_stage, memory_stage
+from services.rollout.serving.core import RolloutCore
+from services.rollout.weights.nccl import NcclTarget, update_over_group
+from services.rollout.weights.sources import Stage, checkpoint_stage, memory_stage
 
 log = logging.getLogger(__name__)
 

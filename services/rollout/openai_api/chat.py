@@ -13,12 +13,12 @@ from typing import Any
 
 from flywheel.common.types import OutputConstraint
 from flywheel.errors import InvalidArgument
-from services.rollout.constraints import json_value, structural
-from services.rollout.core import RolloutCore
+from services.rollout.openai_api.constraints import json_value, structural
+from services.rollout.serving.core import RolloutCore
 from services.rollout.engine.base import SampleOutput
-from services.rollout.prompts import ChatPrompt, ResolvedPrompt, TokenPrompt, validate_messages, validate_tools
-from services.rollout.sessions import CallRecord, Session, continued_prompt
-from services.rollout.tool_calls import HermesFormat, tool_plan
+from services.rollout.serving.prompts import ChatPrompt, ResolvedPrompt, TokenPrompt, validate_messages, validate_tools
+from services.rollout.openai_api.sessions import CallRecord, Session, continued_prompt
+from services.rollout.openai_api.tool_calls import HermesFormat, tool_plan
 
 
 @dataclass

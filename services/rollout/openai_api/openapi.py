@@ -1,8 +1,8 @@
 """The OpenAPI 3.1 document of the rollout's HTTP API (served at `GET /openapi.json`).
 
-The routes are plain Starlette routes (services.rollout.http_api says why), so
+The routes are plain Starlette routes (services.rollout.openai_api.http_api says why), so
 FastAPI cannot describe them; this module does. Request bodies come from the
-pydantic models that validate them (services.rollout.openai_protocol), so the
+pydantic models that validate them (services.rollout.openai_api.openai_protocol), so the
 document cannot drift from what is accepted; where a model takes any JSON
 (`messages`, `tools`) and the handler validates it, the schema here says what the
 handler checks, never more (a body the document forbids must be refused: the
@@ -17,10 +17,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from services.rollout.openai_protocol import (
+from services.rollout.openai_api.openai_protocol import (
     ChatRequest, CompletionRequest, FinishSessionRequest, OpenSessionRequest, ResponsesRequest,
 )
-from services.rollout.prompts import ROLES
+from services.rollout.serving.prompts import ROLES
 
 _REF = "#/components/schemas/{model}"
 #: The status codes of errors, what each means here.

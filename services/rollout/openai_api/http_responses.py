@@ -1,5 +1,5 @@
 """The `/v1/responses` route (plain and session-scoped): the request turned
-into a chat turn (services.rollout.responses_api), generated like a chat
+into a chat turn (services.rollout.openai_api.responses_api), generated like a chat
 completion, answered as a response object or its event stream."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from services.rollout import sampling
-from services.rollout.chat import ChatTurn, prepare_turn, record, reply_of, response_format_constraint
+from services.rollout.serving import sampling
+from services.rollout.openai_api.chat import ChatTurn, prepare_turn, record, reply_of, response_format_constraint
 from services.rollout.config import RolloutConfig
-from services.rollout.core import Reservation, RolloutCore
+from services.rollout.serving.core import Reservation, RolloutCore
 from services.rollout.engine.base import SamplingSpec
-from services.rollout.http_common import json_response, parse
-from services.rollout.openai_protocol import ResponsesRequest, new_id
-from services.rollout.responses_api import ResponseEvents, chat_tools, conversation, output_items, response_object
-from services.rollout.sessions import Session, pace
-from services.rollout.tool_calls import HermesFormat
+from services.rollout.openai_api.http_common import json_response, parse
+from services.rollout.openai_api.openai_protocol import ResponsesRequest, new_id
+from services.rollout.openai_api.responses_api import ResponseEvents, chat_tools, conversation, output_items, response_object
+from services.rollout.openai_api.sessions import Session, pace
+from services.rollout.openai_api.tool_calls import HermesFormat
 
 #: How the Responses API names the parts of a chat request, in error messages.
 _FIELDS = {"messages": "input", "response_format": "text.format"}

@@ -21,7 +21,7 @@ from typing import Any
 
 from flywheel.common.types import OutputConstraint
 from flywheel.errors import InvalidArgument
-from services.rollout.constraints import json_value, structural
+from services.rollout.openai_api.constraints import json_value, structural
 
 
 def new_call_id() -> str:

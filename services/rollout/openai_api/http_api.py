@@ -5,12 +5,12 @@ bodies are in `http_stream`.
     GET  /v1/models            the served model (with its weight version)
     POST /v1/completions       text or token-id prompts; SSE when stream=true
     POST /v1/chat/completions  chat messages, tools, structured output; SSE when stream=true
-    POST /v1/responses         the Responses API (services.rollout.http_responses)
+    POST /v1/responses         the Responses API (services.rollout.openai_api.http_responses)
     GET  /health               200 once a model is served (no auth)
-    GET  /openapi.json         the OpenAPI document of every route here (no auth; services.rollout.openapi)
+    GET  /openapi.json         the OpenAPI document of every route here (no auth; services.rollout.openai_api.openapi)
     GET  /metrics              Prometheus text (a token of any scope with server.metrics_auth, like the metrics port)
 
-Agent sessions (services.rollout.sessions): the same four API routes under
+Agent sessions (services.rollout.openai_api.sessions): the same four API routes under
 `/sessions/{id}/v1/`, authorized by that session's key and recorded
 token-exact, plus `POST /sessions/{id}/v1/finish` ({"reward": x}) for the
 agent; `POST /v1/sessions`, `GET` and `DELETE /v1/sessions/{id}` for the
@@ -28,20 +28,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from flywheel.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from flywheel.runtime.auth import Scope, TokenScopes, refusal
-from services.rollout import sampling
-from services.rollout.chat import ChatTurn, prepare_turn, record, reply_of, response_format_constraint
+from services.rollout.serving import sampling
+from services.rollout.openai_api.chat import ChatTurn, prepare_turn, record, reply_of, response_format_constraint
 from services.rollout.config import RolloutConfig
-from services.rollout.core import PromptOutput, RolloutCore
-from services.rollout.http_common import install_error_handlers, json_response, parse
-from services.rollout.http_responses import responses_route
-from services.rollout.http_stream import chat_stream, completion_stream
-from services.rollout.openapi import openapi_document
-from services.rollout.openai_protocol import (
+from services.rollout.serving.core import PromptOutput, RolloutCore
+from services.rollout.openai_api.http_common import install_error_handlers, json_response, parse
+from services.rollout.openai_api.http_responses import responses_route
+from services.rollout.openai_api.http_stream import chat_stream, completion_stream
+from services.rollout.openai_api.openapi import openapi_document
+from services.rollout.openai_api.openai_protocol import (
     ChatRequest, CompletionRequest, FinishSessionRequest, OpenSessionRequest, chat_logprobs, completion_logprobs, envelope, new_id, usage, version_of,
 )
-from services.rollout.prompts import PromptInput, TextPrompt, TokenPrompt
-from services.rollout.sessions import Session, SessionStore, pace
-from services.rollout.tool_calls import tool_format
+from services.rollout.serving.prompts import PromptInput, TextPrompt, TokenPrompt
+from services.rollout.openai_api.sessions import Session, SessionStore, pace
+from services.rollout.openai_api.tool_calls import tool_format
 
 #: Every route of this API is for agents (generation, tokenize, sessions); larger scopes may call them too.
 API_SCOPE = Scope.AGENT

@@ -111,7 +111,7 @@ def _count(metadata: dict[str, str], key: str) -> int:
 
 def pace(session: Session | None) -> dict[str, int]:
     """The core's generate arguments that pace a session's calls like the controller's Generate
-    (services.rollout.follower); none outside sessions."""
+    (services.rollout.weights.follower); none outside sessions."""
     return {"run_step": session.run_step, "min_version": session.min_version} if session is not None else {}
 
 

@@ -31,9 +31,9 @@ from services.rollout.config import RolloutConfig
 from services.rollout.engine.base import (
     Delta, Engine, PauseMode, SampleOutput, SamplingSpec, StagedWeights, engine_pulls_memory,
 )
-from services.rollout.prompts import PromptInput, ResolvedPrompt, resolve
-from services.rollout.staging import StagingBuffers
-from services.rollout.text import TextCodec
+from services.rollout.serving.prompts import PromptInput, ResolvedPrompt, resolve
+from services.rollout.weights.staging import StagingBuffers
+from services.rollout.serving.text import TextCodec
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +131,9 @@ class RolloutCore:
         self._flights: set[_Flight] = set()
         self.update_observers: list[UpdateObserver] = []
         #: Set by the synchronizer link: waits until a generation of (run_step,
-        #: min_version) may run on the served weights (services.rollout.follower).
+        #: min_version) may run on the served weights (services.rollout.weights.follower).
         self.weights_gate: Callable[[int, int], Awaitable[None]] | None = None
-        #: MEMORY updates stage into these (held between updates; see services.rollout.staging).
+        #: MEMORY updates stage into these (held between updates; see services.rollout.weights.staging).
         self.staging = StagingBuffers(enabled=config.updates.reuse_staging)
         metrics.STAGING_HELD_BYTES.set_function(lambda: self.staging.held_bytes)
         metrics.WEIGHT_VERSION.set_function(lambda: self.engine.version if self.engine else 0)

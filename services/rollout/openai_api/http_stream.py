@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from flywheel.errors import FlywheelError
-from services.rollout.chat import ChatTurn, reply_of
-from services.rollout.core import Reservation, RolloutCore
+from services.rollout.openai_api.chat import ChatTurn, reply_of
+from services.rollout.serving.core import Reservation, RolloutCore
 from services.rollout.engine.base import Delta, SampleOutput, SamplingSpec
-from services.rollout.openai_protocol import (
+from services.rollout.openai_api.openai_protocol import (
     ChatRequest, CompletionRequest, chat_logprobs, completion_logprobs, envelope, new_id, usage,
 )
-from services.rollout.prompts import ResolvedPrompt
+from services.rollout.serving.prompts import ResolvedPrompt
 
 
 def sse(data: Any) -> str:

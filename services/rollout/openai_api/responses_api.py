@@ -19,8 +19,8 @@ from typing import Any
 
 from flywheel.errors import InvalidArgument
 from services.rollout.engine.base import SampleOutput
-from services.rollout.openai_protocol import ResponsesRequest, new_id
-from services.rollout.sessions import Session
+from services.rollout.openai_api.openai_protocol import ResponsesRequest, new_id
+from services.rollout.openai_api.sessions import Session
 
 _ROLES = ("user", "system", "developer", "assistant")
 

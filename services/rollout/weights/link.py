@@ -1,7 +1,7 @@
 """The rollout's link to the synchronizer (`synchronizer.address` set): its
 presence there (registration, heartbeats, update reports) and the follower
 that moves its weights as the synchronizer's policy directs
-(`services.rollout.follower`), which also gates every generation.
+(`services.rollout.weights.follower`), which also gates every generation.
 
 Started once the engine is loaded, stopped on graceful shutdown (which
 deregisters). Without an address the rollout is standalone and none of this
@@ -15,9 +15,9 @@ from typing import Any
 
 from flywheel.runtime.auth import own_token
 from services.rollout.config import RolloutConfig
-from services.rollout.core import RolloutCore
-from services.rollout.follower import Follower
-from services.rollout.presence import RolloutPresence
+from services.rollout.serving.core import RolloutCore
+from services.rollout.weights.follower import Follower
+from services.rollout.weights.presence import RolloutPresence
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.presence import advertised_address, reachable_host
 from flywheel.transfer.cuda_ipc import gpu_label

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.errors import InvalidArgument
-from services.rollout.text import TextCodec
+from services.rollout.serving.text import TextCodec
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

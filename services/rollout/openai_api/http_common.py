@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from flywheel.errors import FlywheelError, InvalidArgument
-from services.rollout.core import QueueFull
+from services.rollout.serving.core import QueueFull
 
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403,

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from flywheel.errors import Aborted, DeadlineExceeded, FailedPrecondition, FlywheelError, InvalidArgument, NotFound
-from services.rollout.core import RolloutCore, UpdateOutcome
+from services.rollout.serving.core import RolloutCore, UpdateOutcome
 from services.rollout.engine.base import Engine, PauseMode, StagedWeights, TensorSpec
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.participant import Received, stage_version

@@ -16,12 +16,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.rollout.engine.base import SampleOutput
-from services.rollout.text import TextCodec
+from services.rollout.serving.text import TextCodec
 
 
 class _Strict(BaseModel):
     # Strict types too: "1" is not a number and 1 is not true, as OpenAI's API and this API's
-    # OpenAPI document (services.rollout.openapi) say.
+    # OpenAPI document (services.rollout.openai_api.openapi) say.
     model_config = ConfigDict(extra="forbid", strict=True)
 
     def unsupported(self) -> list[str]:

@@ -3,7 +3,7 @@
 plus reports of weight updates.
 
 The rollout registers with role rollout and its served weight version, and
-heartbeats with its step (run steps served, `services.rollout.follower`) and
+heartbeats with its step (run steps served, `services.rollout.weights.follower`) and
 that version.
 
 Every weight update the core commits or fails, whoever asked for it (the
@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 
 from flywheel.errors import FlywheelError, NotFound
 from services.rollout.config import SynchronizerLinkConfig
-from services.rollout.core import RolloutCore, UpdateReport
+from services.rollout.serving.core import RolloutCore, UpdateReport
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.presence import Presence
 from flywheel.synchronizer.types import Method, Role, State

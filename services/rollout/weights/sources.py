@@ -2,7 +2,7 @@
 `RolloutCore.update_weights` runs: a CHECKPOINT directory (verified in a
 thread) or the synchronizer's MEMORY stream (pulled and verified as it
 arrives, read in place from shared memory on the synchronizer's host). Both check names, dtypes and shapes against the served model
-before anything live is touched (`services.rollout.weights`)."""
+before anything live is touched (`services.rollout.weights.verify`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 from flywheel.runtime.paths import confine
 
 from services.rollout.engine.base import StagedWeights, TensorSpec
-from services.rollout.staging import StagingBuffers
-from services.rollout.sync_client import pull_staged
-from services.rollout.weights import stage_checkpoint
+from services.rollout.weights.staging import StagingBuffers
+from services.rollout.weights.memory import pull_staged
+from services.rollout.weights.verify import stage_checkpoint
 
 Stage = Callable[[], Awaitable[StagedWeights]]
 

@@ -1,0 +1,133 @@
+"""The rollout's layout: files grouped by job, and one way to the synchronizer.
+
+`services/rollout/` keeps at its top level only the launcher, the assembly,
+the config, the gRPC servicer and the metrics; everything else lives in a
+subpackage named for its job (`serving/`, `openai_api/`, `weights/`,
+`engine/`), so the flat folder does not grow back.
+
+The rollout reaches the synchronizer only through `flywheel/synchronizer/`
+(its typed client), and only from `weights/`: no module opens a gRPC channel
+of its own, names a synchronizer RPC path or imports the synchronizer's wire
+stubs. Checked on the source (ast), so a lazy import inside a function counts
+as much as one at the top of a module.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLLOUT = ROOT / "services" / "rollout"
+
+TOP_LEVEL = {"__init__.py", "__main__.py", "app.py", "config.py", "servicer.py", "metrics.py"}
+SUBPACKAGES = {"engine", "serving", "openai_api", "weights"}
+#: The synchronizer-facing code: the only place that may use flywheel.synchronizer's client side.
+SYNC_FACING = "weights"
+#: flywheel.synchronizer modules that only name things (no calls): any module may import them.
+SYNC_VOCABULARY = {
+    "flywheel.synchronizer.types", "flywheel.synchronizer.client_types", "flywheel.synchronizer.presence_config",
+}
+#: Names that make a channel of one's own or a raw call on one.
+CHANNEL_NAMES = {
+    "open_channel", "insecure_channel", "secure_channel",
+    "unary_unary", "unary_stream", "stream_unary", "stream_stream",
+}
+RPC_PATH = "/flywheel.synchronizer.v1."
+
+
+def top_level_strays(package: Path) -> list[str]:
+    """Entries at the top of `package` that are not on the allow-lists (caches and dot files aside)."""
+    bad = []
+    for entry in sorted(package.iterdir()):
+        if entry.name == "__pycache__" or entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            if entry.name not in SUBPACKAGES or not (entry / "__init__.py").is_file():
+                bad.append(f"{entry.name}/")
+        elif entry.name not in TOP_LEVEL:
+            bad.append(entry.name)
+    return bad
+
+
+def _imports(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            # `from flywheel.synchronizer import client` imports a module too.
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def channel_violations(package: Path) -> list[str]:
+    """Every place under `package` that reaches the synchronizer, or opens a channel, other than through
+    `flywheel.synchronizer`'s client from the synchronizer-facing subpackage."""
+    bad: list[tuple[str, int, str]] = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        where = f"{package.name}/{rel.as_posix()}"
+        facing = rel.parts[0] == SYNC_FACING
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, module in _imports(tree):
+            last = module.rsplit(".", 1)[-1]
+            if module.startswith("flywheel.synchronizer.v1"):
+                bad.append((where, line, f"imports the wire stubs {module}"))
+            elif last in CHANNEL_NAMES:
+                bad.append((where, line, f"imports {module}"))
+            elif (module.startswith("flywheel.synchronizer.") and not facing
+                  and not any(module == v or module.startswith(v + ".") for v in SYNC_VOCABULARY)):
+                bad.append((where, line, f"imports {module} outside {SYNC_FACING}/"))
+        for node in ast.walk(tree):
+            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+            if name in CHANNEL_NAMES:
+                bad.append((where, node.lineno, f"uses {name}"))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and RPC_PATH in node.value:
+                bad.append((where, node.lineno, f"names the RPC path {node.value!r}"))
+    return [f"{where}:{line} {what}" for where, line, what in sorted(bad)]
+
+
+def test_the_top_level_holds_only_the_service_frame() -> None:
+    assert top_level_strays(ROLLOUT) == []
+
+
+def test_every_subpackage_is_there() -> None:
+    assert {p.name for p in ROLLOUT.iterdir() if (p / "__init__.py").is_file()} == SUBPACKAGES
+
+
+def test_the_synchronizer_is_reached_only_through_its_client() -> None:
+    assert channel_violations(ROLLOUT) == []
+
+
+def test_the_checks_see_violations(tmp_path: Path) -> None:
+    package = tmp_path / "rollout"
+    for sub in ("serving", "weights", "misc"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "app.py").write_text("")
+    (package / "follower.py").write_text("")  # a domain module back at the top
+    (package / "serving" / "core.py").write_text(
+        "from flywheel.synchronizer.types import Method\n"  # vocabulary: fine anywhere
+        "from flywheel.synchronizer.client import SynchronizerClient\n"  # the client, outside weights/
+        "def pull():\n"
+        "    from flywheel.runtime.client import open_channel\n"
+        "    channel = open_channel('x')\n"
+        "    return channel.unary_stream('/flywheel.synchronizer.v1.SynchronizerService/PullWeights')\n"
+    )
+    (package / "weights" / "memory.py").write_text(
+        "from flywheel.synchronizer.client import SynchronizerClient\n"  # the one way: fine here
+        "from flywheel.synchronizer.v1 import synchronizer_pb2\n"  # the wire stubs: nowhere
+    )
+    assert top_level_strays(package) == ["follower.py", "misc/"]
+    assert channel_violations(package) == [
+        "rollout/serving/core.py:2 imports flywheel.synchronizer.client outside weights/",
+        "rollout/serving/core.py:2 imports flywheel.synchronizer.client.SynchronizerClient outside weights/",
+        "rollout/serving/core.py:4 imports flywheel.runtime.client.open_channel",
+        "rollout/serving/core.py:5 uses open_channel",
+        "rollout/serving/core.py:6 names the RPC path '/flywheel.synchronizer.v1.SynchronizerService/PullWeights'",
+        "rollout/serving/core.py:6 uses unary_stream",
+        "rollout/weights/memory.py:2 imports the wire stubs flywheel.synchronizer.v1",
+        "rollout/weights/memory.py:2 imports the wire stubs flywheel.synchronizer.v1.synchronizer_pb2",
+    ]
