@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flywheel.errors import FailedPrecondition, InvalidArgument
-from flywheel.synchronizer.types import Component, Method, Policy, Role, State, Style
+from flywheel.synchronizer.types import Component, Method, Policy, Role, RolloutWait, State, Style
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,21 @@ def fixed_due_version(step: int, interval: int, offset: int) -> int:
     if step <= offset:
         return 0
     return (step - offset) // interval * interval
+
+
+def required_version(policy: Policy | None, run_step: int, due: int) -> int:
+    """The version a rollout's generation for `run_step` (the train batch it is for, from 1)
+    waits for under the policy's `rollout_wait`; `due` is what NeedSync named at step
+    run_step - 1 (0: nothing). Sync mode: exactly the schedule's version; batch-async: at
+    most `max_staleness` behind the version it is trained against (run_step - 1); fully-async:
+    nothing."""
+    if policy is None or run_step < 1:
+        return 0
+    if policy.rollout_wait == RolloutWait.DUE_VERSION:
+        return due
+    if policy.rollout_wait == RolloutWait.STALENESS:
+        return max(0, run_step - 1 - policy.max_staleness)
+    return 0
 
 
 def dynamic_rollout_due(step: int, last_sync_step: int, interval: int) -> bool:

@@ -12,7 +12,7 @@ import grpc
 
 from flywheel.common.types import finish_reason_to_pb, pause_mode_from_pb
 from flywheel.common.v1 import common_pb2
-from flywheel.errors import InvalidArgument
+from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.runtime.auth import own_token
 from services.rollout.serving import sampling as sampling_mod
@@ -178,20 +178,26 @@ class RolloutServicer:
         timeout = request.timeout_seconds or self.config.updates.timeout_seconds
         mode = self._mode(request.pause_mode, "pause_mode")
         if source == "nccl":
-            outcome = await update_over_group(self.core, _nccl_target(request.nccl), version, mode, timeout,
-                                              token=self._token())
+            target = _nccl_target(request.nccl, self._synchronizer("nccl"))
+            outcome = await update_over_group(self.core, target, version, mode, timeout, token=self._token())
             return _update_response(outcome)
         if source == "checkpoint":
             if not request.checkpoint.path:
                 raise InvalidArgument("checkpoint.path: empty")
             stage = checkpoint_stage(request.checkpoint.path, version, specs, self.config.updates.checkpoint_root)
         elif source == "memory":
-            if not request.memory.synchronizer_address:
-                raise InvalidArgument("memory.synchronizer_address: empty")
-            stage = memory_stage(request.memory.synchronizer_address, version, specs, token=self._token(),
+            stage = memory_stage(self._synchronizer("memory"), version, specs, token=self._token(),
                                  timeout=timeout, max_message_bytes=self.config.server.max_message_bytes,
                                  buffers=self.core.staging)
         return _update_response(await self.core.update_weights(version, stage, mode, timeout))
+
+    def _synchronizer(self, method: str) -> str:
+        """The rollout's own synchronizer: a request never names one (one road for weights)."""
+        address = self.config.synchronizer.address
+        if not address:
+            raise FailedPrecondition(
+                f"a {method} update comes from this rollout's synchronizer, and it has none (synchronizer.address)")
+        return address
 
     def _token(self) -> str | None:
         """This service's own token, presented to the synchronizer it pulls from or reports to."""
@@ -199,12 +205,10 @@ class RolloutServicer:
         return own_token(server)
 
 
-def _nccl_target(nccl: pb.NcclSource) -> NcclTarget:
+def _nccl_target(nccl: pb.NcclSource, synchronizer: str) -> NcclTarget:
     if not nccl.group_id:
         raise InvalidArgument("nccl.group_id: empty")
-    if not nccl.synchronizer_address:
-        raise InvalidArgument("nccl.synchronizer_address: empty (the synchronizer that allocated the group)")
-    return NcclTarget(group_id=nccl.group_id, synchronizer_address=nccl.synchronizer_address, rank=nccl.rank,
+    return NcclTarget(group_id=nccl.group_id, synchronizer_address=synchronizer, rank=nccl.rank,
                       rendezvous_address=nccl.rendezvous_address, world_size=nccl.world_size, backend=nccl.backend)
 
 

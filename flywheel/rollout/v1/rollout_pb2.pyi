@@ -170,10 +170,8 @@ class ResumeResponse(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ...) -> None: ...
 
 class MemorySource(_message.Message):
-    __slots__ = ("synchronizer_address",)
-    SYNCHRONIZER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    synchronizer_address: str
-    def __init__(self, synchronizer_address: _Optional[str] = ...) -> None: ...
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class CheckpointSource(_message.Message):
     __slots__ = ("path",)
@@ -182,20 +180,18 @@ class CheckpointSource(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class NcclSource(_message.Message):
-    __slots__ = ("group_id", "rendezvous_address", "world_size", "rank", "backend", "synchronizer_address")
+    __slots__ = ("group_id", "rendezvous_address", "world_size", "rank", "backend")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
-    SYNCHRONIZER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     rendezvous_address: str
     world_size: int
     rank: int
     backend: str
-    synchronizer_address: str
-    def __init__(self, group_id: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[str] = ..., synchronizer_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, group_id: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("version", "method", "memory", "checkpoint", "nccl", "pause_mode", "timeout_seconds")
