@@ -50,16 +50,9 @@ from services.trainer.distributed import (
 from services.trainer.distributed import full as full_tensor
 from services.trainer.files import request_roots
 from services.trainer.forward import token_logprobs
-from flywheel.trainer.types import AGGREGATIONS
+from flywheel.trainer.types import AGGREGATIONS, default_aggregation, default_clip_high
 from flywheel.trainer.types import LOSS_KINDS as KINDS
-from services.trainer.losses import (
-    LossOutput,
-    LossSettings,
-    default_aggregation,
-    default_clip_high,
-    loss_denominators,
-    policy_loss,
-)
+from services.trainer.losses import LossOutput, LossSettings, loss_denominators, policy_loss
 from services.trainer.policy import Policy, autocast_dtype
 
 log = logging.getLogger(__name__)
