@@ -144,7 +144,7 @@ class PlainStep:
         return float(loss.detach())
 
     def d2h(self) -> int:
-        from services.trainer.export import drop_tied
+        from services.trainer.tied import drop_tied
 
         state = drop_tied(self.model, {k: v.detach() for k, v in self.model.state_dict().items()})
         host = [t.to("cpu", copy=True) for t in state.values()]

@@ -25,19 +25,11 @@ from google.protobuf.message import DecodeError
 
 from flywheel.codec.errors import ChunkCorrupted
 from flywheel.common.v1 import common_pb2
+from flywheel.varint import VarintError, encode_varint, read_varint
 
 _DATA_FIELD = 7  # WeightChunk.data
 _LEN = 2
 _DATA_TAG = bytes([(_DATA_FIELD << 3) | _LEN])
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def serialize_chunk(header: common_pb2.WeightChunk, payload: memoryview | bytes) -> bytes:
@@ -46,20 +38,7 @@ def serialize_chunk(header: common_pb2.WeightChunk, payload: memoryview | bytes)
         raise ValueError("serialize_chunk: the header's data field must be empty")
     if not len(payload):
         return header.SerializeToString()
-    return b"".join((header.SerializeToString(), _DATA_TAG, _varint(len(payload)), payload))
-
-
-def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        if i >= len(buf) or shift > 63:
-            raise ChunkCorrupted("chunk is not a valid serialized WeightChunk: truncated varint")
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, i
-        shift += 7
+    return b"".join((header.SerializeToString(), _DATA_TAG, encode_varint(len(payload)), payload))
 
 
 def parse_chunk(buf: bytes | bytearray | memoryview) -> tuple[common_pb2.WeightChunk, memoryview]:
@@ -72,27 +51,30 @@ def parse_chunk(buf: bytes | bytearray | memoryview) -> tuple[common_pb2.WeightC
     header_parts: list[memoryview] = []
     payload = view[:0]
     i, start, size = 0, 0, len(view)
-    while i < size:
-        field_start = i
-        key, i = _read_varint(view, i)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == 0:
-            _, i = _read_varint(view, i)
-        elif wire_type == 1:
-            i += 8
-        elif wire_type == 5:
-            i += 4
-        elif wire_type == _LEN:
-            length, i = _read_varint(view, i)
-            if field == _DATA_FIELD:
-                if i + length > size:
-                    break  # reported below
-                # Protobuf semantics: the last occurrence of a bytes field wins.
-                header_parts.append(view[start:field_start])
-                payload, start = view[i : i + length], i + length
-            i += length
-        else:
-            raise ChunkCorrupted(f"chunk is not a valid serialized WeightChunk: wire type {wire_type}")
+    try:
+        while i < size:
+            field_start = i
+            key, i = read_varint(view, i)
+            field, wire_type = key >> 3, key & 7
+            if wire_type == 0:
+                _, i = read_varint(view, i)
+            elif wire_type == 1:
+                i += 8
+            elif wire_type == 5:
+                i += 4
+            elif wire_type == _LEN:
+                length, i = read_varint(view, i)
+                if field == _DATA_FIELD:
+                    if i + length > size:
+                        break  # reported below
+                    # Protobuf semantics: the last occurrence of a bytes field wins.
+                    header_parts.append(view[start:field_start])
+                    payload, start = view[i : i + length], i + length
+                i += length
+            else:
+                raise ChunkCorrupted(f"chunk is not a valid serialized WeightChunk: wire type {wire_type}")
+    except VarintError:
+        raise ChunkCorrupted("chunk is not a valid serialized WeightChunk: truncated varint") from None
     if i != size:
         raise ChunkCorrupted("chunk is not a valid serialized WeightChunk: a field runs past the end")
     header_parts.append(view[start:])

@@ -10,18 +10,7 @@ from __future__ import annotations
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(data):
-            raise ValueError("truncated varint")
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
+from flywheel.varint import VarintError, read_varint
 
 
 def find_invalid_utf8(descriptor: Descriptor, data: bytes, prefix: str = "") -> str | None:
@@ -30,16 +19,16 @@ def find_invalid_utf8(descriptor: Descriptor, data: bytes, prefix: str = "") -> 
     pos = 0
     try:
         while pos < len(data):
-            key, pos = _varint(data, pos)
+            key, pos = read_varint(data, pos)
             number, wire_type = key >> 3, key & 7
             if wire_type == 0:
-                _, pos = _varint(data, pos)
+                _, pos = read_varint(data, pos)
             elif wire_type == 1:
                 pos += 8
             elif wire_type == 5:
                 pos += 4
             elif wire_type == 2:
-                length, pos = _varint(data, pos)
+                length, pos = read_varint(data, pos)
                 payload = data[pos : pos + length]
                 pos += length
                 field = descriptor.fields_by_number.get(number)
@@ -60,6 +49,6 @@ def find_invalid_utf8(descriptor: Descriptor, data: bytes, prefix: str = "") -> 
                         return found
             else:
                 return None
-    except ValueError:
+    except VarintError:
         return None
     return None

@@ -1,7 +1,8 @@
-"""The trainer's shared words, defined once: loss kinds and how a loss is
-aggregated over tokens. The trainer's config and losses, the controller's
-run config and both sides of the wire read them from here; the proto enums
-are named after them (`LOSS_KIND_<NAME>`, `LOSS_AGGREGATION_<NAME>`).
+"""The trainer's shared words, defined once: loss kinds, how a loss is
+aggregated over tokens, and each kind's defaults for what a caller leaves
+unset. The trainer's config and losses, the controller's run config and both
+sides of the wire read them from here; the proto enums are named after them
+(`LOSS_KIND_<NAME>`, `LOSS_AGGREGATION_<NAME>`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,20 @@ LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
 #: seq_mean_token_sum_norm is Dr. GRPO's: token sums over (sequences x a constant max length).
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+
+#: DAPO's "clip-higher": its upper clip epsilon when none is given (the lower one is clip_low as for any kind).
+DAPO_CLIP_HIGH = 0.28
+
+
+def default_clip_high(kind: str, clip_low: float) -> float:
+    """The upper clip epsilon of `kind` when none is given: DAPO's clip-higher, else symmetric.
+    The controller resolves a run's loss with it and the trainer a request's, so they agree."""
+    return DAPO_CLIP_HIGH if kind == "dapo" else clip_low
+
+
+def default_aggregation(kind: str) -> str:
+    """The aggregation of `kind` when none is given: GRPO's per-sequence mean, else DAPO's token mean."""
+    return "seq_mean_token_mean" if kind == "grpo" else "token_mean"
 
 
 def loss_kind_to_pb(name: str | None) -> int:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from flywheel.codec import EncodedVersion
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import DataLoss
+from flywheel.varint import VarintError, encode_varint, read_varint
 
 #: Field numbers of the `payload` oneof (the same in push requests and pull responses).
 MANIFEST_FIELD = 1
@@ -27,38 +28,19 @@ _CHUNK_TAG = bytes([(CHUNK_FIELD << 3) | _LEN])
 _MANIFEST_TAG = bytes([(MANIFEST_FIELD << 3) | _LEN])
 
 
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise DataLoss("weight frame: truncated or overlong varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-
-
 def split_frame(frame: bytes | memoryview) -> tuple[int, memoryview]:
     """(MANIFEST_FIELD or CHUNK_FIELD, zero-copy view of the inner message)."""
     buf = memoryview(frame)
     if len(buf) == 0:
         raise DataLoss("weight frame is empty (neither a manifest nor a chunk)")
-    key, pos = _read_varint(buf, 0)
-    field, wire = key >> 3, key & 7
-    if field not in (MANIFEST_FIELD, CHUNK_FIELD) or wire != _LEN:
-        raise DataLoss(f"weight frame starts with field {field} (wire type {wire}), not a manifest or a chunk")
-    n, pos = _read_varint(buf, pos)
+    try:
+        key, pos = read_varint(buf, 0)
+        field, wire = key >> 3, key & 7
+        if field not in (MANIFEST_FIELD, CHUNK_FIELD) or wire != _LEN:
+            raise DataLoss(f"weight frame starts with field {field} (wire type {wire}), not a manifest or a chunk")
+        n, pos = read_varint(buf, pos)
+    except VarintError:
+        raise DataLoss("weight frame: truncated or overlong varint") from None
     if pos + n != len(buf):
         raise DataLoss(f"weight frame: a {n}-byte message but {len(buf) - pos} bytes follow its header")
     return field, buf[pos:]
@@ -66,22 +48,22 @@ def split_frame(frame: bytes | memoryview) -> tuple[int, memoryview]:
 
 def manifest_frame(manifest: common_pb2.WeightManifest) -> bytes:
     body = manifest.SerializeToString()
-    return b"".join((_MANIFEST_TAG, varint(len(body)), body))
+    return b"".join((_MANIFEST_TAG, encode_varint(len(body)), body))
 
 
 def chunk_frame(header: common_pb2.WeightChunk, payload: memoryview | bytes) -> bytes:
     """A chunk frame from a header (a WeightChunk without data) and its payload, copied once."""
     head = header.SerializeToString()
     if not len(payload):
-        return b"".join((_CHUNK_TAG, varint(len(head)), head))
-    size = varint(len(payload))
+        return b"".join((_CHUNK_TAG, encode_varint(len(head)), head))
+    size = encode_varint(len(payload))
     inner = len(head) + len(_DATA_TAG) + len(size) + len(payload)
-    return b"".join((_CHUNK_TAG, varint(inner), head, _DATA_TAG, size, payload))
+    return b"".join((_CHUNK_TAG, encode_varint(inner), head, _DATA_TAG, size, payload))
 
 
 def wrap_chunk(serialized: bytes) -> bytes:
     """A chunk frame around an already serialized WeightChunk (one more copy)."""
-    return b"".join((_CHUNK_TAG, varint(len(serialized)), serialized))
+    return b"".join((_CHUNK_TAG, encode_varint(len(serialized)), serialized))
 
 
 def encoded_frames(encoded: EncodedVersion) -> Iterator[bytes]:

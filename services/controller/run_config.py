@@ -34,7 +34,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from flywheel.synchronizer.types import SyncMethodName
-from flywheel.trainer.types import Aggregation, LossKind
+from flywheel.trainer.types import DAPO_CLIP_HIGH, Aggregation, LossKind, default_clip_high
 from flywheel.runtime.config import ConfigError, StrictModel, read_config_file
 
 Mode = Literal["sync", "fully-async", "batch-async"]
@@ -180,7 +180,7 @@ class OverlongConfig(StrictModel):
 class LossConfig(StrictModel):
     kind: LossKind | None = Field(None, description="loss; default follows algorithm.name")
     clip_low: float = Field(0.2, ge=0, description="lower clip epsilon")
-    clip_high: float | None = Field(None, ge=0, description="upper clip epsilon; default 0.28 for dapo, else clip_low")
+    clip_high: float | None = Field(None, ge=0, description=f"upper clip epsilon; default {DAPO_CLIP_HIGH} for dapo, else clip_low")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference weight")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")
     aggregation: Aggregation | None = Field(
@@ -398,7 +398,7 @@ class RunConfig(StrictModel):
         """The loss sent with every TrainStep, defaults resolved."""
         loss = self.algorithm.loss
         kind = loss.kind or ("dapo" if self.algorithm.name == "dapo" else "grpo")
-        clip_high = loss.clip_high if loss.clip_high is not None else (0.28 if kind == "dapo" else loss.clip_low)
+        clip_high = loss.clip_high if loss.clip_high is not None else default_clip_high(kind, loss.clip_low)
         is_cap = loss.is_cap or (2.0 if self.mode != "sync" and self.staleness.policy == "correct" else 0.0)
         return loss.model_copy(update={"kind": kind, "clip_high": clip_high, "is_cap": is_cap})
 

@@ -33,41 +33,26 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
 import shutil
 import tempfile
-import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
-from services.trainer.config import TrainerConfig
+from services.trainer.distributed import Ranks, gather_state
+from services.trainer.files import replace_directory
+from services.trainer.hf_save import save_hf
 from services.trainer.policy import Policy, rng_state, set_rng_state
-
-if TYPE_CHECKING:
-    from services.trainer.distributed import Ranks
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^global_step_(\d+)$")
-
-
-def publish_dir(config: TrainerConfig) -> Path:
-    """Where CHECKPOINT versions are written by default: `sync.publish_dir`, else `<checkpoint.dir>/published`."""
-    return config.sync.publish_dir or config.checkpoint.dir / "published"
-
-
-def request_roots(config: TrainerConfig) -> list[Path]:
-    """The directories a request's paths may lie in (flywheel.runtime.paths.confine): the checkpoint
-    directory first (a relative path is taken there), the publish directory, and any others allowed."""
-    return [config.checkpoint.dir, publish_dir(config), *config.checkpoint.allowed_roots]
 
 
 def list_checkpoints(parent: Path) -> list[tuple[int, Path]]:
@@ -85,37 +70,6 @@ def list_checkpoints(parent: Path) -> list[tuple[int, Path]]:
 def latest(parent: Path) -> Path | None:
     found = list_checkpoints(parent)
     return found[-1][1] if found else None
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def replace_directory(tmp: Path, final: Path) -> None:
-    """Makes the complete directory `tmp` appear as `final` at once, durably (a crash leaves the
-    old `final` or the new one, never a mix). An existing `final` (the same step or version saved
-    twice) is moved aside first, since rename cannot replace a non-empty directory."""
-    _fsync_tree(tmp)
-    replaced = None
-    if final.exists():
-        replaced = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(final, replaced)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-    if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)
 
 
 def _tree_size(root: Path) -> int:
@@ -323,7 +277,6 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from flywheel.codec import DEFAULT_BUCKET_BYTES
-    from services.trainer.distributed import gather_state, save_hf
 
     first = ranks.rank == 0
     final = parent / f"global_step_{policy.step}"

@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from flywheel.runtime.config import StrictModel
 from flywheel.runtime.server_config import ServerConfig
-from flywheel.trainer.types import Aggregation, LossKind
+from flywheel.trainer.types import DAPO_CLIP_HIGH, Aggregation, LossKind
 from flywheel.synchronizer.presence_config import PresenceConfig
 
 
@@ -93,7 +93,7 @@ class LossConfig(StrictModel):
     kind: LossKind = Field("grpo", description="loss when the request says LOSS_KIND_UNSPECIFIED")
     clip_low: float = Field(0.2, gt=0, lt=1, description="lower clip epsilon when the request sends 0")
     clip_high: float | None = Field(
-        None, gt=0, description="upper clip epsilon when the request sends 0; none: 0.28 for dapo, clip_low otherwise"
+        None, gt=0, description=f"upper clip epsilon when the request sends 0; none: {DAPO_CLIP_HIGH} for dapo, clip_low otherwise"
     )
     aggregation: Aggregation | None = Field(
         None, description="aggregation when unspecified; none: seq_mean_token_mean for grpo, token_mean otherwise. "

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flywheel.errors import FailedPrecondition
+from services.trainer.tied import tied_duplicates, tied_targets
 
 log = logging.getLogger(__name__)
 
@@ -133,22 +134,15 @@ def row_slices(size: int, micro: int, rank: int, world: int) -> list[tuple[int, 
 
 def export_names(model: nn.Module) -> list[tuple[str, Tensor]]:
     """(name, tensor) of `model.state_dict()` in order, tied duplicates dropped as
-    `export.drop_tied` does (the names transformers declares tied go first,
+    `tied.drop_tied` does (the names transformers declares tied go first,
     else the later name); tensors are the live (possibly sharded) parameters."""
-    from services.trainer.export import _tied_targets
-
     objects = dict(model.named_parameters(remove_duplicate=False))
     objects.update(dict(model.named_buffers(remove_duplicate=False)))
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-    targets = _tied_targets(hf)
     groups: dict[int, list[str]] = {}
     for name in model.state_dict():
         groups.setdefault(id(objects[name]), []).append(name)
-    doomed: set[str] = set()
-    for names in groups.values():
-        if len(names) > 1:
-            declared = [n for n in names if n in targets]
-            doomed.update(declared if declared and len(declared) < len(names) else names[1:])
+    doomed = tied_duplicates(groups.values(), tied_targets(hf))
     return [(n, objects[n]) for n in model.state_dict() if n not in doomed]
 
 
@@ -186,18 +180,6 @@ def gather_state(model: nn.Module, bucket_bytes: int, *, keep: bool = True) -> d
     for bucket in gather_buckets(model, bucket_bytes, keep=keep):
         state.update(bucket)
     return state
-
-
-def save_hf(model: nn.Module, directory, state: dict[str, Tensor]) -> None:
-    """An HF model directory (config, generation config, one safetensors file) of gathered
-    weights: `save_pretrained` reads the sharded model's own (freed) parameters and cannot."""
-    from safetensors.torch import save_file
-
-    model.config.save_pretrained(directory)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and getattr(model, "can_generate", lambda: False)():
-        generation.save_pretrained(directory)
-    save_file({k: v.contiguous() for k, v in state.items()}, f"{directory}/model.safetensors", metadata={"format": "pt"})
 
 
 # ---------------------------------------------------------------- processes

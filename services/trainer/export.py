@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from flywheel.codec import (
     DEFAULT_BUCKET_BYTES,
@@ -66,9 +66,11 @@ from flywheel.codec import (
 from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument
 from flywheel.runtime.paths import confine
 from flywheel.synchronizer.client import SynchronizerClient
-from services.trainer.checkpoints import publish_dir, replace_directory, request_roots
 from services.trainer.config import SyncConfig
+from services.trainer.files import publish_dir, replace_directory, request_roots
+from services.trainer.hf_save import save_hf
 from services.trainer.policy import Policy
+from services.trainer.tied import drop_tied
 from services.trainer.training import TrainingEngine
 
 log = logging.getLogger(__name__)
@@ -88,34 +90,6 @@ class ExportResult:
 
 
 # ---------------------------------------------------------------- what is exported
-
-
-def _tied_targets(model: nn.Module) -> set[str]:
-    """Names transformers treats as tied copies of another weight (not saved)."""
-    tied = getattr(model, "_tied_weights_keys", None) or ()
-    return set(tied.keys() if isinstance(tied, dict) else tied)
-
-
-def drop_tied(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Removes names that share storage with an earlier one (tied weights), as
-    save_pretrained does: the names transformers declares tied go first, else
-    the later of two names over the same memory."""
-    targets = _tied_targets(model)
-    groups: dict[tuple[int, int], list[str]] = {}
-    for name, t in state.items():
-        if t.numel():
-            groups.setdefault((t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(),
-                               t.numel() * t.element_size()), []).append(name)
-    doomed: set[str] = set()
-    for names in groups.values():
-        if len(names) < 2:
-            continue
-        declared = [n for n in names if n in targets]
-        if declared and len(declared) < len(names):
-            doomed.update(declared)
-        else:
-            doomed.update(names[1:])
-    return {n: t for n, t in state.items() if n not in doomed}
 
 
 def export_state(policy: Policy, merge_lora: bool) -> dict[str, Tensor]:
@@ -307,8 +281,6 @@ def write_version(
             policy.model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
         else:
             if policy.sharded:
-                from services.trainer.distributed import save_hf
-
                 save_hf(policy.hf_model, tmp, state)
             else:
                 policy.hf_model.save_pretrained(tmp, state_dict=state)

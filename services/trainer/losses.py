@@ -4,7 +4,9 @@ Every function takes per-token tensors of shape [B, T] (log-probs of token t
 given tokens < t, a loss mask, advantages broadcast to tokens) and returns
 tensors; nothing here knows about models, optimizers or the wire.
 
-The three loss kinds share one clipped surrogate and differ in defaults:
+The three loss kinds share one clipped surrogate and differ in defaults
+(`flywheel.trainer.types.default_clip_high` and `default_aggregation`; the
+controller's run config resolves clip_high with the same function):
 - GRPO: symmetric clip (0.2), seq-mean-token-mean aggregation, optional KL to a
   reference model; advantages are group-normalised by the controller
   (`group_advantages` is the helper it can use).
@@ -50,14 +52,6 @@ class LossSettings:
     #: seq_mean_token_sum_norm: the constant each sequence's token sum is divided by, in tokens.
     max_response_length: int = 0
     kl_estimator: str = "k3"
-
-
-def default_clip_high(kind: str, clip_low: float) -> float:
-    return 0.28 if kind == "dapo" else clip_low
-
-
-def default_aggregation(kind: str) -> str:
-    return "seq_mean_token_mean" if kind == "grpo" else "token_mean"
 
 
 # ---------------------------------------------------------------- aggregation

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from services.trainer.config import OptimizerConfig, TrainerConfig
+from services.trainer.distributed import is_sharded, shard_model
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +140,6 @@ class Policy:
         if mcfg.lora.enabled:
             model = _wrap_lora(model, config)
         if shard:
-            from services.trainer.distributed import shard_model
-
             model = shard_model(model, mcfg.device)
         model.train()
         policy = cls(config, model, _load_tokenizer(mcfg.path), str(mcfg.path))
@@ -198,8 +197,6 @@ class Policy:
     @functools.cached_property
     def sharded(self) -> bool:
         """Whether the model is FSDP2-sharded over ranks (`parallel`)."""
-        from services.trainer.distributed import is_sharded
-
         return is_sharded(self.model)
 
     @property

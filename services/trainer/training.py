@@ -38,19 +38,21 @@ from flywheel.runtime.paths import confine
 from services.trainer import checkpoints
 from services.trainer.batch import Batch, BatchLimits, input_batch, training_batch
 from services.trainer.config import LossConfig, TrainerConfig
-from services.trainer.distributed import Ranks, gather_state, reshard, row_slices
-from services.trainer.distributed import full as full_tensor
-from services.trainer.forward import token_logprobs
-from flywheel.trainer.types import AGGREGATIONS
-from flywheel.trainer.types import LOSS_KINDS as KINDS
-from services.trainer.losses import (
-    LossOutput,
-    LossSettings,
-    default_aggregation,
-    default_clip_high,
-    loss_denominators,
-    policy_loss,
+from services.trainer.distributed import (
+    ENV_RANK,
+    RANK_SECTIONS,
+    Ranks,
+    gather_state,
+    rank_device,
+    reshard,
+    row_slices,
 )
+from services.trainer.distributed import full as full_tensor
+from services.trainer.files import request_roots
+from services.trainer.forward import token_logprobs
+from flywheel.trainer.types import AGGREGATIONS, default_aggregation, default_clip_high
+from flywheel.trainer.types import LOSS_KINDS as KINDS
+from services.trainer.losses import LossOutput, LossSettings, loss_denominators, policy_loss
 from services.trainer.policy import Policy, autocast_dtype
 
 log = logging.getLogger(__name__)
@@ -172,8 +174,6 @@ class TrainingEngine:
         self.policy = policy
 
     def _join_ranks(self) -> None:
-        from services.trainer.distributed import ENV_RANK, RANK_SECTIONS, Ranks, rank_device
-
         par, device = self.config.parallel, self.config.model.device
         if ENV_RANK in os.environ:
             self.ranks = Ranks.join_from_env(device, par.timeout_seconds)
@@ -456,7 +456,7 @@ class TrainingEngine:
         with self._lock:
             policy = self._ready(None)
             if directory is not None:
-                directory = confine(directory, checkpoints.request_roots(self.config), "directory")
+                directory = confine(directory, request_roots(self.config), "directory")
             path, size = self._spmd("save", directory or self.config.checkpoint.dir, remove_previous, client_state)
             return path, policy.step, size
 
@@ -480,7 +480,7 @@ class TrainingEngine:
                 if path is None:
                     return None, policy.step, policy.weight_version, b""
             else:
-                path = confine(path, checkpoints.request_roots(self.config), "path")
+                path = confine(path, request_roots(self.config), "path")
             step, version, client_state = self._spmd("load", path)
             return path, step, version, client_state
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -33,18 +32,13 @@ from flywheel.runtime.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from flywheel.runtime.config import resolve
 from tests.conftest import MODEL_FLAGS
 from tests.deploy.manifests import ROOT, SERVICES, Container, clean_env, config_class
+from tests.net import free_port
 
 START_TIMEOUT = 60.0
 DASHBOARD = ROOT / "deploy/grafana/dashboards/flywheel.json"
 HEALTHCHECK = ROOT / "deploy/docker/healthcheck.py"
 # Labels Prometheus adds itself or that histograms carry.
 IMPLICIT_LABELS = {"le", "instance", "job"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(children: list[subprocess.Popen]) -> None:
@@ -178,7 +172,7 @@ def test_healthcheck_script_tells_serving_from_unreachable(scrapes, tmp_path):
     assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
     from_env = run(env={"FLYWHEEL_SYNCHRONIZER__SERVER__PORT": str(port)})
     assert from_env.returncode == 0, from_env.stderr
-    down = run(f"127.0.0.1:{_free_port()}")
+    down = run(f"127.0.0.1:{free_port()}")
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
 
 
@@ -195,7 +189,7 @@ def localize(container: Container, tmp: Path, model: Path) -> dict[str, str]:
         elif name.endswith("__HOST"):
             value = "127.0.0.1"
         elif name.endswith("PORT"):
-            value = str(_free_port())
+            value = str(free_port())
         elif value.startswith("/"):
             value = str(tmp / value.lstrip("/"))
             Path(value).parent.mkdir(parents=True, exist_ok=True)

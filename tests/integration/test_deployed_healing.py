@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -38,18 +37,13 @@ import pytest
 from flywheel.synchronizer.client import SynchronizerClient
 from tests.conftest import TEST_TOKEN
 from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run, wait_for
+from tests.net import free_port
 
 pytestmark = pytest.mark.slow
 
 STEPS, TASKS_PER_STEP = 8, 4
 #: The kubelet's delay before it starts a dead container again (a pod restarts in seconds).
 KUBELET_DELAY_SECONDS = 2.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Deployment:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from flywheel.synchronizer import participant
 from flywheel.synchronizer.participant import send_in_group, spec_for
 from flywheel.synchronizer.types import GroupInfo, State, TransferState
 from tests.conftest import TEST_TOKEN
+from tests.net import free_port
 from tests.unit.rollout.rollout_helpers import ServerThread, need_engine, reference_greedy, rollout_config
 
 ENGINES = ["transformers", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])]
@@ -70,12 +70,6 @@ def server(request: pytest.FixtureRequest, model_dir: Path):
     srv.engine_kind = request.param
     yield srv
     srv.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

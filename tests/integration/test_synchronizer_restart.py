@@ -6,7 +6,6 @@ bytes again, and the run continues."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import torch
 
@@ -14,12 +13,7 @@ from flywheel.errors import FlywheelError
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.types import State
 from tests.conftest import TEST_TOKEN
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.net import free_port
 
 
 async def until_up(client: SynchronizerClient, timeout: float = 60.0):

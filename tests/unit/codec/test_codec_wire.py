@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from flywheel.codec import ChunkCorrupted, CodecError, WeightAssembler, encode_state_dict
 from flywheel.codec.wire import parse_chunk, serialize_chunk
 from flywheel.common.v1 import common_pb2
+from flywheel.varint import VarintError, encode_varint, read_varint
 from tests.unit.codec.codec_helpers import bits, random_tensor, same_bits, state_dicts
 
 STATE = {
@@ -84,6 +85,19 @@ def test_truncated_varint_is_data_loss() -> None:
     with pytest.raises(ChunkCorrupted, match="not a valid serialized WeightChunk") as info:
         parse_chunk(b"\x08\xff")
     assert info.value.code == "DATA_LOSS"
+
+
+@given(st.integers(min_value=0, max_value=2**64 - 1))
+def test_varints_read_back_what_was_written(n: int) -> None:
+    data = b"\x01" + encode_varint(n) + b"\x02"
+    assert read_varint(data, 1) == (n, len(data) - 1)
+    assert read_varint(memoryview(data), 1) == (n, len(data) - 1)
+
+
+@pytest.mark.parametrize("data", [b"", b"\x80", b"\xff\xff", b"\xff" * 10 + b"\x01"])
+def test_a_truncated_or_overlong_varint_is_an_error(data: bytes) -> None:
+    with pytest.raises(VarintError):
+        read_varint(data, 0)
 
 
 def test_pieces_are_headers_plus_payload_views() -> None:

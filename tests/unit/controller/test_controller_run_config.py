@@ -117,3 +117,17 @@ def test_help_stays_instant_and_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip().endswith("False"), out.stdout + out.stderr
     assert time.perf_counter() - started < 10
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo"])
+@pytest.mark.parametrize("kind", [None, "grpo", "dapo", "ppo_clip"])
+def test_the_run_and_the_trainer_default_clip_high_alike(algorithm: str, kind: str | None) -> None:
+    # The controller sends clip_high resolved; a trainer asked for the same kind without one must pick the same.
+    from services.trainer.config import LossConfig as TrainerLossConfig
+    from services.trainer.training import LossRequest, resolve_loss
+
+    loss = {"clip_low": 0.15, **({"kind": kind} if kind else {})}
+    run = config(algorithm={"name": algorithm, "train_batch_size": 8, "loss": loss}).loss
+    trainer = resolve_loss(LossRequest(kind=run.kind, clip_low=run.clip_low), TrainerLossConfig())
+    assert run.clip_high == trainer.clip_high
+    assert (run.clip_high != run.clip_low) == (run.kind == "dapo")

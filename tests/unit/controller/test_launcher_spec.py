@@ -70,7 +70,7 @@ def test_trainer_and_rollout_register_under_the_names_the_controller_uses(tmp_pa
 def test_local_services_take_paths_from_the_run_directory_and_the_checkpoint_resumed(tmp_path, monkeypatch):
     from services.controller.local_run import LocalRun
     from services.rollout.config import RolloutConfig
-    from services.trainer.checkpoints import request_roots
+    from services.trainer.files import request_roots
     from services.trainer.config import TrainerConfig
 
     monkeypatch.chdir(tmp_path)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.client_types import WatchEvent
 from services.synchronizer.embedded import embedded_synchronizer
 from flywheel.synchronizer.types import EventKind, Method, Role, State
+from tests.net import free_port
 from tests.unit.rollout.rollout_helpers import rollout_config
 
 CID = "rollout-under-test"
@@ -49,12 +49,6 @@ async def eventually(check: Callable[[], object], timeout: float = 30.0, what: s
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

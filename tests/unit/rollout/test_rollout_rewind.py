@@ -20,9 +20,10 @@ from services.rollout.serving.core import RolloutCore, UpdateReport
 from services.rollout.engine.transformers_engine import TransformersEngine
 from services.rollout.weights.sources import checkpoint_stage
 from services.synchronizer.embedded import embedded_synchronizer
+from tests.net import free_port
 from tests.unit.rollout.rollout_helpers import rollout_config
 from tests.unit.rollout.test_rollout_follower import (
-    CID, _at_version, eventually, free_port, generate, linked_rollout, shifted,
+    CID, _at_version, eventually, generate, linked_rollout, shifted,
 )
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.net import free_port
 from tests.unit.rollout.fake_synchronizer import FakeSynchronizer
 
 pytest.importorskip("vllm")
@@ -215,14 +216,6 @@ async def test_an_abandoned_swap_still_ends_with_the_version_of_the_loaded_weigh
 def group_spec(rank: int, port: int, *, backend: str = "gloo", seconds: float = 30.0) -> dict[str, Any]:
     return {"group_id": f"v1-test{port}", "rendezvous_address": f"127.0.0.1:{port}", "world_size": 2, "rank": rank,
             "backend": backend, "deadline": time.time() + seconds, "version": 1}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer_sends(spec: dict[str, Any], state: dict[str, torch.Tensor]) -> asyncio.Future:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, Resou
 from flywheel.runtime.client import open_channel
 from flywheel.runtime.server import RunningServer, ServiceSpec, serve
 from flywheel.runtime.server_config import ServerConfig
+from tests.net import free_port
 
 
 class CodecStyleError(Exception):
@@ -49,12 +49,6 @@ class ScriptedController(pb_grpc.ControllerServiceServicer):
     async def StreamMetrics(self, request: pb.StreamMetricsRequest, context) -> AsyncIterator[pb.StreamMetricsResponse]:
         yield pb.StreamMetricsResponse(step=1)
         raise InvalidArgument("after_step: beyond the last step")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def _start(port: int = 0, token: str | None = None, ready_file: Path | None = None, startup=None):
@@ -181,7 +175,7 @@ async def test_every_call_gets_a_default_deadline(server: str) -> None:
 
 
 async def test_unavailable_is_retried_until_the_server_comes_up(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     async with open_channel(f"127.0.0.1:{port}", max_attempts=5) as channel:
         call = asyncio.ensure_future(pb_grpc.ControllerServiceStub(channel).Status(pb.StatusRequest(), timeout=20))
         await asyncio.sleep(0.6)  # the first attempts fail with UNAVAILABLE
@@ -201,7 +195,7 @@ async def test_not_serving_until_startup_finishes() -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     release = asyncio.Event()
-    port = _free_port()
+    port = free_port()
     stop, task, ready = await _start(port=port, startup=release.wait)
     async with open_channel(f"127.0.0.1:{port}", max_attempts=1) as channel:
         health = health_pb2_grpc.HealthStub(channel)

@@ -7,7 +7,8 @@ import pytest
 from flywheel.codec import encode_state_dict
 from flywheel.errors import DataLoss
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
-from flywheel.transfer.frames import CHUNK_FIELD, MANIFEST_FIELD, encoded_frames, split_frame, varint, wrap_chunk
+from flywheel.transfer.frames import CHUNK_FIELD, MANIFEST_FIELD, encoded_frames, split_frame, wrap_chunk
+from flywheel.varint import encode_varint
 from tests.unit.synchronizer.sync_helpers import small_state
 
 
@@ -40,4 +41,4 @@ def test_bad_frames_are_data_loss(frame: bytes, message: str) -> None:
 
 
 def test_varint() -> None:
-    assert [varint(n) for n in (0, 127, 128, 300)] == [b"\x00", b"\x7f", b"\x80\x01", b"\xac\x02"]
+    assert [encode_varint(n) for n in (0, 127, 128, 300)] == [b"\x00", b"\x7f", b"\x80\x01", b"\xac\x02"]

@@ -6,7 +6,6 @@ process, as a co-located trainer is, the receiver here."""
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import time
 
 import pytest
@@ -15,14 +14,9 @@ import torch
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.transfer import cuda_ipc
 from flywheel.transfer.broadcast import GroupSpec, receive, send
+from tests.net import free_port
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spec(rank: int, port: int, seconds: float = 60.0) -> GroupSpec:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ from services.trainer.app import build
 from services.trainer.config import TrainerConfig
 from services.trainer.link import TrainerLink
 from services.trainer.training import LossRequest
+from tests.net import free_port
 from tests.unit.trainer.trainer_helpers import make_batch
 
 TID = "trainer-under-test"
@@ -39,12 +39,6 @@ async def eventually(check: Callable[[], object], timeout: float = 30.0, what: s
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def component(client: SynchronizerClient, cid: str = TID):
