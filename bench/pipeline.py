@@ -41,7 +41,14 @@ import time
 from services.controller.assemble import Services, build_pipeline
 from services.controller.loop import run
 from services.controller.run_config import parse_run_config
-from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant, lognormal, normal
+from services.controller.simulated import (
+    SimulatedRolloutEngine,
+    SimulatedTrainer,
+    constant,
+    lognormal,
+    normal,
+    simulated_services,
+)
 
 MODES = [("sync", "sync", 0), ("batch_async_1", "batch-async", 1), ("batch_async_2", "batch-async", 2), ("fully_async", "fully-async", 0)]
 
@@ -79,7 +86,7 @@ async def one_mode(args: argparse.Namespace, mode: str, threshold: int) -> dict:
     engine = SimulatedRolloutEngine(
         gen_time=lognormal(mean, args.sigma, rng), update_time=constant(args.sync_ms / 1000), rng=rng
     )
-    pipeline = build_pipeline(cfg, Services(trainer, [engine]), keep_history=True, retry_backoff_seconds=0.01)
+    pipeline = build_pipeline(cfg, simulated_services(trainer, [engine]), keep_history=True, retry_backoff_seconds=0.01)
     started = time.perf_counter()
     summary = await run(pipeline)
     wall = time.perf_counter() - started

@@ -121,10 +121,10 @@ def trainer_decision(
     elif step <= latest:
         # This step's version (or a newer one) is out already. Over NCCL it is
         # kept nowhere: a rollout that awaits it and missed the broadcast (it
-        # joined later, or its transfer failed) gets it again, while the
-        # trainer still holds exactly those weights.
+        # joined later, its transfer failed, or a rewind sent it back from a newer one) gets it
+        # again, while the trainer still holds exactly those weights.
         need = policy.method == Method.NCCL and step == latest and any(
-            _awaiting(r) and r.weight_version < r.awaited_version <= latest for r in rollouts)
+            _awaiting(r) and r.awaited_version <= latest and r.weight_version != r.awaited_version for r in rollouts)
     elif policy.style == Style.FIXED:
         due = fixed_due_version(step, policy.interval, 0)
         need = due > 0 and latest < due

@@ -1,9 +1,9 @@
 """Builds a Pipeline from a RunConfig and a set of engines.
 
-`Services` is what the pipeline talks to: a trainer, rollout replicas, an
-optional synchronizer and health probes: the gRPC adapters
-(`adapters.connect`) in a real run, the simulated engines in tests and the
-benchmark. `build_pipeline` resolves every name in the config (worker type,
+`Services` is what the pipeline talks to: a trainer, rollout replicas, the
+synchronizer (every run has one: it owns the weights' versions) and health
+probes: the gRPC adapters (`adapters.connect`) in a real run, the simulated
+ones in tests and the benchmark. `build_pipeline` resolves every name in the config (worker type,
 reward, algorithm, tools, agent, data files) before anything starts, and a
 name that does not resolve is a ConfigError naming its field.
 """
@@ -36,7 +36,7 @@ from services.controller.run_config import RunConfig, SamplingConfig
 from services.controller.staleness import StalenessGate
 from services.controller.train_worker import TrainWorker
 from services.controller.validation import Validator
-from services.controller.weight_sync import SyncPolicy, WeightSyncController
+from services.controller.weights.fleet import Fleet
 from services.controller.workers import WorkerContext, worker_class
 from services.controller.workers.external import load_agent
 from services.controller.workers.tools import ToolRegistry
@@ -47,12 +47,13 @@ TRAINER_PROBE = "trainer"
 @dataclass
 class Services:
     trainer: Trainer
+    #: A fixed set of replicas (simulated runs); a real run has none here and
+    #: takes the replicas registered with the synchronizer (`connect_rollout`).
     rollouts: Sequence[RolloutEngine]
-    synchronizer: Synchronizer | None = None
+    synchronizer: Synchronizer
     #: Health probes; rollout probes are named like their replica, the
     #: trainer's "trainer" (its failure is critical).
     probes: Sequence[HealthProbe] = field(default_factory=list)
-    synchronizer_address: str = ""
     #: Membership from the synchronizer's registry: (id, address) -> engine and probe
     #: of a replica that registers; None: `rollouts` is the fixed set.
     connect_rollout: Connect | None = None
@@ -142,13 +143,10 @@ def build_pipeline(
         services.trainer, batches, tracker, errors,
         loss=cfg.loss, micro_batch_size=cfg.algorithm.micro_batch_size, keep_history=keep_history,
     )
-    weight_sync = WeightSyncController(
-        services.trainer, engines, gate, tracker, errors,
-        mode=cfg.mode, method=cfg.sync.method, style=cfg.sync.style, pause_mode=cfg.sync.pause_mode,
-        timeout_seconds=cfg.sync.timeout_seconds, checkpoint_dir=cfg.sync.checkpoint_dir,
-        synchronizer=services.synchronizer, synchronizer_address=services.synchronizer_address,
-        policy=SyncPolicy(cfg.sync.interval, cfg.sync.offset),
-        pause_rollouts=rollouts.pause, resume_rollouts=rollouts.resume,
+    sync = cfg.sync
+    fleet = Fleet(
+        services.synchronizer, engines, gate, mode=cfg.mode, method=sync.method, style=sync.style,
+        interval=sync.interval, offset=sync.offset, pause_mode=sync.pause_mode, timeout_seconds=sync.timeout_seconds,
     )
     validator = None
     if val_loader is not None:
@@ -163,8 +161,6 @@ def build_pipeline(
         def on_change(name: str, ok: bool) -> None:
             if name in engines:  # replicas that joined later included
                 engines.mark(name, ok)
-                if ok:
-                    weight_sync.replica_recovered(name)
 
         liveness = LivenessMonitor(
             services.probes, errors, interval=cfg.services.health_interval_seconds,
@@ -186,16 +182,14 @@ def build_pipeline(
             "metrics.wandb_project",
             lambda: WandbSink(cfg.metrics.wandb_project, cfg.run.name, cfg.model_dump(mode="json", by_alias=True)),
         ))
-    observer = None
-    if services.synchronizer is not None:
-        observer = SynchronizerObserver(services.synchronizer.events, Path(run_dir) if run_dir else None,
-                                        latest=services.synchronizer.latest_version)
-        if services.connect_rollout is not None:
-            membership = Membership(engines, liveness, services.connect_rollout, services.rollout_filter)
-            observer.listeners.append(membership.update)
+    observer = SynchronizerObserver(services.synchronizer.events, Path(run_dir) if run_dir else None,
+                                    latest=services.synchronizer.latest_version)
+    membership = Membership(engines, liveness, services.connect_rollout, services.rollout_filter)
+    observer.listeners.append(membership.update)
+    observer.event_listeners.append(fleet.observe)
     return Pipeline(
         config=cfg, trainer=services.trainer, engines=engines, loader=loader, pool=pool, gate=gate,
         rollouts=rollouts, processor=processor, batches=batches, train_worker=train_worker,
-        weight_sync=weight_sync, tracker=tracker, errors=errors, metrics=metrics, memory=memory,
+        fleet=fleet, tracker=tracker, errors=errors, metrics=metrics, memory=memory,
         validator=validator, liveness=liveness, observer=observer, run_dir=Path(run_dir) if run_dir else None,
     )

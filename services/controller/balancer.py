@@ -10,10 +10,11 @@ liveness monitor marks replicas up again once their health check passes.
 An external agent's session stays on the replica it was opened on;
 `occupied` counts the episode in that replica's load meanwhile.
 
-The pool also remembers each replica's weight version: the synchronizer's
-view when it governs (services.controller.membership), else from updates;
-and from the versions its samples report. The staleness gate reads
-`min_version()`.
+Each replica's weight version and quarantine are the synchronizer's, and
+only the synchronizer's: `observe(component)` is their one writer (every
+event about a replica: services.controller.membership). A quarantined
+replica (its last weight update failed; weights/fleet.py) gets no traffic,
+rollouts and agent sessions alike, until an update of it verifies.
 """
 
 from __future__ import annotations
@@ -43,13 +44,22 @@ class Replica:
     engine: RolloutEngine
     healthy: bool = True
     in_flight: int = 0
+    #: The version it serves, as the synchronizer reports it.
     version: int = 0
     failures: int = 0
     last_error: str = ""
+    #: Its last weight update failed (the synchronizer's flag): no traffic until one verifies.
+    quarantined: bool = False
+    quarantine_reason: str = ""
 
     @property
     def name(self) -> str:
         return self.engine.name
+
+    @property
+    def serves(self) -> bool:
+        """Takes work: answering its health checks, and not quarantined."""
+        return self.healthy and not self.quarantined
 
 
 class EnginePool:
@@ -86,7 +96,8 @@ class EnginePool:
         return self._by_name[name]
 
     def healthy(self) -> list[Replica]:
-        return [r for r in self.replicas if r.healthy]
+        """The replicas that take work (healthy and not quarantined)."""
+        return [r for r in self.replicas if r.serves]
 
     async def until_one_serves(self, limit_seconds: float | None = None, poll_seconds: float = 0.2) -> bool:
         """Waits until some replica is healthy; False when none is within `limit_seconds` (None: no limit).
@@ -103,18 +114,24 @@ class EnginePool:
         return True
 
     def min_version(self) -> int:
-        """Oldest weight version any healthy replica may still generate with (0 with none)."""
+        """Oldest weight version a replica that takes work serves (0 with none)."""
         live = self.healthy() or self.replicas
         return min((r.version for r in live), default=0)
 
-    def set_version(self, name: str, version: int) -> None:
+    def observe(self, name: str, version: int, quarantined: bool, reason: str = "") -> None:
+        """What the synchronizer says of the replica: its version (which may go down: a restart
+        registers on its base weights) and whether it is quarantined."""
         replica = self._by_name[name]
-        replica.version = max(replica.version, version)
-
-    def observe_version(self, name: str, version: int) -> None:
-        """The version the synchronizer says the replica serves: it may go down (a restart registers on
-        its base weights), which versions taken from updates and samples never do."""
-        self._by_name[name].version = version
+        replica.version = version
+        if quarantined != replica.quarantined:
+            if quarantined:
+                log.warning("rollout replica %s is quarantined (no traffic): %s", name, reason)
+            else:
+                log.info("rollout replica %s rejoins: its weight update verified", name)
+            replica.quarantined = quarantined
+            if self.on_health_change is not None:
+                self.on_health_change(name, replica.serves)
+        replica.quarantine_reason = reason if quarantined else ""
 
     def mark(self, name: str, healthy: bool, error: str = "") -> None:
         replica = self._by_name[name]
@@ -130,7 +147,7 @@ class EnginePool:
         return sum(r.in_flight for r in self.replicas)
 
     def _pick(self, exclude: set[str], sticky: str | None) -> Replica | None:
-        candidates = [r for r in self.replicas if r.healthy and r.name not in exclude]
+        candidates = [r for r in self.replicas if r.serves and r.name not in exclude]
         if not candidates:
             return None
         if sticky is not None:
@@ -173,8 +190,6 @@ class EnginePool:
         for per_prompt in results:
             for g in per_prompt:
                 g.engine = replica.name
-                # Samples tell us what the replica served, even without an update call.
-                replica.version = max(replica.version, g.version_end)
         return results
 
     async def tokenize(
@@ -186,11 +201,3 @@ class EnginePool:
             sticky=sticky,
         )
         return ids
-
-    async def refresh_versions(self) -> None:
-        """Asks every healthy replica for its version (at start and after a failover)."""
-        for replica in self.healthy():
-            try:
-                replica.version = await replica.engine.weight_version()
-            except FAILOVER_ERRORS as exc:
-                self.mark(replica.name, False, str(exc))

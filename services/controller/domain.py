@@ -169,28 +169,6 @@ class RestoredCheckpoint:
     client_state: bytes
 
 
-@dataclass(frozen=True)
-class NcclGroup:
-    group_id: str
-    rendezvous_address: str
-    world_size: int
-    backend: str
-    #: Rank of each member id (the trainer is rank 0).
-    ranks: dict[str, int] = field(default_factory=dict)
-    #: The synchronizer that allocated the group: receivers report their outcome there.
-    synchronizer_address: str = ""
-
-
-@dataclass(frozen=True)
-class WeightSource:
-    """Where a rollout engine takes a version from (the method's parameters)."""
-
-    method: str  # "memory" | "checkpoint" | "nccl"
-    synchronizer_address: str = ""
-    path: str = ""
-    group: NcclGroup | None = None
-
-
 #: The run step (train batch, from 1) that generations requested in this
 #: context are for; set per rollout by the rollout manager, sent with every
 #: Generate so each replica counts its own steps (0: not part of a step).

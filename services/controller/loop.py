@@ -2,8 +2,9 @@
 
 Rollout workers generate in the background from the moment
 `start_rollouts()` is called (how far ahead of the trainer they may run is
-the mode's business: see staleness.py and weight_sync.py); the loop itself
-only consumes batches, trains, moves weights and keeps the books.
+the mode's business: see staleness.py and weights/fleet.py); the loop itself
+only consumes batches, trains and keeps the books. It moves no weights: the
+trainer publishes, the replicas follow (one road, through the synchronizer).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from services.controller.pipeline import Pipeline, RunSummary
 
 
 async def run(p: Pipeline) -> RunSummary:
-    await p.start()  # trainer state, resume, every replica on the trainer's weights
+    await p.start()  # trainer state, resume, the policy to the synchronizer, the start version published
     try:
         if p.config.validation.before_training:
             await p.validate()
@@ -24,7 +25,7 @@ async def run(p: Pipeline) -> RunSummary:
             result = await p.train(batch)  # TrainStep; None if the trainer rejected the batch
             if result is None:
                 continue
-            await p.update_weights(result)  # sync: pause + move all; async: move in the background
+            p.weights_published(result)  # the trainer published what was due; replicas follow by themselves
             p.record(batch, result)  # metrics: JSONL, Prometheus, Status/StreamMetrics
             if p.due_for_validation(result):
                 await p.validate()

@@ -7,7 +7,8 @@ says SERVING, which a replica reports only after it caught up to the newest
 version (services/rollout/weights/follower.py). One that deregisters or whose lease
 expires is marked down; its requests fail over to the others (balancer.py).
 One that restarts on the same id registers again and comes back the same way.
-The pool's version of each replica is the one the synchronizer reports.
+The pool's version of each replica, and whether it is quarantined, are the
+ones the synchronizer reports (this is their one writer).
 `services.rollout` in the run config, when given, is a filter: replicas whose
 id or address it does not name are left alone.
 """
@@ -31,8 +32,11 @@ Connect = Callable[[str, str], tuple[RolloutEngine, HealthProbe]]
 
 class Membership:
     def __init__(
-        self, engines: EnginePool, liveness: LivenessMonitor | None, connect: Connect, allowed: Iterable[str] = ()
+        self, engines: EnginePool, liveness: LivenessMonitor | None, connect: Connect | None,
+        allowed: Iterable[str] = (),
     ) -> None:
+        """`connect`: None for a fixed set of replicas (the simulated ones): only their versions and
+        quarantine are followed."""
         self.engines, self.liveness, self.connect = engines, liveness, connect
         #: Ids or addresses of the replicas the run may use; empty: every registered one.
         self.allowed = frozenset(allowed)
@@ -51,13 +55,13 @@ class Membership:
                     self.liveness.forget_health(c.id)  # a restart is marked up by its first passing check
             return
         if c.id in self.engines:
-            self.engines.observe_version(c.id, c.weight_version)
+            self.engines.observe(c.id, c.weight_version, c.quarantined, c.quarantine_reason)
             return
-        if not c.identity.address:
+        if not c.identity.address or self.connect is None:
             return
         engine, probe = self.connect(c.id, c.identity.address)
         self.engines.add(engine, healthy=self.liveness is None)
-        self.engines.observe_version(c.id, c.weight_version)
+        self.engines.observe(c.id, c.weight_version, c.quarantined, c.quarantine_reason)
         if self.liveness is not None:
             self.liveness.add(probe, healthy=False)
             task = asyncio.ensure_future(self.liveness.check(c.id))

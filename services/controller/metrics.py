@@ -68,7 +68,21 @@ DROPPED_GROUPS = Gauge(
     "Groups the algorithm processor dropped in the current run, by reason.",
     ["reason"],
 )
-COMPONENTS = ("trainer", "rollout", "weight_sync")
+UPDATE_PHASES = ("admit", "transfer", "apply", "verify", "reopen", "pause")
+UPDATE_PHASE_SECONDS = Gauge(
+    "flywheel_controller_update_phase_seconds",
+    "The slowest replica's duration of each phase of the weight updates verified during the last step "
+    "(pause: admit to reopen, what generation felt), in seconds.",
+    ["phase"],
+)
+QUARANTINED = Gauge(
+    "flywheel_controller_quarantined_replicas",
+    "Rollout replicas out of service because their last weight update failed (transfer, apply or verification).",
+)
+for _phase in UPDATE_PHASES:
+    UPDATE_PHASE_SECONDS.labels(_phase)
+
+COMPONENTS = ("trainer", "rollout")
 for _component in COMPONENTS:
     COMPONENT_BUSY.labels(_component)
     COMPONENT_IDLE.labels(_component)
@@ -88,6 +102,10 @@ def update_from_step(metrics: dict[str, float]) -> None:
     POOL_SIZE.labels("trajectory").set(get("pool/trajectory", 0.0))
     POOL_SIZE.labels("train_batch").set(get("pool/train_batch", 0.0))
     IN_FLIGHT.set(get("rollout/in_flight", 0.0))
+    QUARANTINED.set(get("fleet/quarantined", 0.0))
+    for phase in UPDATE_PHASES:
+        if f"update/{phase}_seconds_max" in metrics:
+            UPDATE_PHASE_SECONDS.labels(phase).set(metrics[f"update/{phase}_seconds_max"])
     SAMPLES.inc(get("rollout/new_samples", 0.0))
     TRAINED_TOKENS.inc(get("batch/tokens", 0.0))
     for name, value in metrics.items():

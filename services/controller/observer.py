@@ -28,7 +28,7 @@ EVENTS_FILE = "synchronizer_events.jsonl"
 #: Events the status page's timeline shows: versions made and moved, members joining and leaving.
 TIMELINE_KINDS = frozenset({
     EventKind.VERSION_COMMITTED, EventKind.TRANSFER_FINISHED, EventKind.COMPONENT_REGISTERED,
-    EventKind.COMPONENT_EXPIRED,
+    EventKind.COMPONENT_EXPIRED, EventKind.UPDATE_REPORTED, EventKind.REWOUND,
 })
 
 
@@ -48,6 +48,18 @@ def event_record(event: WatchEvent) -> dict[str, Any]:
         record["transfer_state"] = event.transfer_state.name
     if event.message:
         record["message"] = event.message
+    if event.identity:
+        record["identity"] = event.identity.hex()
+    if event.update is not None:
+        u = event.update
+        record["update"] = {
+            "id": u.component_id, "version": u.version, "outcome": u.outcome.name,
+            **({"failed_phase": u.failed_phase.name, "reason": u.reason} if not u.verified else {}),
+            **{f"{phase}_seconds": round(getattr(u.timings, f"{phase}_seconds"), 6)
+               for phase in ("admit", "transfer", "apply", "verify", "reopen", "pause")},
+        }
+    if event.component is not None and event.component.quarantined:
+        record["quarantined"] = event.component.quarantine_reason
     return record
 
 
@@ -64,6 +76,8 @@ class SynchronizerObserver:
         self.path = run_dir / EVENTS_FILE if run_dir is not None else None
         #: Called with the component of every event about one (membership.py).
         self.listeners: list[Callable[[Component], None]] = []
+        #: Called with every event (weights/fleet.py).
+        self.event_listeners: list[Callable[[WatchEvent], None]] = []
         self.latest_version = 0
         #: Every component as the synchronizer last reported it, by id (Status, the status page).
         self.components: dict[str, Component] = {}
@@ -92,6 +106,11 @@ class SynchronizerObserver:
                 listener(c)
             except Exception:  # one listener's bug must not stop the stream
                 log.exception("synchronizer event listener failed", extra={"id": c.id})
+        for event_listener in self.event_listeners:
+            try:
+                event_listener(event)
+            except Exception:  # one listener's bug must not stop the stream
+                log.exception("synchronizer event listener failed", extra={"kind": event.kind.name})
         if self.path is not None:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")

@@ -32,7 +32,7 @@ from services.controller.run_config import RunConfig
 from services.controller.staleness import StalenessGate
 from services.controller.train_worker import TrainWorker
 from services.controller.validation import Validator
-from services.controller.weight_sync import WeightSyncController
+from services.controller.weights.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Pipeline:
     processor: AlgorithmProcessor
     batches: TrainBatchPool
     train_worker: TrainWorker
-    weight_sync: WeightSyncController
+    fleet: Fleet
     tracker: ActivityTracker
     errors: ErrorReporter
     metrics: MetricsLog
@@ -101,7 +101,6 @@ class Pipeline:
         version = self.train_worker.version
         self.gate.base_version = version
         await self._first_replica()
-        await self.engines.refresh_versions()
         ahead = [r.name for r in self.engines.healthy() if r.version > version]
         if ahead:
             self.errors.report(
@@ -109,8 +108,10 @@ class Pipeline:
                 severity="critical",
             )
             self.errors.raise_if_stopped()
-        await self.weight_sync.configure()
-        await self.weight_sync.bring_up_to(version)
+        await self.fleet.configure()
+        # A resumed run's version is off the schedule: the trainer publishes it when asked.
+        await self.fleet.need(version, f"the run starts at version {version}")
+        self.gate.set_rollout_version(version)
 
     async def _first_replica(self) -> None:
         """Waits until some rollout replica serves (membership from the registry starts empty)."""
@@ -217,8 +218,10 @@ class Pipeline:
             self.steps_done += 1
         return result
 
-    async def update_weights(self, result: TrainResult) -> None:
-        await self.weight_sync.after_step(result)
+    def weights_published(self, result: TrainResult) -> None:
+        """The trainer published what its policy made due before its step answered; the replicas
+        follow by themselves, and the next batch may be dispatched against the new version."""
+        self.fleet.after_step(result)
 
     def due_for_validation(self, result: TrainResult) -> bool:
         return self.validator is not None and self.validator.due(result.version)
@@ -238,9 +241,9 @@ class Pipeline:
         version = self.train_worker.version
         self.rollouts.pause()
         try:
-            # Validation at version v is of the weights of version v: async
-            # modes may still be moving them to the replicas.
-            await self.weight_sync.settle(version)
+            # Validation at version v is of the weights of version v: published (asked for if off
+            # the schedule); its requests name it, so every replica that serves one holds it.
+            await self.fleet.need(version, f"validation at version {version}")
             metrics = await self.validator.run(version)
         finally:
             self.rollouts.resume()
@@ -307,7 +310,8 @@ class Pipeline:
         m["time/step_seconds"] = t - self._last_record_at
         self._last_record_at = t
         m["time/trainer_idle_fraction"] = self.trainer_idle_fraction()
-        for module in ("trainer", "rollout", "weight_sync"):
+        m.update(self.fleet.take_step_metrics())
+        for module in ("trainer", "rollout"):
             busy = self.tracker.busy_seconds(module)
             m[f"time/busy_seconds/{module}"] = busy
             m[f"time/idle_seconds/{module}"] = max(0.0, wall - busy)
@@ -335,7 +339,6 @@ class Pipeline:
     # -- stop -----------------------------------------------------------------
     async def stop(self) -> None:
         await self.rollouts.stop()
-        await self.weight_sync.close()
         if self.observer is not None:
             await self.observer.catch_up(timeout=5.0)
         for task in self._background:

@@ -18,13 +18,11 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from services.controller.domain import (
     Generation,
-    NcclGroup,
     PromptInput,
     RestoredCheckpoint,
     SamplingSpec,
     TrainerState,
     TrainResult,
-    WeightSource,
 )
 
 if TYPE_CHECKING:
@@ -52,11 +50,6 @@ class Trainer(Protocol):
         """Restores `path` (None: the newest); None when there is none."""
         ...
 
-    async def export_weights(self, source: WeightSource) -> WeightSource:
-        """Sends the live weights by source.method; returns the source rollouts load
-        from (a CHECKPOINT export fills in the path it wrote)."""
-        ...
-
 
 @runtime_checkable
 class RolloutEngine(Protocol):
@@ -72,13 +65,6 @@ class RolloutEngine(Protocol):
     async def tokenize(
         self, *, text: str | None = None, messages: list[dict] | None = None, add_generation_prompt: bool = True
     ) -> list[int]: ...
-
-    async def weight_version(self) -> int: ...
-
-    async def update_weights(self, version: int, source: WeightSource, *, pause_mode: str) -> int:
-        """Moves to `version` all or nothing; returns the version served afterwards.
-        pause_mode: "abort" | "wait" | "keep" (what happens to in-flight requests)."""
-        ...
 
     async def sessions(self) -> AgentSessions:
         """The replica's agent sessions (the external worker's); FailedPrecondition where it serves none."""
@@ -102,13 +88,14 @@ class AgentSessions(Protocol):
 
 @runtime_checkable
 class Synchronizer(Protocol):
-    """The synchronizer as the controller sees it: the run's policy and the versions it holds."""
+    """The synchronizer as the controller sees it: the run's policy, the versions it holds, its events.
+    The controller moves no weights: the trainer publishes, replicas follow (weights/fleet.py)."""
 
     async def configure_policy(
-        self, *, style: str, method: str, interval: int, offset: int, timeout_seconds: float, mode: str,
-        max_staleness: int,
+        self, *, style: str, method: str, interval: int, offset: int, timeout_seconds: float, rollout_wait: str,
+        max_staleness: int, pause_mode: str,
     ) -> None:
-        """Sets the run's sync policy (the controller owns the run's config); `mode` picks what replicas wait for."""
+        """Sets the run's sync policy (the controller owns the run's config)."""
         ...
 
     def events(self, send_initial: bool) -> AsyncIterator[WatchEvent]:
@@ -117,7 +104,10 @@ class Synchronizer(Protocol):
 
     async def latest_version(self) -> int: ...
 
-    async def allocate_group(self, version: int, rollout_ids: Sequence[str], timeout_seconds: float) -> NcclGroup: ...
+    async def request_version(self, min_version: int, reason: str) -> int:
+        """Asks for a version >= `min_version` outside the schedule (the trainer publishes it);
+        returns the newest committed version now."""
+        ...
 
 
 @runtime_checkable

@@ -3,7 +3,6 @@
     run: {name: gsm8k-grpo, seed: 1, max_steps: 200}
     services:
       trainer: {address: 127.0.0.1:50052}
-      rollout: [{address: 127.0.0.1:50053}]
       synchronizer: {address: 127.0.0.1:50051}
     data:
       train: {path: data/train.jsonl, prompt_key: question, answer_key: answer}
@@ -33,6 +32,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
+from flywheel.common.types import PauseMode
 from flywheel.synchronizer.types import SyncMethodName
 from flywheel.trainer.types import DAPO_CLIP_HIGH, Aggregation, LossKind, default_clip_high
 from flywheel.runtime.config import ConfigError, StrictModel, read_config_file
@@ -56,9 +56,8 @@ class ServicesConfig(StrictModel):
     )
     rollout: list[ServiceEndpoint] = Field(
         default_factory=list,
-        description="rollout replicas. With a synchronizer: optional, a filter on the replicas registered there (by "
-        "id or address; empty: every registered rollout). Without one: the replicas (empty: 127.0.0.1:50053). "
-        "Requests are balanced over the healthy ones",
+        description="a filter on the rollout replicas registered with the synchronizer (by id or address); "
+        "empty: every registered rollout. Requests are balanced over the healthy ones",
     )
     rollout_timeout_seconds: float = Field(
         900.0, gt=0, description="deadline of a call to a rollout replica found in the synchronizer's registry and "
@@ -68,8 +67,10 @@ class ServicesConfig(StrictModel):
         600.0, gt=0, description="how long the run waits for a rollout replica to serve, at start (with a "
         "synchronizer: to register and serve) and whenever every replica is down, in seconds; then it stops"
     )
-    synchronizer: ServiceEndpoint | None = Field(
-        None, description="the synchronizer; without it the sync policy is applied locally (memory method unavailable)"
+    synchronizer: ServiceEndpoint = Field(
+        default_factory=lambda: ServiceEndpoint(address="127.0.0.1:50051"),
+        description="the synchronizer: every run has one (it owns the weight versions and the sync policy; the "
+        "trainer publishes to it and the replicas follow it; the local launcher starts one)",
     )
     trainer_id: str = Field("trainer-0", description="component id of the trainer at the synchronizer")
     health_interval_seconds: float = Field(5.0, gt=0, description="period of gRPC health checks, in seconds")
@@ -222,19 +223,22 @@ class StalenessConfig(StrictModel):
 
 
 class SyncConfig(StrictModel):
-    method: SyncMethodName | None = Field(
-        None,
-        description="how weights travel; default memory with a synchronizer (no shared disk needed), "
-        "checkpoint without one",
+    method: SyncMethodName = Field(
+        "memory", description="how weights travel: memory (through the synchronizer; no shared disk needed), "
+        "checkpoint (safetensors on shared storage) or nccl (process groups: nccl on GPUs, gloo on CPUs)",
     )
     style: Literal["fixed", "dynamic_by_explorer"] = Field("fixed", description="when rollouts sync")
     interval: int = Field(1, ge=1, description="sync every N trainer steps")
     offset: int = Field(0, ge=0, description="steps before the first sync")
-    timeout_seconds: float = Field(120.0, gt=0, description="limit of one weight transfer, in seconds")
-    pause_mode: Literal["abort", "wait", "keep"] = Field(
-        "keep", description="in-flight requests during an async update: abort (retried), wait, keep"
+    timeout_seconds: float = Field(
+        120.0, gt=0, description="the policy's timeout: how long a replica's generation waits for the version its "
+        "step needs (then ABORTED and retried), a DYNAMIC sync request stays open, and the run waits for a version "
+        "it asked for (start, resume, validation), in seconds",
     )
-    checkpoint_dir: str = Field("", description="checkpoint method: shared directory; empty for the trainer's")
+    pause_mode: PauseMode = Field(
+        "keep", description="what a replica does with its in-flight requests while it swaps weights: abort (they end "
+        "and are retried), wait (they finish first, on the old weights), keep (frozen, they continue on the new ones)"
+    )
 
 
 class ValidationConfig(StrictModel):
@@ -311,15 +315,6 @@ class RunConfig(StrictModel):
             raise ValueError("pool.keys: a hierarchical store needs at least two keys")
         if self.buffer_size_limit < b:
             raise ValueError(f"pool.buffer_size_limit ({self.buffer_size_limit}) must be >= algorithm.train_batch_size ({b})")
-        if not self.services.rollout and self.services.synchronizer is None:
-            # Standalone: the rollout service's own default address.
-            self.services.rollout = [ServiceEndpoint(address="127.0.0.1:50053")]
-        if self.sync.method is None:
-            self.sync.method = "memory" if self.services.synchronizer is not None else "checkpoint"
-        if self.sync.method == "nccl" and self.services.synchronizer is None:
-            raise ValueError("sync.method: nccl needs services.synchronizer (it allocates the process groups)")
-        if self.sync.method == "memory" and self.services.synchronizer is None:
-            raise ValueError("sync.method: memory needs services.synchronizer (the synchronizer holds the weights)")
         self._check_schedule()
         if self.worker.type == "agent" and not self.worker.tools:
             raise ValueError("worker.tools: the agent worker needs at least one tool")
@@ -355,17 +350,9 @@ class RunConfig(StrictModel):
 
     def _check_schedule(self) -> None:
         """Which sync schedules each mode can keep (docs/architecture.md, "Who moves the weights")."""
-        s, governed = self.sync, self.services.synchronizer is not None
-        if s.style == "dynamic_by_explorer" and not governed:
-            raise ValueError("sync.style: dynamic_by_explorer needs services.synchronizer (rollouts ask it for weights)")
-        if self.mode == "sync":
-            if s.style != "fixed":
-                raise ValueError("sync.style: sync mode needs a fixed schedule (every sample on the due version)")
-            if not governed and (s.interval != 1 or s.offset != 0):
-                raise ValueError(
-                    "sync.interval / sync.offset: without a synchronizer sync mode moves weights after every step "
-                    "(interval 1, offset 0); with one, replicas wait for the version due at each of their steps"
-                )
+        s = self.sync
+        if self.mode == "sync" and s.style != "fixed":
+            raise ValueError("sync.style: sync mode needs a fixed schedule (every sample on the due version)")
         if self.mode != "batch-async":
             return
         if s.style == "fixed":

@@ -1,12 +1,25 @@
-"""Simulated engines, for tests and the pipeline benchmark only.
+"""Simulated services, for tests and the pipeline benchmark only.
 
 `SimulatedTrainer`, `SimulatedRolloutEngine` and `SimulatedSynchronizer`
-implement the controller's Protocols with generation, training and transfer
-times drawn from given distributions, and keep the bookkeeping a real
-service would enforce (the trainer rejects samples from a version newer than
-its own and a wrong expected_step; an engine moves versions all at once and
-honours the pause modes: keep, wait, abort). Nothing here is on the product
-path: real runs use `services/controller/adapters/`.
+implement the controller's Protocols with generation, training and
+publishing times drawn from given distributions. They keep the one road of a
+real run, with the rules the real services keep, through the same code where
+it is shared:
+- the synchronizer holds the run's policy and versions and answers NeedSync
+  with `flywheel.synchronizer.policy` (FIXED, DYNAMIC, versions asked for);
+- the trainer publishes what the policy makes due after each step (before
+  the step answers) and whenever the synchronizer wants a version; it
+  rejects samples from a version newer than its own and a wrong
+  expected_step;
+- each replica follows by its own run steps: it asks NeedSync at the first
+  request of a step, holds a generation back for what the policy's
+  `rollout_wait` says (`policy.required_version`), swaps all at once under
+  the policy's pause mode (keep, wait, abort) and reports every update; a
+  fault set on it (`fail_updates`) makes an update fail verification, as a
+  replica that loaded a tensor wrong would.
+Left out: DYNAMIC requests lapsing, transfers that fail midway, rewinds.
+Nothing here is on the product path: real runs use
+`services/controller/adapters/`.
 
 `VirtualTimeLoop` is an asyncio event loop whose clock jumps straight to the
 next timer when nothing is runnable, so a simulated run of minutes takes
@@ -25,17 +38,34 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from flywheel.errors import FailedPrecondition, Unavailable
+from flywheel.errors import Aborted, FailedPrecondition, Unavailable
+from flywheel.synchronizer.client_types import WatchEvent
+from flywheel.synchronizer.policy import decide, required_version
+from flywheel.synchronizer.types import (
+    Component,
+    EventKind,
+    Identity,
+    Method,
+    Policy,
+    Role,
+    RolloutWait,
+    State,
+    Style,
+    UpdateOutcome,
+    UpdatePhase,
+    UpdateRecord,
+    UpdateTimings,
+)
 from services.controller.domain import (
+    MIN_WEIGHT_VERSION,
+    RUN_STEP,
     FinishReason,
     Generation,
-    NcclGroup,
     PromptInput,
     RestoredCheckpoint,
     SamplingSpec,
     TrainerState,
     TrainResult,
-    WeightSource,
 )
 
 T = TypeVar("T")
@@ -115,18 +145,153 @@ def run_virtual(coro: Coroutine[Any, Any, T]) -> T:
         loop.close()
 
 
+# -- the synchronizer --------------------------------------------------------------
+TRAINER_ID = "trainer"
+
+
+@dataclass
+class SimulatedSynchronizer:
+    """The synchronizer's rules in memory: the policy, the committed versions, the components, events."""
+
+    policy: Policy = field(default_factory=Policy)
+    latest: int = 0
+    #: The least version asked for outside the schedule and not committed yet (0: none).
+    wanted: int = 0
+    components: dict[str, Component] = field(default_factory=dict)
+    #: Every update result the replicas reported, in order.
+    results: list[UpdateRecord] = field(default_factory=list)
+    configured: dict[str, Any] = field(default_factory=dict)
+    #: Called when the trainer should ask NeedSync between steps (SimulatedTrainer.wake).
+    wake_trainer: Callable[[], None] = lambda: None
+    _subscribers: list[asyncio.Queue] = field(default_factory=list)
+    _sequence: int = 0
+    _committed: asyncio.Event | None = None
+
+    # -- the controller's side (the Synchronizer protocol) ---------------------
+    async def configure_policy(
+        self, *, style: str, method: str, interval: int, offset: int, timeout_seconds: float, rollout_wait: str,
+        max_staleness: int, pause_mode: str,
+    ) -> None:
+        self.configured = dict(style=style, method=method, interval=interval, offset=offset,
+                               timeout_seconds=timeout_seconds, rollout_wait=rollout_wait,
+                               max_staleness=max_staleness, pause_mode=pause_mode)
+        self.policy = Policy(Style[style.upper()], Method[method.upper()], interval, offset, timeout_seconds,
+                             RolloutWait[rollout_wait.upper()], max_staleness, pause_mode)
+
+    async def events(self, send_initial: bool) -> AsyncIterator[WatchEvent]:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subscribers.append(queue)
+        try:
+            if send_initial:
+                for c in list(self.components.values()):
+                    yield self._event(EventKind.STATE_CHANGED, c)
+            while True:
+                yield await queue.get()
+        finally:
+            self._subscribers.remove(queue)
+
+    async def latest_version(self) -> int:
+        return self.latest
+
+    async def request_version(self, min_version: int, reason: str) -> int:
+        if self.latest < min_version:
+            self.wanted = max(self.wanted, min_version)
+            self._publish(EventKind.VERSION_REQUESTED, version=min_version, message=reason)
+            self.wake_trainer()
+        return self.latest
+
+    # -- the services' side ----------------------------------------------------
+    def register(self, role: Role, component_id: str) -> Component:
+        c = Component(Identity(role, component_id, address=f"sim://{component_id}"))
+        self.components[component_id] = c
+        self._publish(EventKind.COMPONENT_REGISTERED, c)
+        return c
+
+    def need_sync(self, component_id: str, step: int) -> Any:
+        c = self.components[component_id]
+        c.step = step
+        rollouts = [r for r in self.components.values() if r.role == Role.ROLLOUT]
+        decision = decide(self.policy, c, step, self.latest, rollouts, False, self.wanted)
+        if decision.new_request:
+            c.request_step, c.awaited_version = step, decision.version
+            c.state = decision.state
+            self._publish(EventKind.SYNC_REQUESTED, c, version=decision.version)
+            self.wake_trainer()
+        elif decision.state != c.state:
+            c.state = decision.state
+            self._publish(EventKind.STATE_CHANGED, c)
+        return decision
+
+    def commit(self, version: int) -> None:
+        self.latest = max(self.latest, version)
+        if self.wanted <= version:
+            self.wanted = 0
+        self.components[TRAINER_ID].weight_version = version
+        self._publish(EventKind.VERSION_COMMITTED, version=version, method=self.policy.method)
+        event, self._committed = self._committed_event(), asyncio.Event()
+        event.set()
+
+    async def committed_after(self, version: int) -> int:
+        """The newest committed version once it is newer than `version`."""
+        while self.latest <= version:
+            await self._committed_event().wait()
+        return self.latest
+
+    def report(self, record: UpdateRecord) -> None:
+        c = self.components[record.component_id]
+        self.results.append(record)
+        c.weight_version = record.served_version
+        if record.verified:
+            c.quarantined, c.quarantine_reason = False, ""
+            if c.awaited_version and c.weight_version >= c.awaited_version:
+                c.last_sync_step, c.state = max(c.last_sync_step, c.request_step), State.RUNNING
+        else:
+            phase = record.failed_phase.name.lower() if record.failed_phase else "update"
+            c.quarantined = True
+            c.quarantine_reason = f"{phase} of version {record.version} failed: {record.reason}"
+        self._publish(EventKind.UPDATE_REPORTED, c, version=record.version, update=record)
+
+    def _committed_event(self) -> asyncio.Event:
+        if self._committed is None:
+            self._committed = asyncio.Event()
+        return self._committed
+
+    def _event(self, kind: EventKind, component: Component | None = None, **fields: Any) -> WatchEvent:
+        self._sequence += 1
+        return WatchEvent(
+            kind=kind, sequence=self._sequence, unix_ms=0, latest_version=self.latest,
+            component=replace(component) if component is not None else None, version=fields.get("version", 0),
+            method=fields.get("method"), location="", group=None, transfer_state=None,
+            message=fields.get("message", ""), update=fields.get("update"),
+        )
+
+    def _publish(self, kind: EventKind, component: Component | None = None, **fields: Any) -> None:
+        event = self._event(kind, component, **fields)
+        for queue in self._subscribers:
+            queue.put_nowait(event)
+
+
 # -- the trainer -------------------------------------------------------------
 @dataclass
 class SimulatedTrainer:
     train_time: Draw = field(default_factory=lambda: constant(0.01))
+    #: Time to publish a version.
     export_time: Draw = field(default_factory=lambda: constant(0.0))
     step: int = 0
     version: int = 0
     #: (trainer version at training, start version of each sample) per step.
     trained: list[tuple[int, list[int]]] = field(default_factory=list)
     checkpoints: dict[str, tuple[int, int, bytes]] = field(default_factory=dict)
-    exports: int = 0
+    #: Versions published, in order.
+    published: list[int] = field(default_factory=list)
+    synchronizer: SimulatedSynchronizer | None = None
     _busy: bool = False
+    _publishing: asyncio.Lock | None = None
+
+    def attach(self, synchronizer: SimulatedSynchronizer) -> None:
+        self.synchronizer = synchronizer
+        synchronizer.register(Role.TRAINER, TRAINER_ID)
+        synchronizer.wake_trainer = self.wake
 
     async def get_state(self) -> TrainerState:
         return TrainerState(self.step, self.version)
@@ -147,7 +312,26 @@ class SimulatedTrainer:
         self.trained.append((self.version, versions))
         self.step += 1
         self.version += 1
+        await self.publish_if_due()  # before the step answers, as the real trainer does
         return TrainResult(self.step, self.version, batch.tokens, {"loss": 0.0, "grad_norm": 1.0})
+
+    async def publish_if_due(self) -> None:
+        sync = self.synchronizer
+        if sync is None:
+            return
+        if self._publishing is None:
+            self._publishing = asyncio.Lock()
+        async with self._publishing:
+            decision = sync.need_sync(TRAINER_ID, self.step)
+            if decision.need_sync and self.step >= 1 and self.version > sync.latest:
+                version = self.version
+                await asyncio.sleep(self.export_time())
+                self.published.append(version)
+                sync.commit(version)
+
+    def wake(self) -> None:
+        """The synchronizer wants a version (a replica asked, or the run needs one): ask between steps."""
+        asyncio.ensure_future(self.publish_if_due())
 
     async def save_checkpoint(self, client_state: bytes) -> str:
         path = f"sim://global_step_{self.step}"
@@ -162,15 +346,8 @@ class SimulatedTrainer:
         self.step, self.version = step, version
         return RestoredCheckpoint(path, step, version, state)
 
-    async def export_weights(self, source: WeightSource) -> WeightSource:
-        self.exports += 1
-        await asyncio.sleep(self.export_time())
-        if source.method == "checkpoint":
-            return replace(source, path=f"sim://weights/v{self.version}")
-        return source
 
-
-# -- a rollout engine ------------------------------------------------------------
+# -- a rollout replica ------------------------------------------------------------
 def _default_text(prompt: PromptInput, rng: random.Random) -> str:
     return f"The answer is \\boxed{{{rng.randint(0, 3)}}}"
 
@@ -180,6 +357,7 @@ class SimulatedRolloutEngine:
     name: str = "sim-rollout-0"
     #: Time of one Generate call (all n samples of a prompt finish together).
     gen_time: Draw = field(default_factory=lambda: constant(0.01))
+    #: Time of one weight update (transfer and apply; generation pauses only for the apply).
     update_time: Draw = field(default_factory=lambda: constant(0.0))
     response_tokens: Callable[[random.Random], int] = lambda rng: rng.randint(4, 32)
     text: Callable[[PromptInput, random.Random], str] = _default_text
@@ -191,9 +369,24 @@ class SimulatedRolloutEngine:
     abort_probability: float = 0.0
     down: bool = False
     generated: list[Generation] = field(default_factory=list)
+    #: A fault: version -> whether its update loads a tensor wrong (verification then fails).
+    fail_updates: Callable[[int], bool] = lambda version: False
+    #: Every update it made, as reported.
+    updates: list[UpdateRecord] = field(default_factory=list)
+    synchronizer: SimulatedSynchronizer | None = None
+    #: Run steps completed (the newest run_step seen, minus one); step -> the version NeedSync named.
+    steps: int = 0
+    due: dict[int, int] = field(default_factory=dict)
+    _target: int = 0
+    _follower: asyncio.Task | None = None
+    _moved: asyncio.Event | None = None
     _updating: asyncio.Event | None = None
     _aborts: set[asyncio.Event] = field(default_factory=set)
     _in_flight: int = 0
+
+    def attach(self, synchronizer: SimulatedSynchronizer) -> None:
+        self.synchronizer = synchronizer
+        synchronizer.register(Role.ROLLOUT, self.name)
 
     def _ids(self, text: str, n: int | None = None) -> list[int]:
         seed = zlib.crc32(text.encode())
@@ -206,14 +399,96 @@ class SimulatedRolloutEngine:
         body = text if text is not None else "".join(f"{m['role']}:{m['content']}" for m in messages or [])
         return self._ids(body)
 
-    async def weight_version(self) -> int:
-        if self.down:
-            raise Unavailable(f"{self.name} is down")
-        return self.version
+    # -- following the synchronizer ----------------------------------------------
+    async def _before_generate(self, run_step: int, min_version: int) -> None:
+        """What the real follower does before a generation (services/rollout/weights/follower.py)."""
+        sync = self.synchronizer
+        if sync is None:
+            return
+        due = 0
+        if run_step > 0:
+            step = run_step - 1
+            if step > self.steps:
+                self.steps = step
+                decision = sync.need_sync(self.name, step)
+                if decision.need_sync:
+                    self.due[step] = decision.version
+                    self._aim(decision.version)
+            due = self.due.get(step, 0)
+        need = max(min_version, required_version(sync.policy, run_step, due))
+        if need <= self.version:
+            return
+        self._aim(need)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + sync.policy.timeout_seconds
+        while self.version < need:
+            if loop.time() >= deadline:
+                raise Aborted(f"{self.name} serves version {self.version}; this generation needs {need}")
+            moved = self._moved_event()
+            try:
+                await asyncio.wait_for(moved.wait(), deadline - loop.time())
+            except TimeoutError:
+                pass
 
+    def _moved_event(self) -> asyncio.Event:
+        if self._moved is None:
+            self._moved = asyncio.Event()
+        return self._moved
+
+    def _aim(self, version: int) -> None:
+        self._target = max(self._target, version)
+        if self._follower is None or self._follower.done():
+            self._follower = asyncio.ensure_future(self._follow())
+
+    async def _follow(self) -> None:
+        sync = self.synchronizer
+        assert sync is not None
+        while self._target > self.version:
+            version = await sync.committed_after(self.version)  # progress: the newest one
+            await self._update(version, sync.policy.pause_mode or "keep")
+            event, self._moved = self._moved_event(), asyncio.Event()
+            event.set()
+
+    async def _update(self, version: int, pause_mode: str) -> None:
+        """Transfer (generation goes on), then admit per the pause mode, apply, verify, reopen."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.sleep(self.update_time())  # the bytes arrive while generation goes on
+        transfer = loop.time() - started
+        while self._updating is not None:
+            await self._updating.wait()
+        self._updating = asyncio.Event()
+        paused = loop.time()
+        try:
+            if pause_mode == "abort":
+                for event in list(self._aborts):
+                    event.set()
+            elif pause_mode == "wait":
+                while self._in_flight:
+                    await asyncio.sleep(0.001)
+            admitted = loop.time()
+            self.version = version
+        finally:
+            event, self._updating = self._updating, None
+            event.set()
+        pause = loop.time() - paused
+        timings = UpdateTimings(admit_seconds=admitted - paused, transfer_seconds=transfer, pause_seconds=pause)
+        if self.fail_updates(version):
+            record = UpdateRecord(self.name, version, UpdateOutcome.FAILED, failed_phase=UpdatePhase.VERIFY,
+                                  reason="simulated fault: a tensor loaded wrong", timings=timings,
+                                  served_version=version)
+        else:
+            record = UpdateRecord(self.name, version, UpdateOutcome.VERIFIED, resident_identity=b"\x01" * 16,
+                                  timings=timings, served_version=version)
+        self.updates.append(record)
+        if self.synchronizer is not None:
+            self.synchronizer.report(record)
+
+    # -- serving -------------------------------------------------------------
     async def generate(self, prompts: Sequence[PromptInput], sampling: SamplingSpec) -> list[list[Generation]]:
         if self.down or self.rng.random() < self.unavailable_probability:
             raise Unavailable(f"{self.name} is unavailable")
+        await self._before_generate(RUN_STEP.get(), MIN_WEIGHT_VERSION.get())
         while self._updating is not None:  # new requests wait while weights change
             await self._updating.wait()
         aborted = asyncio.Event()
@@ -253,28 +528,6 @@ class SimulatedRolloutEngine:
             out.append(samples)
         return out
 
-    async def update_weights(self, version: int, source: WeightSource, *, pause_mode: str) -> int:
-        if self.down:
-            raise Unavailable(f"{self.name} is down")
-        if version <= self.version:
-            raise FailedPrecondition(f"{self.name} already serves version {self.version} >= {version}")
-        while self._updating is not None:
-            await self._updating.wait()
-        self._updating = asyncio.Event()
-        try:
-            if pause_mode == "abort":
-                for event in list(self._aborts):
-                    event.set()
-            elif pause_mode == "wait":
-                while self._in_flight:
-                    await asyncio.sleep(0.001)
-            await asyncio.sleep(self.update_time())
-            self.version = version
-        finally:
-            event, self._updating = self._updating, None
-            event.set()
-        return self.version
-
     async def sessions(self) -> Any:
         raise FailedPrecondition(
             f"{self.name} is a simulated replica and serves no agent sessions: the external worker needs real "
@@ -282,30 +535,31 @@ class SimulatedRolloutEngine:
         )
 
 
-# -- the synchronizer --------------------------------------------------------------
-@dataclass
-class SimulatedSynchronizer:
-    """Holds a newest version and the policy it was given; publishes nothing by itself."""
-
-    latest: int = 0
-    groups: int = 0
-    configured: dict[str, Any] = field(default_factory=dict)
-
-    async def configure_policy(self, **policy: Any) -> None:
-        self.configured = policy
-
-    async def events(self, send_initial: bool) -> AsyncIterator[Any]:
-        await asyncio.Event().wait()  # a simulated synchronizer announces nothing
-        yield None
-
-    async def latest_version(self) -> int:
-        return self.latest
+def connect_simulated(
+    trainer: SimulatedTrainer, engines: Sequence[Any],
+    synchronizer: SimulatedSynchronizer | None = None,
+) -> SimulatedSynchronizer:
+    """Registers the simulated trainer and replicas with a simulated synchronizer (a new one by
+    default). A replica of another kind (a test's own) is registered, and follows nothing."""
+    synchronizer = synchronizer or SimulatedSynchronizer()
+    trainer.attach(synchronizer)
+    for engine in engines:
+        if isinstance(engine, SimulatedRolloutEngine):
+            engine.attach(synchronizer)
+        else:
+            synchronizer.register(Role.ROLLOUT, engine.name)
+    return synchronizer
 
 
-    async def allocate_group(self, version: int, rollout_ids: Sequence[str], timeout_seconds: float) -> NcclGroup:
-        self.groups += 1
-        ranks = {"trainer": 0, **{rid: i + 1 for i, rid in enumerate(rollout_ids)}}
-        return NcclGroup(f"sim-group-{self.groups}", "127.0.0.1:0", len(ranks), "gloo", ranks)
+def simulated_services(
+    trainer: SimulatedTrainer, engines: Sequence[Any], synchronizer: SimulatedSynchronizer | None = None,
+    probes: Sequence[Any] = (),
+) -> Any:
+    """The `Services` of a simulated run: the trainer and replicas following one simulated synchronizer."""
+    from services.controller.assemble import Services
+
+    return Services(trainer, list(engines), synchronizer=connect_simulated(trainer, engines, synchronizer),
+                    probes=list(probes))
 
 
 @dataclass

@@ -359,6 +359,7 @@ class Synchronizer:
         log.warning("rewound", extra={"to_version": to_version, "epoch": epoch, "dropped": dropped,
                                       "rewinding": rollouts, "reason": why})
         self.events.publish(EventKind.REWOUND, version=to_version, message=why)
+        self._publish_rewound_again(to_version, rollouts)
         self._refresh_metrics()
         return Rewound(epoch, self.catalog.latest, dropped, rollouts)
 
@@ -415,6 +416,24 @@ class Synchronizer:
         self.events.publish(EventKind.UPDATE_REPORTED, c, version=record.version, update=record,
                             message=record.reason if not record.verified else "")
         return record
+
+    def _publish_rewound_again(self, to_version: int, rewinding: list[str]) -> None:
+        """Where the replicas going back cannot fetch the rewound version themselves, the trainer
+        (resumed at it) is asked to publish it again: MEMORY bytes no longer held (a push of
+        the same version is accepted then), NCCL (kept nowhere: the replicas await it, and the
+        trainer broadcasts it to them). CHECKPOINT directories stay where they are."""
+        record = self.catalog.latest_record()
+        if record is None or record.version != to_version:
+            return
+        if self.push_requested:
+            self.events.publish(EventKind.PUSH_REQUESTED, version=to_version,
+                                message=f"the rewound version {to_version}'s bytes are not held; push them again")
+        elif record.method == Method.NCCL:
+            for cid in rewinding:
+                c = self.registry.components[cid]
+                c.requested_at, c.request_step, c.awaited_version = self._clock(), c.step, to_version
+                self.registry.move(c, State.REQUIRE_SYNC, EventKind.SYNC_REQUESTED,
+                                   message=f"rewound: awaits version {to_version} broadcast again")
 
     # -- time ----------------------------------------------------------------
 

@@ -3,10 +3,11 @@ says so; nobody else moves them.
 
 After every optimizer step (before the step's RPC answers, so a caller that
 sees step s also finds version s published if it was due) and whenever the
-synchronizer announces that a rollout awaits a version or lost the newest
-bytes (SYNC_REQUESTED, PUSH_REQUESTED on Watch: the trainer may be waiting
-for data then), the publisher asks `NeedSync` as the trainer and, when due,
-publishes by the policy's method:
+synchronizer announces that a rollout awaits a version, that it lost the
+newest bytes, or that the run needs a version off the schedule
+(SYNC_REQUESTED, PUSH_REQUESTED, VERSION_REQUESTED on Watch: the trainer may
+be waiting for data then), the publisher asks `NeedSync` as the trainer and,
+when due, publishes by the policy's method:
 - MEMORY: pushes the version to the synchronizer;
 - CHECKPOINT: writes `<publish_dir>/version_N` and registers it;
 - NCCL: asks the synchronizer for a group of the rollouts registered at that
@@ -31,6 +32,10 @@ from services.trainer.export import ExportResult, WeightExporter
 from services.trainer.training import TrainingEngine
 
 log = logging.getLogger(__name__)
+
+#: Events after which the trainer asks NeedSync between steps: a rollout awaits a version, the
+#: synchronizer lost the newest bytes, or the run needs a version off the schedule.
+WAKES = frozenset({EventKind.SYNC_REQUESTED, EventKind.PUSH_REQUESTED, EventKind.VERSION_REQUESTED})
 
 
 class Publisher:
@@ -79,14 +84,14 @@ class Publisher:
         return await self.exporter.nccl(group.group_id, merge_lora=True)
 
     async def _watch_loop(self) -> None:
-        """Publishes between steps when a rollout asks (DYNAMIC) or the synchronizer lost the bytes."""
+        """Publishes between steps when the synchronizer asks (see WAKES)."""
         sync = self.config.sync
         backoff = Backoff(sync.retry_initial_seconds, sync.retry_max_seconds)
         while True:
             try:
                 async for event in self.client.watch([], send_initial=False):
                     backoff.reset()
-                    if event.kind in (EventKind.SYNC_REQUESTED, EventKind.PUSH_REQUESTED):
+                    if event.kind in WAKES:
                         await self.after_step()
                 continue
             except Exception as exc:  # noqa: BLE001 - a broken stream is retried, never fatal to the trainer

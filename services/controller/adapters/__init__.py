@@ -38,31 +38,19 @@ def connect(cfg: RunConfig, token: str | None = None) -> Services:
         remove_previous_checkpoints=cfg.checkpoint.remove_previous,
         max_response_length=cfg.worker.sampling.max_tokens,
     )
+    synchronizer = GrpcSynchronizer(s.synchronizer.address, token=token, timeout=s.synchronizer.timeout_seconds)
+    # Replicas come from the synchronizer's registry (services.rollout only filters them); each is
+    # added to `rollouts` as it registers, and closed at the end.
     rollouts: list[GrpcRolloutEngine] = []
-    synchronizer = None
-    connect_rollout = None
-    if s.synchronizer is not None:
-        synchronizer = GrpcSynchronizer(
-            s.synchronizer.address, trainer_id=s.trainer_id, token=token, timeout=s.synchronizer.timeout_seconds
-        )
-        # Replicas come from the synchronizer's registry; services.rollout only filters them.
-        connect_rollout = _registry_replicas(cfg, token, rollouts)
-    else:
-        rollouts = [
-            GrpcRolloutEngine(e.address, token=token, timeout=e.timeout_seconds, name=e.id or e.address)
-            for e in s.rollout
-        ]
-    probes = [GrpcHealthProbe(TRAINER_PROBE, s.trainer.address), *(GrpcHealthProbe(r.name, r.address) for r in rollouts)]
-    if s.synchronizer is not None:
-        probes.append(GrpcHealthProbe("synchronizer", s.synchronizer.address))
+    connect_rollout = _registry_replicas(cfg, token, rollouts)
+    probes = [GrpcHealthProbe(TRAINER_PROBE, s.trainer.address), GrpcHealthProbe("synchronizer", s.synchronizer.address)]
 
     async def close() -> None:
-        for client in (trainer, *rollouts, *([synchronizer] if synchronizer else [])):
+        for client in (trainer, *rollouts, synchronizer):
             await client.close()
 
     return Services(
-        trainer=trainer, rollouts=list(rollouts), synchronizer=synchronizer, probes=probes,
-        synchronizer_address=s.synchronizer.address if s.synchronizer else "", close=close,
+        trainer=trainer, rollouts=[], synchronizer=synchronizer, probes=probes, close=close,
         connect_rollout=connect_rollout, rollout_filter=[e.id or e.address for e in s.rollout],
     )
 

@@ -4,7 +4,7 @@ user of the typed client (`flywheel.rollout.client`).
 Prompts go out as token ids, text or chat messages, each generation tagged
 with its run step and least weight version (the context's RUN_STEP and
 MIN_WEIGHT_VERSION); samples come back as the controller's `Generation`s.
-Weight updates (the operator's path) name their source by method. The
+The controller moves no weights (the replica follows the synchronizer). The
 replica's HTTP server (OpenAI API, agent sessions) is found from GetStatus's
 `http_port` on the host of the gRPC address.
 """
@@ -28,7 +28,6 @@ from services.controller.domain import (
     Generation,
     PromptInput,
     SamplingSpec,
-    WeightSource,
 )
 
 
@@ -110,9 +109,6 @@ class GrpcRolloutEngine:
             return await self.client.tokenize(messages, add_generation_prompt=add_generation_prompt)
         return await self.client.tokenize(text or "")
 
-    async def weight_version(self) -> int:
-        return (await self.client.status()).weight_version
-
     async def http_url(self) -> str:
         """The replica's HTTP root, "http://host:port" ("https" when this process calls with TLS)."""
         port = (await self.client.status()).http_port
@@ -130,18 +126,3 @@ class GrpcRolloutEngine:
             if previous is not None:
                 await previous.close()
         return self._sessions
-
-    async def update_weights(self, version: int, source: WeightSource, *, pause_mode: str) -> int:
-        if source.method == "memory":
-            where = {"synchronizer": source.synchronizer_address}
-        elif source.method == "checkpoint":
-            where = {"checkpoint": source.path}
-        else:
-            group = source.group
-            assert group is not None, "nccl update needs a group"
-            where = {"nccl": pb.NcclSource(
-                group_id=group.group_id, rendezvous_address=group.rendezvous_address,
-                world_size=group.world_size, rank=group.ranks[self.name], backend=group.backend,
-                synchronizer_address=group.synchronizer_address or source.synchronizer_address,
-            )}
-        return (await self.client.update_weights(version, pause_mode=pause_mode, **where)).weight_version

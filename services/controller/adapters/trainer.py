@@ -13,7 +13,7 @@ from flywheel.runtime.server_config import MIB
 from flywheel.trainer.client import TrainerClient, make_loss_spec
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from services.controller.batching import TrainBatch
-from services.controller.domain import RestoredCheckpoint, TrainerState, TrainResult, WeightSource
+from services.controller.domain import RestoredCheckpoint, TrainerState, TrainResult
 from services.controller.run_config import LossConfig
 
 
@@ -70,13 +70,3 @@ class GrpcTrainer:
         if not r.path:
             return None
         return RestoredCheckpoint(r.path, r.step, r.weight_version, r.client_state)
-
-    async def export_weights(self, source: WeightSource) -> WeightSource:
-        with translated(f"trainer {self.address} ExportWeights"):
-            response = await self.client.export_weights(
-                source.method, synchronizer_address=source.synchronizer_address, directory=source.path,
-                group_id=source.group.group_id if source.group is not None else "",
-            )
-        if source.method == "checkpoint":
-            return WeightSource("checkpoint", path=response.path)
-        return source

@@ -214,8 +214,8 @@ class Deployment:
         restart = self.healer.history[-1] if self.healer and self.healer.history else None
         if restart is not None and restart.action == "resumed" and restart.rewound_to is None:
             restart.rewound_to = version
-        # The rewound version, for the replicas to load (NCCL: broadcast to them again).
-        await pipeline.weight_sync.publish(version, again=bool(rewound.rewinding))
+        # The synchronizer has the trainer publish the rewound version again where the replicas cannot
+        # pull it (MEMORY bytes no longer held; NCCL, which keeps none); they load it by themselves.
         await self.until_nothing_newer(version, rewound=True)
 
     # -- while a session runs --------------------------------------------------
@@ -285,8 +285,8 @@ class Deployment:
         self.say(f"healing: {restart.describe()} (restart {len(self.healer.history)} of at most "
                  f"{self.healer.policy.max_restarts})")
         try:
-            await pipeline.weight_sync.configure()
-            await pipeline.weight_sync.publish(pipeline.train_worker.version)
+            await pipeline.fleet.configure()
+            await pipeline.fleet.need(pipeline.train_worker.version, "the synchronizer restarted without it")
         except Exception as exc:  # noqa: BLE001 - the trainer publishes its next version by itself
             log.warning("handing the restarted synchronizer the run's state: %s", exc)
 

@@ -226,8 +226,6 @@ class ExternalAgentWorker(RolloutWorker):
         if not record.calls:
             self.stats["agent_no_calls"] += 1
             return _fail("the agent never called the model")
-        # The versions its calls report are ones the replica served, as with generations.
-        self.ctx.engines.set_version(replica.name, max(c.version_end for c in record.calls))
         try:
             episode = rebuild(record.calls)
         except ValueError as exc:

@@ -6,11 +6,18 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from services.controller.assemble import Services, build_pipeline
+from services.controller.assemble import build_pipeline
 from services.controller.domain import FinishReason, Task, Trajectory
 from services.controller.pipeline import Pipeline
 from services.controller.run_config import RunConfig, parse_run_config
-from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant, lognormal, normal
+from services.controller.simulated import (
+    SimulatedRolloutEngine,
+    SimulatedTrainer,
+    constant,
+    lognormal,
+    normal,
+    simulated_services,
+)
 
 
 def deep_update(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -67,9 +74,11 @@ def simulated_pipeline(
     text=None,
     synchronizer=None,
     probes=(),
+    trainer: SimulatedTrainer | None = None,
 ) -> tuple[Pipeline, SimulatedTrainer, list[SimulatedRolloutEngine]]:
+    """`trainer`: an existing simulated trainer (a run resumed on the same trainer service)."""
     rng = random.Random(seed)
-    trainer = SimulatedTrainer(train_time=normal(train_mean, 0.1, rng), export_time=constant(0.001))
+    trainer = trainer or SimulatedTrainer(train_time=normal(train_mean, 0.1, rng), export_time=constant(0.001))
     engines = []
     for i in range(replicas):
         engine = SimulatedRolloutEngine(
@@ -79,6 +88,6 @@ def simulated_pipeline(
         if text is not None:
             engine.text = text
         engines.append(engine)
-    services = Services(trainer, engines, synchronizer=synchronizer, probes=list(probes))
+    services = simulated_services(trainer, engines, synchronizer, probes)
     pipeline = build_pipeline(cfg, services, keep_history=True, retry_backoff_seconds=0.01)
     return pipeline, trainer, engines

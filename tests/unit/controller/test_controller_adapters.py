@@ -25,7 +25,7 @@ from flywheel.trainer.v1 import trainer_pb2_grpc as tpb_grpc
 from services.controller.adapters import GrpcHealthProbe, GrpcRolloutEngine, GrpcSynchronizer, GrpcTrainer, connect
 from services.controller.assemble import build_pipeline
 from services.controller.batching import build_train_batch
-from services.controller.domain import FinishReason, NcclGroup, PromptInput, SamplingSpec, WeightSource
+from services.controller.domain import FinishReason, PromptInput, SamplingSpec
 from services.controller.loop import run
 from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant
 from tests.unit.controller.controller_helpers import config, task, trajectory
@@ -63,15 +63,11 @@ class FakeTrainer(tpb_grpc.TrainerServiceServicer):
         return tpb.LoadCheckpointResponse(path=restored.path, step=restored.step, weight_version=restored.version,
                                           client_state=restored.client_state)
 
-    async def ExportWeights(self, request, context):
-        path = f"{request.checkpoint.directory or '/ckpt'}/v{self.sim.version}" if request.HasField("checkpoint") else ""
-        return tpb.ExportWeightsResponse(weight_version=self.sim.version, path=path)
-
 
 class FakeRollout(rpb_grpc.RolloutServiceServicer):
     def __init__(self, name: str) -> None:
         self.sim = SimulatedRolloutEngine(name=name, gen_time=constant(0.003), rng=random.Random(1))
-        self.updates: list = []
+        self.run_steps: list[int] = []
 
     async def Generate(self, request, context):
         prompts = []
@@ -84,6 +80,7 @@ class FakeRollout(rpb_grpc.RolloutServiceServicer):
             else:
                 prompts.append(PromptInput(p.request_id, text=p.text))
         s = request.sampling
+        self.run_steps.append(request.run_step)
         results = await self.sim.generate(prompts, SamplingSpec(n=s.n or 1, max_tokens=s.max_tokens))
         return rpb.GenerateResponse(results=[
             rpb.PromptResult(request_id=p.request_id, samples=[
@@ -99,45 +96,41 @@ class FakeRollout(rpb_grpc.RolloutServiceServicer):
     async def GetStatus(self, request, context):
         return rpb.GetStatusResponse(weight_version=self.sim.version)
 
-    async def UpdateWeights(self, request, context):
-        self.updates.append(request)
-        source = WeightSource("checkpoint", path=request.checkpoint.path)
-        pause = {cpb.PAUSE_MODE_KEEP: "keep", cpb.PAUSE_MODE_WAIT: "wait", cpb.PAUSE_MODE_ABORT: "abort"}[request.pause_mode]
-        return rpb.UpdateWeightsResponse(weight_version=await self.sim.update_weights(request.version, source, pause_mode=pause))
-
 
 class FakeSynchronizer(spb_grpc.SynchronizerServiceServicer):
+    """TEST DOUBLE: a registry of the two replicas (Watch, Status), the policy it is handed and the
+    versions asked for; it moves no weights."""
+
     def __init__(self, rollout_addresses: list[str]) -> None:
         self.addresses = rollout_addresses
-        self.registered: list = []
         self.policy = spb.ConfigurePolicyRequest(sync_interval=1)
+        self.requested: list[tuple[int, str]] = []
+
+    def components(self) -> list[cpb.ComponentStatus]:
+        return [
+            cpb.ComponentStatus(
+                identity=cpb.ComponentIdentity(id=f"rollout-{i}", address=a, role=cpb.COMPONENT_ROLE_ROLLOUT),
+                state=cpb.COMPONENT_STATE_RUNNING, weight_version=0,
+            )
+            for i, a in enumerate(self.addresses)
+        ]
 
     async def ConfigurePolicy(self, request, context):
         self.policy = request
         return spb.ConfigurePolicyResponse()
 
-    async def NeedSync(self, request, context):
-        if request.id != "trainer-0":
-            raise FailedPrecondition(f"unknown component {request.id}")
-        return spb.NeedSyncResponse(need_sync=request.step % self.policy.sync_interval == 0, version=request.step)
-
-    async def RegisterCheckpoint(self, request, context):
-        self.registered.append((request.version, request.path))
-        return spb.RegisterCheckpointResponse(version=request.version)
-
     async def Status(self, request, context):
-        return spb.StatusResponse(latest_version=7, components=[
-            cpb.ComponentStatus(
-                identity=cpb.ComponentIdentity(id=f"rollout-{i}", address=a, role=cpb.COMPONENT_ROLE_ROLLOUT),
-                state=cpb.COMPONENT_STATE_RUNNING, weight_version=5,
-            )
-            for i, a in enumerate(self.addresses)
-        ])
+        return spb.StatusResponse(latest_version=7, components=self.components())
 
-    async def AllocateGroup(self, request, context):
-        members = [spb.GroupMember(id="trainer-0", rank=0)] + [spb.GroupMember(id=r, rank=i + 1) for i, r in enumerate(request.rollout_ids)]
-        return spb.AllocateGroupResponse(group_id="g1", rendezvous_address="10.0.0.1:29500", world_size=len(members),
-                                         backend="gloo", members=members, version=request.version)
+    async def RequestVersion(self, request, context):
+        self.requested.append((request.min_version, request.reason))
+        return spb.RequestVersionResponse(latest_version=7)
+
+    async def Watch(self, request, context):
+        if request.send_initial:
+            for c in self.components():
+                yield spb.WatchResponse(kind=spb.EVENT_KIND_STATE_CHANGED, component=c, latest_version=7)
+        await asyncio.Event().wait()
 
 
 @pytest.fixture
@@ -192,8 +185,6 @@ async def test_trainer_adapter_round_trip(cluster) -> None:
     path = await trainer.save_checkpoint(b'{"loader": {}}')
     restored = await trainer.load_checkpoint(None)
     assert restored.path == path and restored.client_state == b'{"loader": {}}'
-    exported = await trainer.export_weights(WeightSource("checkpoint", path="/shared"))
-    assert exported.path == "/shared/v1"
     await trainer.close()
 
 
@@ -210,59 +201,39 @@ async def test_rollout_adapter_round_trip_and_unreachable_replicas(cluster) -> N
     assert all(x.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for x in gens[0] + gens[1])
     assert await engine.tokenize(text="a b c") == [7, 7, 7]
     assert await engine.tokenize(messages=[{"role": "user", "content": "x"}]) == [1, 2, 3]
-    assert await engine.update_weights(3, WeightSource("checkpoint", path="/w/v3"), pause_mode="wait") == 3
-    assert await engine.weight_version() == 3
-    assert fakes["r0"].updates[0].checkpoint.path == "/w/v3" and fakes["r0"].updates[0].pause_mode == cpb.PAUSE_MODE_WAIT
-    with pytest.raises(FailedPrecondition):
-        await engine.update_weights(2, WeightSource("checkpoint", path="/w/v2"), pause_mode="keep")
     await engine.close()
     dead = GrpcRolloutEngine("127.0.0.1:1", timeout=2, max_attempts=1)
     with pytest.raises(Unavailable):
-        await dead.weight_version()
+        await dead.tokenize(text="x")
     await dead.close()
     assert await GrpcHealthProbe("r0", addresses["r0"]).check()
     assert not await GrpcHealthProbe("dead", "127.0.0.1:1", timeout=1).check()
 
 
-async def test_synchronizer_adapter_configures_the_policy_and_reads_versions(cluster) -> None:
+async def test_synchronizer_adapter_configures_the_policy_reads_versions_and_asks_for_them(cluster) -> None:
     addresses, fakes = cluster
-    sync = GrpcSynchronizer(addresses["sync"], trainer_id="trainer-0")
+    sync = GrpcSynchronizer(addresses["sync"])
     await sync.configure_policy(style="dynamic_by_explorer", method="nccl", interval=2, offset=0, timeout_seconds=9,
-                                mode="batch-async", max_staleness=3)
+                                rollout_wait="staleness", max_staleness=3, pause_mode="abort")
     policy = fakes["sync"].policy
     assert policy.style == cpb.SYNC_STYLE_DYNAMIC_BY_EXPLORER and policy.sync_timeout_seconds == 9
-    # The mode tells replicas what to wait for before they generate for a step.
     assert policy.rollout_wait == spb.ROLLOUT_WAIT_STALENESS and policy.max_staleness == 3
-    await sync.configure_policy(style="fixed", method="memory", interval=1, offset=0, timeout_seconds=9,
-                                mode="sync", max_staleness=0)
-    assert fakes["sync"].policy.rollout_wait == spb.ROLLOUT_WAIT_DUE_VERSION
+    assert policy.pause_mode == cpb.PAUSE_MODE_ABORT
     assert await sync.latest_version() == 7
-    group = await sync.allocate_group(4, [], 30)
-    assert group == NcclGroup("g1", "10.0.0.1:29500", 1, "gloo", {"trainer-0": 0},
-                              synchronizer_address=addresses["sync"])
-    # A replica told of a group (by UpdateWeights, the operator path) gets its rank and where to report.
-    group = await sync.allocate_group(4, ["rollout-1"], 30)
-    replica = GrpcRolloutEngine(addresses["r1"], timeout=10, name="rollout-1")
-    assert await replica.update_weights(4, WeightSource("nccl", group=group), pause_mode="abort") == 4
-    sent = fakes["r1"].updates[-1].nccl
-    assert (sent.group_id, sent.rendezvous_address, sent.world_size, sent.rank, sent.backend) == (
-        "g1", "10.0.0.1:29500", 2, 1, "gloo")
-    assert sent.synchronizer_address == addresses["sync"]
-    await replica.close()
+    assert await sync.request_version(9, "validation at version 9") == 7
+    assert fakes["sync"].requested == [(9, "validation at version 9")]
     await sync.close()
 
 
-async def test_a_whole_standalone_run_over_grpc(cluster, tmp_path) -> None:
-    """Without a synchronizer the controller moves the weights itself (UpdateWeights to every replica)."""
+async def test_a_whole_run_over_grpc(cluster, tmp_path) -> None:
+    """The replicas come from the synchronizer's registry; the controller moves no weights."""
     addresses, fakes = cluster
     cfg = config(
-        mode="batch-async",
+        mode="fully-async",
         run={"max_steps": 4},
-        services={"trainer": {"address": addresses["trainer"]},
-                  "rollout": [{"address": addresses["r0"]}, {"address": addresses["r1"]}],
+        services={"trainer": {"address": addresses["trainer"]}, "synchronizer": {"address": addresses["sync"]},
                   "health_interval_seconds": 0.2},
-        staleness={"threshold": 1},
-        sync={"method": "checkpoint", "checkpoint_dir": str(tmp_path), "interval": 2},
+        sync={"interval": 2, "pause_mode": "wait"},
         checkpoint={"at_end": True},
     )
     services = connect(cfg, token="unused")
@@ -271,10 +242,7 @@ async def test_a_whole_standalone_run_over_grpc(cluster, tmp_path) -> None:
     await services.close()
     assert summary.steps == 4 and summary.final_version == 4
     assert fakes["trainer"].sim.checkpoints  # saved at the end, with the data cursor
-    # The local FIXED(2, 0) policy said "sync" after steps 2 and 4: replicas loaded those versions.
-    # (The run ends right after step 4's export; replicas loading v4 is cut short.)
-    loaded = {u.version for name in ("r0", "r1") for u in fakes[name].updates}
-    assert 2 in loaded and loaded <= {2, 4}
-    assert fakes["sync"].registered == []  # nothing is registered without a synchronizer
-    for version, versions in fakes["trainer"].sim.trained:
-        assert all(version - v <= 1 for v in versions)
+    # Both registered replicas took work, each generation tagged with its run step.
+    assert all(fakes[name].run_steps and min(fakes[name].run_steps) >= 1 for name in ("r0", "r1"))
+    assert fakes["sync"].policy.pause_mode == cpb.PAUSE_MODE_WAIT and fakes["sync"].policy.sync_interval == 2
+    assert fakes["sync"].requested == [], "version 0 is the base model: nothing to ask for at the start"

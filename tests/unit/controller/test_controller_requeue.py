@@ -56,9 +56,8 @@ def test_resume_from_checkpoint_loses_no_task_and_trains_none_twice(tmp_path: Pa
             resume={"from": "latest"},
             metrics={"jsonl": True},
         )
-        p, t, engines = simulated_pipeline(cfg, seed=9)
-        if trainer is not None:  # the same trainer service, with its checkpoints
-            p.trainer = p.train_worker.trainer = p.weight_sync.trainer = trainer
+        # The same trainer service in the second run, with its checkpoints.
+        p, t, engines = simulated_pipeline(cfg, seed=9, trainer=trainer)
         p.run_dir = tmp_path
         return p, t
 
@@ -100,7 +99,6 @@ def _with_outage(p, down_at: float, up_after: float | None):
         if up_after is not None:
             await asyncio.sleep(up_after)
             p.engines.mark("sim-0", True)  # as the liveness monitor does when its check passes again
-            p.weight_sync.replica_recovered("sim-0")
 
     async def run_through_outage():
         side = asyncio.ensure_future(outage())

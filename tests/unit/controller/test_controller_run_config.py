@@ -12,7 +12,7 @@ import pytest
 from flywheel.runtime.config import ConfigError
 from services.controller.assemble import Services, build_pipeline
 from services.controller.run_config import load_run_config, parse_run_config, run_config_from_yaml
-from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer
+from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, simulated_services
 from tests.unit.controller.controller_helpers import config, items
 
 FULL = """
@@ -67,10 +67,12 @@ def test_a_whole_run_in_one_yaml_file(tmp_path: Path) -> None:
         ({"staleness": {"threshold": -1}}, "staleness.threshold"),
         ({"algorithm": {"train_batch_size": 10}}, "algorithm.train_batch_size (10) must be a multiple of worker.group_size (4)"),
         ({"validation": {"interval": 3}}, "need data.validation"),
-        ({"sync": {"method": "memory"}}, "services.synchronizer"),
-        ({"sync": {"method": "nccl"}}, "sync.method: nccl needs services.synchronizer"),
-        ({"sync": {"style": "dynamic_by_explorer"}}, "dynamic_by_explorer needs services.synchronizer"),
-        ({"mode": "sync", "sync": {"interval": 2}}, "sync.interval"),
+        ({"sync": {"method": "carrier-pigeon"}}, "sync.method"),
+        # The controller moves no weights: a directory of its own for them is refused, not ignored.
+        ({"sync": {"checkpoint_dir": "/shared"}}, "sync.checkpoint_dir: unknown field"),
+        ({"sync": {"pause_mode": "freeze"}}, "sync.pause_mode"),
+        ({"services": {"synchronizer": None}}, "services.synchronizer"),
+        ({"mode": "sync", "sync": {"style": "dynamic_by_explorer"}}, "sync.style: sync mode needs a fixed schedule"),
         ({"mode": "batch-async", "staleness": {"threshold": 0}, "sync": {"interval": 3}}, "staleness.threshold (0)"),
         ({"pool": {"store": "hierarchical", "keys": ["task"]}}, "pool.keys"),
         ({"worker": {"type": "agent"}}, "worker.tools"),
@@ -107,7 +109,7 @@ def test_yaml_text_as_the_start_rpc_sends_it() -> None:
 def test_names_that_do_not_resolve_fail_before_the_run_starts(change: dict, names: str) -> None:
     cfg = config(**change)
     with pytest.raises(ConfigError) as err:
-        build_pipeline(cfg, Services(SimulatedTrainer(), [SimulatedRolloutEngine()]))
+        build_pipeline(cfg, simulated_services(SimulatedTrainer(), [SimulatedRolloutEngine()]))
     assert names in str(err.value)
 
 

@@ -19,14 +19,14 @@ from services.controller.assemble import Services
 from services.controller.metrics_log import PrometheusSink
 from services.controller.runs import RunManager
 from services.controller.servicer import ControllerServicer
-from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant
+from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant, simulated_services
 from tests.unit.controller.controller_helpers import items
 
 
-def simulated_services(cfg) -> Services:
+def services_for(cfg) -> Services:
     trainer = SimulatedTrainer(train_time=constant(0.005))
     engine = SimulatedRolloutEngine(gen_time=constant(0.002), rng=random.Random(0))
-    return Services(trainer, [engine])
+    return simulated_services(trainer, [engine])
 
 
 def run_yaml(**overrides) -> str:
@@ -43,7 +43,7 @@ def run_yaml(**overrides) -> str:
 
 @pytest.fixture
 async def controller(tmp_path: Path):
-    runs = RunManager(tmp_path / "runs", simulated_services, sinks=lambda: [PrometheusSink()])
+    runs = RunManager(tmp_path / "runs", services_for, sinks=lambda: [PrometheusSink()])
     server = grpc.aio.server(interceptors=[ErrorInterceptor("controller")])
     pb_grpc.add_ControllerServiceServicer_to_server(ControllerServicer(runs), server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -18,7 +18,7 @@ from services.controller.loop import run
 from services.controller.observer import SynchronizerObserver
 from services.controller.run_config import run_config_from_yaml
 from services.controller.runs import RunManager
-from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant
+from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant, simulated_services
 from services.controller.status_page import create_app, status_json
 from tests.unit.controller.controller_helpers import items
 
@@ -55,7 +55,7 @@ def test_the_observer_keeps_every_component_and_a_timeline_of_syncs(tmp_path: Pa
 
 
 def simulated(cfg) -> Services:
-    return Services(SimulatedTrainer(train_time=constant(0.002)),
+    return simulated_services(SimulatedTrainer(train_time=constant(0.002)),
                     [SimulatedRolloutEngine(gen_time=constant(0.001), rng=random.Random(0))])
 
 

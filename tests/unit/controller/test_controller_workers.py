@@ -66,13 +66,6 @@ class ScriptedEngine:
             return [900 + i for i in range(len(text.split()))]
         return [1, 2, 3, 4]
 
-    async def weight_version(self):
-        return self.version
-
-    async def update_weights(self, version, source, *, pause_mode):
-        self.version = version
-        return version
-
 
 def ctx(*engines, reward="math", **kw) -> WorkerContext:
     return WorkerContext(engines=EnginePool(list(engines)), reward=get_reward(reward), **kw)

@@ -114,3 +114,46 @@ def test_a_rollout_registering_again_ends_its_rewind() -> None:
 def test_rewind_is_for_services_and_operators() -> None:
     # The controller calls it with the service token; an agent token is refused (test_scoped_tokens.py).
     assert METHOD_SCOPES["Rewind"] == Scope.SERVICE
+
+
+def test_after_a_rewind_the_trainer_is_asked_to_publish_what_the_replicas_cannot_fetch() -> None:
+    """MEMORY: the rewound version's bytes were evicted -> PUSH_REQUESTED, and the trainer's NeedSync says push."""
+    sync, plane, _ = service(keep_versions=1)
+    sync.register(Identity(Role.TRAINER, "t"), 0, 0)
+    sync.register(Identity(Role.ROLLOUT, "r"), 0, 0)
+    for version in (1, 2, 3):
+        push(plane, version, seed=version)
+    sync.heartbeat("r", 3, 3)
+    sub = sync.events.subscribe([])
+    sync.rewind(2)
+    assert [e.kind for e in sub._queue][-1] == EventKind.PUSH_REQUESTED and sub._queue[-1].version == 2
+    answer = sync.need_sync("t", 2)
+    assert answer.decision.need_sync and answer.decision.version == 2 and answer.push_requested
+    push(plane, 2, seed=2)  # accepted: it restores the rewound version's bytes
+    assert 2 in sync.weights.committed and not sync.push_requested
+
+
+def test_after_a_rewind_over_nccl_the_replicas_going_back_await_a_broadcast() -> None:
+    from flywheel.synchronizer.types import Method, Style, TransferState
+
+    sync, plane, _ = service()
+    sync.configure_policy(style=Style.FIXED, method=Method.NCCL, interval=1)
+    sync.register(Identity(Role.TRAINER, "t", "127.0.0.1:1"), 0, 0)
+    sync.register(Identity(Role.ROLLOUT, "r", capabilities=frozenset({Method.NCCL})), 0, 0)
+    for version in (1, 2):
+        assert sync.need_sync("t", version).decision.need_sync
+        group = plane.allocate_group(version, "t", [], 0, "gloo")
+        sync.set_state("r", State.REQUIRE_SYNC)  # as a replica joining a broadcast does
+        sync.set_state("r", State.WAITING_SYNC)
+        for member, _ in group.members:
+            plane.report_transfer(group.group_id, member, True, "")
+        assert group.state == TransferState.COMMITTED
+    assert sync.registry.get("r").weight_version == 2
+    sync.heartbeat("t", 1, 1)  # the trainer resumed from its checkpoint of step 1
+    sync.rewind(1)
+    r = sync.registry.get("r")
+    assert (r.state, r.awaited_version) == (State.REQUIRE_SYNC, 1)
+    answer = sync.need_sync("t", 1)
+    assert answer.decision.need_sync and answer.decision.version == 1, "broadcast version 1 again"
+    group = plane.allocate_group(1, "t", [], 0, "gloo")
+    assert [m for m, _ in group.members] == ["t", "r"]

@@ -1,0 +1,5 @@
+"""The run's weights as the controller sees them: it moves no bytes and keeps
+no copy of who serves what. The synchronizer owns versions, the trainer
+publishes them, every replica follows; the controller hands over the run's
+policy, asks for the versions the run needs outside the schedule, and judges
+each fleet update from the results the replicas report (`fleet.py`)."""
