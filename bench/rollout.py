@@ -18,8 +18,10 @@ they share the machine's load of the moment; figures are medians:
              prompts from concurrent clients (aiohttp, which vLLM installs) at once.
 Then weight updates on the idle service: `pause_seconds` (gate closed to
 gate open: pause, in-place swap, resume) and the whole call, for CHECKPOINT
-(a safetensors directory) and MEMORY (pulled from a stand-in synchronizer
-that serves one encoded version; the real one streams the same messages).
+(a safetensors directory inside the rollout's `updates.checkpoint_root`) and
+MEMORY (pushed beforehand to the rollout's own synchronizer, a real one in a
+process of its own started first, and pulled from it as a deployment does:
+in place from its shared-memory segments, on this host).
 Ends with one JSON line of the figures; ratios are named `<ours>_vs_<baseline>`.
 """
 
@@ -167,47 +169,21 @@ class Ours:
 # -- weight updates -----------------------------------------------------------------
 
 
-class PullWeightsStandIn:
-    """Stand-in for the synchronizer in this benchmark: serves one encoded
-    version over the real `SynchronizerService.PullWeights` RPC."""
-
-    def __init__(self, encoded) -> None:
-        self.encoded = encoded
-
-    async def start(self) -> str:
-        import grpc
-
-        from flywheel.synchronizer.v1 import synchronizer_pb2 as spb
-        from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as spb_grpc
-
-        encoded = self.encoded
-
-        class Servicer(spb_grpc.SynchronizerServiceServicer):
-            async def PullWeights(self, request, context):
-                yield spb.PullWeightsResponse(manifest=encoded.manifest)
-                for chunk in encoded.chunks():
-                    yield spb.PullWeightsResponse(chunk=chunk)
-
-        self.server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
-        spb_grpc.add_SynchronizerServiceServicer_to_server(Servicer(), self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
-        return f"127.0.0.1:{port}"
-
-
-async def bench_updates(address: str, model_dir: Path, work: Path, reps: int) -> dict:
+async def bench_updates(address: str, sync_address: str, model_dir: Path, work: Path, reps: int) -> dict:
+    """`work`: the rollout's updates.checkpoint_root; `sync_address`: its synchronizer."""
     from safetensors.torch import load_file, save_file
 
-    from flywheel.codec import encode_state_dict
     from flywheel.rollout.v1 import rollout_pb2 as pb
     from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
     from flywheel.runtime.client import open_channel
+    from flywheel.synchronizer.client import SynchronizerClient
 
     base = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         base.update(load_file(str(file)))
     results: dict[str, list[float]] = {"checkpoint_pause": [], "checkpoint_total": [], "memory_pause": [], "memory_total": []}
-    async with open_channel(address, token=TOKEN, default_timeout=600) as channel:
+    async with open_channel(address, token=TOKEN, default_timeout=600) as channel, \
+            SynchronizerClient(sync_address, TOKEN, timeout=600, transfer_timeout=600) as sync:
         stub = pb_grpc.RolloutServiceStub(channel)
         version = (await stub.GetStatus(pb.GetStatusRequest())).weight_version
         for _ in range(reps):
@@ -221,26 +197,44 @@ async def bench_updates(address: str, model_dir: Path, work: Path, reps: int) ->
             results["checkpoint_pause"].append(r.pause_seconds)
 
             version += 1
-            stand_in = PullWeightsStandIn(encode_state_dict({k: v * (1 + 0.01 * version) for k, v in base.items()}, version))
-            sync_address = await stand_in.start()
+            await sync.push_weights({k: v * (1 + 0.01 * version) for k, v in base.items()}, version)
             start = time.perf_counter()
-            r = await stub.UpdateWeights(pb.UpdateWeightsRequest(version=version, memory=pb.MemorySource(synchronizer_address=sync_address)))
+            r = await stub.UpdateWeights(pb.UpdateWeightsRequest(version=version, memory=pb.MemorySource()))
             results["memory_total"].append(time.perf_counter() - start)
             results["memory_pause"].append(r.pause_seconds)
-            await stand_in.server.stop(0)
     return {key: statistics.median(values) for key, values in results.items()}
 
 
-def start_rollout(model_dir: Path, args: dict, run_dir: Path, max_pending: int = 4096):
-    """The rollout service on free ports with HTTP on; `max_pending`: its admission limit (samples)."""
-    from flywheel.launcher.processes import start_service
-
+def service_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env["FLYWHEEL_AUTH_TOKEN"] = TOKEN
+    return env
+
+
+def start_synchronizer(run_dir: Path):
+    """The synchronizer the rollout is configured with (its MEMORY updates come from there)."""
+    from flywheel.launcher.processes import start_service
+
+    child = start_service("synchronizer", run_dir, ["--server.log-level", "WARNING"], service_env())
+    child.wait_ready(120)
+    return child
+
+
+def start_rollout(model_dir: Path, args: dict, run_dir: Path, max_pending: int = 4096, *,
+                  sync_address: str = "", checkpoint_root: Path | None = None):
+    """The rollout service on free ports with HTTP on; `max_pending`: its admission limit (samples).
+    Weight updates need `sync_address` (its synchronizer: MEMORY) or `checkpoint_root` (where the
+    CHECKPOINT directories it loads lie)."""
+    from flywheel.launcher.processes import start_service
+
+    updates = ["--synchronizer.address", sync_address] if sync_address else []
+    if checkpoint_root is not None:
+        updates += ["--updates.checkpoint-root", str(checkpoint_root)]
     child = start_service("rollout", run_dir, [
         "--engine.model-path", str(model_dir), "--engine.kind", "vllm", "--engine.args", json.dumps(args),
         "--http-port", "0", "--limits.max-pending-requests", str(max_pending), "--server.log-level", "WARNING",
-    ], env)
+        *updates,
+    ], service_env())
     child.wait_ready(1800)
     return child
 
@@ -284,9 +278,10 @@ def main() -> None:
     prompts = make_prompts(model_dir, opts.prompts)
     figures: dict = {"model": opts.model, "prompts": opts.prompts, "max_tokens": opts.max_tokens, "reps": opts.reps}
     baseline = None if opts.skip_throughput else InProcess(model_dir, args, prompts, opts.max_tokens)
-    child = None
+    child = sync = None
     try:
-        child = start_rollout(model_dir, args, work / "run")
+        sync = start_synchronizer(work / "run")
+        child = start_rollout(model_dir, args, work / "run", sync_address=sync.grpc_address, checkpoint_root=work)
         if baseline is not None:
             rates = asyncio.run(throughput(child, baseline, prompts, opts.max_tokens, opts.reps, opts.warmup))
             baseline.stop()
@@ -295,7 +290,7 @@ def main() -> None:
                 figures[f"{key}_tokens_per_s"] = round(statistics.median(values), 1)
             for key in ("grpc", "http"):
                 figures[f"{key}_vs_inprocess"] = round(figures[f"{key}_tokens_per_s"] / figures["inprocess_tokens_per_s"], 3)
-        updates = asyncio.run(bench_updates(child.grpc_address, model_dir, work, min(opts.reps, 3)))
+        updates = asyncio.run(bench_updates(child.grpc_address, sync.grpc_address, model_dir, work, min(opts.reps, 3)))
         for key, value in updates.items():
             figures[f"update_{key}_seconds"] = round(value, 4)
         print(f"weight update (median): {updates}", file=sys.stderr)
@@ -304,6 +299,8 @@ def main() -> None:
             baseline.stop()
         if child is not None:
             child.stop()
+        if sync is not None:
+            sync.stop()
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(figures))
 

@@ -1,7 +1,8 @@
 """Weight export: the trainer's live parameters -> rollouts, in three methods.
 
 * MEMORY: the state dict is encoded by the codec and streamed as bucketed,
-  checksummed chunks to the synchronizer's PushWeights.
+  checksummed chunks to PushWeights of the trainer's own synchronizer
+  (`sync.synchronizer_address`; FAILED_PRECONDITION without one).
 * CHECKPOINT: a safetensors directory `<directory>/version_N/` (HF layout:
   config.json, *.safetensors, tokenizer, plus `weight_manifest.pb`) is
   written into a hidden temp sibling, fsynced and renamed, then registered
@@ -169,14 +170,17 @@ class WeightExporter:
     # -- MEMORY ------------------------------------------------------------
 
     async def memory(
-        self, address: str = "", *, chunk_bytes: int = 0, bucket_bytes: int = 0, merge_lora: bool = False
+        self, *, chunk_bytes: int = 0, bucket_bytes: int = 0, merge_lora: bool = False
     ) -> ExportResult:
-        address = address or self.sync.synchronizer_address or ""
-        if not address:
-            raise InvalidArgument("memory.synchronizer_address: empty, and the trainer has no sync.synchronizer_address")
+        """Pushes the current version to the trainer's own synchronizer (`sync.synchronizer_address`)."""
         chunk_bytes = chunk_bytes or MAX_CHUNK_BYTES
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidArgument(f"memory.chunk_bytes: must be at most {MAX_CHUNK_BYTES}, got {chunk_bytes}")
+        address = self.sync.synchronizer_address or ""
+        if not address:
+            raise FailedPrecondition(
+                "MEMORY export goes to the trainer's own synchronizer: set sync.synchronizer_address in its config"
+            )
         bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
         started = time.perf_counter()
         async with self._client(address) as client, self._snapshot(merge_lora) as (version, state):

@@ -9,13 +9,21 @@ version each leave the old weights serving bit for bit, with the failure on
 the synchronizer (the transfer ABORTED); a caller giving up mid-receive
 fails the transfer at once and leaves the rollout free for the next one. Tests run in file order on one
 server per engine; `Track` follows which weights it serves.
+
+The rollout reads a group from its own synchronizer (`synchronizer.address`; a
+request never names one), so each server is configured with an embedded
+synchronizer started with it, for the whole module. The server registers
+there under its own id (LINK); the tests register the trainer and the
+transfer's receiver (ROLLOUT, at the address of that same server) and put
+ROLLOUT in their groups: UpdateWeights finds its member by rank, and the
+server's follower, watching as LINK, does not join those groups on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,14 +38,16 @@ from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
 from flywheel.synchronizer.client import SynchronizerClient
-from services.synchronizer.embedded import embedded_synchronizer
 from flywheel.transfer.broadcast import send
+from services.rollout.config import RolloutConfig
 from flywheel.synchronizer import participant
 from flywheel.synchronizer.participant import send_in_group, spec_for
 from flywheel.synchronizer.types import GroupInfo, State, TransferState
 from tests.conftest import TEST_TOKEN
-from tests.net import free_port
-from tests.unit.rollout.rollout_helpers import ServerThread, need_engine, reference_greedy, rollout_config
+from tests.net import free_port_range
+from tests.unit.rollout.rollout_helpers import (
+    ServerThread, need_engine, reference_greedy, rollout_config, synchronizer_thread,
+)
 
 ENGINES = ["transformers", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])]
 PROMPT = [318, 268, 223, 20, 284, 223, 21, 33]
@@ -45,6 +55,8 @@ STEPS = 12
 GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
 BUCKET_BYTES = 256 * 1024  # several buckets for the tiny model
 TRAINER, ROLLOUT = "trainer-0", "rollout-0"
+#: The server's own id at its synchronizer (its presence and follower).
+LINK = "rollout-link"
 
 
 @dataclass
@@ -62,14 +74,32 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("rollout-nccl") / "model")
 
 
+@contextlib.contextmanager
+def linked_server(config_of: Callable[[dict], RolloutConfig]) -> Iterator[ServerThread]:
+    """A rollout server (`config_of(synchronizer section)`) configured with an embedded synchronizer
+    started first, and stopped before it. Its rendezvous ports are a range, handed out in turn: no
+    group reuses the port of an earlier test's group, whose rendezvous may not be released at once
+    (a sender that failed); one fixed port for the module failed that way, once, with EADDRINUSE."""
+    ports = free_port_range(32)
+    fields = {"rendezvous_host": "127.0.0.1", "rendezvous_port_min": ports.start,
+              "rendezvous_port_max": ports[-1], "lease_seconds": 120}
+    with synchronizer_thread(**fields) as sync:
+        config = config_of({"address": sync.address, "component_id": LINK})
+        srv = ServerThread(config).start()
+        srv.sync_address = sync.address
+        srv.track = Track(Path(config.engine.model_path), 0, load_file(f"{config.engine.model_path}/model.safetensors"))
+        try:
+            yield srv
+        finally:
+            srv.stop()
+
+
 @pytest.fixture(scope="module", params=ENGINES)
 def server(request: pytest.FixtureRequest, model_dir: Path):
     need_engine(request.param)
-    srv = ServerThread(rollout_config(model_dir, request.param)).start()
-    srv.track = Track(model_dir, 0, load_file(str(model_dir / "model.safetensors")))
-    srv.engine_kind = request.param
-    yield srv
-    srv.stop()
+    with linked_server(lambda link: rollout_config(model_dir, request.param, synchronizer=link)) as srv:
+        srv.engine_kind = request.param
+        yield srv
 
 
 @dataclass
@@ -79,25 +109,22 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def cluster(rollout_address: str) -> AsyncIterator[Cluster]:
-    """A synchronizer with the trainer and the rollout registered."""
-    port = free_port()
-    fields = {"rendezvous_host": "127.0.0.1", "rendezvous_port_min": port, "rendezvous_port_max": port,
-              "lease_seconds": 120}
-    async with (
-        embedded_synchronizer(server={"auth_token": TEST_TOKEN}, **fields) as sync,
-        SynchronizerClient(sync.address, token=TEST_TOKEN) as client,
-    ):
+async def cluster(server: ServerThread) -> AsyncIterator[Cluster]:
+    """The server's synchronizer with the trainer and the receiver (ROLLOUT: the server, on the
+    version it serves) registered, again for each test."""
+    async with SynchronizerClient(server.sync_address, token=TEST_TOKEN) as client:
         await client.register("trainer", TRAINER, address="127.0.0.1:1", capabilities=["nccl"])
-        await client.register("rollout", ROLLOUT, address=rollout_address, capabilities=["nccl"])
-        yield Cluster(sync.address, client)
+        await client.register("rollout", ROLLOUT, address=server.address, capabilities=["nccl"],
+                              weight_version=server.track.version)
+        yield Cluster(server.sync_address, client)
 
 
-def nccl_source(group: GroupInfo, synchronizer_address: str) -> pb.NcclSource:
-    """What the controller's rollout adapter sends (services/controller/adapters/rollout.py)."""
+def nccl_source(group: GroupInfo) -> pb.NcclSource:
+    """What the controller's rollout adapter sends (services/controller/adapters/rollout.py); the
+    synchronizer is the rollout's own."""
     return pb.NcclSource(
         group_id=group.group_id, rendezvous_address=group.rendezvous_address, world_size=group.world_size,
-        rank=group.ranks[ROLLOUT], backend=group.backend, synchronizer_address=synchronizer_address,
+        rank=group.ranks[ROLLOUT], backend=group.backend,
     )
 
 
@@ -144,14 +171,14 @@ async def test_gloo_broadcast_moves_the_rollout_to_the_new_version(server, monke
         return real_receive(spec, like, **kwargs)
 
     monkeypatch.setattr(participant, "receive", receive_in_this_process)
-    async with cluster(server.address) as c, open_channel(server.address, token=TEST_TOKEN) as channel:
+    async with cluster(server) as c, open_channel(server.address, token=TEST_TOKEN) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)
         before = await greedy(rollout)
         assert list(before.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS)
         group = await c.client.allocate_group(1, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
         sent, response = await asyncio.gather(
             send_in_group(c.client, TRAINER, group, new, bucket_bytes=BUCKET_BYTES),
-            update(rollout, 1, nccl_source(group, c.address)),
+            update(rollout, 1, nccl_source(group)),
         )
         # The sender's own report is listed too when it lands before the commit.
         assert sent.state == TransferState.COMMITTED and ROLLOUT in sent.confirmed
@@ -170,14 +197,14 @@ async def test_gloo_broadcast_moves_the_rollout_to_the_new_version(server, monke
 async def test_misshapen_broadcast_is_rejected_and_reported(server) -> None:
     bad = server.track.scaled(2.0)
     bad["model.layers.1.mlp.down_proj.weight"] = bad["model.layers.1.mlp.down_proj.weight"][:, :-1].contiguous()
-    async with cluster(server.address) as c:
+    async with cluster(server) as c:
         group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
         # The bare broadcast, which reports nothing: the synchronizer's verdict is the rollout's report.
         trainer = asyncio.ensure_future(
             asyncio.to_thread(send, spec_for(group, TRAINER), bad, bucket_bytes=BUCKET_BYTES)
         )
         details = await rejected(server, grpc.StatusCode.INVALID_ARGUMENT,
-                                 lambda rollout: update(rollout, 2, nccl_source(group, c.address)))
+                                 lambda rollout: update(rollout, 2, nccl_source(group)))
         assert "down_proj" in details
         with pytest.raises(Exception):  # noqa: B017 - the receiver left: an abort or gloo's broken pipe
             await asyncio.wait_for(trainer, 60)
@@ -187,7 +214,7 @@ async def test_misshapen_broadcast_is_rejected_and_reported(server) -> None:
 
 
 async def test_trainer_failure_aborts_the_update(server) -> None:
-    async with cluster(server.address) as c:
+    async with cluster(server) as c:
         group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
 
         async def trainer_gives_up() -> None:
@@ -200,7 +227,7 @@ async def test_trainer_failure_aborts_the_update(server) -> None:
 
         giving_up = asyncio.ensure_future(trainer_gives_up())
         details = await rejected(server, grpc.StatusCode.ABORTED,
-                                 lambda rollout: update(rollout, 2, nccl_source(group, c.address)))
+                                 lambda rollout: update(rollout, 2, nccl_source(group)))
         await giving_up
         assert "aborted" in details
         outcome = await c.client.get_transfer(group.group_id)
@@ -208,14 +235,14 @@ async def test_trainer_failure_aborts_the_update(server) -> None:
 
 
 async def test_missing_trainer_times_out_at_the_group_deadline(server) -> None:
-    async with cluster(server.address) as c:
+    async with cluster(server) as c:
         # Long enough for the rollout to find the group still pending on a busy machine.
         group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=4, backend="gloo")
         loop = asyncio.get_running_loop()
         started = loop.time()
         # This rank's rendezvous deadline or the synchronizer's sweep, whichever ends it first.
         await rejected(server, (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED),
-                       lambda rollout: update(rollout, 2, nccl_source(group, c.address)))
+                       lambda rollout: update(rollout, 2, nccl_source(group)))
         assert loop.time() - started < 30
         assert (await c.client.get_transfer(group.group_id)).state == TransferState.ABORTED
         assert await rollout_state(c.client) == State.RUNNING  # released from the transfer
@@ -223,28 +250,30 @@ async def test_missing_trainer_times_out_at_the_group_deadline(server) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: an nccl receive is possible")
 async def test_nccl_backend_without_cuda_is_a_failed_precondition(server) -> None:
-    async with cluster(server.address) as c:
+    async with cluster(server) as c:
         group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="nccl")
         details = await rejected(server, grpc.StatusCode.FAILED_PRECONDITION,
-                                 lambda rollout: update(rollout, 2, nccl_source(group, c.address)))
+                                 lambda rollout: update(rollout, 2, nccl_source(group)))
         assert "CUDA" in details and "gloo" in details
         outcome = await c.client.get_transfer(group.group_id)
         assert outcome.state == TransferState.ABORTED and "CUDA" in outcome.error
 
 
 async def test_stale_version_and_bad_requests_are_refused(server) -> None:
-    async with cluster(server.address) as c:
+    async with cluster(server) as c:
         group = await c.client.allocate_group(1, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
-        source = nccl_source(group, c.address)
+        source = nccl_source(group)
         details = await rejected(server, grpc.StatusCode.FAILED_PRECONDITION, lambda rollout: update(rollout, 1, source))
         assert "not newer" in details
         assert (await c.client.get_transfer(group.group_id)).state == TransferState.ABORTED  # reported: nobody waits
         group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
+        # The group is the one the rollout's own synchronizer knows by that id: it knows no other.
+        details = await rejected(server, grpc.StatusCode.NOT_FOUND,
+                                 lambda rollout: update(rollout, 2, pb.NcclSource(group_id="elsewhere", rank=1)))
+        assert "synchronizer" in details and "'elsewhere' is unknown" in details
         cases = {
-            "nccl.synchronizer_address": pb.NcclSource(group_id=group.group_id, rank=1),
-            "nccl.rank": pb.NcclSource(group_id=group.group_id, rank=5, synchronizer_address=c.address),
-            "nccl.world_size": pb.NcclSource(group_id=group.group_id, rank=1, world_size=7,
-                                             synchronizer_address=c.address),
+            "nccl.rank": pb.NcclSource(group_id=group.group_id, rank=5),
+            "nccl.world_size": pb.NcclSource(group_id=group.group_id, rank=1, world_size=7),
         }
         for field, source in cases.items():
             details = await rejected(server, grpc.StatusCode.INVALID_ARGUMENT, lambda rollout, s=source: update(rollout, 2, s))
@@ -253,16 +282,16 @@ async def test_stale_version_and_bad_requests_are_refused(server) -> None:
         assert (await c.client.get_transfer(group.group_id)).state == TransferState.ABORTED
         group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
         details = await rejected(server, grpc.StatusCode.INVALID_ARGUMENT,
-                                 lambda rollout: update(rollout, 3, nccl_source(group, c.address)))
+                                 lambda rollout: update(rollout, 3, nccl_source(group)))
         assert "carries version 2" in details
 
 
 async def test_caller_giving_up_stops_the_receive_and_reports_it(server) -> None:
-    async with cluster(server.address) as c:
+    async with cluster(server) as c:
         group = await c.client.allocate_group(2, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
         async with open_channel(server.address, token=TEST_TOKEN, max_attempts=1) as channel:
             rollout = pb_grpc.RolloutServiceStub(channel)
-            request = pb.UpdateWeightsRequest(version=2, nccl=nccl_source(group, c.address))
+            request = pb.UpdateWeightsRequest(version=2, nccl=nccl_source(group))
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await rollout.UpdateWeights(request, timeout=3)  # the controller's own deadline, say
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -279,7 +308,7 @@ async def test_caller_giving_up_stops_the_receive_and_reports_it(server) -> None
             rollout = pb_grpc.RolloutServiceStub(channel)
             sent, response = await asyncio.gather(
                 send_in_group(c.client, TRAINER, group, new, bucket_bytes=BUCKET_BYTES),
-                update(rollout, 2, nccl_source(group, c.address)),
+                update(rollout, 2, nccl_source(group)),
             )
             assert sent.state == TransferState.COMMITTED and response.weight_version == 2
             after = await greedy(rollout)

@@ -2,14 +2,19 @@
 test double) and CHECKPOINT updates change greedy outputs and bump the
 version; corrupt, misshapen and late updates leave the old weights serving
 bit for bit; an update racing 50 requests tags each answer with one version.
+A MEMORY update comes from the rollout's own synchronizer (`synchronizer.address`):
+from the product synchronizer too, and one without is refused.
 
 Tests run in file order on one server per engine; `Track` follows which
-weights it serves.
+weights it serves. That server's synchronizer is one test double for the
+module (its address is fixed when the server starts): each test adds the
+versions it serves and finds no version or knob of an earlier test.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +29,7 @@ from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
 from tests.conftest import TEST_TOKEN
-from tests.unit.rollout.fake_synchronizer import FakeSynchronizer
+from tests.unit.rollout.fake_synchronizer import FakeSynchronizer, running_in_thread
 from tests.unit.rollout.rollout_helpers import (
     ServerThread,
     engine_args,
@@ -57,18 +62,36 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("rollout-updates") / "model")
 
 
+@pytest.fixture(scope="module")
+def fake_sync() -> Iterator[FakeSynchronizer]:
+    """The module's synchronizer test double, up before the servers configured with its address."""
+    with running_in_thread() as fake:
+        yield fake
+
+
 @pytest.fixture(scope="module", params=ENGINES)
-def server(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def server(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+           fake_sync: FakeSynchronizer):
     need_engine(request.param)
     args = engine_args(request.param)
     if request.param == "vllm":
         args["enable_prefix_caching"] = True  # explicit: the prefix-cache test below needs it on
     # Checkpoints are sent from each test's tmp_path: all of them lie under the session's base.
     updates = {"checkpoint_root": str(tmp_path_factory.getbasetemp())}
-    srv = ServerThread(rollout_config(model_dir, request.param, engine={"args": args}, updates=updates)).start()
+    link = {"address": fake_sync.address, "component_id": f"rollout-{request.param}"}
+    config = rollout_config(model_dir, request.param, engine={"args": args}, updates=updates, synchronizer=link)
+    srv = ServerThread(config).start()
     srv.track = Track(model_dir, 0, load_file(str(model_dir / "model.safetensors")))
+    srv.engine_kind = request.param
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def sync(fake_sync: FakeSynchronizer) -> FakeSynchronizer:
+    """The servers' synchronizer double, holding no version or knob of an earlier test."""
+    fake_sync.reset()
+    return fake_sync
 
 
 async def greedy(rollout: pb_grpc.RolloutServiceStub) -> common_pb2.Sample:
@@ -80,28 +103,34 @@ async def update(rollout, version: int, **source) -> pb.UpdateWeightsResponse:
     return await rollout.UpdateWeights(pb.UpdateWeightsRequest(version=version, **source), timeout=120)
 
 
-async def test_memory_update_changes_outputs_and_bumps_the_version(server) -> None:
+async def eventually(check, timeout: float = 30.0) -> None:
+    """Waits until `check()` holds (what the rollout reports to its synchronizer arrives on its own)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "never happened"
+        await asyncio.sleep(0.05)
+
+
+async def test_memory_update_changes_outputs_and_bumps_the_version(server, sync: FakeSynchronizer) -> None:
     track: Track = server.track
     new = track.scaled(1.5)
-    sync = FakeSynchronizer()
     sync.add(1, new)
-    await sync.start()
-    try:
-        async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
-            rollout = pb_grpc.RolloutServiceStub(channel)
-            before = await greedy(rollout)
-            assert list(before.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS)
-            response = await update(rollout, 1, memory=pb.MemorySource(synchronizer_address=sync.address),
-                                    method=common_pb2.SYNC_METHOD_MEMORY)
-            assert response.weight_version == 1 and response.bytes == sum(t.nbytes for t in new.values())
-            assert response.pause_seconds > 0
-            after = await greedy(rollout)
-            assert list(after.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS, new)
-            assert list(after.completion_token_ids) != list(before.completion_token_ids)
-            assert (after.weight_version_start, after.weight_version_end) == (1, 1)
-            assert (await rollout.GetStatus(pb.GetStatusRequest())).weight_version == 1
-    finally:
-        await sync.stop()
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        before = await greedy(rollout)
+        assert list(before.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS)
+        response = await update(rollout, 1, memory=pb.MemorySource(), method=common_pb2.SYNC_METHOD_MEMORY)
+        assert response.weight_version == 1 and response.bytes == sum(t.nbytes for t in new.values())
+        assert response.pause_seconds > 0
+        after = await greedy(rollout)
+        assert list(after.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS, new)
+        assert list(after.completion_token_ids) != list(before.completion_token_ids)
+        assert (after.weight_version_start, after.weight_version_end) == (1, 1)
+        assert (await rollout.GetStatus(pb.GetStatusRequest())).weight_version == 1
+    assert sync.pulls == [1]  # from the rollout's own synchronizer, the request naming none
+    # ... which the rollout is registered with, and told of the version it serves now.
+    me = server.config.synchronizer.component_id
+    await eventually(lambda: me in sync.components and sync.components[me].weight_version == 1)
     track.version, track.state = 1, new
 
 
@@ -137,76 +166,58 @@ async def _rejected(server, code: grpc.StatusCode, version: int, **source) -> st
         return info.value.details()
 
 
-async def test_corrupt_chunk_is_rejected_and_old_weights_keep_serving(server) -> None:
-    sync = FakeSynchronizer()
+async def test_corrupt_chunk_is_rejected_and_old_weights_keep_serving(server, sync: FakeSynchronizer) -> None:
     sync.add(3, server.track.scaled(2.0))
     sync.corrupt[3] = 5
-    await sync.start()
-    try:
-        details = await _rejected(server, grpc.StatusCode.DATA_LOSS, 3,
-                                  memory=pb.MemorySource(synchronizer_address=sync.address))
-        assert "checksum" in details
-    finally:
-        await sync.stop()
+    details = await _rejected(server, grpc.StatusCode.DATA_LOSS, 3, memory=pb.MemorySource())
+    assert "checksum" in details
+    # The failure is reported to the rollout's synchronizer, the old version still served.
+    reports = lambda: [c for c in sync.state_changes if c.id == server.config.synchronizer.component_id]  # noqa: E731
+    await eventually(lambda: any("checksum" in c.reason for c in reports()))
+    assert [c.weight_version for c in reports()] == [server.track.version]
 
 
-async def test_wrong_shape_is_rejected_and_old_weights_keep_serving(server, tmp_path: Path) -> None:
+async def test_wrong_shape_is_rejected_and_old_weights_keep_serving(server, sync: FakeSynchronizer,
+                                                                     tmp_path: Path) -> None:
     bad = server.track.scaled(2.0)
     bad["model.layers.1.mlp.down_proj.weight"] = bad["model.layers.1.mlp.down_proj.weight"][:, :-1].contiguous()
-    sync = FakeSynchronizer()
     sync.add(3, bad)
-    await sync.start()
-    try:
-        details = await _rejected(server, grpc.StatusCode.INVALID_ARGUMENT, 3,
-                                  memory=pb.MemorySource(synchronizer_address=sync.address))
-        assert "down_proj" in details and "shape" in details
-    finally:
-        await sync.stop()
+    details = await _rejected(server, grpc.StatusCode.INVALID_ARGUMENT, 3, memory=pb.MemorySource())
+    assert "down_proj" in details and "shape" in details
     save_file(bad, str(tmp_path / "model.safetensors"))
     await _rejected(server, grpc.StatusCode.INVALID_ARGUMENT, 3, checkpoint=pb.CheckpointSource(path=str(tmp_path)))
 
 
-async def test_stalled_transfer_times_out_and_old_weights_keep_serving(server) -> None:
-    sync = FakeSynchronizer()
+async def test_stalled_transfer_times_out_and_old_weights_keep_serving(server, sync: FakeSynchronizer) -> None:
     sync.add(3, server.track.scaled(2.0))
     sync.stall[3] = 30
-    await sync.start()
-    try:
-        await _rejected(server, grpc.StatusCode.DEADLINE_EXCEEDED, 3,
-                        memory=pb.MemorySource(synchronizer_address=sync.address), timeout_seconds=1.0)
-    finally:
-        await sync.stop()
+    await _rejected(server, grpc.StatusCode.DEADLINE_EXCEEDED, 3, memory=pb.MemorySource(), timeout_seconds=1.0)
 
 
-async def test_update_racing_50_requests_tags_each_answer_with_one_version(server) -> None:
+async def test_update_racing_50_requests_tags_each_answer_with_one_version(server, sync: FakeSynchronizer) -> None:
     track: Track = server.track
     new = track.scaled(1.25)
     expected = {track.version: reference_greedy(track.model, PROMPT, STEPS, track.state),
                 3: reference_greedy(track.model, PROMPT, STEPS, new)}
     assert expected[track.version] != expected[3]
-    sync = FakeSynchronizer()
     sync.add(3, new)
-    await sync.start()
-    try:
-        async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
-            rollout = pb_grpc.RolloutServiceStub(channel)
-            requests = [asyncio.ensure_future(greedy(rollout)) for _ in range(25)]
-            while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
-                await asyncio.sleep(0.005)
-            updating = asyncio.ensure_future(update(rollout, 3, memory=pb.MemorySource(synchronizer_address=sync.address)))
-            # Requests keep arriving for as long as the update takes (the engine may stage the new
-            # version for a while before it pauses; on a loaded machine 25 requests 5 ms apart all
-            # arrived before the pause), and a few after it.
-            for arrived in range(1000):
-                if arrived >= 25 and updating.done():
-                    break
-                requests.append(asyncio.ensure_future(greedy(rollout)))
-                await asyncio.sleep(0.005 if arrived < 25 else 0.1)
-            requests += [asyncio.ensure_future(greedy(rollout)) for _ in range(3)]
-            response = await updating
-            samples = await asyncio.gather(*requests)
-    finally:
-        await sync.stop()
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        requests = [asyncio.ensure_future(greedy(rollout)) for _ in range(25)]
+        while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
+            await asyncio.sleep(0.005)
+        updating = asyncio.ensure_future(update(rollout, 3, memory=pb.MemorySource()))
+        # Requests keep arriving for as long as the update takes (the engine may stage the new
+        # version for a while before it pauses; on a loaded machine 25 requests 5 ms apart all
+        # arrived before the pause), and a few after it.
+        for arrived in range(1000):
+            if arrived >= 25 and updating.done():
+                break
+            requests.append(asyncio.ensure_future(greedy(rollout)))
+            await asyncio.sleep(0.005 if arrived < 25 else 0.1)
+        requests += [asyncio.ensure_future(greedy(rollout)) for _ in range(3)]
+        response = await updating
+        samples = await asyncio.gather(*requests)
     assert response.weight_version == 3
     seen = set()
     for sample in samples:
@@ -239,20 +250,54 @@ async def test_keep_mode_update_continues_requests_across_versions(server, tmp_p
 
 
 async def test_memory_update_from_the_real_synchronizer(server, run_service) -> None:
+    """A rollout of the same engine configured with the product synchronizer (a process of its
+    own; the module's server has the double) pulls a version pushed there, and the synchronizer
+    then lists the rollout on it. The module's server and its `Track` are left alone."""
     from flywheel.synchronizer.client import SynchronizerClient
+    from flywheel.synchronizer.types import Role
 
     track: Track = server.track
     new = track.scaled(1.1)
     synchronizer = run_service("synchronizer")
-    async with SynchronizerClient(synchronizer.grpc_address, token=TEST_TOKEN) as sync:
-        await sync.push_weights(new, 5)
-    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
-        rollout = pb_grpc.RolloutServiceStub(channel)
-        response = await update(rollout, 5, memory=pb.MemorySource(synchronizer_address=synchronizer.grpc_address))
-        assert response.weight_version == 5
-        after = await greedy(rollout)
+    config = rollout_config(track.model, server.engine_kind, engine={"args": dict(server.config.engine.args)},
+                            synchronizer={"address": synchronizer.grpc_address})
+    own = ServerThread(config).start()  # registered with the synchronizer once it serves
+    try:
+        async with SynchronizerClient(synchronizer.grpc_address, token=TEST_TOKEN) as sync:
+            await sync.push_weights(new, 5)  # after the rollout started: it pulls only when asked
+            async with open_channel(own.address, token=TEST_TOKEN, default_timeout=120) as channel:
+                rollout = pb_grpc.RolloutServiceStub(channel)
+                assert (await rollout.GetStatus(pb.GetStatusRequest())).weight_version == 0
+                response = await update(rollout, 5, memory=pb.MemorySource())
+                assert response.weight_version == 5
+                after = await greedy(rollout)
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:  # the rollout reports the version it serves to its synchronizer
+                rollouts = [c for c in (await sync.status()).components if c.identity.role == Role.ROLLOUT]
+                if [c.weight_version for c in rollouts] == [5] or asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            assert [c.weight_version for c in rollouts] == [5], rollouts
+    finally:
+        own.stop()
     assert list(after.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS, new)
-    track.version, track.state = 5, new
+    assert (after.weight_version_start, after.weight_version_end) == (5, 5)
+
+
+async def test_memory_update_without_a_synchronizer_is_refused_and_old_weights_keep_serving(model_dir: Path) -> None:
+    """MEMORY and NCCL updates come from the rollout's own synchronizer, which a request cannot
+    name: a rollout with no `synchronizer.address` refuses them (FAILED_PRECONDITION, naming the
+    setting) and serves its weights unchanged. The refusal is the service's, before any engine
+    work: the transformers engine shows it."""
+    standalone = ServerThread(rollout_config(model_dir, "transformers")).start()
+    standalone.track = Track(model_dir, 0, load_file(str(model_dir / "model.safetensors")))
+    try:
+        for source in ({"memory": pb.MemorySource(), "method": common_pb2.SYNC_METHOD_MEMORY},
+                       {"nccl": pb.NcclSource(group_id="g", rank=1)}):
+            details = await _rejected(standalone, grpc.StatusCode.FAILED_PRECONDITION, 1, **source)
+            assert "synchronizer.address" in details, details
+    finally:
+        standalone.stop()
 
 
 async def test_an_update_of_the_tied_embedding_alone_reaches_the_output_head(server, tmp_path: Path) -> None:

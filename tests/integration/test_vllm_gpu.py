@@ -27,7 +27,7 @@ from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
 from tests.conftest import TEST_TOKEN
 from tests.integration.test_rollout_nccl_update import (
-    BUCKET_BYTES, PROMPT, ROLLOUT, STEPS, TRAINER, cluster, greedy, nccl_source, update,
+    BUCKET_BYTES, PROMPT, ROLLOUT, STEPS, TRAINER, cluster, greedy, linked_server, nccl_source, update,
 )
 from tests.unit.rollout.rollout_helpers import ServerThread, need_engine, reference_greedy, rollout_config
 
@@ -68,27 +68,28 @@ async def transfer_update(server: ServerThread, model_dir: Path, version: int, b
     """Allocates a group with `backend`, runs the trainer in a child process, updates the rollout; checks greedy."""
     from dataclasses import asdict
 
-    async with cluster(server.address) as c, open_channel(server.address, token=TEST_TOKEN) as channel:
+    async with cluster(server) as c, open_channel(server.address, token=TEST_TOKEN) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)
         group = await c.client.allocate_group(version, TRAINER, [ROLLOUT], timeout_seconds=120, backend=backend)
         trainer = multiprocessing.get_context("spawn").Process(
             target=_trainer_sends, args=(asdict(group), trainer_device, str(model_dir), factor, c.address))
         trainer.start()
         try:
-            response = await update(rollout, version, nccl_source(group, c.address))
+            response = await update(rollout, version, nccl_source(group))
         finally:
             await asyncio.to_thread(trainer.join, 120)
         assert response.weight_version == version
         after = await greedy(rollout)
         assert list(after.completion_token_ids) == reference_greedy(model_dir, PROMPT, STEPS, scaled(model_dir, factor))
+    server.track.version = version
 
 
 @pytest.fixture
 def one_gpu_server(model_dir: Path):
+    """The vLLM rollout, configured with a synchronizer of its own (started with it)."""
     need_engine("vllm")
-    server = ServerThread(rollout_config(model_dir, "vllm")).start()
-    yield server
-    server.stop()
+    with linked_server(lambda link: rollout_config(model_dir, "vllm", synchronizer=link)) as server:
+        yield server
 
 
 @gpus(1)
@@ -104,27 +105,27 @@ async def test_a_trainer_on_another_gpu_broadcasts_to_vllms_worker_over_nccl(one
 @gpus(2)
 async def test_with_tensor_parallelism_both_update_paths_reach_every_shard(model_dir: Path) -> None:
     from tests.integration.test_vllm_weight_transfer import push
-    from services.synchronizer.embedded import embedded_synchronizer
     from flywheel.common.v1 import common_pb2
     from flywheel.rollout.v1 import rollout_pb2 as pb
 
     need_engine("vllm")
-    config = rollout_config(model_dir, "vllm")
-    config.engine.args["tensor_parallel_size"] = 2
-    server = ServerThread(config).start()
-    try:
-        # MEMORY: each worker pulls the version and loads its shard.
-        async with embedded_synchronizer(server={"auth_token": TEST_TOKEN}) as sync:
-            new = scaled(model_dir, 0.7)
-            await push(sync.address, new, 1)
-            async with open_channel(server.address, token=TEST_TOKEN) as channel:
-                rollout = pb_grpc.RolloutServiceStub(channel)
-                request = pb.UpdateWeightsRequest(version=1, method=common_pb2.SYNC_METHOD_MEMORY,
-                                                  memory=pb.MemorySource(synchronizer_address=sync.address))
-                assert (await rollout.UpdateWeights(request, timeout=300)).weight_version == 1
-                after = await greedy(rollout)
-                assert list(after.completion_token_ids) == reference_greedy(model_dir, PROMPT, STEPS, new)
+
+    def config_of(link: dict):
+        config = rollout_config(model_dir, "vllm", synchronizer=link)
+        config.engine.args["tensor_parallel_size"] = 2
+        return config
+
+    with linked_server(config_of) as server:
+        # MEMORY, from the rollout's own synchronizer: each worker pulls the version and loads its shard.
+        new = scaled(model_dir, 0.7)
+        await push(server.sync_address, new, 1)
+        async with open_channel(server.address, token=TEST_TOKEN) as channel:
+            rollout = pb_grpc.RolloutServiceStub(channel)
+            request = pb.UpdateWeightsRequest(version=1, method=common_pb2.SYNC_METHOD_MEMORY,
+                                              memory=pb.MemorySource())
+            assert (await rollout.UpdateWeights(request, timeout=300)).weight_version == 1
+            after = await greedy(rollout)
+            assert list(after.completion_token_ids) == reference_greedy(model_dir, PROMPT, STEPS, new)
+        server.track.version = 1
         # A transfer group: one rank per replica, so the service receives and shares with both workers.
         await transfer_update(server, model_dir, 2, "nccl", "cuda:1", 1.3)
-    finally:
-        server.stop()

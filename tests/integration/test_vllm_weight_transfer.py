@@ -11,6 +11,12 @@ weight-transfer engine, in vLLM's worker process, without a weight file:
 * vLLM's own API, without the rollout service, updates from an update info
   naming a synchronizer and a version, and refuses a corrupt one.
 
+A rollout pulls from its own synchronizer (`synchronizer.address`): the
+module's rollout is configured with the real synchronizer (a process of its
+own, started first, its segments in a directory of the module's); the
+corrupt stream comes from a rollout configured with a synchronizer test
+double.
+
 Spies are installed before vLLM forks its engine core, so they run in the
 worker too, and write what they saw to a log the test reads.
 """
@@ -34,8 +40,9 @@ from flywheel.models.tiny import build_tiny_model
 from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
+from flywheel.launcher.processes import ServiceProcess, start_service
 from tests.conftest import TEST_TOKEN
-from tests.unit.rollout.fake_synchronizer import FakeSynchronizer
+from tests.unit.rollout.fake_synchronizer import FakeSynchronizer, running_in_thread
 from tests.unit.rollout.rollout_helpers import (
     ServerThread, need_engine, reference_greedy, reference_logprobs, rollout_config,
 )
@@ -121,11 +128,38 @@ def spy_log(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, spy_log: Path) -> Iterator[ServerThread]:
+def segment_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the module's synchronizer keeps its shared-memory segments."""
+    return tmp_path_factory.mktemp("segments")
+
+
+@pytest.fixture(scope="module")
+def synchronizer(tmp_path_factory: pytest.TempPathFactory, segment_dir: Path,
+                 spy_log: Path) -> Iterator[ServiceProcess]:
+    """The product synchronizer, a process of its own (spied like any process started now)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env["FLYWHEEL_AUTH_TOKEN"] = TEST_TOKEN
+    child = start_service("synchronizer", tmp_path_factory.mktemp("synchronizer-run"),
+                          ["--shared-memory-dir", str(segment_dir)], env)
+    try:
+        child.wait_ready(120)
+        yield child
+    finally:
+        child.stop()
+
+
+def start_server(model_dir: Path, sync_address: str) -> ServerThread:
+    """The vLLM rollout configured with the synchronizer at `sync_address`, on its base weights."""
     need_engine("vllm")
-    srv = ServerThread(rollout_config(model_dir, "vllm")).start()
+    srv = ServerThread(rollout_config(model_dir, "vllm", synchronizer={"address": sync_address})).start()
     srv.version = 0
     srv.state = load_file(str(model_dir / "model.safetensors"))
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, spy_log: Path, synchronizer: ServiceProcess) -> Iterator[ServerThread]:
+    srv = start_server(model_dir, synchronizer.grpc_address)
     yield srv
     srv.stop()
 
@@ -158,12 +192,27 @@ async def push(address: str, state: dict[str, torch.Tensor], version: int) -> No
         await sync.push_weights(state, version)
 
 
+async def segment_of(address: str, version: int) -> Path:
+    """The shared-memory segment the synchronizer holds `version` in: the file a reader on its
+    host is told to map (segments are reused from version to version)."""
+    from flywheel.synchronizer.v1 import synchronizer_pb2 as spb
+    from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as spb_grpc
+
+    async with open_channel(address, token=TEST_TOKEN, default_timeout=60) as channel:
+        call = spb_grpc.SynchronizerServiceStub(channel).PullWeights(
+            spb.PullWeightsRequest(version=version, shared_memory=True))
+        try:
+            async for response in call:
+                if response.HasField("segment"):
+                    return Path(response.segment.path)
+        finally:
+            call.cancel()
+    raise AssertionError(f"version {version} is not served from a shared-memory segment")
+
+
 async def test_memory_update_from_segments_goes_through_the_registered_engine_and_writes_no_file(
-    server: ServerThread, run_service, tmp_path: Path, spy_log: Path, model_dir: Path,
+    server: ServerThread, synchronizer: ServiceProcess, segment_dir: Path, spy_log: Path, model_dir: Path,
 ) -> None:
-    segment_dir = tmp_path / "segments"
-    segment_dir.mkdir()
-    synchronizer = run_service("synchronizer", "--shared-memory-dir", str(segment_dir))
     new = scaled(model_dir, 1.2)
     await push(synchronizer.grpc_address, new, 1)
     assert any(name.startswith(SEGMENT_PREFIX) for name in listing(segment_dir)), "the version must be in a segment"
@@ -172,8 +221,8 @@ async def test_memory_update_from_segments_goes_through_the_registered_engine_an
     async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)
         before = await greedy(rollout)
-        response = await rollout.UpdateWeights(pb.UpdateWeightsRequest(
-            version=1, memory=pb.MemorySource(synchronizer_address=synchronizer.grpc_address)), timeout=120)
+        response = await rollout.UpdateWeights(pb.UpdateWeightsRequest(version=1, memory=pb.MemorySource()),
+                                               timeout=120)
         assert response.weight_version == 1 and response.bytes == sum(t.nbytes for t in new.values())
         after = await greedy(rollout)
         assert (await rollout.GetStatus(pb.GetStatusRequest())).weight_version == 1
@@ -198,14 +247,15 @@ async def test_memory_update_from_segments_goes_through_the_registered_engine_an
     server.version, server.state = 1, new
 
 
-async def _rejected(server: ServerThread, address: str, version: int) -> str:
-    """A MEMORY update that must fail DATA_LOSS and leave the served weights exactly as they were."""
+async def _rejected(server: ServerThread, version: int) -> str:
+    """A MEMORY update (from the server's synchronizer) that must fail DATA_LOSS and leave the
+    served weights exactly as they were."""
     async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120, max_attempts=1) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)
         before = await greedy(rollout)
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await rollout.UpdateWeights(pb.UpdateWeightsRequest(
-                version=version, memory=pb.MemorySource(synchronizer_address=address)), timeout=120)
+            await rollout.UpdateWeights(pb.UpdateWeightsRequest(version=version, memory=pb.MemorySource()),
+                                        timeout=120)
         assert info.value.code() == grpc.StatusCode.DATA_LOSS, info.value.details()
         after = await greedy(rollout)
         status = await rollout.GetStatus(pb.GetStatusRequest())
@@ -217,39 +267,37 @@ async def _rejected(server: ServerThread, address: str, version: int) -> str:
 
 
 async def test_a_corrupt_byte_in_a_segment_rejects_the_update_whole(
-    server: ServerThread, run_service, tmp_path: Path, spy_log: Path, model_dir: Path,
+    server: ServerThread, synchronizer: ServiceProcess, segment_dir: Path, spy_log: Path, model_dir: Path,
 ) -> None:
-    segment_dir = tmp_path / "segments"
-    segment_dir.mkdir()
-    synchronizer = run_service("synchronizer", "--shared-memory-dir", str(segment_dir))
     version = server.version + 1
     await push(synchronizer.grpc_address, scaled(model_dir, 0.8), version)
-    segments = [p for p in segment_dir.iterdir() if p.name.startswith(SEGMENT_PREFIX)]
-    assert len(segments) == 1
-    with open(segments[0], "r+b") as fh:  # the synchronizer maps it shared: it serves the flipped byte
-        fh.seek(4096 + (segments[0].stat().st_size - 4096) // 2)
+    segment = await segment_of(synchronizer.grpc_address, version)
+    assert segment.parent == segment_dir and segment.name.startswith(SEGMENT_PREFIX)
+    with open(segment, "r+b") as fh:  # the synchronizer maps it shared: it serves the flipped byte
+        fh.seek(4096 + (segment.stat().st_size - 4096) // 2)
         byte = fh.read(1)
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([byte[0] ^ 0x01]))
     logged = len(events(spy_log))
-    details = await _rejected(server, synchronizer.grpc_address, version)
+    details = await _rejected(server, version)
     assert "checksum" in details
     assert not [e for e in events(spy_log)[logged:] if e["event"] == "loaded"], "nothing may be loaded"
 
 
-async def test_a_corrupt_byte_in_the_stream_rejects_the_update_whole(
-    server: ServerThread, spy_log: Path, model_dir: Path,
-) -> None:
-    sync = FakeSynchronizer()
-    version = server.version + 1
-    sync.add(version, scaled(model_dir, 1.4))
-    sync.corrupt[version] = 7
-    await sync.start()
-    try:
-        logged = len(events(spy_log))
-        details = await _rejected(server, sync.address, version)
-    finally:
-        await sync.stop()
+async def test_a_corrupt_byte_in_the_stream_rejects_the_update_whole(spy_log: Path, model_dir: Path) -> None:
+    """A rollout of its own, configured with a synchronizer test double that flips a byte of
+    one chunk (the double serves no shared memory: the bytes travel in the stream)."""
+    with running_in_thread() as sync:
+        own = start_server(model_dir, sync.address)
+        try:
+            version = own.version + 1
+            sync.add(version, scaled(model_dir, 1.4))
+            sync.corrupt[version] = 7
+            logged = len(events(spy_log))
+            details = await _rejected(own, version)
+        finally:
+            own.stop()
+    assert set(sync.pulls) == {version}  # from the rollout's own synchronizer
     assert "checksum" in details
     assert not [e for e in events(spy_log)[logged:] if e["event"] == "loaded"], "nothing may be loaded"
 

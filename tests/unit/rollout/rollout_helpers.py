@@ -1,12 +1,15 @@
 """Test helpers for the rollout service: a server on its own thread, engine
-settings that keep vLLM-on-CPU small, and a transformers reference."""
+settings that keep vLLM-on-CPU small, a transformers reference, and the
+product synchronizer on a thread of its own (for a rollout configured with
+its address once per test module)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,45 @@ def need_engine(kind: str) -> None:
         import pytest
 
         pytest.importorskip("vllm")
+
+
+class LoopThread:
+    """An event loop running on a thread of its own. A server started there outlives each
+    test's event loop (pytest-asyncio gives every test a fresh one), so a module-scoped fixture
+    can start it once, before the rollout that is configured with its address."""
+
+    def __init__(self, name: str = "test-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
+        """Runs `coro` on the loop and returns its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+@contextlib.contextmanager
+def synchronizer_thread(**fields: Any) -> Iterator[Any]:
+    """The product synchronizer (`embedded_synchronizer`, the test token required; `fields`:
+    SynchronizerConfig fields) served on a `LoopThread` until the block exits."""
+    from services.synchronizer.embedded import embedded_synchronizer
+
+    loop = LoopThread("synchronizer")
+    serving = embedded_synchronizer(server={"auth_token": TEST_TOKEN}, **fields)
+    try:
+        sync = loop.run(serving.__aenter__())
+        try:
+            yield sync
+        finally:
+            loop.run(serving.__aexit__(None, None, None))
+    finally:
+        loop.close()
 
 
 class ServerThread:
