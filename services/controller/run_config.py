@@ -215,9 +215,28 @@ class PoolConfig(StrictModel):
 
 
 class StalenessConfig(StrictModel):
+    """How the bound on a trained sample's staleness (batch-async: `threshold`; sync: the schedule's lag) is kept.
+
+    `drop` batches finished groups in completion order and drops a group that finished too late for the
+    bound, retrying its task: its rollout compute is lost, and since the groups that finish late are the
+    long answers, training leans towards short ones (and a prompt whose answers are always long may be
+    retried again and again). `pace` orders finished groups into batches by deadline (the last version
+    each may be trained at) and closes a batch only when every group still in flight can meet its own,
+    waiting for a straggler when it could not: no finished group goes over the bound, none is thrown
+    away, and the lengths trained are the lengths generated (services/controller/processor.py). The
+    price is trainer idle time while it waits: with a long-tailed generation time and threshold 1 it
+    may double (tests/unit/controller/test_controller_pacing.py measures both), so pace is not strictly
+    better and `drop` stays the default; sync mode neither drops nor waits under either. `correct`
+    trains late groups with the trainer's truncated importance-sampling correction instead
+    (algorithm.loss.is_cap).
+    """
+
     threshold: int = Field(1, ge=0, description="batch-async: most versions a trained sample may lag the trainer")
-    policy: Literal["drop", "correct"] = Field(
-        "drop", description="samples over the threshold: drop (task retried) or train with IS correction"
+    policy: Literal["drop", "pace", "correct"] = Field(
+        "drop", description="keeping the bound: drop (batch groups in completion order; a group over the bound is "
+        "dropped and its task retried), pace (batch groups by deadline and wait for a late group rather than drop "
+        "it: nothing is lost, no length bias, some trainer idle time) or correct (train late groups with IS "
+        "correction)"
     )
 
 
