@@ -36,6 +36,9 @@ from services.controller.workers.base import RolloutWorker
 
 log = logging.getLogger(__name__)
 
+#: How often slots with nothing left to run check whether the data is done (see `_wait_for_work`).
+DATA_DONE_POLL_SECONDS = 0.5
+
 
 class RolloutManager:
     def __init__(
@@ -145,7 +148,13 @@ class RolloutManager:
                 self.pool.close()
                 self.gate.close()
             return False
-        await self._changed.wait()
+        # The processor empties the pool without telling us: look again now and then, or
+        # the last groups of a data set that is not a multiple of the batch size, held
+        # in a partial batch until the pool closes, would wait for each other forever.
+        try:
+            await asyncio.wait_for(self._changed.wait(), DATA_DONE_POLL_SECONDS)
+        except TimeoutError:
+            pass
         return True
 
     async def _run(self, task: Task) -> RolloutOutcome:

@@ -17,6 +17,7 @@ import random
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -261,3 +262,24 @@ def test_length_buckets_and_nearest_rank_percentiles() -> None:
         "staleness/age_samples/len_le_1024": 1.0,
     }
 
+
+# -- the end of the data ----------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["drop", "pace"])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_a_data_set_that_is_not_a_multiple_of_the_batch_ends_the_run(policy: str, drop_last: bool) -> None:
+    # 30 tasks, batches of 4: the last 2 wait in a partial batch until the pool closes, which needs
+    # the slots to see the pool empty. With one slot, it looks right after pooling the last group,
+    # before the processor takes it (and the processor takes it without telling the slots).
+    cfg = config(
+        mode="batch-async", staleness={"threshold": 0, "policy": policy},
+        worker={"group_size": 1, "max_in_flight": 1}, algorithm={"train_batch_size": 4},
+        data={"train": {"items": items(30)}, "drop_last": drop_last}, run={"max_steps": 20},
+    )
+    p, trainer, _ = simulated_pipeline(cfg, seed=44, gen_sigma=1.0)
+
+    async def bounded():
+        return await asyncio.wait_for(run(p), 300)  # virtual seconds: a hang fails, it does not spin
+
+    summary = run_virtual(bounded())
+    assert summary.stop_reason == "data exhausted"
+    assert summary.samples == (28 if drop_last else 30)
