@@ -24,7 +24,8 @@ How groups are ordered into batches depends on `staleness.policy`:
 - `pace` (with a bound): by deadline. A group's *deadline* is the last
   batch version it may join without going over the bound: `oldest start
   version + limit` once it finished, its planned version (staleness.py)
-  while it is in flight. Finished groups wait in the processor; batch V is
+  while it is in flight, plus `in_flight_slack` when rollouts are started
+  fewer versions ahead than the bound allows (staleness.lookahead). Finished groups wait in the processor; batch V is
   closed with the B samples of earliest deadline (ties: completion order),
   and only when what is left, with every group still in flight, can still
   meet its deadline in batches V+1, V+2, ...: for every d, the samples with
@@ -114,6 +115,7 @@ class AlgorithmProcessor:
         group_size: int,
         staleness_limit: int | None,
         stale_policy: str = "drop",
+        in_flight_slack: int = 0,
         drop_last: bool = True,
         requeue: Callable[[Task], None],
         finish: Callable[[str], None],
@@ -131,6 +133,8 @@ class AlgorithmProcessor:
         self.groups_accepted = 0
         #: Pacing: a bound to pace by (policy pace with a staleness limit).
         self.paced = stale_policy == "pace" and staleness_limit is not None
+        #: Pacing: versions a group in flight may slip past its planned batch (RunConfig.pace_slack).
+        self.in_flight_slack = in_flight_slack
         #: Pacing: times a batch waited for an in-flight straggler, and the time spent waiting.
         self.pace_waits = 0
         self.pace_wait_seconds = 0.0
@@ -271,7 +275,7 @@ class AlgorithmProcessor:
             rest[h.deadline] += len(h.group)
         rest[chosen[-1].deadline] += n - b  # the part of a group that does not fit stays
         for planned in self.gate.in_flight():
-            rest[planned.version] += planned.samples
+            rest[planned.version + self.in_flight_slack] += planned.samples
         latest = max(h.deadline for h in chosen)
         later = 0
         for deadline in sorted(rest):

@@ -229,9 +229,20 @@ class StalenessConfig(StrictModel):
     better and `drop` stays the default; sync mode neither drops nor waits under either. `correct`
     trains late groups with the trainer's truncated importance-sampling correction instead
     (algorithm.loss.is_cap).
+
+    `lookahead` below `threshold` buys pace its slack: rollouts start at most `lookahead` versions
+    ahead (so samples are about as fresh as with threshold = lookahead), and a group that runs long
+    may still be trained up to `threshold` versions late before the trainer waits for it. On the
+    skewed mix above, pace with lookahead 1 and threshold 2 keeps the mean age near 1, drops nothing
+    and idles about as much as drop with threshold 1 (0.19 vs 0.17).
     """
 
     threshold: int = Field(1, ge=0, description="batch-async: most versions a trained sample may lag the trainer")
+    lookahead: int | None = Field(
+        None, ge=0, description="batch-async: most versions ahead of the trainer a rollout may be started for (how "
+        "far replicas may lag); default threshold. Below it, groups keep threshold - lookahead versions of slack, "
+        "which policy pace uses before it waits for a late group"
+    )
     policy: Literal["drop", "pace", "correct"] = Field(
         "drop", description="keeping the bound: drop (batch groups in completion order; a group over the bound is "
         "dropped and its task retried), pace (batch groups by deadline and wait for a late group rather than drop "
@@ -387,14 +398,21 @@ class RunConfig(StrictModel):
                 )
         if self.mode != "batch-async":
             return
+        lookahead = self.staleness.lookahead
+        if lookahead is not None and lookahead > self.staleness.threshold:
+            raise ValueError(
+                f"staleness.lookahead ({lookahead}) must be <= staleness.threshold ({self.staleness.threshold})"
+            )
         if s.style == "fixed":
             lag, why = s.offset + s.interval - 1, "sync.offset + sync.interval - 1"
         else:
             lag, why = s.interval + 1, "sync.interval + 1"
-        if self.staleness.threshold < lag:
+        name, bound = ("staleness.lookahead", lookahead) if lookahead is not None else (
+            "staleness.threshold", self.staleness.threshold)
+        if bound < lag:
             raise ValueError(
-                f"staleness.threshold ({self.staleness.threshold}) must be >= {why} ({lag}): "
-                "rollouts cannot be fresher than the schedule moves their weights"
+                f"{name} ({bound}) must be >= {why} ({lag}): rollouts cannot be fresher than the schedule moves "
+                "their weights"
             )
 
     # Resolved defaults, so every component reads the same value.
@@ -434,10 +452,22 @@ class RunConfig(StrictModel):
     @property
     def dispatch_lookahead(self) -> int | None:
         """How many batches past the trainer's version rollouts may be started for (the
-        staleness gate's limit): sync mode none (lockstep), batch-async the threshold."""
+        staleness gate's limit, and how far a replica may lag): sync mode none (lockstep),
+        batch-async staleness.lookahead, by default the threshold."""
         if self.mode == "sync":
             return 0
+        if self.mode == "batch-async" and self.staleness.lookahead is not None:
+            return self.staleness.lookahead
         return self.staleness_limit
+
+    @property
+    def pace_slack(self) -> int:
+        """Versions a group in flight may still slip past the batch it was planned into and
+        stay within the bound: its replica serves weights at most dispatch_lookahead behind that
+        batch (batch-async), or the schedule's due version (sync: no slack)."""
+        if self.mode == "batch-async":
+            return self.staleness.threshold - (self.dispatch_lookahead or 0)
+        return 0
 
 
 def _format(exc: ValidationError, origin: str) -> str:

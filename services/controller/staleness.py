@@ -21,9 +21,10 @@ Each admitted group is *planned* into the batch of its position
 a rollout replica generates it on weights at least `planned - limit`
 (batch-async's STALENESS wait; sync mode's due version; standalone, the
 replicas are already there at admission). So the planned version is the
-latest batch the group may join without going over the bound: its
-*deadline*, known before it finishes; once it finishes, its real deadline is
-`oldest start version + limit`, never earlier. The gate keeps the deadlines
+latest batch the group may join without going over the bound (later by
+`threshold - limit` when the gate's limit, staleness.lookahead, is below the
+bound): its *deadline*, known before it finishes; once it finishes, its real
+deadline is `oldest start version + bound`, never earlier. The gate keeps the deadlines
 of the groups still in flight (`in_flight()`), which is what lets the
 processor pace assembly (staleness.policy: pace, processor.py): it never
 closes a batch that would leave a group unable to make its deadline.

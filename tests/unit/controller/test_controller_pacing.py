@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flywheel.runtime.config import ConfigError
 from services.controller.domain import Task, Trajectory
 from services.controller.loop import run
 from services.controller.metrics_log import JsonlSink
@@ -53,10 +54,10 @@ def long_tail(engines: list[SimulatedRolloutEngine], seed: int, *, median_tokens
 
 
 def skewed_run(policy: str, seed: int, tmp_path: Path, *, mode: str = "batch-async", threshold: int = 1,
-               steps: int = 30):
+               lookahead: int | None = None, steps: int = 30):
     cfg = config(
         mode=mode,
-        staleness={"threshold": threshold, "policy": policy},
+        staleness={"threshold": threshold, "policy": policy, "lookahead": lookahead},
         worker={"group_size": 4, "max_in_flight": 16, "max_retries": 50, "sampling": {"max_tokens": 1024}},
         algorithm={"train_batch_size": 16},
         data={"train": {"items": items(2000)}},
@@ -64,7 +65,7 @@ def skewed_run(policy: str, seed: int, tmp_path: Path, *, mode: str = "batch-asy
     )
     p, trainer, engines = simulated_pipeline(cfg, seed=seed, gen_sigma=0, train_mean=0.05, replicas=2)
     long_tail(engines, seed)
-    path = tmp_path / f"{policy}-{mode}-{seed}" / "metrics.jsonl"
+    path = tmp_path / f"{policy}-{mode}-{threshold}-{lookahead}-{seed}" / "metrics.jsonl"
     p.metrics.add(JsonlSink(path))
     summary = run_virtual(run(p))
     assert summary.steps == steps, summary.stop_reason
@@ -108,6 +109,22 @@ def test_pacing_drops_no_late_group_where_drop_does(tmp_path: Path) -> None:
     # (docs in run_config.StalenessConfig): pace 0.29-0.37, drop 0.15-0.20.
     mean = {k: sum(v) / len(v) for k, v in idle.items()}
     assert mean["pace"] < 2.5 * mean["drop"] + 0.05, mean
+
+
+def test_slack_below_the_bound_lets_pacing_wait_less(tmp_path: Path) -> None:
+    # Rollouts start at most 1 version ahead, as with threshold 1, but a long one may be trained
+    # 2 versions late before the trainer waits for it.
+    idle, mean_age = [], []
+    for seed in SEEDS:
+        p, trainer, summary, rows = skewed_run("pace", seed, tmp_path, threshold=2, lookahead=1)
+        assert p.gate.limit == 1 and p.processor.in_flight_slack == 1
+        assert not any(p.processor.dropped.values()) and p.rollouts.stats["requeued"] == 0
+        assert max(ages(trainer)) <= 2
+        idle.append(summary.trainer_idle_fraction)
+        mean_age.append(sum(ages(trainer)) / len(ages(trainer)))
+    # Measured: idle 0.14-0.27, mean 0.19 (pace with threshold 1: mean 0.33; drop: 0.17), mean age 0.96.
+    assert sum(idle) / len(idle) < 0.25, idle
+    assert sum(mean_age) / len(mean_age) < 1.1, mean_age
 
 
 def test_the_age_by_length_report_is_in_metrics_jsonl(tmp_path: Path) -> None:
@@ -181,12 +198,13 @@ def _sample(i: int, version: int) -> list[Trajectory]:
                        version_start=version, version_end=version, reward=1.0)]
 
 
-def _paced(gate: StalenessGate) -> tuple[PoolInstance, TrainBatchPool, AlgorithmProcessor]:
+def _paced(gate: StalenessGate, limit: int = 1) -> tuple[PoolInstance, TrainBatchPool, AlgorithmProcessor]:
     pool = PoolInstance(SimpleStore(), capacity=100)
     out = TrainBatchPool(maxsize=4)
     processor = AlgorithmProcessor(
-        pool, lambda g: None, gate, out, batch_size=2, group_size=1, staleness_limit=1, stale_policy="pace",
-        requeue=lambda task: None, finish=lambda task_id: None,
+        pool, lambda g: None, gate, out, batch_size=2, group_size=1, staleness_limit=limit, stale_policy="pace",
+        in_flight_slack=limit - (gate.limit or 0), drop_last=False, requeue=lambda task: None,
+        finish=lambda task_id: None,
     )
     return pool, out, processor
 
@@ -245,6 +263,32 @@ async def test_a_straggler_given_up_lets_the_batch_close_with_what_finished() ->
     assert out.get_nowait() is None and not processor.dropped
 
 
+async def test_with_slack_a_batch_does_not_wait_for_a_group_that_may_still_go_later() -> None:
+    # Gate limit (lookahead) 1, bound 2: a group planned into batch 1 may be trained at version 2.
+    gate = StalenessGate(batch_size=2, limit=1, base_version=1, rollout_version=0)
+    pool, out, processor = _paced(gate, limit=2)
+    runner = asyncio.ensure_future(processor.run())
+    planned = []
+    for rollout_version in (0, 0, 1):
+        gate.set_rollout_version(rollout_version)
+        assert await gate.admit(1)
+        planned.append(gate.plan(1))
+    for i, start in ((0, 0), (2, 1)):
+        gate.landed(planned[i])
+        pool.put(_sample(i, start), reserved=0)
+    await asyncio.sleep(0.01)
+    batch = out.get_nowait()  # 1 is still running, but batch 2 has room for it
+    assert batch is not None and [t.task.index for t in batch.trajectories] == [0, 2]
+    assert processor.pace_waits == 0
+    gate.landed(planned[1])
+    pool.put(_sample(1, 0), reserved=0)
+    pool.close()
+    await asyncio.wait_for(runner, 1)
+    last = out.get_nowait()  # the data ended: a partial batch (drop_last off)
+    assert last is not None and [t.task.index for t in last.trajectories] == [1] and last.target_version == 2
+    assert not processor.dropped  # 2 versions late: within the bound
+
+
 # -- the report -----------------------------------------------------------------------
 def test_length_buckets_and_nearest_rank_percentiles() -> None:
     assert [bucket_of(n) for n in (1, 64, 65, 256, 1024, 4096, 4097)] == [
@@ -283,3 +327,18 @@ def test_a_data_set_that_is_not_a_multiple_of_the_batch_ends_the_run(policy: str
     summary = run_virtual(bounded())
     assert summary.stop_reason == "data exhausted"
     assert summary.samples == (28 if drop_last else 30)
+
+
+# -- the configuration ----------------------------------------------------------------
+def test_lookahead_sets_the_gate_and_the_slack_and_is_checked() -> None:
+    cfg = config(mode="batch-async", staleness={"threshold": 2, "lookahead": 1, "policy": "pace"})
+    assert (cfg.staleness_limit, cfg.dispatch_lookahead, cfg.pace_slack) == (2, 1, 1)
+    cfg = config(mode="batch-async", staleness={"threshold": 2})
+    assert (cfg.dispatch_lookahead, cfg.pace_slack) == (2, 0)
+    cfg = config(mode="sync", staleness={"lookahead": 0}, sync={"interval": 1})
+    assert (cfg.dispatch_lookahead, cfg.pace_slack) == (0, 0)  # sync mode: lockstep, no slack
+    with pytest.raises(ConfigError, match=r"staleness.lookahead \(3\) must be <= staleness.threshold \(2\)"):
+        config(mode="batch-async", staleness={"threshold": 2, "lookahead": 3})
+    # Replicas must keep within the lookahead, so the schedule must move weights that often.
+    with pytest.raises(ConfigError, match=r"staleness.lookahead \(1\) must be >= sync.offset \+ sync.interval - 1"):
+        config(mode="batch-async", staleness={"threshold": 3, "lookahead": 1}, sync={"interval": 3})
