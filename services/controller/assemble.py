@@ -136,7 +136,7 @@ def build_pipeline(
     processor = AlgorithmProcessor(
         instance, algorithm, gate, batches,
         batch_size=batch, group_size=group, staleness_limit=cfg.staleness_limit,
-        stale_policy=cfg.staleness.policy, drop_last=cfg.data.drop_last,
+        stale_policy=cfg.staleness.policy, in_flight_slack=cfg.pace_slack, drop_last=cfg.data.drop_last,
         requeue=rollouts.requeue, finish=rollouts.finish,
     )
     train_worker = TrainWorker(

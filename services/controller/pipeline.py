@@ -29,6 +29,7 @@ from services.controller.processor import AlgorithmProcessor, TrainBatchPool
 from services.controller.protocols import Trainer
 from services.controller.rollouts import RolloutManager
 from services.controller.run_config import RunConfig
+from services.controller.sample_age import SampleAgeReport
 from services.controller.staleness import StalenessGate
 from services.controller.train_worker import TrainWorker
 from services.controller.validation import Validator
@@ -72,6 +73,8 @@ class Pipeline:
     observer: SynchronizerObserver | None = None
     run_dir: Path | None = None
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Age of the trained samples by completion length (staleness/age_*/<bucket>).
+    sample_ages: SampleAgeReport = field(default_factory=SampleAgeReport)
     steps_done: int = 0
     stop_reason: str = ""
     #: Set by a Stop request that asks for a checkpoint.
@@ -302,6 +305,8 @@ class Pipeline:
         m["rollout/response_length_mean"] = statistics.fmean(sum(tr.response_mask) for tr in batch.trajectories)
         stale = batch.staleness()
         m["staleness/mean"], m["staleness/min"], m["staleness/max"] = statistics.fmean(stale), float(min(stale)), float(max(stale))
+        self.sample_ages.observe(batch.target_version, batch.trajectories)
+        m.update(self.sample_ages.metrics())
         # Samples whose weights changed while they were generated (partial rollouts).
         m["batch/mixed_version_samples"] = float(sum(tr.version_end != tr.version_start for tr in batch.trajectories))
         m["batch/samples"], m["batch/tokens"] = float(batch.size), float(batch.tokens)
@@ -325,8 +330,14 @@ class Pipeline:
             m[f"rollout/{key.replace('-', '_')}_total"] = float(self.rollouts.stats[key])
         for key, count in getattr(self.rollouts.worker, "stats", {}).items():  # a user's worker may keep none
             m[f"worker/{key}_total"] = float(count)
+        m["dropped/stale"] = 0.0  # written every step, so a run that drops none says so
         for reason, count in self.processor.dropped.items():
             m[f"dropped/{reason}"] = float(count)
+        for bucket, count in self.processor.stale_by_length.items():
+            m[f"staleness/dropped_samples/{bucket}"] = float(count)
+        if self.processor.paced:
+            m["staleness/pace_waits"] = float(self.processor.pace_waits)
+            m["staleness/pace_wait_seconds"] = self.processor.pace_wait_seconds
         return m
 
     def trainer_idle_fraction(self) -> float:

@@ -3,6 +3,7 @@
 Each of `max_in_flight` slots loops:
 
     admit n samples at the staleness gate   (batch-async / sync may block here)
+    plan them into a batch                  (the run step replicas see; the group's deadline)
     reserve room for them in the pool       (producers wait when it is full)
     wait while no rollout replica serves     (one restarting: tasks' retries are not used up)
     take the next task from the loader
@@ -30,10 +31,13 @@ from services.controller.data import DataLoader
 from services.controller.domain import RUN_STEP, RolloutOutcome, RolloutStatus, SamplingSpec, Task, TrajectoryStatus
 from services.controller.errors_report import ErrorReporter
 from services.controller.pool import PoolInstance
-from services.controller.staleness import StalenessGate
+from services.controller.staleness import Planned, StalenessGate
 from services.controller.workers.base import RolloutWorker
 
 log = logging.getLogger(__name__)
+
+#: How often slots with nothing left to run check whether the data is done (see `_wait_for_work`).
+DATA_DONE_POLL_SECONDS = 0.5
 
 
 class RolloutManager:
@@ -112,14 +116,17 @@ class RolloutManager:
             await self._running.wait()
             if not await self.gate.admit(n):
                 return  # the gate closed: the run is ending
-            # The batch these samples are planned into; replicas count their steps by it.
-            RUN_STEP.set(self.gate.run_step_of_admitted(n))
+            # The batch these samples are planned into; replicas count their steps by it,
+            # and the processor paces assembly by it while the group is in flight.
+            planned = self.gate.plan(n)
+            RUN_STEP.set(planned.run_step)
             await self.pool.reserve(n)
             # Checked last, right before a task is taken: the wait at the gate may be long.
             if self.until_a_replica_serves is not None:
                 await self.until_a_replica_serves()
             task = self.loader.next() if self._running.is_set() else None
             if task is None:
+                self.gate.landed(planned)
                 self.gate.drop(n)
                 self.pool.release(n)
                 if self._running.is_set() and not await self._wait_for_work():
@@ -127,7 +134,7 @@ class RolloutManager:
                 continue
             with self.tracker.track("rollout", task.id):
                 outcome = await self._run(task)
-            if self._handle(task, outcome):
+            if self._handle(task, outcome, planned):
                 await asyncio.sleep(self.retry_backoff_seconds)
 
     async def _wait_for_work(self) -> bool:
@@ -141,7 +148,13 @@ class RolloutManager:
                 self.pool.close()
                 self.gate.close()
             return False
-        await self._changed.wait()
+        # The processor empties the pool without telling us: look again now and then, or
+        # the last groups of a data set that is not a multiple of the batch size, held
+        # in a partial batch until the pool closes, would wait for each other forever.
+        try:
+            await asyncio.wait_for(self._changed.wait(), DATA_DONE_POLL_SECONDS)
+        except TimeoutError:
+            pass
         return True
 
     async def _run(self, task: Task) -> RolloutOutcome:
@@ -152,9 +165,11 @@ class RolloutManager:
         except Exception as exc:  # a bug in a (user) worker must not take the run down
             return RolloutOutcome(RolloutStatus.FAIL, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
 
-    def _handle(self, task: Task, outcome: RolloutOutcome) -> bool:
+    def _handle(self, task: Task, outcome: RolloutOutcome, planned: Planned | None = None) -> bool:
         """Routes an outcome; True when the slot should back off before its next task."""
         n = self.group_size
+        if planned is not None:
+            self.gate.landed(planned)  # pooled or given up below, in the same turn
         status = outcome.status
         if status == RolloutStatus.SUCCESS:
             trajectories = outcome.trajectories

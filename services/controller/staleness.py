@@ -14,11 +14,25 @@ flight, pooled, being processed), stays within the limit:
 
 Counting pending samples is what stops a burst of admissions from
 overshooting the bound. Dropped samples (failed, filtered by dynamic
-sampling) leave `pending` and free their positions. Samples that finish out
-of order can still land in a later batch than the gate planned for; the
-processor re-checks each group against its real batch version
-(`is_stale`) and drops or IS-corrects it, so the bound holds for every
-trained sample.
+sampling) leave `pending` and free their positions.
+
+Each admitted group is *planned* into the batch of its position
+(`plan()`, whose version + 1 is the run step the rollout is tagged with);
+a rollout replica generates it on weights at least `planned - limit`
+(batch-async's STALENESS wait; sync mode's due version; standalone, the
+replicas are already there at admission). So the planned version is the
+latest batch the group may join without going over the bound (later by
+`threshold - limit` when the gate's limit, staleness.lookahead, is below the
+bound): its *deadline*, known before it finishes; once it finishes, its real
+deadline is `oldest start version + bound`, never earlier. The gate keeps the deadlines
+of the groups still in flight (`in_flight()`), which is what lets the
+processor pace assembly (staleness.policy: pace, processor.py): it never
+closes a batch that would leave a group unable to make its deadline.
+
+Samples that finish out of order can otherwise land in a later batch than
+the gate planned for: with staleness.policy drop the processor re-checks
+each group against its real batch version (`is_stale`) and drops it (its
+task retried), with correct it is kept for the trainer's IS correction.
 
 limit 0 is on-policy (sync mode); None disables the bound (fully-async).
 """
@@ -26,6 +40,23 @@ limit 0 is on-policy (sync mode); None disables the bound (fully-async).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(eq=False)
+class Planned:
+    """An admitted group in flight: the batch version it was planned into (its
+    deadline while it runs) and its sample count. Compared by identity."""
+
+    version: int
+    samples: int
+
+    @property
+    def run_step(self) -> int:
+        """The run step (train batch, from 1) a replica counts this rollout under."""
+        return self.version + 1
 
 
 class StalenessGate:
@@ -40,6 +71,8 @@ class StalenessGate:
         #: Samples admitted and neither accepted nor dropped yet.
         self.pending = 0
         self.closed = False
+        #: Admitted groups not yet finished (or given up), with their planned versions.
+        self._in_flight: set[Planned] = set()
         self._changed = asyncio.Event()
 
     def _notify(self) -> None:
@@ -75,6 +108,25 @@ class StalenessGate:
         """The run step (train batch, from 1, counting from the run's first
         version) that the last `n` admitted samples are planned into."""
         return self.version_at(self.accepted + self.pending - 1) + 1
+
+    def plan(self, n: int) -> Planned:
+        """Records the last `n` admitted samples as one group in flight, planned
+        into the batch their positions fall in (call right after `admit(n)`)."""
+        planned = Planned(self.version_at(self.accepted + self.pending - 1), n)
+        self._in_flight.add(planned)
+        return planned
+
+    def landed(self, planned: Planned) -> None:
+        """The group finished (pooled) or was given up: it is no longer in flight.
+        Call before the `drop()` or pool put that follows, so waiters see both."""
+        self._in_flight.discard(planned)
+
+    def in_flight(self) -> list[Planned]:
+        return list(self._in_flight)
+
+    def changed(self) -> Coroutine[Any, Any, Any]:
+        """Awaitable that completes at the next change (accept, drop, version, close)."""
+        return self._changed.wait()
 
     def accept(self, n: int) -> None:
         self.pending -= n
