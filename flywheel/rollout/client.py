@@ -127,18 +127,19 @@ class RolloutClient:
     async def resume(self) -> int:
         return (await self._call("Resume", self._stub.Resume, pb.ResumeRequest())).weight_version
 
-    async def update_weights(self, version: int, *, checkpoint: str | None = None, synchronizer: str | None = None,
+    async def update_weights(self, version: int, *, checkpoint: str | None = None, memory: bool = False,
                              nccl: pb.NcclSource | None = None, pause_mode: str | None = None,
                              timeout_seconds: float = 0.0) -> pb.UpdateWeightsResponse:
-        """Moves to `version` from a checkpoint directory, a synchronizer's memory or an NCCL group (exactly one)."""
-        if sum(x is not None for x in (checkpoint, synchronizer, nccl)) != 1:
-            raise errors.InvalidArgument("update_weights: give exactly one of checkpoint, synchronizer or nccl")
+        """Moves to `version` (the operator's path) from a checkpoint directory, the replica's own
+        synchronizer (`memory`) or an NCCL group of that synchronizer's: exactly one."""
+        if sum((checkpoint is not None, memory, nccl is not None)) != 1:
+            raise errors.InvalidArgument("update_weights: give exactly one of checkpoint, memory or nccl")
         request = pb.UpdateWeightsRequest(version=version, pause_mode=pause_mode_to_pb(pause_mode), timeout_seconds=timeout_seconds)
         if checkpoint is not None:
             request.checkpoint.path = checkpoint
         elif nccl is not None:
             request.nccl.CopyFrom(nccl)
         else:
-            request.memory.synchronizer_address = synchronizer  # type: ignore[assignment]
+            request.memory.SetInParent()
         deadline = (timeout_seconds or 300.0) + 60.0
         return await self._call("UpdateWeights", self._stub.UpdateWeights, request, deadline)
