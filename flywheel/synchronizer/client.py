@@ -32,6 +32,7 @@ import grpc
 import torch
 
 from flywheel.codec import MAX_CHUNK_BYTES, EncodedVersion, encode_state_dict
+from flywheel.codec.identity import manifest_identity
 from flywheel.common.types import pause_mode_to_pb
 from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import InvalidArgument
@@ -158,9 +159,10 @@ class SynchronizerClient:
         *,
         interval: float | None = None,
         on_beat: Callable[[Beat], None] | None = None,
+        identity: Callable[[], bytes] = lambda: b"",
     ) -> Heartbeats:
         """A background heartbeat loop (an async context manager; or .start()/.stop())."""
-        return Heartbeats(self, component_id, progress, interval=interval, on_beat=on_beat)
+        return Heartbeats(self, component_id, progress, interval=interval, on_beat=on_beat, identity=identity)
 
     async def deregister(self, component_id: str) -> None:
         await self._call("Deregister", self.stub.Deregister, pb.DeregisterRequest(id=component_id))
@@ -292,7 +294,7 @@ class SynchronizerClient:
             )
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc, f"synchronizer PullWeights from {self.address}") from None
-        return PulledWeights(manifest.version, tensors, manifest.total_bytes)
+        return PulledWeights(manifest.version, tensors, manifest.total_bytes, manifest_identity(manifest))
 
     # -- CHECKPOINT ----------------------------------------------------------
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flywheel.codec.identity import VersionIdentity
+
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.convert import component_from_pb, group_from_pb, policy_from_status_pb, update_from_pb
 from flywheel.synchronizer.types import (
@@ -88,6 +90,8 @@ class PulledWeights:
     #: The destination tensors (updated in place) or fresh CPU tensors.
     tensors: dict[str, torch.Tensor]
     nbytes: int
+    #: The version's identity as its manifest carries it (None: a publisher without identities).
+    identity: VersionIdentity | None = None
 
 
 @dataclass(frozen=True)

@@ -183,10 +183,6 @@ def update_report_from_pb(msg: pb.ReportUpdateRequest) -> UpdateRecord:
         raise InvalidArgument(f"failed_phase: unknown phase {msg.failed_phase}") from None
     if outcome == UpdateOutcome.FAILED and phase is None:
         raise InvalidArgument("failed_phase: a FAILED update names the phase that failed")
-    if outcome == UpdateOutcome.VERIFIED and len(msg.resident_identity) != IDENTITY_BYTES:
-        raise InvalidArgument(
-            f"resident_identity: a VERIFIED update carries the {IDENTITY_BYTES}-byte identity of the resident "
-            f"weights, got {len(msg.resident_identity)} bytes")
     if msg.resident_identity and len(msg.resident_identity) != IDENTITY_BYTES:
         raise InvalidArgument(f"resident_identity: {IDENTITY_BYTES} bytes or none, got {len(msg.resident_identity)}")
     return UpdateRecord(

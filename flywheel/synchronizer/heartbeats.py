@@ -35,9 +35,12 @@ class Heartbeats:
         *,
         interval: float | None = None,
         on_beat: Callable[[Beat], None] | None = None,
+        identity: Callable[[], bytes] = lambda: b"",
     ) -> None:
         self.client, self.component_id = client, component_id
         self.progress = progress or (lambda: (0, 0))
+        #: The identity of the weights held (flywheel.codec.identity), told again on re-registration.
+        self.identity = identity
         self.interval = interval
         self.on_beat = on_beat
         self.task: asyncio.Task | None = None
@@ -74,7 +77,7 @@ class Heartbeats:
         if beat is None or beat.state == State.STOPPED:
             if self.component_id not in self.client.identities:
                 raise NotFound(f"{self.component_id!r} is not registered and this client never registered it")
-            await self.client.reregister(self.component_id, step, version)
+            await self.client.reregister(self.component_id, step, version, self.identity())
             self.reregistrations += 1
             log.info("registered again with the synchronizer", extra={"id": self.component_id})
             return

@@ -54,11 +54,14 @@ class Presence:
         *,
         capabilities: Iterable[Method] = (),
         labels: Mapping[str, str] | None = None,
+        identity: Callable[[], bytes] = lambda: b"",
     ) -> None:
         self.client, self.role, self.config = client, role, config
         self.component_id, self.address = component_id, address
         #: (step, weight version) now; read at registration and at every heartbeat.
         self.progress = progress
+        #: The identity of the weights held (flywheel.codec.identity; b"": unknown), told at registration.
+        self.identity = identity
         self.capabilities = tuple(capabilities)
         self.labels = dict(labels or {})
         #: Set once the first registration succeeded.
@@ -104,7 +107,7 @@ class Presence:
             try:
                 registration = await self.client.register(
                     self.role, self.component_id, address=self.address, capabilities=self.capabilities,
-                    labels=self.labels, step=step, weight_version=version,
+                    labels=self.labels, step=step, weight_version=version, weight_identity=self.identity(),
                 )
                 break
             except FlywheelError as exc:
@@ -119,5 +122,6 @@ class Presence:
                         "step": step, "weight_version": version, "lease_seconds": registration.lease_seconds})
         self.registered.set()
         interval = self.config.heartbeat_interval_seconds or None
-        self.heartbeats = self.client.keep_alive(self.component_id, self.progress, interval=interval)
+        self.heartbeats = self.client.keep_alive(self.component_id, self.progress, interval=interval,
+                                                 identity=self.identity)
         self.heartbeats.start()

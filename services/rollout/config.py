@@ -7,11 +7,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from flywheel.common.types import PauseMode
 from flywheel.runtime.config import StrictModel
 from flywheel.runtime.server_config import ServerConfig
 from flywheel.synchronizer.presence_config import PresenceConfig
-
-PauseModeName = Literal["abort", "wait", "keep"]
 
 
 class EngineConfig(StrictModel):
@@ -53,8 +52,9 @@ class LimitsConfig(StrictModel):
 
 
 class UpdatesConfig(StrictModel):
-    default_pause_mode: PauseModeName = Field(
-        "wait", description="in-flight policy of an update that names none: abort, wait (drain) or keep (freeze)"
+    default_pause_mode: PauseMode = Field(
+        "wait", description="in-flight policy of an update that names none (the synchronizer's policy names one "
+        "for the updates it makes due): abort, wait (drain) or keep (freeze)"
     )
     timeout_seconds: float = Field(
         300.0, gt=0, description="default deadline of fetching and staging one weight update, in seconds"
@@ -67,6 +67,16 @@ class UpdatesConfig(StrictModel):
     reuse_staging: bool = Field(
         True, description="keep the CPU tensors a MEMORY update was staged in and stage the next one into them "
         "(no page faults per update; holds one model's worth of memory between updates)"
+    )
+    apply_timeout_seconds: float = Field(
+        120.0, gt=0, description="deadline of loading a staged version into the engine (generation is paused "
+        "meanwhile); past it the update fails and the replica is quarantined, in seconds"
+    )
+    faults_file: Path | None = Field(
+        None, description="FAULT INJECTION, for tests and drills: a JSON file read at every update; while it "
+        "exists its keys take effect: corrupt_after_apply (true: one element of one loaded tensor is changed, "
+        "as an engine that loads a tensor wrong would; the transformers engine only), apply_delay_seconds "
+        "(the apply hangs this long). Unset in production"
     )
 
 

@@ -26,10 +26,10 @@ def judge(report: UpdateRecord, expected: bytes, epoch: int) -> UpdateRecord:
     """The report with the synchronizer's verdict, the version's identity and the time filled in."""
     record = replace(report, expected_identity=expected, epoch=epoch, unix_ms=int(time.time() * 1000))
     if record.outcome == UpdateOutcome.VERIFIED and expected and record.resident_identity != expected:
+        measured = record.resident_identity.hex()[:16] or "none (not measured)"
         return replace(
             record, outcome=UpdateOutcome.FAILED, failed_phase=UpdatePhase.VERIFY,
-            reason=(f"the resident weights' identity {record.resident_identity.hex()[:16]} is not version "
-                    f"{record.version}'s {expected.hex()[:16]}"),
+            reason=f"the resident weights' identity {measured} is not version {record.version}'s {expected.hex()[:16]}",
         )
     return record
 

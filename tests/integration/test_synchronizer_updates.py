@@ -60,7 +60,7 @@ async def test_reports_ledger_and_requests_round_trip() -> None:
 
 
 @pytest.mark.parametrize("request_, field", [
-    (pb.ReportUpdateRequest(id="r", version=1, outcome=1), "resident_identity"),
+    (pb.ReportUpdateRequest(id="r", version=1, outcome=1, resident_identity=b"short"), "resident_identity"),
     (pb.ReportUpdateRequest(id="r", version=1, outcome=2), "failed_phase"),
     (pb.ReportUpdateRequest(id="r", version=0, outcome=2, failed_phase=3), "version"),
     (pb.ReportUpdateRequest(id="r", version=1, outcome=7), "outcome"),

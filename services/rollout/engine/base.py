@@ -11,17 +11,16 @@ engine only does what it is told.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-from flywheel.common.types import FinishReason, SamplingSpec
+from flywheel.codec.identity import VersionIdentity
+from flywheel.common.types import FinishReason, PauseMode, SamplingSpec
+from flywheel.errors import FailedPrecondition
 from flywheel.transfer.broadcast import GroupSpec
-
-PauseMode = Literal["abort", "wait", "keep"]
 
 
 @dataclass
@@ -115,6 +114,9 @@ class StagedWeights:
     source: MemorySource | GroupSource | None = None
     nbytes: int = 0
     release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    #: What the version is (its identity, from its manifest or the synchronizer): what the weights
+    #: resident after the swap are verified against. None: unknown (verified against what was staged).
+    identity: VersionIdentity | None = None
 
 
 #: True while an update is staged for an engine that pulls MEMORY versions
@@ -205,6 +207,17 @@ class Engine(abc.ABC):
         names, dtypes or shapes. Copies out of `staged.tensors`: they are
         reused for the next update once the current one is over.
         """
+
+    async def resident_digests(self, names: Collection[str]) -> dict[str, bytes] | None:
+        """The identity digests (flywheel.codec.identity) of the weights resident in the engine now,
+        under the checkpoint's names: for every name it can read back as the checkpoint holds it
+        (same dtype and shape); None when it can read none. Called while generation is paused."""
+        return None
+
+    async def corrupt_one_element(self) -> str:
+        """FAULT INJECTION (faults_file): changes one element of one resident tensor, as an engine
+        that loaded a tensor wrong would; returns the tensor's name."""
+        raise FailedPrecondition(f"the {self.kind} engine cannot inject a corrupt load (faults_file)")
 
     async def discard_weights(self, staged: StagedWeights) -> None:
         """Releases what prepare_weights made, whether or not it was swapped in."""

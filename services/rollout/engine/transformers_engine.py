@@ -17,7 +17,8 @@ import asyncio
 import itertools
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+import math
+from collections.abc import AsyncIterator, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from flywheel.codec.identity import identify
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from services.rollout.engine.base import Delta, Engine, EngineLoad, PauseMode, SamplingSpec, StagedWeights, TensorSpec
 from services.rollout.engine.hf_sequence import Sequence
@@ -257,3 +259,26 @@ class TransformersEngine(Engine):
         with torch.no_grad():
             for name, tensor in tensors.items():
                 state[name].copy_(tensor)
+
+    async def resident_digests(self, names: Collection[str]) -> dict[str, bytes] | None:
+        # Read from the model itself, on its own thread (it owns the device): every name, as the
+        # checkpoint holds it (the model loads in the checkpoint's dtypes unless engine.args.dtype says
+        # otherwise: those tensors cannot be compared and are left out).
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._resident_digests, names)
+
+    def _resident_digests(self, names: Collection[str]) -> dict[str, bytes]:
+        state = self.model.state_dict()
+        readable = {n: state[n] for n in names
+                    if n in state and n in self._specs and state[n].dtype == self._specs[n].dtype
+                    and tuple(state[n].shape) == tuple(self._specs[n].shape)}
+        return dict(identify(readable).tensors)
+
+    async def corrupt_one_element(self) -> str:
+        def corrupt() -> str:
+            name = max(self._specs, key=lambda n: math.prod(self._specs[n].shape))
+            with torch.no_grad():
+                flat = self.model.state_dict()[name].view(-1)
+                flat[flat.numel() // 2] += 1
+            return name
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, corrupt)

@@ -9,14 +9,23 @@ Invariants:
   last token.
 - At most `limits.max_pending_requests` samples are admitted at once (waiting
   at the gate or in the engine); past that, QueueFull (RESOURCE_EXHAUSTED/429).
-- An update is staged and verified before the gate closes; any failure
-  before the swap leaves the old weights serving, and the version changes
-  exactly when the swap succeeds.
+- An update is a transaction in phases (each timed, `UpdateTimings`):
+  transfer (the bytes staged and verified while generation goes on), admit
+  (the gate closes; in-flight requests end, finish or freeze by the pause
+  mode), apply (the engine loads the staged tensors, within
+  `updates.apply_timeout_seconds`), verify (the identity of the weights now
+  resident is measured and compared with the version's) and reopen. Any
+  failure before apply leaves the old weights serving. A failure in apply or
+  verify leaves the engine holding weights that are not the version: the
+  replica is then quarantined, refusing generation (UNAVAILABLE) until an
+  update of it verifies. Every outcome goes to the update observers (the
+  synchronizer link reports it: ReportUpdate).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -24,8 +33,11 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from flywheel.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted
+from flywheel.codec.identity import VersionIdentity, version_digest
+from flywheel.errors import DataLoss, DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable
+from flywheel.synchronizer.types import UpdatePhase, UpdateTimings
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
 from services.rollout.engine.base import (
@@ -62,6 +74,18 @@ class UpdateOutcome:
     pause_seconds: float
     nbytes: int
     aborted_request_ids: list[str]
+    timings: UpdateTimings = field(default_factory=UpdateTimings)
+    #: The identity the resident weights were verified to have.
+    identity: bytes = b""
+
+
+class UpdateFailed(DataLoss):
+    """The engine does not hold the version after apply (it loaded a tensor wrong, or apply did
+    not finish in time): the replica is quarantined. DATA_LOSS: weights are not what was sent."""
+
+    def __init__(self, message: str, phase: UpdatePhase) -> None:
+        super().__init__(message)
+        self.phase = phase
 
 
 @dataclass(frozen=True)
@@ -70,10 +94,16 @@ class UpdateReport:
 
     #: The version the update tried to install.
     version: int
-    #: The version serving after it: `version` on success, the old one otherwise.
+    #: The version serving after it: `version` on success, the old one otherwise (or the new one,
+    #: unverified, when apply or verification failed).
     served: int
     #: Why it failed (a timeout, a cancelled call, bad weights); None on success.
     error: BaseException | None
+    timings: UpdateTimings = field(default_factory=UpdateTimings)
+    #: The phase that failed (None on success).
+    failed_phase: UpdatePhase | None = None
+    #: The identity measured on the resident weights (b"": not measured).
+    resident_identity: bytes = b""
 
 
 #: Told of every update's outcome, whoever asked for it (called on the event
@@ -92,6 +122,8 @@ class Status:
     paused: bool
     updating: bool
     max_model_len: int
+    #: Why it takes no traffic ("" when it serves).
+    quarantine_reason: str = ""
 
 
 class Reservation:
@@ -135,6 +167,12 @@ class RolloutCore:
         self.weights_gate: Callable[[int, int], Awaitable[None]] | None = None
         #: MEMORY updates stage into these (held between updates; see services.rollout.weights.staging).
         self.staging = StagingBuffers(enabled=config.updates.reuse_staging)
+        #: Why the replica takes no traffic (its last update failed in apply or verify); "" when it serves.
+        self.quarantine_reason = ""
+        #: The identity of the weights its last verified update installed (b"": the base weights, unmeasured).
+        self.identity = b""
+        #: An apply that outlived its deadline and may still be running in the engine.
+        self._hung_apply: asyncio.Future | None = None
         metrics.STAGING_HELD_BYTES.set_function(lambda: self.staging.held_bytes)
         metrics.WEIGHT_VERSION.set_function(lambda: self.engine.version if self.engine else 0)
         metrics.REQUESTS_RUNNING.set_function(lambda: self.engine.load().running if self.engine else 0)
@@ -205,6 +243,9 @@ class RolloutCore:
             flight.done.set()
 
     async def _weights_ready(self, run_step: int, min_version: int) -> None:
+        if self.quarantine_reason:
+            raise Unavailable(f"this rollout is quarantined and serves nothing until a weight update verifies: "
+                              f"{self.quarantine_reason}")
         if self.weights_gate is not None:
             await self.weights_gate(run_step, min_version)
         elif min_version > self.status().version:
@@ -306,6 +347,7 @@ class RolloutCore:
             paused=self._paused,
             updating=self._updating,
             max_model_len=engine.max_model_len if engine else 0,
+            quarantine_reason=self.quarantine_reason,
         )
 
     # -- weight updates --------------------------------------------------------
@@ -314,38 +356,53 @@ class RolloutCore:
         self, version: int, stage: Callable[[], Awaitable[StagedWeights]], mode: PauseMode | None, timeout: float | None,
         *, rewind: bool = False,
     ) -> UpdateOutcome:
-        """Stages (fetch + verify) within `timeout`, then swaps under the gate. Versions only go
-        up, except for `rewind`: the synchronizer rewound the run's weights below the served ones,
-        and any version of the new lineage replaces them (the same number may be other weights)."""
+        """Transfers (fetch + verify the bytes) within `timeout`, then admits, applies, verifies and
+        reopens under the gate. Versions only go up, except for `rewind`: the synchronizer rewound
+        the run's weights below the served ones, and any version of the new lineage replaces them
+        (the same number may be other weights). A quarantined replica may install the same version
+        again (its weights are not that version)."""
         engine, _ = self.require_engine()
         mode = mode or self.config.updates.default_pause_mode
         timeout = timeout or self.config.updates.timeout_seconds
         async with self._update:
-            if version <= engine.version and not rewind:
+            if version <= engine.version and not rewind and not self.quarantine_reason:
                 raise FailedPrecondition(f"version {version} is not newer than the served version {engine.version}")
+            timings = _Timings()
             try:
+                started = time.monotonic()
                 try:
                     staged = await asyncio.wait_for(self._stage(engine, stage), timeout)
                 except asyncio.TimeoutError:
                     raise DeadlineExceeded(
                         f"update to version {version} not staged within {timeout:g} s; still serving {engine.version}"
                     ) from None
+                finally:
+                    timings.transfer = time.monotonic() - started
                 try:
-                    outcome = await self._swap(engine, staged, mode)
+                    outcome = await self._swap(engine, staged, mode, timings)
                 finally:
                     await engine.discard_weights(staged)
                     _release(staged)
             except BaseException as exc:
                 metrics.WEIGHT_UPDATES.labels("failed").inc()
-                log.warning("weight update failed", extra={"version": version, "serving": engine.version, "error": str(exc)})
-                self._notify(UpdateReport(version, engine.version, exc))
+                phase = exc.phase if isinstance(exc, UpdateFailed) else (
+                    UpdatePhase.TRANSFER if timings.admit is None else UpdatePhase.APPLY)
+                if isinstance(exc, UpdateFailed):
+                    self.quarantine_reason = f"update to version {version}: {exc}"
+                log.warning("weight update failed", extra={"version": version, "serving": engine.version,
+                                                           "phase": phase.name.lower(), "error": str(exc)})
+                self._notify(UpdateReport(version, engine.version, exc, timings.freeze(), phase,
+                                          timings.resident_identity))
                 raise
-        self._notify(UpdateReport(version, engine.version, None))
+        self.quarantine_reason = ""
+        self.identity = outcome.identity
+        self._notify(UpdateReport(version, engine.version, None, outcome.timings, None, outcome.identity))
         metrics.WEIGHT_UPDATES.labels("committed").inc()
         metrics.WEIGHT_UPDATE_BYTES.inc(staged.nbytes)
         metrics.UPDATE_PAUSE.observe(outcome.pause_seconds)
         log.info("weights committed", extra={"version": version, "pause_seconds": round(outcome.pause_seconds, 4),
-                                             "bytes": staged.nbytes, "mode": mode})
+                                             "bytes": staged.nbytes, "mode": mode,
+                                             "verify_seconds": round(outcome.timings.verify_seconds, 4)})
         return outcome
 
     def _notify(self, report: UpdateReport) -> None:
@@ -365,10 +422,12 @@ class RolloutCore:
             _release(staged)
             raise
         if prepared is not staged:
+            if prepared.identity is None:
+                prepared.identity = staged.identity
             _release(staged)  # the engine made its own copy (e.g. shared memory for its worker)
         return prepared
 
-    async def _swap(self, engine: Engine, staged: StagedWeights, mode: PauseMode) -> UpdateOutcome:
+    async def _swap(self, engine: Engine, staged: StagedWeights, mode: PauseMode, timings: _Timings) -> UpdateOutcome:
         async with self._control:
             started = time.monotonic()
             self._updating = True
@@ -377,16 +436,115 @@ class RolloutCore:
             try:
                 if not self._paused:
                     aborted = await self._pause_engine(mode)
+                timings.admit = time.monotonic() - started
                 try:
-                    await engine.swap_weights(staged)
+                    await self._apply(engine, staged, timings)
+                    identity = await self._verify(engine, staged, timings)
                 finally:
+                    reopened = time.monotonic()
                     if not self._paused:
                         await engine.resume()
+                    timings.reopen = time.monotonic() - reopened
             finally:
                 self._updating = False
                 if not self._paused:
                     self._open.set()
-            return UpdateOutcome(engine.version, time.monotonic() - started, staged.nbytes, aborted)
+                timings.pause = time.monotonic() - started
+            return UpdateOutcome(engine.version, timings.pause, staged.nbytes, aborted, timings.freeze(), identity)
+
+    async def _apply(self, engine: Engine, staged: StagedWeights, timings: _Timings) -> None:
+        """Loads the staged version, within `updates.apply_timeout_seconds`. An apply that outlives it
+        fails the update (the replica is quarantined) and is awaited again before the next one: two
+        loads never run at once."""
+        started = time.monotonic()
+        limit = self.config.updates.apply_timeout_seconds
+        try:
+            if self._hung_apply is not None and not self._hung_apply.done():
+                await asyncio.wait_for(asyncio.shield(self._hung_apply), limit)
+            faults = read_faults(self.config.updates.faults_file)
+            apply = asyncio.ensure_future(self._load(engine, staged, faults))
+            try:
+                await asyncio.wait_for(asyncio.shield(apply), limit)
+            except asyncio.TimeoutError:
+                self._hung_apply = apply
+                raise UpdateFailed(f"apply did not finish within {limit:g} s (updates.apply_timeout_seconds)",
+                                   UpdatePhase.APPLY) from None
+        except asyncio.TimeoutError:
+            raise UpdateFailed(f"an earlier apply is still running after {limit:g} s more", UpdatePhase.APPLY) from None
+        finally:
+            timings.apply = time.monotonic() - started
+
+    async def _load(self, engine: Engine, staged: StagedWeights, faults: dict) -> None:
+        if faults.get("apply_delay_seconds"):
+            log.warning("FAULT INJECTION: apply delayed", extra={"seconds": faults["apply_delay_seconds"]})
+            await asyncio.sleep(float(faults["apply_delay_seconds"]))
+        await engine.swap_weights(staged)
+        if faults.get("corrupt_after_apply"):
+            name = await engine.corrupt_one_element()
+            log.warning("FAULT INJECTION: one element of a loaded tensor changed", extra={"tensor": name})
+
+    async def _verify(self, engine: Engine, staged: StagedWeights, timings: _Timings) -> bytes:
+        """The identity of the resident weights, compared with the version's; UpdateFailed (VERIFY)
+        when they differ. Tensors the engine cannot read back as the checkpoint holds them (a dtype
+        it converted to, a layout it repacked into) are checked only as staged."""
+        started = time.monotonic()
+        try:
+            expected = staged.identity
+            names = list(expected.tensors) if expected and expected.tensors else list(engine.weight_specs())
+            resident = await engine.resident_digests(names)
+            if not resident:
+                return expected.digest if expected else b""
+            timings.resident_identity = version_digest(resident) if len(resident) == len(names) else b""
+            if expected is None:
+                return timings.resident_identity
+            if expected.tensors:
+                measured = VersionIdentity(b"", resident)
+                wrong = [n for n in resident if resident[n] != expected.tensors.get(n)]
+                if wrong:
+                    raise UpdateFailed(
+                        f"the resident weights are not version {staged.version}: "
+                        f"{measured.describe_mismatch(VersionIdentity(b'', {n: expected.tensors[n] for n in resident}))}",
+                        UpdatePhase.VERIFY)
+            elif len(resident) == len(names) and timings.resident_identity != expected.digest:
+                raise UpdateFailed(
+                    f"the resident weights' identity {timings.resident_identity.hex()[:16]} is not version "
+                    f"{staged.version}'s {expected.hex[:16]}", UpdatePhase.VERIFY)
+            if len(resident) < len(names):
+                log.info("verified the tensors the engine can read back; the others as staged",
+                         extra={"version": staged.version, "resident": len(resident), "tensors": len(names)})
+            return expected.digest
+        finally:
+            timings.verify = time.monotonic() - started
+
+
+@dataclass
+class _Timings:
+    """An update's phase durations as they are measured (None: not reached)."""
+
+    transfer: float = 0.0
+    admit: float | None = None
+    apply: float = 0.0
+    verify: float = 0.0
+    reopen: float = 0.0
+    pause: float = 0.0
+    resident_identity: bytes = b""
+
+    def freeze(self) -> UpdateTimings:
+        return UpdateTimings(admit_seconds=self.admit or 0.0, transfer_seconds=self.transfer,
+                             apply_seconds=self.apply, verify_seconds=self.verify, reopen_seconds=self.reopen,
+                             pause_seconds=self.pause)
+
+
+def read_faults(path: Path | None) -> dict:
+    """The fault-injection file's keys while it exists ({} otherwise, or unset)."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        faults = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError) as exc:
+        log.warning("unreadable faults file; no fault injected", extra={"path": str(path), "error": str(exc)})
+        return {}
+    return faults if isinstance(faults, dict) else {}
 
 
 def _release(staged: StagedWeights) -> None:

@@ -39,7 +39,17 @@ At registration a replica catches up to the newest committed version before
 it reports SERVING, so a replica that joins mid-run (scale-out, a restart)
 never generates on its base weights: it pulls a MEMORY or CHECKPOINT version,
 and waits for an NCCL one, which the trainer broadcasts again to the replicas
-behind it (services/synchronizer/policy.py).
+behind it (flywheel/synchronizer/policy.py).
+
+Every update (whatever started it) runs the core's phases (admit under the
+policy's pause mode, transfer, apply, verify, reopen) and is reported to the
+synchronizer with its timings and the identity measured on the resident
+weights (services.rollout.weights.presence). A replica whose update failed
+is quarantined by the synchronizer (no traffic, so no steps to sync at): it
+goes on installing the newest committed version, with backoff, until an
+update verifies. A replica that registered holding a lost lineage's weights
+under a current number (the same version, another identity) is quarantined
+too, and installs the run's version in their place.
 """
 
 from __future__ import annotations
@@ -49,11 +59,14 @@ import contextlib
 import logging
 import time
 
+from flywheel.codec.identity import VersionIdentity
+from flywheel.common.types import PauseMode
 from flywheel.errors import Aborted, FailedPrecondition, NotFound
 from flywheel.runtime.backoff import Backoff
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.client_types import WatchEvent
-from flywheel.synchronizer.types import EventKind, GroupInfo, Method, Policy, RolloutWait
+from flywheel.synchronizer.policy import required_version
+from flywheel.synchronizer.types import EventKind, GroupInfo, Method, Policy
 from services.rollout.config import RolloutConfig
 from services.rollout.serving.core import RolloutCore
 from services.rollout.weights.nccl import NcclTarget, update_over_group
@@ -63,18 +76,6 @@ log = logging.getLogger(__name__)
 
 #: Failures worth trying the same version again for.
 TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "RESOURCE_EXHAUSTED"})
-
-
-def required_version(policy: Policy | None, run_step: int, due: int) -> int:
-    """The version a generation of `run_step` must wait for; `due` is what
-    NeedSync named at step run_step - 1 (0: nothing)."""
-    if policy is None or run_step < 1:
-        return 0
-    if policy.rollout_wait == RolloutWait.DUE_VERSION:
-        return due
-    if policy.rollout_wait == RolloutWait.STALENESS:
-        return max(0, run_step - 1 - policy.max_staleness)
-    return 0
 
 
 def _notify(owner: object, name: str) -> None:
@@ -100,6 +101,11 @@ class Follower:
         self.latest = 0
         #: version -> (method, checkpoint path) of committed versions heard of.
         self.sources: dict[int, tuple[Method | None, str]] = {}
+        #: version -> its identity as the synchronizer recorded it (what an update is verified against).
+        self.identities: dict[int, bytes] = {}
+        #: The synchronizer quarantined this replica (its last update failed, or it holds a lost
+        #: lineage's weights): it installs the newest version until an update verifies.
+        self.quarantined = False
         #: The version the sync loop moves towards (at least).
         self.target = 0
         #: The synchronizer's lineage (rewinds so far) as last heard.
@@ -239,7 +245,18 @@ class Follower:
         if event.kind == EventKind.VERSION_COMMITTED and event.version:
             self.sources[event.version] = (event.method, event.location)
             latest = max(latest, event.version)
+        if event.kind in (EventKind.VERSION_COMMITTED, EventKind.TRANSFER_FINISHED) and event.identity:
+            self.identities[event.version] = event.identity
+        c = event.component
+        if c is not None and c.id == self.component_id and c.quarantined != self.quarantined:
+            self.quarantined = c.quarantined
+            if c.quarantined:
+                log.warning("quarantined by the synchronizer; installing the newest version until one verifies",
+                            extra={"id": self.component_id, "reason": c.quarantine_reason})
+                self._wake.set()
         self._hear(latest)
+        if self._reinstall_due():
+            self._wake.set()  # a newer version to try while quarantined
 
     def rewind(self, to_version: int, latest: int) -> None:
         """The synchronizer went back to `to_version` (newest committed now: `latest`): what was
@@ -247,6 +264,7 @@ class Follower:
         are replaced by the new lineage's."""
         self.latest = latest
         self.sources = {v: s for v, s in self.sources.items() if v <= to_version}
+        self.identities = {v: i for v, i in self.identities.items() if v <= to_version}
         self.target = min(self.target, to_version)
         self.step = min(self.step, to_version)
         for step in [s for s in self._asked if s >= to_version]:
@@ -276,6 +294,15 @@ class Follower:
         self.epoch = status.epoch
         for info in status.versions:
             self.sources.setdefault(info.version, (info.method, info.path))
+            if info.identity:
+                self.identities[info.version] = info.identity
+        me = status.component(self.component_id)
+        if me is not None and me.quarantined:
+            # It holds weights the run does not know under their number (a lineage a rewind abandoned).
+            self.quarantined = True
+            log.warning("registered quarantined; installing the run's newest version",
+                        extra={"id": self.component_id, "reason": me.quarantine_reason})
+            self._wake.set()
         self._hear(status.latest_version)
         latest = status.latest_version
         if latest <= self.served:
@@ -307,14 +334,17 @@ class Follower:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self.rewind_to is not None or self.target > self.served:
+            while self.rewind_to is not None or self.target > self.served or self._reinstall_due():
                 tried = 0
                 try:
                     if self.rewind_to is not None:
                         await self._go_back()
-                    else:
+                    elif self.target > self.served:
                         tried = await self._committed_at_least(self.target)
                         await self.apply(tried)
+                    else:
+                        tried = self.latest
+                        await self.apply(tried, reinstall=True)
                     backoff.reset()
                 except Exception as exc:  # noqa: BLE001 - any failure leaves the old version serving; go on
                     if tried and getattr(exc, "code", "") == NotFound.code and await self._superseded(tried):
@@ -322,7 +352,7 @@ class Follower:
                         log.info("version evicted before it was pulled; going for the newest",
                                  extra={"id": self.component_id, "version": tried, "latest": self.latest})
                         continue
-                    if getattr(exc, "code", "") not in TRANSIENT and self.rewind_to is None:
+                    if getattr(exc, "code", "") not in TRANSIENT and self.rewind_to is None and not self._reinstall_due():
                         log.warning("sync failed; waiting for the next request",
                                     extra={"id": self.component_id, "target": self.target, "error": str(exc)})
                         self.target = self.served  # the next step (or generation) aims again
@@ -350,8 +380,9 @@ class Follower:
         target = NcclTarget(group.group_id, self.client.address, group.ranks[self.component_id])
         to = self.rewind_to  # a group after a rewind carries the new lineage's version, whatever its number
         try:
-            await update_over_group(self.core, target, group.version, None, self.config.updates.timeout_seconds,
-                                    token=self.token, rewind=to is not None)
+            await update_over_group(self.core, target, group.version, self._pause_mode(),
+                                    self.config.updates.timeout_seconds, token=self.token,
+                                    rewind=to is not None or (self._reinstall_due() and group.version <= self.served))
             if to is not None and self.rewind_to == to:  # no newer rewind meanwhile
                 self.rewind_to = None
                 log.info("rewound", extra={"id": self.component_id, "version": self.served, "epoch": self.epoch})
@@ -388,14 +419,30 @@ class Follower:
             self.rewind_to = None
             log.info("rewound", extra={"id": self.component_id, "version": self.served, "epoch": self.epoch})
 
-    async def apply(self, version: int, *, rewind: bool = False) -> None:
-        if version <= self.served and not rewind:
+    def _reinstall_due(self) -> bool:
+        """Quarantined (by the synchronizer, or by its own failed apply or verification): the served
+        weights are not trusted, and the newest committed version is installed in their place."""
+        return (self.quarantined or bool(self.core.quarantine_reason)) and self.latest >= 1
+
+    def _pause_mode(self) -> PauseMode | None:
+        """What the run's policy says to do with in-flight requests while the weights change."""
+        mode = self.policy.pause_mode if self.policy is not None else ""
+        return mode or None  # type: ignore[return-value]
+
+    async def apply(self, version: int, *, rewind: bool = False, reinstall: bool = False) -> None:
+        """Installs `version`. `reinstall` (quarantined): also when its number is the served one's (the
+        weights are not trusted); as with `rewind`, the core then takes the same number."""
+        if version <= self.served and not (rewind or reinstall):
             return
         stage = await self._stage_for(version)
-        outcome = await self.core.update_weights(version, stage, None, None, rewind=rewind)
+        outcome = await self.core.update_weights(version, stage, self._pause_mode(), None,
+                                                 rewind=rewind or (reinstall and version <= self.served))
+        if reinstall:
+            self.quarantined = False  # verified; the synchronizer's event confirms it
         log.info("synced to the synchronizer's version",
                  extra={"id": self.component_id, "version": outcome.version,
-                        "pause_seconds": round(outcome.pause_seconds, 4)})
+                        "pause_seconds": round(outcome.pause_seconds, 4),
+                        "verify_seconds": round(outcome.timings.verify_seconds, 4)})
 
     async def _source(self, version: int) -> tuple[Method | None, str]:
         """How `version` travels: its method and checkpoint path."""
@@ -415,9 +462,10 @@ class Follower:
         specs = engine.weight_specs()
         if method == Method.MEMORY:
             server = self.config.server
+            known = self.identities.get(version)
             return memory_stage(self.client.address, version, specs, token=self.token,
                                 timeout=self.config.updates.timeout_seconds, max_message_bytes=server.max_message_bytes,
-                                buffers=self.core.staging)
+                                buffers=self.core.staging, identity=VersionIdentity(known) if known else None)
         if method == Method.CHECKPOINT and location:
             return checkpoint_stage(location, version, specs, self.config.updates.checkpoint_root)
         name = method.name if method else "an unknown method"

@@ -64,4 +64,4 @@ async def pull_staged(
         return StagedWeights(version=version, source=source)
     pulled = await pull_tensors(address, version, want, token=token, timeout=timeout,
                                 max_message_bytes=max_message_bytes, staging=staging)
-    return StagedWeights(version=version, tensors=pulled.tensors, nbytes=pulled.nbytes)
+    return StagedWeights(version=version, tensors=pulled.tensors, nbytes=pulled.nbytes, identity=pulled.identity)

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from flywheel.codec.identity import VersionIdentity
 from flywheel.errors import Aborted, DeadlineExceeded, FailedPrecondition, FlywheelError, InvalidArgument, NotFound
 from services.rollout.serving.core import RolloutCore, UpdateOutcome
 from services.rollout.engine.base import Engine, PauseMode, StagedWeights, TensorSpec
@@ -129,14 +130,22 @@ async def _stage(
     tensors = staged
     if device.type != "cpu":
         tensors = await asyncio.to_thread(lambda: {n: t.to("cpu") for n, t in staged.items()})
-    return StagedWeights(version=group.version, tensors=tensors, nbytes=sum(t.nbytes for t in tensors.values()))
+    return StagedWeights(version=group.version, tensors=tensors, nbytes=sum(t.nbytes for t in tensors.values()),
+                         identity=_identity(received))
+
+
+def _identity(received: Received) -> VersionIdentity | None:
+    """What the sender said it sent (its confirmation carries it; the version is committed with it)."""
+    return VersionIdentity(received.outcome.identity) if received.outcome.identity else None
 
 
 async def _stage_in_engine(client: SynchronizerClient, member: str, group: GroupInfo, engine: Engine) -> StagedWeights:
     """The engine receives, in its own process (its worker: the tensors land where they are served)."""
     received = await stage_version(client, member, group, receiver=engine.receive_in_group,
                                    discard=engine.discard_weights)
-    return _committed(received, group)
+    staged = _committed(received, group)
+    staged.identity = _identity(received)
+    return staged
 
 
 def _committed(received: Received, group: GroupInfo) -> Any:

@@ -6,14 +6,18 @@ The rollout registers with role rollout and its served weight version, and
 heartbeats with its step (run steps served, `services.rollout.weights.follower`) and
 that version.
 
-Every weight update the core commits or fails, whoever asked for it (the
-controller's UpdateWeights, or the follower), is reported:
-- committed: the new version (a heartbeat carries it; a rollout that was
-  asked to sync, REQUIRE_SYNC, goes back to RUNNING with it);
-- failed, aborted or timed out: SetState with the version still served and
-  the reason, which watchers of the synchronizer see as the message of a
-  STATE_CHANGED event. A rollout in an NCCL transfer (WAITING_SYNC) keeps its
-  state: the transfer's outcome is ReportTransfer's to decide, not ours.
+Every weight update the core commits or fails, whoever asked for it (an
+operator's UpdateWeights, or the follower), is reported twice:
+- as state: committed, the new version (a heartbeat carries it; a rollout
+  that was asked to sync, REQUIRE_SYNC, goes back to RUNNING with it);
+  failed, aborted or timed out, SetState with the version still served and
+  the reason, which watchers see as the message of a STATE_CHANGED event. A
+  rollout in an NCCL transfer (WAITING_SYNC) keeps its state: the transfer's
+  outcome is ReportTransfer's to decide, not ours;
+- as a fleet-update result (ReportUpdate): the phase durations, the identity
+  measured on the resident weights, and the outcome. The synchronizer judges
+  it against the version's identity and quarantines the rollout when it
+  failed, until one verifies.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from services.rollout.config import SynchronizerLinkConfig
 from services.rollout.serving.core import RolloutCore, UpdateReport
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.presence import Presence
-from flywheel.synchronizer.types import Method, Role, State
+from flywheel.synchronizer.types import Method, Role, State, UpdateOutcome, UpdateRecord
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ class RolloutPresence(Presence):
     ) -> None:
         super().__init__(
             client, Role.ROLLOUT, component_id, address, link, lambda: (step(), self.served()),
-            capabilities=CAPABILITIES, labels=labels,
+            capabilities=CAPABILITIES, labels=labels, identity=lambda: self.core.identity,
         )
         self.core = core
         self._reports: asyncio.Queue[UpdateReport] = asyncio.Queue()
@@ -99,8 +103,19 @@ class RolloutPresence(Presence):
         target = State.RUNNING if state == State.REQUIRE_SYNC else state
         if target != state or reason:
             await self.client.set_state(
-                self.component_id, target, expected=state, weight_version=report.served, reason=reason
+                self.component_id, target, expected=state, weight_version=report.served, reason=reason,
+                weight_identity=report.resident_identity if report.error is None else b"",
             )
+        record = await self.client.report_update(UpdateRecord(
+            self.component_id, report.version,
+            UpdateOutcome.VERIFIED if report.error is None else UpdateOutcome.FAILED,
+            resident_identity=report.resident_identity, failed_phase=report.failed_phase,
+            reason=describe_failure(report) if report.error is not None else "", timings=report.timings,
+            served_version=report.served,
+        ))
+        if not record.verified and report.error is None:
+            log.error("the synchronizer did not accept this update as verified",
+                      extra={"id": self.component_id, "version": report.version, "reason": record.reason})
 
     async def _current_state(self, served: int) -> State:
         """Heartbeats with `served` (registering again if forgotten); the state the synchronizer holds."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from flywheel.runtime.paths import confine
 
+from flywheel.codec.identity import VersionIdentity
 from services.rollout.engine.base import StagedWeights, TensorSpec
 from services.rollout.weights.staging import StagingBuffers
 from services.rollout.weights.memory import pull_staged
@@ -40,15 +41,20 @@ def memory_stage(
     timeout: float,
     max_message_bytes: int,
     buffers: StagingBuffers | None = None,
+    identity: VersionIdentity | None = None,
 ) -> Stage:
     """`buffers`: staged into the set they hold, if any, and given back on
-    release; after a failed pull the set is dropped (fresh tensors next time)."""
+    release; after a failed pull the set is dropped (fresh tensors next time).
+    `identity`: the version's, as the synchronizer recorded it; what an engine
+    that pulls by itself is verified against (the manifest's otherwise)."""
 
     async def stage() -> StagedWeights:
         # Cancelling this (an abandoned update) cancels the pull.
         staged = await pull_staged(address, version, specs, token=token, timeout=timeout,
                                    max_message_bytes=max_message_bytes,
                                    staging=buffers.take(specs) if buffers is not None else None)
+        if staged.identity is None:
+            staged.identity = identity
         if buffers is not None and staged.tensors is not None:
             tensors = staged.tensors
             staged.release = lambda: buffers.give_back(tensors)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from flywheel.codec import dtype_from_proto, encode_state_dict
+from flywheel.codec.identity import VersionIdentity, manifest_identity
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from services.rollout.engine.base import StagedWeights, TensorSpec
@@ -124,10 +125,9 @@ def stage_checkpoint(path: Path, version: int, want: Mapping[str, TensorSpec]) -
     specs = file_specs(files)
     verify_specs(specs, want, f"checkpoint {str(path)!r}")
     manifest_path = Path(path) / MANIFEST_FILE
-    if manifest_path.exists():
-        _verify_manifest(manifest_path, files, version)
+    identity = _verify_manifest(manifest_path, files, version) if manifest_path.exists() else None
     nbytes = sum(s.dtype.itemsize * _numel(s.shape) for s in specs.values())
-    return StagedWeights(version=version, files=[str(f) for f in files], nbytes=nbytes)
+    return StagedWeights(version=version, files=[str(f) for f in files], nbytes=nbytes, identity=identity)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -137,8 +137,8 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _verify_manifest(manifest_path: Path, files: list[Path], version: int) -> None:
-    """Re-encodes the tensors the way the manifest says and compares digests."""
+def _verify_manifest(manifest_path: Path, files: list[Path], version: int) -> VersionIdentity | None:
+    """Re-encodes the tensors the way the manifest says and compares digests; the version's identity."""
     try:
         manifest = common_pb2.WeightManifest.FromString(manifest_path.read_bytes())
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and OSError
@@ -159,6 +159,9 @@ def _verify_manifest(manifest_path: Path, files: list[Path], version: int) -> No
     )
     if encoded.manifest.digest != manifest.digest:
         raise DataLoss(f"checkpoint bytes do not match {manifest_path.name} (digest differs): corrupt or altered")
+    if manifest.identity and encoded.manifest.identity != manifest.identity:
+        raise DataLoss(f"checkpoint bytes do not match {manifest_path.name} (identity differs): corrupt or altered")
+    return manifest_identity(encoded.manifest)
 
 
 def check_stream_manifest(version: int, manifest: common_pb2.WeightManifest, want: Mapping[str, TensorSpec]) -> None:

@@ -90,3 +90,12 @@ class FakeEngine(Engine):
         self.weights["w"].copy_(staged.tensors["w"])
         self._version = staged.version
         self.swaps.append(staged.version)
+
+    async def resident_digests(self, names) -> dict[str, bytes]:
+        from flywheel.codec.identity import identify
+
+        return dict(identify({n: self.weights[n] for n in names if n in self.weights}).tensors)
+
+    async def corrupt_one_element(self) -> str:
+        self.weights["w"][1] += 1
+        return "w"
