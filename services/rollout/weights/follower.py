@@ -456,16 +456,25 @@ class Follower:
             raise NotFound(f"the synchronizer no longer lists version {version}")
         return self.sources[version]
 
+    async def _identity(self, version: int) -> VersionIdentity | None:
+        """The version's identity as the synchronizer recorded it (asked for when no event told it yet)."""
+        if version not in self.identities:
+            status = await self.client.status()
+            for info in status.versions:
+                if info.identity:
+                    self.identities[info.version] = info.identity
+        known = self.identities.get(version)
+        return VersionIdentity(known) if known else None
+
     async def _stage_for(self, version: int) -> Stage:
         method, location = await self._source(version)
         engine, _ = self.core.require_engine()
         specs = engine.weight_specs()
         if method == Method.MEMORY:
             server = self.config.server
-            known = self.identities.get(version)
             return memory_stage(self.client.address, version, specs, token=self.token,
                                 timeout=self.config.updates.timeout_seconds, max_message_bytes=server.max_message_bytes,
-                                buffers=self.core.staging, identity=VersionIdentity(known) if known else None)
+                                buffers=self.core.staging, identity=await self._identity(version))
         if method == Method.CHECKPOINT and location:
             return checkpoint_stage(location, version, specs, self.config.updates.checkpoint_root)
         name = method.name if method else "an unknown method"
