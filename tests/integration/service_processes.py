@@ -84,15 +84,17 @@ class Cluster:
             config[section] = {**config.get(section, {}), **values}
         return self.start("trainer", "trainer", config)
 
-    def rollout(self, name: str, model: Path, synchronizer: str, port: int = 0) -> ServiceProcess:
-        """A replica on the transformers engine (light enough for several on two cores), registered as `name`."""
+    def rollout(self, name: str, model: Path, synchronizer: str, port: int = 0,
+                updates: dict[str, Any] | None = None) -> ServiceProcess:
+        """A replica on the transformers engine (light enough for several on two cores), registered as `name`;
+        `updates`: more of its updates section (a faults file, deadlines)."""
         return self.start(name, "rollout", {
             "http_port": 0,
             "engine": {"kind": "transformers", "model_path": str(model),
                        "args": {"dtype": "float32", "max_model_len": 256, "seed": 0}},
             "synchronizer": {"address": synchronizer, "component_id": name.split("@")[0],
-                             "heartbeat_interval_seconds": 0.5},
-            "updates": {"checkpoint_root": str(self.root)},
+                             "heartbeat_interval_seconds": 0.5, "retry_max_seconds": 1.0},
+            "updates": {"checkpoint_root": str(self.root), **(updates or {})},
         }, port)
 
     def controller(self, run: dict, run_dir: Path) -> subprocess.Popen:

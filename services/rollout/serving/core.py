@@ -440,6 +440,11 @@ class RolloutCore:
                 try:
                     await self._apply(engine, staged, timings)
                     identity = await self._verify(engine, staged, timings)
+                except UpdateFailed:
+                    # The engine holds weights that are not the version: requests frozen in place
+                    # (keep) must not go on with them. They end ABORTed, and are retried elsewhere.
+                    aborted += await self._pause_engine("abort")
+                    raise
                 finally:
                     reopened = time.monotonic()
                     if not self._paused:

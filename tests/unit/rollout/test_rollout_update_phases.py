@@ -103,3 +103,17 @@ async def test_an_engine_that_cannot_read_its_weights_back_is_verified_as_staged
     stage, identity = version(1, 1.5)
     outcome = await core.update_weights(1, stage, "wait", 10)
     assert outcome.identity == identity.digest and reports[-1].error is None
+
+
+async def test_requests_frozen_by_keep_do_not_go_on_with_weights_that_failed_verification(tmp_path: Path) -> None:
+    core, engine, faults, _ = make_core(tmp_path)
+    engine.step_seconds = 0.01
+    running = asyncio.ensure_future(core.generate([prompt("long")], SamplingSpec(max_tokens=100)))
+    while not engine.running:
+        await asyncio.sleep(0.005)
+    faults.write_text(json.dumps({"corrupt_after_apply": True}))
+    stage, _ = version(1, 1.5)
+    with pytest.raises(UpdateFailed):
+        await core.update_weights(1, stage, "keep", 10)
+    (out,) = await running
+    assert out.samples[0].finish_reason == "abort" and len(out.samples[0].token_ids) < 100
