@@ -33,13 +33,23 @@ class Method(enum.IntEnum):
     CHECKPOINT = 3
 
 
-#: A Method by its lower-case name, as configs spell it.
+#: A Method by its lower-case name, as configs spell it (and as the oneof fields of
+#: ExportWeights' targets and UpdateWeights' sources are named).
 SyncMethodName = Literal["memory", "checkpoint", "nccl"]
+
+
+def method_name(method: Method | int) -> str:
+    """The config's (and the wire oneof's) spelling of a method."""
+    return Method(method).name.lower()
 
 
 class Style(enum.IntEnum):
     FIXED = 1
     DYNAMIC_BY_EXPLORER = 2
+
+
+#: A Style by its lower-case name, as configs spell it.
+SyncStyleName = Literal["fixed", "dynamic_by_explorer"]
 
 
 class RolloutWait(enum.IntEnum):

@@ -33,7 +33,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from flywheel.common.types import PauseMode
-from flywheel.synchronizer.types import SyncMethodName
+from flywheel.synchronizer.types import SyncMethodName, SyncStyleName
 from flywheel.trainer.types import DAPO_CLIP_HIGH, Aggregation, LossKind, default_clip_high
 from flywheel.runtime.config import ConfigError, StrictModel, read_config_file
 
@@ -257,7 +257,7 @@ class SyncConfig(StrictModel):
         "memory", description="how weights travel: memory (through the synchronizer; no shared disk needed), "
         "checkpoint (safetensors on shared storage) or nccl (process groups: nccl on GPUs, gloo on CPUs)",
     )
-    style: Literal["fixed", "dynamic_by_explorer"] = Field("fixed", description="when rollouts sync")
+    style: SyncStyleName = Field("fixed", description="when rollouts sync")
     interval: int = Field(1, ge=1, description="sync every N trainer steps")
     offset: int = Field(0, ge=0, description="steps before the first sync")
     timeout_seconds: float = Field(

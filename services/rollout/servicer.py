@@ -14,6 +14,7 @@ from flywheel.common.types import finish_reason_to_pb, pause_mode_from_pb
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.rollout.v1 import rollout_pb2 as pb
+from flywheel.synchronizer.types import Method
 from flywheel.runtime.auth import own_token
 from services.rollout.serving import sampling as sampling_mod
 from services.rollout.config import RolloutConfig
@@ -167,11 +168,9 @@ class RolloutServicer:
         if not request.timeout_seconds >= 0:
             raise InvalidArgument("timeout_seconds: must be >= 0")
         source = request.WhichOneof("source")
-        methods = {"memory": common_pb2.SYNC_METHOD_MEMORY, "checkpoint": common_pb2.SYNC_METHOD_CHECKPOINT,
-                   "nccl": common_pb2.SYNC_METHOD_NCCL}
         if source is None:
             raise InvalidArgument("source: set memory, checkpoint or nccl")
-        if request.method not in (common_pb2.SYNC_METHOD_UNSPECIFIED, methods[source]):
+        if request.method not in (common_pb2.SYNC_METHOD_UNSPECIFIED, int(Method[source.upper()])):
             raise InvalidArgument(f"method: {common_pb2.SyncMethod.Name(request.method)} does not match source {source}")
         engine, _ = self.core.require_engine()
         version, specs = request.version, engine.weight_specs()

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from flywheel.runtime.config import StrictModel
+from flywheel.synchronizer.types import SyncMethodName, SyncStyleName
 from flywheel.runtime.server_config import ServerConfig
 
 
@@ -15,8 +16,8 @@ class PolicyConfig(StrictModel):
     """The sync policy in force until a controller calls ConfigurePolicy (a
     policy persisted in the store wins over this after a restart)."""
 
-    style: Literal["fixed", "dynamic_by_explorer"] = Field("fixed", description="when rollouts sync")
-    method: Literal["nccl", "memory", "checkpoint"] = Field("memory", description="how weights travel")
+    style: SyncStyleName = Field("fixed", description="when rollouts sync")
+    method: SyncMethodName = Field("memory", description="how weights travel")
     interval: int = Field(
         1, ge=1, description="FIXED: sync every this many steps; DYNAMIC: ask after this many, in steps"
     )

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from flywheel.synchronizer.types import Method
+
 # Lower-case names of the proto enums ComponentRole, ComponentState and SyncMethod.
 ROLES = ("trainer", "rollout", "controller")
 STATES = ("stopped", "running", "require_sync", "waiting_sync")
-METHODS = ("nccl", "memory", "checkpoint")
+METHODS = tuple(m.name.lower() for m in Method)
 
 COMPONENTS = Gauge(
     "flywheel_synchronizer_components",

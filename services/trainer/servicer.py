@@ -18,6 +18,7 @@ from flywheel.codec.dtypes import tensor_from_proto, tensor_to_proto
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
 from flywheel.runtime.auth import own_token
+from flywheel.synchronizer.types import Method, method_name
 from flywheel.trainer.types import aggregation_from_pb, loss_kind_from_pb
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
@@ -30,11 +31,8 @@ DTYPES = {
     "bfloat16": common_pb2.DTYPE_BFLOAT16,
     "float16": common_pb2.DTYPE_FLOAT16,
 }
-EXPORT_TARGETS = {
-    common_pb2.SYNC_METHOD_MEMORY: "memory",
-    common_pb2.SYNC_METHOD_CHECKPOINT: "checkpoint",
-    common_pb2.SYNC_METHOD_NCCL: "nccl",
-}
+#: SyncMethod -> the ExportWeightsRequest oneof field that targets it (named like the method).
+EXPORT_TARGETS = {int(m): method_name(m) for m in Method}
 BATCH_FIELDS = tuple(f.name for f in pb.TrainBatch.DESCRIPTOR.fields)
 
 

@@ -101,3 +101,13 @@ def test_stopped_and_controller_components_cannot_ask() -> None:
 def test_invalid_policies_are_rejected(bad: Policy) -> None:
     with pytest.raises(InvalidArgument):
         validate(bad)
+
+
+def test_the_config_spellings_of_methods_and_styles_are_the_enums() -> None:
+    """One owner: the configs' literals name exactly the enums' members (and so the wire's)."""
+    from typing import get_args
+
+    from flywheel.synchronizer.types import Method, Style, SyncMethodName, SyncStyleName, method_name
+
+    assert set(get_args(SyncMethodName)) == {method_name(m) for m in Method}
+    assert set(get_args(SyncStyleName)) == {s.name.lower() for s in Style}
