@@ -166,6 +166,15 @@ def build_pipeline(
             services.probes, errors, interval=cfg.services.health_interval_seconds,
             critical=[TRAINER_PROBE], on_change=on_change,
         )
+        monitor = liveness
+
+        def on_pool_change(name: str, serves: bool) -> None:
+            # A replica the pool took out of service (a failed call, a quarantine) is back once its
+            # health check passes again: the next passing check is news to the monitor.
+            if not serves:
+                monitor.forget_health(name)
+
+        engines.on_health_change = on_pool_change
     memory = MemorySink()
     metrics = MetricsLog([memory, *sinks])
     run_dir = run_dir or cfg.run.output_dir

@@ -34,7 +34,7 @@ TIMELINE_KINDS = frozenset({
 
 def event_record(event: WatchEvent) -> dict[str, Any]:
     record: dict[str, Any] = {"sequence": event.sequence, "unix_ms": event.unix_ms, "kind": event.kind.name,
-                              "latest_version": event.latest_version}
+                              "latest_version": event.latest_version, "epoch": event.epoch}
     if event.component is not None:
         c = event.component
         record.update(id=c.id, role=c.role.name, state=c.state.name, step=c.step, weight_version=c.weight_version)
@@ -54,6 +54,7 @@ def event_record(event: WatchEvent) -> dict[str, Any]:
         u = event.update
         record["update"] = {
             "id": u.component_id, "version": u.version, "outcome": u.outcome.name,
+            **({"identity": u.resident_identity.hex()} if u.resident_identity else {}),
             **({"failed_phase": u.failed_phase.name, "reason": u.reason} if not u.verified else {}),
             **{f"{phase}_seconds": round(getattr(u.timings, f"{phase}_seconds"), 6)
                for phase in ("admit", "transfer", "apply", "verify", "reopen", "pause")},

@@ -44,6 +44,9 @@ def status_json(s: RunStatus) -> dict[str, Any]:
             "labels": dict(c.identity.labels),
             # Rollouts: how many versions behind the trainer the weights they serve are.
             "behind": max(0, trainer_version - c.weight_version) if c.role == Role.ROLLOUT else None,
+            # Out of service since a weight update failed: why (None when it serves).
+            "quarantined": c.quarantine_reason if c.quarantined else None,
+            "identity": c.weight_identity.hex()[:16] if c.weight_identity else None,
         }
         for c in s.components
     ]

@@ -27,7 +27,8 @@ from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_mod
 
 pytestmark = pytest.mark.slow
 
-STEPS = 40
+#: Long enough for r1 to fail, sit out, and rejoin while the run goes on (~3 steps a second here).
+STEPS = 100
 
 
 def updates_of(events: list[dict], replica: str) -> list[dict]:

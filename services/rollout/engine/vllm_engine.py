@@ -28,7 +28,7 @@ import logging
 import mmap
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -396,6 +396,14 @@ class VllmEngine(Engine):
         await self._llm.reset_prefix_cache(reset_running_requests=True)
         await self._llm.update_weight_version(str(staged.version))
         self._version = staged.version
+
+    async def resident_digests(self, names: Collection[str]) -> dict[str, bytes] | None:
+        # One worker holds whole tensors; with tensor or pipeline parallelism each holds shards,
+        # which are not the checkpoint's tensors: verified as staged then.
+        if not self.joins_groups or self._llm is None:
+            return None
+        [digests] = await self._llm.collective_rpc("flywheel_resident_digests", args=(list(names),))
+        return dict(digests) or None
 
     async def discard_weights(self, staged: StagedWeights) -> None:
         if staged.source is not None and self._llm is not None:

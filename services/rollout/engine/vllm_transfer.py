@@ -308,6 +308,33 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
             ) from None
         return int(pulled.nbytes), pulled.tensors
 
+    def resident_digests(self, names: list[str]) -> dict[str, bytes]:
+        """Identity digests of the weights resident in this worker's model, under the checkpoint's
+        names: every parameter held as the checkpoint holds it (same dtype and shape), and the
+        parts of a fused one (vLLM stacks q/k/v and gate/up) cut back along their first dimension.
+        Layers vLLM repacked for its CPU kernels and dropped the weight of cannot be read back."""
+        from flywheel.codec.identity import identify
+
+        specs = {n: s for n, s in self._served_specs().items() if n in set(names)}
+        readable: dict[str, torch.Tensor] = {}
+        packed = getattr(self.model, "packed_modules_mapping", {}) or {}
+        for name, param in self.model.named_parameters():
+            if param.numel() == 0:
+                continue
+            if name in specs:
+                readable[name] = param
+                continue
+            for fused, parts in packed.items():
+                if f".{fused}." not in name:
+                    continue
+                pieces = [name.replace(f".{fused}.", f".{part}.") for part in parts]
+                if all(p in specs for p in pieces) and sum(specs[p].shape[0] for p in pieces) == param.shape[0]:
+                    for piece, chunk in zip(pieces, param.split([specs[p].shape[0] for p in pieces])):
+                        readable[piece] = chunk
+        held = {n: t for n, t in readable.items()
+                if t.dtype == specs[n].dtype and tuple(t.shape) == tuple(specs[n].shape)}
+        return dict(identify(held).tensors)
+
     def _served_specs(self) -> dict:
         """Names, dtypes and shapes of the checkpoint the model was loaded from: what an update must provide."""
         if self._specs is None:

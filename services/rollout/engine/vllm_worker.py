@@ -39,6 +39,10 @@ class FlywheelWorkerExtension:
         """Where the staging under `ticket` stands (see FlywheelWeightTransferEngine.staged)."""
         return self._flywheel_engine().staged(ticket)
 
+    def flywheel_resident_digests(self, names: list[str]) -> dict[str, bytes]:
+        """Identity digests of the weights this worker holds (see FlywheelWeightTransferEngine.resident_digests)."""
+        return self._flywheel_engine().resident_digests(names)
+
     def flywheel_drop(self, ticket: str) -> None:
         """Cancels or forgets the staging under `ticket`."""
         self._flywheel_engine().drop(ticket)

@@ -31,7 +31,7 @@ from services.rollout.config import SynchronizerLinkConfig
 from services.rollout.serving.core import RolloutCore, UpdateReport
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.presence import Presence
-from flywheel.synchronizer.types import Method, Role, State, UpdateOutcome, UpdateRecord
+from flywheel.synchronizer.types import Method, Role, State, UpdateOutcome, UpdatePhase, UpdateRecord
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,10 @@ def describe_failure(report: UpdateReport) -> str:
         why = "cancelled (the caller gave up or the rollout is stopping)"
     else:
         why = f"{getattr(error, 'code', type(error).__name__)}: {error}"
+    if report.failed_phase in (UpdatePhase.APPLY, UpdatePhase.VERIFY):
+        # The engine was loading: what it holds is not a version (quarantined, refusing work).
+        return (f"weight update to version {report.version} failed in {report.failed_phase.name.lower()}; "
+                f"the weights held are not trusted: {why}")
     return f"weight update to version {report.version} failed; still serving version {report.served}: {why}"
 
 

@@ -120,3 +120,35 @@ async def test_the_page_and_its_json_are_served(tmp_path: Path) -> None:
         assert body["run_id"] == "live" and body["phase"] == "completed", body
         assert len(body["curves"]["reward"]) == 6
         assert (await client.post("/api/status")).status_code == 405  # read-only
+
+
+def test_a_quarantined_replica_and_its_update_results_show_on_the_page(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from flywheel.synchronizer.types import UpdateOutcome, UpdatePhase, UpdateRecord, UpdateTimings
+    from services.controller.runs import RunStatus
+
+    async def none(_: bool):
+        yield  # pragma: no cover
+
+    observer = SynchronizerObserver(none, tmp_path)
+    bad = replace(rollout("r1", 2), quarantined=True, quarantine_reason="verify of version 2 failed: 1 tensor(s) differ")
+    failed = UpdateRecord("r1", 2, UpdateOutcome.FAILED, failed_phase=UpdatePhase.VERIFY, reason="1 tensor(s) differ")
+    ok = UpdateRecord("r0", 2, UpdateOutcome.VERIFIED, resident_identity=b"\x01" * 16,
+                      timings=UpdateTimings(0.01, 0.2, 0.03, 0.02, 0.001, 0.061))
+    observer.observe(replace(event(EventKind.UPDATE_REPORTED, rollout("r0", 2), version=2, seq=1), update=ok))
+    observer.observe(replace(event(EventKind.UPDATE_REPORTED, bad, version=2, seq=2), update=failed))
+    timeline = observer.timeline
+    assert [(e["kind"], e["update"]["outcome"]) for e in timeline] == [
+        ("UPDATE_REPORTED", "VERIFIED"), ("UPDATE_REPORTED", "FAILED")]
+    assert timeline[0]["update"]["pause_seconds"] == 0.061 and timeline[1]["update"]["failed_phase"] == "VERIFY"
+    assert timeline[1]["quarantined"].startswith("verify of version 2 failed")
+    # The JSON the page renders: the replica's row says why it takes no traffic.
+    fields = {f for f in RunStatus.__dataclass_fields__}
+    s = RunStatus(**{f: None for f in fields})
+    s = replace(s, components=list(observer.components.values()), trainer_version=2, history=[], timeline=list(timeline),
+                errors=[], run_id="r", phase="running", mode="sync", message="", step=2, total_steps=4, pool_size=0,
+                in_flight=0)
+    page = status_json(s)
+    rows = {c["id"]: c for c in page["components"]}
+    assert rows["r1"]["quarantined"].startswith("verify of version 2 failed") and rows["r0"]["quarantined"] is None
