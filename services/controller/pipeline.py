@@ -15,24 +15,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.controller.activity import ActivityTracker, now
-from services.controller.balancer import EnginePool
-from services.controller.batching import TrainBatch
-from services.controller.data import DataLoader
+from services.controller.telemetry.activity import ActivityTracker, now
+from services.controller.rollouts.balancer import EnginePool
+from services.controller.batches.batching import TrainBatch
+from services.controller.tasks.loader import DataLoader
 from services.controller.domain import TrainResult
-from services.controller.errors_report import ErrorReporter
-from services.controller.liveness import LivenessMonitor
-from services.controller.metrics_log import MemorySink, MetricsLog
-from services.controller.observer import SynchronizerObserver
-from services.controller.pool import TrajectoryPool
-from services.controller.processor import AlgorithmProcessor, TrainBatchPool
+from services.controller.telemetry.errors_report import ErrorReporter
+from services.controller.rollouts.liveness import LivenessMonitor
+from services.controller.telemetry.metrics_log import MemorySink, MetricsLog
+from services.controller.weights.observer import SynchronizerObserver
+from services.controller.batches.pool import TrajectoryPool
+from services.controller.batches.processor import AlgorithmProcessor, TrainBatchPool
 from services.controller.protocols import Trainer
-from services.controller.rollouts import RolloutManager
+from services.controller.rollouts.manager import RolloutManager
 from services.controller.run_config import RunConfig
-from services.controller.sample_age import SampleAgeReport
-from services.controller.staleness import StalenessGate
-from services.controller.train_worker import TrainWorker
-from services.controller.validation import Validator
+from services.controller.batches.sample_age import SampleAgeReport
+from services.controller.batches.staleness import StalenessGate
+from services.controller.batches.train_worker import TrainWorker
+from services.controller.rollouts.validation import Validator
 from services.controller.weights.fleet import Fleet
 
 log = logging.getLogger(__name__)

@@ -442,8 +442,8 @@ class LocalRun:
         from services.controller.app import service_spec
         from services.controller.assemble import build_pipeline
         from services.controller.loop import run
-        from services.controller.metrics_log import PrometheusSink
-        from services.controller.runs import RunManager
+        from services.controller.telemetry.metrics_log import PrometheusSink
+        from services.controller.ops.runs import RunManager
 
         controller = self.controller_config()
         services = connect(cfg)
@@ -599,7 +599,7 @@ class LocalRun:
     async def _restart_due_replicas(self) -> None:
         """Starts again, on their old ports, the replicas whose backoff is over. The new one
         registers with the synchronizer, catches up to the newest version before it reports
-        SERVING, and the controller's pool (membership.py) gives it work again."""
+        SERVING, and the controller's pool (rollouts/membership.py) gives it work again."""
         if self.supervisor is None:
             return
         for name, due in list(self.pending_restarts.items()):

@@ -28,9 +28,9 @@ from flywheel.runtime.config import ConfigError
 from flywheel.runtime.paths import confine
 from flywheel.synchronizer.types import Component
 from services.controller.assemble import Services, build_pipeline
-from services.controller.errors_report import ErrorRecord
+from services.controller.telemetry.errors_report import ErrorRecord
 from services.controller.loop import run
-from services.controller.metrics_log import MetricsSink
+from services.controller.telemetry.metrics_log import MetricsSink
 from services.controller.pipeline import Pipeline, RunSummary
 from services.controller.run_config import RunConfig, run_config_from_yaml
 
