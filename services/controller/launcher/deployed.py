@@ -254,7 +254,7 @@ class Deployment:
         """What the services answer now (healing.RemoteWatch), and what is done about it.
         A synchronizer the kubelet restarted is handed the run's policy and the trainer's weights
         while the run goes on; a trainer that lost the run's state raises ServiceDied (a rewind)."""
-        if self.remote is None or not (even_before_start or hasattr(pipeline, "resumed_at_step")):
+        if self.remote is None or not (even_before_start or pipeline.state.started):
             return  # until the session's start is done (resumed, policy given): the services move under it
         step = pipeline.train_worker.step
         for service, finding in await self.remote.look(step):

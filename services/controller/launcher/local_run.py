@@ -139,9 +139,9 @@ def _count_resumed_steps(pipeline: Any) -> None:
     async def start_then_count() -> None:
         await start()
         step = pipeline.train_worker.step
-        pipeline.resumed_at_step = pipeline.steps_done = step
+        pipeline.state.resumed_at_step = pipeline.state.steps_done = step
         if step > 0:  # the checkpoint just loaded is this step's: no need to write it again at the end
-            pipeline._last_checkpoint_step = step
+            pipeline.state.last_checkpoint_step = step
 
     pipeline.start = start_then_count
 
@@ -276,8 +276,8 @@ class LocalRun:
         is the last session's: a death while a rewind starts services again keeps its figures."""
         assert self.healer is not None and self.pipeline is not None
         step = self.pipeline.train_worker.step
-        if self.pipeline.last_checkpoint_path:  # written by the session that just died
-            self.data["resume"] = {"from": self.pipeline.last_checkpoint_path}
+        if self.pipeline.state.last_checkpoint_path:  # written by the session that just died
+            self.data["resume"] = {"from": self.pipeline.state.last_checkpoint_path}
         source = self.data["resume"].get("from", "none")
         if source == "latest":
             # Deployed, the checkpoints are on the trainer's volume: the one this session started from.
@@ -503,8 +503,8 @@ class LocalRun:
             self.interrupted += 1
             if self.interrupted == 1:
                 self.say("stopping after a checkpoint (again to stop at once)")
-                pipeline.checkpoint_on_stop = True
-                pipeline.stop_requested.set()
+                pipeline.state.checkpoint_on_stop = True
+                pipeline.state.stop_requested.set()
             else:
                 self.say("stopping now, without a checkpoint")
                 run_task.cancel()
@@ -555,7 +555,7 @@ class LocalRun:
             "samples_per_second": summary.samples_per_second,
             "trainer_idle_fraction": summary.trainer_idle_fraction,
             "final_version": summary.final_version,
-            "checkpoint_this_session": pipeline.last_checkpoint_path,
+            "checkpoint_this_session": pipeline.state.last_checkpoint_path,
             "dropped": dict(pipeline.processor.dropped),
             "rollouts": dict(pipeline.rollouts.stats),
             "worker": dict(getattr(pipeline.rollouts.worker, "stats", {})),
@@ -564,7 +564,7 @@ class LocalRun:
 
     @staticmethod
     def _resumed_at(pipeline: Any) -> int:
-        return getattr(pipeline, "resumed_at_step", 0)
+        return pipeline.state.resumed_at_step
 
     def _check_children(self) -> None:
         """A dead trainer or synchronizer raises ServiceDied (the run rewinds, see execute); a
