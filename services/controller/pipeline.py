@@ -1,6 +1,10 @@
 """The pipeline: the run's components wired together, and the verbs the main
 loop (loop.py) calls. Each verb delegates to one component; `assemble.py`
 builds a Pipeline from a RunConfig and a set of engines (gRPC or simulated).
+
+A Pipeline holds collaborators; what a session has done is its `state`
+(RunState). Whoever drives it (the local launcher, a test) extends its verbs
+through `hooks` (PipelineHooks), never by replacing its methods.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import logging
 import statistics
 import time
 from collections import defaultdict, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +66,7 @@ class RunState:
     steps_done: int = 0
     #: The trainer's step when this session's start was done (the launcher sets it; 0 otherwise).
     resumed_at_step: int = 0
-    #: start() is done: resumed, the policy handed over, the start version asked for.
+    #: start() is done: resumed, the policy handed over, the start version asked for, its hooks run.
     started: bool = False
     stop_reason: str = ""
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
@@ -81,6 +86,27 @@ class RunState:
     last_record_at: float = 0.0
     #: Samples pooled up to the last record (rollout/new_samples).
     pooled_before: int = 0
+
+
+#: A callback of start(), awaited with the pipeline.
+StartHook = Callable[["Pipeline"], Awaitable[None]]
+#: A callback of record(): a trained step's batch, result and metrics.
+RecordHook = Callable[[TrainBatch, TrainResult, dict[str, float]], None]
+
+
+@dataclass
+class PipelineHooks:
+    """Where the pipeline's verbs call out, in the order the callbacks were added. A hook
+    that raises fails the verb, as the verb's own code would."""
+
+    #: After a resume (`resume.from` not none, whether or not a checkpoint was found), before
+    #: anything else of the start: the trainer holds the checkpoint's step and version.
+    after_resume: list[StartHook] = field(default_factory=list)
+    #: At the end of start(): the policy handed over, the start version asked for.
+    after_start: list[StartHook] = field(default_factory=list)
+    #: Each trained step's record, with its metrics, before they are written: what a hook
+    #: writes is on disk by the time metrics.jsonl shows the step.
+    on_record: list[RecordHook] = field(default_factory=list)
 
 
 @dataclass
@@ -105,6 +131,7 @@ class Pipeline:
     observer: SynchronizerObserver | None = None
     run_dir: Path | None = None
     state: RunState = field(default_factory=RunState)
+    hooks: PipelineHooks = field(default_factory=PipelineHooks)
     _background: list[asyncio.Task] = field(default_factory=list)
 
     # -- start ----------------------------------------------------------------
@@ -119,6 +146,8 @@ class Pipeline:
         await self.train_worker.sync_state()
         if self.config.resume.from_ != "none":
             await self._resume(self.config.resume.from_)
+            for hook in self.hooks.after_resume:
+                await hook(self)
         version = self.train_worker.version
         self.gate.base_version = version
         await self._first_replica()
@@ -133,6 +162,8 @@ class Pipeline:
         # A resumed run's version is off the schedule: the trainer publishes it when asked.
         await self.fleet.need(version, f"the run starts at version {version}")
         self.gate.set_rollout_version(version)
+        for hook in self.hooks.after_start:
+            await hook(self)
         self.state.started = True
 
     async def _first_replica(self) -> None:
@@ -302,6 +333,8 @@ class Pipeline:
 
     def record(self, batch: TrainBatch, result: TrainResult) -> dict[str, float]:
         m = self.step_metrics(batch, result)
+        for hook in self.hooks.on_record:
+            hook(batch, result, m)
         self.metrics.observe_staleness(batch.staleness())
         self.metrics.write(result.step, m)
         return m

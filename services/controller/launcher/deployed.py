@@ -171,15 +171,10 @@ class Deployment:
 
     def rewind_on_resume(self, pipeline: Any) -> None:
         """Once the session resumed from a checkpoint (the trainer loaded it), and before
-        anything is generated, no service may hold newer weights: `rewind`. After a
-        trainer death in this command, and in a new command (a Job's next pod) after one."""
-        resume = pipeline._resume
-
-        async def resume_then_rewind(source: str) -> None:
-            await resume(source)
-            await self.rewind(pipeline)
-
-        pipeline._resume = resume_then_rewind
+        anything is generated, no service may hold newer weights: `rewind`, as the
+        pipeline's after_resume hook. After a trainer death in this command, and in a
+        new command (a Job's next pod) after one."""
+        pipeline.hooks.after_resume.append(self.rewind)
 
     async def rewind(self, pipeline: Any) -> None:
         """The trainer is at the checkpoint's version N. A synchronizer or replica holding a newer

@@ -126,24 +126,18 @@ def _raise_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _count_resumed_steps(pipeline: Any) -> None:
-    """Makes `run.max_steps` count the trainer's steps, resumed ones included.
+async def _count_resumed_steps(pipeline: Any) -> None:
+    """Makes `run.max_steps` count the trainer's steps, resumed ones included (an after_start hook).
 
     The pipeline counts the steps of this session; a resumed run would then
     train max_steps more instead of stopping at step max_steps. Setting its
     counter to the trainer's step once the resume is done keeps the numbering
     and the stop where the user configured them.
     """
-    start = pipeline.start
-
-    async def start_then_count() -> None:
-        await start()
-        step = pipeline.train_worker.step
-        pipeline.state.resumed_at_step = pipeline.state.steps_done = step
-        if step > 0:  # the checkpoint just loaded is this step's: no need to write it again at the end
-            pipeline.state.last_checkpoint_step = step
-
-    pipeline.start = start_then_count
+    step = pipeline.train_worker.step
+    pipeline.state.resumed_at_step = pipeline.state.steps_done = step
+    if step > 0:  # the checkpoint just loaded is this step's: no need to write it again at the end
+        pipeline.state.last_checkpoint_step = step
 
 
 def latest_checkpoint(directory: Path) -> str:
@@ -450,7 +444,7 @@ class LocalRun:
         pipeline = build_pipeline(cfg, services, run_dir=self.run_dir, sinks=[PrometheusSink()])
         self.pipeline, self.sessions = pipeline, self.sessions + 1
         ledger = self._keep_ledger(pipeline)
-        _count_resumed_steps(pipeline)
+        pipeline.hooks.after_start.append(_count_resumed_steps)
         if self.deployment is not None:
             self.deployment.rewind_on_resume(pipeline)
         self.progress = Progress(cfg.run.max_steps, self.out)
@@ -620,9 +614,8 @@ class LocalRun:
         """
         ledger = (self.run_dir / "trained_tasks.jsonl").open("a")
         session = f"{os.getpid()}-{int(time.time())}-{self.sessions}"  # a rewind may start one in the same second
-        record = pipeline.record
 
-        def record_with_ledger(batch: Any, result: Any) -> dict[str, float]:
+        def write_row(batch: Any, result: Any, metrics: dict[str, float]) -> None:
             tasks = sorted({t.task.id for t in batch.trajectories})
             # Which weights produced each sample, beside the weights trained on:
             # the mode's staleness promise, checkable after the fact.
@@ -634,9 +627,8 @@ class LocalRun:
                    "sample_turn_versions": [[list(v) for v in t.turn_versions] for t in batch.trajectories]}
             ledger.write(json.dumps(row) + "\n")
             ledger.flush()
-            return record(batch, result)
 
-        pipeline.record = record_with_ledger  # the loop calls p.record(batch, result) once per trained step
+        pipeline.hooks.on_record.append(write_row)  # called once per trained step, before its metrics are written
         return ledger
 
     def _draw(self, pipeline: Any, status: str = "") -> None:

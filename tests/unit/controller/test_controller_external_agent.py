@@ -417,13 +417,7 @@ async def test_a_run_trains_on_the_session_tokens_and_reports_the_worker_counts(
 
     p.rollouts.worker.ctx.agent = python_agent(agent)
     trained = []
-    build = p.record
-
-    def record(batch, result):
-        trained.append(batch)
-        return build(batch, result)
-
-    p.record = record
+    p.hooks.on_record.append(lambda batch, result, metrics: trained.append(batch))
     summary = await run(p)
     assert summary.steps == 2 and len(trained) == 2
     for batch in trained:
