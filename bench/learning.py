@@ -139,11 +139,11 @@ def bench_trainer(model_dir: Path, run: dict, spec: object, steps: int) -> dict:
 
 async def _validation_sides(address: str, run: dict, rows: list[dict], rounds: int) -> dict:
     from services.controller.adapters.rollout import GrpcRolloutEngine
-    from services.controller.balancer import EnginePool
+    from services.controller.rollouts.balancer import EnginePool
     from services.controller.domain import SamplingSpec, Task
-    from services.controller.errors_report import ErrorReporter
-    from services.controller.rewards import get_reward
-    from services.controller.validation import Validator
+    from services.controller.telemetry.errors_report import ErrorReporter
+    from services.controller.tasks.rewards import get_reward
+    from services.controller.rollouts.validation import Validator
     from services.controller.workers.base import WorkerContext
     from services.controller.workers.math import SingleTurnMathWorker
 

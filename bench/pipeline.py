@@ -7,7 +7,7 @@ Run manual:
 What runs: the real controller pipeline (loader, rollout manager, staleness
 gate, trajectory pool, GRPO processor, tensor batches, train worker,
 weight-sync controller, main loop), in real time on one asyncio loop, against
-the *simulated* engines of services/controller/simulated.py:
+the *simulated* engines of services/controller/testing/simulated.py:
   - one rollout engine; each Generate call (one task, group_size samples)
     takes a time drawn from a lognormal with mean --mean-ms and log-std
     --sigma (a long tail: the slowest of a batch's calls is typically 2-3x
@@ -41,7 +41,7 @@ import time
 from services.controller.assemble import Services, build_pipeline
 from services.controller.loop import run
 from services.controller.run_config import parse_run_config
-from services.controller.simulated import (
+from services.controller.testing.simulated import (
     SimulatedRolloutEngine,
     SimulatedTrainer,
     constant,

@@ -72,8 +72,8 @@ def _health(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["run"]:  # the launcher parses its own options (services/controller/launch.py)
-        from services.controller.launch import main as run_main
+    if argv[:1] == ["run"]:  # the launcher parses its own options (services/controller/launcher/launch.py)
+        from services.controller.launcher.launch import main as run_main
 
         return run_main(argv[1:])
     parser = argparse.ArgumentParser(prog="flywheel", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -10,8 +10,8 @@ import sys
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["run"]:
-        # The local launcher (services/controller/launch.py): same --help speed.
-        from services.controller.launch import main
+        # The local launcher (services/controller/launcher/launch.py): same --help speed.
+        from services.controller.launcher.launch import main
 
         sys.exit(main(sys.argv[2:]))
 

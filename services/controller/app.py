@@ -1,9 +1,9 @@
 """Assembles the controller service for the server bootstrap.
 
 One process, two ways in: `python -m services.controller` waits for Start
-calls, and `python -m services.controller run FILE` (launch.py) drives one
+calls, and `python -m services.controller run FILE` (launcher/launch.py) drives one
 run itself. Both serve the same gRPC API, health, /metrics and status page
-(status_page.py) from `service_spec`.
+(ops/status_page.py) from `service_spec`.
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import services.controller.metrics  # noqa: F401  (registers the service's metric families)
+import services.controller.telemetry.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.controller.v1 import controller_pb2, controller_pb2_grpc
 from flywheel.runtime.http_server import HttpServer
 from flywheel.runtime.server import ServiceSpec
 from services.controller.adapters import connect
 from services.controller.config import ControllerConfig
-from services.controller.metrics_log import PrometheusSink
-from services.controller.runs import RunManager
+from services.controller.telemetry.metrics_log import PrometheusSink
+from services.controller.ops.runs import RunManager
 from services.controller.servicer import ControllerServicer
-from services.controller.status_page import create_app
+from services.controller.ops.status_page import create_app
 
 PROTO_SERVICE = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
 

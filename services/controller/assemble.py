@@ -16,26 +16,26 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.runtime.config import ConfigError
-from services.controller.activity import ActivityTracker
-from services.controller.algorithms import make_algorithm
-from services.controller.balancer import EnginePool
-from services.controller.data import DataLoader, loader_from_config
+from services.controller.telemetry.activity import ActivityTracker
+from services.controller.batches.algorithms import make_algorithm
+from services.controller.rollouts.balancer import EnginePool
+from services.controller.tasks.loader import DataLoader, loader_from_config
 from services.controller.domain import SamplingSpec
-from services.controller.errors_report import ErrorReporter
-from services.controller.liveness import LivenessMonitor
-from services.controller.membership import Connect, Membership
-from services.controller.observer import SynchronizerObserver
-from services.controller.metrics_log import JsonlSink, MemorySink, MetricsLog, MetricsSink
+from services.controller.telemetry.errors_report import ErrorReporter
+from services.controller.rollouts.liveness import LivenessMonitor
+from services.controller.rollouts.membership import Connect, Membership
+from services.controller.weights.observer import SynchronizerObserver
+from services.controller.telemetry.metrics_log import JsonlSink, MemorySink, MetricsLog, MetricsSink
 from services.controller.pipeline import Pipeline
-from services.controller.pool import TrajectoryPool
-from services.controller.processor import AlgorithmProcessor, TrainBatchPool
+from services.controller.batches.pool import TrajectoryPool
+from services.controller.batches.processor import AlgorithmProcessor, TrainBatchPool
 from services.controller.protocols import HealthProbe, RolloutEngine, Synchronizer, Trainer
-from services.controller.rewards import get_reward, import_object
-from services.controller.rollouts import RolloutManager
+from services.controller.tasks.rewards import get_reward, import_object
+from services.controller.rollouts.manager import RolloutManager
 from services.controller.run_config import RunConfig, SamplingConfig
-from services.controller.staleness import StalenessGate
-from services.controller.train_worker import TrainWorker
-from services.controller.validation import Validator
+from services.controller.batches.staleness import StalenessGate
+from services.controller.batches.train_worker import TrainWorker
+from services.controller.rollouts.validation import Validator
 from services.controller.weights.fleet import Fleet
 from services.controller.workers import WorkerContext, worker_class
 from services.controller.workers.external import load_agent
@@ -181,11 +181,11 @@ def build_pipeline(
     if run_dir is not None and cfg.metrics.jsonl:
         metrics.add(JsonlSink(Path(run_dir) / "metrics.jsonl"))
     if cfg.metrics.tensorboard_dir is not None:
-        from services.controller.metrics_log import TensorBoardSink
+        from services.controller.telemetry.metrics_log import TensorBoardSink
 
         metrics.add(_resolve("metrics.tensorboard_dir", lambda: TensorBoardSink(cfg.metrics.tensorboard_dir)))
     if cfg.metrics.wandb_project:
-        from services.controller.metrics_log import WandbSink
+        from services.controller.telemetry.metrics_log import WandbSink
 
         metrics.add(_resolve(
             "metrics.wandb_project",

@@ -2,7 +2,7 @@
 
 Rollout workers generate in the background from the moment
 `start_rollouts()` is called (how far ahead of the trainer they may run is
-the mode's business: see staleness.py and weights/fleet.py); the loop itself
+the mode's business: see batches/staleness.py and weights/fleet.py); the loop itself
 only consumes batches, trains and keeps the books. It moves no weights: the
 trainer publishes, the replicas follow (one road, through the synchronizer).
 """

@@ -1,6 +1,10 @@
 """The pipeline: the run's components wired together, and the verbs the main
 loop (loop.py) calls. Each verb delegates to one component; `assemble.py`
 builds a Pipeline from a RunConfig and a set of engines (gRPC or simulated).
+
+A Pipeline holds collaborators; what a session has done is its `state`
+(RunState). Whoever drives it (the local launcher, a test) extends its verbs
+through `hooks` (PipelineHooks), never by replacing its methods.
 """
 
 from __future__ import annotations
@@ -11,28 +15,29 @@ import logging
 import statistics
 import time
 from collections import defaultdict, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.controller.activity import ActivityTracker, now
-from services.controller.balancer import EnginePool
-from services.controller.batching import TrainBatch
-from services.controller.data import DataLoader
+from services.controller.telemetry.activity import ActivityTracker, now
+from services.controller.rollouts.balancer import EnginePool
+from services.controller.batches.batching import TrainBatch
+from services.controller.tasks.loader import DataLoader
 from services.controller.domain import TrainResult
-from services.controller.errors_report import ErrorReporter
-from services.controller.liveness import LivenessMonitor
-from services.controller.metrics_log import MemorySink, MetricsLog
-from services.controller.observer import SynchronizerObserver
-from services.controller.pool import TrajectoryPool
-from services.controller.processor import AlgorithmProcessor, TrainBatchPool
+from services.controller.telemetry.errors_report import ErrorReporter
+from services.controller.rollouts.liveness import LivenessMonitor
+from services.controller.telemetry.metrics_log import MemorySink, MetricsLog
+from services.controller.weights.observer import SynchronizerObserver
+from services.controller.batches.pool import TrajectoryPool
+from services.controller.batches.processor import AlgorithmProcessor, TrainBatchPool
 from services.controller.protocols import Trainer
-from services.controller.rollouts import RolloutManager
+from services.controller.rollouts.manager import RolloutManager
 from services.controller.run_config import RunConfig
-from services.controller.sample_age import SampleAgeReport
-from services.controller.staleness import StalenessGate
-from services.controller.train_worker import TrainWorker
-from services.controller.validation import Validator
+from services.controller.batches.sample_age import SampleAgeReport
+from services.controller.batches.staleness import StalenessGate
+from services.controller.batches.train_worker import TrainWorker
+from services.controller.rollouts.validation import Validator
 from services.controller.weights.fleet import Fleet
 
 log = logging.getLogger(__name__)
@@ -49,6 +54,59 @@ class RunSummary:
     stop_reason: str
     final_version: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RunState:
+    """What this session of the run has done and been asked so far. The pipeline's verbs
+    write it; Stop requests, the launcher, Status and the status page read it. Everything
+    else a Pipeline holds is a collaborator."""
+
+    #: Steps trained this session (from the resumed step when the launcher counts resumed ones).
+    steps_done: int = 0
+    #: The trainer's step when this session's start was done (the launcher sets it; 0 otherwise).
+    resumed_at_step: int = 0
+    #: start() is done: resumed, the policy handed over, the start version asked for, its hooks run.
+    started: bool = False
+    stop_reason: str = ""
+    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set by a Stop request that asks for a checkpoint.
+    checkpoint_on_stop: bool = False
+    last_checkpoint_path: str = ""
+    #: The step the last checkpoint holds (written, or resumed from): none is written twice.
+    last_checkpoint_step: int = -1
+    #: Validations and checkpoints of this session, oldest first (the status page's timeline).
+    milestones: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=500))
+    #: Age of the trained samples by completion length (staleness/age_*/<bucket>).
+    sample_ages: SampleAgeReport = field(default_factory=SampleAgeReport)
+    #: When the first batch arrived, and the trainer's busy seconds then (idle time counts from it).
+    first_batch_at: float | None = None
+    busy_at_first_batch: float = 0.0
+    #: When the last step was recorded (time/step_seconds).
+    last_record_at: float = 0.0
+    #: Samples pooled up to the last record (rollout/new_samples).
+    pooled_before: int = 0
+
+
+#: A callback of start(), awaited with the pipeline.
+StartHook = Callable[["Pipeline"], Awaitable[None]]
+#: A callback of record(): a trained step's batch, result and metrics.
+RecordHook = Callable[[TrainBatch, TrainResult, dict[str, float]], None]
+
+
+@dataclass
+class PipelineHooks:
+    """Where the pipeline's verbs call out, in the order the callbacks were added. A hook
+    that raises fails the verb, as the verb's own code would."""
+
+    #: After a resume (`resume.from` not none, whether or not a checkpoint was found), before
+    #: anything else of the start: the trainer holds the checkpoint's step and version.
+    after_resume: list[StartHook] = field(default_factory=list)
+    #: At the end of start(): the policy handed over, the start version asked for.
+    after_start: list[StartHook] = field(default_factory=list)
+    #: Each trained step's record, with its metrics, before they are written: what a hook
+    #: writes is on disk by the time metrics.jsonl shows the step.
+    on_record: list[RecordHook] = field(default_factory=list)
 
 
 @dataclass
@@ -72,27 +130,14 @@ class Pipeline:
     liveness: LivenessMonitor | None = None
     observer: SynchronizerObserver | None = None
     run_dir: Path | None = None
-    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
-    #: Age of the trained samples by completion length (staleness/age_*/<bucket>).
-    sample_ages: SampleAgeReport = field(default_factory=SampleAgeReport)
-    steps_done: int = 0
-    stop_reason: str = ""
-    #: Set by a Stop request that asks for a checkpoint.
-    checkpoint_on_stop: bool = False
-    last_checkpoint_path: str = ""
-    #: Validations and checkpoints of this session, oldest first (the status page's timeline).
-    milestones: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=500))
+    state: RunState = field(default_factory=RunState)
+    hooks: PipelineHooks = field(default_factory=PipelineHooks)
     _background: list[asyncio.Task] = field(default_factory=list)
-    _first_batch_at: float | None = None
-    _busy_at_first_batch: float = 0.0
-    _last_record_at: float = 0.0
-    _pooled_before: int = 0
-    _last_checkpoint_step: int = -1
 
     # -- start ----------------------------------------------------------------
     async def start(self) -> None:
         self.tracker.start_clock()
-        self._last_record_at = now()
+        self.state.last_record_at = now()
         if self.observer is not None:
             # First: with membership from the registry, replicas join the pool through it.
             self._background.append(asyncio.ensure_future(self.observer.run()))
@@ -101,6 +146,8 @@ class Pipeline:
         await self.train_worker.sync_state()
         if self.config.resume.from_ != "none":
             await self._resume(self.config.resume.from_)
+            for hook in self.hooks.after_resume:
+                await hook(self)
         version = self.train_worker.version
         self.gate.base_version = version
         await self._first_replica()
@@ -115,6 +162,9 @@ class Pipeline:
         # A resumed run's version is off the schedule: the trainer publishes it when asked.
         await self.fleet.need(version, f"the run starts at version {version}")
         self.gate.set_rollout_version(version)
+        for hook in self.hooks.after_start:
+            await hook(self)
+        self.state.started = True
 
     async def _first_replica(self) -> None:
         """Waits until some rollout replica serves (membership from the registry starts empty)."""
@@ -167,14 +217,14 @@ class Pipeline:
     # -- the loop's verbs -----------------------------------------------------
     def finished(self) -> bool:
         max_steps = self.config.run.max_steps
-        if max_steps is not None and self.steps_done >= max_steps:
-            self.stop_reason = self.stop_reason or f"reached run.max_steps = {max_steps}"
+        if max_steps is not None and self.state.steps_done >= max_steps:
+            self.state.stop_reason = self.state.stop_reason or f"reached run.max_steps = {max_steps}"
             return True
         if self.errors.should_stop:
-            self.stop_reason = self.errors.stop_reason or "error"
+            self.state.stop_reason = self.errors.stop_reason or "error"
             return True
-        if self.stop_requested.is_set():
-            self.stop_reason = self.stop_reason or "stop requested"
+        if self.state.stop_requested.is_set():
+            self.state.stop_reason = self.state.stop_reason or "stop requested"
             return True
         return False
 
@@ -190,7 +240,7 @@ class Pipeline:
         """(True, result) of `work`, or (False, None) if the run is told to stop
         first (an error policy, a Stop RPC): a hung call must not hold the run."""
         task = asyncio.ensure_future(work)
-        stoppers = [asyncio.ensure_future(self.errors.stopped.wait()), asyncio.ensure_future(self.stop_requested.wait())]
+        stoppers = [asyncio.ensure_future(self.errors.stopped.wait()), asyncio.ensure_future(self.state.stop_requested.wait())]
         await asyncio.wait([task, *stoppers], return_when=asyncio.FIRST_COMPLETED)
         for s in stoppers:
             s.cancel()
@@ -203,10 +253,10 @@ class Pipeline:
 
     def _arrived(self, batch: TrainBatch | None) -> TrainBatch | None:
         if batch is None:
-            self.stop_reason = self.stop_reason or "data exhausted"
-        elif self._first_batch_at is None:
-            self._first_batch_at = now()
-            self._busy_at_first_batch = self.tracker.busy_seconds("trainer")
+            self.state.stop_reason = self.state.stop_reason or "data exhausted"
+        elif self.state.first_batch_at is None:
+            self.state.first_batch_at = now()
+            self.state.busy_at_first_batch = self.tracker.busy_seconds("trainer")
         return batch
 
     async def train(self, batch: TrainBatch) -> TrainResult | None:
@@ -218,7 +268,7 @@ class Pipeline:
         for task_id in {t.task.id for t in batch.trajectories}:
             self.rollouts.finish(task_id)
         if result is not None:
-            self.steps_done += 1
+            self.state.steps_done += 1
         return result
 
     def weights_published(self, result: TrainResult) -> None:
@@ -233,9 +283,9 @@ class Pipeline:
         """The run ended on weights no validation has seen yet: measure them,
         so the last validation figure is the model the final checkpoint holds."""
         v = self.validator
-        if v is None or v.interval <= 0 or self.steps_done == 0:
+        if v is None or v.interval <= 0 or self.state.steps_done == 0:
             return False
-        if self.errors.should_stop or self.stop_requested.is_set():
+        if self.errors.should_stop or self.state.stop_requested.is_set():
             return False
         return v.last_version != self.train_worker.version
 
@@ -260,29 +310,31 @@ class Pipeline:
         return interval > 0 and result.step % interval == 0
 
     def due_for_final_checkpoint(self) -> bool:
-        if self.steps_done == 0 or self.errors.should_stop:
+        if self.state.steps_done == 0 or self.errors.should_stop:
             return False
-        if self.stop_requested.is_set():
-            return self.checkpoint_on_stop
+        if self.state.stop_requested.is_set():
+            return self.state.checkpoint_on_stop
         return self.config.checkpoint.at_end
 
     async def checkpoint(self) -> str:
-        if self._last_checkpoint_step == self.train_worker.step:
+        if self.state.last_checkpoint_step == self.train_worker.step:
             return ""
         state = {"loader": self.loader.state_dict(), "step": self.train_worker.step, "version": self.train_worker.version}
         path = await self.trainer.save_checkpoint(json.dumps(state).encode())
-        self._last_checkpoint_step = self.train_worker.step
-        self.last_checkpoint_path = path
+        self.state.last_checkpoint_step = self.train_worker.step
+        self.state.last_checkpoint_path = path
         self._milestone("CHECKPOINT", version=self.train_worker.version, path=path)
         log.info("checkpoint at step %d: %s", self.train_worker.step, path)
         return path
 
     # -- bookkeeping ----------------------------------------------------------
     def _milestone(self, kind: str, **details: Any) -> None:
-        self.milestones.append({"kind": kind, "unix_ms": int(time.time() * 1000), "step": self.train_worker.step, **details})
+        self.state.milestones.append({"kind": kind, "unix_ms": int(time.time() * 1000), "step": self.train_worker.step, **details})
 
     def record(self, batch: TrainBatch, result: TrainResult) -> dict[str, float]:
         m = self.step_metrics(batch, result)
+        for hook in self.hooks.on_record:
+            hook(batch, result, m)
         self.metrics.observe_staleness(batch.staleness())
         self.metrics.write(result.step, m)
         return m
@@ -305,15 +357,15 @@ class Pipeline:
         m["rollout/response_length_mean"] = statistics.fmean(sum(tr.response_mask) for tr in batch.trajectories)
         stale = batch.staleness()
         m["staleness/mean"], m["staleness/min"], m["staleness/max"] = statistics.fmean(stale), float(min(stale)), float(max(stale))
-        self.sample_ages.observe(batch.target_version, batch.trajectories)
-        m.update(self.sample_ages.metrics())
+        self.state.sample_ages.observe(batch.target_version, batch.trajectories)
+        m.update(self.state.sample_ages.metrics())
         # Samples whose weights changed while they were generated (partial rollouts).
         m["batch/mixed_version_samples"] = float(sum(tr.version_end != tr.version_start for tr in batch.trajectories))
         m["batch/samples"], m["batch/tokens"] = float(batch.size), float(batch.tokens)
         m["throughput/samples_per_second"] = tw.samples_trained / wall
         m["throughput/tokens_per_second"] = tw.tokens_trained / wall
-        m["time/step_seconds"] = t - self._last_record_at
-        self._last_record_at = t
+        m["time/step_seconds"] = t - self.state.last_record_at
+        self.state.last_record_at = t
         m["time/trainer_idle_fraction"] = self.trainer_idle_fraction()
         m.update(self.fleet.take_step_metrics())
         for module in ("trainer", "rollout"):
@@ -325,7 +377,7 @@ class Pipeline:
         m["pool/train_batch"] = float(self.batches.qsize())
         m["rollout/in_flight"] = float(self.tracker.in_flight("rollout"))
         pooled = self.rollouts.stats["success"] * self.config.worker.group_size
-        m["rollout/new_samples"], self._pooled_before = float(pooled - self._pooled_before), pooled
+        m["rollout/new_samples"], self.state.pooled_before = float(pooled - self.state.pooled_before), pooled
         for key in ("success", "fail", "re-rollout", "requeued"):
             m[f"rollout/{key.replace('-', '_')}_total"] = float(self.rollouts.stats[key])
         for key, count in getattr(self.rollouts.worker, "stats", {}).items():  # a user's worker may keep none
@@ -343,9 +395,9 @@ class Pipeline:
     def trainer_idle_fraction(self) -> float:
         """Idle share of the trainer's wall time since the first batch arrived
         (the pipeline fill before it is reported separately in the summary)."""
-        if self._first_batch_at is None:
+        if self.state.first_batch_at is None:
             return 1.0
-        return self.tracker.idle_fraction("trainer", since=self._first_batch_at, busy_before=self._busy_at_first_batch)
+        return self.tracker.idle_fraction("trainer", since=self.state.first_batch_at, busy_before=self.state.busy_at_first_batch)
 
     # -- stop -----------------------------------------------------------------
     async def stop(self) -> None:
@@ -363,13 +415,13 @@ class Pipeline:
         wall = t - (self.tracker.started_at if self.tracker.started_at is not None else t)
         tw = self.train_worker
         return RunSummary(
-            steps=self.steps_done,
+            steps=self.state.steps_done,
             samples=tw.samples_trained,
             tokens=tw.tokens_trained,
             wall_seconds=wall,
             samples_per_second=tw.samples_trained / wall if wall > 0 else 0.0,
             trainer_idle_fraction=self.trainer_idle_fraction(),
-            stop_reason=self.stop_reason or self.errors.stop_reason or "",
+            stop_reason=self.state.stop_reason or self.errors.stop_reason or "",
             final_version=tw.version,
             metrics=self.memory.latest(),
         )

@@ -2,7 +2,7 @@
 
 The controller's domain code talks to these interfaces only. Two families
 implement them: the gRPC adapters (`services/controller/adapters/`, the
-product path) and the simulated engines (`services/controller/simulated.py`,
+product path) and the simulated engines (`services/controller/testing/simulated.py`,
 for tests and the pipeline benchmark). A user can plug in their own (e.g. an
 in-process engine) without touching the pipeline.
 
@@ -27,8 +27,8 @@ from services.controller.domain import (
 
 if TYPE_CHECKING:
     from flywheel.synchronizer.client_types import WatchEvent
-    from services.controller.batching import TrainBatch
-    from services.controller.episodes import OpenedSession, SessionRecord
+    from services.controller.batches.batching import TrainBatch
+    from services.controller.rollouts.episodes import OpenedSession, SessionRecord
     from services.controller.run_config import LossConfig
 
 

@@ -224,7 +224,7 @@ class StalenessConfig(StrictModel):
     retried again and again). `pace` orders finished groups into batches by deadline (the last version
     each may be trained at) and closes a batch only when every group still in flight can meet its own,
     waiting for a straggler when it could not: no finished group goes over the bound, none is thrown
-    away, and the lengths trained are the lengths generated (services/controller/processor.py). The
+    away, and the lengths trained are the lengths generated (services/controller/batches/processor.py). The
     price is trainer idle time while it waits: with a long-tailed generation time and threshold 1 it
     may double (tests/unit/controller/test_controller_pacing.py measures both), so pace is not strictly
     better and `drop` stays the default; sync mode neither drops nor waits under either. `correct`

@@ -13,7 +13,7 @@ from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.controller.v1 import controller_pb2 as pb
 from flywheel.controller.v1 import controller_pb2_grpc as pb_grpc
 from flywheel.synchronizer.convert import component_to_pb
-from services.controller.runs import RunManager
+from services.controller.ops.runs import RunManager
 
 PHASES = {
     "idle": pb.RUN_PHASE_IDLE,

@@ -17,7 +17,7 @@ from services.controller.run_config import RunConfig
 
 
 def _registry_replicas(cfg: RunConfig, token: str | None, opened: list[GrpcRolloutEngine]):
-    """Connects replicas as they register (membership.py); each is added to `opened`, closed at the end."""
+    """Connects replicas as they register (rollouts/membership.py); each is added to `opened`, closed at the end."""
     s = cfg.services
     timeouts = {key: e.timeout_seconds for e in s.rollout for key in (e.id, e.address) if key}
 

@@ -16,7 +16,7 @@ NotFound; 410 SessionLost (an Aborted: the records are gone because the
 replica restarted or the session expired, so the task is retried); 401/403 Unauthenticated; 429
 ResourceExhausted; other 4xx InvalidArgument; 5xx and connection errors
 Unavailable; timeouts DeadlineExceeded. Wire JSON becomes the domain's
-session types (`services/controller/episodes.py`) here and nowhere else.
+session types (`services/controller/rollouts/episodes.py`) here and nowhere else.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from flywheel.errors import (
 )
 from flywheel.runtime.tls import client_ssl_context, process_tls
 from services.controller.domain import FinishReason, Generation
-from services.controller.episodes import OpenedSession, SessionLost, SessionRecord
+from services.controller.rollouts.episodes import OpenedSession, SessionLost, SessionRecord
 
 
 def _message(response: httpx.Response) -> str:

@@ -12,7 +12,7 @@ from flywheel.runtime.client import translated
 from flywheel.runtime.server_config import MIB
 from flywheel.trainer.client import TrainerClient, make_loss_spec
 from flywheel.trainer.v1 import trainer_pb2 as pb
-from services.controller.batching import TrainBatch
+from services.controller.batches.batching import TrainBatch
 from services.controller.domain import RestoredCheckpoint, TrainerState, TrainResult
 from services.controller.run_config import LossConfig
 

@@ -171,15 +171,10 @@ class Deployment:
 
     def rewind_on_resume(self, pipeline: Any) -> None:
         """Once the session resumed from a checkpoint (the trainer loaded it), and before
-        anything is generated, no service may hold newer weights: `rewind`. After a
-        trainer death in this command, and in a new command (a Job's next pod) after one."""
-        resume = pipeline._resume
-
-        async def resume_then_rewind(source: str) -> None:
-            await resume(source)
-            await self.rewind(pipeline)
-
-        pipeline._resume = resume_then_rewind
+        anything is generated, no service may hold newer weights: `rewind`, as the
+        pipeline's after_resume hook. After a trainer death in this command, and in a
+        new command (a Job's next pod) after one."""
+        pipeline.hooks.after_resume.append(self.rewind)
 
     async def rewind(self, pipeline: Any) -> None:
         """The trainer is at the checkpoint's version N. A synchronizer or replica holding a newer
@@ -254,7 +249,7 @@ class Deployment:
         """What the services answer now (healing.RemoteWatch), and what is done about it.
         A synchronizer the kubelet restarted is handed the run's policy and the trainer's weights
         while the run goes on; a trainer that lost the run's state raises ServiceDied (a rewind)."""
-        if self.remote is None or not (even_before_start or hasattr(pipeline, "resumed_at_step")):
+        if self.remote is None or not (even_before_start or pipeline.state.started):
             return  # until the session's start is done (resumed, policy given): the services move under it
         step = pipeline.train_worker.step
         for service, finding in await self.remote.look(step):

@@ -19,7 +19,7 @@ by its own steps and reports each update it makes. The controller:
 - `observe(event)` keeps what every replica reported of every update
   (UPDATE_REPORTED): per version, the fleet's verdict is "every live replica
   verified it, or is quarantined with a reason". Quarantine itself is the
-  synchronizer's flag on the replica, which the pool reads (balancer.py): no
+  synchronizer's flag on the replica, which the pool reads (rollouts/balancer.py): no
   traffic until an update of that replica verifies;
 - `after_step(result)` lets the staleness gate dispatch against the
   trainer's new version.
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 
 from flywheel.synchronizer.client_types import WatchEvent
 from flywheel.synchronizer.types import EventKind, UpdateRecord
-from services.controller.balancer import EnginePool
+from services.controller.rollouts.balancer import EnginePool
 from services.controller.domain import TrainResult
 from services.controller.protocols import Synchronizer
-from services.controller.staleness import StalenessGate
+from services.controller.batches.staleness import StalenessGate
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ BUILTIN_WORKERS: dict[str, type[RolloutWorker]] = {
 def worker_class(name: str) -> type[RolloutWorker]:
     if name in BUILTIN_WORKERS:
         return BUILTIN_WORKERS[name]
-    from services.controller.rewards import import_object
+    from services.controller.tasks.rewards import import_object
 
     cls = import_object(name)
     if not (isinstance(cls, type) and issubclass(cls, RolloutWorker)):

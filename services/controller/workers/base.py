@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.errors import Aborted, DeadlineExceeded, Unavailable
-from services.controller.balancer import EnginePool
+from services.controller.rollouts.balancer import EnginePool
 from services.controller.domain import (
     FinishReason,
     Generation,
@@ -35,8 +35,8 @@ from services.controller.domain import (
     Trajectory,
     TrajectoryStatus,
 )
-from services.controller.errors_report import ErrorReporter
-from services.controller.rewards import RewardError, RewardFn, score
+from services.controller.telemetry.errors_report import ErrorReporter
+from services.controller.tasks.rewards import RewardError, RewardFn, score
 
 
 @dataclass

@@ -16,7 +16,7 @@ Each of a task's n episodes, concurrently:
 2. runs the agent against the session's base URL and key, within
    `agent_timeout_seconds`;
 3. reads the session's records and rebuilds the episode from their token ids
-   (`services/controller/episodes.py`: of several segments the last is
+   (`services/controller/rollouts/episodes.py`: of several segments the last is
    trained, the others are counted as dropped);
 4. deletes the session, whatever happened.
 
@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.errors import FailedPrecondition, ResourceExhausted
-from services.controller.balancer import Replica
+from services.controller.rollouts.balancer import Replica
 from services.controller.domain import (
     MIN_WEIGHT_VERSION,
     RUN_STEP,
@@ -67,9 +67,9 @@ from services.controller.domain import (
     Task,
     Trajectory,
 )
-from services.controller.episodes import OpenedSession, SessionLost, rebuild, trajectory
+from services.controller.rollouts.episodes import OpenedSession, SessionLost, rebuild, trajectory
 from services.controller.protocols import AgentSessions, RolloutEngine
-from services.controller.rewards import RewardError, import_object, score
+from services.controller.tasks.rewards import RewardError, import_object, score
 from services.controller.workers.base import RETRYABLE, RolloutWorker, WorkerContext
 
 log = logging.getLogger(__name__)

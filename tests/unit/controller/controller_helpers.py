@@ -10,7 +10,7 @@ from services.controller.assemble import build_pipeline
 from services.controller.domain import FinishReason, Task, Trajectory
 from services.controller.pipeline import Pipeline
 from services.controller.run_config import RunConfig, parse_run_config
-from services.controller.simulated import (
+from services.controller.testing.simulated import (
     SimulatedRolloutEngine,
     SimulatedTrainer,
     constant,

@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from services.controller.activity import ActivityTracker
-from services.controller.balancer import EnginePool
-from services.controller.errors_report import ErrorReporter, RunStopped
-from services.controller.liveness import LivenessMonitor
+from services.controller.telemetry.activity import ActivityTracker
+from services.controller.rollouts.balancer import EnginePool
+from services.controller.telemetry.errors_report import ErrorReporter, RunStopped
+from services.controller.rollouts.liveness import LivenessMonitor
 from services.controller.loop import run
-from services.controller.simulated import SimulatedHealthProbe, SimulatedRolloutEngine, run_virtual
+from services.controller.testing.simulated import SimulatedHealthProbe, SimulatedRolloutEngine, run_virtual
 from tests.unit.controller.controller_helpers import config, simulated_pipeline
 
 

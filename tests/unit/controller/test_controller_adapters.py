@@ -24,10 +24,10 @@ from flywheel.trainer.v1 import trainer_pb2 as tpb
 from flywheel.trainer.v1 import trainer_pb2_grpc as tpb_grpc
 from services.controller.adapters import GrpcHealthProbe, GrpcRolloutEngine, GrpcSynchronizer, GrpcTrainer, connect
 from services.controller.assemble import build_pipeline
-from services.controller.batching import build_train_batch
+from services.controller.batches.batching import build_train_batch
 from services.controller.domain import FinishReason, PromptInput, SamplingSpec
 from services.controller.loop import run
-from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant
+from services.controller.testing.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant
 from tests.unit.controller.controller_helpers import config, task, trajectory
 
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from services.controller.algorithms import GroupAlgorithm, all_equal, grpo_advantages, make_algorithm, overlong_penalty
-from services.controller.batching import build_train_batch
+from services.controller.batches.algorithms import GroupAlgorithm, all_equal, grpo_advantages, make_algorithm, overlong_penalty
+from services.controller.batches.batching import build_train_batch
 from services.controller.domain import FinishReason
 from tests.unit.controller.controller_helpers import config, task, trajectory
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.errors import InvalidArgument
-from services.controller.data import DataLoader, loader_from_config, rows_from
+from services.controller.tasks.loader import DataLoader, loader_from_config, rows_from
 from services.controller.run_config import LoaderConfig
 
 ROWS = [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.controller.domain import FinishReason, Generation
-from services.controller.episodes import rebuild, trajectory
+from services.controller.rollouts.episodes import rebuild, trajectory
 from tests.unit.controller.controller_helpers import task
 
 

@@ -24,13 +24,13 @@ from flywheel.runtime.config import ConfigError
 from services.controller.adapters.rollout import GrpcRolloutEngine, http_host
 from services.controller.adapters.sessions import AgentService, SessionClient
 from services.controller.assemble import Services, build_pipeline
-from services.controller.balancer import EnginePool
+from services.controller.rollouts.balancer import EnginePool
 from services.controller.domain import RUN_STEP, RolloutStatus, SamplingSpec
-from services.controller.episodes import SessionLost
-from services.controller.errors_report import ErrorReporter
+from services.controller.rollouts.episodes import SessionLost
+from services.controller.telemetry.errors_report import ErrorReporter
 from services.controller.loop import run
-from services.controller.rewards import get_reward
-from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, simulated_services
+from services.controller.tasks.rewards import get_reward
+from services.controller.testing.simulated import SimulatedRolloutEngine, SimulatedTrainer, simulated_services
 from services.controller.workers import ExternalAgentWorker, WorkerContext, worker_class
 from services.controller.workers.external import load_agent, python_agent
 from tests.unit.controller.controller_helpers import config, task
@@ -365,7 +365,7 @@ async def test_agents_load_from_a_file_a_module_or_a_url(tmp_path: Path) -> None
     path.write_text("import threading\n\ndef run(task, base_url, api_key):\n    return threading.current_thread().name\n")
     agent = load_agent(f"{path}:run")
     assert await agent({}, "u", "k", "s") != threading.current_thread().name  # a sync agent runs in a thread
-    assert callable(load_agent("services.controller.rewards:math_reward"))
+    assert callable(load_agent("services.controller.tasks.rewards:math_reward"))
     assert isinstance(load_agent("http://127.0.0.1:9/episode"), AgentService)
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
         load_agent(f"{path}:nope")
@@ -404,7 +404,7 @@ async def test_a_run_trains_on_the_session_tokens_and_reports_the_worker_counts(
     fake = FakeRollout()
     fake.version = 0
     # fully-async: this replica follows no synchronizer (its sessions stay on version 0).
-    cfg = config(worker={"type": "external", "agent": "services.controller.rewards:math_reward", "group_size": 2,
+    cfg = config(worker={"type": "external", "agent": "services.controller.tasks.rewards:math_reward", "group_size": 2,
                          "max_in_flight": 2}, algorithm={"train_batch_size": 4}, run={"max_steps": 2}, mode="fully-async")
     p = build_pipeline(cfg, simulated_services(SimulatedTrainer(), [FakeReplica(fake)]), keep_history=True, retry_backoff_seconds=0.01)
     episodes: dict[tuple[str, str], list[dict]] = {}
@@ -417,13 +417,7 @@ async def test_a_run_trains_on_the_session_tokens_and_reports_the_worker_counts(
 
     p.rollouts.worker.ctx.agent = python_agent(agent)
     trained = []
-    build = p.record
-
-    def record(batch, result):
-        trained.append(batch)
-        return build(batch, result)
-
-    p.record = record
+    p.hooks.on_record.append(lambda batch, result, metrics: trained.append(batch))
     summary = await run(p)
     assert summary.steps == 2 and len(trained) == 2
     for batch in trained:

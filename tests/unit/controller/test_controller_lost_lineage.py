@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from services.controller.domain import Task, Trajectory
-from services.controller.processor import AlgorithmProcessor, TrainBatchPool
-from services.controller.staleness import StalenessGate
+from services.controller.batches.processor import AlgorithmProcessor, TrainBatchPool
+from services.controller.batches.staleness import StalenessGate
 
 
 class Groups:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 
 from flywheel.synchronizer.types import Component, Identity, Role, State
-from services.controller.balancer import EnginePool
-from services.controller.errors_report import ErrorReporter
-from services.controller.liveness import LivenessMonitor
-from services.controller.membership import Membership
-from services.controller.simulated import SimulatedHealthProbe, SimulatedRolloutEngine
+from services.controller.rollouts.balancer import EnginePool
+from services.controller.telemetry.errors_report import ErrorReporter
+from services.controller.rollouts.liveness import LivenessMonitor
+from services.controller.rollouts.membership import Membership
+from services.controller.testing.simulated import SimulatedHealthProbe, SimulatedRolloutEngine
 
 
 def rollout(cid: str, address: str, state: State = State.RUNNING, role: Role = Role.ROLLOUT) -> Component:

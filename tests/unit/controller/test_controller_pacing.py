@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 from flywheel.runtime.config import ConfigError
 from services.controller.domain import Task, Trajectory
 from services.controller.loop import run
-from services.controller.metrics_log import JsonlSink
-from services.controller.pool import PoolInstance, SimpleStore
-from services.controller.processor import AlgorithmProcessor, TrainBatchPool
-from services.controller.sample_age import SampleAgeReport, bucket_of, percentile
-from services.controller.simulated import SimulatedRolloutEngine, run_virtual
-from services.controller.staleness import StalenessGate
+from services.controller.telemetry.metrics_log import JsonlSink
+from services.controller.batches.pool import PoolInstance, SimpleStore
+from services.controller.batches.processor import AlgorithmProcessor, TrainBatchPool
+from services.controller.batches.sample_age import SampleAgeReport, bucket_of, percentile
+from services.controller.testing.simulated import SimulatedRolloutEngine, run_virtual
+from services.controller.batches.staleness import StalenessGate
 from tests.unit.controller.controller_helpers import config, items, simulated_pipeline
 
 # -- a skewed length mix ------------------------------------------------------------

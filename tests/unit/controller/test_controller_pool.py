@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.controller.pool import GroupedStore, HierarchicalStore, PoolInstance, SimpleStore, TrajectoryPool, make_store
+from services.controller.batches.pool import GroupedStore, HierarchicalStore, PoolInstance, SimpleStore, TrajectoryPool, make_store
 from tests.unit.controller.controller_helpers import task, trajectory
 
 

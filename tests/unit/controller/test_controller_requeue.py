@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.controller.loop import run
-from services.controller.simulated import run_virtual
+from services.controller.testing.simulated import run_virtual
 from tests.unit.controller.controller_helpers import config, items, simulated_pipeline
 
 N_TASKS = 48
@@ -79,7 +79,7 @@ def test_resume_from_checkpoint_loses_no_task_and_trains_none_twice(tmp_path: Pa
 def test_metrics_are_written_as_jsonl_per_step(tmp_path: Path) -> None:
     cfg = config(run={"max_steps": 3}, metrics={"jsonl": True})
     p, _, _ = simulated_pipeline(cfg)
-    p.metrics.add(__import__("services.controller.metrics_log", fromlist=["JsonlSink"]).JsonlSink(tmp_path / "m.jsonl"))
+    p.metrics.add(__import__("services.controller.telemetry.metrics_log", fromlist=["JsonlSink"]).JsonlSink(tmp_path / "m.jsonl"))
     run_virtual(run(p))
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.controller.answers import answers_match, final_answer, last_boxed, reference_answer
-from services.controller.rewards import RewardError, get_reward, register_reward, score
+from services.controller.tasks.answers import answers_match, final_answer, last_boxed, reference_answer
+from services.controller.tasks.rewards import RewardError, get_reward, register_reward, score
 from tests.unit.controller.controller_helpers import task
 
 
@@ -48,7 +48,7 @@ async def test_sync_and_async_rewards_registered_by_name() -> None:
 
     reward, scores = await score(get_reward("test_async_len"), task(), "abcd", scale=0.5)
     assert reward == 2.0 and scores == {"reward": 2.0, "chars": 4.0}
-    assert await score(get_reward("services.controller.rewards:length_reward"), task(), "x" * 100) == (0.0, {"reward": 0.0})
+    assert await score(get_reward("services.controller.tasks.rewards:length_reward"), task(), "x" * 100) == (0.0, {"reward": 0.0})
 
 
 async def test_a_reward_that_raises_or_misbehaves_is_a_reward_error() -> None:

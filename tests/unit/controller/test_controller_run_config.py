@@ -12,7 +12,7 @@ import pytest
 from flywheel.runtime.config import ConfigError
 from services.controller.assemble import Services, build_pipeline
 from services.controller.run_config import load_run_config, parse_run_config, run_config_from_yaml
-from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, simulated_services
+from services.controller.testing.simulated import SimulatedRolloutEngine, SimulatedTrainer, simulated_services
 from tests.unit.controller.controller_helpers import config, items
 
 FULL = """
@@ -101,7 +101,7 @@ def test_yaml_text_as_the_start_rpc_sends_it() -> None:
     [
         ({"reward": {"name": "no_such_reward"}}, "reward.name: unknown reward 'no_such_reward'"),
         ({"worker": {"type": "no.such.module:Worker"}}, "worker.type"),
-        ({"algorithm": {"name": "services.controller.algorithms:nope"}}, "algorithm.name"),
+        ({"algorithm": {"name": "services.controller.batches.algorithms:nope"}}, "algorithm.name"),
         ({"data": {"train": {"items": None, "path": "/nonexistent/train.jsonl"}}}, "data.train"),
         ({"data": {"train": {"items": [{"question": "x"}]}}}, "data.train: train data: rows have no field 'prompt'"),
     ],

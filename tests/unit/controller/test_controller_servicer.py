@@ -16,10 +16,10 @@ from flywheel.controller.v1 import controller_pb2 as pb
 from flywheel.controller.v1 import controller_pb2_grpc as pb_grpc
 from flywheel.runtime.interceptors import ErrorInterceptor
 from services.controller.assemble import Services
-from services.controller.metrics_log import PrometheusSink
-from services.controller.runs import RunManager
+from services.controller.telemetry.metrics_log import PrometheusSink
+from services.controller.ops.runs import RunManager
 from services.controller.servicer import ControllerServicer
-from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant, simulated_services
+from services.controller.testing.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant, simulated_services
 from tests.unit.controller.controller_helpers import items
 
 

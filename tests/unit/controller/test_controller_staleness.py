@@ -1,6 +1,6 @@
 """Staleness accounting: the gate, and properties of whole simulated runs.
 
-Runs use simulated engines on a virtual clock (services/controller/simulated.py):
+Runs use simulated engines on a virtual clock (services/controller/testing/simulated.py):
 minutes of pipeline time take milliseconds, and a deadlock raises.
 """
 
@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.controller.loop import run
-from services.controller.simulated import run_virtual
-from services.controller.staleness import StalenessGate, is_stale
+from services.controller.testing.simulated import run_virtual
+from services.controller.batches.staleness import StalenessGate, is_stale
 from tests.unit.controller.controller_helpers import config, items, simulated_pipeline
 
 

@@ -15,11 +15,11 @@ from flywheel.synchronizer.client_types import WatchEvent
 from flywheel.synchronizer.types import Component, EventKind, Identity, Method, Role, State
 from services.controller.assemble import Services, build_pipeline
 from services.controller.loop import run
-from services.controller.observer import SynchronizerObserver
+from services.controller.weights.observer import SynchronizerObserver
 from services.controller.run_config import run_config_from_yaml
-from services.controller.runs import RunManager
-from services.controller.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant, simulated_services
-from services.controller.status_page import create_app, status_json
+from services.controller.ops.runs import RunManager
+from services.controller.testing.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant, simulated_services
+from services.controller.ops.status_page import create_app, status_json
 from tests.unit.controller.controller_helpers import items
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from flywheel.errors import Unavailable
-from services.controller.balancer import EnginePool
+from services.controller.rollouts.balancer import EnginePool
 from services.controller.domain import (
     FinishReason,
     Generation,
@@ -21,8 +21,8 @@ from services.controller.domain import (
     TrajectoryStatus,
 )
 from services.controller.loop import run
-from services.controller.rewards import get_reward
-from services.controller.simulated import SimulatedRolloutEngine, run_virtual
+from services.controller.tasks.rewards import get_reward
+from services.controller.testing.simulated import SimulatedRolloutEngine, run_virtual
 from services.controller.workers import (
     AgentRolloutWorker,
     SimpleRolloutWorker,
@@ -127,7 +127,7 @@ def test_reward_errors_are_recorded_and_the_run_goes_on() -> None:
             raise RuntimeError(f"reward crashed on {t.id}")
         return float(len(completion) % 2)
 
-    import services.controller.rewards as rewards
+    import services.controller.tasks.rewards as rewards
 
     rewards.register_reward("test_sometimes_raises")(sometimes_raises)
     cfg = config(reward={"name": "test_sometimes_raises"}, run={"max_steps": 4})

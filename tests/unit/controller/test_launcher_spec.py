@@ -50,7 +50,7 @@ def test_prepare_data_fills_generated_paths_only_when_none_are_given(tmp_path):
 
 
 def test_trainer_and_rollout_register_under_the_names_the_controller_uses(tmp_path):
-    from services.controller.local_run import ROLLOUT_ID, LocalRun
+    from services.controller.launcher.local_run import ROLLOUT_ID, LocalRun
     from services.controller.run_config import ServicesConfig
     from services.rollout.config import RolloutConfig
     from services.trainer.config import TrainerConfig
@@ -68,7 +68,7 @@ def test_trainer_and_rollout_register_under_the_names_the_controller_uses(tmp_pa
 
 
 def test_local_services_take_paths_from_the_run_directory_and_the_checkpoint_resumed(tmp_path, monkeypatch):
-    from services.controller.local_run import LocalRun
+    from services.controller.launcher.local_run import LocalRun
     from services.rollout.config import RolloutConfig
     from services.trainer.files import request_roots
     from services.trainer.config import TrainerConfig
@@ -88,7 +88,7 @@ def test_local_services_take_paths_from_the_run_directory_and_the_checkpoint_res
 def test_run_variables_override_the_run_files_fields(tmp_path):
     from argparse import Namespace
 
-    from services.controller.local_run import LocalRun
+    from services.controller.launcher.local_run import LocalRun
 
     run_file = tmp_path / "run.yaml"
     run_file.write_text("run: {name: r}\nsync: {method: memory, interval: 2}\n")
@@ -110,7 +110,7 @@ def test_run_variables_override_the_run_files_fields(tmp_path):
 
 @pytest.mark.parametrize("name", ["FLYWHEEL_RUN__SYNC__METHD", "FLYWHEEL_RUN__SYNC__METHOD__X", "FLYWHEEL_RUN__NOPE"])
 def test_a_run_variable_naming_no_field_is_an_error(name):
-    from services.controller.local_run import run_env_overrides
+    from services.controller.launcher.local_run import run_env_overrides
 
     with pytest.raises(ConfigError, match=name):
         run_env_overrides({name: "1"})
@@ -119,7 +119,7 @@ def test_a_run_variable_naming_no_field_is_an_error(name):
 def _named_run(tmp_path, timeout: float):
     from argparse import Namespace
 
-    from services.controller.local_run import LocalRun
+    from services.controller.launcher.local_run import LocalRun
 
     run_file = tmp_path / "run.yaml"
     run_file.write_text(

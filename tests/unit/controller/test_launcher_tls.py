@@ -10,7 +10,7 @@ from services.controller.launcher.spec import split_run_file
 
 @pytest.mark.parametrize("mode", [True, "mutual"])
 def test_every_local_service_gets_the_launchs_certificate(tmp_path, monkeypatch, mode) -> None:
-    from services.controller.local_run import LocalRun
+    from services.controller.launcher.local_run import LocalRun
     from services.rollout.config import RolloutConfig
     from services.trainer.config import TrainerConfig
 
@@ -30,7 +30,7 @@ def test_every_local_service_gets_the_launchs_certificate(tmp_path, monkeypatch,
 
 
 def test_without_launch_tls_nothing_changes(tmp_path, monkeypatch) -> None:
-    from services.controller.local_run import LocalRun
+    from services.controller.launcher.local_run import LocalRun
 
     monkeypatch.setattr(tls_module, "_adopted", None)
     spec, data = split_run_file({"launch": {"model": {"source": "tiny"}}}, "test")

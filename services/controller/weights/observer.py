@@ -4,7 +4,7 @@ With a synchronizer, the controller moves no weights; it watches. Every event
 (registrations, state changes, sync requests, committed versions, transfers)
 is appended to `<run_dir>/synchronizer_events.jsonl`, one JSON object a line,
 so a run shows who moved to which version when, step by step; listeners
-(membership.py) hear of every component change.
+(rollouts/membership.py) hear of every component change.
 A broken stream is reopened with backoff; watching never stops the run.
 """
 
@@ -75,7 +75,7 @@ class SynchronizerObserver:
         self.latest = latest
         self._observed = asyncio.Event()
         self.path = run_dir / EVENTS_FILE if run_dir is not None else None
-        #: Called with the component of every event about one (membership.py).
+        #: Called with the component of every event about one (rollouts/membership.py).
         self.listeners: list[Callable[[Component], None]] = []
         #: Called with every event (weights/fleet.py).
         self.event_listeners: list[Callable[[WatchEvent], None]] = []

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
-from services.controller.errors_report import ErrorReporter
+from services.controller.telemetry.errors_report import ErrorReporter
 from services.controller.protocols import HealthProbe
 
 log = logging.getLogger(__name__)

@@ -52,13 +52,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.controller.activity import now
-from services.controller.algorithms import Algorithm
-from services.controller.batching import TrainBatch, build_train_batch
+from services.controller.telemetry.activity import now
+from services.controller.batches.algorithms import Algorithm
+from services.controller.batches.batching import TrainBatch, build_train_batch
 from services.controller.domain import Task, Trajectory
-from services.controller.pool import PoolInstance
-from services.controller.sample_age import bucket_of, completion_length
-from services.controller.staleness import StalenessGate, is_stale
+from services.controller.batches.pool import PoolInstance
+from services.controller.batches.sample_age import bucket_of, completion_length
+from services.controller.batches.staleness import StalenessGate, is_stale
 
 
 class TrainBatchPool:

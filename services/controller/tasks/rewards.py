@@ -21,7 +21,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.controller.answers import answers_match, final_answer, reference_answer
+from services.controller.tasks.answers import answers_match, final_answer, reference_answer
 from services.controller.domain import Task
 
 RewardResult = float | int | bool | dict[str, float]

@@ -1,7 +1,7 @@
 """Which rollout replicas the run uses: the synchronizer's registry decides.
 
 The controller's pool is the set of rollout components registered with the
-synchronizer (its event stream, `observer.py`): a replica that registers is
+synchronizer (its event stream, `weights/observer.py`): a replica that registers is
 added to the pool as not yet healthy, and takes work once its health check
 says SERVING, which a replica reports only after it caught up to the newest
 version (services/rollout/weights/follower.py). One that deregisters or whose lease
@@ -20,8 +20,8 @@ import logging
 from collections.abc import Callable, Iterable
 
 from flywheel.synchronizer.types import Component, Role, State
-from services.controller.balancer import EnginePool
-from services.controller.liveness import LivenessMonitor
+from services.controller.rollouts.balancer import EnginePool
+from services.controller.rollouts.liveness import LivenessMonitor
 from services.controller.protocols import HealthProbe, RolloutEngine
 
 log = logging.getLogger(__name__)

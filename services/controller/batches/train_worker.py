@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flywheel.errors import InvalidArgument
-from services.controller.activity import ActivityTracker
-from services.controller.batching import TrainBatch
+from services.controller.telemetry.activity import ActivityTracker
+from services.controller.batches.batching import TrainBatch
 from services.controller.domain import TrainResult
-from services.controller.errors_report import ErrorReporter
-from services.controller.processor import TrainBatchPool
+from services.controller.telemetry.errors_report import ErrorReporter
+from services.controller.batches.processor import TrainBatchPool
 from services.controller.protocols import Trainer
 
 

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # Heavy imports (torch, grpc) only after --help has had its chance.
     from flywheel.runtime.config import ConfigError
-    from services.controller.local_run import LocalRun
+    from services.controller.launcher.local_run import LocalRun
 
     try:
         return LocalRun.from_args(args).execute()

@@ -126,24 +126,18 @@ def _raise_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _count_resumed_steps(pipeline: Any) -> None:
-    """Makes `run.max_steps` count the trainer's steps, resumed ones included.
+async def _count_resumed_steps(pipeline: Any) -> None:
+    """Makes `run.max_steps` count the trainer's steps, resumed ones included (an after_start hook).
 
     The pipeline counts the steps of this session; a resumed run would then
     train max_steps more instead of stopping at step max_steps. Setting its
     counter to the trainer's step once the resume is done keeps the numbering
     and the stop where the user configured them.
     """
-    start = pipeline.start
-
-    async def start_then_count() -> None:
-        await start()
-        step = pipeline.train_worker.step
-        pipeline.resumed_at_step = pipeline.steps_done = step
-        if step > 0:  # the checkpoint just loaded is this step's: no need to write it again at the end
-            pipeline._last_checkpoint_step = step
-
-    pipeline.start = start_then_count
+    step = pipeline.train_worker.step
+    pipeline.state.resumed_at_step = pipeline.state.steps_done = step
+    if step > 0:  # the checkpoint just loaded is this step's: no need to write it again at the end
+        pipeline.state.last_checkpoint_step = step
 
 
 def latest_checkpoint(directory: Path) -> str:
@@ -276,8 +270,8 @@ class LocalRun:
         is the last session's: a death while a rewind starts services again keeps its figures."""
         assert self.healer is not None and self.pipeline is not None
         step = self.pipeline.train_worker.step
-        if self.pipeline.last_checkpoint_path:  # written by the session that just died
-            self.data["resume"] = {"from": self.pipeline.last_checkpoint_path}
+        if self.pipeline.state.last_checkpoint_path:  # written by the session that just died
+            self.data["resume"] = {"from": self.pipeline.state.last_checkpoint_path}
         source = self.data["resume"].get("from", "none")
         if source == "latest":
             # Deployed, the checkpoints are on the trainer's volume: the one this session started from.
@@ -442,15 +436,15 @@ class LocalRun:
         from services.controller.app import service_spec
         from services.controller.assemble import build_pipeline
         from services.controller.loop import run
-        from services.controller.metrics_log import PrometheusSink
-        from services.controller.runs import RunManager
+        from services.controller.telemetry.metrics_log import PrometheusSink
+        from services.controller.ops.runs import RunManager
 
         controller = self.controller_config()
         services = connect(cfg)
         pipeline = build_pipeline(cfg, services, run_dir=self.run_dir, sinks=[PrometheusSink()])
         self.pipeline, self.sessions = pipeline, self.sessions + 1
         ledger = self._keep_ledger(pipeline)
-        _count_resumed_steps(pipeline)
+        pipeline.hooks.after_start.append(_count_resumed_steps)
         if self.deployment is not None:
             self.deployment.rewind_on_resume(pipeline)
         self.progress = Progress(cfg.run.max_steps, self.out)
@@ -503,8 +497,8 @@ class LocalRun:
             self.interrupted += 1
             if self.interrupted == 1:
                 self.say("stopping after a checkpoint (again to stop at once)")
-                pipeline.checkpoint_on_stop = True
-                pipeline.stop_requested.set()
+                pipeline.state.checkpoint_on_stop = True
+                pipeline.state.stop_requested.set()
             else:
                 self.say("stopping now, without a checkpoint")
                 run_task.cancel()
@@ -555,7 +549,7 @@ class LocalRun:
             "samples_per_second": summary.samples_per_second,
             "trainer_idle_fraction": summary.trainer_idle_fraction,
             "final_version": summary.final_version,
-            "checkpoint_this_session": pipeline.last_checkpoint_path,
+            "checkpoint_this_session": pipeline.state.last_checkpoint_path,
             "dropped": dict(pipeline.processor.dropped),
             "rollouts": dict(pipeline.rollouts.stats),
             "worker": dict(getattr(pipeline.rollouts.worker, "stats", {})),
@@ -564,7 +558,7 @@ class LocalRun:
 
     @staticmethod
     def _resumed_at(pipeline: Any) -> int:
-        return getattr(pipeline, "resumed_at_step", 0)
+        return pipeline.state.resumed_at_step
 
     def _check_children(self) -> None:
         """A dead trainer or synchronizer raises ServiceDied (the run rewinds, see execute); a
@@ -599,7 +593,7 @@ class LocalRun:
     async def _restart_due_replicas(self) -> None:
         """Starts again, on their old ports, the replicas whose backoff is over. The new one
         registers with the synchronizer, catches up to the newest version before it reports
-        SERVING, and the controller's pool (membership.py) gives it work again."""
+        SERVING, and the controller's pool (rollouts/membership.py) gives it work again."""
         if self.supervisor is None:
             return
         for name, due in list(self.pending_restarts.items()):
@@ -620,9 +614,8 @@ class LocalRun:
         """
         ledger = (self.run_dir / "trained_tasks.jsonl").open("a")
         session = f"{os.getpid()}-{int(time.time())}-{self.sessions}"  # a rewind may start one in the same second
-        record = pipeline.record
 
-        def record_with_ledger(batch: Any, result: Any) -> dict[str, float]:
+        def write_row(batch: Any, result: Any, metrics: dict[str, float]) -> None:
             tasks = sorted({t.task.id for t in batch.trajectories})
             # Which weights produced each sample, beside the weights trained on:
             # the mode's staleness promise, checkable after the fact.
@@ -634,9 +627,8 @@ class LocalRun:
                    "sample_turn_versions": [[list(v) for v in t.turn_versions] for t in batch.trajectories]}
             ledger.write(json.dumps(row) + "\n")
             ledger.flush()
-            return record(batch, result)
 
-        pipeline.record = record_with_ledger  # the loop calls p.record(batch, result) once per trained step
+        pipeline.hooks.on_record.append(write_row)  # called once per trained step, before its metrics are written
         return ledger
 
     def _draw(self, pipeline: Any, status: str = "") -> None:

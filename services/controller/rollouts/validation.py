@@ -17,9 +17,9 @@ import asyncio
 import time
 from collections import defaultdict
 
-from services.controller.data import DataLoader
+from services.controller.tasks.loader import DataLoader
 from services.controller.domain import MIN_WEIGHT_VERSION, RolloutStatus, SamplingSpec, Task
-from services.controller.errors_report import ErrorReporter
+from services.controller.telemetry.errors_report import ErrorReporter
 from services.controller.workers.base import RolloutWorker
 
 

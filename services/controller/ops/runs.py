@@ -28,9 +28,9 @@ from flywheel.runtime.config import ConfigError
 from flywheel.runtime.paths import confine
 from flywheel.synchronizer.types import Component
 from services.controller.assemble import Services, build_pipeline
-from services.controller.errors_report import ErrorRecord
+from services.controller.telemetry.errors_report import ErrorRecord
 from services.controller.loop import run
-from services.controller.metrics_log import MetricsSink
+from services.controller.telemetry.metrics_log import MetricsSink
 from services.controller.pipeline import Pipeline, RunSummary
 from services.controller.run_config import RunConfig, run_config_from_yaml
 
@@ -146,14 +146,14 @@ class RunManager:
         if not self.active or self.pipeline is None or self._task is None:
             raise FailedPrecondition("no run is active")
         self.phase = "stopping"
-        self.pipeline.checkpoint_on_stop = checkpoint
-        self.pipeline.stop_requested.set()
+        self.pipeline.state.checkpoint_on_stop = checkpoint
+        self.pipeline.state.stop_requested.set()
         done, _ = await asyncio.wait([self._task], timeout=grace_seconds or None)
         if not done:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self.phase, self.message = "failed", f"did not stop within {grace_seconds:g}s; cancelled"
-        return self.pipeline.last_checkpoint_path
+        return self.pipeline.state.last_checkpoint_path
 
     def status(self) -> RunStatus:
         p = self.pipeline
@@ -170,10 +170,10 @@ class RunManager:
             pool_size=p.pool.size(),
             in_flight=p.tracker.in_flight("rollout"),
             errors=p.errors.recent(20),
-            message=self.message or p.stop_reason,
+            message=self.message or p.state.stop_reason,
             components=sorted(p.observer.components.values(), key=lambda c: (c.role, c.id)) if p.observer else [],
             history=list(p.memory.steps),
-            timeline=sorted([*(p.observer.timeline if p.observer else ()), *p.milestones], key=lambda e: e["unix_ms"]),
+            timeline=sorted([*(p.observer.timeline if p.observer else ()), *p.state.milestones], key=lambda e: e["unix_ms"]),
         )
 
     async def metrics_after(self, step: int):

@@ -108,7 +108,7 @@ def make_algorithm(cfg) -> Algorithm:
             buffer_length=overlong.buffer_length,
             penalty_factor=overlong.penalty_factor,
         )
-    from services.controller.rewards import import_object
+    from services.controller.tasks.rewards import import_object
 
     fn = import_object(name)
     if not callable(fn):

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from flywheel.synchronizer.types import Role
-from services.controller.runs import RunManager, RunStatus
+from services.controller.ops.runs import RunManager, RunStatus
 
 PAGE = Path(__file__).with_name("static") / "status.html"
 #: Metrics drawn as curves: (curve name, the metric, which rows carry it).

@@ -104,7 +104,7 @@ class PrometheusSink:
     """Sets the controller's Prometheus families from each step's metrics."""
 
     def __init__(self) -> None:
-        from services.controller import metrics as prom
+        from services.controller.telemetry import metrics as prom
 
         self.prom = prom
 

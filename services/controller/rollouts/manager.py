@@ -26,12 +26,12 @@ import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from services.controller.activity import ActivityTracker
-from services.controller.data import DataLoader
+from services.controller.telemetry.activity import ActivityTracker
+from services.controller.tasks.loader import DataLoader
 from services.controller.domain import RUN_STEP, RolloutOutcome, RolloutStatus, SamplingSpec, Task, TrajectoryStatus
-from services.controller.errors_report import ErrorReporter
-from services.controller.pool import PoolInstance
-from services.controller.staleness import Planned, StalenessGate
+from services.controller.telemetry.errors_report import ErrorReporter
+from services.controller.batches.pool import PoolInstance
+from services.controller.batches.staleness import Planned, StalenessGate
 from services.controller.workers.base import RolloutWorker
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ An external agent's session stays on the replica it was opened on;
 
 Each replica's weight version and quarantine are the synchronizer's, and
 only the synchronizer's: `observe(component)` is their one writer (every
-event about a replica: services.controller.membership). A quarantined
+event about a replica: services.controller.rollouts.membership). A quarantined
 replica (its last weight update failed; weights/fleet.py) gets no traffic,
 rollouts and agent sessions alike, until an update of it verifies.
 """
@@ -64,7 +64,7 @@ class Replica:
 
 class EnginePool:
     def __init__(self, engines: Sequence[RolloutEngine], *, dynamic: bool = False) -> None:
-        """`dynamic`: replicas are added as they register (services.controller.membership); may start empty."""
+        """`dynamic`: replicas are added as they register (services.controller.rollouts.membership); may start empty."""
         if not engines and not dynamic:
             raise ValueError("at least one rollout engine is needed")
         names = [e.name for e in engines]

@@ -1,0 +1,155 @@
+"""The controller's layout: the recipe at the top, the rest in wings by job,
+and a pipeline extended through its hooks, never by replacing its methods.
+
+`services/controller/` keeps at its top level only the RL loop and its wiring
+(`loop.py`, `pipeline.py`, `assemble.py`), the domain, the protocols, the run
+config and the service frame; everything else lives in a subpackage named for
+its job, so the flat folder does not grow back.
+
+Nothing under services/ or tests/ assigns to an attribute named like one of
+`Pipeline`'s methods (`p.record = ...`, `pipeline._resume = ...`,
+`setattr(p, "start", ...)`): a verb replaced at run time hides what a run
+does from whoever reads the pipeline; `Pipeline.hooks` is the way in. A
+class's own attributes (`self.summary = ...` outside Pipeline) are its
+business. Checked on the source (ast).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTROLLER = ROOT / "services" / "controller"
+
+TOP_LEVEL = {
+    "__init__.py", "__main__.py", "app.py", "config.py", "servicer.py",  # the service frame
+    "loop.py", "pipeline.py", "assemble.py",  # the recipe: the loop, its verbs, its wiring
+    "domain.py", "protocols.py", "run_config.py",  # what every wing speaks
+}
+SUBPACKAGES = {
+    "tasks", "rollouts", "workers", "batches", "weights", "adapters", "telemetry", "ops", "launcher", "testing",
+}
+#: Where code that could patch a pipeline lives.
+SEARCHED = ("services", "tests", "bench", "scripts")
+
+
+def top_level_strays(package: Path) -> list[str]:
+    """Entries at the top of `package` that are not on the allow-lists (caches and dot files aside)."""
+    bad = []
+    for entry in sorted(package.iterdir()):
+        if entry.name == "__pycache__" or entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            if entry.name not in SUBPACKAGES or not (entry / "__init__.py").is_file():
+                bad.append(f"{entry.name}/")
+        elif entry.name not in TOP_LEVEL:
+            bad.append(entry.name)
+    return bad
+
+
+def pipeline_methods(source: str) -> set[str]:
+    """The names of the methods `class Pipeline` defines in `source` (pipeline.py)."""
+    tree = ast.parse(source)
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Pipeline"]
+    return {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+class _Patches(ast.NodeVisitor):
+    """Assignments to an attribute named `methods`, and setattr calls naming one."""
+
+    def __init__(self, methods: set[str]) -> None:
+        self.methods, self.classes, self.found = methods, [], []
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.classes.append(node.name)
+        self.generic_visit(node)
+        self.classes.pop()
+
+    def _own(self, target: ast.expr) -> bool:
+        # `self.x = ...` in a class of its own sets that class's attribute; in Pipeline it replaces a verb.
+        return (isinstance(target, ast.Name) and target.id == "self" and bool(self.classes)
+                and self.classes[-1] != "Pipeline")
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if isinstance(node.ctx, ast.Store) and node.attr in self.methods and not self._own(node.value):
+            self.found.append((node.lineno, ast.unparse(node)))
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+        if (name == "setattr" and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in self.methods and not self._own(node.args[0])):
+            self.found.append((node.lineno, ast.unparse(node)))
+        self.generic_visit(node)
+
+
+def method_patches(source: str, methods: set[str]) -> list[tuple[int, str]]:
+    visitor = _Patches(methods)
+    visitor.visit(ast.parse(source))
+    return sorted(visitor.found)
+
+
+def test_the_top_level_holds_only_the_recipe_and_the_service_frame() -> None:
+    assert top_level_strays(CONTROLLER) == []
+
+
+def test_every_wing_is_there() -> None:
+    assert {p.name for p in CONTROLLER.iterdir() if (p / "__init__.py").is_file()} == SUBPACKAGES
+
+
+def test_no_code_replaces_a_pipeline_method() -> None:
+    methods = pipeline_methods((CONTROLLER / "pipeline.py").read_text())
+    assert {"start", "_resume", "record"} <= methods
+    bad = []
+    for root in SEARCHED:
+        for path in sorted((ROOT / root).rglob("*.py")):
+            bad += [f"{path.relative_to(ROOT)}:{line} {what}" for line, what in method_patches(path.read_text(), methods)]
+    assert bad == []
+
+
+def test_the_checks_see_violations(tmp_path: Path) -> None:
+    package = tmp_path / "controller"
+    for sub in ("rollouts", "misc"):
+        (package / sub).mkdir(parents=True)
+    (package / "rollouts" / "__init__.py").write_text("")
+    (package / "loop.py").write_text("")
+    (package / "balancer.py").write_text("")  # a wing's module back at the top
+    (package / "misc" / "x.py").write_text("")  # a folder that is no wing (no __init__, not allowed)
+    assert top_level_strays(package) == ["balancer.py", "misc/"]
+
+    methods = pipeline_methods(
+        "class RunState:\n"
+        "    def describe(self): ...\n"
+        "class Pipeline:\n"
+        "    async def start(self): ...\n"
+        "    async def _resume(self, source): ...\n"
+        "    def record(self, batch, result): ...\n"
+        "    def summary(self): ...\n"
+    )
+    assert methods == {"start", "_resume", "record", "summary"}
+    source = (
+        "def wire(pipeline, p, launcher, monkeypatch):\n"
+        "    start = pipeline.start\n"  # reading a method: fine
+        "    pipeline.start = start\n"
+        "    p._resume = lambda source: None\n"
+        "    launcher.pipeline.record = print\n"
+        "    setattr(p, 'summary', None)\n"
+        "    monkeypatch.setattr(p, 'record', print)\n"
+        "    p.hooks.on_record.append(print)\n"  # the way in: fine
+        "    p.state.steps_done = 3\n"  # run state: fine
+        "class RunManager:\n"
+        "    def ended(self, task):\n"
+        "        self.summary = task.result()\n"  # its own attribute: fine
+        "class Pipeline:\n"
+        "    def start(self):\n"
+        "        self.record = print\n"  # a verb replaced from inside
+    )
+    assert method_patches(source, methods) == [
+        (3, "pipeline.start"),
+        (4, "p._resume"),
+        (5, "launcher.pipeline.record"),
+        (6, "setattr(p, 'summary', None)"),
+        (7, "monkeypatch.setattr(p, 'record', print)"),
+        (15, "self.record"),
+    ]
