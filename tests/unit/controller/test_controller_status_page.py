@@ -126,7 +126,7 @@ def test_a_quarantined_replica_and_its_update_results_show_on_the_page(tmp_path:
     from dataclasses import replace
 
     from flywheel.synchronizer.types import UpdateOutcome, UpdatePhase, UpdateRecord, UpdateTimings
-    from services.controller.runs import RunStatus
+    from services.controller.ops.runs import RunStatus
 
     async def none(_: bool):
         yield  # pragma: no cover
