@@ -151,13 +151,7 @@ class Pipeline:
         version = self.train_worker.version
         self.gate.base_version = version
         await self._first_replica()
-        ahead = [r.name for r in self.engines.healthy() if r.version > version]
-        if ahead:
-            self.errors.report(
-                "controller", f"rollout replicas {ahead} serve weights newer than the trainer's version {version}; restart them",
-                severity="critical",
-            )
-            self.errors.raise_if_stopped()
+        await self._nobody_ahead_of(version)
         await self.fleet.configure()
         # A resumed run's version is off the schedule: the trainer publishes it when asked.
         await self.fleet.need(version, f"the run starts at version {version}")
@@ -165,6 +159,20 @@ class Pipeline:
         for hook in self.hooks.after_start:
             await hook(self)
         self.state.started = True
+
+    async def _nobody_ahead_of(self, version: int, settle_seconds: float = 5.0) -> None:
+        """No replica may serve weights newer than the trainer's (they died with an earlier trainer).
+        The pool hears of versions through the synchronizer's events: a replica that has just gone
+        back (a rewind) is given `settle_seconds` for its report to arrive before the run stops."""
+        deadline = now() + settle_seconds
+        while ahead := [r.name for r in self.engines.healthy() if r.version > version]:
+            if now() > deadline:
+                self.errors.report(
+                    "controller", f"rollout replicas {ahead} serve weights newer than the trainer's version {version}; "
+                    "restart them", severity="critical",
+                )
+                self.errors.raise_if_stopped()
+            await asyncio.sleep(0.1)
 
     async def _first_replica(self) -> None:
         """Waits until some rollout replica serves (membership from the registry starts empty)."""
