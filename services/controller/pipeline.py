@@ -161,11 +161,11 @@ class Pipeline:
         self.state.started = True
 
     async def _nobody_ahead_of(self, version: int, settle_seconds: float = 5.0) -> None:
-        """No replica may serve weights newer than the trainer's (they died with an earlier trainer).
-        The pool hears of versions through the synchronizer's events: a replica that has just gone
-        back (a rewind) is given `settle_seconds` for its report to arrive before the run stops."""
+        """No replica may serve weights newer than the trainer's (they died with an earlier trainer),
+        as the synchronizer holds them now; one that is going back (a rewind) is given
+        `settle_seconds` for its report to arrive before the run stops."""
         deadline = now() + settle_seconds
-        while ahead := [r.name for r in self.engines.healthy() if r.version > version]:
+        while ahead := await self.fleet.ahead_of(version):
             if now() > deadline:
                 self.errors.report(
                     "controller", f"rollout replicas {ahead} serve weights newer than the trainer's version {version}; "

@@ -27,6 +27,7 @@ from services.controller.domain import (
 
 if TYPE_CHECKING:
     from flywheel.synchronizer.client_types import WatchEvent
+    from flywheel.synchronizer.types import Component
     from services.controller.batches.batching import TrainBatch
     from services.controller.rollouts.episodes import OpenedSession, SessionRecord
     from services.controller.run_config import LossConfig
@@ -103,6 +104,10 @@ class Synchronizer(Protocol):
         ...
 
     async def latest_version(self) -> int: ...
+
+    async def components(self) -> list[Component]:
+        """Every registered component as the synchronizer holds it now."""
+        ...
 
     async def request_version(self, min_version: int, reason: str) -> int:
         """Asks for a version >= `min_version` outside the schedule (the trainer publishes it);

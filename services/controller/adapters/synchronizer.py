@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.client_types import WatchEvent
+from flywheel.synchronizer.types import Component
 
 
 class GrpcSynchronizer:
@@ -36,6 +37,9 @@ class GrpcSynchronizer:
 
     async def latest_version(self) -> int:
         return (await self.client.status()).latest_version
+
+    async def components(self) -> list[Component]:
+        return (await self.client.status()).components
 
     async def request_version(self, min_version: int, reason: str) -> int:
         return await self.client.request_version(min_version, reason)

@@ -157,7 +157,8 @@ class SimulatedSynchronizer:
     latest: int = 0
     #: The least version asked for outside the schedule and not committed yet (0: none).
     wanted: int = 0
-    components: dict[str, Component] = field(default_factory=dict)
+    #: Every registered component, by id.
+    registered: dict[str, Component] = field(default_factory=dict)
     #: Every update result the replicas reported, in order.
     results: list[UpdateRecord] = field(default_factory=list)
     configured: dict[str, Any] = field(default_factory=dict)
@@ -183,7 +184,7 @@ class SimulatedSynchronizer:
         self._subscribers.append(queue)
         try:
             if send_initial:
-                for c in list(self.components.values()):
+                for c in list(self.registered.values()):
                     yield self._event(EventKind.STATE_CHANGED, c)
             while True:
                 yield await queue.get()
@@ -192,6 +193,9 @@ class SimulatedSynchronizer:
 
     async def latest_version(self) -> int:
         return self.latest
+
+    async def components(self) -> list[Component]:
+        return [replace(c) for c in self.registered.values()]
 
     async def request_version(self, min_version: int, reason: str) -> int:
         if self.latest < min_version:
@@ -203,14 +207,14 @@ class SimulatedSynchronizer:
     # -- the services' side ----------------------------------------------------
     def register(self, role: Role, component_id: str) -> Component:
         c = Component(Identity(role, component_id, address=f"sim://{component_id}"))
-        self.components[component_id] = c
+        self.registered[component_id] = c
         self._publish(EventKind.COMPONENT_REGISTERED, c)
         return c
 
     def need_sync(self, component_id: str, step: int) -> Any:
-        c = self.components[component_id]
+        c = self.registered[component_id]
         c.step = step
-        rollouts = [r for r in self.components.values() if r.role == Role.ROLLOUT]
+        rollouts = [r for r in self.registered.values() if r.role == Role.ROLLOUT]
         decision = decide(self.policy, c, step, self.latest, rollouts, False, self.wanted)
         if decision.new_request:
             c.request_step, c.awaited_version = step, decision.version
@@ -226,7 +230,7 @@ class SimulatedSynchronizer:
         self.latest = max(self.latest, version)
         if self.wanted <= version:
             self.wanted = 0
-        self.components[TRAINER_ID].weight_version = version
+        self.registered[TRAINER_ID].weight_version = version
         self._publish(EventKind.VERSION_COMMITTED, version=version, method=self.policy.method)
         event, self._committed = self._committed_event(), asyncio.Event()
         event.set()
@@ -238,7 +242,7 @@ class SimulatedSynchronizer:
         return self.latest
 
     def report(self, record: UpdateRecord) -> None:
-        c = self.components[record.component_id]
+        c = self.registered[record.component_id]
         self.results.append(record)
         c.weight_version = record.served_version
         if record.verified:
@@ -377,6 +381,9 @@ class SimulatedRolloutEngine:
     #: Run steps completed (the newest run_step seen, minus one); step -> the version NeedSync named.
     steps: int = 0
     due: dict[int, int] = field(default_factory=dict)
+    #: Its last update failed (the synchronizer quarantines it), at version `_failed`.
+    quarantined: bool = False
+    _failed: int = 0
     _target: int = 0
     _follower: asyncio.Task | None = None
     _moved: asyncio.Event | None = None
@@ -443,8 +450,10 @@ class SimulatedRolloutEngine:
     async def _follow(self) -> None:
         sync = self.synchronizer
         assert sync is not None
-        while self._target > self.version:
-            version = await sync.committed_after(self.version)  # progress: the newest one
+        # Quarantined (an update failed), it installs versions on its own until one verifies: no
+        # generation comes to a quarantined replica, so no step would make it sync.
+        while self._target > self.version or self.quarantined:
+            version = await sync.committed_after(self._failed if self.quarantined else self.version)
             await self._update(version, sync.policy.pause_mode or "keep")
             event, self._moved = self._moved_event(), asyncio.Event()
             event.set()
@@ -473,7 +482,9 @@ class SimulatedRolloutEngine:
             event.set()
         pause = loop.time() - paused
         timings = UpdateTimings(admit_seconds=admitted - paused, transfer_seconds=transfer, pause_seconds=pause)
-        if self.fail_updates(version):
+        self.quarantined = self.fail_updates(version)
+        if self.quarantined:
+            self._failed = version
             record = UpdateRecord(self.name, version, UpdateOutcome.FAILED, failed_phase=UpdatePhase.VERIFY,
                                   reason="simulated fault: a tensor loaded wrong", timings=timings,
                                   served_version=version)

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flywheel.synchronizer.client_types import WatchEvent
-from flywheel.synchronizer.types import EventKind, UpdateRecord
+from flywheel.synchronizer.types import EventKind, Role, State, UpdateRecord
 from services.controller.rollouts.balancer import EnginePool
 from services.controller.domain import TrainResult
 from services.controller.protocols import Synchronizer
@@ -135,6 +135,11 @@ class Fleet:
                 await asyncio.wait_for(self._committed.wait(), min(left, 1.0))
             except TimeoutError:
                 self._heard(await self.synchronizer.latest_version())
+
+    async def ahead_of(self, version: int) -> list[str]:
+        """Live rollouts the synchronizer says serve a version newer than `version` (the trainer's)."""
+        return [c.id for c in await self.synchronizer.components()
+                if c.role == Role.ROLLOUT and c.state != State.STOPPED and c.weight_version > version]
 
     def after_step(self, result: TrainResult) -> None:
         # The trainer published whatever was due before its step answered; replicas follow on
