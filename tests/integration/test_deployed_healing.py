@@ -206,24 +206,21 @@ def test_a_trainer_restarted_by_the_kubelet_rewinds_the_run_to_its_last_checkpoi
     assert replica.weight_version in (STEPS - 2, STEPS - 1), status.describe()
     last_versions = [start for start, _ in rows[-1]["sample_versions"]]
     assert min(last_versions) >= STEPS - 2, last_versions
-    # A version is an identity, not a number: the redone steps' versions carry other identities than
-    # the abandoned ones of the same numbers (other samples, other weights), the rewound version the
-    # same (the checkpoint's bytes); the replica was never taken as current on an abandoned identity.
+    # A version is an identity, not a number: every update the replica verified in the new lineage
+    # carries the new lineage's identity of its version, and the replica ends holding it. (Whether the
+    # redone steps' bytes differ from the abandoned ones depends on the run: here every reward is 0 on
+    # the random model, so the redone steps make the very same weights, and the same identities; a
+    # changed byte gives another identity: tests/unit/codec/test_codec_identity.py.)
     events = jsonl(run_dir / "synchronizer_events.jsonl")
     committed: dict[tuple[int, int], str] = {}
     for e in events:
         if e["kind"] == "VERSION_COMMITTED" and e.get("identity"):
             committed.setdefault((e["epoch"], e["version"]), e["identity"])
-    rewound_to = redone[0] - 1
-    abandoned = {v: i for (epoch, v), i in committed.items() if epoch == 0 and v > rewound_to}
     current = {v: i for (epoch, v), i in committed.items() if epoch == 1}
-    assert abandoned and set(abandoned) & set(current), (abandoned, current)
-    for v in set(abandoned) & set(current):
-        assert abandoned[v] != current[v], f"version {v}: the redone step's weights got the abandoned identity"
+    assert current, committed
     verified = [e["update"] for e in events if e["kind"] == "UPDATE_REPORTED" and e["epoch"] == 1
-                and e["update"]["outcome"] == "VERIFIED"]
-    assert verified and all(u["identity"] == current[u["version"]] for u in verified if u["version"] in current)
-    assert not [u for u in verified if u.get("identity") in abandoned.values()], "an abandoned identity verified"
+                and e["update"]["outcome"] == "VERIFIED" and e["update"]["version"] in current]
+    assert verified and all(u["identity"] == current[u["version"]] for u in verified), verified
     assert replica.weight_identity.hex() == current[replica.weight_version] or replica.weight_version not in current
 
 
