@@ -195,7 +195,7 @@ def main() -> None:
             results[shape] = asyncio.run(measure(shape, reps, Path(tmp), pin))
     print(f"{'shape':<6} {'params':>8} " + " ".join(f"{p + ' ms':>12}" for p in PHASES))
     for shape, m in results.items():
-        print(f"{shape:<6} {m['parameters'] / 1e6:>7.0f}M " + " ".join(f"{m[p] * 1000:>12.1f}" for p in PHASES))
+        print(f"{shape:<6} {m['parameters'] / 1e6:>7.1f}M " + " ".join(f"{m[p] * 1000:>12.1f}" for p in PHASES))
     out: dict[str, object] = {"bench": "fleet_update", "reps": reps, "pinned": pin}
     for shape, m in results.items():
         key = shape.replace(".", "_")

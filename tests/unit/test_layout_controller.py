@@ -153,3 +153,46 @@ def test_the_checks_see_violations(tmp_path: Path) -> None:
         (7, "monkeypatch.setattr(p, 'record', print)"),
         (15, "self.record"),
     ]
+
+
+def weight_moves(package: Path) -> list[str]:
+    """Places under `package` that name the RPCs (or their client calls) that move weights."""
+    import re
+
+    pattern = re.compile(r"\b(export_weights|update_weights|ExportWeights|UpdateWeights)\b")
+    return [f"{p.relative_to(package.parent)}:{i}" for p in sorted(package.rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+
+
+def test_one_road_the_controller_moves_no_weights() -> None:
+    """The trainer publishes, the replicas follow the synchronizer: the controller neither exports
+    nor loads a version (ExportWeights and UpdateWeights are operator RPCs)."""
+    assert weight_moves(CONTROLLER) == []
+
+
+def test_the_weight_move_check_sees_one(tmp_path: Path) -> None:
+    package = tmp_path / "controller"
+    package.mkdir()
+    (package / "m.py").write_text("async def f(trainer):\n    await trainer.export_weights('memory')\n")
+    assert weight_moves(package) == ["controller/m.py:2"]
+
+
+def test_no_trainer_or_rollout_request_names_a_synchronizer() -> None:
+    """Each service knows its synchronizer from its own config; a request never carries one."""
+    from flywheel.rollout.v1 import rollout_pb2
+    from flywheel.trainer.v1 import trainer_pb2
+
+    def fields(descriptor, seen=None):
+        seen = seen if seen is not None else set()
+        if descriptor.full_name in seen:
+            return []
+        seen.add(descriptor.full_name)
+        out = [f"{descriptor.full_name}.{f.name}" for f in descriptor.fields]
+        for f in descriptor.fields:
+            if f.message_type is not None:
+                out += fields(f.message_type, seen)
+        return out
+
+    names = [name for module in (trainer_pb2, rollout_pb2) for message in module.DESCRIPTOR.message_types_by_name.values()
+             for name in fields(message)]
+    assert names and not [n for n in names if "synchronizer" in n.rsplit(".", 1)[1]]
