@@ -204,8 +204,10 @@ class Engine(abc.ABC):
         """Replaces the live weights and sets the version; the engine is paused.
 
         `staged` was verified against weight_specs, so this cannot fail on
-        names, dtypes or shapes. Copies out of `staged.tensors`: they are
-        reused for the next update once the current one is over.
+        names, dtypes or shapes. `staged.tensors` are reused for the next
+        update once the current one is over: copy out of them, or, when
+        `staged.release` hands them back, trade them for tensors of the same
+        names, dtypes and shapes (the engine's previous ones) in the same dict.
         """
 
     async def resident_digests(self, names: Collection[str]) -> dict[str, bytes] | None:

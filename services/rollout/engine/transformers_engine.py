@@ -254,11 +254,24 @@ class TransformersEngine(Engine):
                 seq.cache = None  # frozen (keep mode) samples recompute their context
 
     def _copy_weights(self, staged: StagedWeights) -> None:
+        """Installs the staged tensors. Staging tensors that are handed back for the next update
+        (`staged.release`: a MEMORY pull's, updates.reuse_staging) are traded: a parameter they can
+        stand in for (same dtype, shape and device, contiguous) takes the staged tensor in place of
+        its own, and its previous tensor goes back in the staged dict, to be staged into next time:
+        no copy while generation is paused. Everything else is copied."""
         tensors = staged.tensors if staged.tensors is not None else read_files(staged.files or [])
+        params = dict(self.model.named_parameters(remove_duplicate=False)) if staged.release is not None else {}
         state = self.model.state_dict()
         with torch.no_grad():
             for name, tensor in tensors.items():
-                state[name].copy_(tensor)
+                param = params.get(name)
+                if (param is not None and param.dtype == tensor.dtype and param.shape == tensor.shape
+                        and param.device == tensor.device and tensor.is_contiguous()):
+                    previous = param.data
+                    param.data = tensor
+                    tensors[name] = previous
+                else:
+                    state[name].copy_(tensor)
 
     async def resident_digests(self, names: Collection[str]) -> dict[str, bytes] | None:
         # Read from the model itself, on its own thread (it owns the device): every name, as the

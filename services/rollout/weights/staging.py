@@ -3,10 +3,11 @@
 A pull assembles the version in CPU staging tensors. Fresh ones cost a
 model's worth of page faults every update: about three times the CPU of the
 pull itself (1 GiB on two cores: 0.9 CPU-s instead of 0.28, 0.48 s instead
-of 0.15). Every engine's swap copies the staged tensors into its own
-weights and none keeps them, so once an update is over its staging tensors
-are free, and the next version (the same names, dtypes and shapes: the
-served model's) is staged into them. Updates run one at a time
+of 0.15). Once an update is over its staging tensors are free (an engine
+copies them into its weights, or, as the transformers engine does, takes
+them in place of its own and hands its previous tensors back in the same
+dict), and the next version (the same names, dtypes and shapes: the served
+model's) is staged into them. Updates run one at a time
 (`RolloutCore`), so one set is enough.
 
 The price is memory: the set stays with the process between updates (the

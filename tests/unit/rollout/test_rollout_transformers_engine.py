@@ -143,3 +143,23 @@ async def test_on_cuda_it_decodes_like_a_plain_forward_pass_and_swaps_weights_th
         assert (after.version_start, after.version_end) == (1, 1)
     finally:
         await engine.stop()
+
+
+async def test_staging_tensors_handed_back_are_traded_not_copied(engine, rollout_model: Path) -> None:
+    """A MEMORY pull's staging tensors (released for the next update) become the model's weights as
+    they are, and the model's previous tensors go back in their place, to be staged into next time."""
+    spec = SamplingSpec(temperature=0, max_tokens=8, ignore_eos=True)
+    state = {k: v * 2.0 for k, v in load_file(str(rollout_model / "model.safetensors")).items()}
+    staging = {k: v.clone() for k, v in state.items()}
+    pointers = {k: v.data_ptr() for k, v in staging.items()}
+    before = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    released = []
+    await engine.pause("wait")
+    await engine.swap_weights(StagedWeights(version=4, tensors=staging, release=lambda: released.append(True)))
+    await engine.resume()
+    params = dict(engine.model.named_parameters())
+    traded = [n for n in staging if n in params and params[n].data_ptr() == pointers[n]]
+    assert traded, "no staging tensor became a weight"
+    assert all(staging[n].data_ptr() == before[n] for n in traded), "the previous tensors went back"
+    (after,), _ = await run(engine, spec)
+    assert after.token_ids == reference_greedy(rollout_model, PROMPT, 8, state)
