@@ -16,10 +16,12 @@ optimizer step (it publishes the new version before the step answers), a
 generation of the next run step makes the replica follow it, and the
 replica's report of that update (ReportUpdate, read back with ListUpdates)
 gives its phases: transfer (the bytes pulled from the synchronizer's shared
-memory and verified, generation going on), admit (in-flight requests frozen),
-apply (the tensors loaded), verify (the identity of the resident weights
-measured and compared with the version's), reopen, and pause (admit to
-reopen: what generation feels).
+memory and verified, generation going on), admit (the engine reaching its
+step boundary, where in-flight requests freeze: generation still runs, and
+requests arriving meanwhile queue as at any step), apply (the tensors
+loaded), verify (the identity of the resident weights measured and compared
+with the version's), reopen, and pause (the engine frozen to reopen: what
+generation feels).
 
 Shapes: `tiny` is the quickstart-tiny model (float32); `0.5b` is the
 Qwen2.5-0.5B body (24 layers, hidden 896, 14 query and 2 key-value heads of

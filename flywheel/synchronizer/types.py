@@ -186,7 +186,7 @@ class UpdateTimings:
     apply_seconds: float = 0.0
     verify_seconds: float = 0.0
     reopen_seconds: float = 0.0
-    #: Generation paused, admit to reopen: the cost users feel.
+    #: Generation stopped (from the gate closing, or with keep from the freeze, to the reopen): the cost users feel.
     pause_seconds: float = 0.0
 
 

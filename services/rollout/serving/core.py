@@ -11,15 +11,18 @@ Invariants:
   at the gate or in the engine); past that, QueueFull (RESOURCE_EXHAUSTED/429).
 - An update is a transaction in phases (each timed, `UpdateTimings`):
   transfer (the bytes staged and verified while generation goes on), admit
-  (the gate closes; in-flight requests end, finish or freeze by the pause
-  mode), apply (the engine loads the staged tensors, within
+  (in-flight requests end, finish or freeze by the pause mode; wait and
+  abort close the gate first, keep once the engine froze at its step
+  boundary), apply (the engine loads the staged tensors, within
   `updates.apply_timeout_seconds`), verify (the identity of the weights now
   resident is measured and compared with the version's) and reopen. Any
   failure before apply leaves the old weights serving. A failure in apply or
   verify leaves the engine holding weights that are not the version: the
   replica is then quarantined, refusing generation (UNAVAILABLE) until an
-  update of it verifies. Every outcome goes to the update observers (the
-  synchronizer link reports it: ReportUpdate).
+  update of it verifies. Pause is what generation feels: from the gate
+  closing (wait, abort) or the engine freezing (keep) to the reopen. Every
+  outcome goes to the update observers (the synchronizer link reports it:
+  ReportUpdate).
 """
 
 from __future__ import annotations
@@ -431,12 +434,20 @@ class RolloutCore:
         async with self._control:
             started = time.monotonic()
             self._updating = True
-            self._open.clear()
+            # keep: requests go on arriving while the engine reaches its step boundary (they queue
+            # there and are frozen with the others), so generation stops only once it froze. wait
+            # and abort: the gate closes first (a drain would never end otherwise).
+            if mode != "keep":
+                self._open.clear()
             aborted: list[str] = []
+            stopped = started
             try:
                 if not self._paused:
                     aborted = await self._pause_engine(mode)
+                self._open.clear()
                 timings.admit = time.monotonic() - started
+                if mode == "keep":
+                    stopped = time.monotonic()
                 try:
                     await self._apply(engine, staged, timings)
                     identity = await self._verify(engine, staged, timings)
@@ -454,7 +465,7 @@ class RolloutCore:
                 self._updating = False
                 if not self._paused:
                     self._open.set()
-                timings.pause = time.monotonic() - started
+                timings.pause = time.monotonic() - stopped
             return UpdateOutcome(engine.version, timings.pause, staged.nbytes, aborted, timings.freeze(), identity)
 
     async def _apply(self, engine: Engine, staged: StagedWeights, timings: _Timings) -> None:
