@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.unit.layout_checks import top_level_strays as strays
+
 ROOT = Path(__file__).resolve().parents[2]
 CONTROLLER = ROOT / "services" / "controller"
 
@@ -35,17 +37,7 @@ SEARCHED = ("services", "tests", "bench", "scripts")
 
 
 def top_level_strays(package: Path) -> list[str]:
-    """Entries at the top of `package` that are not on the allow-lists (caches and dot files aside)."""
-    bad = []
-    for entry in sorted(package.iterdir()):
-        if entry.name == "__pycache__" or entry.name.startswith("."):
-            continue
-        if entry.is_dir():
-            if entry.name not in SUBPACKAGES or not (entry / "__init__.py").is_file():
-                bad.append(f"{entry.name}/")
-        elif entry.name not in TOP_LEVEL:
-            bad.append(entry.name)
-    return bad
+    return strays(package, TOP_LEVEL, SUBPACKAGES)
 
 
 def pipeline_methods(source: str) -> set[str]:

@@ -30,6 +30,7 @@ from services.controller.batches.processor import AlgorithmProcessor, TrainBatch
 from services.controller.batches.sample_age import SampleAgeReport, bucket_of, percentile
 from services.controller.testing.simulated import SimulatedRolloutEngine, run_virtual
 from services.controller.batches.staleness import StalenessGate
+from tests.unit.controller.test_controller_staleness import RUN as STALENESS_RUN
 from tests.unit.controller.controller_helpers import config, items, simulated_pipeline
 
 # -- a skewed length mix ------------------------------------------------------------
@@ -148,19 +149,8 @@ def test_sync_mode_drops_nothing_and_trains_on_policy_with_pacing(tmp_path: Path
     assert rows[-1]["staleness/age_p95/len_le_1024"] == 0
 
 
-RUN = dict(
-    threshold=st.integers(0, 3),
-    group=st.sampled_from([1, 2, 4]),
-    groups_per_batch=st.integers(1, 4),
-    in_flight=st.integers(1, 12),
-    gen_sigma=st.sampled_from([0.0, 0.5, 1.0, 1.5]),
-    train_mean=st.sampled_from([0.01, 0.05, 0.2]),
-    pause_mode=st.sampled_from(["keep", "wait", "abort"]),
-    replicas=st.integers(1, 3),
-    abort=st.sampled_from([0.0, 0.05]),
-    dapo=st.booleans(),
-    seed=st.integers(0, 10_000),
-)
+#: The staleness property test's runs, and DAPO's dynamic sampling on or off.
+RUN = dict(STALENESS_RUN, dapo=st.booleans())
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
