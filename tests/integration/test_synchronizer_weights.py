@@ -166,6 +166,8 @@ async def test_rollout_lease_expiring_mid_sync_does_not_block_the_trainer() -> N
                 again = await t.allocate_group(1, "trainer")
                 assert set(again.ranks) == {"trainer", "a"}
                 await a.report_transfer(again.group_id, "a", True)
+                # The sender's confirmation (with what it sent) completes it.
+                await t.report_transfer(again.group_id, "trainer", True, identity=b"\x05" * 16)
                 assert (await t.get_transfer(again.group_id)).state == TransferState.COMMITTED
                 assert (await t.status()).component("a").weight_version == 1
 
