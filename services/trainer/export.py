@@ -88,6 +88,9 @@ class ExportResult:
     duration_seconds: float
     #: The directory written (CHECKPOINT only).
     path: str = ""
+    #: The version's identity (flywheel.codec.identity; b"" when none was made: a checkpoint of
+    #: adapters, or without a manifest).
+    identity: bytes = b""
 
 
 # ---------------------------------------------------------------- what is exported
@@ -191,7 +194,7 @@ class WeightExporter:
         duration = time.perf_counter() - started
         log.info("weights exported", extra={"method": "memory", "version": version, "bytes": result.nbytes,
                                             "seconds": round(duration, 3), "synchronizer": address})
-        return ExportResult(version, result.nbytes, duration)
+        return ExportResult(version, result.nbytes, duration, identity=bytes(encoded.manifest.identity))
 
     # -- CHECKPOINT --------------------------------------------------------
 
@@ -202,7 +205,7 @@ class WeightExporter:
         started = time.perf_counter()
         async with self._snapshot(merge_lora) as (version, state):
             policy = self.engine.ready_policy()
-            path, nbytes = await asyncio.to_thread(write_version, policy, state, version, parent, merge_lora)
+            path, nbytes, identity = await asyncio.to_thread(write_version, policy, state, version, parent, merge_lora)
         if self.sync.synchronizer_address:
             async with self._client(self.sync.synchronizer_address) as client:
                 # Absolute: the synchronizer takes a relative path inside its own checkpoint_root.
@@ -210,7 +213,7 @@ class WeightExporter:
         duration = time.perf_counter() - started
         log.info("weights exported", extra={"method": "checkpoint", "version": version, "bytes": nbytes,
                                             "seconds": round(duration, 3), "path": str(path)})
-        return ExportResult(version, nbytes, duration, str(path))
+        return ExportResult(version, nbytes, duration, str(path), identity)
 
     # -- NCCL --------------------------------------------------------------
 
@@ -254,7 +257,7 @@ class WeightExporter:
         duration = time.perf_counter() - started
         log.info("weights exported", extra={"method": "nccl", "version": version, "bytes": nbytes,
                                             "seconds": round(duration, 3), "group": group_id})
-        return ExportResult(version, nbytes, duration)
+        return ExportResult(version, nbytes, duration, identity=outcome.identity)
 
 
 # ---------------------------------------------------------------- CHECKPOINT files
@@ -272,8 +275,9 @@ def _safetensors_names(directory: Path) -> list[str]:
 
 def write_version(
     policy: Policy, state: dict[str, Tensor], version: int, parent: Path, merge_lora: bool
-) -> tuple[Path, int]:
-    """Writes `parent/version_<version>` atomically; returns (path, weight bytes)."""
+) -> tuple[Path, int, bytes]:
+    """Writes `parent/version_<version>` atomically; returns (path, weight bytes, identity: b"" without a
+    weight manifest)."""
     parent.mkdir(parents=True, exist_ok=True)
     name = f"version_{version}"
     for stale in parent.glob(f".tmp-{name}-*"):
@@ -291,10 +295,12 @@ def write_version(
             if policy.tokenizer is not None:
                 policy.tokenizer.save_pretrained(tmp)
         names = _safetensors_names(tmp)
+        identity = b""
         if set(names) == set(state):
             # Binds every byte to the version (the synchronizer and rollouts verify it).
             manifest = build_manifest({n: state[n] for n in names}, version)
             (tmp / MANIFEST_FILE).write_bytes(manifest.SerializeToString())
+            identity = bytes(manifest.identity)
         else:
             log.warning("export: the written tensors differ from the exported ones; no weight manifest",
                         extra={"path": str(final)})
@@ -303,4 +309,4 @@ def write_version(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final, nbytes
+    return final, nbytes, identity

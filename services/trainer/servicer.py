@@ -173,7 +173,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         prom.WEIGHT_VERSION.set(result.weight_version)
         return pb.ExportWeightsResponse(
             weight_version=result.weight_version, bytes=result.bytes,
-            duration_seconds=result.duration_seconds, path=result.path,
+            duration_seconds=result.duration_seconds, path=result.path, identity=result.identity,
         )
 
 

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from flywheel.codec.identity import identify
 from flywheel.common.v1 import common_pb2
 from flywheel.models.tiny import build_tiny_model
 from flywheel.trainer.v1 import trainer_pb2 as pb
@@ -90,6 +91,8 @@ async def test_export_memory_and_checkpoint_bit_identical(run_service, tiny_mode
             assert pulled.tensors.keys() == reference.keys()
             for name, tensor in reference.items():
                 assert torch.equal(pulled.tensors[name], tensor), name
+            # The export names what it sent: the identity of the weights, which the synchronizer recorded.
+            assert memory.identity == identify(reference).digest == (await client.status()).version(2).identity
 
             # CHECKPOINT (of the next version: versions are monotonic across methods):
             # atomically written, registered, loadable, bit-identical.
@@ -102,6 +105,7 @@ async def test_export_memory_and_checkpoint_bit_identical(run_service, tiny_mode
             written = load_file(Path(ckpt.path) / "model.safetensors")
             assert written.keys() == reference.keys()
             assert all(torch.equal(written[n], t) for n, t in reference.items())
+            assert ckpt.identity == identify(written).digest == (await client.status()).version(3).identity
             assert not list((tmp_path / "exports").glob(".tmp-*"))
             assert await client.get_checkpoint(0) == (3, ckpt.path)
             model = AutoModelForCausalLM.from_pretrained(ckpt.path)
