@@ -16,8 +16,8 @@ What must hold:
   at that step (FIXED(1, 0): on-policy; FIXED(2, 1): versions 0, 0, 0, 2, 2, 4);
 - batch-async: no sample further behind than the threshold;
 - fully-async: no bound from the mode, but never a sample newer than the
-  trainer, and the weights do move; with DYNAMIC_BY_EXPLORER(2), once they
-  first moved, no sample is more than 3 versions behind;
+  trainer, and the weights do move; with DYNAMIC_BY_EXPLORER(2) the trainer
+  publishes only when a rollout asks, and every request is answered;
 - in every case: the trainer publishes by itself (the controller exports
   nothing), the rollout asks for a sync exactly at the policy's points (its own
   steps), and its states follow Trinity-RFT's table for MEMORY: RUNNING ->
@@ -166,10 +166,20 @@ def test_fully_async_follows_the_trainer_without_waiting(tmp_path: Path, model_c
         # A request every `interval` of the rollout's own steps, each for something newer than it held.
         steps = [s for s, _ in requests]
         assert all(b - a >= sync["interval"] for a, b in zip(steps, steps[1:])), requests
-        # Once the weights first moved, no sample is more than interval + 1 versions behind the trainer:
-        # the replica asks every `interval` of its steps, and its steps keep pace with the trainer's.
-        moved = [(row["trained_version"], start) for row in rows for start, _ in row["sample_versions"] if start >= 1]
-        assert moved and all(trained - start <= sync["interval"] + 1 for trained, start in moved), moved
+        # The trainer publishes only on demand, and each request is answered with a version at least the
+        # one awaited. (How stale a sample gets is not bounded by the policy: fully-async keeps generating
+        # on the held weights while a request waits for the trainer's next step, and the pool may run two
+        # batches ahead, so the age depends on timing; batch-async is the mode that bounds it.)
+        awaiting = 0
+        for e in events:
+            if e["kind"] == "SYNC_REQUESTED":
+                awaiting = e["version"]
+            elif e["kind"] == "VERSION_COMMITTED":
+                assert awaiting and e["version"] >= awaiting, f"version {e['version']} published unasked: {events}"
+            elif e.get("role") == "ROLLOUT" and awaiting and e.get("weight_version", 0) >= awaiting:
+                awaiting = 0
+        commits = [e for e in events if e["kind"] == "VERSION_COMMITTED"]
+        assert len(requests) - 1 <= len(commits) <= len(requests), (requests, commits)
     assert max(end for row in rows for _, end in row["sample_versions"]) >= 1, "weights never reached the rollout"
 
 
