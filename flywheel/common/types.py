@@ -1,5 +1,6 @@
 """Words every service shares, defined once: how to sample, why a sample
-ended, and what happens to in-flight requests while weights change.
+ended, which distribution a log-prob is of, and what happens to in-flight
+requests while weights change.
 
 Plain Python types, so domain modules of any service use them; their wire
 conversions are derived here from the `common.v1` enums they are named after
@@ -52,6 +53,53 @@ def pause_mode_from_pb(value: int) -> str | None:
     return pb.PauseMode.Name(value).removeprefix("PAUSE_MODE_").lower() if value else None
 
 
+#: Which distribution a sample's log-probs are of (vLLM's logprobs_mode): processed, the one
+#: the token was drawn from (after penalties, temperature, top-k and top-p, renormalised);
+#: raw, the model's own (temperature 1, nothing truncated).
+LogprobsMode = Literal["processed", "raw"]
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
+
+
+def logprobs_mode_to_pb(mode: str | None) -> int:
+    return pb.LogprobsMode.Value(f"LOGPROBS_MODE_{mode.upper()}") if mode else pb.LOGPROBS_MODE_UNSPECIFIED
+
+
+def logprobs_mode_from_pb(value: int) -> str | None:
+    """The mode's name; None for UNSPECIFIED; ValueError for a number the proto does not define."""
+    return pb.LogprobsMode.Name(value).removeprefix("LOGPROBS_MODE_").lower() if value else None
+
+
+@dataclass(frozen=True)
+class SampledDistribution:
+    """The distribution a sample's log-probs are of, as the trainer replays it (the sampling
+    contract): log softmax(logits / temperature) over the top_k most likely tokens, then over
+    the smallest most-likely set whose mass reaches top_p, renormalised. (1, 0, 1) is raw."""
+
+    temperature: float = 1.0
+    #: 0: no top-k cut-off.
+    top_k: int = 0
+    #: 1: no nucleus cut-off.
+    top_p: float = 1.0
+    #: The engine also applied a repetition penalty or min_tokens masking (not replayed).
+    penalised: bool = False
+
+    @property
+    def raw(self) -> bool:
+        return self.temperature == 1.0 and self.top_k <= 0 and self.top_p >= 1.0 and not self.penalised
+
+    def to_pb(self) -> pb.SampledDistribution:
+        return pb.SampledDistribution(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                      penalised=self.penalised)
+
+    @classmethod
+    def from_pb(cls, d: pb.SampledDistribution) -> SampledDistribution:
+        """An unset message (an older sender) reads as raw."""
+        return cls(temperature=d.temperature or 1.0, top_k=max(d.top_k, 0), top_p=d.top_p or 1.0, penalised=d.penalised)
+
+
+RAW = SampledDistribution()
+
+
 @dataclass(frozen=True)
 class OutputConstraint:
     """What the generated text must match (structured output), enforced by the engine while it samples."""
@@ -82,3 +130,21 @@ class SamplingSpec:
     skip_special_tokens: bool = True
     #: Structured output (OpenAI's response_format, forced tool calls); None: free text.
     constraint: OutputConstraint | None = None
+    #: Which log-probs the caller wants (LogprobsMode); None: the engine's.
+    logprobs_mode: str | None = None
+
+    def distribution(self, mode: str) -> SampledDistribution:
+        """What log-probs in `mode` of a sample drawn with this spec are of. Greedy samples
+        have no sampling distribution: theirs are raw, after penalties (vLLM and our engine agree)."""
+        if mode == "raw":
+            return RAW
+        penalised = self.repetition_penalty != 1.0 or self.min_tokens > 0
+        if self.temperature == 0:
+            return SampledDistribution(penalised=penalised)
+        return SampledDistribution(
+            temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p, penalised=penalised,
+        )
+
+    def logprobs_differ(self) -> bool:
+        """Whether processed and raw log-probs of this spec's samples differ."""
+        return not self.distribution("processed").raw

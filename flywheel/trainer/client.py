@@ -37,12 +37,16 @@ def make_train_batch(
     weight_versions: torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    sampling_temperature: torch.Tensor | None = None,
+    sampling_top_k: torch.Tensor | None = None,
+    sampling_top_p: torch.Tensor | None = None,
 ) -> pb.TrainBatch:
     """A TrainBatch message from torch tensors ([B, T] unless [B]); None fields stay unset."""
     given = {
         "input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "advantages": advantages,
         "behaviour_logprobs": behaviour_logprobs, "weight_versions": weight_versions, "old_logprobs": old_logprobs,
-        "ref_logprobs": ref_logprobs,
+        "ref_logprobs": ref_logprobs, "sampling_temperature": sampling_temperature, "sampling_top_k": sampling_top_k,
+        "sampling_top_p": sampling_top_p,
     }
     return pb.TrainBatch(**{k: tensor_to_proto(v) for k, v in given.items() if v is not None})
 

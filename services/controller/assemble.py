@@ -73,9 +73,11 @@ def _resolve(field_name: str, make: Callable[[], Any]) -> Any:
 
 
 def sampling_spec(cfg: SamplingConfig) -> SamplingSpec:
+    # Processed log-probs (the sampling contract): the trainer replays the distribution that drew each
+    # token; a replica set to return raw ones refuses these requests rather than mislead the ratio.
     return SamplingSpec(
         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens,
-        stop=tuple(cfg.stop), seed=cfg.seed,
+        stop=tuple(cfg.stop), seed=cfg.seed, logprobs_mode="processed",
     )
 
 

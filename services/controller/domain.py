@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any
 
 # Shared words (defined in flywheel.common.types); the controller's modules import them from here too.
-from flywheel.common.types import FinishReason, SamplingSpec  # noqa: F401
+from flywheel.common.types import RAW, FinishReason, SampledDistribution, SamplingSpec  # noqa: F401
 
 #: A chat message as an OpenAI-style dict: {"role": ..., "content": ..., ...}.
 Message = dict[str, Any]
@@ -67,6 +67,8 @@ class Generation:
     text: str = ""
     #: Which replica produced it.
     engine: str = ""
+    #: The distribution `completion_logprobs` are of (the sampling contract).
+    distribution: SampledDistribution = RAW
 
 
 class TrajectoryStatus(str, Enum):
@@ -104,6 +106,9 @@ class Trajectory:
     keys: dict[str, Any] = field(default_factory=dict)
     #: The rollout replica that generated it (its last turn, for multi-turn episodes).
     engine: str = ""
+    #: The distribution its model tokens were drawn from, which their log-probs are of; the
+    #: trainer takes its log-probs under the same (TrainBatch sampling_*).
+    distribution: SampledDistribution = RAW
     status: TrajectoryStatus = TrajectoryStatus.OK
     error: str | None = None
     #: Set by the algorithm processor.

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from flywheel.common.types import PauseMode
+from flywheel.common.types import LogprobsMode, PauseMode
 from flywheel.runtime.config import StrictModel
 from flywheel.runtime.server_config import ServerConfig
 from flywheel.synchronizer.presence_config import PresenceConfig
@@ -30,6 +30,12 @@ class EngineConfig(StrictModel):
         "tokenizer from them",
     )
     initial_version: int = Field(0, ge=0, description="weight version of the weights in model_path (0: base model)")
+    logprobs: LogprobsMode = Field(
+        "processed", description="which log-probs samples carry: processed, of the distribution each token was drawn "
+        "from (after penalties, temperature, top-k and top-p, renormalised; what RL's importance ratios need); raw, "
+        "the model's own distribution (vLLM's default). A request may ask for the other kind "
+        "(SamplingParams.logprobs_mode): the transformers engine serves it, vLLM refuses it where the two differ"
+    )
     tool_parser: Literal["hermes"] = Field(
         "hermes", description="how the served model writes tool calls (parsed into OpenAI tool_calls, and the "
         "format forced tool calls are constrained to); hermes: <tool_call>{json}</tool_call>, as Qwen and SmolLM2"

@@ -79,6 +79,7 @@ def sample_to_proto(sample: SampleOutput, prompt_ids: list[int]) -> common_pb2.S
         top_logprobs=[common_pb2.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
                       for top in sample.top_logprobs],
         index=sample.index,
+        logprobs_distribution=sample.distribution.to_pb(),
     )
 
 

@@ -43,6 +43,11 @@ class Batch:
     weight_versions: Tensor | None = None  # int64 [B]
     old_logprobs: Tensor | None = None  # float32
     ref_logprobs: Tensor | None = None  # float32
+    #: The distribution each sample was drawn from (the sampling contract), [B] each; None: raw
+    #: (temperature 1), no top-k (0), no top-p (1).
+    sampling_temperature: Tensor | None = None  # float32 > 0
+    sampling_top_k: Tensor | None = None  # int64 >= 0
+    sampling_top_p: Tensor | None = None  # float32 in (0, 1]
 
     @property
     def size(self) -> int:
@@ -131,7 +136,40 @@ def input_batch(tensors: Mapping[str, Tensor | None], limits: BatchLimits) -> Ba
             raise InvalidArgument(f"batch.attention_mask: must be right-padded (1s then 0s); rows {rows[:8]} are not")
         if (mask[:, 0] == 0).any():
             raise InvalidArgument("batch.attention_mask: a sample has no real tokens")
-    return Batch(input_ids=ids, attention_mask=mask)
+    return Batch(input_ids=ids, attention_mask=mask, **_sampling(tensors, b))
+
+
+def _sampling(tensors: Mapping[str, Tensor | None], b: int) -> dict[str, Tensor | None]:
+    """The sampling_* fields, checked; a field that changes nothing (temperature 1, no cut-off) is None."""
+    temperature, top_k, top_p = (tensors.get(f"sampling_{n}") for n in ("temperature", "top_k", "top_p"))
+    if temperature is not None:
+        _check_dtype("sampling_temperature", temperature, _FLOATS, "a floating-point type")
+        _check_shape("sampling_temperature", temperature, (b,), "the batch size")
+        temperature = temperature.to(torch.float32)
+        bad = ~torch.isfinite(temperature) | (temperature <= 0)
+        if bad.any():
+            raise InvalidArgument(f"batch.sampling_temperature: must be finite and > 0 (greedy samples have no "
+                                  f"sampling distribution; send 1, their log-probs are raw): {_where(bad)}")
+        if bool((temperature == 1).all()):
+            temperature = None
+    if top_k is not None:
+        _check_dtype("sampling_top_k", top_k, _INTS, "an integer type")
+        _check_shape("sampling_top_k", top_k, (b,), "the batch size")
+        top_k = top_k.to(torch.int64)
+        if (top_k < 0).any():
+            raise InvalidArgument(f"batch.sampling_top_k: must be >= 0 (0: no cut-off): {_where(top_k < 0)}")
+        if not bool(top_k.any()):
+            top_k = None
+    if top_p is not None:
+        _check_dtype("sampling_top_p", top_p, _FLOATS, "a floating-point type")
+        _check_shape("sampling_top_p", top_p, (b,), "the batch size")
+        top_p = top_p.to(torch.float32)
+        bad = ~torch.isfinite(top_p) | (top_p <= 0) | (top_p > 1)
+        if bad.any():
+            raise InvalidArgument(f"batch.sampling_top_p: must be in (0, 1] (1: no cut-off): {_where(bad)}")
+        if bool((top_p == 1).all()):
+            top_p = None
+    return {"sampling_temperature": temperature, "sampling_top_k": top_k, "sampling_top_p": top_p}
 
 
 def _float_field(

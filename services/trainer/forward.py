@@ -12,9 +12,23 @@ the transformer. So:
 - the entropy metric is computed in the same chunks, without gradient.
 Models whose head is more than a linear layer over the last hidden state
 (final-logit soft-capping, logit scaling) take the plain full-logits path.
+
+The sampling contract (`Sampling`): log-probs are taken under the distribution
+each sample was drawn from, as vLLM's sampler and ours make it: the logits
+divided by the temperature, cut to the top_k most likely tokens, then to the
+smallest most-likely set whose mass reaches top_p, renormalised over what is
+kept. The kept set is rebuilt here from the trainer's own logits (vLLM's
+sampling-mask replay needs its GPU-only model runner): on the sampling
+weights the two sets are the same up to ties at the boundary, and the sampled
+token is always kept, so a token the sampler drew never gets log-prob -inf
+(after an update it may fall outside the new set; its probability then counts
+as it would at the boundary). The set is a threshold per position (every
+scaled logit >= it is kept), so backward recomputes it from one float.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -24,33 +38,117 @@ from services.trainer.losses import entropy_from_logits
 _CHUNK_ROWS = 256  # positions upcast to float32 at once (256 x 49k x 4 bytes = 50 MB)
 
 
-class _TargetLogprob(torch.autograd.Function):
-    """log_softmax(logits)[i, target_i] in float32, for logits of any float dtype.
+@dataclass(frozen=True)
+class Sampling:
+    """Per position (one row per selected token): how its distribution was made. None: not at all."""
 
-    Saves only the logits it was given (no float32 copy, no softmax) and
-    recomputes the softmax chunk by chunk in backward; d/dlogits is
-    grad * (onehot(target) - softmax)."""
+    temperature: Tensor | None  # float32 [N] > 0
+    top_k: Tensor | None  # int64 [N], 0: none
+    top_p: Tensor | None  # float32 [N], 1: none
+
+    @classmethod
+    def of_rows(cls, temperature: Tensor | None, top_k: Tensor | None, top_p: Tensor | None,
+                rows: Tensor) -> Sampling | None:
+        """Per-sample [B] settings spread to positions whose sample index is `rows`; None when raw."""
+        if temperature is None and top_k is None and top_p is None:
+            return None
+        pick = lambda t: None if t is None else t.to(rows.device)[rows]  # noqa: E731
+        return cls(pick(temperature), pick(top_k), pick(top_p))
+
+    def chunk(self, rows: slice) -> Sampling:
+        pick = lambda t: None if t is None else t[rows]  # noqa: E731
+        return Sampling(pick(self.temperature), pick(self.top_k), pick(self.top_p))
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k is not None or self.top_p is not None
+
+    def scale(self, logits: Tensor) -> Tensor:
+        """float32 logits / temperature."""
+        logits = logits.float()
+        return logits if self.temperature is None else logits / self.temperature[:, None]
+
+    def thresholds(self, scaled: Tensor) -> Tensor:
+        """Per row, the least scaled logit the sampler keeps (-inf: everything), without gradient."""
+        with torch.no_grad():
+            rows, vocab = scaled.shape
+            floor = torch.full((rows,), -float("inf"), device=scaled.device)
+            k = None if self.top_k is None else torch.where(self.top_k > 0, self.top_k.clamp_max(vocab), vocab)
+            if k is not None:
+                # The k-th largest value (ties with it are kept too, as vLLM's top-k keeps them).
+                top = torch.topk(scaled, int(k.max()), dim=-1).values
+                floor = torch.where(k < vocab, top.gather(-1, (k - 1)[:, None]).squeeze(-1), floor)
+            if self.top_p is not None:
+                # Mass is that of the top-k-cut distribution; a token is kept while the mass of the tokens
+                # above it is below top_p (the most likely one always is).
+                ordered = torch.sort(scaled, dim=-1, descending=True).values
+                ordered = ordered.masked_fill(ordered < floor[:, None], -float("inf"))
+                probs = torch.softmax(ordered, dim=-1)
+                above = probs.cumsum(-1) - probs
+                kept = (above < self.top_p[:, None]).sum(-1).clamp_min(1)
+                floor = torch.maximum(floor, ordered.gather(-1, (kept - 1)[:, None]).squeeze(-1))
+            return floor
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:  # type: ignore[override]
+    def cut(scaled: Tensor, floor: Tensor, targets: Tensor | None) -> Tensor:
+        """`scaled` with what the sampler drops set to -inf (the target, if given, always kept)."""
+        drop = scaled < floor[:, None]
+        if targets is not None:
+            drop.scatter_(-1, targets[:, None], False)
+        return scaled.masked_fill(drop, -float("inf"))
+
+
+class _TargetLogprob(torch.autograd.Function):
+    """log_softmax(logits)[i, target_i] in float32, for logits of any float dtype, under
+    the sampling contract when `sampling` is given (temperature, then the kept set).
+
+    Saves only the logits it was given (no float32 copy, no softmax) and one
+    threshold per row, and recomputes the softmax chunk by chunk in backward;
+    d/dlogits is grad * (onehot(target) - softmax) / temperature."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, sampling: Sampling | None) -> Tensor:  # type: ignore[override]
         out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        floors = []
         for start in range(0, logits.shape[0], _CHUNK_ROWS):
-            chunk = logits[start : start + _CHUNK_ROWS].float()
-            picked = chunk.gather(-1, targets[start : start + _CHUNK_ROWS, None]).squeeze(-1)
-            out[start : start + _CHUNK_ROWS] = picked - torch.logsumexp(chunk, dim=-1)
+            rows = slice(start, start + _CHUNK_ROWS)
+            chunk, floor = _processed(logits[rows], targets[rows], sampling, rows)
+            floors.append(floor)
+            picked = chunk.gather(-1, targets[rows, None]).squeeze(-1)
+            out[rows] = picked - torch.logsumexp(chunk, dim=-1)
+        ctx.sampling = sampling
+        ctx.floors = floors
         ctx.save_for_backward(logits, targets)
         return out
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         logits, targets = ctx.saved_tensors
+        sampling: Sampling | None = ctx.sampling
         grad_logits = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], _CHUNK_ROWS):
+        for i, start in enumerate(range(0, logits.shape[0], _CHUNK_ROWS)):
             rows = slice(start, start + _CHUNK_ROWS)
-            g = torch.softmax(logits[rows].float(), dim=-1).mul_(-grad[rows, None])
+            chunk, _ = _processed(logits[rows], targets[rows], sampling, rows, ctx.floors[i])
+            g = torch.softmax(chunk, dim=-1).mul_(-grad[rows, None])
             g.scatter_add_(-1, targets[rows, None], grad[rows, None].float())
+            if sampling is not None and sampling.temperature is not None:
+                g.div_(sampling.temperature[rows, None])
             grad_logits[rows] = g
-        return grad_logits, None
+        return grad_logits, None, None
+
+
+def _processed(logits: Tensor, targets: Tensor | None, sampling: Sampling | None, rows: slice,
+               floor: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """A chunk's float32 logits as the sampler made them (temperature, then the kept set), and its floors."""
+    if sampling is None:
+        return logits.float(), None
+    part = sampling.chunk(rows)
+    scaled = part.scale(logits)
+    if not part.truncates:
+        return scaled, None
+    if floor is None:
+        floor = part.thresholds(scaled)
+    return Sampling.cut(scaled, floor, targets), floor
 
 
 def _plain_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
@@ -70,8 +168,13 @@ def _plain_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 def token_logprobs(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, select: Tensor | None = None,
     entropy: bool = False, entropy_grad: bool = False, autocast: torch.dtype | None = None,
+    sampling: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
 ) -> tuple[Tensor, Tensor | None]:
     """log p(token t | tokens < t) as float32 [B, T] (position 0 and padding are 0).
+
+    `sampling` is (temperature, top_k, top_p) per sample, [B] each or None (the
+    batch's sampling_* fields): the distribution the log-probs are of (the
+    module's docstring); all None: the raw one. Entropy is of the same.
 
     With `select` ([B, T], nonzero where wanted, e.g. the loss mask), only
     those positions are computed; the others are 0. With `entropy`, also the
@@ -92,23 +195,42 @@ def token_logprobs(
 
             def selected_logits() -> Tensor:
                 hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-                # Position t is predicted by the hidden state at t - 1.
-                return head(hidden[:, :-1][wanted])
+                # Position t is predicted by the hidden state at t - 1. The head runs in float32 even
+                # under autocast: a bfloat16 head over a 49k vocabulary moves the log-probs by up to
+                # ~10 % and breaks the sampling contract (ratio 1 on the sampling weights) on 7 % of
+                # SmolLM2's tokens; in float32 it costs one matmul of the selected positions.
+                with torch.autocast(input_ids.device.type, enabled=False):
+                    return nn.functional.linear(hidden[:, :-1][wanted].float(), head.weight.float(),
+                                                None if head.bias is None else head.bias.float())
 
             logits = _as_forward(model, selected_logits) if _sharded(model) else selected_logits()
     targets = input_ids[:, 1:][wanted]
-    picked = _TargetLogprob.apply(logits, targets)
+    per_position = Sampling.of_rows(*sampling, rows=wanted.nonzero()[:, 0])
+    picked = _TargetLogprob.apply(logits, targets, per_position)
     logprobs = nn.functional.pad(_scatter(picked, wanted), (1, 0))
     ent = None
     if entropy:
         if entropy_grad and torch.is_grad_enabled():
-            values = entropy_from_logits(logits)
+            values = entropy_from_logits(_differentiable_processed(logits, per_position))
         else:
             # A metric only: chunks keep the float32 softmax temporaries small.
             with torch.no_grad():
-                values = torch.cat([entropy_from_logits(c) for c in logits.split(_CHUNK_ROWS)]) if len(logits) else picked.detach()
+                chunks = [_processed(logits[start:start + _CHUNK_ROWS], None, per_position,
+                                     slice(start, start + _CHUNK_ROWS))[0]
+                          for start in range(0, len(logits), _CHUNK_ROWS)]
+                values = torch.cat([entropy_from_logits(c) for c in chunks]) if chunks else picked.detach()
         ent = nn.functional.pad(_scatter(values, wanted), (1, 0))
     return logprobs, ent
+
+
+def _differentiable_processed(logits: Tensor, sampling: Sampling | None) -> Tensor:
+    """The whole processed logits with autograd (an entropy bonus); the cut is a constant."""
+    if sampling is None:
+        return logits
+    scaled = sampling.scale(logits)
+    if not sampling.truncates:
+        return scaled
+    return Sampling.cut(scaled, sampling.thresholds(scaled.detach()), None)
 
 
 def _scatter(values: Tensor, where: Tensor) -> Tensor:

@@ -149,9 +149,9 @@ def truncated_is_weights(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, 
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the softmax over the last dimension (nats)."""
+    """Entropy of the softmax over the last dimension (nats); -inf logits (tokens a sampler cut) count 0."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(dim=-1)
 
 
 # ---------------------------------------------------------------- the loss

@@ -72,6 +72,11 @@ class LossRequest:
     max_response_length: int = 0
 
 
+def _sampling(batch: Batch) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The batch's sampling contract, as token_logprobs takes it."""
+    return batch.sampling_temperature, batch.sampling_top_k, batch.sampling_top_p
+
+
 def resolve_loss(request: LossRequest, defaults: LossConfig) -> LossSettings:
     """Fills unset fields from the config and checks ranges, naming the field."""
     for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "is_cap"):
@@ -267,12 +272,13 @@ class TrainingEngine:
             if loss.kl_coef > 0 and ref is None:
                 with torch.no_grad(), policy.reference_context() as reference:
                     ref, _ = token_logprobs(
-                        reference, mb.input_ids, mb.attention_mask, select=mb.loss_mask, autocast=self._autocast
+                        reference, mb.input_ids, mb.attention_mask, select=mb.loss_mask, autocast=self._autocast,
+                        sampling=_sampling(mb),
                     )
             # Only the loss mask's positions: the loss reads nothing else, and the output head is the costly part.
             logprobs, entropy = token_logprobs(
                 policy.model, mb.input_ids, mb.attention_mask, select=mb.loss_mask, entropy=True,
-                entropy_grad=loss.entropy_coef > 0, autocast=self._autocast,
+                entropy_grad=loss.entropy_coef > 0, autocast=self._autocast, sampling=_sampling(mb),
             )
             out = policy_loss(
                 loss, logprobs=logprobs, mask=mb.loss_mask, advantages=mb.advantages,
@@ -423,9 +429,11 @@ class TrainingEngine:
                     mb = batch.rows(start, stop).to(policy.device)
                     if reference:
                         with policy.reference_context() as model:
-                            logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, autocast=self._autocast)
+                            logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, autocast=self._autocast,
+                                                         sampling=_sampling(mb))
                     else:
-                        logprobs, _ = token_logprobs(policy.model, mb.input_ids, mb.attention_mask, autocast=self._autocast)
+                        logprobs, _ = token_logprobs(policy.model, mb.input_ids, mb.attention_mask, autocast=self._autocast,
+                                                     sampling=_sampling(mb))
                     if rows is not None:
                         pieces.append(logprobs.cpu())
         finally:

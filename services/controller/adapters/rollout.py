@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from flywheel.common.types import finish_reason_from_pb
+from flywheel.common.types import SampledDistribution, finish_reason_from_pb, logprobs_mode_to_pb
 from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import FailedPrecondition
 from flywheel.rollout.client import RolloutClient
@@ -29,7 +29,6 @@ from services.controller.domain import (
     PromptInput,
     SamplingSpec,
 )
-
 
 
 def finish_reason(value: int) -> FinishReason:
@@ -57,6 +56,7 @@ def sampling_params(s: SamplingSpec) -> dict:
     fields = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(s).items() if k in _SAMPLING_FIELDS}
     if fields.get("seed") is None:
         fields.pop("seed", None)
+    fields["logprobs_mode"] = logprobs_mode_to_pb(s.logprobs_mode)
     return fields
 
 
@@ -74,6 +74,7 @@ def generation(sample: cpb.Sample) -> Generation:
         version_start=sample.weight_version_start,
         version_end=sample.weight_version_end,
         text=sample.text,
+        distribution=SampledDistribution.from_pb(sample.logprobs_distribution),
     )
 
 

@@ -37,7 +37,7 @@ from flywheel.errors import (
     Unavailable,
 )
 from flywheel.runtime.tls import client_ssl_context, process_tls
-from services.controller.domain import FinishReason, Generation
+from services.controller.domain import RAW, FinishReason, Generation, SampledDistribution
 from services.controller.rollouts.episodes import OpenedSession, SessionLost, SessionRecord
 
 
@@ -108,7 +108,16 @@ def session_call(data: Mapping[str, Any]) -> Generation:
         finish_reason=_finish(data.get("finish_reason")),
         text=str(data.get("text", "")),
         engine=str(data.get("replica", "")),
+        distribution=_distribution(data.get("logprobs_distribution")),
     )
+
+
+def _distribution(data: Mapping[str, Any] | None) -> SampledDistribution:
+    """A record's distribution; one without (an older rollout) is raw, what those returned."""
+    if not data:
+        return RAW
+    return SampledDistribution(temperature=float(data["temperature"]), top_k=int(data["top_k"]),
+                               top_p=float(data["top_p"]), penalised=bool(data.get("penalised", False)))
 
 
 class SessionClient:

@@ -8,7 +8,9 @@ Tensors follow the trainer's contract (trainer.proto `TrainBatch`):
 - behaviour_logprobs: float32 [B, T], the sampling engine's log-prob of the
   token *at* each position (0 elsewhere);
 - advantages: float32 [B] (one per sequence);
-- weight_versions: int64 [B], the version each sample started with.
+- weight_versions: int64 [B], the version each sample started with;
+- sampling_temperature / sampling_top_k / sampling_top_p: [B], the distribution
+  each sample was drawn from (the sampling contract), sent when any is not raw.
 """
 
 from __future__ import annotations
@@ -74,4 +76,20 @@ def build_train_batch(trajectories: Sequence[Trajectory], target_version: int, p
         "behaviour_logprobs": torch.from_numpy(logprobs),
         "weight_versions": torch.tensor([t.version for t in trajectories], dtype=torch.int64),
     }
+    tensors.update(sampling_tensors(trajectories))
     return TrainBatch(tensors=tensors, trajectories=list(trajectories), target_version=target_version)
+
+
+def sampling_tensors(trajectories: Sequence[Trajectory]) -> dict[str, torch.Tensor]:
+    """The distributions the trainer replays, [B] each; none when every sample's log-probs are raw."""
+    for t in trajectories:
+        if t.distribution.penalised:
+            raise ValueError(f"trajectory of task {t.task.id} was sampled with a repetition penalty or min_tokens, "
+                             "which the trainer does not replay")
+    if all(t.distribution.raw for t in trajectories):
+        return {}
+    return {
+        "sampling_temperature": torch.tensor([t.distribution.temperature for t in trajectories], dtype=torch.float32),
+        "sampling_top_k": torch.tensor([t.distribution.top_k for t in trajectories], dtype=torch.int64),
+        "sampling_top_p": torch.tensor([t.distribution.top_p for t in trajectories], dtype=torch.float32),
+    }

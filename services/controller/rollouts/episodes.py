@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flywheel.errors import Aborted
-from services.controller.domain import FinishReason, Generation, Task, Trajectory
+from services.controller.domain import RAW, FinishReason, Generation, SampledDistribution, Task, Trajectory
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,8 @@ class Segment:
     finish_reason: FinishReason = FinishReason.STOP
     #: The text of the segment's last completion: the episode's final answer.
     final_text: str = ""
+    #: The distribution its calls sampled from (one for all: the trainer replays one per sequence).
+    distribution: SampledDistribution | None = None
 
     @property
     def context(self) -> list[int]:
@@ -104,6 +106,10 @@ class Segment:
         self._complete(call)
 
     def _complete(self, call: Generation) -> None:
+        if self.distribution is not None and call.distribution != self.distribution:
+            raise ValueError(f"a call sampled from {call.distribution} continues one sampled from {self.distribution}; "
+                             "the trainer replays one distribution per sequence")
+        self.distribution = call.distribution
         self.response_ids += call.completion_token_ids
         self.response_logprobs += [float(lp) for lp in call.completion_logprobs]
         self.response_mask += [1] * len(call.completion_token_ids)
@@ -146,6 +152,9 @@ def rebuild(calls: Sequence[Generation]) -> Episode:
             raise ValueError(
                 f"call {i}: {len(call.completion_logprobs)} log-probs for {len(call.completion_token_ids)} completion tokens"
             )
+        if call.distribution.penalised:
+            raise ValueError(f"call {i}: sampled with a repetition penalty or min_tokens, which the trainer does not "
+                             "replay (its log-probs would not match the trainer's)")
         if segments and segments[-1].extends(call):
             segments[-1].add(call)
         else:
@@ -174,4 +183,5 @@ def trajectory(segment: Segment, task: Task, *, sample_index: int, model_tag: st
         model_tag=model_tag,
         keys={"turns": len(segment.turn_versions)},
         engine=engine,
+        distribution=segment.distribution or RAW,
     )

@@ -118,4 +118,5 @@ class AgentRolloutWorker(RolloutWorker):
             model_tag=self.ctx.model_tag,
             keys={"turns": len(starts)},
             engine=g.engine,
+            distribution=g.distribution,
         )

@@ -109,6 +109,7 @@ class RolloutWorker(ABC):
             text=g.text,
             sample_index=index,
             model_tag=self.ctx.model_tag,
+            distribution=g.distribution,
         )
 
     async def score_all(self, task: Task, trajectories: list[Trajectory]) -> RolloutOutcome:

@@ -32,8 +32,11 @@ def create_engine(config: RolloutConfig, codec: TextCodec) -> Engine:
             raise FailedPrecondition("engine.kind is vllm but the vllm package is not installed")
         from services.rollout.engine.vllm_engine import VllmEngine
 
-        return VllmEngine(Path(engine.model_path), engine.args, codec, engine.initial_version,
-                          config.updates.reuse_staging)
+        made: Engine = VllmEngine(Path(engine.model_path), engine.args, codec, engine.initial_version,
+                                  config.updates.reuse_staging, logprobs_mode=engine.logprobs)
+        return made
     from services.rollout.engine.transformers_engine import TransformersEngine
 
-    return TransformersEngine(Path(engine.model_path), engine.args, codec, engine.initial_version)
+    made = TransformersEngine(Path(engine.model_path), engine.args, codec, engine.initial_version)
+    made.logprobs_mode = engine.logprobs
+    return made

@@ -13,13 +13,13 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from flywheel.codec.identity import VersionIdentity
-from flywheel.common.types import FinishReason, PauseMode, SamplingSpec
-from flywheel.errors import FailedPrecondition
+from flywheel.common.types import RAW, FinishReason, PauseMode, SampledDistribution, SamplingSpec
+from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.transfer.broadcast import GroupSpec
 
 
@@ -41,6 +41,8 @@ class SampleOutput:
     version_start: int
     #: Weight version that produced the last token.
     version_end: int
+    #: The distribution `logprobs` and `top_logprobs` are of.
+    distribution: SampledDistribution = RAW
 
 
 @dataclass
@@ -139,6 +141,21 @@ class Engine(abc.ABC):
     supports_constraints: bool = False
     #: Whether it pulls MEMORY versions itself (staged with `source`, not `tensors`).
     pulls_memory: bool = False
+    #: Which log-probs it returns (rollout config engine.logprobs; LogprobsMode).
+    logprobs_mode: str = "processed"
+    #: Whether it can return the other kind for a request that asks (`SamplingSpec.logprobs_mode`).
+    logprobs_mode_per_request: bool = False
+
+    def resolve_logprobs_mode(self, spec: SamplingSpec) -> SamplingSpec:
+        """`spec` with the log-probs it will get named, or InvalidArgument when it asks for the kind
+        this engine does not return and, for its sampling settings, the two differ."""
+        wanted = spec.logprobs_mode or self.logprobs_mode
+        if wanted != self.logprobs_mode and not self.logprobs_mode_per_request and spec.logprobs_differ():
+            raise InvalidArgument(
+                f"sampling.logprobs_mode: {wanted} log-probs were asked for, but this {self.kind} engine returns "
+                f"{self.logprobs_mode} ones (rollout config engine.logprobs)"
+            )
+        return replace(spec, logprobs_mode=wanted)
 
     @property
     def joins_groups(self) -> bool:

@@ -1,8 +1,10 @@
 """One sample being decoded by the transformers engine: sampling from logits,
 stop conditions and incremental text, the way vLLM does them.
 
-Log-probs are of the raw model distribution (vLLM's default `raw_logprobs`):
-what the trainer recomputes, whatever temperature or top-p chose the token.
+Log-probs are of the distribution the spec's `logprobs_mode` names, as vLLM's
+sampler computes them: processed (the one the token was drawn from: after
+penalties, min_tokens masking, temperature, top-k and top-p, renormalised over
+the kept tokens; greedy samples: after penalties only), or raw (the model's).
 """
 
 from __future__ import annotations
@@ -86,15 +88,15 @@ class Sequence:
 
     def step(self, logits: torch.Tensor, codec: Any, version: int) -> None:
         """Samples one token from the last position's logits and updates the state."""
-        raw = torch.log_softmax(logits.float(), dim=-1)
         processed = process_logits(logits.float(), self.spec, self.prompt_ids + self.out_ids, len(self.out_ids), self.stop_ids)
         token = choose(processed, self.spec, self.generator)
+        reported = torch.log_softmax(logits.float() if self.spec.logprobs_mode == "raw" else processed, dim=-1)
         if self.version_start is None:
             self.version_start = version
         self.out_ids.append(token)
-        self.logprobs.append(float(raw[token]))
+        self.logprobs.append(float(reported[token]))
         if self.spec.top_logprobs:
-            values, ids = torch.topk(raw, self.spec.top_logprobs)
+            values, ids = torch.topk(reported, self.spec.top_logprobs)
             self.top.append(list(zip(ids.tolist(), values.tolist())))
         self._check_stop(token, codec)
 
@@ -137,6 +139,7 @@ class Sequence:
                 stop_reason=self.stop_reason,
                 version_start=self.version_start if self.version_start is not None else version,
                 version_end=version,
+                distribution=self.spec.distribution(self.spec.logprobs_mode or "processed"),
             )
         elif not stream:
             return None

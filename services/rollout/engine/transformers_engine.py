@@ -52,6 +52,8 @@ class _Request:
 
 class TransformersEngine(Engine):
     kind = "transformers"
+    #: Its sampler computes both kinds of log-probs at every step.
+    logprobs_mode_per_request = True
 
     def __init__(self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0) -> None:
         ignored = sorted(set(args) - _KNOWN_ARGS)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from flywheel import errors
+from flywheel.common.types import SampledDistribution
 from flywheel.errors import Aborted, FailedPrecondition, InvalidArgument
 from flywheel.runtime.tls import process_tls
 from flywheel.transfer.broadcast import GroupSpec
@@ -130,12 +131,13 @@ class VllmEngine(Engine):
 
     def __init__(
         self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0,
-        reuse_staging: bool = True,
+        reuse_staging: bool = True, logprobs_mode: str = "processed",
     ) -> None:
-        for name in ("worker_extension_cls", "weight_transfer_config"):
+        for name in ("worker_extension_cls", "weight_transfer_config", "logprobs_mode"):
             if name in args:
                 raise InvalidArgument(f"engine.args.{name}: set by the rollout service; remove it")
         self._path = Path(model_path)
+        self.logprobs_mode = logprobs_mode
         self._args = dict(args)
         self._codec = codec
         self._version = initial_version
@@ -170,8 +172,11 @@ class VllmEngine(Engine):
         # unless engine.args names one.
         args.setdefault("dtype", _checkpoint_dtype(self._path))
         try:
+            # vLLM's processed_logprobs: after penalties, temperature, top-k and top-p (its sampler, on every
+            # platform), the distribution each token was drawn from; engine-wide, so requests cannot switch.
             engine_args = AsyncEngineArgs(model=str(self._path), worker_extension_cls=WORKER_EXTENSION,
-                                          weight_transfer_config={"backend": BACKEND}, **args)
+                                          weight_transfer_config={"backend": BACKEND},
+                                          logprobs_mode=f"{self.logprobs_mode}_logprobs", **args)
         except TypeError as exc:
             raise InvalidArgument(f"engine.args: {exc}") from None
         # Built off the event loop: it blocks until the engine core is up
@@ -242,13 +247,16 @@ class VllmEngine(Engine):
         self._active += 1
         try:
             # aclosing: an abandoned request reaches vLLM's abort at once, not at garbage collection.
-            async with contextlib.aclosing(self._outputs(request_id, prompt_ids, params, sampling.top_logprobs)) as outputs:
+            distribution = sampling.distribution(self.logprobs_mode)
+            async with contextlib.aclosing(self._outputs(request_id, prompt_ids, params, sampling.top_logprobs,
+                                                         distribution)) as outputs:
                 async for deltas in outputs:
                     yield deltas
         finally:
             self._active -= 1
 
-    async def _outputs(self, request_id: str, prompt_ids: list[int], params: Any, top_k: int) -> AsyncIterator[list[Delta]]:
+    async def _outputs(self, request_id: str, prompt_ids: list[int], params: Any, top_k: int,
+                       distribution: SampledDistribution) -> AsyncIterator[list[Delta]]:
         samples: dict[int, _Sample] = {}
         async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id):
             deltas = []
@@ -256,13 +264,13 @@ class VllmEngine(Engine):
                 sample = samples.setdefault(completion.index, _Sample(completion.index))
                 if sample.done:
                     continue
-                delta = self._delta(sample, completion, top_k)
+                delta = self._delta(sample, completion, top_k, distribution)
                 if delta.token_ids or delta.text or delta.final is not None:
                     deltas.append(delta)
             if deltas:
                 yield deltas
 
-    def _delta(self, sample: _Sample, completion: Any, top_k: int) -> Delta:
+    def _delta(self, sample: _Sample, completion: Any, top_k: int, distribution: SampledDistribution) -> Delta:
         ids = list(completion.token_ids)
         logprobs: list[float] = []
         top: list[list[tuple[int, float]]] = []
@@ -286,7 +294,7 @@ class VllmEngine(Engine):
             delta.final = SampleOutput(
                 index=sample.index, token_ids=sample.ids, logprobs=sample.logprobs, top_logprobs=sample.top,
                 text=sample.text, finish_reason=reason, stop_reason="" if stop is None else str(stop),
-                version_start=start, version_end=end,
+                version_start=start, version_end=end, distribution=distribution,
             )
         return delta
 

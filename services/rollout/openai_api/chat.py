@@ -107,6 +107,6 @@ def record(session: Session | None, api: str, turn: ChatTurn | None, prompt_ids:
     session.calls.append(CallRecord(
         api=api, prompt_ids=list(prompt_ids), completion_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
         version_start=sample.version_start, version_end=sample.version_end, finish_reason=sample.finish_reason,
-        text=sample.text, replica=replica, messages=turn.messages if turn else None,
+        text=sample.text, replica=replica, distribution=sample.distribution, messages=turn.messages if turn else None,
         tools=turn.tools if turn else None, reply=reply, response_id=response_id,
     ))

@@ -169,7 +169,11 @@ _ANSWERS: dict[str, dict[str, Any]] = {
                              "version_end", "finish_reason", "replica", "text"],
                 "properties": {"api": _STR, "prompt_token_ids": _IDS, "completion_token_ids": _IDS,
                                "logprobs": {"type": "array", "items": _NUM}, "version_start": _INT,
-                               "version_end": _INT, "finish_reason": _STR, "replica": _STR, "text": _STR}}},
+                               "version_end": _INT, "finish_reason": _STR, "replica": _STR, "text": _STR,
+                               "logprobs_distribution": {
+                                   "type": "object", "required": ["temperature", "top_k", "top_p", "penalised"],
+                                   "properties": {"temperature": _NUM, "top_k": _INT, "top_p": _NUM,
+                                                  "penalised": _BOOL}}}}},
         },
     },
     "DeletedSession": {"type": "object", "required": ["id", "deleted"], "properties": {"id": _STR, "deleted": _BOOL}},

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.common.types import RAW, SampledDistribution
 from flywheel.errors import InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
 
 #: Ids of expired or deleted sessions remembered to answer "expired" instead of "unknown".
@@ -60,6 +61,8 @@ class CallRecord:
     finish_reason: str
     text: str
     replica: str
+    #: The distribution `logprobs` are of (the sampling contract).
+    distribution: SampledDistribution = RAW
     #: The chat request's messages (normalised) and the assistant message
     #: returned: what a later request must repeat to continue token-exact.
     messages: list[dict[str, Any]] | None = None
@@ -73,6 +76,8 @@ class CallRecord:
             "api": self.api, "prompt_token_ids": self.prompt_ids, "completion_token_ids": self.completion_ids,
             "logprobs": self.logprobs, "version_start": self.version_start, "version_end": self.version_end,
             "finish_reason": self.finish_reason, "replica": self.replica, "text": self.text,
+            "logprobs_distribution": {"temperature": self.distribution.temperature, "top_k": self.distribution.top_k,
+                                      "top_p": self.distribution.top_p, "penalised": self.distribution.penalised},
         }
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
-from flywheel.common.types import OutputConstraint
+from flywheel.common.types import OutputConstraint, logprobs_mode_from_pb
 from services.rollout.engine.base import SamplingSpec
 
 MAX_N = 256
@@ -37,6 +37,7 @@ def make_spec(
     ignore_eos: bool = False,
     skip_special_tokens: bool = True,
     constraint: OutputConstraint | None = None,
+    logprobs_mode: str | None = None,
 ) -> SamplingSpec:
     """A validated spec; `field` prefixes the names in error messages."""
 
@@ -96,6 +97,7 @@ def make_spec(
         ignore_eos=bool(ignore_eos),
         skip_special_tokens=bool(skip_special_tokens),
         constraint=constraint,
+        logprobs_mode=logprobs_mode,
     )
 
 
@@ -116,7 +118,15 @@ def from_proto(params: common_pb2.SamplingParams, *, max_top_logprobs: int, fiel
         min_tokens=params.min_tokens,
         repetition_penalty=params.repetition_penalty or 1.0,
         ignore_eos=params.ignore_eos,
+        logprobs_mode=_logprobs_mode(params.logprobs_mode, field),
     )
+
+
+def _logprobs_mode(value: int, field: str) -> str | None:
+    try:
+        return logprobs_mode_from_pb(value)
+    except ValueError:
+        raise InvalidArgument(f"{field}logprobs_mode: {value} is not a LogprobsMode") from None
 
 
 def from_openai(body: Any, *, max_top_logprobs: int, max_tokens: int | None, top_logprobs: int,

@@ -46,7 +46,7 @@ def test_target_logprob_matches_log_softmax_and_its_gradient(monkeypatch) -> Non
     logits = torch.randn(7, 50, dtype=torch.float64).float().requires_grad_()
     targets = torch.randint(0, 50, (7,))
     weights = torch.randn(7)
-    ours = _TargetLogprob.apply(logits, targets)
+    ours = _TargetLogprob.apply(logits, targets, None)
     (ours * weights).sum().backward()
     ours_grad = logits.grad.clone()
     logits.grad = None
