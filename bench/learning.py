@@ -2,10 +2,12 @@
 
 Run manual (the job part is the quickstart itself: ~15 min on 2 CPU cores):
     python bench/learning.py                         # all three parts
+    python bench/learning.py --smoke                 # the trainer part on a tiny model, one step (CI)
     python bench/learning.py --parts trainer,validation
     python bench/learning.py --seed 1 --target 0.35
 
-Three parts, each printing its figures; one JSON line at the end.
+Three parts, each printing its figures; one JSON line at the end, with the CPU's
+model and ISA (bench/machine.py) beside them.
   trainer     Our trainer's step (TrainingEngine.train_step, in this process:
               GRPO loss, log-probs at the completion's positions, AdamW) vs
               the plain-torch floor: the same model and batch (shaped like a
@@ -49,6 +51,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import cpu  # noqa: E402
 from flywheel.launcher.processes import start_service  # noqa: E402
 from flywheel.rollout.client import RolloutClient  # noqa: E402
 from services.controller.launcher.prepare import prepare_data, prepare_model  # noqa: E402
@@ -63,6 +66,10 @@ def quickstart() -> tuple[object, dict]:
 
 
 # ------------------------------------------------------------------ trainer
+
+
+def _vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
 
 def bench_trainer(model_dir: Path, run: dict, spec: object, steps: int) -> dict:
@@ -82,7 +89,7 @@ def bench_trainer(model_dir: Path, run: dict, spec: object, steps: int) -> dict:
     completion = int(run["worker"]["sampling"]["max_tokens"])
     seq_len = PROMPT_TOKENS + completion
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 49_000, (batch_size, seq_len), generator=g)
+    ids = torch.randint(3, min(49_000, _vocab_size(model_dir)), (batch_size, seq_len), generator=g)
     attention = torch.ones(batch_size, seq_len, dtype=torch.int64)
     loss_mask = torch.zeros(batch_size, seq_len)
     loss_mask[:, PROMPT_TOKENS:] = 1.0
@@ -91,6 +98,8 @@ def bench_trainer(model_dir: Path, run: dict, spec: object, steps: int) -> dict:
         "advantages": torch.linspace(-1.0, 1.0, batch_size),
         "behaviour_logprobs": -torch.rand(batch_size, seq_len, generator=g) * 3 * loss_mask,
         "weight_versions": torch.zeros(batch_size, dtype=torch.int64),
+        # The sampling contract, as the quickstart's batches carry it (its sampling temperature).
+        "sampling_temperature": torch.full((batch_size,), float(run["worker"]["sampling"].get("temperature", 1.0))),
     }
     lr = 1e-7  # the weights barely move: every step sees the same model
     config = TrainerConfig.model_validate({
@@ -287,13 +296,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None, help="the job's --seed")
     parser.add_argument("--max-steps", type=int, default=None, help="the job's --max-steps")
     parser.add_argument("--target", type=float, default=None, help="validation accuracy to reach; default first + 0.15")
+    parser.add_argument("--smoke", action="store_true", help="the trainer part only, a tiny model, one step (CI)")
     args = parser.parse_args()
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     spec, run = quickstart()
-    model_dir = prepare_model(spec.model)  # type: ignore[attr-defined]
-    figures: dict[str, object] = {}
+    figures: dict[str, object] = dict(cpu())
     with tempfile.TemporaryDirectory(prefix="bench-learning-") as tmp:
         work = Path(tmp)
+        if args.smoke:
+            from flywheel.models.tiny import build_tiny_model
+
+            parts, args.trainer_steps = {"trainer"}, 1
+            run["algorithm"]["train_batch_size"], run["worker"]["sampling"]["max_tokens"] = 4, 8
+            model_dir = build_tiny_model(work / "tiny")
+        else:
+            model_dir = prepare_model(spec.model)  # type: ignore[attr-defined]
         if "trainer" in parts:
             figures.update(bench_trainer(model_dir, run, spec, args.trainer_steps))
             print({k: v for k, v in figures.items() if "trainer" in k or "floor" in k}, flush=True)

