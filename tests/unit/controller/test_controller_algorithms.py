@@ -99,3 +99,20 @@ def test_batch_tensors_follow_the_trainer_contract() -> None:
     assert t["advantages"].tolist() == [0.5, -1.0] and t["weight_versions"].tolist() == [0, 3]
     assert batch.staleness() == [4, 1] and batch.tokens == 12
     assert math.isclose(float(t["loss_mask"].sum()), 4.0)
+    # Raw log-probs everywhere: nothing for the trainer to replay, no sampling fields.
+    assert not any(name.startswith("sampling_") for name in t)
+
+
+def test_a_batch_carries_the_distribution_each_sample_was_drawn_from() -> None:
+    from services.controller.domain import SampledDistribution
+
+    a, b = trajectory(task(1), response=2), trajectory(task(2), response=3)
+    a.distribution = SampledDistribution(temperature=0.7, top_p=0.8)
+    b.distribution = SampledDistribution(temperature=0.5, top_k=20)
+    t = build_train_batch([a, b], target_version=1).tensors
+    assert t["sampling_temperature"].tolist() == pytest.approx([0.7, 0.5])
+    assert t["sampling_top_k"].tolist() == [0, 20] and t["sampling_top_k"].dtype == torch.int64
+    assert t["sampling_top_p"].tolist() == pytest.approx([0.8, 1.0])
+    b.distribution = SampledDistribution(temperature=0.7, penalised=True)
+    with pytest.raises(ValueError, match="repetition penalty"):
+        build_train_batch([a, b], target_version=1)

@@ -89,3 +89,21 @@ def test_aborted_or_failed_calls_mark_the_episode() -> None:
 def test_a_call_with_a_logprob_missing_is_malformed() -> None:
     with pytest.raises(ValueError, match="call 1: 1 log-probs for 2 completion tokens"):
         rebuild([call([1], [2]), call([1, 2], [3, 4], logprobs=[-0.5])])
+
+
+def test_a_segment_keeps_the_distribution_its_calls_sampled_from() -> None:
+    from dataclasses import replace
+
+    from services.controller.domain import SampledDistribution
+
+    tempered = SampledDistribution(temperature=0.7, top_p=0.8)
+    first = replace(call([1, 2], [10]), distribution=tempered)
+    second = replace(call([1, 2, 10, 20], [11]), distribution=tempered)
+    segment = rebuild([first, second]).trained
+    assert trajectory(segment, task(), sample_index=0, model_tag="default", engine="r0").distribution == tempered
+    # A continuation sampled differently cannot be one sequence the trainer replays under one distribution.
+    with pytest.raises(ValueError, match="one distribution per sequence"):
+        rebuild([first, replace(second, distribution=SampledDistribution(temperature=1.0))])
+    # Penalties are not replayed: refused, not trained with mismatched log-probs.
+    with pytest.raises(ValueError, match="repetition penalty"):
+        rebuild([replace(first, distribution=SampledDistribution(temperature=0.7, penalised=True))])

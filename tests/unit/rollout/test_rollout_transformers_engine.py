@@ -163,3 +163,36 @@ async def test_staging_tensors_handed_back_are_traded_not_copied(engine, rollout
     assert all(staging[n].data_ptr() == before[n] for n in traded), "the previous tensors went back"
     (after,), _ = await run(engine, spec)
     assert after.token_ids == reference_greedy(rollout_model, PROMPT, 8, state)
+
+
+async def test_sampled_log_probs_are_of_the_distribution_that_drew_them_unless_raw_is_asked(
+        engine, rollout_model: Path) -> None:
+    """Processed (the default): log softmax of the logits / T over the top-p set, as vLLM's processed_logprobs;
+    raw on request: the model's own. The sample names which."""
+    spec = SamplingSpec(n=2, temperature=0.7, top_p=0.8, max_tokens=6, seed=3, ignore_eos=True)
+    processed, _ = await run(engine, engine.resolve_logprobs_mode(spec), rid="p")
+    raw, _ = await run(engine, engine.resolve_logprobs_mode(SamplingSpec(**{**spec.__dict__, "logprobs_mode": "raw"})),
+                       rid="r")
+    assert [s.token_ids for s in processed] == [s.token_ids for s in raw], "the same seed draws the same tokens"
+    for p, r in zip(processed, raw):
+        assert (p.distribution.temperature, p.distribution.top_p) == (0.7, 0.8) and r.distribution.raw
+        assert r.logprobs == pytest.approx(reference_logprobs(rollout_model, PROMPT, r.token_ids), abs=1e-4)
+        # The tempered, truncated and renormalised distribution gives drawn tokens more mass than the raw one.
+        assert sum(p.logprobs) > sum(r.logprobs)
+
+
+def test_an_engine_with_one_log_prob_mode_refuses_the_other_where_they_differ() -> None:
+    from flywheel.errors import InvalidArgument
+    from services.rollout.engine.base import Engine
+
+    class OneMode(Engine):  # vLLM's kind: the mode is engine-wide
+        kind = "vllm"
+
+    OneMode.__abstractmethods__ = frozenset()  # only the base's mode resolution is exercised
+    engine = OneMode()
+    assert engine.resolve_logprobs_mode(SamplingSpec(temperature=0.7)).logprobs_mode == "processed"
+    with pytest.raises(InvalidArgument, match="raw log-probs were asked for.*engine.logprobs"):
+        engine.resolve_logprobs_mode(SamplingSpec(temperature=0.7, logprobs_mode="raw"))
+    # Where the two are the same distribution (greedy; temperature 1 with nothing cut), either is served.
+    assert engine.resolve_logprobs_mode(SamplingSpec(temperature=0, logprobs_mode="raw")).logprobs_mode == "raw"
+    assert engine.resolve_logprobs_mode(SamplingSpec(temperature=1.0, logprobs_mode="raw")).logprobs_mode == "raw"
