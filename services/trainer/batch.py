@@ -65,6 +65,21 @@ class Batch:
         """The samples [start, stop) (views, no copies)."""
         return Batch(**{f.name: _rows(getattr(self, f.name), start, stop) for f in fields(self)})
 
+    def by_length(self) -> tuple[Batch, Tensor]:
+        """The same rows, longest first (ties in order), and each new row's index in this batch:
+        consecutive micro-batches then hold rows of similar lengths, and `trimmed` drops most of
+        their padding."""
+        order = torch.argsort(self.attention_mask.sum(-1), descending=True, stable=True)
+        return Batch(**{f.name: _take(getattr(self, f.name), order) for f in fields(self)}), order
+
+    def trimmed(self) -> Batch:
+        """Without the padding columns no row reaches (right padding: every real token stays, and a
+        causal model computes the same for it)."""
+        width = int(self.attention_mask.sum(-1).max())
+        if width == self.seq_len:
+            return self
+        return Batch(**{f.name: _columns(getattr(self, f.name), width, self.seq_len) for f in fields(self)})
+
     def to(self, device: torch.device | str) -> Batch:
         return Batch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
 
@@ -74,6 +89,15 @@ class Batch:
 
 def _rows(t: Tensor | None, start: int, stop: int) -> Tensor | None:
     return None if t is None else t[start:stop]
+
+
+def _take(t: Tensor | None, order: Tensor) -> Tensor | None:
+    return None if t is None else t[order]
+
+
+def _columns(t: Tensor | None, width: int, seq_len: int) -> Tensor | None:
+    """The first `width` positions of a [B, T] tensor; [B] tensors as they are."""
+    return t[:, :width] if t is not None and t.dim() == 2 and t.shape[1] == seq_len else t
 
 
 def _to(t: Tensor | None, device: torch.device | str) -> Tensor | None:

@@ -148,9 +148,10 @@ def test_a_bad_loss_on_one_rank_and_a_dead_rank(tiny_model: Path, tmp_path: Path
     with ranks(tiny_model, tmp_path / "ckpt") as engine:
         engine.train_step(make_batch(), LOSS)
         before = _state(engine)
-        # Rank 1's rows (2, 3) overflow to an infinite loss; rank 0's are fine. Both refuse, nothing moves.
+        # Rank 1's rows overflow to an infinite loss; rank 0's are fine. Both refuse, nothing moves. (Rows are
+        # ordered longest first before they are shared out: lengths 12, 11, 12, 9 give rank 0 rows 0 and 2.)
         batch = make_batch()
-        overflow = {**batch, "advantages": torch.tensor([1.0, -1.0, 3e38, 3e38])}
+        overflow = {**batch, "advantages": torch.tensor([1.0, 3e38, -1.0, 3e38])}
         with pytest.raises(FailedPrecondition, match="another rank's samples.*discarded"):
             engine.train_step(overflow, LOSS)
         _assert_bit_equal(_state(engine), before)

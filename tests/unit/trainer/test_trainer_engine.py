@@ -193,3 +193,28 @@ def test_auto_autocast_is_bfloat16_only_where_the_device_has_it_natively(monkeyp
     monkeypatch.setattr(policy, "native_bfloat16", lambda device: True)
     assert policy.autocast_dtype("auto", "cpu") is torch.bfloat16
     assert policy.autocast_dtype("float16", "cpu") is torch.float16
+
+
+def test_micro_batches_are_ordered_by_length_and_cut_to_their_longest_row(make_engine, monkeypatch) -> None:
+    """The trainer orders rows longest first and trims each micro-batch's padding: the model sees
+    narrower micro-batches, and the step is the one the padded batch gives."""
+    import services.trainer.training as training
+
+    widths = []
+    real = training.token_logprobs
+
+    def spy(model, input_ids, *args, **kwargs):
+        widths.append(int(input_ids.shape[1]))
+        return real(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(training, "token_logprobs", spy)
+    batch = make_batch(batch_size=4, seq_len=12)  # rows 1 and 3 end early (lengths 12, 11, 12, 9)
+    trimmed, padded = make_engine(), make_engine()
+    a = trimmed.train_step(batch, GRPO, micro_batch_size=2)
+    assert widths == [12, 11], "rows 0 and 2 together, then rows 1 and 3 cut to 11 columns"
+    monkeypatch.setattr(training, "token_logprobs", real)
+    monkeypatch.setattr(training.Batch, "trimmed", lambda self: self)
+    b = padded.train_step(batch, GRPO, micro_batch_size=2)
+    assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], abs=1e-6)
+    pa, pb = parameters(trimmed), parameters(padded)
+    assert all(torch.allclose(pa[k], pb[k], atol=2e-5) for k in pa)  # Adam: see the test above
