@@ -46,7 +46,9 @@ def memory_stage(
     """`buffers`: staged into the set they hold, if any, and given back on
     release; after a failed pull the set is dropped (fresh tensors next time).
     `identity`: the version's, as the synchronizer recorded it; what an engine
-    that pulls by itself is verified against (the manifest's otherwise)."""
+    that pulls by itself is verified against (the manifest's otherwise). Not
+    given (an operator's UpdateWeights), it is asked of the synchronizer: every
+    update of a MEMORY version is verified against the same identity."""
 
     async def stage() -> StagedWeights:
         # Cancelling this (an abandoned update) cancels the pull.
@@ -54,10 +56,20 @@ def memory_stage(
                                    max_message_bytes=max_message_bytes,
                                    staging=buffers.take(specs) if buffers is not None else None)
         if staged.identity is None:
-            staged.identity = identity
+            staged.identity = identity or await recorded_identity(address, version, token=token)
         if buffers is not None and staged.tensors is not None:
             tensors = staged.tensors
             staged.release = lambda: buffers.give_back(tensors)
         return staged
 
     return stage
+
+
+async def recorded_identity(address: str, version: int, *, token: str | None) -> VersionIdentity | None:
+    """The identity the synchronizer recorded for `version` (None: it has none for it)."""
+    from flywheel.synchronizer.client import SynchronizerClient
+
+    async with SynchronizerClient(address, token=token) as client:
+        status = await client.status()
+    known = next((v.identity for v in status.versions if v.version == version and v.identity), None)
+    return VersionIdentity(known) if known else None
