@@ -97,7 +97,9 @@ class Sequence:
         self.logprobs.append(float(reported[token]))
         if self.spec.top_logprobs:
             values, ids = torch.topk(reported, self.spec.top_logprobs)
-            self.top.append(list(zip(ids.tolist(), values.tolist())))
+            # Processed log-probs are -inf outside the kept set: those tokens could not be drawn, and
+            # -inf has no JSON form; alternatives are the tokens the distribution can give.
+            self.top.append([(i, v) for i, v in zip(ids.tolist(), values.tolist()) if v != -float("inf")])
         self._check_stop(token, codec)
 
     def _check_stop(self, token: int, codec: Any) -> None:

@@ -277,7 +277,9 @@ class VllmEngine(Engine):
         for token, entry in zip(ids, completion.logprobs or ()):
             logprobs.append(float(entry[token].logprob))
             if top_k:
-                ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank and lp.rank <= top_k))
+                # Processed log-probs are -inf outside the kept set (tokens that could not be drawn): left out.
+                ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items()
+                                 if lp.rank and lp.rank <= top_k and lp.logprob != -float("inf")))
                 top.append([(tid, float(lp)) for _, tid, lp in ranked])
         sample.ids += ids
         sample.logprobs += logprobs

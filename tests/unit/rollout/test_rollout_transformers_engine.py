@@ -196,3 +196,12 @@ def test_an_engine_with_one_log_prob_mode_refuses_the_other_where_they_differ() 
     # Where the two are the same distribution (greedy; temperature 1 with nothing cut), either is served.
     assert engine.resolve_logprobs_mode(SamplingSpec(temperature=0, logprobs_mode="raw")).logprobs_mode == "raw"
     assert engine.resolve_logprobs_mode(SamplingSpec(temperature=1.0, logprobs_mode="raw")).logprobs_mode == "raw"
+
+
+async def test_alternatives_are_only_tokens_the_sampling_distribution_can_draw(engine) -> None:
+    """Top-k 2 keeps two tokens: asking for 5 alternatives gives at most those two, none at -inf."""
+    spec = engine.resolve_logprobs_mode(SamplingSpec(temperature=0.8, top_k=2, max_tokens=4, seed=1, top_logprobs=5,
+                                                     ignore_eos=True))
+    (sample,), _ = await run(engine, spec)
+    assert all(1 <= len(top) <= 2 for top in sample.top_logprobs)
+    assert all(lp > -float("inf") for top in sample.top_logprobs for _, lp in top)
