@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from flywheel.common.types import LogprobsMode, PauseMode
 from flywheel.runtime.config import StrictModel
@@ -36,11 +37,43 @@ class EngineConfig(StrictModel):
         "the model's own distribution (vLLM's default). A request may ask for the other kind "
         "(SamplingParams.logprobs_mode): the transformers engine serves it, vLLM refuses it where the two differ"
     )
+    cpu_cores: str = Field(
+        "", description="on a CPU, the cores the engine computes on: all, or a list of cores and ranges "
+        "(0-3,6); vLLM binds one OpenMP thread to each (VLLM_CPU_OMP_THREADS_BIND, none reserved), the "
+        "transformers engine runs that many torch threads. Empty: the engine's default (vLLM binds every core "
+        "of its NUMA node but one, which it leaves to its front end; transformers, one thread per core)"
+    )
     tool_parser: Literal["hermes"] = Field(
         "hermes", description="how the served model writes tool calls (parsed into OpenAI tool_calls, and the "
         "format forced tool calls are constrained to); hermes: <tool_call>{json}</tool_call>, as Qwen and SmolLM2"
     )
 
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _cores_listed(cls, value: str) -> str:
+        if value not in ("", "all"):
+            cpu_list(value)
+        return value
+
+    def cores(self) -> list[int] | None:
+        """The cores `cpu_cores` names (None: the engine's default)."""
+        if not self.cpu_cores:
+            return None
+        if self.cpu_cores == "all":
+            return sorted(os.sched_getaffinity(0))
+        return cpu_list(self.cpu_cores)
+
+
+def cpu_list(text: str) -> list[int]:
+    """"0-3,6" -> [0, 1, 2, 3, 6] (the kernel's cpu-list format); ValueError naming what is wrong."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or (last and int(last) < int(first)):
+            raise ValueError(f"cpu_cores: {text!r} is not all, nor a list of cores and ranges such as 0-3,6")
+        cores.update(range(int(first), int(last or first) + 1))
+    return sorted(cores)
 
 class LimitsConfig(StrictModel):
     max_pending_requests: int = Field(

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flywheel.errors import FailedPrecondition
+from services.trainer.batch import MicroBatch
 from services.trainer.tied import tied_duplicates, tied_targets
 
 log = logging.getLogger(__name__)
@@ -112,21 +113,17 @@ def full(t: Tensor) -> Tensor:
 # ---------------------------------------------------------------- rows of the batch
 
 
-def row_slices(size: int, micro: int, rank: int, world: int) -> list[tuple[int, int] | None]:
-    """The micro-batches (start, stop) of this rank's contiguous share of `size` rows.
+def rank_share(plans: list[MicroBatch], rank: int, world: int) -> list[MicroBatch | None]:
+    """This rank's contiguous share of a planned batch's micro-batches.
 
     Every rank gets the same number of entries (FSDP's collectives run once per
     forward and backward on every rank); None stands for a pass with no rows of
-    this rank's own, run on a stand-in row and contributing zero."""
-    per = math.ceil(size / world)
-    lo, hi = min(rank * per, size), min((rank + 1) * per, size)
-    count = max(1, math.ceil(per / micro))
-    out: list[tuple[int, int] | None] = []
-    for i in range(count):
-        start = lo + i * micro
-        stop = min(start + micro, hi)
-        out.append((start, stop) if start < stop else None)
-    return out
+    this rank's own, run on a stand-in row and contributing zero. Shares are
+    contiguous and in rank order, so gathering the ranks' outputs in order gives
+    the planned batch's row order."""
+    per = max(1, math.ceil(len(plans) / world))
+    mine: list[MicroBatch | None] = list(plans[rank * per:(rank + 1) * per])
+    return mine + [None] * (per - len(mine))
 
 
 # ---------------------------------------------------------------- weights out

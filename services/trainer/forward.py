@@ -137,6 +137,32 @@ class _TargetLogprob(torch.autograd.Function):
         return grad_logits, None, None
 
 
+class _Head(torch.autograd.Function):
+    """The output head, logits = hidden @ weight.T + bias: float32 forward, backward in `dtype`.
+
+    The logits must be float32 even under autocast: a bfloat16 head over a 49k vocabulary moves
+    the log-probs by up to ~10 % and breaks the sampling contract (ratio 1 on the sampling
+    weights) on 7 % of SmolLM2's tokens. Their gradient needs no more than any other layer's:
+    under autocast every other matmul's backward runs in bfloat16, and so do these two, which are
+    the costliest of the step on a CPU (float32 there is ~5x slower than bfloat16 with AVX-512
+    BF16: the head's three float32 matmuls took a quarter of a quickstart step)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(hidden, weight)
+        ctx.dtype, ctx.bias_dtype = dtype, None if bias is None else bias.dtype
+        return nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:  # type: ignore[override]
+        hidden, weight = ctx.saved_tensors
+        low = grad.to(ctx.dtype)
+        grad_hidden = (low @ weight.to(ctx.dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (low.t() @ hidden.to(ctx.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None
+
+
 def _processed(logits: Tensor, targets: Tensor | None, sampling: Sampling | None, rows: slice,
                floor: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """A chunk's float32 logits as the sampler made them (temperature, then the kept set), and its floors."""
@@ -169,6 +195,7 @@ def token_logprobs(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, select: Tensor | None = None,
     entropy: bool = False, entropy_grad: bool = False, autocast: torch.dtype | None = None,
     sampling: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
+    shared_prefix: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """log p(token t | tokens < t) as float32 [B, T] (position 0 and padding are 0).
 
@@ -182,6 +209,13 @@ def token_logprobs(
     gradient only when `entropy_grad` (an entropy bonus). With `autocast`, the
     model's matmuls run in that dtype (fp32 parameters and gradients stay as
     they are); the log-softmax is float32 either way.
+
+    `shared_prefix`: the first that many tokens are the same in every row (and
+    every row is longer): they go through the model once, as one row, and the
+    rows continue from its keys and values (`_hidden`). Exact: a causal model's
+    states there do not depend on what follows, and autograd sums the rows'
+    gradients through them. Ignored on the full-logits path and on a sharded
+    model (FSDP's hooks expect one forward per layer and backward).
     """
     wanted = attention_mask[:, 1:] > 0
     if select is not None:
@@ -194,14 +228,11 @@ def token_logprobs(
             decoder, head = parts
 
             def selected_logits() -> Tensor:
-                hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-                # Position t is predicted by the hidden state at t - 1. The head runs in float32 even
-                # under autocast: a bfloat16 head over a 49k vocabulary moves the log-probs by up to
-                # ~10 % and breaks the sampling contract (ratio 1 on the sampling weights) on 7 % of
-                # SmolLM2's tokens; in float32 it costs one matmul of the selected positions.
+                shared = 0 if _sharded(model) else shared_prefix
+                hidden = _hidden(decoder, input_ids, attention_mask, shared)
+                # Position t is predicted by the hidden state at t - 1.
                 with torch.autocast(input_ids.device.type, enabled=False):
-                    return nn.functional.linear(hidden[:, :-1][wanted].float(), head.weight.float(),
-                                                None if head.bias is None else head.bias.float())
+                    return _Head.apply(hidden[:, :-1][wanted], head.weight, head.bias, autocast or torch.float32)
 
             logits = _as_forward(model, selected_logits) if _sharded(model) else selected_logits()
     targets = input_ids[:, 1:][wanted]
@@ -221,6 +252,20 @@ def token_logprobs(
                 values = torch.cat([entropy_from_logits(c) for c in chunks]) if chunks else picked.detach()
         ent = nn.functional.pad(_scatter(values, wanted), (1, 0))
     return logprobs, ent
+
+
+def _hidden(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, shared_prefix: int) -> Tensor:
+    """The decoder's last hidden states [B, T, H]; the first `shared_prefix` positions computed once."""
+    rows = input_ids.shape[0]
+    if shared_prefix <= 0 or rows < 2:
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    prefix = decoder(input_ids=input_ids[:1, :shared_prefix], attention_mask=attention_mask[:1, :shared_prefix],
+                     use_cache=True)
+    cache = prefix.past_key_values
+    cache.batch_repeat_interleave(rows)  # out of place: the rows' gradients flow back to the one prefix
+    rest = decoder(input_ids=input_ids[:, shared_prefix:], attention_mask=attention_mask, past_key_values=cache,
+                   use_cache=True).last_hidden_state
+    return torch.cat([prefix.last_hidden_state.expand(rows, -1, -1), rest], dim=1)
 
 
 def _differentiable_processed(logits: Tensor, sampling: Sampling | None) -> Tensor:

@@ -129,6 +129,9 @@ class Policy:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             # warn_only: some CUDA kernels have no deterministic variant; CPU ones all do.
             torch.use_deterministic_algorithms(True, warn_only=True)
+            # Deterministic mode also fills every new tensor with NaN, to expose reads of memory no kernel
+            # wrote: a debugging aid, not part of determinism, and a tenth of a CPU training step.
+            torch.utils.deterministic.fill_uninitialized_memory = False
         model = AutoModelForCausalLM.from_pretrained(
             str(mcfg.path), dtype=DTYPES[mcfg.dtype], attn_implementation=mcfg.attn_implementation
         )

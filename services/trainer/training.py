@@ -44,8 +44,8 @@ from services.trainer.distributed import (
     Ranks,
     gather_state,
     rank_device,
+    rank_share,
     reshard,
-    row_slices,
 )
 from services.trainer.distributed import full as full_tensor
 from services.trainer.files import request_roots
@@ -75,6 +75,18 @@ class LossRequest:
 def _sampling(batch: Batch) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The batch's sampling contract, as token_logprobs takes it."""
     return batch.sampling_temperature, batch.sampling_top_k, batch.sampling_top_p
+
+
+def _per_rank(micro: int, rows: int, world: int) -> int:
+    """Micro-batch rows such that every rank has a share of the batch."""
+    return max(1, min(micro, math.ceil(rows / world)))
+
+
+def _unplanned(planned: Tensor, order: Tensor) -> Tensor:
+    """Rows of a planned batch (Batch.planned) back in the request's order."""
+    out = torch.empty_like(planned)
+    out[order] = planned
+    return out
 
 
 def resolve_loss(request: LossRequest, defaults: LossConfig) -> LossSettings:
@@ -264,25 +276,27 @@ class TrainingEngine:
         rank, world = self._rank_world()
         total: LossOutput | None = None
         policy.model.train()
-        # Longest rows first and each micro-batch cut to its own longest row: a batch is padded to its
-        # longest answer, and late in a run most answers are a fraction of it (the quickstart's: ~11 of
-        # 64 tokens). The loss's denominators are the whole batch's, so the order changes nothing else.
-        batch, order = batch.by_length()
-        for rows in row_slices(batch.size, micro, rank, world):
+        # Rows of one prompt together, their prompt computed once (Batch.planned), and each micro-batch
+        # cut to its own longest row: a batch is padded to its longest answer, and late in a run most
+        # answers are a fraction of it. The loss's denominators are the whole batch's, so the order
+        # changes nothing else.
+        batch, order, plans = batch.planned(_per_rank(micro, batch.size, world))
+        for plan in rank_share(plans, rank, world):
             # A rank without rows of its own still runs FSDP's collectives, on a stand-in row, times zero.
-            start, stop = rows or (0, 1)
+            start, stop, shared = (plan.start, plan.stop, plan.shared_prefix) if plan else (0, 1, 0)
             mb = batch.rows(start, stop).trimmed().to(policy.device)
             ref = mb.ref_logprobs
             if loss.kl_coef > 0 and ref is None:
                 with torch.no_grad(), policy.reference_context() as reference:
                     ref, _ = token_logprobs(
                         reference, mb.input_ids, mb.attention_mask, select=mb.loss_mask, autocast=self._autocast,
-                        sampling=_sampling(mb),
+                        sampling=_sampling(mb), shared_prefix=shared,
                     )
             # Only the loss mask's positions: the loss reads nothing else, and the output head is the costly part.
             logprobs, entropy = token_logprobs(
                 policy.model, mb.input_ids, mb.attention_mask, select=mb.loss_mask, entropy=True,
                 entropy_grad=loss.entropy_coef > 0, autocast=self._autocast, sampling=_sampling(mb),
+                shared_prefix=shared,
             )
             out = policy_loss(
                 loss, logprobs=logprobs, mask=mb.loss_mask, advantages=mb.advantages,
@@ -294,11 +308,11 @@ class TrainingEngine:
             # others waiting in a collective that never comes.
             agreed = finite if world == 1 else self.ranks.all_agree(finite)  # type: ignore[union-attr]
             if not finite:
-                rows_text = f"samples {sorted(order[start:stop].tolist())}" if rows is not None else "a stand-in row"
+                rows_text = f"samples {sorted(order[start:stop].tolist())}" if plan is not None else "a stand-in row"
                 raise FailedPrecondition(f"loss is {float(out.loss.detach())} on {rows_text}")
             if not agreed:
                 raise FailedPrecondition("loss is not finite on another rank's samples")
-            if rows is None:
+            if plan is None:
                 (out.loss * 0).backward()
                 continue
             # FSDP averages gradients over the ranks; the loss already divides by the whole batch.
@@ -426,28 +440,29 @@ class TrainingEngine:
         rank, world = self._rank_world()
         pieces = []
         policy.model.eval()
+        batch, order, plans = batch.planned(_per_rank(micro, batch.size, world))
         try:
             with torch.no_grad():
-                for rows in row_slices(batch.size, micro, rank, world):
-                    start, stop = rows or (0, 1)
+                for plan in rank_share(plans, rank, world):
+                    start, stop, shared = (plan.start, plan.stop, plan.shared_prefix) if plan else (0, 1, 0)
                     mb = batch.rows(start, stop).to(policy.device)
                     if reference:
                         with policy.reference_context() as model:
                             logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, autocast=self._autocast,
-                                                         sampling=_sampling(mb))
+                                                         sampling=_sampling(mb), shared_prefix=shared)
                     else:
                         logprobs, _ = token_logprobs(policy.model, mb.input_ids, mb.attention_mask, autocast=self._autocast,
-                                                     sampling=_sampling(mb))
-                    if rows is not None:
+                                                     sampling=_sampling(mb), shared_prefix=shared)
+                    if plan is not None:
                         pieces.append(logprobs.cpu())
         finally:
             policy.model.train()
             if policy.sharded:
                 reshard(policy.model)  # a forward without backward leaves the root's parameters gathered
         if world == 1:
-            return torch.cat(pieces)
+            return _unplanned(torch.cat(pieces), order)
         parts = self.ranks.gather(torch.cat(pieces) if pieces else None)  # type: ignore[union-attr]
-        return None if parts is None else torch.cat([p for p in parts if p is not None])
+        return None if parts is None else _unplanned(torch.cat([p for p in parts if p is not None]), order)
 
     # ------------------------------------------------------------ weights
 

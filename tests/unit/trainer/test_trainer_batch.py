@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flywheel.errors import FailedPrecondition, InvalidArgument
-from services.trainer.batch import BatchLimits, input_batch, training_batch
+from services.trainer.batch import MIN_SHARED_PREFIX, Batch, BatchLimits, MicroBatch, input_batch, training_batch
 
 LIMITS = BatchLimits(max_batch_tokens=64, max_sequence_length=16, vocab_size=100)
 
@@ -107,3 +107,30 @@ def test_behaviour_logprobs_are_optional_when_not_needed() -> None:
     batch = training_batch(good(behaviour_logprobs=None, old_logprobs=torch.zeros(2, 4)), LIMITS,
                            weight_version=4, needs_behaviour=False)
     assert batch.behaviour_logprobs is None and batch.old_logprobs is not None
+
+
+def test_rows_of_one_prompt_are_planned_together_and_the_rest_by_length() -> None:
+    p = MIN_SHARED_PREFIX  # prompt lengths: p for questions A and B, p + 2 for the row alone
+    rows = [  # (prompt, total length)
+        ("A", p, p + 3), ("B", p, p + 2), ("A", p, p + 6), ("alone", p + 2, p + 4), ("B", p, p + 5),
+        ("A", p, p + 4), ("short", 2, 6), ("A", p, p + 5),
+    ]
+    width = p + 6
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width, dtype=torch.int64)
+    loss = torch.zeros(len(rows), width)
+    for i, (name, prompt, length) in enumerate(rows):
+        ids[i, :prompt] = 10 + ord(name[0])  # the same prompt tokens for the same question
+        ids[i, prompt:length] = 100 + i
+        mask[i, :length] = 1
+        loss[i, prompt:length] = 1.0
+    batch = Batch(input_ids=ids, attention_mask=mask, loss_mask=loss)
+    planned, order, plans = batch.planned(micro=3)
+    # A's four rows longest first, cut at 3; B's two; then the rest (a one-row group, a prompt too
+    # short to share) longest first.
+    assert order.tolist() == [2, 7, 5, 0, 4, 1, 3, 6]
+    assert plans == [MicroBatch(0, 3, p), MicroBatch(3, 4, 0), MicroBatch(4, 6, p), MicroBatch(6, 8, 0)]
+    assert torch.equal(planned.input_ids, ids[order]) and torch.equal(planned.loss_mask, loss[order])
+    # No loss mask (ComputeLogprobs): nothing is known to be a prompt.
+    _, _, plans = Batch(input_ids=ids, attention_mask=mask).planned(micro=8)
+    assert [plan.shared_prefix for plan in plans] == [0]

@@ -218,3 +218,32 @@ def test_micro_batches_are_ordered_by_length_and_cut_to_their_longest_row(make_e
     assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], abs=1e-6)
     pa, pb = parameters(trimmed), parameters(padded)
     assert all(torch.allclose(pa[k], pb[k], atol=2e-5) for k in pa)  # Adam: see the test above
+
+
+def test_samples_of_one_prompt_share_its_forward_and_the_step_is_unchanged(make_engine, monkeypatch) -> None:
+    """GRPO groups (the same prompt sampled n times) train together, the prompt computed once per
+    micro-batch (Batch.planned, forward.token_logprobs): the same loss and update as row by row."""
+    import services.trainer.batch as batch_module
+    import services.trainer.training as training
+
+    batch = make_batch(batch_size=6, seq_len=16, prompt_len=9)  # row r ends r tokens early
+    for first in (0, 3):  # two questions, three samples each
+        batch["input_ids"][first:first + 3, :9] = batch["input_ids"][first, :9]
+    seen = []
+    real = training.token_logprobs
+
+    def spy(model, input_ids, *args, **kwargs):
+        seen.append((int(input_ids.shape[0]), kwargs.get("shared_prefix", 0)))
+        return real(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(training, "token_logprobs", spy)
+    shared, apart = make_engine(), make_engine()
+    a = shared.train_step(batch, GRPO, micro_batch_size=4)
+    assert seen == [(3, 9), (3, 9)], "one micro-batch per question, its 9 prompt tokens shared"
+    monkeypatch.setattr(batch_module, "MIN_SHARED_PREFIX", 10**6)
+    seen.clear()
+    b = apart.train_step(batch, GRPO, micro_batch_size=4)
+    assert seen == [(4, 0), (2, 0)]
+    assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], abs=1e-6)
+    pa, pb = parameters(shared), parameters(apart)
+    assert all(torch.allclose(pa[k], pb[k], atol=2e-5) for k in pa)  # Adam: see the test above

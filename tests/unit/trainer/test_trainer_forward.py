@@ -94,3 +94,58 @@ def test_a_soft_capped_head_takes_the_full_logits_path(model) -> None:
         plain_lp, _ = _plain(model, ids, mask)
     selected = loss_mask > 0
     assert torch.allclose(lp[selected], plain_lp[selected], atol=1e-5)
+
+
+def _group(rows: int = 4, prompt: int = 5, width: int = 11):
+    """`rows` samples of one prompt: the same first `prompt` tokens, different ragged continuations."""
+    torch.manual_seed(3)
+    ids = torch.randint(0, 300, (rows, width))
+    ids[:, :prompt] = ids[0, :prompt]
+    mask = torch.ones(rows, width, dtype=torch.long)
+    for row in range(1, rows):
+        mask[row, width - row:] = 0
+    loss_mask = mask.clone().float()
+    loss_mask[:, :prompt] = 0
+    return ids, mask, loss_mask
+
+
+@pytest.mark.parametrize("sampling", [(None, None, None), (torch.full((4,), 0.7), None, torch.full((4,), 0.9))])
+def test_a_shared_prompt_computed_once_gives_the_same_values_and_gradients(model, sampling) -> None:
+    ids, mask, loss_mask = _group()
+    weights = torch.randn(4, 11)
+    calls = []
+    hook = model.get_decoder().register_forward_pre_hook(lambda _, args, kwargs: calls.append(
+        tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+
+    def run(shared: int):
+        model.zero_grad()
+        calls.clear()
+        lp, ent = token_logprobs(model, ids, mask, select=loss_mask, entropy=True, sampling=sampling,
+                                 shared_prefix=shared)
+        (lp * weights).sum().backward()
+        return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}, list(calls)
+
+    lp, ent, grads, seen = run(5)
+    plain_lp, plain_ent, plain_grads, plain_seen = run(0)
+    hook.remove()
+    assert seen == [(1, 5), (4, 6)] and plain_seen == [(4, 11)], "the prompt went through the model once"
+    assert torch.allclose(lp, plain_lp, atol=1e-5) and torch.allclose(ent, plain_ent, atol=1e-5)
+    for name in grads:
+        assert torch.allclose(grads[name], plain_grads[name], atol=1e-5), name
+
+
+def test_the_head_gradient_runs_in_the_autocast_dtype_and_its_logits_in_float32() -> None:
+    torch.manual_seed(4)
+    hidden = torch.randn(6, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    logits = forward._Head.apply(hidden, weight, None, torch.bfloat16)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, hidden.detach() @ weight.detach().T)  # not rounded to bfloat16
+    grad = torch.randn(6, 40)
+    logits.backward(grad)
+    low = grad.bfloat16()
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    assert torch.equal(hidden.grad, (low @ weight.detach().bfloat16()).float())
+    assert torch.equal(weight.grad, (low.T @ hidden.detach().bfloat16()).float())
+    # Close to the float32 gradient all the same (bfloat16's ~3 significant digits).
+    assert torch.allclose(hidden.grad, grad @ weight.detach(), rtol=0.05, atol=0.2)
