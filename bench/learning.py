@@ -12,9 +12,12 @@ model and ISA (bench/machine.py) beside them.
               GRPO loss, log-probs at the completion's positions, AdamW) vs
               the plain-torch floor: the same model and batch (shaped like a
               quickstart batch: train_batch_size samples, prompt + max_tokens
-              tokens) through a transformers forward with labels
-              (cross-entropy) + backward + AdamW step, with the same autocast
-              and threads. Steps alternate ours/floor after a warm-up; medians.
+              tokens, the samples of a group sharing their prompt) through a
+              transformers forward with labels (cross-entropy) + backward +
+              AdamW step, with the same autocast and threads. The floor runs
+              every row whole; ours computes a shared prompt once per group
+              (docs/architecture.md, "A training step on a CPU"), so it may
+              come out below 1. Steps alternate ours/floor after a warm-up; medians.
               -> trainer_step_vs_torch_floor (seconds over seconds; goal <= 1.1).
   validation  One rollout service (the quickstart's engine settings, base
               model). Ours: the controller's Validator with the quickstart's
@@ -58,7 +61,7 @@ from services.controller.launcher.prepare import prepare_data, prepare_model  # 
 from services.controller.launcher.spec import split_run_file  # noqa: E402
 
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
-PROMPT_TOKENS = 45  # a quickstart prompt with its chat template and system prompt
+PROMPT_TOKENS = 40  # a quickstart prompt with its chat template and system prompt (SmolLM2: 40)
 
 
 def quickstart() -> tuple[object, dict]:
@@ -90,6 +93,9 @@ def bench_trainer(model_dir: Path, run: dict, spec: object, steps: int) -> dict:
     seq_len = PROMPT_TOKENS + completion
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, min(49_000, _vocab_size(model_dir)), (batch_size, seq_len), generator=g)
+    group = int(run["worker"]["group_size"])
+    for first in range(0, batch_size, group):  # a group's samples answer the same prompt
+        ids[first:first + group, :PROMPT_TOKENS] = ids[first, :PROMPT_TOKENS]
     attention = torch.ones(batch_size, seq_len, dtype=torch.int64)
     loss_mask = torch.zeros(batch_size, seq_len)
     loss_mask[:, PROMPT_TOKENS:] = 1.0
