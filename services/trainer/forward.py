@@ -257,7 +257,9 @@ def token_logprobs(
 def _hidden(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, shared_prefix: int) -> Tensor:
     """The decoder's last hidden states [B, T, H]; the first `shared_prefix` positions computed once."""
     rows = input_ids.shape[0]
-    if shared_prefix <= 0 or rows < 2:
+    # Checkpointed layers keep no cache in training (transformers turns it off), so nothing to continue from.
+    checkpointed = decoder.training and getattr(decoder, "is_gradient_checkpointing", False)
+    if shared_prefix <= 0 or rows < 2 or checkpointed:
         return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     prefix = decoder(input_ids=input_ids[:1, :shared_prefix], attention_mask=attention_mask[:1, :shared_prefix],
                      use_cache=True)

@@ -220,7 +220,8 @@ def test_micro_batches_are_ordered_by_length_and_cut_to_their_longest_row(make_e
     assert all(torch.allclose(pa[k], pb[k], atol=2e-5) for k in pa)  # Adam: see the test above
 
 
-def test_samples_of_one_prompt_share_its_forward_and_the_step_is_unchanged(make_engine, monkeypatch) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_samples_of_one_prompt_share_its_forward_and_the_step_is_unchanged(make_engine, monkeypatch, lora) -> None:
     """GRPO groups (the same prompt sampled n times) train together, the prompt computed once per
     micro-batch (Batch.planned, forward.token_logprobs): the same loss and update as row by row."""
     import services.trainer.batch as batch_module
@@ -237,7 +238,8 @@ def test_samples_of_one_prompt_share_its_forward_and_the_step_is_unchanged(make_
         return real(model, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(training, "token_logprobs", spy)
-    shared, apart = make_engine(), make_engine()
+    model = {"lora": {"enabled": True, "rank": 4, "alpha": 8.0}} if lora else {}
+    shared, apart = make_engine(model=model), make_engine(model=model)
     a = shared.train_step(batch, GRPO, micro_batch_size=4)
     assert seen == [(3, 9), (3, 9)], "one micro-batch per question, its 9 prompt tokens shared"
     monkeypatch.setattr(batch_module, "MIN_SHARED_PREFIX", 10**6)

@@ -109,8 +109,10 @@ def _group(rows: int = 4, prompt: int = 5, width: int = 11):
     return ids, mask, loss_mask
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("sampling", [(None, None, None), (torch.full((4,), 0.7), None, torch.full((4,), 0.9))])
-def test_a_shared_prompt_computed_once_gives_the_same_values_and_gradients(model, sampling) -> None:
+def test_a_shared_prompt_computed_once_gives_the_same_values_and_gradients(model, sampling, attention) -> None:
+    model.set_attn_implementation(attention)
     ids, mask, loss_mask = _group()
     weights = torch.randn(4, 11)
     calls = []
@@ -149,3 +151,14 @@ def test_the_head_gradient_runs_in_the_autocast_dtype_and_its_logits_in_float32(
     assert torch.equal(weight.grad, (low.T @ hidden.detach().bfloat16()).float())
     # Close to the float32 gradient all the same (bfloat16's ~3 significant digits).
     assert torch.allclose(hidden.grad, grad @ weight.detach(), rtol=0.05, atol=0.2)
+
+
+def test_with_gradient_checkpointing_the_prompt_is_not_shared(model) -> None:
+    """Checkpointed layers keep no cache to continue from: the rows are computed whole, correctly."""
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids, mask, loss_mask = _group()
+    lp, _ = token_logprobs(model, ids, mask, select=loss_mask, shared_prefix=5)
+    model.gradient_checkpointing_disable()
+    plain, _ = token_logprobs(model, ids, mask, select=loss_mask)
+    assert torch.allclose(lp, plain, atol=1e-5)
