@@ -48,7 +48,6 @@ class EngineConfig(StrictModel):
         "format forced tool calls are constrained to); hermes: <tool_call>{json}</tool_call>, as Qwen and SmolLM2"
     )
 
-
     @field_validator("cpu_cores")
     @classmethod
     def _cores_listed(cls, value: str) -> str:
@@ -74,6 +73,7 @@ def cpu_list(text: str) -> list[int]:
             raise ValueError(f"cpu_cores: {text!r} is not all, nor a list of cores and ranges such as 0-3,6")
         cores.update(range(int(first), int(last or first) + 1))
     return sorted(cores)
+
 
 class LimitsConfig(StrictModel):
     max_pending_requests: int = Field(
