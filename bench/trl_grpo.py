@@ -6,8 +6,9 @@ Run manual (~25 minutes on 2 cores):
     python bench/trl_grpo.py --smoke          # 2 steps each on the tiny model (CI)
 
 Ours: `python -m services.controller run examples/quickstart.yaml --max-steps N` in a fresh
-run directory (services started, vLLM on CPU, batch-async, greedy validation of the 200
-held-out questions before training and at the end). Baseline: TRL 1.16's GRPOTrainer on the
+run directory (services started, vLLM on CPU, the quickstart's mode and learning-rate
+schedule decaying over the N steps as TRL's does, greedy validation of the 200 held-out
+questions before training and at the end). Baseline: TRL 1.16's GRPOTrainer on the
 same job, as a single-machine TRL user without a GPU runs it (generation through transformers'
 `generate`, `use_cpu`): the same model file, the same training questions (the run directory's
 data), system prompt and chat template, 8 questions x 8 samples per step (per-device batch 16

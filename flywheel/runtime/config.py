@@ -264,13 +264,29 @@ def load_config(
 
 def run_file_section(path: Path, section: str) -> dict[str, Any]:
     """`launch.<section>` of a run file: what the local launcher would give that service."""
-    launch = read_config_file(path).get("launch") or {}
+    data = read_config_file(path)
+    launch = data.get("launch") or {}
     if not isinstance(launch, Mapping):
         raise ConfigError(f"run file {path}: launch: must be a mapping")
     value = launch.get(section) or {}
     if not isinstance(value, Mapping):
         raise ConfigError(f"run file {path}: launch.{section}: must be a mapping")
-    return dict(value)
+    run = data.get("run") or {}
+    return with_run_defaults(section, dict(value), run if isinstance(run, Mapping) else {})
+
+
+def with_run_defaults(section: str, values: dict[str, Any], run: Mapping[str, Any]) -> dict[str, Any]:
+    """A service's `launch.<section>` with what the run file's `run:` implies for it, so the run's
+    length is named once. The trainer: a decaying learning rate (optimizer.schedule linear or
+    cosine) with no total_steps decays over run.max_steps, as TRL's does over its max_steps, and a
+    longer run does not train its last steps at a rate already at the floor. The local launcher
+    and a deployed service's --run-file both take the section through here."""
+    optimizer = values.get("optimizer")
+    max_steps = run.get("max_steps")
+    if (section == "trainer" and isinstance(optimizer, Mapping) and max_steps
+            and optimizer.get("schedule", "constant") != "constant" and not optimizer.get("total_steps")):
+        return {**values, "optimizer": {**optimizer, "total_steps": int(max_steps)}}
+    return values
 
 
 def redacted(config: BaseModel) -> dict[str, Any]:

@@ -71,7 +71,8 @@ class OptimizerConfig(StrictModel):
         "constant", description="learning-rate schedule after warm-up"
     )
     total_steps: int = Field(
-        0, ge=0, description="steps over which linear/cosine decay to min_lr_ratio*lr; required by those schedules"
+        0, ge=0, description="steps over which linear/cosine decay to min_lr_ratio*lr; required by those schedules "
+        "(from a run file's launch.trainer, unset means run.max_steps)"
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final learning rate of a decaying schedule, as a fraction of lr")
     max_grad_norm: float = Field(1.0, ge=0, description="clip the global L2 gradient norm to this; 0 disables clipping")

@@ -50,7 +50,7 @@ from services.controller.launcher.spec import LaunchSpec, resume_section, split_
 from services.controller.launcher.supervisor import Supervisor
 from services.controller.launcher.tls import LaunchTls
 from flywheel.runtime.tls import process_tls
-from flywheel.runtime.config import ConfigError, submodel, deep_merge, read_config_file
+from flywheel.runtime.config import ConfigError, submodel, deep_merge, read_config_file, with_run_defaults
 from flywheel.runtime.logging import route_root_logging
 from services.controller.run_config import RunConfig, ServicesConfig, parse_run_config
 
@@ -352,8 +352,9 @@ class LocalRun:
         # the paths they are sent only from there.
         rollout["updates"] = {"checkpoint_root": str(self.run_dir)}
         tls = self._tls_section()
-        return {"trainer": deep_merge(deep_merge(trainer, tls), spec.trainer),
-                "rollout": deep_merge(deep_merge(rollout, tls), spec.rollout)}
+        trainer = with_run_defaults("trainer", deep_merge(deep_merge(trainer, tls), spec.trainer),
+                                    self.data.get("run") or {})
+        return {"trainer": trainer, "rollout": deep_merge(deep_merge(rollout, tls), spec.rollout)}
 
     def _tls_section(self) -> dict[str, Any]:
         """The services' `server.tls` under launch.tls (one CA for the whole launch), else {}."""

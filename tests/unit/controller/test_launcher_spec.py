@@ -192,3 +192,18 @@ def test_a_named_service_never_serving_times_out_naming_it(tmp_path, monkeypatch
     run.say = lambda text: None
     with pytest.raises(TimeoutError, match=r"trainer at trainer:2: UNAVAILABLE"):
         run.start_services()
+
+
+def test_a_decaying_learning_rate_decays_over_the_runs_steps_unless_told_otherwise(tmp_path):
+    from services.controller.launcher.local_run import LocalRun
+    from services.trainer.config import TrainerConfig
+
+    def optimizer(trainer_section):
+        spec, data = split_run_file({"run": {"max_steps": 30}, "launch": {"trainer": trainer_section}}, "test")
+        run = LocalRun(spec=spec, data=data, run_dir=tmp_path)
+        run.model_dir = tmp_path / "model"
+        return TrainerConfig.model_validate(run.service_configs("127.0.0.1:4242")["trainer"]).optimizer
+
+    assert optimizer({"optimizer": {"schedule": "linear"}}).total_steps == 30
+    assert optimizer({"optimizer": {"schedule": "cosine", "total_steps": 50}}).total_steps == 50  # named: kept
+    assert optimizer({"optimizer": {"lr": 1e-5}}).total_steps == 0  # constant: nothing to decay over

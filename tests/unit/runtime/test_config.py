@@ -122,3 +122,13 @@ def test_a_bad_run_file_section_names_the_file(tmp_path: Path, capsys: pytest.Ca
         load_config(TrainerConfig, ["--run-file", str(run)], prog="t", description="", env_prefix=PREFIX, env={},
                     section="trainer")
     assert exc.value.code == 2 and "launch.trainer: must be a mapping" in capsys.readouterr().err
+
+
+def test_a_deployed_trainer_decays_its_learning_rate_over_the_runs_steps(tmp_path: Path) -> None:
+    # A deployment's trainer reads the run file itself (--run-file): it must get the same total_steps
+    # as the local launcher gives it (tests/unit/controller/test_launcher_spec.py).
+    run = tmp_path / "run.yaml"
+    run.write_text("run: {max_steps: 30}\nlaunch:\n  trainer: {optimizer: {lr: 1.0e-5, schedule: linear}}\n")
+    config = load_config(TrainerConfig, ["--run-file", str(run)], prog="t", description="", env_prefix=PREFIX,
+                         env={}, section="trainer")
+    assert (config.optimizer.schedule, config.optimizer.total_steps) == ("linear", 30)
