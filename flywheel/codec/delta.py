@@ -123,21 +123,19 @@ def encode_tensor_delta(base: torch.Tensor, new: torch.Tensor, compressor: zstan
     base, new = contiguous_cpu(base), contiguous_cpu(new)
     old_bits, new_bits = _elements(base), _elements(new)
     xor = np.bitwise_xor(old_bits, new_bits)
-    changed = np.flatnonzero(xor)
-    if changed.size == 0:
+    changed_count = int(np.count_nonzero(xor))
+    if changed_count == 0:
         return bytes([DeltaKind.SAME])
-    nbytes = new_bits.nbytes
-    best = bytes([DeltaKind.RAW]) + new_bits.tobytes()
     candidates = [bytes([DeltaKind.XOR]) + compressor.compress(_shuffle(xor))]
-    if changed.size <= SPARSE_TRY_FRACTION * new_bits.size:
+    if changed_count <= SPARSE_TRY_FRACTION * new_bits.size:
+        changed = np.flatnonzero(xor)  # 8 bytes a position: only when few changed
         gaps = np.diff(changed, prepend=0).astype(_gap_dtype(new_bits.size))
         payload = _shuffle(gaps) + _shuffle(new_bits[changed])
         candidates.append(bytes([DeltaKind.SPARSE]) + struct.pack("<Q", changed.size) + compressor.compress(payload))
-    for record in candidates:
-        if len(record) < len(best):
-            best = record
-    assert len(best) <= nbytes + 1
-    return best
+    best = min(candidates, key=len)
+    if len(best) < 1 + new_bits.nbytes:
+        return best
+    return bytes([DeltaKind.RAW]) + new_bits.tobytes()  # nothing smaller than the tensor itself
 
 
 def _decompress(frame: memoryview, size: int, name: str) -> bytes:
