@@ -5,8 +5,8 @@ Run manual (~5 minutes on 2 cores):
     python bench/deltas.py --run-dir runs/quickstart   # the checkpoints of a run already made
     python bench/deltas.py --smoke              # the tiny quickstart, 3 steps (CI)
 
-The versions are the run's own: the quickstart is run with a checkpoint after every step (its
-learning rate, data, GRPO steps; the run's mode as the file sets it), and version k is
+The versions are the run's own: the first steps of the quickstart, with a checkpoint after every
+step (its learning rate and schedule over its 30 steps, data, GRPO steps, mode), and version k is
 `checkpoints/global_step_k/model`, version 0 the model the run started from. For each step
 k-1 -> k, and for a replica that lags from version 0 to the last, it reports the delta
 (flywheel/codec/delta.py) as a fraction of the full version:
@@ -50,6 +50,11 @@ QUICKSTART_TINY = ROOT / "examples" / "quickstart-tiny.yaml"
 def make_run(smoke: bool, steps: int, work: Path) -> Path:
     """Runs the (tiny) quickstart for `steps` steps with a checkpoint after each; returns its run directory."""
     config = yaml.safe_load((QUICKSTART_TINY if smoke else QUICKSTART).read_text())
+    # The first `steps` steps of the job as it runs: a decaying learning rate keeps the job's own length
+    # (decayed over `steps` instead, the later steps would be smaller than the job's).
+    optimizer = config["launch"].setdefault("trainer", {}).setdefault("optimizer", {})
+    if optimizer.get("schedule", "constant") != "constant":
+        optimizer.setdefault("total_steps", config["run"]["max_steps"])
     config["run"]["max_steps"] = steps
     config["checkpoint"] = {"interval": 1, "at_end": True}
     config["validation"] = {"before_training": False, "interval": 0}
