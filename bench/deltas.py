@@ -127,7 +127,7 @@ def measure(run_dir: Path) -> dict:
             kinds: dict[str, int] = {}
             for kind in delta.kinds.values():
                 kinds[kind.name] = kinds.get(kind.name, 0) + 1
-            steps.append({"from": m, "to": n, "delta_fraction": round(delta.fraction, 4),
+            steps.append({"from": m, "to": n, "delta_fraction": round(delta.fraction, 6),
                           "changed_elements": round(sum(changed) / sum(t.numel() for t in new.values()), 4),
                           "tensors_changed": sum(1 for c in changed if c), "kinds": kinds,
                           "encode_seconds": round(encode, 3), "apply_verify_seconds": round(apply, 3)})
@@ -141,7 +141,7 @@ def measure(run_dir: Path) -> dict:
         report[label] = {
             "full_bytes": full, "zstd_full_fraction": round(zstd_full / full, 4),
             "zstd_full_seconds": round(zstd_seconds, 3), "memcpy_seconds": round(memcpy, 4),
-            "steps": steps, "mean_step_fraction": round(mean_fraction, 4),
+            "steps": steps, "mean_step_fraction": round(mean_fraction, 6),
             "delta_vs_full": round(1 / mean_fraction, 2),
             "delta_vs_zstd_full": round(zstd_full / full / mean_fraction, 2),
         }
