@@ -3,6 +3,7 @@
 Run manual:
     python bench/codec.py                  # 512 MiB bf16 state dict, 5 reps
     python bench/codec.py --size-mib 128 --reps 3 --chunk-mib 2
+    python bench/codec.py --smoke    # seconds: checks it runs (CI)
 
 Measured in the same run, on the same bytes; every round runs each case once
 in turn (so load changes on the host hit all alike); medians of --reps rounds
@@ -360,7 +361,10 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=512, help="state dict size, MiB")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per figure (median)")
     parser.add_argument("--chunk-mib", type=float, default=1.0, help="codec chunk payload, MiB")
+    parser.add_argument("--smoke", action="store_true", help="the smallest state dict, one repetition: checks the bench runs (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.size_mib, args.reps = 16, 1
 
     load_before = os.getloadavg()[0]
     state = make_state(args.size_mib * MiB)

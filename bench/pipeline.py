@@ -3,6 +3,7 @@
 Run manual:
     python bench/pipeline.py                       # defaults below, ~15 s on 2 cores
     python bench/pipeline.py --steps 60 --mean-ms 30 --sigma 1.2
+    python bench/pipeline.py --smoke # seconds: checks it runs (CI)
 
 What runs: the real controller pipeline (loader, rollout manager, staleness
 gate, trajectory pool, GRPO processor, tensor batches, train worker,
@@ -64,7 +65,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--train-cv", type=float, default=0.1, help="coefficient of variation of TrainStep time")
     ap.add_argument("--sync-ms", type=float, default=1.0, help="weight export and per-replica load time, ms")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="6 steps of 8 samples: checks the bench runs (CI)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.batch, args.in_flight = 6, 8, 4
+    return args
 
 
 async def one_mode(args: argparse.Namespace, mode: str, threshold: int) -> dict:

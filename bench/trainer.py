@@ -5,6 +5,7 @@ Run manual:
     python bench/trainer.py --layers 2 --hidden 128 --seq-len 128 --steps 10
     python bench/trainer.py --threads 1              # steadier on a busy shared machine
     python bench/trainer.py --device cuda:0 --layers 8 --hidden 512 --batch-size 16
+    python bench/trainer.py --smoke  # seconds: checks it runs (CI)
 
 Measured in the same run, on the same model directory and the same batch:
   service     `python -m services.trainer` as a child process; this process
@@ -170,7 +171,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per side")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads on both sides (model.cpu_threads); 0: torch's default")
+    parser.add_argument("--smoke", action="store_true", help="2 layers, 2 timed steps: checks the bench runs (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.layers, args.hidden, args.seq_len, args.warmup, args.steps = 2, 128, 64, 1, 2
 
     from transformers.utils import logging as hf_logging
 

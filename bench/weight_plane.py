@@ -3,6 +3,7 @@
 Run manual:
     python bench/weight_plane.py                    # 1 GiB bf16 state dict, 3 reps, ~3.9 MiB chunks
     python bench/weight_plane.py --size-mib 256 --reps 5 --chunk-mib 1
+    python bench/weight_plane.py --smoke # seconds: checks it runs (CI)
 
 A real synchronizer process (`python -m services.synchronizer`, keep_versions
 1) and two worker processes, a "trainer" holding the state dict and a
@@ -270,7 +271,10 @@ def main() -> None:
     parser.add_argument(
         "--chunk-mib", type=float, default=MAX_CHUNK_BYTES / MiB, help="payload per chunk, MiB (default: push_weights')"
     )
+    parser.add_argument("--smoke", action="store_true", help="32 MiB, one round: checks the bench runs (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.size_mib, args.reps = 32, 1
     size = args.size_mib * MiB
     nbytes = sum(t.numel() * 2 for t in make_state(size).values())
     seconds, cpu = run(size, args.reps, int(args.chunk_mib * MiB))
