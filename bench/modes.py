@@ -3,6 +3,7 @@
 Run manual:
     python bench/modes.py                  # 20 steps per mode, ~4 minutes on 2 cores
     python bench/modes.py --steps 10 --no-pin
+    python bench/modes.py --smoke          # 3 steps per mode: checks it runs (CI)
 
 What runs, for each mode (sync first, then fully-async), from scratch: a real
 synchronizer, trainer and rollout (the tiny quickstart model; vLLM on CPU when
@@ -46,7 +47,11 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20, help="trainer steps per mode")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the trainer and the rollout to cores")
-    return ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="3 steps per mode: checks the bench runs (CI)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.steps = 3
+    return args
 
 
 def cores() -> list[int]:
