@@ -3,7 +3,7 @@
 Run manual:
     python bench/gpu.py                       # Qwen2-0.5B architecture, random weights, cuda:0
     python bench/gpu.py --steps 10 --batch-size 8 --seq-len 512
-    python bench/gpu.py --cpu-smoke           # no GPU: a tiny model on CPU (gloo), to check the script runs
+    python bench/gpu.py --smoke               # (or --cpu-smoke) no GPU: a tiny model on CPU (gloo), to check the script runs
 
 Without CUDA (and without --cpu-smoke) it says so and exits 0: there is
 nothing to measure.
@@ -315,7 +315,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per Generate (generation figure)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per prompt")
-    parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: a tiny model on CPU, to check the script runs")
+    parser.add_argument("--smoke", "--cpu-smoke", dest="cpu_smoke", action="store_true",
+                        help="no GPU: a tiny model on CPU, to check the script runs (CI)")
     args = parser.parse_args()
     if args.cpu_smoke:
         device, shape, autocast = "cpu", TINY, "none"

@@ -2,7 +2,7 @@
 
 Run manual:
     python bench/load.py                                # tiny model, 256 clients for 60 s (~2 minutes on 2 cores)
-    python bench/load.py --clients 16 --seconds 10      # a smoke run
+    python bench/load.py --smoke                        # 16 clients for 3 s: checks it runs (CI)
     python bench/load.py --max-pending-requests 512     # the service's default limit: 256 clients are never refused
     python bench/load.py --model smollm2 --clients 64 --max-tokens 32
 
@@ -315,7 +315,11 @@ def main() -> None:
     parser.add_argument("--baseline-clients", type=int, default=16, help="concurrent clients of the unloaded runs")
     parser.add_argument("--baseline-seconds", type=float, default=15.0, help="window of each unloaded run")
     parser.add_argument("--deadline", type=float, default=120.0, help="every attempt's deadline, in seconds")
+    parser.add_argument("--smoke", action="store_true", help="16 clients for 3 s: checks the bench runs (CI)")
     opts = parser.parse_args()
+    if opts.smoke:
+        opts.clients, opts.seconds, opts.max_pending_requests = 16, 3.0, 8
+        opts.baseline_clients, opts.baseline_seconds, opts.max_tokens = 4, 2.0, 8
 
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-load-"))
     figures: dict = {"model": opts.model, "clients": opts.clients, "seconds": opts.seconds, "max_tokens": opts.max_tokens,

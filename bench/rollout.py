@@ -4,6 +4,7 @@ Run manual:
     python bench/rollout.py                          # tiny model, 64 prompts x 64 tokens, 5 rounds
     python bench/rollout.py --model smollm2 --prompts 32 --max-tokens 64
     python bench/rollout.py --model smollm2 --skip-throughput   # update pause times only
+    python bench/rollout.py --smoke                  # one small round: checks it runs (CI)
 
 Measured in the same run, on the same model, prompts (token ids) and sampling
 parameters (temperature 1, max_tokens M, ignore_eos, the chosen token's
@@ -270,7 +271,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--skip-throughput", action="store_true", help="only measure weight updates")
+    parser.add_argument("--smoke", action="store_true", help="4 prompts x 8 tokens, one round: checks the bench runs (CI)")
     opts = parser.parse_args()
+    if opts.smoke:
+        opts.prompts, opts.max_tokens, opts.reps, opts.warmup = 4, 8, 1, 0
 
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-rollout-"))
     model_dir = prepare_model(opts.model, work)
