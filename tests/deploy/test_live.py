@@ -91,6 +91,11 @@ def scrapes(tmp_path_factory, service_model) -> Iterator[dict[str, dict]]:
             log = tmp / f"{service}.log"
             argv = [sys.executable, "-m", f"services.{service}", "--server.port", "0", "--server.metrics-port", "0"]
             argv += ["--server.ready-file", str(ready_files[service]), "--server.log-format", "text"]
+            # HTTP ports free too: a default (the controller's status page on 8080) may be held by a local run.
+            fields = config_class(service).model_fields
+            for name, flag in (("status_port", "--status-port"), ("http_port", "--http-port")):
+                if name in fields:
+                    argv += [flag, "0"]
             argv += MODEL_FLAGS.get(service, lambda _: ())(service_model)
             children.append(
                 subprocess.Popen(argv, env=clean_env({}, tmp), cwd=tmp, stdout=log.open("w"), stderr=subprocess.STDOUT)
