@@ -56,14 +56,16 @@ class Publisher:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
 
-    async def after_step(self) -> None:
+    async def after_step(self) -> bool:
         """Publishes the step's version if the policy makes it due; never raises
-        (a failed publish is logged, and asked again at the next step)."""
+        (a failed publish is logged, and asked again at the next step). False: it failed."""
         try:
             await self.publish_if_due()
         except FlywheelError as exc:
             log.warning("publishing the weights failed; asking again at the next step",
                         extra={"step": self.engine.info().step, "error": str(exc)})
+            return False
+        return True
 
     async def publish_if_due(self) -> ExportResult | None:
         async with self._lock:
@@ -84,15 +86,26 @@ class Publisher:
         return await self.exporter.nccl(group.group_id, merge_lora=True)
 
     async def _watch_loop(self) -> None:
-        """Publishes between steps when the synchronizer asks (see WAKES)."""
+        """Publishes between steps when the synchronizer asks (see WAKES).
+
+        A wake sent while this stream was down is lost (a restarted synchronizer asks for the run's
+        version before the trainer is back on its stream), and a trainer waiting for data takes no
+        step that would ask again: the run would wait forever. So every stream after the first asks
+        on its first event, and on every event after until an ask succeeds (the trainer may not be
+        registered again yet; its registration is an event too). The synchronizer subscribes a stream
+        before it sends the snapshot (send_initial), so nothing asked after that first event is missed."""
         sync = self.config.sync
         backoff = Backoff(sync.retry_initial_seconds, sync.retry_max_seconds)
+        first_stream = True
         while True:
             try:
-                async for event in self.client.watch([], send_initial=False):
+                catch_up = not first_stream
+                first_stream = False
+                async for event in self.client.watch([], send_initial=True):
                     backoff.reset()
-                    if event.kind in WAKES:
-                        await self.after_step()
+                    if catch_up or event.kind in WAKES:
+                        published = await self.after_step()
+                        catch_up = catch_up and not published
                 continue
             except Exception as exc:  # noqa: BLE001 - a broken stream is retried, never fatal to the trainer
                 log.warning("watching the synchronizer failed; reconnecting",
