@@ -41,7 +41,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.support.machine import cpu  # noqa: E402
+from flywheel.testing.machine import cpu  # noqa: E402
 
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 QUICKSTART_TINY = ROOT / "examples" / "quickstart-tiny.yaml"

@@ -7,7 +7,7 @@ Run manual (the job part is the quickstart itself: ~15 min on 2 CPU cores):
     python bench/learning.py --seed 1 --target 0.35
 
 Three parts, each printing its figures; one JSON line at the end, with the CPU's
-model and ISA (bench/support/machine.py) beside them.
+model and ISA (flywheel/testing/machine.py) beside them.
   trainer     Our trainer's step (TrainingEngine.train_step, in this process:
               GRPO loss, log-probs at the completion's positions, AdamW) vs
               the plain-torch floor: the same model and batch (shaped like a
@@ -54,7 +54,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.support.machine import cpu  # noqa: E402
+from flywheel.testing.machine import cpu  # noqa: E402
 from flywheel.launcher.processes import start_service  # noqa: E402
 from flywheel.rollout.client import RolloutClient  # noqa: E402
 from services.controller.launcher.prepare import prepare_data, prepare_model  # noqa: E402

@@ -20,7 +20,7 @@ end, through transformers' `generate` in batches of 50, inside its timed run.
 Both wall times run from process start to end: model loading, the first step and every
 validation pass included. Reported: seconds per step of each (wall / steps), held-out
 accuracy before and after of each, and `flywheel_step_vs_trl_step` (TRL's seconds per step
-over ours; the goal is >= 2), with the CPU (bench/support/machine.py). One JSON line at the end.
+over ours; the goal is >= 2), with the CPU (flywheel/testing/machine.py). One JSON line at the end.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.support.machine import cpu  # noqa: E402
+from flywheel.testing.machine import cpu  # noqa: E402
 from services.controller.tasks.answers import answers_match, final_answer  # noqa: E402
 
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"

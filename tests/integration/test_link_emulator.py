@@ -1,4 +1,4 @@
-"""The emulated link (bench/support/link_emulator.py) is the link it says: its rate, its delay, its loss and its cuts,
+"""The emulated link (flywheel/testing/link_emulator.py) is the link it says: its rate, its delay, its loss and its cuts,
 seen by real kernel TCP between two network namespaces."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench.support.link_emulator import EmulatedLink, available
+from flywheel.testing.link_emulator import EmulatedLink, available
 
 WHY_NOT = available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")]
