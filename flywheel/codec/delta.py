@@ -24,6 +24,14 @@ Record of one tensor (the bytes a delta carries for it):
           values in the tensor's dtype.
 `shuffle` stores the k-th byte of every element together, k = 0..itemsize-1.
 
+On the wire (`encode_delta_version`) a delta is an ordinary version stream
+whose manifest names the base (`base_version` M) and whose tensors are the
+records, one UINT8 tensor per tensor of N under N's name: chunk checksums and
+the manifest digest protect the records in transit exactly as they protect a
+full version. The manifest's `identity` is version N's (what the records
+rebuild, checked by `apply_delta`), and its TensorMeta digests are those of
+N's tensors (so a mismatch names the tensors), not of the records' bytes.
+
 A delta is only as good as the base it is applied to, so applying one
 (`apply_delta`) rebuilds every tensor, recomputes the result's identity
 (`flywheel.codec.identity`) and compares it with version N's before returning
@@ -45,7 +53,8 @@ import numpy as np
 import torch
 import zstandard
 
-from flywheel.codec.dtypes import byte_view, contiguous_cpu
+from flywheel.codec.dtypes import byte_view, contiguous_cpu, u8_from_buffer
+from flywheel.codec.encoder import DEFAULT_CHUNK_BYTES, EncodedVersion, encode_state_dict
 from flywheel.codec.errors import DigestMismatch, ManifestMismatch
 from flywheel.codec.identity import VersionIdentity, identify
 
@@ -214,10 +223,37 @@ def apply_delta(
     """Version N's tensors from `base` (version M, only read) and N's records, verified against N's
     identity before they are returned. Raises DeltaCorrupted on a malformed record and
     DigestMismatch, naming the tensors, when the result is not version N."""
+    return apply_delta_identified(base, records, target)[0]
+
+
+def apply_delta_identified(
+    base: Mapping[str, torch.Tensor], records: Mapping[str, bytes | memoryview], target: VersionIdentity
+) -> tuple[dict[str, torch.Tensor], VersionIdentity]:
+    """`apply_delta`, and the result's identity (per-tensor digests included)."""
     if set(records) != set(base):
         raise ManifestMismatch(f"delta records for {len(records)} tensors, base holds {len(base)}")
     result = {name: apply_tensor_delta(base[name], record, name) for name, record in records.items()}
     got = identify(result)
     if got.digest != target.digest:
         raise DigestMismatch(f"a delta applied to its base is not the version it is for: {got.describe_mismatch(target)}")
-    return result
+    return result, got
+
+
+def encode_delta_version(
+    delta: VersionDelta, version: int, base_version: int, target: VersionIdentity,
+    *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> EncodedVersion:
+    """`delta` (version `version` from `base_version`) ready to stream like a full version."""
+    if not 0 < base_version < version:
+        raise ValueError(f"a delta needs 0 < base_version < version, got {base_version} -> {version}")
+    records = {name: u8_from_buffer(record) for name, record in delta.records.items()}
+    encoded = encode_state_dict(records, version, base_version, chunk_bytes=chunk_bytes)
+    for meta in encoded.manifest.tensors:
+        meta.digest = target.tensors.get(meta.name, b"")
+    encoded.manifest.identity = target.digest
+    return encoded
+
+
+def records_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, memoryview]:
+    """The records a delta stream carried, from its assembled UINT8 tensors (no copy)."""
+    return {name: byte_view(tensor) for name, tensor in tensors.items()}

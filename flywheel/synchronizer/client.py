@@ -44,6 +44,8 @@ from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as pb_grpc
 from flywheel.transfer.frames import encoded_frames
 from flywheel.synchronizer.client_types import (
     Beat,
+    DeltaBase,
+    PullStats,
     Rewind,
     PulledWeights,
     PushResult,
@@ -270,6 +272,7 @@ class SynchronizerClient:
         staging: Mapping[str, torch.Tensor] | None = None,
         check_manifest: Callable[[cpb.WeightManifest], None] | None = None,
         timeout: float | None = None,
+        base: DeltaBase | None = None,
     ) -> PulledWeights:
         """Streams a version (0: the newest) and assembles it, all or nothing.
 
@@ -283,18 +286,22 @@ class SynchronizerClient:
         model it serves). `timeout`: the stream's deadline (default
         transfer_timeout + wait_seconds). The synchronizer's refusals raise
         their domain errors, status kept (NOT_FOUND: not held, e.g. evicted
-        by a newer push).
+        by a newer push). `base`: a verified version this reader holds, to be
+        sent the version as a delta from (see `flywheel.synchronizer.pull`). A
+        stream that breaks is resumed where it broke, each call within `timeout`.
         """
         request = pb.PullWeightsRequest(version=version, wait_seconds=wait_seconds, at_least=at_least)
+        stats = PullStats()
         deadline = timeout or (self.transfer_timeout + wait_seconds)
         try:
             manifest, tensors = await pull_version(
                 lambda r: self._pull(r, timeout=deadline), request, synchronizer=self.address,
                 shared_memory=self.shared_memory, check_manifest=check_manifest, into=into, staging=staging,
+                base=base, stats=stats,
             )
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc, f"synchronizer PullWeights from {self.address}") from None
-        return PulledWeights(manifest.version, tensors, manifest.total_bytes, manifest_identity(manifest))
+        return PulledWeights(manifest.version, tensors, manifest.total_bytes, manifest_identity(manifest), stats)
 
     # -- CHECKPOINT ----------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,30 @@ class PushResult:
 
 
 @dataclass(frozen=True)
+class DeltaBase:
+    """A verified version a reader holds on the host, offered as the base of a delta pull."""
+
+    version: int
+    identity: VersionIdentity
+    #: CPU tensors of that version, only read.
+    tensors: Mapping[str, torch.Tensor]
+
+
+@dataclass
+class PullStats:
+    """What one pull cost on the wire (filled in by the pull)."""
+
+    #: Chunk payload bytes received over the stream, resumed attempts included.
+    stream_bytes: int = 0
+    #: Chunk payload bytes read in place from the synchronizer's shared memory.
+    shared_bytes: int = 0
+    #: Times the stream was cut and resumed.
+    resumes: int = 0
+    #: The version arrived as a delta from this base (0: in full).
+    delta_base: int = 0
+
+
+@dataclass(frozen=True)
 class PulledWeights:
     version: int
     #: The destination tensors (updated in place) or fresh CPU tensors.
@@ -92,6 +117,8 @@ class PulledWeights:
     nbytes: int
     #: The version's identity as its manifest carries it (None: a publisher without identities).
     identity: VersionIdentity | None = None
+    #: Bytes it cost on the wire, resumes, and whether it came as a delta.
+    stats: PullStats | None = None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ from collections.abc import AsyncIterator
 
 from flywheel.codec import ChunkChecker
 from flywheel.common.v1 import common_pb2
-from flywheel.errors import Aborted, AlreadyExists, FlywheelError, NotFound, ResourceExhausted
+from flywheel.errors import (
+    Aborted, AlreadyExists, FailedPrecondition, FlywheelError, InvalidArgument, NotFound, ResourceExhausted,
+)
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from services.synchronizer.storage import HeapFrames, SegmentFrames, SegmentPool
 
@@ -128,12 +130,32 @@ class VersionBuffer:
         if segment is not None and self._pool is not None:
             self._pool.release(segment)
 
+    def resume_point(self, resume_from: int, resume_digest: bytes) -> int:
+        """The first chunk to send a reader resuming an interrupted pull of this stream (0: none)."""
+        if not resume_from and not resume_digest:
+            return 0
+        if resume_digest != bytes(self.manifest.digest):
+            raise FailedPrecondition(
+                f"cannot resume: version {self.version} is now sent as a stream with another digest "
+                "(re-encoded, or a delta from another base); pull it again from the start")
+        if resume_from > self.verifier.count:
+            raise InvalidArgument(f"resume_from {resume_from} is past the stream's {self.verifier.count} chunks")
+        return resume_from
+
+    async def wait_committed(self) -> None:
+        """Returns once the version is committed; ABORTED if its push fails."""
+        while self.phase is Phase.STAGING:
+            await self._changed.wait()
+        if self.phase is Phase.ABORTED:
+            raise self._failure()
+
     def _failure(self) -> Aborted:
         return Aborted(f"the push of version {self.version} was aborted: {self.error}")
 
-    async def stream(self, shared: bool = False, hold_seconds: float = 60.0) -> AsyncIterator[bytes]:
-        """The manifest frame, then every chunk frame in sequence order, as
-        they arrive; ends only once the version is committed.
+    async def stream(self, shared: bool = False, hold_seconds: float = 60.0, first_seq: int = 0) -> AsyncIterator[bytes]:
+        """The manifest frame, then every chunk frame from `first_seq` on (a
+        resumed pull) in sequence order, as they arrive; ends only once the
+        version is committed.
 
         shared (a reader on this host, and the version is in a segment): the
         segment frame, headers-only chunk frames, then COMMITTED_FRAME; the
@@ -149,7 +171,7 @@ class VersionBuffer:
             yield self.manifest_frame
             if isinstance(storage, SegmentFrames) and shared:
                 yield storage.segment_frame()
-            for seq in range(self.verifier.count):
+            for seq in range(first_seq, self.verifier.count):
                 while not storage.has(seq):
                     if self.phase is Phase.ABORTED:
                         raise self._failure()

@@ -31,6 +31,10 @@ class SynchronizerConfig(StrictModel):
     )
     lease_seconds: float = Field(10.0, gt=0, description="a component silent this long is marked STOPPED, in seconds")
     keep_versions: int = Field(2, ge=1, description="committed weight versions held in memory (MEMORY method)")
+    delta_cache_bytes: int = Field(
+        1 << 30, ge=0, description="bytes of delta versions kept for replicas that pull a version as a delta from "
+        "one they hold (the newest delta is kept whatever its size while it is read), in bytes"
+    )
     max_concurrent_pushes: int = Field(
         2, ge=1, description="pushes staged at once; each holds up to a model's worth of memory until it ends"
     )

@@ -53,6 +53,14 @@ WEIGHT_PULL_SHARED_BYTES = Counter(
     "flywheel_weight_pull_shared_bytes_total",
     "Weight payload bytes offered to readers in shared memory instead of in the stream (MEMORY method).",
 )
+DELTA_PULLS = Counter(
+    "flywheel_synchronizer_delta_pulls_total",
+    "Pulls that asked for a delta from a base version, by what was sent: the delta, or the full "
+    "version (base not held, other identity, other tensors, or no smaller).",
+    ["sent"],
+)
+for _sent in ("delta", "full"):
+    DELTA_PULLS.labels(_sent)
 
 WEIGHT_VERSIONS_HELD = Gauge(
     "flywheel_synchronizer_weight_versions_held",

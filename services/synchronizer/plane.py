@@ -22,6 +22,7 @@ from services.synchronizer import metrics
 from services.synchronizer.buffers import VersionBuffer
 from services.synchronizer.checkpoints import checkpoint_identity, verify_checkpoint
 from services.synchronizer.core import Synchronizer
+from services.synchronizer.deltas import DeltaCache
 from services.synchronizer.groups import Group
 from flywheel.synchronizer.types import Component, EventKind, Method, Policy, Role, State
 from services.synchronizer.versions import VersionRecord
@@ -49,6 +50,7 @@ class WeightPlane:
     def __init__(self, sync: Synchronizer) -> None:
         self.sync = sync
         self.weights = sync.weights
+        self.deltas = DeltaCache(sync.config.delta_cache_bytes)
 
     # -- MEMORY: push --------------------------------------------------------
 
@@ -85,9 +87,19 @@ class WeightPlane:
 
     # -- MEMORY: pull --------------------------------------------------------
 
-    async def open_pull(self, version: int, wait_seconds: float = 0.0, at_least: bool = False) -> VersionBuffer:
+    async def open_pull(self, version: int, wait_seconds: float = 0.0, at_least: bool = False,
+                        base_version: int = 0, base_identity: bytes = b"") -> VersionBuffer:
         """The buffer to stream for `version` (0: the newest committed; with
-        at_least, the newest >= version, waiting for a push of one to begin)."""
+        at_least, the newest >= version, waiting for a push of one to begin);
+        with `base_version`, as a delta from it when one applies
+        (`services.synchronizer.deltas`)."""
+        buffer = await self._find_pull(version, wait_seconds, at_least)
+        if not base_version:
+            return buffer
+        base = self.weights.committed.get(base_version)
+        return await self.deltas.answer(buffer, base, base_version, base_identity)
+
+    async def _find_pull(self, version: int, wait_seconds: float, at_least: bool) -> VersionBuffer:
         catalog = self.sync.catalog
         if at_least and version > 0:
             if version <= catalog.latest:

@@ -191,13 +191,18 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
     async def PullWeights(self, request: pb.PullWeightsRequest, context) -> AsyncIterator[bytes]:
         if request.wait_seconds < 0:
             raise InvalidArgument(f"wait_seconds must be >= 0, got {request.wait_seconds}")
-        buffer = await self.plane.open_pull(request.version, request.wait_seconds, request.at_least)
-        shared = request.shared_memory and buffer.shared
+        if request.base_version and len(request.base_identity) != 16:
+            raise InvalidArgument("base_version needs the 16-byte base_identity of the weights the reader holds")
+        buffer = await self.plane.open_pull(request.version, request.wait_seconds, request.at_least,
+                                            request.base_version, request.base_identity)
+        first_seq = buffer.resume_point(request.resume_from, bytes(request.resume_digest))
+        # A resumed pull gets its payloads in the stream: it is a far reader's.
+        shared = request.shared_memory and buffer.shared and not first_seq
         # A shared-memory reader hangs up once it copied everything; this only
         # bounds how long a reader that never does keeps the segment reserved.
         remaining = context.time_remaining()
         hold = 60.0 if remaining is None else max(0.0, min(60.0, remaining - 1.0))
-        async for frame in buffer.stream(shared, hold):
+        async for frame in buffer.stream(shared, hold, first_seq):
             if frame is COMMITTED_FRAME:  # every payload was offered in place
                 metrics.WEIGHT_PULL_SHARED_BYTES.inc(buffer.payload_bytes)
             yield frame
