@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 import services.rollout.metrics  # noqa: F401  (registers the service's metric families)
+from flywheel.errors import InvalidArgument
 from flywheel.models.check import require_model_dir
 from flywheel.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from flywheel.runtime.auth import Scope, accepted_tokens
@@ -75,6 +76,10 @@ def build(config: RolloutConfig) -> ServiceSpec:
         gc.collect()
         gc.freeze()
         core.attach(engine, codec)
+        if config.updates.delta_pulls == "on" and engine.host_weights() is None:
+            raise InvalidArgument(  # refused, not ignored: every update would quietly move the full version
+                f"updates.delta_pulls is on, but the {engine.kind} engine does not hold its weights on the host "
+                "under the checkpoint's names (vLLM pulls in its worker; a GPU model is on the device): use auto or off")
         log.info("engine started", extra={"engine": engine.kind, "model": name, "max_model_len": engine.max_model_len,
                                           "weight_version": engine.version})
         server = config.server

@@ -107,6 +107,12 @@ class UpdatesConfig(StrictModel):
         True, description="keep the CPU tensors a MEMORY update was staged in and stage the next one into them "
         "(no page faults per update; holds one model's worth of memory between updates)"
     )
+    delta_pulls: Literal["auto", "on", "off"] = Field(
+        "auto", description="ask the synchronizer for each MEMORY version as a delta from the served weights "
+        "(a few percent of a bfloat16 model per step; verified against the version's identity, pulled in full "
+        "when it does not apply): auto does so when the last pull came over the network rather than from the "
+        "synchronizer's shared memory; the transformers engine on CPU only (vLLM pulls in its worker: full)"
+    )
     apply_timeout_seconds: float = Field(
         120.0, gt=0, description="deadline of loading a staged version into the engine (generation is paused "
         "meanwhile); past it the update fails and the replica is quarantined, in seconds"

@@ -227,6 +227,12 @@ class Engine(abc.ABC):
         names, dtypes and shapes (the engine's previous ones) in the same dict.
         """
 
+    def host_weights(self) -> Mapping[str, torch.Tensor] | None:
+        """The served weights as CPU tensors under the checkpoint's names, dtypes and shapes, read in
+        place (no copy), to be the base of a delta pull; None when the engine holds them otherwise
+        (another device or dtype, a fused layout, another process). Nothing may write them."""
+        return None
+
     async def resident_digests(self, names: Collection[str]) -> dict[str, bytes] | None:
         """The identity digests (flywheel.codec.identity) of the weights resident in the engine now,
         under the checkpoint's names: for every name it can read back as the checkpoint holds it

@@ -275,6 +275,18 @@ class TransformersEngine(Engine):
                 else:
                     state[name].copy_(tensor)
 
+    def host_weights(self) -> Mapping[str, torch.Tensor] | None:
+        # Only an update writes the weights, and updates run one at a time (RolloutCore): while the
+        # next update's pull reads these on another thread, nothing writes them.
+        state = self.model.state_dict()
+        held = {}
+        for name, spec in self._specs.items():
+            t = state.get(name)
+            if t is None or t.device.type != "cpu" or t.dtype != spec.dtype or tuple(t.shape) != tuple(spec.shape):
+                return None
+            held[name] = t.detach()
+        return held
+
     async def resident_digests(self, names: Collection[str]) -> dict[str, bytes] | None:
         # Read from the model itself, on its own thread (it owns the device): every name, as the
         # checkpoint holds it (the model loads in the checkpoint's dtypes unless engine.args.dtype says

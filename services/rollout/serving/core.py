@@ -47,6 +47,7 @@ from services.rollout.engine.base import (
     Delta, Engine, PauseMode, SampleOutput, SamplingSpec, StagedWeights, engine_pulls_memory,
 )
 from services.rollout.serving.prompts import PromptInput, ResolvedPrompt, resolve
+from services.rollout.weights.deltas import DeltaPolicy
 from services.rollout.weights.staging import StagingBuffers
 from services.rollout.serving.text import TextCodec
 
@@ -170,6 +171,8 @@ class RolloutCore:
         self.weights_gate: Callable[[int, int], Awaitable[None]] | None = None
         #: MEMORY updates stage into these (held between updates; see services.rollout.weights.staging).
         self.staging = StagingBuffers(enabled=config.updates.reuse_staging)
+        #: Whether MEMORY updates ask for a delta from the served weights (services.rollout.weights.deltas).
+        self.deltas = DeltaPolicy(config.updates.delta_pulls)
         #: Why the replica takes no traffic (its last update failed in apply or verify); "" when it serves.
         self.quarantine_reason = ""
         #: The identity of the weights its last verified update installed (b"": the base weights, unmeasured).

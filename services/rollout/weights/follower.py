@@ -471,10 +471,12 @@ class Follower:
         engine, _ = self.core.require_engine()
         specs = engine.weight_specs()
         if method == Method.MEMORY:
-            server = self.config.server
-            return memory_stage(self.client.address, version, specs, token=self.token,
+            server, address = self.config.server, self.client.address
+            return memory_stage(address, version, specs, token=self.token,
                                 timeout=self.config.updates.timeout_seconds, max_message_bytes=server.max_message_bytes,
-                                buffers=self.core.staging, identity=await self._identity(version))
+                                buffers=self.core.staging, identity=await self._identity(version),
+                                base=self.core.deltas.base(address, engine, self.core.identity),
+                                on_pulled=lambda stats: self.core.deltas.observe(address, stats))
         if method == Method.CHECKPOINT and location:
             return checkpoint_stage(location, version, specs, self.config.updates.checkpoint_root)
         name = method.name if method else "an unknown method"

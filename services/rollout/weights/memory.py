@@ -9,13 +9,13 @@ is instead."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from flywheel.runtime.tls import TlsFiles
 from flywheel.synchronizer.client import SynchronizerClient
-from flywheel.synchronizer.client_types import PulledWeights
+from flywheel.synchronizer.client_types import DeltaBase, PulledWeights, PullStats
 from services.rollout.engine.base import MemorySource, StagedWeights, TensorSpec, engine_pulls_memory
 from services.rollout.weights.verify import check_stream_manifest
 
@@ -30,19 +30,20 @@ async def pull_tensors(
     max_message_bytes: int,
     staging: dict[str, torch.Tensor] | None = None,
     tls: TlsFiles | None = None,
+    base: DeltaBase | None = None,
 ) -> PulledWeights:
     """Version `version` from the synchronizer at `address`, every chunk checksum
     and the version's digest verified, in CPU tensors: `staging` (tensors of
     exactly `want`'s names, dtypes and shapes, overwritten) or fresh ones.
     `tls`: the TLS to call with (default: this process's). The synchronizer's
     refusals raise their domain errors, status kept (NOT_FOUND: evicted by a
-    newer push)."""
+    newer push). `base`: a verified version held here, to be sent a delta from."""
     # A client (and channel) per pull: the address is the request's, and the
     # vLLM worker pulls from its own process.
     async with SynchronizerClient(address, token, timeout=timeout, transfer_timeout=timeout,
                                   max_message_bytes=max_message_bytes, tls=tls) as client:
         return await client.pull_weights(
-            version, staging=staging, timeout=timeout,
+            version, staging=staging, timeout=timeout, base=base,
             check_manifest=lambda m: check_stream_manifest(version, m, want),
         )
 
@@ -56,12 +57,17 @@ async def pull_staged(
     timeout: float,
     max_message_bytes: int,
     staging: dict[str, torch.Tensor] | None = None,
+    base: DeltaBase | None = None,
+    on_pulled: Callable[[PullStats | None], None] | None = None,
 ) -> StagedWeights:
     """Version `version` as `pull_tensors` stages it; or, while an engine that
-    pulls versions itself is being updated, only where it is (`source`)."""
+    pulls versions itself is being updated, only where it is (`source`).
+    `on_pulled` is told what the pull cost."""
     if engine_pulls_memory.get():
         source = MemorySource(address, version, token, timeout, max_message_bytes, ticket=uuid.uuid4().hex)
         return StagedWeights(version=version, source=source)
     pulled = await pull_tensors(address, version, want, token=token, timeout=timeout,
-                                max_message_bytes=max_message_bytes, staging=staging)
+                                max_message_bytes=max_message_bytes, staging=staging, base=base)
+    if on_pulled is not None:
+        on_pulled(pulled.stats)
     return StagedWeights(version=version, tensors=pulled.tensors, nbytes=pulled.nbytes, identity=pulled.identity)

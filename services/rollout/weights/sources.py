@@ -7,16 +7,21 @@ before anything live is touched (`services.rollout.weights.verify`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 from flywheel.runtime.paths import confine
 
+from flywheel.codec import DigestMismatch
 from flywheel.codec.identity import VersionIdentity
+from flywheel.synchronizer.client_types import DeltaBase, PullStats
 from services.rollout.engine.base import StagedWeights, TensorSpec
 from services.rollout.weights.staging import StagingBuffers
 from services.rollout.weights.memory import pull_staged
 from services.rollout.weights.verify import stage_checkpoint
+
+log = logging.getLogger(__name__)
 
 Stage = Callable[[], Awaitable[StagedWeights]]
 
@@ -42,19 +47,33 @@ def memory_stage(
     max_message_bytes: int,
     buffers: StagingBuffers | None = None,
     identity: VersionIdentity | None = None,
+    base: DeltaBase | None = None,
+    on_pulled: Callable[[PullStats | None], None] | None = None,
 ) -> Stage:
     """`buffers`: staged into the set they hold, if any, and given back on
     release; after a failed pull the set is dropped (fresh tensors next time).
     `identity`: the version's, as the synchronizer recorded it; what an engine
     that pulls by itself is verified against (the manifest's otherwise). Not
     given (an operator's UpdateWeights), it is asked of the synchronizer: every
-    update of a MEMORY version is verified against the same identity."""
+    update of a MEMORY version is verified against the same identity.
+    `base`: the served weights, offered as the base of a delta
+    (`services.rollout.weights.deltas`); a delta that does not rebuild the
+    version is pulled again in full. `on_pulled` is told what a pull cost."""
 
     async def stage() -> StagedWeights:
         # Cancelling this (an abandoned update) cancels the pull.
-        staged = await pull_staged(address, version, specs, token=token, timeout=timeout,
-                                   max_message_bytes=max_message_bytes,
-                                   staging=buffers.take(specs) if buffers is not None else None)
+        staging = buffers.take(specs) if buffers is not None else None
+        try:
+            staged = await pull_staged(address, version, specs, token=token, timeout=timeout,
+                                       max_message_bytes=max_message_bytes, staging=staging,
+                                       base=base, on_pulled=on_pulled)
+        except DigestMismatch as exc:
+            if base is None:
+                raise
+            log.warning("a delta from the served weights did not rebuild the version; pulling it in full",
+                        extra={"version": version, "base_version": base.version, "error": str(exc)})
+            staged = await pull_staged(address, version, specs, token=token, timeout=timeout,
+                                       max_message_bytes=max_message_bytes, on_pulled=on_pulled)
         if staged.identity is None:
             staged.identity = identity or await recorded_identity(address, version, token=token)
         if buffers is not None and staged.tensors is not None:
