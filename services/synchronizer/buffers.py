@@ -193,7 +193,7 @@ class VersionBuffer:
 
 
 class WeightStore:
-    """The newest `keep` committed versions plus pushes in progress."""
+    """The newest `keep` committed versions (and older ones replicas lease) plus pushes in progress."""
 
     def __init__(self, keep: int, max_staging: int = 2, pool: SegmentPool | None = None) -> None:
         self.keep = keep
@@ -239,13 +239,25 @@ class WeightStore:
                 if not future.done():
                     future.set_result(buffer)
 
-    def commit(self, buffer: VersionBuffer) -> list[int]:
-        """Verifies and commits a staging version; returns the evicted versions."""
+    def commit(self, buffer: VersionBuffer, leased: dict[int, bytes] | None = None, lease_bytes: int = 0) -> list[int]:
+        """Verifies and commits a staging version; returns the evicted versions.
+
+        Past the newest `keep`, a version stays while it is `leased` (version -> identity of the
+        weights a live replica serves: the base its next delta is made from), newest first,
+        as long as the versions kept that way hold at most `lease_bytes`."""
         buffer.commit()  # raises (and the caller aborts) on a truncated or tampered version
         self.staging.pop(buffer.version, None)
         self.committed[buffer.version] = buffer
         self.committed = dict(sorted(self.committed.items()))
-        evicted = list(self.committed)[: -self.keep]
+        beyond = list(self.committed)[: -self.keep]
+        evicted, budget = [], lease_bytes
+        for version in reversed(beyond):
+            old = self.committed[version]
+            if (leased or {}).get(version) == bytes(old.manifest.identity) and old.held_bytes <= budget:
+                budget -= old.held_bytes
+            else:
+                evicted.append(version)
+        evicted.sort()
         for version in evicted:
             self.committed.pop(version).retire()
         for version in [v for v in self.staging if v < buffer.version]:

@@ -31,6 +31,11 @@ class SynchronizerConfig(StrictModel):
     )
     lease_seconds: float = Field(10.0, gt=0, description="a component silent this long is marked STOPPED, in seconds")
     keep_versions: int = Field(2, ge=1, description="committed weight versions held in memory (MEMORY method)")
+    delta_base_bytes: int = Field(
+        2 << 30, ge=0, description="bytes of versions kept past keep_versions because a live replica serves them "
+        "(leases: its next version can then be sent as a delta from them; past this a replica is sent the full "
+        "version), in bytes; 0 keeps exactly keep_versions"
+    )
     delta_cache_bytes: int = Field(
         1 << 30, ge=0, description="bytes of delta versions kept for replicas that pull a version as a delta from "
         "one they hold (the newest delta is kept whatever its size while it is read), in bytes"

@@ -69,7 +69,7 @@ class WeightPlane:
     def commit_push(self, buffer: VersionBuffer) -> list[int]:
         """Verifies completeness and digest, then commits; returns the kept versions."""
         self.sync.check_version(buffer.version, "push", allow_equal=self.sync.push_requested)
-        evicted = self.weights.commit(buffer)
+        evicted = self.weights.commit(buffer, self._leased(), self.sync.config.delta_base_bytes)
         record = VersionRecord(buffer.version, Method.MEMORY, buffer.payload_bytes, identity=bytes(buffer.manifest.identity))
         self.sync.commit_version(record)
         metrics.WEIGHT_SYNC_DURATION.labels("memory").observe(time.monotonic() - buffer.started)
@@ -77,6 +77,11 @@ class WeightPlane:
             "version committed", extra={"version": buffer.version, "bytes": buffer.payload_bytes, "evicted": evicted}
         )
         return list(self.weights.committed)
+
+    def _leased(self) -> dict[int, bytes]:
+        """Version -> identity of the weights live replicas serve: the bases of their next deltas."""
+        return {c.weight_version: c.weight_identity for c in self.sync.registry.components.values()
+                if c.role is Role.ROLLOUT and c.state is not State.STOPPED and c.weight_identity}
 
     def abort_push(self, buffer: VersionBuffer, error: BaseException) -> None:
         reason = error if isinstance(error, FlywheelError) else FailedPrecondition(f"push ended: {error!r}")

@@ -143,3 +143,24 @@ async def test_a_cut_stream_resumes_without_resending_what_arrived(as_delta: boo
         # Only what had not arrived was sent again: the chunk cut in half, at most.
         assert pulled.stats.stream_bytes <= whole.stats.stream_bytes + 64 * 1024
         assert proxy.downstream_bytes <= 1.1 * whole.stats.stream_bytes + 64 * 1024
+
+
+@pytest.mark.parametrize("lease_bytes", [1 << 30, 0], ids=["leased", "no-lease-budget"])
+async def test_the_version_a_live_replica_serves_is_kept_as_its_delta_base(lease_bytes: int) -> None:
+    versions = {1: model()}
+    for v in range(2, 5):
+        versions[v] = step(versions[v - 1], v)
+    async with embedded_synchronizer(keep_versions=2, delta_base_bytes=lease_bytes, lease_seconds=30) as server, \
+            SynchronizerClient(server.address, shared_memory=False) as c:
+        await c.push_weights(versions[1], 1)
+        # A replica serves version 1 (a far one that lags): its lease keeps version 1 past keep_versions.
+        await c.register("rollout", "far-0", weight_version=1, weight_identity=identify(versions[1]).digest)
+        for v in (2, 3, 4):
+            await c.push_weights(versions[v], v)
+        kept = [v.version for v in (await c.status()).versions if v.in_memory]
+        pulled = await c.pull_weights(4, base=base_of(1, versions[1]))
+        assert same(pulled.tensors, versions[4])
+        if lease_bytes:
+            assert kept == [1, 3, 4] and pulled.stats.delta_base == 1
+        else:
+            assert kept == [3, 4] and pulled.stats.delta_base == 0
