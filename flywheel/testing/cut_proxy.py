@@ -2,7 +2,7 @@
 benches of transfers that must survive a dropped connection (a NAT that
 forgets a flow, a restarted load balancer, a peer that resets).
 
-`CutProxy` listens on loopback and forwards every connection to `target`,
+`CutProxy` listens (on loopback by default) and forwards every connection to `target`,
 counting the bytes it passes each way. `cut_after(n)` arms a one-shot cut:
 once `n` more bytes went from the target to the client, every connection
 open at that moment is reset (both sides see the connection die at once, as
@@ -20,9 +20,10 @@ import struct
 
 
 class CutProxy:
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, listen_host: str = "127.0.0.1", listen_port: int = 0) -> None:
         self.target = (target_host, target_port)
-        self.port = 0
+        self.listen_host = listen_host
+        self.port = listen_port
         #: Bytes forwarded target -> client and client -> target, over every connection.
         self.downstream_bytes = 0
         self.upstream_bytes = 0
@@ -33,10 +34,10 @@ class CutProxy:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.listen_host}:{self.port}"
 
     async def __aenter__(self) -> CutProxy:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, self.listen_host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
