@@ -57,7 +57,7 @@ from flywheel.synchronizer.client_types import (
 )
 from flywheel.synchronizer.convert import group_from_pb, identity_to_pb, timings_to_pb, update_from_pb
 from flywheel.synchronizer.heartbeats import Heartbeats
-from flywheel.synchronizer.pull import pull_version
+from flywheel.synchronizer.pull import PullCall, pull_version
 from flywheel.synchronizer.types import (
     GroupInfo, Identity, Method, Role, RolloutWait, State, Style, TransferState, UpdateRecord, parse_enum,
 )
@@ -302,6 +302,10 @@ class SynchronizerClient:
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc, f"synchronizer PullWeights from {self.address}") from None
         return PulledWeights(manifest.version, tensors, manifest.total_bytes, manifest_identity(manifest), stats)
+
+    def pull_frames(self, request: pb.PullWeightsRequest, timeout: float) -> PullCall:
+        """A PullWeights call whose responses are the raw frames (for a relay passing them on as they are)."""
+        return self._pull(request, timeout=timeout)
 
     # -- CHECKPOINT ----------------------------------------------------------
 

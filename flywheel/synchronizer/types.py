@@ -18,6 +18,8 @@ class Role(enum.IntEnum):
     TRAINER = 1
     ROLLOUT = 2
     CONTROLLER = 3
+    #: A synchronizer in relay mode (services.synchronizer.relay): a far site's cache of versions.
+    SYNCHRONIZER = 4
 
 
 class State(enum.IntEnum):

@@ -146,6 +146,11 @@ class SynchronizerLinkConfig(PresenceConfig):
         "", description="id of this rollout at the synchronizer (must be unique in the run, and equal the replica "
         "name the controller uses for NCCL groups: its services.rollout[].id); empty: rollout-<host>-<grpc port>"
     )
+    site: str = Field(
+        "", description="the site this replica runs at (a label): MEMORY versions are pulled from a relay of the "
+        "same site that the synchronizer's registry lists (services.synchronizer.relay), falling back to the "
+        "synchronizer itself when none is up or it fails; empty: always from the synchronizer"
+    )
 
 
 class RolloutConfig(StrictModel):

@@ -18,12 +18,16 @@ from google.protobuf import message_factory
 
 import services.synchronizer.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.codec.malloc import tune_allocator
-from flywheel.runtime.auth import Scope
+from flywheel.runtime.auth import Scope, own_token
 from flywheel.runtime.server import ServiceSpec
+from flywheel.synchronizer.client import SynchronizerClient
+from flywheel.synchronizer.presence import Presence, advertised_address, reachable_host
+from flywheel.synchronizer.types import Role
 from flywheel.synchronizer.v1 import synchronizer_pb2
 from services.synchronizer.config import SynchronizerConfig
 from services.synchronizer.core import Synchronizer
 from services.synchronizer.plane import WeightPlane
+from services.synchronizer.relay import Relay
 from services.synchronizer.servicer import SynchronizerServicer
 
 log = logging.getLogger(__name__)
@@ -98,7 +102,32 @@ def build(config: SynchronizerConfig) -> ServiceSpec:
                 log.exception("sweep failed")
             await asyncio.sleep(config.sweep_interval_seconds)
 
+    relay_presence: list[Presence] = []
+    grpc_port = [0]
+    if config.relay is not None:
+        link = config.relay
+        client = SynchronizerClient(link.upstream, own_token(config.server), timeout=link.rpc_timeout_seconds,
+                                    transfer_timeout=config.transfer_timeout_seconds,
+                                    max_message_bytes=config.server.max_message_bytes, shared_memory=False)
+        plane.relay = Relay(client, sync.weights, config.transfer_timeout_seconds)
+
+    async def startup() -> None:
+        if config.relay is None or plane.relay is None:
+            return
+        link = config.relay
+        address = advertised_address(link, config.server.host, grpc_port[0])
+        component_id = link.component_id or f"relay-{link.site}-{reachable_host(config.server.host)}-{grpc_port[0]}"
+        presence = Presence(plane.relay.client, Role.SYNCHRONIZER, component_id, address, link,
+                            progress=lambda: (0, sync.weights.newest), labels={"site": link.site})
+        presence.start()
+        relay_presence.append(presence)
+        log.info("relay mode", extra={"upstream": link.upstream, "site": link.site, "address": address})
+
     async def shutdown() -> None:
+        for presence in relay_presence:
+            await presence.stop()
+        if plane.relay is not None:
+            await plane.relay.close()
         sync.store.close()
         sync.weights.close()
 
@@ -107,6 +136,8 @@ def build(config: SynchronizerConfig) -> ServiceSpec:
         proto_services=[PROTO_SERVICE],
         register=lambda server: register(server, servicer),
         method_scopes=METHOD_SCOPES,
+        on_bound=lambda port: grpc_port.__setitem__(0, port),
+        startup=startup,
         shutdown=shutdown,
         background=[sweep_loop],
     )

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from flywheel.runtime.config import StrictModel
+from flywheel.synchronizer.presence_config import PresenceConfig
 from flywheel.synchronizer.types import SyncMethodName, SyncStyleName
 from flywheel.runtime.server_config import ServerConfig
 
@@ -23,6 +24,19 @@ class PolicyConfig(StrictModel):
     )
     offset: int = Field(0, ge=0, description="FIXED: steps the rollout side runs ahead before its first sync")
     timeout_seconds: float = Field(60.0, gt=0, description="DYNAMIC: a sync request lapses after this long, in seconds")
+
+
+class RelayConfig(PresenceConfig):
+    """Relay mode (services.synchronizer.relay): this synchronizer caches a far site's versions from
+    `upstream` and serves them to the site's replicas; the shared fields (advertise_address,
+    heartbeat, deadlines, retries) are `PresenceConfig`'s, for its registration upstream."""
+
+    upstream: str = Field(..., min_length=1, description='"host:port" of the run\'s synchronizer, across the slow link')
+    site: str = Field(
+        ..., min_length=1, description="the site this relay serves: replicas whose synchronizer.site is the same "
+        "pull their versions from it (found in the upstream's registry)"
+    )
+    component_id: str = Field("", description="id at the upstream; empty: relay-<site>-<host>-<grpc port>")
 
 
 class SynchronizerConfig(StrictModel):
@@ -87,6 +101,10 @@ class SynchronizerConfig(StrictModel):
         False, description="re-hash checkpoint bytes against weight_manifest.pb's digest (reads the whole checkpoint)"
     )
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="initial sync policy")
+    relay: RelayConfig | None = Field(
+        None, description="run as a far site's relay of another synchronizer's versions (pushes, checkpoints and "
+        "NCCL groups are then refused: replicas register with the upstream); unset: the run's synchronizer"
+    )
     keep_update_results: int = Field(
         16, ge=1, description="versions whose per-replica update results (ReportUpdate) are kept for ListUpdates"
     )

@@ -140,7 +140,7 @@ class Synchronizer:
 
     def _refresh_components(self) -> None:
         counts = Counter((c.role, c.state) for c in self.registry.components.values())
-        for role in (Role.TRAINER, Role.ROLLOUT, Role.CONTROLLER):
+        for role in Role:
             for state in State:
                 metrics.COMPONENTS.labels(role.name.lower(), state.name.lower()).set(counts[(role, state)])
 

@@ -13,7 +13,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from flywheel.synchronizer.types import Method
 
 # Lower-case names of the proto enums ComponentRole, ComponentState and SyncMethod.
-ROLES = ("trainer", "rollout", "controller")
+ROLES = ("trainer", "rollout", "controller", "synchronizer")
 STATES = ("stopped", "running", "require_sync", "waiting_sync")
 METHODS = tuple(m.name.lower() for m in Method)
 

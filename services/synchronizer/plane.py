@@ -23,6 +23,7 @@ from services.synchronizer.buffers import VersionBuffer
 from services.synchronizer.checkpoints import checkpoint_identity, verify_checkpoint
 from services.synchronizer.core import Synchronizer
 from services.synchronizer.deltas import DeltaCache
+from services.synchronizer.relay import Relay
 from services.synchronizer.groups import Group
 from flywheel.synchronizer.types import Component, EventKind, Method, Policy, Role, State
 from services.synchronizer.versions import VersionRecord
@@ -51,10 +52,17 @@ class WeightPlane:
         self.sync = sync
         self.weights = sync.weights
         self.deltas = DeltaCache(sync.config.delta_cache_bytes)
+        #: Set in relay mode: versions come from the upstream synchronizer, not from pushes.
+        self.relay: Relay | None = None
 
     # -- MEMORY: push --------------------------------------------------------
 
+    def _not_a_relay(self, what: str) -> None:
+        if self.relay is not None:
+            raise FailedPrecondition(f"this synchronizer is a relay of {self.relay.client.address}: {what} goes there")
+
     def begin_push(self, manifest: common_pb2.WeightManifest, frame: bytes) -> VersionBuffer:
+        self._not_a_relay("a push")
         # A version equal to the newest is accepted only to restore bytes lost in a restart.
         self.sync.check_version(manifest.version, "push", allow_equal=self.sync.push_requested)
         buffer = self.weights.begin(manifest, frame)
@@ -98,7 +106,10 @@ class WeightPlane:
         at_least, the newest >= version, waiting for a push of one to begin);
         with `base_version`, as a delta from it when one applies
         (`services.synchronizer.deltas`)."""
-        buffer = await self._find_pull(version, wait_seconds, at_least)
+        if self.relay is not None:
+            buffer = await self.relay.open(version, wait_seconds, at_least)
+        else:
+            buffer = await self._find_pull(version, wait_seconds, at_least)
         if not base_version:
             return buffer
         base = self.weights.committed.get(base_version)
@@ -141,6 +152,7 @@ class WeightPlane:
     # -- CHECKPOINT ----------------------------------------------------------
 
     async def register_checkpoint(self, version: int, path: str, trainer_id: str) -> int:
+        self._not_a_relay("a checkpoint registration")
         if not path:
             raise InvalidArgument("path: empty")
         root = self.sync.config.checkpoint_root
@@ -190,6 +202,7 @@ class WeightPlane:
     def allocate_group(
         self, version: int, trainer_id: str, rollout_ids: Sequence[str], timeout: float, backend: str
     ) -> Group:
+        self._not_a_relay("an NCCL group")
         trainer = self._member(trainer_id, Role.TRAINER)
         self.sync.check_version(version, "transfer", allow_equal=True)  # equal: catching up a replica
         if rollout_ids:

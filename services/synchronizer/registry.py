@@ -28,6 +28,8 @@ LEGAL: dict[Role, frozenset[tuple[State, State]]] = {
         (S.REQUIRE_SYNC, S.WAITING_SYNC), (S.WAITING_SYNC, S.RUNNING),
     }),
     Role.CONTROLLER: frozenset({(S.STOPPED, S.RUNNING)}),
+    # A relay (services.synchronizer.relay) is up or not: it holds bytes, it never syncs.
+    Role.SYNCHRONIZER: frozenset({(S.STOPPED, S.RUNNING)}),
 }
 
 OnChange = Callable[[Component, EventKind, str], None]
@@ -82,7 +84,8 @@ class Registry:
             raise InvalidArgument("identity.id: empty")
         if identity.role not in LEGAL:
             raise InvalidArgument(
-                f"identity.role: a component is a trainer, rollout or controller, got {identity.role!r}"
+                f"identity.role: a component is a trainer, rollout, controller or relay synchronizer, "
+                f"got {identity.role!r}"
             )
         old = self.components.get(identity.id)
         if old is not None and old.role != identity.role and old.state != S.STOPPED:

@@ -66,11 +66,11 @@ from flywheel.runtime.backoff import Backoff
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.client_types import WatchEvent
 from flywheel.synchronizer.policy import required_version
-from flywheel.synchronizer.types import EventKind, GroupInfo, Method, Policy
+from flywheel.synchronizer.types import EventKind, GroupInfo, Method, Policy, Role, State
 from services.rollout.config import RolloutConfig
 from services.rollout.serving.core import RolloutCore
 from services.rollout.weights.nccl import NcclTarget, update_over_group
-from services.rollout.weights.sources import Stage, checkpoint_stage, memory_stage
+from services.rollout.weights.sources import Stage, checkpoint_stage, memory_stage, relayed_stage
 
 log = logging.getLogger(__name__)
 
@@ -456,6 +456,17 @@ class Follower:
             raise NotFound(f"the synchronizer no longer lists version {version}")
         return self.sources[version]
 
+    async def _relay(self) -> str | None:
+        """The address of a running relay of this replica's site, from the synchronizer's registry."""
+        site = self.config.synchronizer.site
+        if not site:
+            return None
+        status = await self.client.status()
+        relays = sorted(c.identity.address for c in status.components
+                        if c.role is Role.SYNCHRONIZER and c.state is State.RUNNING
+                        and c.identity.labels.get("site") == site and c.identity.address)
+        return relays[0] if relays else None
+
     async def _identity(self, version: int) -> VersionIdentity | None:
         """The version's identity as the synchronizer recorded it (asked for when no event told it yet)."""
         if version not in self.identities:
@@ -471,12 +482,20 @@ class Follower:
         engine, _ = self.core.require_engine()
         specs = engine.weight_specs()
         if method == Method.MEMORY:
-            server, address = self.config.server, self.client.address
-            return memory_stage(address, version, specs, token=self.token,
-                                timeout=self.config.updates.timeout_seconds, max_message_bytes=server.max_message_bytes,
-                                buffers=self.core.staging, identity=await self._identity(version),
-                                base=self.core.deltas.base(address, engine, self.core.identity),
-                                on_pulled=lambda stats: self.core.deltas.observe(address, stats))
+            identity = await self._identity(version)
+
+            def stage_from(address: str) -> Stage:
+                return memory_stage(address, version, specs, token=self.token,
+                                    timeout=self.config.updates.timeout_seconds,
+                                    max_message_bytes=self.config.server.max_message_bytes,
+                                    buffers=self.core.staging, identity=identity,
+                                    base=self.core.deltas.base(address, engine, self.core.identity),
+                                    on_pulled=lambda stats: self.core.deltas.observe(address, stats))
+
+            relay = await self._relay()
+            if relay is None:
+                return stage_from(self.client.address)
+            return relayed_stage(relay, stage_from(relay), lambda: stage_from(self.client.address)())
         if method == Method.CHECKPOINT and location:
             return checkpoint_stage(location, version, specs, self.config.updates.checkpoint_root)
         name = method.name if method else "an unknown method"

@@ -53,7 +53,8 @@ class SynchronizerLink:
         self.follower = Follower(self.client, core, config, self.component_id, token=token)
         self.presence = RolloutPresence(
             self.client, core, link, self.component_id, advertised_address(link, server.host, grpc_port),
-            labels={"model": core.model_name, "engine": status.engine, "device": device, **gpu_label(device)},
+            labels={"model": core.model_name, "engine": status.engine, "device": device, **gpu_label(device),
+                    **({"site": link.site} if link.site else {})},
             step=lambda: self.follower.step,
         )
         self.core = core

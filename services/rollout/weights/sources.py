@@ -14,6 +14,7 @@ from pathlib import Path
 from flywheel.runtime.paths import confine
 
 from flywheel.codec import DigestMismatch
+from flywheel.errors import Aborted, DeadlineExceeded, NotFound, Unavailable
 from flywheel.codec.identity import VersionIdentity
 from flywheel.synchronizer.client_types import DeltaBase, PullStats
 from services.rollout.engine.base import StagedWeights, TensorSpec
@@ -92,3 +93,18 @@ async def recorded_identity(address: str, version: int, *, token: str | None) ->
         status = await client.status()
     known = next((v.identity for v in status.versions if v.version == version and v.identity), None)
     return VersionIdentity(known) if known else None
+
+
+def relayed_stage(relay: str, through_relay: Stage, direct: Stage) -> Stage:
+    """`through_relay` (a pull from the site's relay at `relay`), or `direct` (from the synchronizer)
+    when the relay cannot serve it: down, restarting, or failing to fetch the version itself."""
+
+    async def stage() -> StagedWeights:
+        try:
+            return await through_relay()
+        except (Unavailable, DeadlineExceeded, NotFound, Aborted) as exc:
+            log.warning("the site's relay could not serve the version; pulling it from the synchronizer",
+                        extra={"relay": relay, "error": str(exc)})
+            return await direct()
+
+    return stage
