@@ -33,6 +33,7 @@ ALLOWED = {
     Role.ROLLOUT: {(S.RUNNING, S.REQUIRE_SYNC), (S.REQUIRE_SYNC, S.WAITING_SYNC), (S.WAITING_SYNC, S.RUNNING),
                    (S.REQUIRE_SYNC, S.RUNNING)},
     Role.CONTROLLER: set(),
+    Role.SYNCHRONIZER: set(),  # a relay is up or not
 }
 
 
