@@ -117,11 +117,16 @@ async def pull_version(
                 receiver = _Receiver(check_manifest, into, staging, maps, base, stats)
                 ask = _again(request, exc.version, base)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or not receiver.resumable or stats.resumes >= MAX_RESUMES:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or receiver.segment is not None \
+                        or stats.resumes >= MAX_RESUMES:
                     raise
                 stats.resumes += 1
+                # The channel may still hold the broken connection for a moment: a resume sent at
+                # once can fail the same way, so each waits a little longer than the last.
+                await asyncio.sleep(min(2.0, 0.05 * 2**stats.resumes))
                 manifest = receiver.manifest
-                assert manifest is not None
+                if manifest is None:  # broke before anything arrived: nothing to keep, ask again
+                    continue
                 log.info("the pull stream broke; resuming it", extra={
                     "synchronizer": synchronizer, "version": manifest.version, "from_chunk": receiver.handed,
                     "of_chunks": manifest.chunk_count, "error": exc.details()})
@@ -170,11 +175,6 @@ class _Receiver:
         self.committed = False
         #: Chunks handed to the assembler, in sequence order: where a resumed stream starts.
         self.handed = 0
-
-    @property
-    def resumable(self) -> bool:
-        """A broken stream can go on from `handed` (a shared-memory pull is simply asked again)."""
-        return self.assembler is not None and self.segment is None
 
     async def receive(self, call: PullCall) -> None:
         """Reads one stream to its end (or the shared-memory commit) into the assembly."""

@@ -193,20 +193,24 @@ class VersionBuffer:
 
 
 class WeightStore:
-    """The newest `keep` committed versions (and older ones replicas lease) plus pushes in progress."""
+    """The newest `keep` committed versions plus pushes in progress (and, as delta bases only,
+    older versions replicas still serve)."""
 
     def __init__(self, keep: int, max_staging: int = 2, pool: SegmentPool | None = None) -> None:
         self.keep = keep
         self.max_staging = max_staging
         self.pool = pool
         self.committed: dict[int, VersionBuffer] = {}  # ascending versions
+        #: Versions past `keep` that replicas still serve: kept only as the bases of deltas (never
+        #: pulled themselves, never a rewind's target).
+        self.bases: dict[int, VersionBuffer] = {}
         self.staging: dict[int, VersionBuffer] = {}
         #: Readers waiting for a version's push to begin: (version, at_least, future).
         self._waiters: list[tuple[int, bool, asyncio.Future]] = []
 
     @property
     def held_bytes(self) -> int:
-        held = sum(b.held_bytes for b in (*self.committed.values(), *self.staging.values()))
+        held = sum(b.held_bytes for b in (*self.committed.values(), *self.bases.values(), *self.staging.values()))
         return held + (self.pool.free_bytes if self.pool is not None else 0)
 
     @property
@@ -242,24 +246,24 @@ class WeightStore:
     def commit(self, buffer: VersionBuffer, leased: dict[int, bytes] | None = None, lease_bytes: int = 0) -> list[int]:
         """Verifies and commits a staging version; returns the evicted versions.
 
-        Past the newest `keep`, a version stays while it is `leased` (version -> identity of the
-        weights a live replica serves: the base its next delta is made from), newest first,
-        as long as the versions kept that way hold at most `lease_bytes`."""
+        Past the newest `keep`, a version stays in `bases` while it is `leased` (version ->
+        identity of the weights a live replica serves: the base its next delta is made from),
+        newest first, as long as the versions kept that way hold at most `lease_bytes`."""
         buffer.commit()  # raises (and the caller aborts) on a truncated or tampered version
         self.staging.pop(buffer.version, None)
         self.committed[buffer.version] = buffer
         self.committed = dict(sorted(self.committed.items()))
-        beyond = list(self.committed)[: -self.keep]
-        evicted, budget = [], lease_bytes
-        for version in reversed(beyond):
-            old = self.committed[version]
+        evicted = list(self.committed)[: -self.keep]
+        candidates = {**self.bases, **{v: self.committed.pop(v) for v in evicted}}
+        self.bases, budget = {}, lease_bytes
+        for version in sorted(candidates, reverse=True):
+            old = candidates[version]
             if (leased or {}).get(version) == bytes(old.manifest.identity) and old.held_bytes <= budget:
                 budget -= old.held_bytes
+                self.bases[version] = old
             else:
-                evicted.append(version)
-        evicted.sort()
-        for version in evicted:
-            self.committed.pop(version).retire()
+                old.retire()
+        self.bases = dict(sorted(self.bases.items()))
         for version in [v for v in self.staging if v < buffer.version]:
             self.abort(self.staging[version], Aborted(f"superseded by version {buffer.version}"))
         return evicted
@@ -271,6 +275,8 @@ class WeightStore:
             self.abort(self.staging[v], Aborted(f"the weights were rewound to version {version}"))
         for v in [v for v in self.committed if v > version]:
             self.committed.pop(v).retire()
+        for v in [v for v in self.bases if v > version]:
+            self.bases.pop(v).retire()
 
     def abort(self, buffer: VersionBuffer, error: FlywheelError) -> None:
         buffer.abort(error)

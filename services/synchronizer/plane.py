@@ -112,7 +112,7 @@ class WeightPlane:
             buffer = await self._find_pull(version, wait_seconds, at_least)
         if not base_version:
             return buffer
-        base = self.weights.committed.get(base_version)
+        base = self.weights.committed.get(base_version) or self.weights.bases.get(base_version)
         return await self.deltas.answer(buffer, base, base_version, base_identity)
 
     async def _find_pull(self, version: int, wait_seconds: float, at_least: bool) -> VersionBuffer:

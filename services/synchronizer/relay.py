@@ -151,6 +151,7 @@ class Relay:
                     if exc.code() != grpc.StatusCode.UNAVAILABLE or buffer is None or resumes >= MAX_RESUMES:
                         raise
                     resumes += 1
+                    await asyncio.sleep(min(2.0, 0.05 * 2**resumes))  # as flywheel.synchronizer.pull does
                     log.info("relay's upstream stream broke; resuming", extra={"version": version, "from_chunk": received})
                     request = pb.PullWeightsRequest(version=version, resume_from=received,
                                                     resume_digest=buffer.manifest.digest)

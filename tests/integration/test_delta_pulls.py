@@ -140,9 +140,11 @@ async def test_a_cut_stream_resumes_without_resending_what_arrived(as_delta: boo
         assert proxy.cuts == 1 and pulled.stats.resumes == 1
         assert same(pulled.tensors, v2)
         assert (pulled.stats.delta_base == 1) is as_delta
-        # Only what had not arrived was sent again: the chunk cut in half, at most.
+        # Only what had not arrived was sent again: the chunk cut in half, at most. The forwarder also
+        # counts what was in flight to the replica when the connection was reset (socket buffers the
+        # reset discards): a transfer resumed from the last chunk received must send those again.
         assert pulled.stats.stream_bytes <= whole.stats.stream_bytes + 64 * 1024
-        assert proxy.downstream_bytes <= 1.1 * whole.stats.stream_bytes + 64 * 1024
+        assert proxy.downstream_bytes <= whole.stats.stream_bytes + 512 * 1024
 
 
 @pytest.mark.parametrize("lease_bytes", [1 << 30, 0], ids=["leased", "no-lease-budget"])
@@ -158,9 +160,7 @@ async def test_the_version_a_live_replica_serves_is_kept_as_its_delta_base(lease
         for v in (2, 3, 4):
             await c.push_weights(versions[v], v)
         kept = [v.version for v in (await c.status()).versions if v.in_memory]
+        assert kept == [3, 4]  # a lease keeps a base for deltas; it is not a version to pull
         pulled = await c.pull_weights(4, base=base_of(1, versions[1]))
         assert same(pulled.tensors, versions[4])
-        if lease_bytes:
-            assert kept == [1, 3, 4] and pulled.stats.delta_base == 1
-        else:
-            assert kept == [3, 4] and pulled.stats.delta_base == 0
+        assert pulled.stats.delta_base == (1 if lease_bytes else 0)
