@@ -20,13 +20,17 @@ to it would); the far replica runs at the other end and holds version M. Measure
   resume        a full pull whose connection is reset when half the version has arrived (a TCP
                 forwarder at the near end, flywheel/testing/cut_proxy.py, resets it); the pull
                 resumes from the first chunk it lacks: bytes through the forwarder over one full copy.
+  relay         four far replicas behind one relay at their site (a synchronizer in relay mode,
+                services/synchronizer/relay.py, holding nothing yet), started together: time until
+                the last holds N verified, over one replica's alone pulling N across the link
+                (`relay_last_vs_one`, goal <= 1.3);
   same_host     bench/weight_plane.py's trainer -> synchronizer -> rollout on one host (cut-through,
                 payloads in place) over raw loopback TCP, run as a subprocess in the same run.
 
 Ratios: `delta_vs_full_tcp` (full_tcp seconds / delta_pull seconds, goal >= 5),
-`resume_bytes_vs_one_copy` (goal <= 1.1), `same_host_vs_tcp` (goal >= 0.6), `full_pull_vs_full_tcp`.
-Relays (`relay_last_vs_one`) are not built yet and are reported as null. Every pulled version is
-checked bit-exact outside the timings. Ends with one JSON line, the CPU named.
+`resume_bytes_vs_one_copy` (goal <= 1.1), `relay_last_vs_one` (goal <= 1.3), `same_host_vs_tcp`
+(goal >= 0.6), `full_pull_vs_full_tcp`.
+Every pulled version is checked bit-exact outside the timings. Ends with one JSON line, the CPU named.
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ sys.path.insert(0, str(ROOT))
 
 from flywheel.testing.machine import cpu  # noqa: E402
 
-SYNC_PORT, PROXY_PORT, TCP_PORT = 50151, 50152, 50153
+SYNC_PORT, PROXY_PORT, TCP_PORT, RELAY_PORT = 50151, 50152, 50153, 50154
+#: Far replicas behind the relay.
+REPLICAS = 4
 RATE_BITS, DELAY, LOSS = 100e6, 0.020, 0.001
 
 
@@ -91,13 +97,17 @@ def _cmd_pull(args: list[str]) -> None:
         async with SynchronizerClient(address, shared_memory=False, transfer_timeout=600) as client:
             started = time.perf_counter()
             pulled = await client.pull_weights(version, base=base)
-            return time.perf_counter() - started, pulled
+            return time.perf_counter() - started, time.time(), pulled
 
-    seconds, pulled = asyncio.run(pull())
+    # Imports and files are loaded: start when told, so that several replicas start together.
+    print("ready", flush=True)
+    sys.stdin.readline()
+    seconds, ended, pulled = asyncio.run(pull())
     exact = pulled.tensors.keys() == expect.keys() and all(
         torch.equal(pulled.tensors[k].view(torch.uint8), expect[k].view(torch.uint8)) for k in expect)
-    print(json.dumps({"seconds": seconds, "stream_bytes": pulled.stats.stream_bytes, "resumes": pulled.stats.resumes,
-                      "delta_base": pulled.stats.delta_base, "exact": exact}), flush=True)
+    print(json.dumps({"seconds": seconds, "ended": ended, "stream_bytes": pulled.stats.stream_bytes,
+                      "resumes": pulled.stats.resumes, "delta_base": pulled.stats.delta_base, "exact": exact}),
+          flush=True)
 
 
 def _cmd_proxy(args: list[str]) -> None:
@@ -186,11 +196,30 @@ def _json_line(proc: subprocess.Popen) -> dict:
 
 
 def _run(link, side: str, *argv: str, timeout: float = 900) -> dict:
-    proc = link.popen(side, [sys.executable, __file__, *argv], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    return _together(link, side, [list(argv)], timeout)[0]
+
+
+def _together(link, side: str, argvs: list[list[str]], timeout: float = 900) -> list[dict]:
+    """Helpers started at once once each is ready (a pull: loaded and waiting); their answers, and
+    each answer's `ended` made relative to the common start (`since_start`)."""
+    procs = [link.popen(side, [sys.executable, __file__, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                        text=True, cwd=ROOT) for argv in argvs]
     try:
-        return _json_line(proc)
+        for proc in procs:
+            if argvs[0][0] == "_pull" and proc.stdout.readline().strip() != "ready":
+                raise SystemExit(f"a bench helper did not start ({proc.poll()})")
+        started = time.time()
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        answers = [_json_line(proc) for proc in procs]
+        for answer in answers:
+            if "ended" in answer:
+                answer["since_start"] = answer["ended"] - started
+        return answers
     finally:
-        proc.wait(timeout=timeout)
+        for proc in procs:
+            proc.wait(timeout=timeout)
 
 
 def _wait_ready(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -269,6 +298,24 @@ def measure(args, work: Path) -> dict:
             raise SystemExit(f"the cut pull did not resume into the version: {resumed}, {after}")
         report["resume_seconds"] = round(resumed["seconds"], 3)
         report["resume_wire_bytes"] = after["downstream"] - before
+        # Four far replicas behind one relay at their site (it holds nothing yet: the full version crosses
+        # once, cut-through) against one replica alone pulling across the link.
+        relay_ready, relay_config = work / "relay.ready.json", work / "relay.yaml"
+        relay_config.write_text(json.dumps({
+            "keep_versions": 2, "shared_memory_dir": "",
+            "server": {"host": "0.0.0.0", "port": RELAY_PORT, "metrics_port": 0, "ready_file": str(relay_ready)},
+            "relay": {"upstream": direct, "site": "far", "advertise_address": f"{link.far_address}:{RELAY_PORT}"}}))
+        relay_log = open(work / "relay.log", "wb")  # noqa: SIM115 - closed with the link's processes
+        relay = link.popen("far", [sys.executable, "-m", "services.synchronizer", "--config", str(relay_config)],
+                           cwd=ROOT, stdout=relay_log, stderr=subprocess.STDOUT)
+        _wait_ready(relay_ready, relay)
+        alone = _together(link, "far", [["_pull", direct, "2", str(next_file)]])[0]
+        site = _together(link, "far", [["_pull", f"127.0.0.1:{RELAY_PORT}", "2", str(next_file)]] * REPLICAS)
+        if not alone["exact"] or not all(r["exact"] for r in site):
+            raise SystemExit("a replica behind the relay did not get version N bit for bit")
+        report["one_alone_seconds"] = round(alone["since_start"], 3)
+        report["relay_first_seconds"] = round(min(r["since_start"] for r in site), 3)
+        report["relay_last_seconds"] = round(max(r["since_start"] for r in site), 3)
         report["link"] = {"rate_mbit": RATE_BITS / 1e6, "delay_ms_each_way": DELAY * 1e3, "loss": LOSS,
                           "stats": {k: vars(v) for k, v in link.stats().items()}}
     report["same_host_vs_tcp"] = _same_host(args.smoke)
@@ -296,6 +343,8 @@ def main() -> None:
           f"{r['delta_pull_cold_stream_bytes'] / full:.1%} of the bytes")
     print(f"  pull, delta               {r['delta_pull_seconds']:8.2f} s")
     print(f"  pull cut at 50 %, resumed {r['resume_seconds']:8.2f} s   {r['resume_wire_bytes'] / full:.3f} copies sent")
+    print(f"  one replica alone         {r['one_alone_seconds']:8.2f} s")
+    print(f"  {REPLICAS} behind a relay, first  {r['relay_first_seconds']:8.2f} s, last {r['relay_last_seconds']:.2f} s")
     print(json.dumps({
         **cpu(), "smoke": args.smoke, "full_mib": round(full / 2**20, 1),
         "delta_fraction": round(r["delta_pull_stream_bytes"] / full, 4),
@@ -305,7 +354,7 @@ def main() -> None:
         "delta_cold_vs_full_tcp": round(r["full_tcp_seconds"] / r["delta_pull_cold_seconds"], 2),
         "full_pull_vs_full_tcp": round(r["full_tcp_seconds"] / r["full_pull_seconds"], 3),
         "resume_bytes_vs_one_copy": round(r["resume_wire_bytes"] / full, 3),
-        "relay_last_vs_one": None,
+        "relay_last_vs_one": round(r["relay_last_seconds"] / r["one_alone_seconds"], 3),
         "same_host_vs_tcp": r["same_host_vs_tcp"],
     }))
 

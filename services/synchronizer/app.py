@@ -106,10 +106,10 @@ def build(config: SynchronizerConfig) -> ServiceSpec:
     grpc_port = [0]
     if config.relay is not None:
         link = config.relay
-        client = SynchronizerClient(link.upstream, own_token(config.server), timeout=link.rpc_timeout_seconds,
-                                    transfer_timeout=config.transfer_timeout_seconds,
-                                    max_message_bytes=config.server.max_message_bytes, shared_memory=False)
-        plane.relay = Relay(client, sync.weights, config.transfer_timeout_seconds)
+        plane.relay = Relay(link.upstream, lambda: SynchronizerClient(
+            link.upstream, own_token(config.server), timeout=link.rpc_timeout_seconds,
+            transfer_timeout=config.transfer_timeout_seconds, max_message_bytes=config.server.max_message_bytes,
+            shared_memory=False), sync.weights, config.transfer_timeout_seconds)
 
     async def startup() -> None:
         if config.relay is None or plane.relay is None:

@@ -59,7 +59,7 @@ class WeightPlane:
 
     def _not_a_relay(self, what: str) -> None:
         if self.relay is not None:
-            raise FailedPrecondition(f"this synchronizer is a relay of {self.relay.client.address}: {what} goes there")
+            raise FailedPrecondition(f"this synchronizer is a relay of {self.relay.upstream}: {what} goes there")
 
     def begin_push(self, manifest: common_pb2.WeightManifest, frame: bytes) -> VersionBuffer:
         self._not_a_relay("a push")

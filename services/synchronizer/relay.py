@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -46,13 +47,23 @@ log = logging.getLogger(__name__)
 
 
 class Relay:
-    def __init__(self, client: SynchronizerClient, weights: WeightStore, timeout: float) -> None:
-        self.client = client
+    def __init__(self, upstream: str, connect: Callable[[], SynchronizerClient], weights: WeightStore,
+                 timeout: float) -> None:
+        self.upstream = upstream
+        self._connect = connect
+        self._client: SynchronizerClient | None = None
         self.weights = weights
         self.timeout = timeout
         #: Version -> the fetch in flight (resolves to its buffer as soon as the buffer exists).
         self._fetching: dict[int, asyncio.Future[VersionBuffer]] = {}
         self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def client(self) -> SynchronizerClient:
+        """The upstream's client, made on first use: inside the server's event loop, which its channel needs."""
+        if self._client is None:
+            self._client = self._connect()
+        return self._client
 
     async def open(self, version: int, wait_seconds: float, at_least: bool) -> VersionBuffer:
         """The buffer of `version` (0: the upstream's newest; with at_least, the newest >= it), fetched
@@ -168,4 +179,5 @@ class Relay:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        await self.client.close()
+        if self._client is not None:
+            await self._client.close()
