@@ -171,6 +171,8 @@ class Relay:
             if buffer is None:
                 raise Aborted(f"the upstream's stream of version {version} ended before its manifest")
             self.weights.commit(buffer)
+            log.info("relay fetched a version", extra={"version": version, "from_base": 0,
+                                                        "wire_bytes": buffer.payload_bytes, "resumes": resumes})
         except BaseException as exc:
             if buffer is not None:
                 self.weights.abort(buffer, exc if isinstance(exc, FlywheelError) else Aborted(str(exc)))

@@ -54,13 +54,14 @@ class Cluster:
         self.root = root
         self.services: dict[str, ServiceProcess] = {}
 
-    def start(self, name: str, kind: str, config: dict, port: int = 0) -> ServiceProcess:
+    def start(self, name: str, kind: str, config: dict, port: int = 0, python: str = sys.executable) -> ServiceProcess:
+        """`python`: the interpreter to run it with (e.g. a wrapper that enters a network namespace)."""
         directory = self.root / name
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / "config.yaml"
         path.write_text(yaml.safe_dump(config))
         args = ["--config", str(path)] + (["--server.port", str(port)] if port else [])  # a later flag wins
-        child = start_service(kind, directory, args)
+        child = start_service(kind, directory, args, python=python)
         self.services[name] = child
         return child
 
@@ -97,12 +98,12 @@ class Cluster:
             "updates": {"checkpoint_root": str(self.root), **(updates or {})},
         }, port)
 
-    def controller(self, run: dict, run_dir: Path) -> subprocess.Popen:
+    def controller(self, run: dict, run_dir: Path, python: str = sys.executable) -> subprocess.Popen:
         run_file = self.root / "run.yaml"
         run_file.write_text(yaml.safe_dump(run))
         out = open(self.root / "controller.out", "w")  # noqa: SIM115 - closed with the process
         return subprocess.Popen(
-            [sys.executable, "-m", "services.controller", "run", str(run_file), "--run-dir", str(run_dir)],
+            [python, "-m", "services.controller", "run", str(run_file), "--run-dir", str(run_dir)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
 
