@@ -149,6 +149,9 @@ def encode_tensor_delta(base: torch.Tensor, new: torch.Tensor, compressor: zstan
 
 def _decompress(frame: memoryview, size: int, name: str) -> bytes:
     try:
+        stated = zstandard.frame_content_size(frame)  # refused before anything is allocated
+        if stated > size:
+            raise DeltaCorrupted(f"delta record of {name!r}: its frame holds {stated} bytes, expected {size}")
         data = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
     except zstandard.ZstdError as exc:
         raise DeltaCorrupted(f"delta record of {name!r}: {exc}") from exc

@@ -77,11 +77,14 @@ class SynchronizerClient:
         max_message_bytes: int = 64 * MIB,
         shared_memory: bool = True,
         tls: TlsFiles | None = None,
+        compress: bool | None = None,
     ) -> None:
-        """`tls`: default this process's (flywheel.runtime.tls)."""
+        """`tls`: default this process's (flywheel.runtime.tls). `compress`: ask for compressed chunks
+        on pulls (None: once a pull measured the link slow; flywheel.synchronizer.pull)."""
         self.address = address
         #: Offer to read pulled versions in place when the synchronizer is on this host.
         self.shared_memory = shared_memory
+        self.compress = compress
         self.timeout, self.transfer_timeout, self.watch_timeout = timeout, transfer_timeout, watch_timeout
         self.channel = open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes,
                                     tls=tls)
@@ -297,7 +300,7 @@ class SynchronizerClient:
             manifest, tensors = await pull_version(
                 lambda r: self._pull(r, timeout=deadline), request, synchronizer=self.address,
                 shared_memory=self.shared_memory, check_manifest=check_manifest, into=into, staging=staging,
-                base=base, stats=stats,
+                base=base, stats=stats, compress=self.compress,
             )
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc, f"synchronizer PullWeights from {self.address}") from None

@@ -107,6 +107,8 @@ class PullStats:
     resumes: int = 0
     #: The version arrived as a delta from this base (0: in full).
     delta_base: int = 0
+    #: Compressed chunks were asked for (the link to the synchronizer proved slow, or the caller asked).
+    compressed: bool = False
 
 
 @dataclass(frozen=True)

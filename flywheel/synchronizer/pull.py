@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Protocol
 
@@ -44,6 +45,7 @@ from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import DataLoss
 from flywheel.synchronizer.client_types import DeltaBase, PullStats
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
+from flywheel.transfer.compression import decompressed
 from flywheel.transfer.frames import CHUNK_FIELD, MANIFEST_FIELD, split_frame
 from flywheel.transfer.segments import SEGMENT_MAPS, SegmentMaps, SegmentUnavailable
 
@@ -69,6 +71,19 @@ class _Unmappable(Exception):
 
 #: Times one pull resumes a broken stream before it gives up.
 MAX_RESUMES = 8
+#: Payload bytes a second below which a pull from a synchronizer asks for compressed chunks
+#: (`compress=None`): half the rate at which compression stops paying for bfloat16 weights on two
+#: cores (flywheel.transfer.compression), so that a fast LAN or the same host never pays for it.
+COMPRESS_BELOW_BYTES_PER_SECOND = 50e6
+#: Synchronizer address -> payload bytes a second of the last pull over its stream.
+_LINK_RATES: dict[str, float] = {}
+
+
+def wants_compression(synchronizer: str) -> bool:
+    """Whether a pull from `synchronizer` should ask for compressed chunks: its link, as the last
+    pull over the stream measured it, is slow (unknown: not)."""
+    rate = _LINK_RATES.get(synchronizer)
+    return rate is not None and rate < COMPRESS_BELOW_BYTES_PER_SECOND
 
 
 async def pull_version(
@@ -83,6 +98,7 @@ async def pull_version(
     maps: SegmentMaps = SEGMENT_MAPS,
     base: DeltaBase | None = None,
     stats: PullStats | None = None,
+    compress: bool | None = None,
 ) -> tuple[cpb.WeightManifest, dict[str, torch.Tensor]]:
     """Pulls `request`'s version from `synchronizer` (its address) and assembles it.
 
@@ -92,14 +108,19 @@ async def pull_version(
     tensors updated in place on success, untouched otherwise; None returns
     fresh CPU tensors. `staging`: reusable staging tensors (see
     WeightAssembler). `base`: a version this reader holds, to be sent a delta
-    from. `stats` is filled in with what the pull cost. Every call is
-    cancelled on return, on error and on cancellation.
+    from. `stats` is filled in with what the pull cost. `compress`: ask for
+    compressed chunks (None: when the link to `synchronizer` proved slow,
+    `wants_compression`). Every call is cancelled on return, on error and on
+    cancellation.
     """
     stats = stats if stats is not None else PullStats()
     shared = shared_memory and synchronizer not in _UNMAPPABLE
     ask = pb.PullWeightsRequest()
     ask.CopyFrom(request)
     ask.shared_memory = shared
+    ask.compress = wants_compression(synchronizer) if compress is None else compress
+    stats.compressed = ask.compress
+    started = time.monotonic()
     if base is not None:
         ask.base_version, ask.base_identity = base.version, base.identity.digest
     receiver = _Receiver(check_manifest, into, staging, maps, base, stats)
@@ -116,6 +137,7 @@ async def pull_version(
                 receiver.abandon()
                 receiver = _Receiver(check_manifest, into, staging, maps, base, stats)
                 ask = _again(request, exc.version, base)
+                ask.compress = stats.compressed
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or receiver.segment is not None \
                         or stats.resumes >= MAX_RESUMES:
@@ -132,9 +154,16 @@ async def pull_version(
                     "of_chunks": manifest.chunk_count, "error": exc.details()})
                 ask = _again(request, manifest.version, base)
                 ask.resume_from, ask.resume_digest = receiver.handed, manifest.digest
+                ask.compress = stats.compressed
                 if manifest.base_version == 0:
                     ask.base_version, ask.base_identity = 0, b""  # resume what is being sent: the full version
-        return await receiver.finish()
+        result = await receiver.finish()
+        seconds = time.monotonic() - started
+        if (not stats.shared_bytes and stats.stream_bytes >= (1 << 20) and not stats.delta_base
+                and not request.wait_seconds and seconds > 0):  # a wait for the push would read as a slow link
+            # Payload bytes a second as they arrived (compressed or not): what the link gave this pull.
+            _LINK_RATES[synchronizer] = result[0].total_bytes / seconds
+        return result
     except BaseException:
         await asyncio.to_thread(receiver.abandon)
         raise
@@ -189,9 +218,12 @@ class _Receiver:
                     header, payload = parse_chunk(split_frame(frame)[1])
                     if header.sequence != self.handed:
                         raise DataLoss(f"the pull stream sent chunk {header.sequence}, expected {self.handed}")
+                    self.stats.stream_bytes += len(payload)
+                    if header.zstd:
+                        payload = decompressed(header, payload, self.manifest.chunk_bytes)
+                        header.zstd = False
                     self.assembler.add_piece(header, payload)
                     self.handed += 1
-                    self.stats.stream_bytes += len(payload)
                 else:
                     message = pb.PullWeightsResponse.FromString(frame)
                     kind = message.WhichOneof("payload")

@@ -113,6 +113,11 @@ class UpdatesConfig(StrictModel):
         "when it does not apply): auto does so when the last pull came over the network rather than from the "
         "synchronizer's shared memory; the transformers engine on CPU only (vLLM pulls in its worker: full)"
     )
+    compress_pulls: Literal["auto", "on", "off"] = Field(
+        "auto", description="ask the synchronizer for MEMORY versions with each chunk zstd-compressed (about 22 % "
+        "smaller in bfloat16, 9 % in float32; it pays below about 100 MB/s): auto does so once a pull over the "
+        "network measured the link below 50 MB/s"
+    )
     apply_timeout_seconds: float = Field(
         120.0, gt=0, description="deadline of loading a staged version into the engine (generation is paused "
         "meanwhile); past it the update fails and the replica is quarantined, in seconds"

@@ -29,6 +29,7 @@ from flywheel.errors import (
     Aborted, AlreadyExists, FailedPrecondition, FlywheelError, InvalidArgument, NotFound, ResourceExhausted,
 )
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
+from flywheel.transfer.compression import compressed_frame
 from services.synchronizer.storage import HeapFrames, SegmentFrames, SegmentPool
 
 #: The last message of a shared-memory pull.
@@ -98,6 +99,8 @@ class VersionBuffer:
         """Verifies a chunk (codec errors on failure) and makes its frame readable."""
         if self.phase is not Phase.STAGING:
             raise Aborted(f"version {self.version} is {self.phase.value}; no more chunks are accepted")
+        if chunk.zstd:
+            raise InvalidArgument(f"chunk {chunk.sequence}: a push carries payloads as they are, not compressed")
         seq = self.verifier.check(chunk, data)
         self.storage.put(seq, frame, chunk, data)
         self._changed.fire()
@@ -152,10 +155,13 @@ class VersionBuffer:
     def _failure(self) -> Aborted:
         return Aborted(f"the push of version {self.version} was aborted: {self.error}")
 
-    async def stream(self, shared: bool = False, hold_seconds: float = 60.0, first_seq: int = 0) -> AsyncIterator[bytes]:
+    async def stream(self, shared: bool = False, hold_seconds: float = 60.0, first_seq: int = 0,
+                     compress: bool = False) -> AsyncIterator[bytes]:
         """The manifest frame, then every chunk frame from `first_seq` on (a
         resumed pull) in sequence order, as they arrive; ends only once the
-        version is committed.
+        version is committed. `compress` (not with `shared`): each chunk's
+        payload as a zstd frame (`flywheel.transfer.compression`), compressed
+        on a worker thread.
 
         shared (a reader on this host, and the version is in a segment): the
         segment frame, headers-only chunk frames, then COMMITTED_FRAME; the
@@ -178,7 +184,12 @@ class VersionBuffer:
                     await self._changed.wait()
                 if self.phase is Phase.ABORTED:
                     raise self._failure()
-                yield storage.shared_frame(seq) if isinstance(storage, SegmentFrames) and shared else storage.frame(seq)
+                if isinstance(storage, SegmentFrames) and shared:
+                    yield storage.shared_frame(seq)
+                elif compress:
+                    yield await asyncio.to_thread(compressed_frame, storage.frame(seq))
+                else:
+                    yield storage.frame(seq)
             while self.phase is Phase.STAGING:
                 await self._changed.wait()
             if self.phase is Phase.ABORTED:

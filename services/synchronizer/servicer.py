@@ -202,7 +202,9 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
         # bounds how long a reader that never does keeps the segment reserved.
         remaining = context.time_remaining()
         hold = 60.0 if remaining is None else max(0.0, min(60.0, remaining - 1.0))
-        async for frame in buffer.stream(shared, hold, first_seq):
+        # A delta's records are compressed already.
+        compress = request.compress and not shared and not buffer.manifest.base_version
+        async for frame in buffer.stream(shared, hold, first_seq, compress):
             if frame is COMMITTED_FRAME:  # every payload was offered in place
                 metrics.WEIGHT_PULL_SHARED_BYTES.inc(buffer.payload_bytes)
             yield frame

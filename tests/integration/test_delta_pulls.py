@@ -164,3 +164,24 @@ async def test_the_version_a_live_replica_serves_is_kept_as_its_delta_base(lease
         pulled = await c.pull_weights(4, base=base_of(1, versions[1]))
         assert same(pulled.tensors, versions[4])
         assert pulled.stats.delta_base == (1 if lease_bytes else 0)
+
+
+async def test_a_compressed_pull_is_the_version_in_fewer_bytes_and_only_where_the_link_is_slow() -> None:
+    from flywheel.synchronizer import pull
+
+    v1 = model()
+    async with embedded_synchronizer() as server, CutProxy("127.0.0.1", int(server.address.rsplit(":", 1)[1])) as proxy:
+        async with SynchronizerClient(server.address, shared_memory=False) as direct:
+            await direct.push_weights(v1, 1, chunk_bytes=64 * 1024)
+        async with SynchronizerClient(proxy.address, shared_memory=False, compress=True) as far:
+            pulled = await far.pull_weights(1)
+        assert same(pulled.tensors, v1) and pulled.stats.compressed
+        assert proxy.downstream_bytes < 0.9 * pulled.nbytes  # bfloat16 weights compress by about a fifth
+        assert pulled.stats.stream_bytes < 0.9 * pulled.nbytes
+        # Auto: a link measured fast is not compressed, one measured slow is.
+        async with SynchronizerClient(server.address, shared_memory=False) as auto:
+            assert not (await auto.pull_weights(1)).stats.compressed  # unknown at first: measured by this pull
+            assert not (await auto.pull_weights(1)).stats.compressed  # loopback is far above the threshold
+            pull._LINK_RATES[server.address] = 10e6  # as a 100 Mbit/s link measures
+            slow = await auto.pull_weights(1)
+            assert slow.stats.compressed and same(slow.tensors, v1)

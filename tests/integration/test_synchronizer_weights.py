@@ -253,3 +253,12 @@ async def test_checkpoint_versions_are_checked_then_announced(tmp_path) -> None:
         with pytest.raises(FailedPrecondition, match="CHECKPOINT"):
             await c.pull_weights()  # the newest version travels by path, not bytes
         await events.aclose()
+
+
+async def test_a_push_of_compressed_chunks_is_refused() -> None:
+    from flywheel.transfer.compression import compressed_frame
+
+    frames = list(encoded_frames(encode_state_dict(small_state(1, scale=40), 1, chunk_bytes=4096)))
+    async with embedded_synchronizer() as server:
+        pushed = [frames[0], *(compressed_frame(f) for f in frames[1:])]
+        assert await raw_push(server.address, pushed) == grpc.StatusCode.INVALID_ARGUMENT

@@ -177,7 +177,7 @@ class WeightManifest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., digest: _Optional[bytes] = ..., identity: _Optional[bytes] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("version", "base_version", "tensor_name", "dtype", "shape", "offset", "data", "checksum", "last", "bucket_index", "sequence")
+    __slots__ = ("version", "base_version", "tensor_name", "dtype", "shape", "offset", "data", "checksum", "last", "bucket_index", "sequence", "zstd")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class WeightChunk(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ZSTD_FIELD_NUMBER: _ClassVar[int]
     version: int
     base_version: int
     tensor_name: str
@@ -200,7 +201,8 @@ class WeightChunk(_message.Message):
     last: bool
     bucket_index: int
     sequence: int
-    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., tensor_name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., last: _Optional[bool] = ..., bucket_index: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
+    zstd: bool
+    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., tensor_name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., last: _Optional[bool] = ..., bucket_index: _Optional[int] = ..., sequence: _Optional[int] = ..., zstd: _Optional[bool] = ...) -> None: ...
 
 class ComponentIdentity(_message.Message):
     __slots__ = ("role", "id", "address", "capabilities", "labels")

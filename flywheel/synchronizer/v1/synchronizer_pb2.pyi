@@ -280,7 +280,7 @@ class PushWeightsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., kept_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullWeightsRequest(_message.Message):
-    __slots__ = ("version", "wait_seconds", "at_least", "shared_memory", "base_version", "base_identity", "resume_from", "resume_digest")
+    __slots__ = ("version", "wait_seconds", "at_least", "shared_memory", "base_version", "base_identity", "resume_from", "resume_digest", "compress")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AT_LEAST_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +289,7 @@ class PullWeightsRequest(_message.Message):
     BASE_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     RESUME_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    COMPRESS_FIELD_NUMBER: _ClassVar[int]
     version: int
     wait_seconds: float
     at_least: bool
@@ -297,7 +298,8 @@ class PullWeightsRequest(_message.Message):
     base_identity: bytes
     resume_from: int
     resume_digest: bytes
-    def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., at_least: _Optional[bool] = ..., shared_memory: _Optional[bool] = ..., base_version: _Optional[int] = ..., base_identity: _Optional[bytes] = ..., resume_from: _Optional[int] = ..., resume_digest: _Optional[bytes] = ...) -> None: ...
+    compress: bool
+    def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., at_least: _Optional[bool] = ..., shared_memory: _Optional[bool] = ..., base_version: _Optional[int] = ..., base_identity: _Optional[bytes] = ..., resume_from: _Optional[int] = ..., resume_digest: _Optional[bytes] = ..., compress: _Optional[bool] = ...) -> None: ...
 
 class SharedSegment(_message.Message):
     __slots__ = ("path", "nonce", "size", "header_bytes")

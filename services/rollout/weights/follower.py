@@ -74,6 +74,9 @@ from services.rollout.weights.sources import Stage, checkpoint_stage, memory_sta
 
 log = logging.getLogger(__name__)
 
+#: updates.compress_pulls -> what a pull asks for (None: the link decides, flywheel.synchronizer.pull).
+COMPRESS = {"auto": None, "on": True, "off": False}
+
 #: Failures worth trying the same version again for.
 TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "RESOURCE_EXHAUSTED"})
 
@@ -490,7 +493,8 @@ class Follower:
                                     max_message_bytes=self.config.server.max_message_bytes,
                                     buffers=self.core.staging, identity=identity,
                                     base=self.core.deltas.base(address, engine, self.core.identity),
-                                    on_pulled=lambda stats: self.core.deltas.observe(address, stats))
+                                    on_pulled=lambda stats: self.core.deltas.observe(address, stats),
+                                    compress=COMPRESS[self.config.updates.compress_pulls])
 
             relay = await self._relay()
             if relay is None:

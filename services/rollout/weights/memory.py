@@ -31,17 +31,19 @@ async def pull_tensors(
     staging: dict[str, torch.Tensor] | None = None,
     tls: TlsFiles | None = None,
     base: DeltaBase | None = None,
+    compress: bool | None = None,
 ) -> PulledWeights:
     """Version `version` from the synchronizer at `address`, every chunk checksum
     and the version's digest verified, in CPU tensors: `staging` (tensors of
     exactly `want`'s names, dtypes and shapes, overwritten) or fresh ones.
     `tls`: the TLS to call with (default: this process's). The synchronizer's
     refusals raise their domain errors, status kept (NOT_FOUND: evicted by a
-    newer push). `base`: a verified version held here, to be sent a delta from."""
+    newer push). `base`: a verified version held here, to be sent a delta from.
+    `compress`: ask for compressed chunks (None: when the link proved slow)."""
     # A client (and channel) per pull: the address is the request's, and the
     # vLLM worker pulls from its own process.
     async with SynchronizerClient(address, token, timeout=timeout, transfer_timeout=timeout,
-                                  max_message_bytes=max_message_bytes, tls=tls) as client:
+                                  max_message_bytes=max_message_bytes, tls=tls, compress=compress) as client:
         return await client.pull_weights(
             version, staging=staging, timeout=timeout, base=base,
             check_manifest=lambda m: check_stream_manifest(version, m, want),
@@ -59,6 +61,7 @@ async def pull_staged(
     staging: dict[str, torch.Tensor] | None = None,
     base: DeltaBase | None = None,
     on_pulled: Callable[[PullStats | None], None] | None = None,
+    compress: bool | None = None,
 ) -> StagedWeights:
     """Version `version` as `pull_tensors` stages it; or, while an engine that
     pulls versions itself is being updated, only where it is (`source`).
@@ -67,7 +70,7 @@ async def pull_staged(
         source = MemorySource(address, version, token, timeout, max_message_bytes, ticket=uuid.uuid4().hex)
         return StagedWeights(version=version, source=source)
     pulled = await pull_tensors(address, version, want, token=token, timeout=timeout,
-                                max_message_bytes=max_message_bytes, staging=staging, base=base)
+                                max_message_bytes=max_message_bytes, staging=staging, base=base, compress=compress)
     if on_pulled is not None:
         on_pulled(pulled.stats)
     return StagedWeights(version=version, tensors=pulled.tensors, nbytes=pulled.nbytes, identity=pulled.identity)

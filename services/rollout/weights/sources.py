@@ -50,6 +50,7 @@ def memory_stage(
     identity: VersionIdentity | None = None,
     base: DeltaBase | None = None,
     on_pulled: Callable[[PullStats | None], None] | None = None,
+    compress: bool | None = None,
 ) -> Stage:
     """`buffers`: staged into the set they hold, if any, and given back on
     release; after a failed pull the set is dropped (fresh tensors next time).
@@ -59,7 +60,8 @@ def memory_stage(
     update of a MEMORY version is verified against the same identity.
     `base`: the served weights, offered as the base of a delta
     (`services.rollout.weights.deltas`); a delta that does not rebuild the
-    version is pulled again in full. `on_pulled` is told what a pull cost."""
+    version is pulled again in full. `on_pulled` is told what a pull cost.
+    `compress`: ask for compressed chunks (None: when the link proved slow)."""
 
     async def stage() -> StagedWeights:
         # Cancelling this (an abandoned update) cancels the pull.
@@ -67,14 +69,14 @@ def memory_stage(
         try:
             staged = await pull_staged(address, version, specs, token=token, timeout=timeout,
                                        max_message_bytes=max_message_bytes, staging=staging,
-                                       base=base, on_pulled=on_pulled)
+                                       base=base, on_pulled=on_pulled, compress=compress)
         except DigestMismatch as exc:
             if base is None:
                 raise
             log.warning("a delta from the served weights did not rebuild the version; pulling it in full",
                         extra={"version": version, "base_version": base.version, "error": str(exc)})
             staged = await pull_staged(address, version, specs, token=token, timeout=timeout,
-                                       max_message_bytes=max_message_bytes, on_pulled=on_pulled)
+                                       max_message_bytes=max_message_bytes, on_pulled=on_pulled, compress=compress)
         if staged.identity is None:
             staged.identity = identity or await recorded_identity(address, version, token=token)
         if buffers is not None and staged.tensors is not None:
