@@ -13,6 +13,9 @@ to it would); the far replica runs at the other end and holds version M. Measure
   full_tcp      the baseline: the full version's bytes sent over the link by raw TCP (sendall into
                 a socket, recv_into at the far end), what any transfer of the whole model costs;
   full_pull     the far replica pulls N in full (`pull_weights`): the chunks, checked and verified;
+  compressed_pull  the same with each chunk zstd-compressed (flywheel/transfer/compression.py);
+                beside it, the compressor's speeds on N's bytes here and the link rate below which
+                compressing pays (`compression_pays_below_mb_s`);
   delta_pull    the far replica pulls N as a delta from M (`pull_weights(base=M)`), time until it
                 holds N verified bit for bit against N's identity; the first replica to ask pays
                 for the delta's encoding on the synchronizer (`delta_pull_cold`), the next one not
@@ -29,7 +32,7 @@ to it would); the far replica runs at the other end and holds version M. Measure
 
 Ratios: `delta_vs_full_tcp` (full_tcp seconds / delta_pull seconds, goal >= 5),
 `resume_bytes_vs_one_copy` (goal <= 1.1), `relay_last_vs_one` (goal <= 1.3), `same_host_vs_tcp`
-(goal >= 0.6), `full_pull_vs_full_tcp`.
+(goal >= 0.6), `full_pull_vs_full_tcp`, `compressed_pull_vs_full_pull`.
 Every pulled version is checked bit-exact outside the timings. Ends with one JSON line, the CPU named.
 """
 
@@ -80,13 +83,15 @@ def _cmd_push(args: list[str]) -> None:
 
 
 def _cmd_pull(args: list[str]) -> None:
-    """address version expect_file [base_version base_file]: prints the pull's figures as JSON."""
+    """[--compress] address version expect_file [base_version base_file]: prints the pull's figures as JSON."""
     import torch
 
     from flywheel.codec.identity import identify
     from flywheel.synchronizer.client import SynchronizerClient
     from flywheel.synchronizer.client_types import DeltaBase
 
+    compress = args[0] == "--compress"
+    args = args[1:] if compress else args
     address, version, expect = args[0], int(args[1]), _load(args[2])
     base = None
     if len(args) > 3:
@@ -94,7 +99,7 @@ def _cmd_pull(args: list[str]) -> None:
         base = DeltaBase(int(args[3]), identify(tensors), tensors)
 
     async def pull():
-        async with SynchronizerClient(address, shared_memory=False, transfer_timeout=600) as client:
+        async with SynchronizerClient(address, shared_memory=False, transfer_timeout=600, compress=compress) as client:
             started = time.perf_counter()
             pulled = await client.pull_weights(version, base=base)
             return time.perf_counter() - started, time.time(), pulled
@@ -274,9 +279,11 @@ def measure(args, work: Path) -> dict:
         report["full_tcp_seconds"] = round(tcp["seconds"], 3)
 
         full_pull = _run(link, "far", "_pull", direct, "2", str(next_file))
+        compressed = _run(link, "far", "_pull", "--compress", direct, "2", str(next_file))
         cold = _run(link, "far", "_pull", direct, "2", str(next_file), "1", str(base_file))
         warm = _run(link, "far", "_pull", direct, "2", str(next_file), "1", str(base_file))
-        for name, figures in (("full_pull", full_pull), ("delta_pull_cold", cold), ("delta_pull", warm)):
+        for name, figures in (("full_pull", full_pull), ("compressed_pull", compressed), ("delta_pull_cold", cold),
+                              ("delta_pull", warm)):
             if not figures["exact"]:
                 raise SystemExit(f"{name}: the pulled version is not version N bit for bit")
             report[f"{name}_seconds"] = round(figures["seconds"], 3)
@@ -319,7 +326,32 @@ def measure(args, work: Path) -> dict:
         report["link"] = {"rate_mbit": RATE_BITS / 1e6, "delay_ms_each_way": DELAY * 1e3, "loss": LOSS,
                           "stats": {k: vars(v) for k, v in link.stats().items()}}
     report["same_host_vs_tcp"] = _same_host(args.smoke)
+    report["codec"] = _codec_rates(next_file)
     return report
+
+
+def _codec_rates(path: Path) -> dict:
+    """The chunk compressor on this version's bytes, here: its ratio, its speeds, and the link rate
+    below which compressing the stream pays (compress, send and decompress one after the other:
+    1/C + r/R + 1/D < 1/R, so R < (1 - r) / (1/C + 1/D))."""
+    import zstandard
+
+    from flywheel.codec.dtypes import byte_view
+    from flywheel.transfer.compression import LEVEL
+
+    state = _load(str(path))
+    data = b"".join(bytes(byte_view(t)) for t in state.values())
+    chunks = [data[i : i + (4 << 20)] for i in range(0, len(data), 4 << 20)]
+    started = time.perf_counter()
+    packed = [zstandard.ZstdCompressor(level=LEVEL).compress(c) for c in chunks]
+    compress = len(data) / (time.perf_counter() - started)
+    started = time.perf_counter()
+    for c in packed:
+        zstandard.ZstdDecompressor().decompress(c)
+    decompress = len(data) / (time.perf_counter() - started)
+    ratio = sum(map(len, packed)) / len(data)
+    return {"ratio": round(ratio, 4), "compress_mb_s": round(compress / 1e6), "decompress_mb_s": round(decompress / 1e6),
+            "pays_below_mb_s": round((1 - ratio) / (1 / compress + 1 / decompress) / 1e6)}
 
 
 def main() -> None:
@@ -339,6 +371,10 @@ def main() -> None:
           f"{RATE_BITS / 1e6:g} Mbit/s, {DELAY * 2e3:g} ms round trip, {LOSS:.1%} loss")
     print(f"  raw TCP, full version     {r['full_tcp_seconds']:8.2f} s")
     print(f"  pull, full version        {r['full_pull_seconds']:8.2f} s")
+    codec = r["codec"]
+    print(f"  pull, compressed chunks   {r['compressed_pull_seconds']:8.2f} s   "
+          f"{r['compressed_pull_stream_bytes'] / full:.1%} of the bytes (zstd here: {codec['compress_mb_s']} MB/s in, "
+          f"{codec['decompress_mb_s']} MB/s out: pays below {codec['pays_below_mb_s']} MB/s)")
     print(f"  pull, delta (first asker) {r['delta_pull_cold_seconds']:8.2f} s   "
           f"{r['delta_pull_cold_stream_bytes'] / full:.1%} of the bytes")
     print(f"  pull, delta               {r['delta_pull_seconds']:8.2f} s")
@@ -353,6 +389,8 @@ def main() -> None:
         "delta_vs_full_tcp": round(r["full_tcp_seconds"] / r["delta_pull_seconds"], 2),
         "delta_cold_vs_full_tcp": round(r["full_tcp_seconds"] / r["delta_pull_cold_seconds"], 2),
         "full_pull_vs_full_tcp": round(r["full_tcp_seconds"] / r["full_pull_seconds"], 3),
+        "compressed_pull_vs_full_pull": round(r["full_pull_seconds"] / r["compressed_pull_seconds"], 3),
+        "compression_pays_below_mb_s": r["codec"]["pays_below_mb_s"], "compressed_fraction": r["codec"]["ratio"],
         "resume_bytes_vs_one_copy": round(r["resume_wire_bytes"] / full, 3),
         "relay_last_vs_one": round(r["relay_last_seconds"] / r["one_alone_seconds"], 3),
         "same_host_vs_tcp": r["same_host_vs_tcp"],
