@@ -172,7 +172,7 @@ def _address_fields(config: Any) -> list[tuple[str, str]]:
             continue
         value: Any = config
         for part in path:
-            value = getattr(value, part)
+            value = getattr(value, part) if value is not None else None  # an unset section (relay) has none
         if value:
             found.append((".".join(path), value))
     return found
