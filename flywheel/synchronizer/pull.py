@@ -79,6 +79,12 @@ COMPRESS_BELOW_BYTES_PER_SECOND = 50e6
 _LINK_RATES: dict[str, float] = {}
 
 
+def resume_delay(attempt: int) -> float:
+    """Seconds to wait before resume `attempt` (from 1): the channel may still hold the broken
+    connection for a moment, and a resume sent at once can fail the same way."""
+    return min(2.0, 0.05 * 2**attempt)
+
+
 def wants_compression(synchronizer: str) -> bool:
     """Whether a pull from `synchronizer` should ask for compressed chunks: its link, as the last
     pull over the stream measured it, is slow (unknown: not)."""
@@ -143,9 +149,7 @@ async def pull_version(
                         or stats.resumes >= MAX_RESUMES:
                     raise
                 stats.resumes += 1
-                # The channel may still hold the broken connection for a moment: a resume sent at
-                # once can fail the same way, so each waits a little longer than the last.
-                await asyncio.sleep(min(2.0, 0.05 * 2**stats.resumes))
+                await asyncio.sleep(resume_delay(stats.resumes))
                 manifest = receiver.manifest
                 if manifest is None:  # broke before anything arrived: nothing to keep, ask again
                     continue

@@ -37,7 +37,7 @@ from flywheel.errors import Aborted, DataLoss, FlywheelError, Unavailable
 from flywheel.runtime.client import domain_error
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.client_types import DeltaBase
-from flywheel.synchronizer.pull import MAX_RESUMES
+from flywheel.synchronizer.pull import MAX_RESUMES, resume_delay
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.transfer.frames import CHUNK_FIELD, MANIFEST_FIELD, encoded_frames, split_frame
 from services.synchronizer.buffers import VersionBuffer, WeightStore
@@ -162,7 +162,7 @@ class Relay:
                     if exc.code() != grpc.StatusCode.UNAVAILABLE or buffer is None or resumes >= MAX_RESUMES:
                         raise
                     resumes += 1
-                    await asyncio.sleep(min(2.0, 0.05 * 2**resumes))  # as flywheel.synchronizer.pull does
+                    await asyncio.sleep(resume_delay(resumes))
                     log.info("relay's upstream stream broke; resuming", extra={"version": version, "from_chunk": received})
                     request = pb.PullWeightsRequest(version=version, resume_from=received,
                                                     resume_digest=buffer.manifest.digest)

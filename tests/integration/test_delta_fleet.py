@@ -9,21 +9,17 @@ same identity as r1's full pulls); the synchronizer served r0 deltas, not full v
 
 from __future__ import annotations
 
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run
+from tests.integration.test_synchronizer_weights import metric
 
 pytestmark = pytest.mark.slow
 
 STEPS = 8
 
-
-def counter(url: str, line_start: str) -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start))
 
 
 @pytest.mark.timeout(600)
@@ -54,7 +50,7 @@ def test_a_replica_that_pulls_deltas_serves_the_same_verified_versions(tmp_path:
             assert by_replica["r0"][version].get("identity")
             assert by_replica["r0"][version]["identity"] == by_replica["r1"][version]["identity"]
         metrics = cluster["synchronizer"].metrics_url
-        deltas = counter(metrics, 'flywheel_synchronizer_delta_pulls_total{sent="delta"}')
+        deltas = metric(metrics, 'flywheel_synchronizer_delta_pulls_total{sent="delta"}')
         # r0's first pull has no verified base (it serves the model it started with); every later one is a delta.
         assert deltas >= len(by_replica["r0"]) - 1, deltas
     finally:

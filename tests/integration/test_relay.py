@@ -5,10 +5,8 @@ slow side, a joining reader served from what already arrived. Real gRPC servers,
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import pytest
-import torch
 
 from flywheel.codec import encode_state_dict
 from flywheel.codec.identity import identify
@@ -22,11 +20,8 @@ from flywheel.transfer.frames import encoded_frames
 from flywheel.testing.cut_proxy import CutProxy
 from services.synchronizer.embedded import embedded_synchronizer
 from tests.integration.test_delta_pulls import model, same, step
+from tests.integration.test_synchronizer_weights import metric
 
-
-def counter(url: str, line_start: str) -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start))
 
 
 async def slow_push(address: str, frames: list[bytes], pause: float) -> None:
@@ -75,11 +70,11 @@ async def test_a_relay_fetches_once_serves_a_joining_reader_and_crosses_later_ve
 
         # Version 2 crosses as a delta from the version the relay holds, and is served in full or as a delta.
         # (The metric is the process's: both servers, and earlier tests' in-process servers, count into it.)
-        deltas_before = counter(upstream.metrics_url, 'flywheel_synchronizer_delta_pulls_total{sent="delta"}')
+        deltas_before = metric(upstream.metrics_url, 'flywheel_synchronizer_delta_pulls_total{sent="delta"}')
         await central.push_weights(v2, 2)
         full_v2 = await site.pull_weights(2)
         assert same(full_v2.tensors, v2)
-        assert counter(upstream.metrics_url, 'flywheel_synchronizer_delta_pulls_total{sent="delta"}') == deltas_before + 1
+        assert metric(upstream.metrics_url, 'flywheel_synchronizer_delta_pulls_total{sent="delta"}') == deltas_before + 1
         crossed = link.downstream_bytes - upstream_sent
         assert crossed < 0.2 * full
         held = DeltaBase(1, identify(v1), v1)
