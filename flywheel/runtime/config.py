@@ -165,7 +165,8 @@ def build_parser(
             cli_flag(path),
             dest=".".join(path),
             metavar=path[-1].upper(),
-            help=f"{field.description or ''} (default: {shown!r}; env {env_name(env_prefix, path)})",
+            # argparse formats help with %, so a literal "%" in a description must be doubled.
+            help=f"{field.description or ''} (default: {shown!r}; env {env_name(env_prefix, path)})".replace("%", "%%"),
         )
     return parser
 

@@ -132,3 +132,16 @@ def test_a_deployed_trainer_decays_its_learning_rate_over_the_runs_steps(tmp_pat
     config = load_config(TrainerConfig, ["--run-file", str(run)], prog="t", description="", env_prefix=PREFIX,
                          env={}, section="trainer")
     assert (config.optimizer.schedule, config.optimizer.total_steps) == ("linear", 30)
+
+
+def test_a_description_with_a_percent_sign_shows_in_help() -> None:
+    # argparse formats help strings with %, so an unescaped "22 %" in a description crashed --help.
+    from pydantic import BaseModel, Field
+
+    from flywheel.runtime.config import build_parser
+
+    class WithPercent(BaseModel):
+        ratio: float = Field(0.9, description="send a delta when it is under 90 % of the version (100%s fine)")
+
+    help_text = build_parser(WithPercent, prog="t", description="", env_prefix=PREFIX).format_help()
+    assert "under 90 % of the version (100%s fine)" in " ".join(help_text.split())
