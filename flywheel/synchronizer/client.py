@@ -35,13 +35,12 @@ from flywheel.codec import MAX_CHUNK_BYTES, EncodedVersion, encode_state_dict
 from flywheel.codec.identity import manifest_identity
 from flywheel.common.types import pause_mode_to_pb
 from flywheel.common.v1 import common_pb2 as cpb
-from flywheel.errors import InvalidArgument
+from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.runtime.client import domain_error, open_channel
 from flywheel.runtime.tls import TlsFiles
 from flywheel.runtime.server_config import MIB
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as pb_grpc
-from flywheel.transfer.frames import encoded_frames
 from flywheel.synchronizer.client_types import (
     Beat,
     DeltaBase,
@@ -58,6 +57,7 @@ from flywheel.synchronizer.client_types import (
 from flywheel.synchronizer.convert import group_from_pb, identity_to_pb, timings_to_pb, update_from_pb
 from flywheel.synchronizer.heartbeats import Heartbeats
 from flywheel.synchronizer.pull import PullCall, pull_version
+from flywheel.synchronizer.push import SharedPush, refused_shared_memory, remember_unmappable, shared_frames, stream_frames
 from flywheel.synchronizer.types import (
     GroupInfo, Identity, Method, Role, RolloutWait, State, Style, TransferState, UpdateRecord, parse_enum,
 )
@@ -82,7 +82,7 @@ class SynchronizerClient:
         """`tls`: default this process's (flywheel.runtime.tls). `compress`: ask for compressed chunks
         on pulls (None: once a pull measured the link slow; flywheel.synchronizer.pull)."""
         self.address = address
-        #: Offer to read pulled versions in place when the synchronizer is on this host.
+        #: Read pulled versions in place, and write pushed ones to shared memory, when the synchronizer is on this host.
         self.shared_memory = shared_memory
         self.compress = compress
         self.timeout, self.transfer_timeout, self.watch_timeout = timeout, transfer_timeout, watch_timeout
@@ -247,20 +247,33 @@ class SynchronizerClient:
         Chunks default to the largest that fits gRPC's default 4 MiB message:
         per-message costs dominate a Python gRPC stream, and 4 MiB chunks
         cost ~40% less CPU per byte end to end than 1 MiB (bench/weight_plane.py).
+        With `shared_memory` (the client's), the payloads go through shared
+        memory when the synchronizer is on this host (`flywheel.synchronizer.push`).
         """
         if isinstance(weights, EncodedVersion):
             if version is not None and version != weights.manifest.version:
                 raise InvalidArgument(f"version {version} given for an encoded version {weights.manifest.version}")
-            frames = encoded_frames(weights)
+            encoded = weights
         else:
             if version is None:
                 raise InvalidArgument("push_weights needs the version of a state dict")
             encoded = await asyncio.to_thread(
                 encode_state_dict, weights, version, base_version, chunk_bytes=chunk_bytes
             )
-            frames = encoded_frames(encoded)
+        timeout = timeout or self.transfer_timeout
+        with SharedPush(self.address, encoded, self.shared_memory) as segment:
+            if segment is not None:
+                try:
+                    return await self._push_frames(shared_frames(encoded, segment), timeout)
+                except FailedPrecondition as exc:
+                    if not refused_shared_memory(exc):
+                        raise
+                    remember_unmappable(self.address, exc)
+        return await self._push_frames(stream_frames(encoded), timeout)
+
+    async def _push_frames(self, frames: Iterable[bytes], timeout: float) -> PushResult:
         try:
-            r = await self._push(frames, timeout=timeout or self.transfer_timeout)
+            r = await self._push(frames, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc, "synchronizer PushWeights") from None
         return PushResult(r.version, r.bytes, list(r.kept_versions))

@@ -22,6 +22,8 @@ from flywheel.varint import VarintError, encode_varint, read_varint
 #: Field numbers of the `payload` oneof (the same in push requests and pull responses).
 MANIFEST_FIELD = 1
 CHUNK_FIELD = 2
+SEGMENT_FIELD = 3  # shared memory: where the payloads are
+SHARED_CHUNK_FIELD = 4  # shared memory: a chunk's header and its payload's place
 _LEN = 2  # wire type of length-delimited fields
 _DATA_TAG = bytes([(7 << 3) | _LEN])  # WeightChunk.data
 _CHUNK_TAG = bytes([(CHUNK_FIELD << 3) | _LEN])
@@ -44,6 +46,15 @@ def split_frame(frame: bytes | memoryview) -> tuple[int, memoryview]:
     if pos + n != len(buf):
         raise DataLoss(f"weight frame: a {n}-byte message but {len(buf) - pos} bytes follow its header")
     return field, buf[pos:]
+
+
+def frame_field(frame: bytes | memoryview) -> int:
+    """The `payload` field a frame holds (0 for an empty or unreadable frame)."""
+    try:
+        key, _ = read_varint(memoryview(frame), 0)
+    except VarintError:
+        return 0
+    return key >> 3
 
 
 def manifest_frame(manifest: common_pb2.WeightManifest) -> bytes:

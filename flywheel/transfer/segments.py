@@ -22,25 +22,44 @@ A segment is a file in a memory-backed directory (`/dev/shm`):
   one the stream named, not a same-named file on another host.
 * Segments are reused from version to version: readers keep their maps open
   (`SegmentMaps`), so a reused segment is read with no page faults.
+
+The same layout carries pushes the other way: a trainer on the
+synchronizer's host writes each version into its own segment
+(`PUSH_SEGMENTS`, reused from push to push) and streams only the headers;
+the synchronizer copies every chunk out before it verifies it, so a writer
+that changes its segment afterwards cannot change what was checked.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import secrets
+import stat
 import struct
 import uuid
 import weakref
 from collections import OrderedDict
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 MAGIC = b"FLYWSEG1"
 HEADER_BYTES = 4096  # one page: the payload region stays page-aligned
 PREFIX = "flywheel-weights-"
 _NONCE_BYTES = 16
 _LAYOUT = struct.Struct(f"<8s{_NONCE_BYTES}sQ")  # magic, nonce, payload size
+
+
+#: How a synchronizer that cannot map a pusher's segment starts its refusal
+#: (FAILED_PRECONDITION, before it staged anything): the pusher then sends the
+#: payloads in the stream.
+PUSH_SEGMENT_REFUSED = "cannot map the pusher's shared memory"
+
+#: Where a pusher makes its segment: memory-backed on Linux.
+DEFAULT_DIRECTORY = Path("/dev/shm")
 
 
 class SegmentUnavailable(Exception):
@@ -116,8 +135,11 @@ def sweep_stale(directory: Path) -> list[Path]:
 
 class _Mapped:
     def __init__(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
+        # Never follows a link, never blocks on a FIFO: the path comes from a peer.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{path} is not a regular file")
             self.inode = os.fstat(fd).st_ino
             self.map = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
         finally:
@@ -182,3 +204,45 @@ class SegmentMaps:
 
 #: The process's maps: every pull in a process shares them.
 SEGMENT_MAPS = SegmentMaps()
+
+
+class PushSegments:
+    """The pusher's side: one segment per size, reused from push to push (a
+    fresh one costs a page fault per page: about the price of the copy
+    itself). It holds a whole version in `directory` for the process's life,
+    so a process that cannot spare that memory pushes over the stream
+    (`shared_memory=False` on its client). Pushes through it take turns: a
+    segment is rewritten only once the synchronizer answered the last push,
+    by which time it copied every chunk out."""
+
+    def __init__(self, directory: Path = DEFAULT_DIRECTORY) -> None:
+        self.directory = directory
+        self._segment: OwnedSegment | None = None
+        self._failed_size = -1  # a size creation failed for (a full /dev/shm): not retried
+
+    def get(self, size: int) -> OwnedSegment | None:
+        """A segment of exactly `size` payload bytes, or None where none can be made."""
+        if self._segment is not None and self._segment.size == size:
+            return self._segment
+        if size == self._failed_size or size == 0:
+            return None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        try:
+            self._segment = OwnedSegment(self.directory, size)
+        except OSError as exc:
+            self._failed_size = size
+            log.warning("no shared memory for pushes; they go over the stream",
+                        extra={"directory": str(self.directory), "bytes": size, "error": str(exc)})
+            return None
+        return self._segment
+
+    def close(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+
+#: The process's push segments.
+PUSH_SEGMENTS = PushSegments()

@@ -97,13 +97,27 @@ class VersionBuffer:
 
     def add(self, frame: bytes, chunk: common_pb2.WeightChunk, data: memoryview) -> None:
         """Verifies a chunk (codec errors on failure) and makes its frame readable."""
+        self._accepting(chunk)
+        seq = self.verifier.check(chunk, data)
+        self.storage.put(seq, frame, chunk, data)
+        self._changed.fire()
+
+    def add_copied(self, chunk: common_pb2.WeightChunk, source: memoryview) -> None:
+        """A chunk whose payload the pusher wrote to shared memory: copied out
+        first and the copy verified, so a pusher that rewrites its segment
+        meanwhile cannot change what was checked."""
+        self._accepting(chunk)
+        landing = self.storage.landing(len(source))
+        landing[:] = source
+        seq = self.verifier.check(chunk, landing)
+        self.storage.put(seq, b"", chunk, landing, landed=True)
+        self._changed.fire()
+
+    def _accepting(self, chunk: common_pb2.WeightChunk) -> None:
         if self.phase is not Phase.STAGING:
             raise Aborted(f"version {self.version} is {self.phase.value}; no more chunks are accepted")
         if chunk.zstd:
             raise InvalidArgument(f"chunk {chunk.sequence}: a push carries payloads as they are, not compressed")
-        seq = self.verifier.check(chunk, data)
-        self.storage.put(seq, frame, chunk, data)
-        self._changed.fire()
 
     def commit(self) -> None:
         self.verifier.finish()

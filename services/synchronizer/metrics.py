@@ -45,6 +45,10 @@ WEIGHT_PUSH_BYTES = Counter(
     "flywheel_weight_push_bytes_total",
     "Weight bytes received from trainers (MEMORY method).",
 )
+WEIGHT_PUSH_SHARED_BYTES = Counter(
+    "flywheel_weight_push_shared_bytes_total",
+    "Weight payload bytes trainers on this host handed over in shared memory instead of in the stream.",
+)
 WEIGHT_PULL_BYTES = Counter(
     "flywheel_weight_pull_bytes_total",
     "Weight bytes served to rollouts (MEMORY method).",

@@ -14,10 +14,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument, NotFound, Unavailable
 from flywheel.runtime.paths import confine
+from flywheel.transfer.segments import PREFIX as SEGMENT_PREFIX
+from flywheel.transfer.segments import PUSH_SEGMENT_REFUSED, SegmentMaps, SegmentUnavailable
 from services.synchronizer import metrics
 from services.synchronizer.buffers import VersionBuffer
 from services.synchronizer.checkpoints import checkpoint_identity, verify_checkpoint
@@ -52,6 +55,8 @@ class WeightPlane:
         self.sync = sync
         self.weights = sync.weights
         self.deltas = DeltaCache(sync.config.delta_cache_bytes)
+        #: Pushers' segments, kept mapped from push to push (a fresh map faults in every page).
+        self.push_maps = SegmentMaps(max_open=2)
         #: Set in relay mode: versions come from the upstream synchronizer, not from pushes.
         self.relay: Relay | None = None
 
@@ -73,6 +78,36 @@ class WeightPlane:
     def add_chunk(self, buffer: VersionBuffer, frame: bytes, chunk: common_pb2.WeightChunk, data: memoryview) -> None:
         buffer.add(frame, chunk, data)
         metrics.WEIGHT_PUSH_BYTES.inc(len(data))
+
+    def map_push_segment(self, manifest: common_pb2.WeightManifest, path: str, nonce: bytes, size: int,
+                         header_bytes: int) -> memoryview:
+        """The payload region of a pusher's shared-memory segment (flywheel.synchronizer.push).
+
+        Only a flywheel segment in this synchronizer's shared_memory_dir is
+        mapped (never any other file a caller names); anything else, or a
+        segment this host does not have, is refused before the push stages
+        anything, and the pusher sends the payloads in the stream instead."""
+        self._not_a_relay("a push")
+        directory = self.sync.config.shared_memory_dir
+        candidate = Path(path)
+        try:
+            if not directory or candidate.parent != Path(directory) or not candidate.name.startswith(SEGMENT_PREFIX):
+                raise SegmentUnavailable(f"{path} is not a weight segment in this synchronizer's shared_memory_dir "
+                                         f"({directory or 'off'})")
+            if size < manifest.total_bytes:
+                raise SegmentUnavailable(f"segment of {size} bytes for a version of {manifest.total_bytes}")
+            return self.push_maps.open(path, nonce, size, header_bytes)
+        except SegmentUnavailable as exc:
+            raise FailedPrecondition(f"{PUSH_SEGMENT_REFUSED}: {exc}") from None
+
+    def add_shared_chunk(self, buffer: VersionBuffer, chunk: common_pb2.WeightChunk, segment: memoryview,
+                         offset: int, length: int) -> None:
+        if offset + length > len(segment):
+            raise InvalidArgument(f"chunk {chunk.sequence}: bytes [{offset}, {offset + length}) lie outside the "
+                                  f"pusher's {len(segment)}-byte segment")
+        buffer.add_copied(chunk, segment[offset : offset + length])
+        metrics.WEIGHT_PUSH_BYTES.inc(length)
+        metrics.WEIGHT_PUSH_SHARED_BYTES.inc(length)
 
     def commit_push(self, buffer: VersionBuffer) -> list[int]:
         """Verifies completeness and digest, then commits; returns the kept versions."""

@@ -21,7 +21,7 @@ from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import DataLoss, DeadlineExceeded, InvalidArgument
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as pb_grpc
-from flywheel.transfer.frames import CHUNK_FIELD, MANIFEST_FIELD, split_frame
+from flywheel.transfer.frames import CHUNK_FIELD, MANIFEST_FIELD, SEGMENT_FIELD, SHARED_CHUNK_FIELD, frame_field, split_frame
 from services.synchronizer import metrics
 from services.synchronizer.buffers import COMMITTED_FRAME
 from flywheel.synchronizer.convert import (
@@ -76,6 +76,14 @@ async def _next_frame(frames: AsyncIterator[bytes], idle_seconds: float) -> byte
         return await asyncio.wait_for(anext(frames, None), idle_seconds)
     except (TimeoutError, asyncio.TimeoutError):
         raise DeadlineExceeded(f"the push sent nothing for {idle_seconds:g}s; aborted") from None
+
+
+def _push_message(frame: bytes) -> pb.PushWeightsRequest:
+    """A small push message (a segment, a shared chunk's header) parsed whole."""
+    try:
+        return pb.PushWeightsRequest.FromString(frame)
+    except DecodeError as exc:
+        raise InvalidArgument(f"unreadable push message: {exc}") from None
 
 
 class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
@@ -175,13 +183,25 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
             manifest = cpb.WeightManifest.FromString(bytes(payload))
         except DecodeError as exc:
             raise InvalidArgument(f"unreadable manifest: {exc}") from None
+        frame = await _next_frame(frames, idle)
+        segment = None  # the pusher's shared memory, when it is on this host
+        if frame is not None and frame_field(frame) == SEGMENT_FIELD:
+            s = _push_message(frame).segment
+            segment = self.plane.map_push_segment(manifest, s.path, s.nonce, s.size, s.header_bytes)
+            frame = await _next_frame(frames, idle)
         buffer = self.plane.begin_push(manifest, first)
         try:
-            while (frame := await _next_frame(frames, idle)) is not None:
-                field, payload = split_frame(frame)
-                if field != CHUNK_FIELD:
-                    raise InvalidArgument("a push carries exactly one manifest, first")
-                self.plane.add_chunk(buffer, frame, *parse_chunk(payload))
+            while frame is not None:
+                field = frame_field(frame)
+                if field == CHUNK_FIELD and segment is None:
+                    self.plane.add_chunk(buffer, frame, *parse_chunk(split_frame(frame)[1]))
+                elif field == SHARED_CHUNK_FIELD and segment is not None:
+                    shared = _push_message(frame).shared_chunk
+                    self.plane.add_shared_chunk(buffer, shared.chunk, segment, shared.segment_offset, shared.length)
+                else:
+                    raise InvalidArgument("a push is a manifest, then its chunks (or a shared-memory segment, "
+                                          "then its chunks' headers), each once")
+                frame = await _next_frame(frames, idle)
             kept = self.plane.commit_push(buffer)
         except BaseException as exc:  # also cancellation: a vanished trainer leaves no trace
             self.plane.abort_push(buffer, exc)

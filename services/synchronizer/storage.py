@@ -37,7 +37,13 @@ class HeapFrames:
         self._frames: list[bytes | None] = [None] * count
         self.held_bytes = 0
 
-    def put(self, seq: int, frame: bytes, header: common_pb2.WeightChunk, data: memoryview) -> None:
+    def landing(self, n: int) -> memoryview:
+        """Where a chunk's payload copied from shared memory goes before it is verified."""
+        return memoryview(bytearray(n))
+
+    def put(self, seq: int, frame: bytes, header: common_pb2.WeightChunk, data: memoryview,
+            landed: bool = False) -> None:
+        frame = frame or chunk_frame(header, data)
         self._frames[seq] = frame
         self.held_bytes += len(frame)
 
@@ -63,11 +69,19 @@ class SegmentFrames:
         self._end = 0
         self.held_bytes = segment.size
 
-    def put(self, seq: int, frame: bytes, header: common_pb2.WeightChunk, data: memoryview) -> None:
-        start, n = self._end, len(data)
+    def landing(self, n: int) -> memoryview:
+        """The next chunk's place in the segment: a payload copied from shared
+        memory lands here, is verified here, then `put(..., landed=True)`."""
+        start = self._end
         if start + n > self.segment.size:  # the checker bounds the total; this guards the segment
-            raise DataLoss(f"chunk {seq} overruns the version's {self.segment.size} payload bytes")
-        self.segment.payload[start : start + n] = data
+            raise DataLoss(f"a chunk of {n} bytes overruns the version's {self.segment.size} payload bytes")
+        return self.segment.payload[start : start + n]
+
+    def put(self, seq: int, frame: bytes, header: common_pb2.WeightChunk, data: memoryview,
+            landed: bool = False) -> None:
+        start, n = self._end, len(data)
+        if not landed:
+            self.landing(n)[:] = data
         self._end = start + n
         self._places[seq] = (start, n)
         self._shared[seq] = pb.PullWeightsResponse(

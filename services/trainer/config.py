@@ -146,6 +146,12 @@ class SyncConfig(PresenceConfig):
         "trainer-0", min_length=1, description="this trainer's component id at the synchronizer (registrations); "
         "the controller's services.trainer_id must name it"
     )
+    shared_memory_push: bool = Field(
+        True, description="MEMORY pushes: when the synchronizer is on this host (it maps the segment in its "
+        "shared_memory_dir, /dev/shm by default), write the payloads there and stream only their headers, about 3x "
+        "the gRPC stream's speed (bench/weight_plane.py); holds one version in /dev/shm for the trainer's life. "
+        "A synchronizer elsewhere gets the payloads in the stream either way"
+    )
 
 
 class ParallelConfig(StrictModel):

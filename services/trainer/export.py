@@ -148,7 +148,7 @@ class WeightExporter:
         self.token = token  # the deployment's bearer token: the synchronizer checks it like any service
 
     def _client(self, address: str) -> SynchronizerClient:
-        return SynchronizerClient(address, self.token)
+        return SynchronizerClient(address, self.token, shared_memory=self.sync.shared_memory_push)
 
     @contextlib.asynccontextmanager
     async def _snapshot(self, merge_lora: bool) -> AsyncIterator[tuple[int, dict[str, Tensor]]]:

@@ -16,7 +16,7 @@ from flywheel.errors import Aborted, FailedPrecondition, InvalidArgument, NotFou
 from flywheel.runtime.client import open_channel
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.transfer.frames import encoded_frames
-from flywheel.transfer.segments import HEADER_BYTES
+from flywheel.transfer.segments import HEADER_BYTES, PushSegments
 from flywheel.synchronizer import pull
 from flywheel.synchronizer.client import SynchronizerClient
 from services.synchronizer.embedded import embedded_synchronizer
@@ -262,3 +262,84 @@ async def test_a_push_of_compressed_chunks_is_refused() -> None:
     async with embedded_synchronizer() as server:
         pushed = [frames[0], *(compressed_frame(f) for f in frames[1:])]
         assert await raw_push(server.address, pushed) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture
+def push_segments(tmp_path, monkeypatch):
+    """This process's push segments in tmp_path/pusher, and no synchronizer remembered as unmappable."""
+    from flywheel.synchronizer import push
+
+    directory = tmp_path / "pusher"
+    directory.mkdir()
+    segments = PushSegments(directory)
+    monkeypatch.setattr(push, "PUSH_SEGMENTS", segments)
+    monkeypatch.setattr(push, "_UNMAPPABLE", set())
+    yield segments
+    segments.close()
+
+
+async def test_a_push_on_the_synchronizers_host_hands_its_payloads_over_in_shared_memory(push_segments) -> None:
+    v1, v2 = small_state(5, scale=60), small_state(6, scale=60)
+    nbytes = sum(t.numel() * t.element_size() for t in v1.values())
+    async with embedded_synchronizer(shared_memory_dir=str(push_segments.directory)) as server, \
+            SynchronizerClient(server.address) as c:
+        before = metric(server.metrics_url, "flywheel_weight_push_shared_bytes_total")
+        reader = asyncio.ensure_future(c.pull_weights(1, wait_seconds=10, at_least=True))  # cut-through
+        await asyncio.sleep(0.05)
+        await c.push_weights(v1, 1, chunk_bytes=4096)
+        segment = push_segments.get(nbytes)
+        await c.push_weights(v2, 2, chunk_bytes=4096)  # the same segment, rewritten
+        assert push_segments.get(nbytes) is segment
+        assert metric(server.metrics_url, "flywheel_weight_push_shared_bytes_total") - before == 2 * nbytes
+        assert same((await reader).tensors, v1)
+        assert same((await c.pull_weights(1)).tensors, v1) and same((await c.pull_weights(2)).tensors, v2)
+
+
+async def test_a_shared_memory_push_is_verified_after_the_copy_and_foreign_files_are_refused(push_segments) -> None:
+    from flywheel.transfer.frames import manifest_frame
+
+    state = small_state(7, scale=60)
+    encoded = encode_state_dict(state, 1, chunk_bytes=4096)
+    segment = push_segments.get(encoded.manifest.total_bytes)
+
+    def frames(path: str, nonce: bytes, corrupt_at: int | None = None) -> list[bytes]:
+        out = [manifest_frame(encoded.manifest), pb.PushWeightsRequest(segment=pb.SharedSegment(
+            path=path, nonce=nonce, size=segment.size, header_bytes=HEADER_BYTES)).SerializeToString()]
+        offset = 0
+        for header, payload in encoded.pieces():
+            segment.payload[offset : offset + len(payload)] = payload
+            if corrupt_at is not None and offset <= corrupt_at < offset + len(payload):
+                segment.payload[corrupt_at] ^= 0xFF  # the pusher's bytes differ from its checksum
+            out.append(pb.PushWeightsRequest(shared_chunk=pb.SharedChunk(
+                chunk=header, segment_offset=offset, length=len(payload))).SerializeToString())
+            offset += len(payload)
+        return out
+
+    async with embedded_synchronizer(shared_memory_dir=str(push_segments.directory)) as server, \
+            SynchronizerClient(server.address) as c:
+        path = str(segment.path)
+        assert await raw_push(server.address, frames(path, segment.nonce, corrupt_at=5000)) == grpc.StatusCode.DATA_LOSS
+        assert await raw_push(server.address, frames(path, b"x" * 16)) == grpc.StatusCode.FAILED_PRECONDITION
+        assert await raw_push(server.address, frames("/etc/passwd", segment.nonce)) == grpc.StatusCode.FAILED_PRECONDITION
+        assert (await c.status()).latest_version == 0  # nothing committed
+        assert await raw_push(server.address, frames(path, segment.nonce)) == grpc.StatusCode.OK
+        assert same((await c.pull_weights(1)).tensors, state)
+
+
+async def test_a_synchronizer_that_cannot_map_the_pushers_segment_gets_the_payloads_in_the_stream(
+    push_segments, tmp_path
+) -> None:
+    from flywheel.synchronizer import push
+
+    elsewhere = tmp_path / "synchronizer-shm"  # what a synchronizer on another host sees: not this directory
+    elsewhere.mkdir()
+    state = small_state(8, scale=60)
+    async with embedded_synchronizer(shared_memory_dir=str(elsewhere)) as server, \
+            SynchronizerClient(server.address) as c:
+        before = metric(server.metrics_url, "flywheel_weight_push_shared_bytes_total")  # the process's servers add up
+        await c.push_weights(state, 1)
+        assert server.address in push._UNMAPPABLE  # not offered again
+        await c.push_weights(state, 2)
+        assert metric(server.metrics_url, "flywheel_weight_push_shared_bytes_total") == before
+        assert same((await c.pull_weights(2)).tensors, state)
+        assert (await c.status()).latest_version == 2
