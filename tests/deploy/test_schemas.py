@@ -17,7 +17,7 @@ import sys
 import pytest
 import yaml
 
-from tests.deploy.manifests import COMPOSE_FILE, OVERLAYS, ROOT, find_tool
+from tests.deploy.manifests import COMPOSE_FILE, OVERLAYS, ROOT, find_tool, render_overlay
 
 # The oldest Kubernetes the manifests support (native gRPC probes are GA since
 # 1.27; PodDisruptionBudget policy/v1 since 1.21) and the newest schemas known.
@@ -52,6 +52,15 @@ def test_rendered_overlay_matches_kubernetes_schemas(rendered, kubernetes_valida
             kubernetes_validate.validate(obj, _version(kubernetes_validate, version), strict=True)
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{overlay}: {obj['kind']}/{obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_the_remote_site_overlay_matches_kubernetes_schemas(kubernetes_validate, version):
+    for obj in render_overlay("remote-site"):
+        try:
+            kubernetes_validate.validate(obj, _version(kubernetes_validate, version), strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"remote-site: {obj['kind']}/{obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
 
 
 def test_kubernetes_validation_rejects_a_broken_manifest(rendered, kubernetes_validate):
