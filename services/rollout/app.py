@@ -32,6 +32,7 @@ from flywheel.runtime.server import ServiceSpec
 from services.rollout.config import RolloutConfig
 from services.rollout.serving.core import RolloutCore
 from services.rollout.servicer import RolloutServicer
+from services.rollout.weights.peers import PEER_SERVICE, PeerWeights
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,12 @@ def build(config: RolloutConfig) -> ServiceSpec:
         return state["http"].port if state["http"] is not None else 0
 
     servicer = RolloutServicer(config, core, http_port)
+    peers = PeerWeights(core) if config.updates.serve_peers else None
+
+    def register(server) -> None:
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+        if peers is not None:
+            server.add_generic_rpc_handlers((peers.handler(),))
 
     async def startup() -> None:
         from services.rollout.engine import create_engine
@@ -76,6 +83,10 @@ def build(config: RolloutConfig) -> ServiceSpec:
         gc.collect()
         gc.freeze()
         core.attach(engine, codec)
+        if config.updates.serve_peers and (engine.host_weights() is None or not config.synchronizer.site):
+            raise InvalidArgument(  # refused, not ignored: its peers would find a source that cannot serve
+                f"updates.serve_peers needs synchronizer.site (peers are found by site) and an engine that holds "
+                f"its weights on the host (the {engine.kind} engine does not, or the site is empty)")
         if config.updates.delta_pulls == "on" and engine.host_weights() is None:
             raise InvalidArgument(  # refused, not ignored: every update would quietly move the full version
                 f"updates.delta_pulls is on, but the {engine.kind} engine does not hold its weights on the host "
@@ -113,9 +124,9 @@ def build(config: RolloutConfig) -> ServiceSpec:
 
     return ServiceSpec(
         name="rollout",
-        proto_services=[PROTO_SERVICE],
-        register=lambda server: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server),
-        method_scopes=METHOD_SCOPES,
+        proto_services=[PROTO_SERVICE, *([PEER_SERVICE] if peers is not None else [])],
+        register=register,
+        method_scopes={**METHOD_SCOPES, **({"PullWeights": Scope.SERVICE} if peers is not None else {})},
         on_bound=lambda port: state.__setitem__("grpc_port", port),
         startup=startup,
         shutdown=shutdown,

@@ -113,6 +113,12 @@ class UpdatesConfig(StrictModel):
         "when it does not apply): auto does so when the last pull came over the network rather than from the "
         "synchronizer's shared memory; the transformers engine on CPU only (vLLM pulls in its worker: full)"
     )
+    serve_peers: bool = Field(
+        False, description="serve the verified version this replica holds to replicas of its synchronizer.site "
+        "(services.rollout.weights.peers): one that joins or lags pulls it from here instead of across the link, "
+        "verified against the version's identity; needs a site and an engine that holds its weights on the host "
+        "(the transformers engine on CPU; refused at start otherwise)"
+    )
     compress_pulls: Literal["auto", "on", "off"] = Field(
         "auto", description="ask the synchronizer for MEMORY versions with each chunk zstd-compressed (about 22 % "
         "smaller in bfloat16, 9 % in float32; it pays below about 100 MB/s): auto does so once a pull over the "

@@ -46,6 +46,10 @@ WEIGHT_UPDATE_BYTES = Counter(
     "flywheel_rollout_weight_update_bytes_total",
     "Bytes of weights staged by committed updates, in bytes.",
 )
+PEER_SERVED_BYTES = Counter(
+    "flywheel_rollout_peer_served_bytes_total",
+    "Weight payload bytes this replica served to its site's peers (updates.serve_peers).",
+)
 REJECTED_REQUESTS = Counter(
     "flywheel_rollout_rejected_requests_total",
     "Generation requests refused before reaching the engine, by reason (queue_full).",

@@ -64,13 +64,14 @@ from flywheel.common.types import PauseMode
 from flywheel.errors import Aborted, FailedPrecondition, NotFound
 from flywheel.runtime.backoff import Backoff
 from flywheel.synchronizer.client import SynchronizerClient
-from flywheel.synchronizer.client_types import WatchEvent
+from flywheel.synchronizer.client_types import VersionInfo, WatchEvent
 from flywheel.synchronizer.policy import required_version
 from flywheel.synchronizer.types import EventKind, GroupInfo, Method, Policy, Role, State
 from services.rollout.config import RolloutConfig
 from services.rollout.serving.core import RolloutCore
 from services.rollout.weights.nccl import NcclTarget, update_over_group
-from services.rollout.weights.sources import Stage, checkpoint_stage, memory_stage, relayed_stage
+from services.rollout.weights.peers import peer_holding
+from services.rollout.weights.sources import Stage, checkpoint_stage, fallback_stage, memory_stage
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +268,9 @@ class Follower:
         are replaced by the new lineage's."""
         self.latest = latest
         self.sources = {v: s for v, s in self.sources.items() if v <= to_version}
-        self.identities = {v: i for v, i in self.identities.items() if v <= to_version}
+        # The rewound version's own identity goes too: when its bytes were evicted, the trainer
+        # publishes it again, possibly other weights under the number (asked again when needed).
+        self.identities = {v: i for v, i in self.identities.items() if v < to_version}
         self.target = min(self.target, to_version)
         self.step = min(self.step, to_version)
         for step in [s for s in self._asked if s >= to_version]:
@@ -297,8 +300,7 @@ class Follower:
         self.epoch = status.epoch
         for info in status.versions:
             self.sources.setdefault(info.version, (info.method, info.path))
-            if info.identity:
-                self.identities[info.version] = info.identity
+        self._learn_identities(status.versions)
         me = status.component(self.component_id)
         if me is not None and me.quarantined:
             # It holds weights the run does not know under their number (a lineage a rewind abandoned).
@@ -459,24 +461,34 @@ class Follower:
             raise NotFound(f"the synchronizer no longer lists version {version}")
         return self.sources[version]
 
-    async def _relay(self) -> str | None:
-        """The address of a running relay of this replica's site, from the synchronizer's registry."""
+    async def _nearby(self, version: int, identity: VersionIdentity | None) -> list[tuple[str, str]]:
+        """Sources of `version` at this replica's site, from the synchronizer's registry, to try
+        before the synchronizer itself: a running relay of the site, then a peer replica that
+        holds the version verified (services.rollout.weights.peers). Empty without a site."""
         site = self.config.synchronizer.site
         if not site:
-            return None
-        status = await self.client.status()
-        relays = sorted(c.identity.address for c in status.components
+            return []
+        components = (await self.client.status()).components
+        relays = sorted(c.identity.address for c in components
                         if c.role is Role.SYNCHRONIZER and c.state is State.RUNNING
                         and c.identity.labels.get("site") == site and c.identity.address)
-        return relays[0] if relays else None
+        found = [("relay", relays[0])] if relays else []
+        peer = peer_holding(components, site, version, identity.digest if identity else b"", self.component_id)
+        if peer is not None:
+            found.append(("peer", peer))
+        return found
+
+    def _learn_identities(self, versions: list[VersionInfo]) -> None:
+        """Identities the synchronizer recorded, of versions it can still serve: a MEMORY version
+        whose bytes are gone may be published again as other weights (a rewind's new lineage)."""
+        for info in versions:
+            if info.identity and (info.in_memory or info.method != Method.MEMORY):
+                self.identities[info.version] = info.identity
 
     async def _identity(self, version: int) -> VersionIdentity | None:
         """The version's identity as the synchronizer recorded it (asked for when no event told it yet)."""
         if version not in self.identities:
-            status = await self.client.status()
-            for info in status.versions:
-                if info.identity:
-                    self.identities[info.version] = info.identity
+            self._learn_identities((await self.client.status()).versions)
         known = self.identities.get(version)
         return VersionIdentity(known) if known else None
 
@@ -496,10 +508,11 @@ class Follower:
                                     on_pulled=lambda stats: self.core.deltas.observe(address, stats),
                                     compress=COMPRESS[self.config.updates.compress_pulls])
 
-            relay = await self._relay()
-            if relay is None:
+            sources = await self._nearby(version, identity)
+            if not sources:
                 return stage_from(self.client.address)
-            return relayed_stage(relay, stage_from(relay), lambda: stage_from(self.client.address)())
+            return fallback_stage([*((kind, address, stage_from(address)) for kind, address in sources),
+                                   ("synchronizer", self.client.address, lambda: stage_from(self.client.address)())])
         if method == Method.CHECKPOINT and location:
             return checkpoint_stage(location, version, specs, self.config.updates.checkpoint_root)
         name = method.name if method else "an unknown method"

@@ -17,6 +17,7 @@ from flywheel.runtime.auth import own_token
 from services.rollout.config import RolloutConfig
 from services.rollout.serving.core import RolloutCore
 from services.rollout.weights.follower import Follower
+from services.rollout.weights.peers import PEER_LABEL
 from services.rollout.weights.presence import RolloutPresence
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.presence import advertised_address, reachable_host
@@ -54,7 +55,8 @@ class SynchronizerLink:
         self.presence = RolloutPresence(
             self.client, core, link, self.component_id, advertised_address(link, server.host, grpc_port),
             labels={"model": core.model_name, "engine": status.engine, "device": device, **gpu_label(device),
-                    **({"site": link.site} if link.site else {})},
+                    **({"site": link.site} if link.site else {}),
+                    **({PEER_LABEL: "1"} if config.updates.serve_peers else {})},
             step=lambda: self.follower.step,
         )
         self.core = core

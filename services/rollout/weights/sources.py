@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 from flywheel.runtime.paths import confine
 
 from flywheel.codec import DigestMismatch
-from flywheel.errors import Aborted, DeadlineExceeded, NotFound, Unavailable
+from flywheel.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from flywheel.codec.identity import VersionIdentity
 from flywheel.synchronizer.client_types import DeltaBase, PullStats
 from services.rollout.engine.base import StagedWeights, TensorSpec
@@ -79,6 +79,11 @@ def memory_stage(
                                        max_message_bytes=max_message_bytes, on_pulled=on_pulled, compress=compress)
         if staged.identity is None:
             staged.identity = identity or await recorded_identity(address, version, token=token)
+        elif identity is not None and staged.identity.digest != identity.digest:
+            # Consistent in itself, yet not the version the synchronizer recorded (a relay's or peer's
+            # stream of other weights under the number): refused before anything loads.
+            raise DigestMismatch(f"the weights pulled from {address} are not version {version}: identity "
+                                 f"{staged.identity.hex[:16]}, recorded {identity.hex[:16]}")
         if buffers is not None and staged.tensors is not None:
             tensors = staged.tensors
             staged.release = lambda: buffers.give_back(tensors)
@@ -97,16 +102,19 @@ async def recorded_identity(address: str, version: int, *, token: str | None) ->
     return VersionIdentity(known) if known else None
 
 
-def relayed_stage(relay: str, through_relay: Stage, direct: Stage) -> Stage:
-    """`through_relay` (a pull from the site's relay at `relay`), or `direct` (from the synchronizer)
-    when the relay cannot serve it: down, restarting, or failing to fetch the version itself."""
+def fallback_stage(sources: Sequence[tuple[str, str, Stage]]) -> Stage:
+    """The first of `sources` ((kind, address, stage): the site's relay, a peer, then the
+    synchronizer) that serves the version: the next is asked when one is down or restarting,
+    no longer has the version, fails to fetch it itself, or sends bytes that are not the version
+    (a peer's or relay's stream proves nothing: the version's identity does)."""
 
     async def stage() -> StagedWeights:
-        try:
-            return await through_relay()
-        except (Unavailable, DeadlineExceeded, NotFound, Aborted) as exc:
-            log.warning("the site's relay could not serve the version; pulling it from the synchronizer",
-                        extra={"relay": relay, "error": str(exc)})
-            return await direct()
+        for kind, address, attempt in sources[:-1]:
+            try:
+                return await attempt()
+            except (Unavailable, DeadlineExceeded, NotFound, Aborted, FailedPrecondition, DataLoss) as exc:
+                log.warning("a nearby source could not serve the version; trying the next",
+                            extra={"source": kind, "address": address, "error": str(exc)})
+        return await sources[-1][2]()
 
     return stage
