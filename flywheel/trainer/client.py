@@ -20,7 +20,7 @@ from flywheel.codec.dtypes import tensor_from_proto, tensor_to_proto
 from flywheel.runtime.client import open_channel
 from flywheel.runtime.server_config import MIB
 from flywheel.synchronizer.types import Method
-from flywheel.trainer.types import AGGREGATIONS, LOSS_KINDS, aggregation_to_pb, loss_kind_to_pb
+from flywheel.trainer.types import AGGREGATIONS, LOSS_KINDS, AdamStep, aggregation_to_pb, loss_kind_to_pb
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
 
@@ -143,8 +143,11 @@ class TrainerClient:
         response = await self.stub.ForwardBackward(request, timeout=timeout)
         return ForwardBackwardResult(response.loss_tokens, _metrics(response.metrics))
 
-    async def optim_step(self, *, expected_step: int | None = None, timeout: float | None = None) -> OptimResult:
-        response = await self.stub.OptimStep(pb.OptimStepRequest(expected_step=expected_step), timeout=timeout)
+    async def optim_step(self, *, expected_step: int | None = None, adam: AdamStep | None = None,
+                         timeout: float | None = None) -> OptimResult:
+        """`adam`: this step's Adam parameters (the trainer's configured ones and schedule otherwise)."""
+        request = pb.OptimStepRequest(expected_step=expected_step, adam=adam.to_pb() if adam is not None else None)
+        response = await self.stub.OptimStep(request, timeout=timeout)
         return OptimResult(response.step, response.weight_version, response.grad_norm, response.learning_rate)
 
     async def train_step(

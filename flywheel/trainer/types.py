@@ -7,7 +7,11 @@ sides of the wire read them from here; the proto enums are named after them
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, fields
 from typing import Literal, get_args
+
+from flywheel.errors import InvalidArgument
 
 from flywheel.trainer.v1 import trainer_pb2 as pb
 
@@ -49,3 +53,33 @@ def aggregation_to_pb(name: str | None) -> int:
 
 def aggregation_from_pb(value: int) -> str | None:
     return pb.LossAggregation.Name(value).removeprefix("LOSS_AGGREGATION_").lower() if value else None
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """One optimizer step's Adam parameters (Tinker's AdamParams): each one given replaces the
+    trainer's configured value for that step only (None: the configured one, or the schedule's)."""
+
+    learning_rate: float | None = None
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+    max_grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        checks = {"learning_rate": lambda v: v >= 0, "beta1": lambda v: 0 <= v < 1, "beta2": lambda v: 0 <= v < 1,
+                  "eps": lambda v: v > 0, "weight_decay": lambda v: v >= 0, "max_grad_norm": lambda v: v >= 0}
+        rules = {"learning_rate": ">= 0", "beta1": "in [0, 1)", "beta2": "in [0, 1)", "eps": "> 0",
+                 "weight_decay": ">= 0", "max_grad_norm": ">= 0 (0: no clipping)"}
+        for name, ok in checks.items():
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and ok(value)):
+                raise InvalidArgument(f"adam.{name} must be {rules[name]}, got {value}")
+
+    def to_pb(self) -> pb.AdamStep:
+        return pb.AdamStep(**{f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None})
+
+    @classmethod
+    def from_pb(cls, message: pb.AdamStep) -> AdamStep:
+        return cls(**{f.name: getattr(message, f.name) for f in fields(cls) if message.HasField(f.name)})

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from flywheel.trainer.types import AdamStep
 from services.trainer.config import OptimizerConfig, TrainerConfig
 from services.trainer.distributed import is_sharded, shard_model
 
@@ -75,12 +76,16 @@ def lr_factor(step: int, cfg: OptimizerConfig) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def decays(param: torch.Tensor) -> bool:
+    """Whether weight decay applies: not to biases and norm gains (1-D), as in most LLM recipes."""
+    return param.dim() >= 2
+
+
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     decay, no_decay = [], []
     for _name, param in model.named_parameters():
         if param.requires_grad:
-            # Biases and norm gains (1-D) are not decayed, as in most LLM recipes.
-            (decay if param.dim() >= 2 else no_decay).append(param)
+            (decay if decays(param) else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
@@ -205,6 +210,28 @@ class Policy:
     @property
     def learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    @contextlib.contextmanager
+    def adam_overrides(self, adam: AdamStep) -> Iterator[None]:
+        """The optimizer's groups with `adam`'s values for one step, then as they were (the
+        schedule's learning rate included): weight decay only where it applies (`decays`)."""
+        groups = self.optimizer.param_groups
+        saved = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in groups]
+        try:
+            for g in groups:
+                if adam.learning_rate is not None:
+                    g["lr"] = adam.learning_rate
+                if adam.beta1 is not None or adam.beta2 is not None:
+                    b1, b2 = g["betas"]
+                    g["betas"] = (b1 if adam.beta1 is None else adam.beta1, b2 if adam.beta2 is None else adam.beta2)
+                if adam.eps is not None:
+                    g["eps"] = adam.eps
+                if adam.weight_decay is not None and any(decays(p) for p in g["params"]):
+                    g["weight_decay"] = adam.weight_decay
+            yield
+        finally:
+            for g, values in zip(groups, saved):
+                g.update(values)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

@@ -19,7 +19,7 @@ from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
 from flywheel.runtime.auth import own_token
 from flywheel.synchronizer.types import Method, method_name
-from flywheel.trainer.types import aggregation_from_pb, loss_kind_from_pb
+from flywheel.trainer.types import AdamStep, aggregation_from_pb, loss_kind_from_pb
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
 from services.trainer import metrics as prom
@@ -112,7 +112,8 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         return pb.ForwardBackwardResponse(metrics=_metrics(result.metrics), loss_tokens=result.loss_tokens)
 
     async def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
-        result = await self.engine.run(self.engine.optim_step, _expected(request))
+        adam = AdamStep.from_pb(request.adam) if request.HasField("adam") else None
+        result = await self.engine.run(self.engine.optim_step, _expected(request), adam)
         prom.STEP.set(result.step)
         await self._stepped()
         return pb.OptimStepResponse(

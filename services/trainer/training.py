@@ -50,7 +50,7 @@ from services.trainer.distributed import (
 from services.trainer.distributed import full as full_tensor
 from services.trainer.files import request_roots
 from services.trainer.forward import token_logprobs
-from flywheel.trainer.types import AGGREGATIONS, default_aggregation, default_clip_high
+from flywheel.trainer.types import AGGREGATIONS, AdamStep, default_aggregation, default_clip_high
 from flywheel.trainer.types import LOSS_KINDS as KINDS
 from services.trainer.losses import LossOutput, LossSettings, loss_denominators, policy_loss
 from services.trainer.policy import Policy, autocast_dtype
@@ -355,34 +355,38 @@ class TrainingEngine:
         policy = self._ready(None)
         return self._run_discarding_on_error(policy, self._accumulate, policy, batch, loss, micro)
 
-    def _optim(self, policy: Policy) -> tuple[float, float]:
+    def _optim(self, policy: Policy, adam: AdamStep | None = None) -> tuple[float, float]:
         params = policy.trainable_parameters()
         if not any(p.grad is not None for p in params):
             raise FailedPrecondition("no accumulated gradients: call ForwardBackward first")
-        lr = policy.learning_rate
-        max_norm = self.config.optimizer.max_grad_norm or math.inf
+        adam = adam or AdamStep()
+        lr = policy.learning_rate if adam.learning_rate is None else adam.learning_rate
+        configured = self.config.optimizer.max_grad_norm if adam.max_grad_norm is None else adam.max_grad_norm
+        max_norm = configured or math.inf
         # A sharded policy's norm is a DTensor: its value is a collective over the ranks.
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         if not math.isfinite(grad_norm):
             raise FailedPrecondition(f"gradient norm is {grad_norm}")
-        policy.optimizer.step()
+        with policy.adam_overrides(adam):
+            policy.optimizer.step()
         policy.scheduler.step()
         policy.zero_grad()
         policy.step += 1
         policy.weight_version += 1
         return grad_norm, lr
 
-    def optim_step(self, expected_step: int | None = None) -> StepResult:
+    def optim_step(self, expected_step: int | None = None, adam: AdamStep | None = None) -> StepResult:
+        """Applies the accumulated gradients; `adam`: this step's Adam parameters (the configured ones else)."""
         with self._lock:
             policy = self._ready(expected_step)
             if not policy.has_gradients():
                 raise FailedPrecondition("no accumulated gradients: call ForwardBackward first")
-            grad_norm, lr = self._spmd("optim")
+            grad_norm, lr = self._spmd("optim", adam)
             return StepResult(policy.step, policy.weight_version, grad_norm=grad_norm, learning_rate=lr)
 
-    def _do_optim(self) -> tuple[float, float]:
+    def _do_optim(self, adam: AdamStep | None = None) -> tuple[float, float]:
         policy = self._ready(None)
-        return self._run_discarding_on_error(policy, self._optim, policy)
+        return self._run_discarding_on_error(policy, self._optim, policy, adam)
 
     def train_step(
         self, tensors: Mapping[str, Tensor | None], loss_request: LossRequest, micro_batch_size: int = 0,

@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from flywheel.common.v1 import common_pb2 as flywheel_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!flywheel/trainer/v1/trainer.proto\x12\x13\x66lywheel.trainer.v1\x1a\x1f\x66lywheel/common/v1/common.proto\"\xeb\x01\n\x08LossSpec\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.flywheel.trainer.v1.LossKind\x12\x10\n\x08\x63lip_low\x18\x02 \x01(\x02\x12\x11\n\tclip_high\x18\x03 \x01(\x02\x12\x0f\n\x07kl_coef\x18\x04 \x01(\x02\x12\x14\n\x0c\x65ntropy_coef\x18\x05 \x01(\x02\x12\x39\n\x0b\x61ggregation\x18\x06 \x01(\x0e\x32$.flywheel.trainer.v1.LossAggregation\x12\x0e\n\x06is_cap\x18\x07 \x01(\x02\x12\x1b\n\x13max_response_length\x18\x08 \x01(\r\"\xc1\x04\n\nTrainBatch\x12-\n\tinput_ids\x18\x01 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x32\n\x0e\x61ttention_mask\x18\x02 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12-\n\tloss_mask\x18\x03 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12.\n\nadvantages\x18\x04 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x36\n\x12\x62\x65haviour_logprobs\x18\x05 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x33\n\x0fweight_versions\x18\x06 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x30\n\x0cold_logprobs\x18\x07 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x30\n\x0cref_logprobs\x18\x08 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x38\n\x14sampling_temperature\x18\t \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x32\n\x0esampling_top_k\x18\n \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x32\n\x0esampling_top_p\x18\x0b \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\"\x10\n\x0eGetInfoRequest\"\xd0\x01\n\x0fGetInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x17\n\x0fparameter_count\x18\x02 \x01(\x04\x12!\n\x19trainable_parameter_count\x18\x03 \x01(\x04\x12(\n\x05\x64type\x18\x04 \x01(\x0e\x32\x19.flywheel.common.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x16\n\x0eweight_version\x18\x07 \x01(\x04\x12\r\n\x05ready\x18\x08 \x01(\x08\"\xa3\x01\n\x16\x46orwardBackwardRequest\x12.\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1f.flywheel.trainer.v1.TrainBatch\x12+\n\x04loss\x18\x02 \x01(\x0b\x32\x1d.flywheel.trainer.v1.LossSpec\x12\x1a\n\rexpected_step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_expected_step\"[\n\x17\x46orwardBackwardResponse\x12+\n\x07metrics\x18\x01 \x03(\x0b\x32\x1a.flywheel.common.v1.Metric\x12\x13\n\x0bloss_tokens\x18\x02 \x01(\x04\"@\n\x10OptimStepRequest\x12\x1a\n\rexpected_step\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_expected_step\"c\n\x11OptimStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x11\n\tgrad_norm\x18\x03 \x01(\x01\x12\x15\n\rlearning_rate\x18\x04 \x01(\x01\"\xb7\x01\n\x10TrainStepRequest\x12.\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1f.flywheel.trainer.v1.TrainBatch\x12+\n\x04loss\x18\x02 \x01(\x0b\x32\x1d.flywheel.trainer.v1.LossSpec\x12\x18\n\x10micro_batch_size\x18\x03 \x01(\r\x12\x1a\n\rexpected_step\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_expected_step\"v\n\x11TrainStepResponse\x12+\n\x07metrics\x18\x01 \x03(\x0b\x32\x1a.flywheel.common.v1.Metric\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\"\x94\x01\n\x16\x43omputeLogprobsRequest\x12.\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1f.flywheel.trainer.v1.TrainBatch\x12\x30\n\x05model\x18\x02 \x01(\x0e\x32!.flywheel.trainer.v1.LogprobModel\x12\x18\n\x10micro_batch_size\x18\x03 \x01(\r\"_\n\x17\x43omputeLogprobsResponse\x12,\n\x08logprobs\x18\x01 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"Y\n\x15SaveCheckpointRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x17\n\x0fremove_previous\x18\x02 \x01(\x08\x12\x14\n\x0c\x63lient_state\x18\x03 \x01(\x0c\"H\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"5\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06latest\x18\x02 \x01(\x08\"b\n\x16LoadCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x14\n\x0c\x63lient_state\x18\x04 \x01(\x0c\"U\n\x0cMemoryTarget\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x04J\x04\x08\x01\x10\x02R\x14synchronizer_address\"%\n\x10\x43heckpointTarget\x12\x11\n\tdirectory\x18\x01 \x01(\t\"\x1e\n\nNcclTarget\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x87\x02\n\x14\x45xportWeightsRequest\x12.\n\x06method\x18\x01 \x01(\x0e\x32\x1e.flywheel.common.v1.SyncMethod\x12\x33\n\x06memory\x18\x02 \x01(\x0b\x32!.flywheel.trainer.v1.MemoryTargetH\x00\x12;\n\ncheckpoint\x18\x03 \x01(\x0b\x32%.flywheel.trainer.v1.CheckpointTargetH\x00\x12/\n\x04nccl\x18\x04 \x01(\x0b\x32\x1f.flywheel.trainer.v1.NcclTargetH\x00\x12\x12\n\nmerge_lora\x18\x05 \x01(\x08\x42\x08\n\x06target\"x\n\x15\x45xportWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x18\n\x10\x64uration_seconds\x18\x03 \x01(\x01\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x10\n\x08identity\x18\x05 \x01(\x0c*e\n\x08LossKind\x12\x19\n\x15LOSS_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eLOSS_KIND_GRPO\x10\x01\x12\x12\n\x0eLOSS_KIND_DAPO\x10\x02\x12\x16\n\x12LOSS_KIND_PPO_CLIP\x10\x03*\xd5\x01\n\x0fLossAggregation\x12 \n\x1cLOSS_AGGREGATION_UNSPECIFIED\x10\x00\x12\x1f\n\x1bLOSS_AGGREGATION_TOKEN_MEAN\x10\x01\x12(\n$LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN\x10\x02\x12\'\n#LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM\x10\x03\x12,\n(LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM\x10\x04*d\n\x0cLogprobModel\x12\x1d\n\x19LOGPROB_MODEL_UNSPECIFIED\x10\x00\x12\x18\n\x14LOGPROB_MODEL_POLICY\x10\x01\x12\x1b\n\x17LOGPROB_MODEL_REFERENCE\x10\x02\x32\xb8\x06\n\x0eTrainerService\x12T\n\x07GetInfo\x12#.flywheel.trainer.v1.GetInfoRequest\x1a$.flywheel.trainer.v1.GetInfoResponse\x12l\n\x0f\x46orwardBackward\x12+.flywheel.trainer.v1.ForwardBackwardRequest\x1a,.flywheel.trainer.v1.ForwardBackwardResponse\x12Z\n\tOptimStep\x12%.flywheel.trainer.v1.OptimStepRequest\x1a&.flywheel.trainer.v1.OptimStepResponse\x12Z\n\tTrainStep\x12%.flywheel.trainer.v1.TrainStepRequest\x1a&.flywheel.trainer.v1.TrainStepResponse\x12l\n\x0f\x43omputeLogprobs\x12+.flywheel.trainer.v1.ComputeLogprobsRequest\x1a,.flywheel.trainer.v1.ComputeLogprobsResponse\x12i\n\x0eSaveCheckpoint\x12*.flywheel.trainer.v1.SaveCheckpointRequest\x1a+.flywheel.trainer.v1.SaveCheckpointResponse\x12i\n\x0eLoadCheckpoint\x12*.flywheel.trainer.v1.LoadCheckpointRequest\x1a+.flywheel.trainer.v1.LoadCheckpointResponse\x12\x66\n\rExportWeights\x12).flywheel.trainer.v1.ExportWeightsRequest\x1a*.flywheel.trainer.v1.ExportWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!flywheel/trainer/v1/trainer.proto\x12\x13\x66lywheel.trainer.v1\x1a\x1f\x66lywheel/common/v1/common.proto\"\xeb\x01\n\x08LossSpec\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.flywheel.trainer.v1.LossKind\x12\x10\n\x08\x63lip_low\x18\x02 \x01(\x02\x12\x11\n\tclip_high\x18\x03 \x01(\x02\x12\x0f\n\x07kl_coef\x18\x04 \x01(\x02\x12\x14\n\x0c\x65ntropy_coef\x18\x05 \x01(\x02\x12\x39\n\x0b\x61ggregation\x18\x06 \x01(\x0e\x32$.flywheel.trainer.v1.LossAggregation\x12\x0e\n\x06is_cap\x18\x07 \x01(\x02\x12\x1b\n\x13max_response_length\x18\x08 \x01(\r\"\xc1\x04\n\nTrainBatch\x12-\n\tinput_ids\x18\x01 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x32\n\x0e\x61ttention_mask\x18\x02 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12-\n\tloss_mask\x18\x03 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12.\n\nadvantages\x18\x04 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x36\n\x12\x62\x65haviour_logprobs\x18\x05 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x33\n\x0fweight_versions\x18\x06 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x30\n\x0cold_logprobs\x18\x07 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x30\n\x0cref_logprobs\x18\x08 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x38\n\x14sampling_temperature\x18\t \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x32\n\x0esampling_top_k\x18\n \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x32\n\x0esampling_top_p\x18\x0b \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\"\x10\n\x0eGetInfoRequest\"\xd0\x01\n\x0fGetInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x17\n\x0fparameter_count\x18\x02 \x01(\x04\x12!\n\x19trainable_parameter_count\x18\x03 \x01(\x04\x12(\n\x05\x64type\x18\x04 \x01(\x0e\x32\x19.flywheel.common.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x16\n\x0eweight_version\x18\x07 \x01(\x04\x12\r\n\x05ready\x18\x08 \x01(\x08\"\xa3\x01\n\x16\x46orwardBackwardRequest\x12.\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1f.flywheel.trainer.v1.TrainBatch\x12+\n\x04loss\x18\x02 \x01(\x0b\x32\x1d.flywheel.trainer.v1.LossSpec\x12\x1a\n\rexpected_step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_expected_step\"[\n\x17\x46orwardBackwardResponse\x12+\n\x07metrics\x18\x01 \x03(\x0b\x32\x1a.flywheel.common.v1.Metric\x12\x13\n\x0bloss_tokens\x18\x02 \x01(\x04\"m\n\x10OptimStepRequest\x12\x1a\n\rexpected_step\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12+\n\x04\x61\x64\x61m\x18\x02 \x01(\x0b\x32\x1d.flywheel.trainer.v1.AdamStepB\x10\n\x0e_expected_step\"\xe8\x01\n\x08\x41\x64\x61mStep\x12\x1a\n\rlearning_rate\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05\x62\x65ta1\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x62\x65ta2\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x10\n\x03\x65ps\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x19\n\x0cweight_decay\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1a\n\rmax_grad_norm\x18\x06 \x01(\x01H\x05\x88\x01\x01\x42\x10\n\x0e_learning_rateB\x08\n\x06_beta1B\x08\n\x06_beta2B\x06\n\x04_epsB\x0f\n\r_weight_decayB\x10\n\x0e_max_grad_norm\"c\n\x11OptimStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x11\n\tgrad_norm\x18\x03 \x01(\x01\x12\x15\n\rlearning_rate\x18\x04 \x01(\x01\"\xb7\x01\n\x10TrainStepRequest\x12.\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1f.flywheel.trainer.v1.TrainBatch\x12+\n\x04loss\x18\x02 \x01(\x0b\x32\x1d.flywheel.trainer.v1.LossSpec\x12\x18\n\x10micro_batch_size\x18\x03 \x01(\r\x12\x1a\n\rexpected_step\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_expected_step\"v\n\x11TrainStepResponse\x12+\n\x07metrics\x18\x01 \x03(\x0b\x32\x1a.flywheel.common.v1.Metric\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\"\x94\x01\n\x16\x43omputeLogprobsRequest\x12.\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1f.flywheel.trainer.v1.TrainBatch\x12\x30\n\x05model\x18\x02 \x01(\x0e\x32!.flywheel.trainer.v1.LogprobModel\x12\x18\n\x10micro_batch_size\x18\x03 \x01(\r\"_\n\x17\x43omputeLogprobsResponse\x12,\n\x08logprobs\x18\x01 \x01(\x0b\x32\x1a.flywheel.common.v1.Tensor\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"Y\n\x15SaveCheckpointRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x17\n\x0fremove_previous\x18\x02 \x01(\x08\x12\x14\n\x0c\x63lient_state\x18\x03 \x01(\x0c\"H\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"5\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06latest\x18\x02 \x01(\x08\"b\n\x16LoadCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x14\n\x0c\x63lient_state\x18\x04 \x01(\x0c\"U\n\x0cMemoryTarget\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x04J\x04\x08\x01\x10\x02R\x14synchronizer_address\"%\n\x10\x43heckpointTarget\x12\x11\n\tdirectory\x18\x01 \x01(\t\"\x1e\n\nNcclTarget\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x87\x02\n\x14\x45xportWeightsRequest\x12.\n\x06method\x18\x01 \x01(\x0e\x32\x1e.flywheel.common.v1.SyncMethod\x12\x33\n\x06memory\x18\x02 \x01(\x0b\x32!.flywheel.trainer.v1.MemoryTargetH\x00\x12;\n\ncheckpoint\x18\x03 \x01(\x0b\x32%.flywheel.trainer.v1.CheckpointTargetH\x00\x12/\n\x04nccl\x18\x04 \x01(\x0b\x32\x1f.flywheel.trainer.v1.NcclTargetH\x00\x12\x12\n\nmerge_lora\x18\x05 \x01(\x08\x42\x08\n\x06target\"x\n\x15\x45xportWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x18\n\x10\x64uration_seconds\x18\x03 \x01(\x01\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x10\n\x08identity\x18\x05 \x01(\x0c*e\n\x08LossKind\x12\x19\n\x15LOSS_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eLOSS_KIND_GRPO\x10\x01\x12\x12\n\x0eLOSS_KIND_DAPO\x10\x02\x12\x16\n\x12LOSS_KIND_PPO_CLIP\x10\x03*\xd5\x01\n\x0fLossAggregation\x12 \n\x1cLOSS_AGGREGATION_UNSPECIFIED\x10\x00\x12\x1f\n\x1bLOSS_AGGREGATION_TOKEN_MEAN\x10\x01\x12(\n$LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN\x10\x02\x12\'\n#LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM\x10\x03\x12,\n(LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM\x10\x04*d\n\x0cLogprobModel\x12\x1d\n\x19LOGPROB_MODEL_UNSPECIFIED\x10\x00\x12\x18\n\x14LOGPROB_MODEL_POLICY\x10\x01\x12\x1b\n\x17LOGPROB_MODEL_REFERENCE\x10\x02\x32\xb8\x06\n\x0eTrainerService\x12T\n\x07GetInfo\x12#.flywheel.trainer.v1.GetInfoRequest\x1a$.flywheel.trainer.v1.GetInfoResponse\x12l\n\x0f\x46orwardBackward\x12+.flywheel.trainer.v1.ForwardBackwardRequest\x1a,.flywheel.trainer.v1.ForwardBackwardResponse\x12Z\n\tOptimStep\x12%.flywheel.trainer.v1.OptimStepRequest\x1a&.flywheel.trainer.v1.OptimStepResponse\x12Z\n\tTrainStep\x12%.flywheel.trainer.v1.TrainStepRequest\x1a&.flywheel.trainer.v1.TrainStepResponse\x12l\n\x0f\x43omputeLogprobs\x12+.flywheel.trainer.v1.ComputeLogprobsRequest\x1a,.flywheel.trainer.v1.ComputeLogprobsResponse\x12i\n\x0eSaveCheckpoint\x12*.flywheel.trainer.v1.SaveCheckpointRequest\x1a+.flywheel.trainer.v1.SaveCheckpointResponse\x12i\n\x0eLoadCheckpoint\x12*.flywheel.trainer.v1.LoadCheckpointRequest\x1a+.flywheel.trainer.v1.LoadCheckpointResponse\x12\x66\n\rExportWeights\x12).flywheel.trainer.v1.ExportWeightsRequest\x1a*.flywheel.trainer.v1.ExportWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flywheel.trainer.v1.trainer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOSSKIND']._serialized_start=2984
-  _globals['_LOSSKIND']._serialized_end=3085
-  _globals['_LOSSAGGREGATION']._serialized_start=3088
-  _globals['_LOSSAGGREGATION']._serialized_end=3301
-  _globals['_LOGPROBMODEL']._serialized_start=3303
-  _globals['_LOGPROBMODEL']._serialized_end=3403
+  _globals['_LOSSKIND']._serialized_start=3264
+  _globals['_LOSSKIND']._serialized_end=3365
+  _globals['_LOSSAGGREGATION']._serialized_start=3368
+  _globals['_LOSSAGGREGATION']._serialized_end=3581
+  _globals['_LOGPROBMODEL']._serialized_start=3583
+  _globals['_LOGPROBMODEL']._serialized_end=3683
   _globals['_LOSSSPEC']._serialized_start=92
   _globals['_LOSSSPEC']._serialized_end=327
   _globals['_TRAINBATCH']._serialized_start=330
@@ -51,35 +51,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FORWARDBACKWARDRESPONSE']._serialized_start=1304
   _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=1395
   _globals['_OPTIMSTEPREQUEST']._serialized_start=1397
-  _globals['_OPTIMSTEPREQUEST']._serialized_end=1461
-  _globals['_OPTIMSTEPRESPONSE']._serialized_start=1463
-  _globals['_OPTIMSTEPRESPONSE']._serialized_end=1562
-  _globals['_TRAINSTEPREQUEST']._serialized_start=1565
-  _globals['_TRAINSTEPREQUEST']._serialized_end=1748
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=1750
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=1868
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=1871
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=2019
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=2021
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=2116
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=2118
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=2207
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=2209
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=2281
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=2283
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=2336
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=2338
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=2436
-  _globals['_MEMORYTARGET']._serialized_start=2438
-  _globals['_MEMORYTARGET']._serialized_end=2523
-  _globals['_CHECKPOINTTARGET']._serialized_start=2525
-  _globals['_CHECKPOINTTARGET']._serialized_end=2562
-  _globals['_NCCLTARGET']._serialized_start=2564
-  _globals['_NCCLTARGET']._serialized_end=2594
-  _globals['_EXPORTWEIGHTSREQUEST']._serialized_start=2597
-  _globals['_EXPORTWEIGHTSREQUEST']._serialized_end=2860
-  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_start=2862
-  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_end=2982
-  _globals['_TRAINERSERVICE']._serialized_start=3406
-  _globals['_TRAINERSERVICE']._serialized_end=4230
+  _globals['_OPTIMSTEPREQUEST']._serialized_end=1506
+  _globals['_ADAMSTEP']._serialized_start=1509
+  _globals['_ADAMSTEP']._serialized_end=1741
+  _globals['_OPTIMSTEPRESPONSE']._serialized_start=1743
+  _globals['_OPTIMSTEPRESPONSE']._serialized_end=1842
+  _globals['_TRAINSTEPREQUEST']._serialized_start=1845
+  _globals['_TRAINSTEPREQUEST']._serialized_end=2028
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=2030
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=2148
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=2151
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=2299
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=2301
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=2396
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=2398
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=2487
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=2489
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=2561
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=2563
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=2616
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=2618
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=2716
+  _globals['_MEMORYTARGET']._serialized_start=2718
+  _globals['_MEMORYTARGET']._serialized_end=2803
+  _globals['_CHECKPOINTTARGET']._serialized_start=2805
+  _globals['_CHECKPOINTTARGET']._serialized_end=2842
+  _globals['_NCCLTARGET']._serialized_start=2844
+  _globals['_NCCLTARGET']._serialized_end=2874
+  _globals['_EXPORTWEIGHTSREQUEST']._serialized_start=2877
+  _globals['_EXPORTWEIGHTSREQUEST']._serialized_end=3140
+  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_start=3142
+  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_end=3262
+  _globals['_TRAINERSERVICE']._serialized_start=3686
+  _globals['_TRAINERSERVICE']._serialized_end=4510
 # @@protoc_insertion_point(module_scope)

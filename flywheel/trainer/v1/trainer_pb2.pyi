@@ -130,10 +130,28 @@ class ForwardBackwardResponse(_message.Message):
     def __init__(self, metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ..., loss_tokens: _Optional[int] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
-    __slots__ = ("expected_step",)
+    __slots__ = ("expected_step", "adam")
     EXPECTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    ADAM_FIELD_NUMBER: _ClassVar[int]
     expected_step: int
-    def __init__(self, expected_step: _Optional[int] = ...) -> None: ...
+    adam: AdamStep
+    def __init__(self, expected_step: _Optional[int] = ..., adam: _Optional[_Union[AdamStep, _Mapping]] = ...) -> None: ...
+
+class AdamStep(_message.Message):
+    __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    max_grad_norm: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
     __slots__ = ("step", "weight_version", "grad_norm", "learning_rate")

@@ -249,3 +249,38 @@ def test_samples_of_one_prompt_share_its_forward_and_the_step_is_unchanged(make_
     assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], abs=1e-6)
     pa, pb = parameters(shared), parameters(apart)
     assert all(torch.allclose(pa[k], pb[k], atol=2e-5) for k in pa)  # Adam: see the test above
+
+
+def test_an_optim_step_takes_its_own_adam_parameters_for_that_step_only(make_engine) -> None:
+    """Tinker's optim_step carries AdamParams per step: each one given replaces the configured value
+    for that step, and the next step without them is back on the configured optimizer."""
+    from flywheel.trainer.types import AdamStep
+
+    batch = make_batch()
+    frozen = make_engine()  # configured lr 1e-3, weight decay 0.01
+    before = parameters(frozen)
+    frozen.forward_backward(batch, GRPO)
+    result = frozen.optim_step(adam=AdamStep(learning_rate=0.0))
+    assert result.learning_rate == 0.0 and result.step == 1
+    assert same_tensors(parameters(frozen), before)  # lr 0: no update, no decay
+    groups = frozen.policy.optimizer.param_groups
+    assert all(g["lr"] == pytest.approx(1e-3) and g["betas"] == (0.9, 0.999) for g in groups)  # restored
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.01]
+    frozen.forward_backward(batch, GRPO)
+    assert frozen.optim_step().learning_rate == pytest.approx(1e-3)  # the configured one again
+    assert not same_tensors(parameters(frozen), before)
+
+    # Adam's first step moves each weight by about lr (lr * m / sqrt(v) = lr * sign(grad)).
+    moved = {}
+    for lr in (1e-2, 1e-4):
+        engine = make_engine()
+        start = parameters(engine)
+        engine.forward_backward(batch, GRPO)
+        engine.optim_step(adam=AdamStep(learning_rate=lr, weight_decay=0.0, beta1=0.5))
+        moved[lr] = max(float((parameters(engine)[k] - start[k]).abs().max()) for k in start)
+    assert moved[1e-2] == pytest.approx(1e-2, rel=0.05) and moved[1e-4] == pytest.approx(1e-4, rel=0.05)
+
+    with pytest.raises(InvalidArgument, match=r"adam.beta1 must be in \[0, 1\)"):
+        AdamStep(beta1=1.0)
+    with pytest.raises(InvalidArgument, match="adam.learning_rate"):
+        AdamStep(learning_rate=float("nan"))

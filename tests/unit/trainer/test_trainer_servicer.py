@@ -72,3 +72,17 @@ async def test_get_info_answers_while_a_training_call_holds_the_engine(make_engi
     assert response.step == 1 and response.tokens == int(make_batch()["attention_mask"].sum())
     metrics = {m.name for m in response.metrics}
     assert {"loss", "clip_fraction", "approx_kl", "entropy", "grad_norm"} <= metrics
+
+
+def test_adam_step_translation_keeps_unset_fields_unset() -> None:
+    from flywheel.errors import InvalidArgument
+    from flywheel.trainer.types import AdamStep
+    from flywheel.trainer.v1 import trainer_pb2 as pb
+
+    given = AdamStep(learning_rate=0.0, beta2=0.95)
+    wire = pb.OptimStepRequest(adam=given.to_pb())
+    assert wire.adam.HasField("learning_rate") and not wire.adam.HasField("beta1")  # 0.0 still travels
+    assert AdamStep.from_pb(pb.OptimStepRequest.FromString(wire.SerializeToString()).adam) == given
+    assert AdamStep.from_pb(pb.AdamStep()) == AdamStep()
+    with pytest.raises(InvalidArgument, match="adam.eps must be > 0"):
+        AdamStep.from_pb(pb.AdamStep(eps=0.0))
