@@ -384,7 +384,7 @@ def run_config(c: Container, k8s_objects: list[dict] | None) -> Any:
     parsed by the controller's own code."""
     from services.controller.launcher.spec import split_run_file
     from flywheel.runtime.config import deep_merge
-    from services.controller.launcher.local_run import run_env_overrides
+    from services.controller.launcher.spec import run_env_overrides
     from services.controller.run_config import parse_run_config
 
     _, data = split_run_file(run_file(c, k8s_objects), c.source)

@@ -95,7 +95,7 @@ def test_every_flywheel_variable_is_a_config_field_of_its_service(containers):
         names = set(c.env) | {e["name"] for e in c.raw.get("env", []) if isinstance(e, dict)}
         assert "envFrom" not in c.raw, f"{c.source}: list variables one by one so they can be checked"
         if c.service == "controller":  # run-file overrides: each must name a run config field
-            from services.controller.launcher.local_run import RUN_ENV_PREFIX, run_env_overrides
+            from services.controller.launcher.spec import RUN_ENV_PREFIX, run_env_overrides
 
             run_env_overrides({k: v for k, v in c.env.items() if k.startswith(RUN_ENV_PREFIX)})
             names = {k for k in names if not k.startswith(RUN_ENV_PREFIX)}

@@ -44,6 +44,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -189,3 +190,13 @@ class RemoteWatch:
                 self.newest_version = newest
         return found
 
+
+def latest_checkpoint(directory: Path) -> str:
+    """The newest complete global_step_N under `directory`, or ""."""
+    best: tuple[int, Path] | None = None
+    for path in directory.glob("global_step_*"):
+        if (path / "trainer_state.json").is_file() and path.name.removeprefix("global_step_").isdigit():
+            step = int(path.name.removeprefix("global_step_"))
+            if best is None or step > best[0]:
+                best = (step, path)
+    return str(best[1]) if best else ""

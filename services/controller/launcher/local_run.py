@@ -38,64 +38,30 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from services.controller.launcher.deployed import Deployment
-from services.controller.launcher.healing import REWIND_ON_DEATH, Healer, Restart
+from services.controller.launcher.healing import REWIND_ON_DEATH, Healer, Restart, latest_checkpoint
+from services.controller.launcher.ledger import keep_ledger
 from services.controller.launcher.prepare import prepare_data, prepare_model
 from flywheel.launcher.processes import ServiceDied
 from services.controller.launcher.progress import Progress
 from services.controller.launcher.report import write_report
-from services.controller.launcher.spec import LaunchSpec, resume_section, split_run_file
+from services.controller.launcher.spec import LaunchSpec, resume_section, run_env_overrides, split_run_file
 from services.controller.launcher.supervisor import Supervisor
 from services.controller.launcher.tls import LaunchTls
 from flywheel.runtime.tls import process_tls
-from flywheel.runtime.config import ConfigError, submodel, deep_merge, read_config_file, with_run_defaults
+from flywheel.runtime.config import ConfigError, deep_merge, read_config_file, with_run_defaults
 from flywheel.runtime.logging import route_root_logging
 from services.controller.run_config import RunConfig, ServicesConfig, parse_run_config
 
 log = logging.getLogger("flywheel.launch")
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
-#: Variables `FLYWHEEL_RUN__<SECTION>__<FIELD>` (YAML values) override the run file's fields, as
-#: FLYWHEEL_TRAINER__* do the trainer's: containers keep one shared run file and say here what differs
-#: (`FLYWHEEL_RUN__SERVICES='{trainer: {address: trainer:50052}}'`: use those services, start none;
-#: `FLYWHEEL_RUN__SYNC__METHOD=nccl` on GPU deployments).
-RUN_ENV_PREFIX = "FLYWHEEL_RUN__"
 #: Parent of run directories (the controller service's runs_dir setting).
 RUNS_DIR_ENV = "FLYWHEEL_CONTROLLER__RUNS_DIR"
 #: The rollout's component id at the synchronizer, and the controller's name for that replica.
 ROLLOUT_ID = "rollout-0"
-
-
-def run_env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    """The run-file fields set by FLYWHEEL_RUN__* variables, as a mapping to merge over the file.
-
-    A variable names a field or a section of `RunConfig` (`FLYWHEEL_RUN__SERVICES` takes a whole
-    mapping); a name that matches neither is an error here, not a silently ignored setting.
-    """
-    import yaml
-    from pydantic import BaseModel
-
-    overrides: dict[str, Any] = {}
-    for name, text in sorted(env.items()):
-        if not name.startswith(RUN_ENV_PREFIX):
-            continue
-        path = name[len(RUN_ENV_PREFIX):].lower().split("__")
-        model: Any = RunConfig
-        for part in path:
-            if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
-                raise ConfigError(f"environment variable {name}: the run config has no field {'.'.join(path)}")
-            model = submodel(model.model_fields[part].annotation)
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"environment variable {name}: not valid YAML: {exc}") from None
-        target = overrides
-        for part in path[:-1]:
-            target = target.setdefault(part, {})
-        target[path[-1]] = value
-    return overrides
 
 
 def _configure_file_logging(path: Path) -> None:
@@ -138,17 +104,6 @@ async def _count_resumed_steps(pipeline: Any) -> None:
     pipeline.state.resumed_at_step = pipeline.state.steps_done = step
     if step > 0:  # the checkpoint just loaded is this step's: no need to write it again at the end
         pipeline.state.last_checkpoint_step = step
-
-
-def latest_checkpoint(directory: Path) -> str:
-    """The newest complete global_step_N under `directory`, or ""."""
-    best: tuple[int, Path] | None = None
-    for path in directory.glob("global_step_*"):
-        if (path / "trainer_state.json").is_file() and path.name.removeprefix("global_step_").isdigit():
-            step = int(path.name.removeprefix("global_step_"))
-            if best is None or step > best[0]:
-                best = (step, path)
-    return str(best[1]) if best else ""
 
 
 @dataclass
@@ -444,7 +399,7 @@ class LocalRun:
         services = connect(cfg)
         pipeline = build_pipeline(cfg, services, run_dir=self.run_dir, sinks=[PrometheusSink()])
         self.pipeline, self.sessions = pipeline, self.sessions + 1
-        ledger = self._keep_ledger(pipeline)
+        ledger = keep_ledger(self.run_dir, f"{os.getpid()}-{int(time.time())}-{self.sessions}", pipeline)
         pipeline.hooks.after_start.append(_count_resumed_steps)
         if self.deployment is not None:
             self.deployment.rewind_on_resume(pipeline)
@@ -605,32 +560,6 @@ class LocalRun:
             await asyncio.to_thread(self.supervisor.restart, name, overrides)
             del self.pending_restarts[name]
             log.info("%s started again", name)
-
-    def _keep_ledger(self, pipeline: Any) -> Any:
-        """Appends each trained step's task ids and sample versions to `trained_tasks.jsonl`.
-
-        Metrics carry counts, not ids; this ledger is what lets a user (and the
-        resume test) check that every example was trained exactly once across
-        kills and resumes: per step, the last session's line counts.
-        """
-        ledger = (self.run_dir / "trained_tasks.jsonl").open("a")
-        session = f"{os.getpid()}-{int(time.time())}-{self.sessions}"  # a rewind may start one in the same second
-
-        def write_row(batch: Any, result: Any, metrics: dict[str, float]) -> None:
-            tasks = sorted({t.task.id for t in batch.trajectories})
-            # Which weights produced each sample, beside the weights trained on:
-            # the mode's staleness promise, checkable after the fact.
-            versions = [[t.version_start, t.version_end] for t in batch.trajectories]
-            row = {"step": result.step, "session": session, "tasks": tasks,
-                   "trained_version": batch.target_version, "sample_versions": versions,
-                   "sample_engines": [t.engine for t in batch.trajectories],
-                   # Each model call's versions, for multi-turn episodes (empty lists otherwise).
-                   "sample_turn_versions": [[list(v) for v in t.turn_versions] for t in batch.trajectories]}
-            ledger.write(json.dumps(row) + "\n")
-            ledger.flush()
-
-        pipeline.hooks.on_record.append(write_row)  # called once per trained step, before its metrics are written
-        return ledger
 
     def _draw(self, pipeline: Any, status: str = "") -> None:
         assert self.progress is not None

@@ -24,11 +24,12 @@ Only pydantic is imported: `run --help` stays instant.
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from flywheel.runtime.config import ConfigError, StrictModel
+from flywheel.runtime.config import ConfigError, StrictModel, submodel
 from services.controller.launcher.healing import RestartPolicy
 
 
@@ -108,3 +109,42 @@ def split_run_file(data: dict[str, Any], origin: str) -> tuple[LaunchSpec, dict[
         raise ConfigError(f"invalid run configuration ({origin}):\n  " + "\n  ".join(lines)) from None
     data["resume"] = resume_section(data.get("resume", "auto"))
     return spec, data
+
+
+#: Variables `FLYWHEEL_RUN__<SECTION>__<FIELD>` (YAML values) override the run file's fields, as
+#: FLYWHEEL_TRAINER__* do the trainer's: containers keep one shared run file and say here what differs
+#: (`FLYWHEEL_RUN__SERVICES='{trainer: {address: trainer:50052}}'`: use those services, start none;
+#: `FLYWHEEL_RUN__SYNC__METHOD=nccl` on GPU deployments).
+RUN_ENV_PREFIX = "FLYWHEEL_RUN__"
+
+
+def run_env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """The run-file fields set by FLYWHEEL_RUN__* variables, as a mapping to merge over the file.
+
+    A variable names a field or a section of `RunConfig` (`FLYWHEEL_RUN__SERVICES` takes a whole
+    mapping); a name that matches neither is an error here, not a silently ignored setting.
+    """
+    import yaml
+    from pydantic import BaseModel
+
+    from services.controller.run_config import RunConfig  # here: `run --help` imports only pydantic
+
+    overrides: dict[str, Any] = {}
+    for name, text in sorted(env.items()):
+        if not name.startswith(RUN_ENV_PREFIX):
+            continue
+        path = name[len(RUN_ENV_PREFIX):].lower().split("__")
+        model: Any = RunConfig
+        for part in path:
+            if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+                raise ConfigError(f"environment variable {name}: the run config has no field {'.'.join(path)}")
+            model = submodel(model.model_fields[part].annotation)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"environment variable {name}: not valid YAML: {exc}") from None
+        target = overrides
+        for part in path[:-1]:
+            target = target.setdefault(part, {})
+        target[path[-1]] = value
+    return overrides

@@ -110,7 +110,7 @@ def test_run_variables_override_the_run_files_fields(tmp_path):
 
 @pytest.mark.parametrize("name", ["FLYWHEEL_RUN__SYNC__METHD", "FLYWHEEL_RUN__SYNC__METHOD__X", "FLYWHEEL_RUN__NOPE"])
 def test_a_run_variable_naming_no_field_is_an_error(name):
-    from services.controller.launcher.local_run import run_env_overrides
+    from services.controller.launcher.spec import run_env_overrides
 
     with pytest.raises(ConfigError, match=name):
         run_env_overrides({name: "1"})
