@@ -6,6 +6,7 @@ from flywheel.common.types import pause_mode_from_pb, pause_mode_to_pb
 from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.codec.identity import IDENTITY_BYTES
 from flywheel.errors import InvalidArgument
+from flywheel.runtime.addresses import check_address
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.types import (
     Component,
@@ -26,12 +27,14 @@ from flywheel.synchronizer.types import (
 
 def identity_from_pb(msg: cpb.ComponentIdentity) -> Identity:
     if msg.role not in (r.value for r in Role):
-        raise InvalidArgument(f"identity.role: must be TRAINER, ROLLOUT or CONTROLLER, got {msg.role}")
+        raise InvalidArgument(f"identity.role: must be one of {', '.join(r.name for r in Role)}, got {msg.role}")
     try:
         capabilities = frozenset(Method(m) for m in msg.capabilities)
     except ValueError:
         raise InvalidArgument(f"identity.capabilities: unknown method in {list(msg.capabilities)}") from None
-    return Identity(Role(msg.role), msg.id, msg.address, capabilities, dict(msg.labels))
+    # Others dial it (the controller a replica, replicas a relay or a peer): refused now, not when dialled.
+    address = check_address(msg.address, "identity.address") if msg.address else ""
+    return Identity(Role(msg.role), msg.id, address, capabilities, dict(msg.labels))
 
 
 def identity_to_pb(identity: Identity) -> cpb.ComponentIdentity:

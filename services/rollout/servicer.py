@@ -15,6 +15,7 @@ from flywheel.common.v1 import common_pb2
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.synchronizer.types import Method
+from flywheel.runtime.addresses import check_address
 from flywheel.runtime.auth import own_token
 from services.rollout.serving import sampling as sampling_mod
 from services.rollout.config import RolloutConfig
@@ -208,6 +209,8 @@ class RolloutServicer:
 def _nccl_target(nccl: pb.NcclSource, synchronizer: str) -> NcclTarget:
     if not nccl.group_id:
         raise InvalidArgument("nccl.group_id: empty")
+    if nccl.rendezvous_address:
+        check_address(nccl.rendezvous_address, "nccl.rendezvous_address")
     return NcclTarget(group_id=nccl.group_id, synchronizer_address=synchronizer, rank=nccl.rank,
                       rendezvous_address=nccl.rendezvous_address, world_size=nccl.world_size, backend=nccl.backend)
 

@@ -56,7 +56,7 @@ async def trainer(args: argparse.Namespace) -> None:
     from flywheel.synchronizer.participant import broadcast_version
 
     async with SynchronizerClient(args.address) as client:
-        await client.register("trainer", args.id, address="127.0.0.1:0", capabilities=["nccl"])
+        await client.register("trainer", args.id, address="127.0.0.1:1", capabilities=["nccl"])
         emit(ready=args.id)
         await asyncio.to_thread(sys.stdin.readline)  # "go": the rollouts are listening
         async with client.keep_alive(args.id):

@@ -124,7 +124,7 @@ async def test_nccl_broadcast_over_gloo(make_engine, tiny_model: Path) -> None:
     live = live_hf(engine)
     async with embedded_synchronizer() as server, SynchronizerClient(server.address) as client:
         exporter = WeightExporter(engine, SyncConfig(synchronizer_address=server.address, trainer_id="trainer-0"))
-        await client.register("trainer", "trainer-0", address="127.0.0.1:0", capabilities=["nccl"])
+        await client.register("trainer", "trainer-0", address="127.0.0.1:1", capabilities=["nccl"])
         await client.register("rollout", "rollout-0", capabilities=["nccl"])
         group = await client.allocate_group(1, "trainer-0", ["rollout-0"], timeout_seconds=30, backend="gloo")
         receiver = {n: torch.zeros_like(t) for n, t in export_state(engine.policy, False).items()}
