@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.deploy.manifests import ROOT
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+NO_CHROMIUM = ("headless Chromium is not installed (Debian package `chromium`, which .ci/run installs): "
+               "the status page's browser check cannot run")
 
 
 def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None,
@@ -54,7 +56,7 @@ def check_dashboard(scrapes: dict[str, str]) -> None:
 def chromium(url: str, *args: str) -> str:
     """Headless Chromium on `url` after its scripts ran for 4 s of virtual time (e.g. `--dump-dom`,
     `--screenshot=FILE`); its stdout."""
-    assert CHROMIUM is not None, "headless Chromium is not installed (Debian package `chromium`)"
+    assert CHROMIUM is not None, NO_CHROMIUM
     return subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1400,1000",
          "--virtual-time-budget=4000", *args, url],
@@ -62,9 +64,9 @@ def chromium(url: str, *args: str) -> str:
 
 
 def check_page_in_browser(page: str, component_ids: list[str]) -> None:
-    """The page as Chromium renders it (scripts run) shows every component; skipped without Chromium."""
-    if not CHROMIUM:
-        return
+    """The page as Chromium renders it (scripts run) shows every component. Without Chromium this
+    fails: a browser check that passes unseen would prove nothing."""
+    assert CHROMIUM, NO_CHROMIUM
     dom = chromium(page, "--dump-dom")
     for cid in component_ids:
         assert f'data-id="{cid}"' in dom, f"status page lacks {cid}"

@@ -90,8 +90,7 @@ def test_controller_cli_accepts_run_when_it_exists():
         cwd=ROOT,
         timeout=60,
     ).stdout
-    if not re.search(r"\brun\b", help_text.split("options:")[0]):
-        pytest.skip("services.controller has no `run` subcommand yet (it arrives with the quickstart issue)")
+    assert re.search(r"\brun\b", help_text.split("options:")[0]), "services.controller has no `run` subcommand"
     done = subprocess.run(
         [sys.executable, "-m", "services.controller", "run", "--help"],
         check=False,

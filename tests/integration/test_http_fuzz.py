@@ -31,7 +31,7 @@ from tests.conftest import TEST_TOKEN
 from tests.integration.test_agent_openai_api import _http_port
 from tests.unit.rollout.rollout_helpers import engine_args, need_engine
 
-schemathesis = pytest.importorskip("schemathesis")
+import schemathesis  # noqa: E402  (a dev dependency: missing, the test fails rather than skips)
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import (  # noqa: E402

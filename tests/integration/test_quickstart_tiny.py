@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-psutil = pytest.importorskip("psutil")
+import psutil  # noqa: E402  (a dev dependency)
 
 pytestmark = pytest.mark.slow
 
@@ -90,17 +90,8 @@ def wait_all_gone(procs: list[psutil.Process], timeout: float) -> None:
     assert not alive, f"left running: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
 
 
-def _trainer_exports_weights() -> bool:
-    from flywheel.trainer.v1 import trainer_pb2_grpc
-    from services.trainer.servicer import TrainerServicer
-
-    return TrainerServicer.ExportWeights is not trainer_pb2_grpc.TrainerServiceServicer.ExportWeights
-
-
 @pytest.mark.timeout(1800)
 def test_sigkill_mid_run_then_the_same_command_resumes_and_finishes(tmp_path: Path, model_cache: Path) -> None:
-    if not _trainer_exports_weights():
-        pytest.skip("the trainer's ExportWeights is not implemented yet: no weight sync, no step past the first")
     run_dir = tmp_path / "run"
     first = launch(run_dir, model_cache, "first.out")
     try:

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from flywheel.controller.v1 import controller_pb2 as pb
 from flywheel.controller.v1 import controller_pb2_grpc as pb_grpc
-from tests.deploy.observe import CHROMIUM, chromium
+from tests.deploy.observe import CHROMIUM, NO_CHROMIUM, chromium
 
 pytestmark = pytest.mark.slow
 
@@ -66,8 +66,8 @@ def get_json(url: str) -> dict:
         return json.loads(reply.read())
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian package `chromium`)")
 def test_the_status_page_follows_a_live_run(tmp_path: Path) -> None:
+    assert CHROMIUM is not None, NO_CHROMIUM
     run_dir = tmp_path / "run"
     ready_file = tmp_path / "controller.ready"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLYWHEEL_MODEL_CACHE": str(tmp_path / "models"),

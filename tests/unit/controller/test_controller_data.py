@@ -33,7 +33,7 @@ def test_jsonl_parquet_list_and_dataset_objects_give_the_same_tasks(tmp_path: Pa
             return ROWS[i]
 
     sources = [rows_from(jsonl), ROWS, FakeHFDataset()]
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     parquet = tmp_path / "d.parquet"
