@@ -166,6 +166,9 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
 #: Chaos trials: CI runs 3 (one per service); `FLYWHEEL_CHAOS_TRIALS=20` for the full run.
 CHAOS_TRIALS = int(os.environ.get("FLYWHEEL_CHAOS_TRIALS", "3"))
 CHAOS_SEED = int(os.environ.get("FLYWHEEL_CHAOS_SEED", "0"))
+#: A JSONL file each trial appends its outcome to, passed or failed (scripts/reliability_table.py
+#: renders docs/reliability.md from it).
+CHAOS_RECORD = os.environ.get("FLYWHEEL_CHAOS_RECORD", "")
 VICTIMS = ("synchronizer", "trainer", "rollout")
 
 
@@ -182,29 +185,41 @@ def test_chaos_a_service_sigkilled_at_a_random_step_heals_without_a_second_comma
     kill_after = rng.randint(1, STEPS - 2)
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    proc = launch(run_dir, model_cache, "launcher.out")
+    row: dict = {"seed": CHAOS_SEED, "trial": trial, "victim": victim, "killed_at": None, "exit": None,
+                 "healed": False, "error": ""}
     try:
-        wait_for(f"step {kill_after}", lambda: any(r["step"] >= kill_after for r in ledger(run_dir)), 900, proc)
-        pid = json.loads((run_dir / f"{victim}.ready.json").read_text())["pid"]
-        os.kill(pid, signal.SIGKILL)
-        killed_at = max(r["step"] for r in ledger(run_dir))
-        code = proc.wait(600)
+        proc = launch(run_dir, model_cache, "launcher.out")
+        try:
+            wait_for(f"step {kill_after}", lambda: any(r["step"] >= kill_after for r in ledger(run_dir)), 900, proc)
+            pid = json.loads((run_dir / f"{victim}.ready.json").read_text())["pid"]
+            os.kill(pid, signal.SIGKILL)
+            killed_at = row["killed_at"] = max(r["step"] for r in ledger(run_dir))
+            code = row["exit"] = proc.wait(600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        output = (tmp_path / "launcher.out").read_text()
+        print(f"chaos trial {trial}: {victim} SIGKILLed at step {killed_at}, exit {code}, "
+              f"{time.monotonic() - started:.0f}s")
+        assert killed_at < STEPS, "the run finished before it could be killed"
+        assert code == 0, output[-3000:]
+        assert f"healing: {victim} died (exit -9)" in output, output[-3000:]
+        assert_each_task_trained_once(ledger(run_dir))
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["last_step"] == STEPS
+        [restart] = summary["restarts"]
+        assert restart["service"] == victim and restart["exit_code"] == -9
+        assert restart["action"] == ("restarted" if victim == "rollout" else "rewound")
+        wait_all_gone(processes_of(run_dir), 30)
+        row["healed"] = True
+    except BaseException as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        raise
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    output = (tmp_path / "launcher.out").read_text()
-    print(f"chaos trial {trial}: {victim} SIGKILLed at step {killed_at}, exit {code}, "
-          f"{time.monotonic() - started:.0f}s")
-    assert killed_at < STEPS, "the run finished before it could be killed"
-    assert code == 0, output[-3000:]
-    assert f"healing: {victim} died (exit -9)" in output, output[-3000:]
-    assert_each_task_trained_once(ledger(run_dir))
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["last_step"] == STEPS
-    [restart] = summary["restarts"]
-    assert restart["service"] == victim and restart["exit_code"] == -9
-    assert restart["action"] == ("restarted" if victim == "rollout" else "rewound")
-    wait_all_gone(processes_of(run_dir), 30)
+        row["seconds"] = round(time.monotonic() - started, 1)
+        if CHAOS_RECORD:
+            with open(CHAOS_RECORD, "a") as record:
+                record.write(json.dumps(row) + "\n")
 
 
 @pytest.mark.timeout(900)
