@@ -38,6 +38,7 @@ from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.runtime.client import domain_error, open_channel
 from flywheel.runtime.tls import TlsFiles
+from flywheel.transfer.frames import encoded_frames
 from flywheel.runtime.server_config import MIB
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as pb_grpc
@@ -57,7 +58,7 @@ from flywheel.synchronizer.client_types import (
 from flywheel.synchronizer.convert import group_from_pb, identity_to_pb, timings_to_pb, update_from_pb
 from flywheel.synchronizer.heartbeats import Heartbeats
 from flywheel.synchronizer.pull import PullCall, pull_version
-from flywheel.synchronizer.push import SharedPush, refused_shared_memory, remember_unmappable, shared_frames, stream_frames
+from flywheel.synchronizer.push import SharedPush, refused_shared_memory, remember_unmappable, shared_frames
 from flywheel.synchronizer.types import (
     GroupInfo, Identity, Method, Role, RolloutWait, State, Style, TransferState, UpdateRecord, parse_enum,
 )
@@ -269,7 +270,7 @@ class SynchronizerClient:
                     if not refused_shared_memory(exc):
                         raise
                     remember_unmappable(self.address, exc)
-        return await self._push_frames(stream_frames(encoded), timeout)
+        return await self._push_frames(encoded_frames(encoded), timeout)
 
     async def _push_frames(self, frames: Iterable[bytes], timeout: float) -> PushResult:
         try:

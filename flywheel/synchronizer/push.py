@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from flywheel.codec import EncodedVersion
 from flywheel.errors import FailedPrecondition
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
-from flywheel.transfer.frames import encoded_frames, manifest_frame
+from flywheel.transfer.frames import manifest_frame
 from flywheel.transfer.segments import HEADER_BYTES, PUSH_SEGMENT_REFUSED, PUSH_SEGMENTS, OwnedSegment, PushSegments
 
 log = logging.getLogger(__name__)
@@ -41,11 +41,11 @@ def refused_shared_memory(error: Exception) -> bool:
     return isinstance(error, FailedPrecondition) and PUSH_SEGMENT_REFUSED in str(error)
 
 
-def remember_unmappable(synchronizer: str, error: Exception, segments: PushSegments | None = None) -> None:
+def remember_unmappable(synchronizer: str, error: Exception) -> None:
     """Pushes to `synchronizer` go over the stream from now on, and the
     segment's memory is given back (made again if a synchronizer on this host wants it)."""
     _UNMAPPABLE.add(synchronizer)
-    (segments or PUSH_SEGMENTS).close()
+    PUSH_SEGMENTS.close()
     log.info("the synchronizer cannot map this process's shared memory; pushing over the stream",
              extra={"synchronizer": synchronizer, "reason": str(error)})
 
@@ -58,7 +58,6 @@ class SharedPush:
                  segments: PushSegments | None = None) -> None:
         self.synchronizer, self.encoded, self.enabled = synchronizer, encoded, enabled
         self.segments = segments or PUSH_SEGMENTS
-        self.segment: OwnedSegment | None = None
         self._locked = False
 
     def __enter__(self) -> OwnedSegment | None:
@@ -67,18 +66,12 @@ class SharedPush:
         if not _SEGMENT_IN_USE.acquire(blocking=False):
             return None
         self._locked = True
-        self.segment = self.segments.get(self.encoded.manifest.total_bytes)
-        return self.segment
+        return self.segments.get(self.encoded.manifest.total_bytes)
 
     def __exit__(self, *exc: object) -> None:
         if self._locked:
             _SEGMENT_IN_USE.release()
             self._locked = False
-
-
-def stream_frames(encoded: EncodedVersion) -> Iterator[bytes]:
-    """Payloads in the stream (far synchronizers, or no shared memory)."""
-    return encoded_frames(encoded)
 
 
 def shared_frames(encoded: EncodedVersion, segment: OwnedSegment) -> Iterator[bytes]:

@@ -19,7 +19,6 @@ serve (gone, moved on to another version, or its bytes not the version's).
 from __future__ import annotations
 
 import asyncio
-import logging
 import zlib
 from collections.abc import Sequence
 
@@ -28,16 +27,14 @@ import grpc
 from flywheel.codec import EncodedVersion, encode_state_dict
 from flywheel.errors import FailedPrecondition, NotFound
 from flywheel.synchronizer.types import Component, Role, State
-from flywheel.synchronizer.version_server import SERVICE as PEER_SERVICE
-from flywheel.synchronizer.version_server import version_pull_handler
+from flywheel.synchronizer.version_server import SERVICE, version_pull_handler
 from services.rollout import metrics
 from services.rollout.serving.core import RolloutCore
 
-log = logging.getLogger(__name__)
-
 #: The registry label of a replica that serves its weights to peers.
 PEER_LABEL = "weights_peer"
-__all__ = ["PEER_LABEL", "PEER_SERVICE", "PeerWeights", "peer_holding"]
+#: The service a peer answers on (app.py registers it: the rollout reaches synchronizer code only through weights/).
+PEER_SERVICE = SERVICE
 
 
 class PeerWeights:
