@@ -91,7 +91,7 @@ def open_shared(shared: dict[str, Any], device: torch.device) -> torch.Tensor:
             _bytes(shared["ref_handle"]), int(shared["ref_offset"]), _bytes(shared["event_handle"]),
             bool(shared["event_sync"]),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:  # AttributeError: no such torch dtype
         raise InvalidArgument(f"backend ipc: the shared buffer's description is malformed: {exc}") from None
 
 

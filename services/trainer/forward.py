@@ -234,7 +234,7 @@ def token_logprobs(
                 with torch.autocast(input_ids.device.type, enabled=False):
                     return _Head.apply(hidden[:, :-1][wanted], head.weight, head.bias, autocast or torch.float32)
 
-            logits = _as_forward(model, selected_logits) if _sharded(model) else selected_logits()
+            logits = _as_forward(model, selected_logits, input_ids) if _sharded(model) else selected_logits()
     targets = input_ids[:, 1:][wanted]
     per_position = Sampling.of_rows(*sampling, rows=wanted.nonzero()[:, 0])
     picked = _TargetLogprob.apply(logits, targets, per_position)
@@ -292,11 +292,14 @@ def _sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def _as_forward(model: nn.Module, fn):
+def _as_forward(model: nn.Module, fn, anchor: Tensor):
     """fn() run as `model`'s forward: the hooks FSDP2 put on the root (gathering its own
-    parameters, the embeddings and the head, and reducing their gradients) wrap it."""
-    model.forward = fn
+    parameters, the embeddings and the head, and reducing their gradients) wrap it.
+    `anchor` (a tensor already on the model's device) is passed and ignored: FSDP2's
+    root hook in torch < 2.13 moves the call's arguments to the device and fails on a
+    call with none."""
+    model.forward = lambda _anchor: fn()
     try:
-        return model()
+        return model(anchor)
     finally:
         del model.forward
