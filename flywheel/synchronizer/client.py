@@ -375,8 +375,9 @@ class SynchronizerClient:
 
     async def rewind(self, to_version: int, reason: str = "") -> Rewind:
         """Drops every version above `to_version` and sends the rollouts serving one back to it
-        (the trainer resumed from the checkpoint of step `to_version`)."""
-        request = pb.RewindRequest(to_version=to_version, reason=reason[:4000])
+        (the trainer resumed from the checkpoint of step `to_version`). 0 starts over from the
+        base model (the trainer restarted with no checkpoint): the request says so explicitly."""
+        request = pb.RewindRequest(to_version=to_version, reason=reason[:4000], start_over=to_version == 0)
         return Rewind.from_pb(await self._call("Rewind", self.stub.Rewind, request))
 
 

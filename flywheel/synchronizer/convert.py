@@ -174,8 +174,6 @@ def update_report_from_pb(msg: pb.ReportUpdateRequest) -> UpdateRecord:
     """A rollout's report as a record (its own verdict; the synchronizer judges it next)."""
     if not msg.id:
         raise InvalidArgument("id: empty")
-    if msg.version < 1:
-        raise InvalidArgument(f"version: must be >= 1, got {msg.version}")
     try:
         outcome = UpdateOutcome(msg.outcome)
     except ValueError:

@@ -311,17 +311,22 @@ class Synchronizer:
         """The version the last rewind went back to (0: none yet)."""
         return self.events.rewound_to
 
-    def rewind(self, to_version: int, reason: str = "") -> Rewound:
+    def rewind(self, to_version: int, reason: str = "", *, start_over: bool = False) -> Rewound:
         """Goes back to `to_version`: the trainer lost the weights after it and resumed from its
         checkpoint. Every version above it is dropped (catalog, store, bytes, pushes and NCCL
         transfers in progress) and a new lineage starts (the epoch goes up): the trainer
         publishes `to_version` + 1 and on again. Rollouts serving a version above it are sent
         back (the REWOUND event; their first report at or below it is taken). Versions only go
-        up within a lineage; this is the one way down."""
-        if to_version < 1:
+        up within a lineage; this is the one way down. `start_over` goes back to version 0, the
+        base model (the trainer restarted with no checkpoint): every version is dropped, and the
+        replicas reload the weights they started with."""
+        if start_over and to_version != 0:
+            raise InvalidArgument(f"start_over goes back to version 0 (the base model); to_version must be 0, "
+                                  f"got {to_version}")
+        if not start_over and to_version < 1:
             raise InvalidArgument(
                 f"to_version must be >= 1 (the step of the checkpoint the trainer resumed from), got {to_version}; "
-                "going back to the base model means restarting the rollouts")
+                "to go back to the base model (a trainer with no checkpoint), set start_over")
         ahead = [c for c in self.registry.live(Role.TRAINER) if c.weight_version > to_version]
         if ahead:
             raise FailedPrecondition(
@@ -355,7 +360,8 @@ class Synchronizer:
             if c.state in (State.REQUIRE_SYNC, State.WAITING_SYNC) and c.awaited_version > to_version:
                 c.awaited_version = 0
                 self.registry.move(c, State.RUNNING, message=f"its sync request went with the rewind to {to_version}")
-        why = reason or "the trainer resumed from its checkpoint"
+        why = reason or ("the trainer started over from the base model" if start_over
+                         else "the trainer resumed from its checkpoint")
         log.warning("rewound", extra={"to_version": to_version, "epoch": epoch, "dropped": dropped,
                                       "rewinding": rollouts, "reason": why})
         self.events.publish(EventKind.REWOUND, version=to_version, message=why)
@@ -387,7 +393,11 @@ class Synchronizer:
 
     def report_update(self, report: UpdateRecord) -> UpdateRecord:
         """Records a rollout's update result with the synchronizer's verdict; a failed update
-        quarantines the rollout, a verified one ends its quarantine."""
+        quarantines the rollout, a verified one ends its quarantine. Version 0 (the base model)
+        is an update only after the run started over (a rewind to 0)."""
+        if report.version == 0 and not (self.epoch and self.rewound_to == 0):
+            raise InvalidArgument("version: must be >= 1, got 0 (the base model is reported only after a rewind "
+                                  "to version 0)")
         c = self.registry.get(report.component_id)
         if c.role != Role.ROLLOUT:
             raise InvalidArgument(f"ReportUpdate is for rollouts; {c.id!r} is a {c.role.name.lower()}")

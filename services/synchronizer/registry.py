@@ -120,9 +120,10 @@ class Registry:
 
     def went_back(self, c: Component, weight_version: int) -> bool:
         """Whether `weight_version` is `c` arriving at (or below) the version a rewind sent it
-        back to; then it is recorded, and the rewind is over for `c`."""
+        back to; then it is recorded, and the rewind is over for `c`. Version 0 (the base
+        model) counts only when the run started over: otherwise it is an engine not loaded."""
         floor = self.rewinding.get(c.id)
-        if floor is None or not 0 < weight_version <= floor:
+        if floor is None or weight_version > floor or (weight_version == 0 and floor > 0):
             return False
         del self.rewinding[c.id]
         c.weight_version = weight_version

@@ -280,7 +280,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
     # -- lineage -------------------------------------------------------------
 
     async def Rewind(self, request: pb.RewindRequest, context) -> pb.RewindResponse:
-        r = self.sync.rewind(request.to_version, request.reason)
+        r = self.sync.rewind(request.to_version, request.reason, start_over=request.start_over)
         return pb.RewindResponse(epoch=r.epoch, latest_version=r.latest_version, dropped_versions=r.dropped,
                                  rewinding=r.rewinding)
 

@@ -94,9 +94,9 @@ class Deployment:
         time.sleep(KUBELET_DELAY_SECONDS)
         self.start(name)
 
-    def run_file(self, name: str) -> dict:
+    def run_file(self, name: str, checkpoint_interval: int = 2) -> dict:
         run = tiny_run(name, STEPS, self.sync_address, f"127.0.0.1:{self.ports['trainer']}")
-        run.update(resume="auto", checkpoint={"interval": 2, "at_end": True})
+        run.update(resume="auto", checkpoint={"interval": checkpoint_interval, "at_end": True})
         run["launch"].update(ready_timeout_seconds=300, restarts={"backoff_seconds": 1.0},
                              # Free ports: other runs on this machine may hold the defaults.
                              controller={"status_port": 0, "server": {"port": 0, "metrics_port": 0}})
@@ -118,12 +118,14 @@ def assert_each_task_trained_once(rows: list[dict]) -> None:
     assert len(trained) == len(set(trained)) == STEPS * TASKS_PER_STEP, "a task was trained twice or skipped"
 
 
-def start_controller(tmp_path: Path, victim: str) -> tuple[Deployment, subprocess.Popen, Path]:
+def start_controller(tmp_path: Path, victim: str, checkpoint_interval: int = 2
+                     ) -> tuple[Deployment, subprocess.Popen, Path]:
     deployment = Deployment(tmp_path, prepare_tiny_model())
     run_dir = tmp_path / "run"
     try:
         deployment.start_all()
-        return deployment, deployment.cluster.controller(deployment.run_file(f"deployed-{victim}"), run_dir), run_dir
+        run = deployment.run_file(f"deployed-{victim}", checkpoint_interval)
+        return deployment, deployment.cluster.controller(run, run_dir), run_dir
     except BaseException:
         deployment.stop()
         raise
@@ -222,6 +224,44 @@ def test_a_trainer_restarted_by_the_kubelet_rewinds_the_run_to_its_last_checkpoi
                 and e["update"]["outcome"] == "VERIFIED" and e["update"]["version"] in current]
     assert verified and all(u["identity"] == current[u["version"]] for u in verified), verified
     assert replica.weight_identity.hex() == current[replica.weight_version] or replica.weight_version not in current
+
+
+@pytest.mark.timeout(900)
+def test_a_trainer_that_dies_before_its_first_checkpoint_starts_the_run_over(tmp_path: Path) -> None:
+    """No checkpoint yet (every STEPS * 10 steps): the trainer comes back on the base model, and the
+    run resumes at step 0. The synchronizer and the replica hold versions made by the lost weights:
+    the controller starts them over (Rewind to version 0: every version dropped, the replica reloads
+    the weights it started with), and every step is redone. Only the trainer is restarted."""
+    deployment, controller, run_dir = start_controller(tmp_path, "trainer", checkpoint_interval=STEPS * 10)
+    try:
+        wait_for(lambda: trained_steps(run_dir) >= 3, 600, "step 3", controller)
+        assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+        deployment.kill_and_restart("trainer")
+        code = controller.wait(600)
+        output = deployment.cluster.controller_output()
+        assert code == 0, output
+        status = synchronizer_status(deployment)
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+        deployment.stop()
+    assert "healing: trainer died at step" in output, output
+    assert "hold weights newer than step" not in output, "nobody but the kubelet restarts anything"
+    assert "rewound the synchronizer and the replicas to version 0" in output, output
+    rows = jsonl(run_dir / "trained_tasks.jsonl")
+    assert_each_task_trained_once(rows)
+    sessions = list(dict.fromkeys(r["session"] for r in rows))
+    assert len(sessions) == 2
+    assert [r["step"] for r in rows if r["session"] == sessions[1]] == list(range(1, STEPS + 1))
+    [restart] = json.loads((run_dir / "summary.json").read_text())["restarts"]
+    assert (restart["service"], restart["action"], restart["rewound_to"], restart["redo_from_step"]) == (
+        "trainer", "resumed", 0, 1)
+    assert (status.epoch, status.rewound_to, status.latest_version) == (1, 0, STEPS)
+    # The replica went back to its base weights (version 0 of the new lineage, verified), then on.
+    events = jsonl(run_dir / "synchronizer_events.jsonl")
+    back = [e["update"] for e in events if e["kind"] == "UPDATE_REPORTED" and e["epoch"] == 1
+            and e["update"]["version"] == 0]
+    assert back and back[0]["outcome"] == "VERIFIED", back
 
 
 @pytest.mark.timeout(900)

@@ -109,7 +109,7 @@ async def test_service_token_links_services_and_operator_owns_the_controller(
     assert (code, details) == (
         grpc.StatusCode.PERMISSION_DENIED, "Rewind needs scope service or operator; this token has scope agent")
     code, details = await _code_and_details(synchronizer.grpc_address, SERVICE, "synchronizer", "Rewind")
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "to_version must be >= 1" in details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "to_version must be >= 1" in details  # an unset field never starts over
 
     # The trainer is for services: an agent may not checkpoint it.
     code, details = await _code_and_details(trainer.grpc_address, AGENT, "trainer", "SaveCheckpoint")

@@ -494,12 +494,14 @@ class StatusResponse(_message.Message):
     def __init__(self, components: _Optional[_Iterable[_Union[_common_pb2.ComponentStatus, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., latest_version: _Optional[int] = ..., policy: _Optional[_Union[ConfigurePolicyRequest, _Mapping]] = ..., transfers: _Optional[_Iterable[_Union[GetTransferResponse, _Mapping]]] = ..., held_bytes: _Optional[int] = ..., epoch: _Optional[int] = ..., rewound_to: _Optional[int] = ...) -> None: ...
 
 class RewindRequest(_message.Message):
-    __slots__ = ("to_version", "reason")
+    __slots__ = ("to_version", "reason", "start_over")
     TO_VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    START_OVER_FIELD_NUMBER: _ClassVar[int]
     to_version: int
     reason: str
-    def __init__(self, to_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    start_over: bool
+    def __init__(self, to_version: _Optional[int] = ..., reason: _Optional[str] = ..., start_over: _Optional[bool] = ...) -> None: ...
 
 class RewindResponse(_message.Message):
     __slots__ = ("epoch", "latest_version", "dropped_versions", "rewinding")

@@ -244,8 +244,9 @@ class SynchronizerServiceServicer:
 
     def Rewind(self, request, context):
         """Rewinds the run's weights to a version (the trainer resumed from its
-        checkpoint): drops every newer version and starts a new lineage; replicas
-        holding a newer version go back to it. Operator/controller scope.
+        checkpoint), or to the base model (start_over): drops every newer version
+        and starts a new lineage; replicas holding a newer version go back to it.
+        Operator/controller scope.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

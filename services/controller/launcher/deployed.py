@@ -14,10 +14,11 @@ What this adds to a run on this machine (`local_run.LocalRun`):
   checkpoint;
 - when a session resumes from a checkpoint: nothing may hold weights newer
   than it, made by weights that died with an earlier trainer. The
-  synchronizer and the replicas are rewound to its version (`rewind`);
-  where they cannot be (a synchronizer without Rewind; version 0, the base
-  model, which the protocol cannot name) an operator restarts them, and
-  `until_nothing_newer` waits and says which.
+  synchronizer and the replicas are rewound to its version (`rewind`; with
+  no checkpoint yet, to version 0: the run starts over from the base model,
+  which the replicas reload); where they cannot be (a synchronizer without
+  Rewind) an operator restarts them, and `until_nothing_newer` waits and says
+  which.
 """
 
 from __future__ import annotations
@@ -124,10 +125,6 @@ class Deployment:
 
     # -- nothing newer than the checkpoint -------------------------------------
 
-    def wait_for_nothing_newer(self, step: int) -> None:
-        """Before a session resumes at `step` after the trainer died: see `until_nothing_newer`."""
-        asyncio.run(self.until_nothing_newer(step))
-
     async def until_nothing_newer(self, step: int, *, rewound: bool = False) -> None:
         """Resuming at `step`: the synchronizer and the rollout replicas may still hold
         versions made by weights that died with a trainer after `step` (a replica would serve the
@@ -180,18 +177,21 @@ class Deployment:
         """The trainer is at the checkpoint's version N. A synchronizer or replica holding a newer
         one holds weights that died with an earlier trainer: the synchronizer is rewound to N
         (its Rewind drops the newer versions and sends the replicas back), the trainer publishes
-        N again for the replicas to load, and this waits until every replica did. A synchronizer
-        without Rewind (older), or N = 0 (nothing to go back to), leaves it to an operator to
-        restart them (`until_nothing_newer` says which)."""
+        N again for the replicas to load, and this waits until every replica did. N = 0 (the
+        trainer died before its first checkpoint) starts the run over: every version is dropped
+        and the replicas reload their base weights. A synchronizer without Rewind (older)
+        leaves it to an operator to restart them (`until_nothing_newer` says which)."""
         from flywheel.errors import FlywheelError
 
         version = pipeline.train_worker.version
-        if self.services.synchronizer is None or version < 1 or not await self.newer_than(version):
+        if self.services.synchronizer is None or not await self.newer_than(version):
             await self.until_nothing_newer(version)
             return
         client = self._synchronizer(timeout=10.0)
         try:
-            rewound = await client.rewind(version, f"the trainer resumed from its checkpoint of step {version}")
+            why = (f"the trainer resumed from its checkpoint of step {version}" if version
+                   else "the trainer restarted before its first checkpoint: the run starts over from the base model")
+            rewound = await client.rewind(version, why)
         except FlywheelError as exc:
             if getattr(exc, "code", "") != "UNIMPLEMENTED":
                 raise

@@ -136,10 +136,6 @@ class LocalRun:
     deployed: bool = False
     #: Deployed: the services the run file names (launcher/deployed.py), set by start_services.
     deployment: Deployment | None = None
-    #: Deployed, after the trainer died: the step the next session resumes at. Its resume rewinds
-    #: the synchronizer and the replicas to it (`Deployment.rewind`); at 0 (no checkpoint yet) there
-    #: is nothing to rewind to, and start_services waits until they were restarted.
-    rewound_to: int | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> LocalRun:
@@ -228,10 +224,13 @@ class LocalRun:
         if self.pipeline.state.last_checkpoint_path:  # written by the session that just died
             self.data["resume"] = {"from": self.pipeline.state.last_checkpoint_path}
         source = self.data["resume"].get("from", "none")
-        if source == "latest":
-            # Deployed, the checkpoints are on the trainer's volume: the one this session started from.
-            source = (latest_checkpoint(self.run_dir / "checkpoints") if not self.deployed
-                      else f"the trainer's newest checkpoint (step {self._resumed_at(self.pipeline)})")
+        if source == "latest" and not self.deployed:
+            source = latest_checkpoint(self.run_dir / "checkpoints")
+        elif source == "latest":
+            # Deployed, the checkpoints are on the trainer's volume: the one this session started from
+            # (none when it started at step 0 and wrote none: the run starts over).
+            resumed_at = self._resumed_at(self.pipeline)
+            source = f"the trainer's newest checkpoint (step {resumed_at})" if resumed_at else ""
         source = "" if source == "none" else source
         name = Path(source).name
         resumed_step = (int(name.removeprefix("global_step_")) if name.removeprefix("global_step_").isdigit()
@@ -250,9 +249,7 @@ class LocalRun:
         if self.progress is not None:
             self.progress.close()
             self.progress = None
-        if self.deployed:
-            self.rewound_to = resumed_step  # the next session's resume rewinds the others to it
-        else:
+        if not self.deployed:  # deployed, the next session's resume rewinds the others (Deployment.rewind)
             self.data.pop("services", None)  # filled in again by start_services with the new children
         time.sleep(delay)
 
@@ -323,10 +320,6 @@ class LocalRun:
             cfg = parse_run_config(self.data, "run file")
             self.deployment = Deployment(cfg.services, self.spec.ready_timeout_seconds, self.say, self.healer)
             self.deployment.wait_until_serving()
-            if self.rewound_to == 0:
-                self.deployment.wait_for_nothing_newer(0)
-                self.deployment.wait_until_serving()  # the trainer registered with a restarted synchronizer
-            self.rewound_to = None
             return cfg
         self.supervisor = Supervisor(self.run_dir, stop_grace_seconds=self.spec.stop_grace_seconds)
         self.say(f"starting synchronizer, then trainer and rollout (logs: {self.run_dir}/<service>.log)")

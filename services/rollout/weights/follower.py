@@ -23,13 +23,14 @@ A request may also name `min_weight_version` (validation measures the weights
 it names). A wait that outlasts the policy's timeout fails the request with
 ABORTED (retry later); nothing half-applied is ever served.
 
-A rewind (the trainer died and resumed from its checkpoint at version N) is
-the one way down: the synchronizer drops every version above N and starts a
+A rewind (the trainer died and resumed from its checkpoint at version N; N = 0:
+it had none, and the run starts over from the base model) is the one way down: the synchronizer drops every version above N and starts a
 new lineage (its epoch, on every Watch event). A replica serving a version
 above N forgets what it heard of the old lineage, holds its generations back,
 and installs the new lineage's newest version once there is one (N, which the
 controller has the trainer publish again; by NCCL, the synchronizer puts the
-replica in its broadcast although its number is higher) with
+replica in its broadcast although its number is higher; version 0, the base
+model, is reloaded from the engine's own model directory) with
 `update_weights(rewind=True)`;
 its next report (at or below N) is what the synchronizer takes as its way
 back. A replica that missed the REWOUND event sees the new epoch on the next
@@ -71,7 +72,7 @@ from services.rollout.config import RolloutConfig
 from services.rollout.serving.core import RolloutCore
 from services.rollout.weights.nccl import NcclTarget, update_over_group
 from services.rollout.weights.peers import peer_holding
-from services.rollout.weights.sources import Stage, checkpoint_stage, fallback_stage, memory_stage
+from services.rollout.weights.sources import Stage, base_stage, checkpoint_stage, fallback_stage, memory_stage
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +415,7 @@ class Follower:
         if to is None:
             return
         version = self.latest
-        if (await self._source(version))[0] == Method.NCCL:
+        if version > 0 and (await self._source(version))[0] == Method.NCCL:
             # Nothing to pull: the trainer broadcasts it again with this replica in the group (_join).
             if self.rewind_to == to:
                 await self._moved.wait()
@@ -493,9 +494,11 @@ class Follower:
         return VersionIdentity(known) if known else None
 
     async def _stage_for(self, version: int) -> Stage:
-        method, location = await self._source(version)
         engine, _ = self.core.require_engine()
         specs = engine.weight_specs()
+        if version == 0:  # the run started over (a rewind to 0): the weights this replica started with
+            return base_stage(self.config.engine, specs)
+        method, location = await self._source(version)
         if method == Method.MEMORY:
             identity = await self._identity(version)
 

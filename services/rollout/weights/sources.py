@@ -1,6 +1,7 @@
 """Where a weight version comes from, as the `stage` callable that
 `RolloutCore.update_weights` runs: a CHECKPOINT directory (verified in a
-thread) or the synchronizer's MEMORY stream (pulled and verified as it
+thread), the engine's own model directory for version 0 (the base model, when
+a run starts over), or the synchronizer's MEMORY stream (pulled and verified as it
 arrives, read in place from shared memory on the synchronizer's host). Both check names, dtypes and shapes against the served model
 before anything live is touched (`services.rollout.weights.verify`)."""
 
@@ -17,6 +18,7 @@ from flywheel.codec import DigestMismatch
 from flywheel.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from flywheel.codec.identity import VersionIdentity
 from flywheel.synchronizer.client_types import DeltaBase, PullStats
+from services.rollout.config import EngineConfig
 from services.rollout.engine.base import StagedWeights, TensorSpec
 from services.rollout.weights.staging import StagingBuffers
 from services.rollout.weights.memory import pull_staged
@@ -34,6 +36,24 @@ def checkpoint_stage(path: str, version: int, specs: Mapping[str, TensorSpec], r
 
     async def stage() -> StagedWeights:
         return await asyncio.to_thread(stage_checkpoint, directory, version, specs)
+
+    return stage
+
+
+def base_stage(engine: EngineConfig, specs: Mapping[str, TensorSpec]) -> Stage:
+    """Version 0, the base model: the directory the engine was started from. The operator's
+    configuration names it, so it is not confined to updates.checkpoint_root. Refused when that
+    directory is not the base model (an engine started on a later version, `initial_version`)."""
+    if engine.model_path is None:
+        raise FailedPrecondition("the run starts over from the base model, and this replica has no engine.model_path")
+    if engine.initial_version != 0:
+        raise FailedPrecondition(
+            f"the run starts over from the base model (version 0); this replica's engine.model_path holds version "
+            f"{engine.initial_version} (engine.initial_version): restart it on the base model")
+    directory = Path(engine.model_path)
+
+    async def stage() -> StagedWeights:
+        return await asyncio.to_thread(stage_checkpoint, directory, 0, specs)
 
     return stage
 

@@ -164,3 +164,52 @@ async def test_a_replica_on_a_lost_nccl_version_is_broadcast_the_rewound_one(rol
             assert [(r.version, r.error) for r in reports] == [(2, None)]
             status = await client.status()
             assert (status.epoch, status.rewound_to, status.latest_version) == (1, 2, 2)
+
+
+async def test_when_the_run_starts_over_a_replica_reloads_the_weights_it_started_with(rollout_model, codec,
+                                                                                      base_state) -> None:
+    """The trainer died before its first checkpoint and came back on the base model: Rewind(0). The
+    replica, on version 2 of the lost lineage, reloads its own model directory, reports version 0
+    (which the synchronizer takes as its way back), and the new lineage's version 1 follows as an
+    ordinary update."""
+    async with embedded_synchronizer(keep_versions=3) as sync, SynchronizerClient(sync.address) as client:
+        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+            await link.ready(5.0)
+            started_with = first_weight(core)
+            for version in (1, 2):
+                await client.push_weights(shifted(base_state, 0.01 * version), version)
+                await link.follower.reach(version, 30)
+            assert not torch.equal(first_weight(core), started_with)
+            reports: list[UpdateReport] = []
+            core.update_observers.append(reports.append)
+
+            rewound = await client.rewind(0, "the trainer restarted before its first checkpoint")
+            assert (rewound.epoch, rewound.latest_version, rewound.dropped) == (1, 0, [1, 2])
+            assert rewound.rewinding == ["rollout-under-test"]
+            await eventually(lambda: core.status().version == 0 and link.follower.rewind_to is None,
+                             what="back on the base weights")
+            assert torch.equal(first_weight(core), started_with)
+            assert [(r.version, r.error) for r in reports] == [(0, None)]
+            assert (await generate(core, 0)).version_start == 0
+            await eventually(lambda: _at_version(client, 0), what="version 0 reported back")
+
+            async def recorded() -> list:
+                return [u for u in await client.list_updates() if (u.version, u.epoch, u.verified) == (0, 1, True)]
+
+            await eventually(recorded, what="the update to version 0 recorded, verified")
+
+            await client.push_weights(shifted(base_state, 0.3), 1)  # the new lineage's first step
+            await link.follower.reach(1, 30)
+            assert torch.allclose(first_weight(core), next(iter(shifted(base_state, 0.3).values())).float())
+            status = await client.status()
+            assert (status.epoch, status.rewound_to, status.latest_version) == (1, 0, 1)
+
+
+def test_a_replica_started_on_a_later_version_cannot_go_back_to_the_base_model(rollout_model) -> None:
+    from services.rollout.config import EngineConfig
+    from services.rollout.weights.sources import base_stage
+
+    with pytest.raises(FailedPrecondition, match="holds version 3 .*engine.initial_version.*restart it on the base"):
+        base_stage(EngineConfig(model_path=rollout_model, initial_version=3), {})
+    with pytest.raises(FailedPrecondition, match="no engine.model_path"):
+        base_stage(EngineConfig(), {})

@@ -10,7 +10,7 @@ import pytest
 
 from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound
 from flywheel.runtime.auth import Scope
-from flywheel.synchronizer.types import EventKind, Identity, Role, State
+from flywheel.synchronizer.types import EventKind, Identity, Role, State, UpdateOutcome, UpdateRecord
 from services.synchronizer.app import METHOD_SCOPES
 from services.synchronizer.core import Synchronizer
 from tests.unit.synchronizer.test_sync_core import push, service
@@ -61,8 +61,10 @@ async def test_rewind_drops_newer_versions_raises_the_epoch_and_sends_rollouts_b
 
 def test_rewind_refuses_what_it_cannot_do_and_says_why() -> None:
     sync, _, _ = three_versions()
-    with pytest.raises(InvalidArgument, match="to_version must be >= 1"):
-        sync.rewind(0)
+    with pytest.raises(InvalidArgument, match="to_version must be >= 1 .*set start_over"):
+        sync.rewind(0)  # an unset to_version is not "drop everything"
+    with pytest.raises(InvalidArgument, match=r"start_over goes back to version 0 \(the base model\); to_version must be 0, got 2"):
+        sync.rewind(2, start_over=True)
     with pytest.raises(FailedPrecondition, match="nothing to rewind: the newest committed version is 3"):
         sync.rewind(3)
     with pytest.raises(FailedPrecondition, match="nothing to rewind"):
@@ -71,6 +73,49 @@ def test_rewind_refuses_what_it_cannot_do_and_says_why() -> None:
     with pytest.raises(FailedPrecondition, match="trainer 't' holds version 3, newer than 2"):
         sync.rewind(2)
     assert sync.catalog.latest == 3 and sync.epoch == 0  # a refusal changes nothing
+
+
+async def test_starting_over_drops_every_version_and_takes_the_replicas_back_to_their_base_weights(tmp_path: Path) -> None:
+    """The trainer died before its first checkpoint and came back on the base model: Rewind(0,
+    start_over). Nothing of the lost lineage is kept; a replica's beat at version 0 is its way back,
+    and the new lineage starts again at version 1."""
+    sync, plane, _ = three_versions(tmp_path)
+    sub = sync.events.subscribe(["r"])
+    with pytest.raises(InvalidArgument, match="base model is reported only after a rewind to version 0"):
+        sync.report_update(UpdateRecord("r", 0, UpdateOutcome.VERIFIED))
+    sync.heartbeat("t", 3, 3)
+    with pytest.raises(FailedPrecondition, match="trainer 't' holds version 3, newer than 0"):
+        sync.rewind(0, start_over=True)
+    sync.register(Identity(Role.TRAINER, "t"), 0, 0)  # restarted, on the base model
+    rewound = sync.rewind(0, start_over=True)
+    assert (rewound.epoch, rewound.latest_version, rewound.dropped) == (1, 0, [1, 2, 3])
+    assert sorted(rewound.rewinding) == ["behind", "r"]
+    assert not sync.catalog.records and not sync.weights.committed
+    with pytest.raises(NotFound):
+        await plane.open_pull(1)
+    event = sub._queue[-1]
+    assert (event.kind, event.version, event.epoch, event.rewound_to) == (EventKind.REWOUND, 0, 1, 0)
+    assert "started over from the base model" in event.message
+    sync.heartbeat("r", 0, 3)  # still on the lost lineage
+    assert sync.registry.get("r").weight_version == 3
+    assert sync.report_update(UpdateRecord("r", 0, UpdateOutcome.VERIFIED)).verified  # reloaded its base weights
+    sync.heartbeat("r", 0, 0)
+    assert sync.registry.get("r").weight_version == 0 and "r" in sync.registry.components
+    assert sync.registry.rewinding == {"behind": 0}
+    push(plane, 1, seed=11)
+    assert sync.catalog.latest == 1 and sync.epoch == 1
+    again = Synchronizer(sync.config)  # the store keeps the lineage and the way back still open
+    assert (again.epoch, again.rewound_to, sorted(again.catalog.records)) == (1, 0, [1])
+    again.heartbeat("behind", 0, 0)
+    assert again.registry.get("behind").weight_version == 0
+
+
+def test_a_beat_at_version_0_is_no_way_back_from_a_rewind_to_a_checkpoint() -> None:
+    """0 on a beat means "not tracked" (an engine not loaded): only a start-over takes it."""
+    sync, _, _ = three_versions()
+    sync.rewind(2)
+    sync.heartbeat("r", 0, 0)
+    assert sync.registry.get("r").weight_version == 3 and sync.registry.rewinding == {"r": 2}
 
 
 def test_rewind_aborts_pushes_above_it_and_cancels_sync_requests_for_dropped_versions() -> None:
