@@ -86,6 +86,9 @@ class StepResult:
 class ForwardBackwardResult:
     loss_tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
+    #: The current weights' token log-probs of that forward pass, float32 [B, T], at the loss mask's
+    #: positions (0 elsewhere; ComputeLogprobs' layout). None from a trainer that does not send them.
+    logprobs: torch.Tensor | None = None
 
 
 @dataclass
@@ -141,7 +144,8 @@ class TrainerClient:
     ) -> ForwardBackwardResult:
         request = pb.ForwardBackwardRequest(batch=batch, loss=loss or pb.LossSpec(), expected_step=expected_step)
         response = await self.stub.ForwardBackward(request, timeout=timeout)
-        return ForwardBackwardResult(response.loss_tokens, _metrics(response.metrics))
+        logprobs = tensor_from_proto(response.logprobs) if response.HasField("logprobs") else None
+        return ForwardBackwardResult(response.loss_tokens, _metrics(response.metrics), logprobs)
 
     async def optim_step(self, *, expected_step: int | None = None, adam: AdamStep | None = None,
                          timeout: float | None = None) -> OptimResult:

@@ -172,6 +172,9 @@ class LossOutput:
     token_sums: dict[str, float] = field(default_factory=dict)
     minima: dict[str, float] = field(default_factory=dict)
     maxima: dict[str, float] = field(default_factory=dict)
+    #: Per row the current policy's token log-probs of the forward pass the gradients came from:
+    #: (the rows' indices in the caller's batch, their log-probs [rows, T'] on the host, T' <= T).
+    row_logprobs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
     def merge(self, other: LossOutput) -> LossOutput:
         def combine(a: dict[str, float], b: dict[str, float], op) -> dict[str, float]:
@@ -184,7 +187,15 @@ class LossOutput:
             token_sums=combine(self.token_sums, other.token_sums, lambda x, y: x + y),
             minima=combine(self.minima, other.minima, min),
             maxima=combine(self.maxima, other.maxima, max),
+            row_logprobs=self.row_logprobs + other.row_logprobs,
         )
+
+    def logprobs(self, rows: int, seq_len: int) -> Tensor:
+        """`row_logprobs` laid out as the caller's batch, float32 [rows, seq_len] (0 past a row's piece)."""
+        out = torch.zeros(rows, seq_len, dtype=torch.float32)
+        for index, values in self.row_logprobs:
+            out[index, : values.shape[1]] = values.float()
+        return out
 
     def metrics(self) -> dict[str, float]:
         out = dict(self.parts)

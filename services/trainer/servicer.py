@@ -109,7 +109,8 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             lambda: self.engine.forward_backward(batch_tensors(request.batch), loss, _expected(request))
         )
         prom.TOKENS.inc(result.tokens)
-        return pb.ForwardBackwardResponse(metrics=_metrics(result.metrics), loss_tokens=result.loss_tokens)
+        return pb.ForwardBackwardResponse(metrics=_metrics(result.metrics), loss_tokens=result.loss_tokens,
+                                          logprobs=tensor_to_proto(result.logprobs))
 
     async def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
         adam = AdamStep.from_pb(request.adam) if request.HasField("adam") else None

@@ -139,6 +139,10 @@ class StepResult:
     grad_norm: float = 0.0
     learning_rate: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    #: ForwardBackward: the current policy's log-prob of each token (ComputeLogprobs' layout, [B, T]) in
+    #: the forward pass the gradients came from, under the batch's sampling distribution, at the loss
+    #: mask's positions (the only ones the output head computes); 0 elsewhere.
+    logprobs: Tensor | None = None
 
 
 class TrainingEngine:
@@ -315,6 +319,7 @@ class TrainingEngine:
             if plan is None:
                 (out.loss * 0).backward()
                 continue
+            out.row_logprobs.append((order[start:stop].cpu(), logprobs.detach().float().cpu()))
             # FSDP averages gradients over the ranks; the loss already divides by the whole batch.
             (out.loss * world if world > 1 else out.loss).backward()
             total = out if total is None else total.merge(out)
@@ -349,7 +354,8 @@ class TrainingEngine:
             micro = self._micro_size(batch, 0)
             out = self._spmd("accumulate", batch, loss, micro)
             return StepResult(policy.step, policy.weight_version, tokens=batch.real_tokens, loss_tokens=int(out.tokens),
-                              metrics={**out.metrics(), **self._staleness(policy, batch)})
+                              metrics={**out.metrics(), **self._staleness(policy, batch)},
+                              logprobs=out.logprobs(batch.size, batch.seq_len))
 
     def _do_accumulate(self, batch: Batch, loss: LossSettings, micro: int) -> LossOutput | None:
         policy = self._ready(None)

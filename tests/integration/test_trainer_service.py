@@ -153,6 +153,16 @@ async def test_train_resume_export_and_reject(run_service, tiny_model: Path, tmp
             assert result.metrics["loss"] == pytest.approx(losses[step - 1], abs=1e-6)
         assert (await trainer.get_info()).weight_version == 12
 
+        # ForwardBackward hands back each datum's log-probs of its own forward pass (Tinker's per-datum
+        # "logprobs"): what ComputeLogprobs gives on the same weights, at the loss mask's positions.
+        current, _ = await trainer.compute_logprobs(batch["input_ids"], batch["attention_mask"])
+        accumulated = await trainer.forward_backward(train_batch, LOSS, expected_step=12)
+        mask = batch["loss_mask"].bool()
+        assert accumulated.logprobs is not None and accumulated.logprobs.shape == mask.shape
+        assert torch.allclose(accumulated.logprobs[mask], current[mask], atol=1e-5)
+        assert not accumulated.logprobs[~mask].any()
+        assert (await trainer.optim_step(expected_step=12)).step == 13
+
         # An export request without a method is rejected, naming the field.
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await trainer.stub.ExportWeights(trainer_pb2.ExportWeightsRequest())

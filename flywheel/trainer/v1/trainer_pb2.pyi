@@ -122,12 +122,14 @@ class ForwardBackwardRequest(_message.Message):
     def __init__(self, batch: _Optional[_Union[TrainBatch, _Mapping]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., expected_step: _Optional[int] = ...) -> None: ...
 
 class ForwardBackwardResponse(_message.Message):
-    __slots__ = ("metrics", "loss_tokens")
+    __slots__ = ("metrics", "loss_tokens", "logprobs")
     METRICS_FIELD_NUMBER: _ClassVar[int]
     LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     metrics: _containers.RepeatedCompositeFieldContainer[_common_pb2.Metric]
     loss_tokens: int
-    def __init__(self, metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ..., loss_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _common_pb2.Tensor
+    def __init__(self, metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ..., loss_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
     __slots__ = ("expected_step", "adam")

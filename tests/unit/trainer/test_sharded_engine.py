@@ -83,6 +83,8 @@ def test_two_ranks_train_like_one_and_export_bit_exact(tiny_model: Path, tmp_pat
         # ForwardBackward + OptimStep split in two calls.
         fb1, fb2 = one.forward_backward(batches[0], LOSS), two.forward_backward(batches[0], LOSS)
         assert fb2.metrics["loss"] == pytest.approx(fb1.metrics["loss"], rel=1e-5, abs=1e-7)
+        # Each rank computed some of the rows: rank 0 gathers every row's log-probs, in the caller's order.
+        assert torch.allclose(fb2.logprobs, fb1.logprobs, atol=1e-5) and fb2.logprobs[batches[0]["loss_mask"] > 0].all()
         o1, o2 = one.optim_step(), two.optim_step()
         assert o2.step == o1.step == 4 and o2.grad_norm == pytest.approx(o1.grad_norm, rel=1e-5)
 

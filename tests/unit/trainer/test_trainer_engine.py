@@ -72,6 +72,24 @@ def test_forward_backward_then_optim_step_equals_train_step(make_engine) -> None
     assert same_tensors(parameters(one), parameters(two))
 
 
+def test_forward_backward_returns_each_datums_logprobs_of_its_own_forward_pass(make_engine) -> None:
+    """In the caller's row order, although the engine reorders rows (by shared prompt, then length:
+    rows 1 and 3 are shorter and go last), and as ComputeLogprobs gives them on the same weights."""
+    engine = make_engine()
+    batch = make_batch(batch_size=4, seq_len=16, prompt_len=8)
+    batch["input_ids"][2, :8] = batch["input_ids"][0, :8]  # rows 0 and 2 share their prompt
+    expected, _ = engine.compute_logprobs(batch, False, 0)
+    result = engine.forward_backward(batch, GRPO)
+    mask = batch["loss_mask"].bool()
+    assert result.logprobs.shape == mask.shape and result.logprobs.dtype == torch.float32
+    assert torch.allclose(result.logprobs[mask], expected[mask], atol=1e-5)
+    assert not result.logprobs[~mask].any() and (result.logprobs[mask] < 0).all()
+    rows = [int(r) for r in torch.randperm(4, generator=torch.Generator().manual_seed(3))]
+    engine.policy.zero_grad()
+    shuffled = engine.forward_backward({k: v[rows] for k, v in batch.items()}, GRPO)
+    assert torch.allclose(shuffled.logprobs, result.logprobs[rows], atol=1e-5)
+
+
 def test_gradients_of_successive_forward_backward_calls_add_up(make_engine) -> None:
     engine = make_engine()
     engine.forward_backward(make_batch(seed=1), GRPO)
