@@ -15,12 +15,21 @@ from flywheel.errors import InvalidArgument
 
 from flywheel.trainer.v1 import trainer_pb2 as pb
 
-LossKind = Literal["grpo", "dapo", "ppo_clip"]
+#: grpo, dapo, ppo_clip: PPO's clipped surrogate (they differ in their defaults). Tinker's two
+#: unclipped losses: cross_entropy, -Σ weight x log-prob (the advantages are the per-token weights,
+#: any sign: supervised learning, and a client's custom loss through its gradients), and
+#: importance_sampling, -Σ advantage x p/q, q the sampler's probability (behaviour_logprobs).
+ClippedLossKind = Literal["grpo", "dapo", "ppo_clip"]
+#: The kinds without PPO's clip or a proximal policy: no clip range, no truncated IS correction.
+UnclippedLossKind = Literal["cross_entropy", "importance_sampling"]
+LossKind = Literal[ClippedLossKind, UnclippedLossKind]
 LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
+UNCLIPPED_KINDS: tuple[str, ...] = get_args(UnclippedLossKind)
 
 #: How per-token losses become one scalar. Sequences with no loss token count in no denominator.
 #: seq_mean_token_sum_norm is Dr. GRPO's: token sums over (sequences x a constant max length).
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+#: sum is Tinker's: the plain sum over every loss token of the batch, nothing divided.
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "sum"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 #: DAPO's "clip-higher": its upper clip epsilon when none is given (the lower one is clip_low as for any kind).
@@ -34,8 +43,9 @@ def default_clip_high(kind: str, clip_low: float) -> float:
 
 
 def default_aggregation(kind: str) -> str:
-    """The aggregation of `kind` when none is given: GRPO's per-sequence mean, else DAPO's token mean."""
-    return "seq_mean_token_mean" if kind == "grpo" else "token_mean"
+    """The aggregation of `kind` when none is given: GRPO's per-sequence mean, Tinker's sum for its
+    unclipped losses, else DAPO's token mean."""
+    return "seq_mean_token_mean" if kind == "grpo" else "sum" if kind in UNCLIPPED_KINDS else "token_mean"
 
 
 def loss_kind_to_pb(name: str | None) -> int:

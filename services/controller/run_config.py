@@ -34,7 +34,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from flywheel.common.types import PauseMode
 from flywheel.synchronizer.types import SyncMethodName, SyncStyleName
-from flywheel.trainer.types import DAPO_CLIP_HIGH, Aggregation, LossKind, default_clip_high
+from flywheel.trainer.types import DAPO_CLIP_HIGH, Aggregation, ClippedLossKind, default_clip_high
 from flywheel.runtime.config import ConfigError, StrictModel, read_config_file
 
 Mode = Literal["sync", "fully-async", "batch-async"]
@@ -179,7 +179,8 @@ class OverlongConfig(StrictModel):
 
 
 class LossConfig(StrictModel):
-    kind: LossKind | None = Field(None, description="loss; default follows algorithm.name")
+    # Tinker's unclipped losses are for callers that compute their own advantages or weights per call.
+    kind: ClippedLossKind | None = Field(None, description="loss; default follows algorithm.name")
     clip_low: float = Field(0.2, ge=0, description="lower clip epsilon")
     clip_high: float | None = Field(None, ge=0, description=f"upper clip epsilon; default {DAPO_CLIP_HIGH} for dapo, else clip_low")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference weight")

@@ -321,7 +321,8 @@ def training_batch(
     old = _float_field(tensors, "old_logprobs", shape, loss_mask, logprob=True)
     ref = _float_field(tensors, "ref_logprobs", shape, loss_mask, logprob=True)
     if needs_behaviour and behaviour is None:
-        raise InvalidArgument("batch.behaviour_logprobs: missing (the loss needs them unless old_logprobs are sent and is_cap = 0)")
+        raise InvalidArgument("batch.behaviour_logprobs: missing (the loss reads them: importance_sampling, is_cap > 0, "
+                              "or no old_logprobs sent)")
 
     versions = tensors.get("weight_versions")
     if versions is not None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from flywheel.trainer.types import AGGREGATIONS
+from flywheel.trainer.types import AGGREGATIONS, UNCLIPPED_KINDS
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -79,12 +79,15 @@ def aggregate(
     seq_mean_token_sum_norm (Dr. GRPO): Σ masked values / (sequences ×
     max_response_length), a constant that does not depend on how long the
     batch's answers happen to be.
+    sum (Tinker's): Σ masked values, nothing divided.
     Sequences without loss tokens do not count as sequences (others count
     every sequence; with a full batch of answers the two agree). `num_tokens`
     / `num_seqs` override the denominators (the whole batch's, when this is
     a micro-batch).
     """
     masked = values * mask
+    if mode == "sum":
+        return masked.sum()
     if mode == "token_mean":
         denom = float(mask.sum()) if num_tokens is None else num_tokens
         return masked.sum() / max(denom, 1.0)
@@ -229,6 +232,10 @@ def policy_loss(
     denominators when this is one micro-batch of it.
     """
     mask = mask.to(logprobs.dtype)
+    if settings.kind in UNCLIPPED_KINDS:
+        return _unclipped_loss(settings, logprobs=logprobs, mask=mask, advantages=advantages,
+                               behaviour_logprobs=behaviour_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
+                               num_tokens=num_tokens, num_seqs=num_seqs)
     is_weights = None
     if settings.is_cap > 0:
         if behaviour_logprobs is None:
@@ -246,8 +253,58 @@ def policy_loss(
     )
     if is_weights is not None:
         pg = pg * is_weights
-    agg = {"mode": settings.aggregation, "num_tokens": num_tokens, "num_seqs": num_seqs,
-           "max_response_length": settings.max_response_length}
+    agg = _aggregation(settings, num_tokens, num_seqs)
+    out = _with_regularisers(settings, pg, logprobs=logprobs, mask=mask, ref_logprobs=ref_logprobs, entropy=entropy,
+                             agg=agg)
+    log_ratio = (logprobs - old).detach()
+    out.token_sums["approx_kl"] = _masked_sum(kl_penalty(logprobs.detach(), old, "k3"), mask)
+    out.token_sums["ratio_mean"] = _masked_sum(log_ratio.exp(), mask)
+    out.token_sums["clip_fraction"] = _masked_sum((clipped_low | clipped_high).float(), mask)
+    out.token_sums["clip_fraction_low"] = _masked_sum(clipped_low.float(), mask)
+    out.token_sums["clip_fraction_high"] = _masked_sum(clipped_high.float(), mask)
+    if is_weights is not None:
+        selected = is_weights[mask > 0]
+        out.token_sums["is_weight_mean"] = _masked_sum(is_weights, mask)
+        raw = (old - behaviour_logprobs).detach()  # type: ignore[operator]
+        out.token_sums["is_truncated_fraction"] = _masked_sum((raw > math.log(settings.is_cap)).float(), mask)
+        if selected.numel():
+            out.minima["is_weight"] = float(selected.min())
+            out.maxima["is_weight"] = float(selected.max())
+    return out
+
+
+def _unclipped_loss(
+    settings: LossSettings, *, logprobs: Tensor, mask: Tensor, advantages: Tensor, behaviour_logprobs: Tensor | None,
+    ref_logprobs: Tensor | None, entropy: Tensor | None, num_tokens: float | None, num_seqs: float | None,
+) -> LossOutput:
+    """Tinker's cross_entropy (-weight x log-prob, the advantages as weights) and importance_sampling
+    (-advantage x p/q, q the sampler's probability): no clip, no proximal policy."""
+    agg = _aggregation(settings, num_tokens, num_seqs)
+    if settings.kind == "cross_entropy":
+        out = _with_regularisers(settings, -advantages * logprobs, logprobs=logprobs, mask=mask,
+                                 ref_logprobs=ref_logprobs, entropy=entropy, agg=agg)
+        out.token_sums["logprob"] = _masked_sum(logprobs, mask)
+        return out
+    if behaviour_logprobs is None:
+        raise ValueError("behaviour_logprobs are required for importance_sampling")
+    ratio = torch.exp(logprobs - behaviour_logprobs)
+    out = _with_regularisers(settings, -advantages * ratio, logprobs=logprobs, mask=mask, ref_logprobs=ref_logprobs,
+                             entropy=entropy, agg=agg)
+    out.token_sums["ratio_mean"] = _masked_sum(ratio, mask)
+    out.token_sums["approx_kl"] = _masked_sum(kl_penalty(logprobs.detach(), behaviour_logprobs, "k3"), mask)
+    return out
+
+
+def _aggregation(settings: LossSettings, num_tokens: float | None, num_seqs: float | None) -> dict:
+    return {"mode": settings.aggregation, "num_tokens": num_tokens, "num_seqs": num_seqs,
+            "max_response_length": settings.max_response_length}
+
+
+def _with_regularisers(
+    settings: LossSettings, pg: Tensor, *, logprobs: Tensor, mask: Tensor, ref_logprobs: Tensor | None,
+    entropy: Tensor | None, agg: dict,
+) -> LossOutput:
+    """The per-token policy term `pg` aggregated, plus the KL and entropy terms the settings ask for."""
     pg_loss = aggregate(pg, mask, **agg)
     total = pg_loss
     out = LossOutput(loss=total, tokens=float(mask.sum()))
@@ -270,20 +327,6 @@ def policy_loss(
 
     out.loss = total
     out.parts["loss"] = float(total.detach())
-    log_ratio = (logprobs - old).detach()
-    out.token_sums["approx_kl"] = _masked_sum(kl_penalty(logprobs.detach(), old, "k3"), mask)
-    out.token_sums["ratio_mean"] = _masked_sum(log_ratio.exp(), mask)
-    out.token_sums["clip_fraction"] = _masked_sum((clipped_low | clipped_high).float(), mask)
-    out.token_sums["clip_fraction_low"] = _masked_sum(clipped_low.float(), mask)
-    out.token_sums["clip_fraction_high"] = _masked_sum(clipped_high.float(), mask)
-    if is_weights is not None:
-        selected = is_weights[mask > 0]
-        out.token_sums["is_weight_mean"] = _masked_sum(is_weights, mask)
-        raw = (old - behaviour_logprobs).detach()  # type: ignore[operator]
-        out.token_sums["is_truncated_fraction"] = _masked_sum((raw > math.log(settings.is_cap)).float(), mask)
-        if selected.numel():
-            out.minima["is_weight"] = float(selected.min())
-            out.maxima["is_weight"] = float(selected.max())
     return out
 
 

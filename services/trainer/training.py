@@ -50,7 +50,7 @@ from services.trainer.distributed import (
 from services.trainer.distributed import full as full_tensor
 from services.trainer.files import request_roots
 from services.trainer.forward import token_logprobs
-from flywheel.trainer.types import AGGREGATIONS, AdamStep, default_aggregation, default_clip_high
+from flywheel.trainer.types import UNCLIPPED_KINDS, AGGREGATIONS, AdamStep, default_aggregation, default_clip_high
 from flywheel.trainer.types import LOSS_KINDS as KINDS
 from services.trainer.losses import LossOutput, LossSettings, loss_denominators, policy_loss
 from services.trainer.policy import Policy, autocast_dtype
@@ -98,6 +98,10 @@ def resolve_loss(request: LossRequest, defaults: LossConfig) -> LossSettings:
     kind = request.kind or defaults.kind
     if kind not in KINDS:
         raise InvalidArgument(f"loss.kind: unknown {kind!r}")
+    if kind in UNCLIPPED_KINDS:
+        for name in ("clip_low", "clip_high", "is_cap"):  # refused, not ignored
+            if getattr(request, name):
+                raise InvalidArgument(f"loss.{name}: {kind} has no clip and no truncated importance weights")
     clip_low = request.clip_low or defaults.clip_low
     if clip_low >= 1:
         raise InvalidArgument(f"loss.clip_low: must be < 1, got {clip_low}")
@@ -265,7 +269,9 @@ class TrainingEngine:
         return size
 
     def _training_batch(self, policy: Policy, tensors: Mapping[str, Tensor | None], loss: LossSettings) -> Batch:
-        needs_behaviour = loss.is_cap > 0 or tensors.get("old_logprobs") is None
+        # cross_entropy reads no sampler's log-probs; importance_sampling always does.
+        needs_behaviour = loss.kind != "cross_entropy" and (
+            loss.kind == "importance_sampling" or loss.is_cap > 0 or tensors.get("old_logprobs") is None)
         return training_batch(
             tensors, self._limits(policy), weight_version=policy.weight_version, needs_behaviour=needs_behaviour
         )

@@ -14,6 +14,8 @@ class LossKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOSS_KIND_GRPO: _ClassVar[LossKind]
     LOSS_KIND_DAPO: _ClassVar[LossKind]
     LOSS_KIND_PPO_CLIP: _ClassVar[LossKind]
+    LOSS_KIND_CROSS_ENTROPY: _ClassVar[LossKind]
+    LOSS_KIND_IMPORTANCE_SAMPLING: _ClassVar[LossKind]
 
 class LossAggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -22,6 +24,7 @@ class LossAggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN: _ClassVar[LossAggregation]
     LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM: _ClassVar[LossAggregation]
     LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM: _ClassVar[LossAggregation]
+    LOSS_AGGREGATION_SUM: _ClassVar[LossAggregation]
 
 class LogprobModel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,11 +35,14 @@ LOSS_KIND_UNSPECIFIED: LossKind
 LOSS_KIND_GRPO: LossKind
 LOSS_KIND_DAPO: LossKind
 LOSS_KIND_PPO_CLIP: LossKind
+LOSS_KIND_CROSS_ENTROPY: LossKind
+LOSS_KIND_IMPORTANCE_SAMPLING: LossKind
 LOSS_AGGREGATION_UNSPECIFIED: LossAggregation
 LOSS_AGGREGATION_TOKEN_MEAN: LossAggregation
 LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN: LossAggregation
 LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM: LossAggregation
 LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM: LossAggregation
+LOSS_AGGREGATION_SUM: LossAggregation
 LOGPROB_MODEL_UNSPECIFIED: LogprobModel
 LOGPROB_MODEL_POLICY: LogprobModel
 LOGPROB_MODEL_REFERENCE: LogprobModel

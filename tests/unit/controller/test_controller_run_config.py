@@ -133,3 +133,10 @@ def test_the_run_and_the_trainer_default_clip_high_alike(algorithm: str, kind: s
     trainer = resolve_loss(LossRequest(kind=run.kind, clip_low=run.clip_low), TrainerLossConfig())
     assert run.clip_high == trainer.clip_high
     assert (run.clip_high != run.clip_low) == (run.kind == "dapo")
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "importance_sampling"])
+def test_the_rl_loop_refuses_tinkers_per_call_losses(kind: str) -> None:
+    # Its batches carry group advantages and a clip range: Tinker's losses are for ForwardBackward callers.
+    with pytest.raises(ConfigError, match="algorithm.loss.kind"):
+        config(algorithm={"name": "grpo", "train_batch_size": 8, "loss": {"kind": kind}})

@@ -90,6 +90,25 @@ def test_forward_backward_returns_each_datums_logprobs_of_its_own_forward_pass(m
     assert torch.allclose(shuffled.logprobs, result.logprobs[rows], atol=1e-5)
 
 
+def test_tinker_cross_entropy_needs_no_sampler_logprobs_and_sums_weight_times_logprob(make_engine) -> None:
+    """Supervised learning through ForwardBackward (Tinker's cross_entropy, sum reduction): per-token
+    weights of any sign in `advantages`, no behaviour or old log-probs; the loss is -Σ w·logp over the
+    very log-probs the call returns."""
+    engine = make_engine()
+    batch = make_batch()
+    weights = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(5))
+    sft = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+           "loss_mask": batch["loss_mask"], "advantages": weights}
+    result = engine.forward_backward(sft, LossRequest(kind="cross_entropy"))
+    mask = batch["loss_mask"]
+    assert result.metrics["loss"] == pytest.approx(-float((weights * result.logprobs * mask).sum()), rel=1e-5)
+    assert "clip_fraction" not in result.metrics
+    before = parameters(engine)
+    assert engine.optim_step().step == 1 and not same_tensors(before, parameters(engine))
+    with pytest.raises(InvalidArgument, match="batch.behaviour_logprobs: missing"):
+        engine.forward_backward(sft, LossRequest(kind="importance_sampling"))
+
+
 def test_gradients_of_successive_forward_backward_calls_add_up(make_engine) -> None:
     engine = make_engine()
     engine.forward_backward(make_batch(seed=1), GRPO)

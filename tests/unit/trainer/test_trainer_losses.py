@@ -228,3 +228,38 @@ def test_group_advantages() -> None:
 def test_overlong_penalty() -> None:
     lengths = torch.tensor([5, 6, 8, 10, 12])
     assert overlong_penalty(lengths, max_length=10, cache_length=4).tolist() == [0.0, 0.0, -0.5, -1.0, -1.0]
+
+
+# ---------------------------------------------------------------- Tinker's unclipped losses
+
+LOGP = torch.tensor([[-0.5, -1.0, -2.0], [-0.1, -3.0, -0.2]], requires_grad=True)
+LOSS_MASK = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def test_cross_entropy_sums_weight_times_logprob_and_takes_weights_of_any_sign() -> None:
+    weights = torch.tensor([[9.0, 2.0, -1.0], [0.5, -3.0, 7.0]])  # outside the mask: not counted
+    out = policy_loss(LossSettings(kind="cross_entropy", aggregation="sum"), logprobs=LOGP, mask=LOSS_MASK,
+                      advantages=weights)
+    expected = -(2.0 * -1.0 + -1.0 * -2.0 + 0.5 * -0.1 + -3.0 * -3.0)
+    assert float(out.loss) == pytest.approx(expected) and out.parts["loss"] == pytest.approx(expected)
+    (grad,) = torch.autograd.grad(out.loss, LOGP)
+    assert torch.equal(grad, -weights * LOSS_MASK)  # d(-w·logp)/dlogp: what a custom loss's gradient needs
+    assert "clip_fraction" not in out.token_sums and out.tokens == 4.0
+
+
+def test_importance_sampling_weights_each_advantage_by_p_over_the_samplers_q() -> None:
+    sampler = torch.tensor([[-9.0, -1.5, -1.0], [-0.1, -2.0, -9.0]])
+    advantages = torch.tensor([[0.0, 1.0, 2.0], [-1.0, 0.5, 0.0]])
+    out = policy_loss(LossSettings(kind="importance_sampling", aggregation="sum"), logprobs=LOGP, mask=LOSS_MASK,
+                      advantages=advantages, behaviour_logprobs=sampler)
+    ratio = torch.exp(LOGP.detach() - sampler)
+    expected = -float((advantages * ratio * LOSS_MASK).sum())
+    assert float(out.loss) == pytest.approx(expected)
+    assert out.token_sums["ratio_mean"] / out.tokens == pytest.approx(float((ratio * LOSS_MASK).sum()) / 4)
+    # No clip: a ratio of e^0.5 (row 0, token 1) still carries its gradient.
+    (grad,) = torch.autograd.grad(out.loss, LOGP)
+    assert grad[0, 1] == pytest.approx(-1.0 * math.exp(0.5))
+
+
+def test_sum_reduction_divides_by_nothing() -> None:
+    assert float(aggregate(VALUES, MASK, "sum")) == 1 + 2 + 4

@@ -55,6 +55,20 @@ def test_dr_grpo_needs_its_constant_length() -> None:
         resolve_loss(unset, LossConfig())
 
 
+def test_tinker_losses_resolve_to_a_sum_and_refuse_clip_settings_they_do_not_have() -> None:
+    from services.trainer.config import LossConfig
+    from services.trainer.training import resolve_loss
+
+    for kind in ("cross_entropy", "importance_sampling"):
+        settings = resolve_loss(loss_request(make_loss_spec(kind)), LossConfig())
+        assert (settings.kind, settings.aggregation) == (kind, "sum")
+        for field in ("clip_low", "clip_high", "is_cap"):
+            spec = make_loss_spec(kind)
+            setattr(spec, field, 0.3)
+            with pytest.raises(InvalidArgument, match=rf"loss\.{field}: {kind} has no clip"):
+                resolve_loss(loss_request(spec), LossConfig())
+
+
 async def test_get_info_answers_while_a_training_call_holds_the_engine(make_engine) -> None:
     engine = make_engine()
     servicer = TrainerServicer(engine)
