@@ -74,6 +74,22 @@ def _unreachable_ancestor(path: Path) -> Path | None:
     return None
 
 
+def process_identity(pid: int) -> dict:
+    """Who a running process is, from /proc/PID/status: its uid and gid (real, effective, saved and
+    filesystem ids all equal, else the differing ids are shown) and supplementary groups."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    uids, gids = set(status["Uid"].split()), set(status["Gid"].split())
+    return {"uid": int(uids.pop()) if len(uids) == 1 else status["Uid"].split(),
+            "gid": int(gids.pop()) if len(gids) == 1 else status["Gid"].split(),
+            "groups": tuple(sorted(int(g) for g in status["Groups"].split()))}
+
+
+def process_privileges(pid: int) -> dict:
+    """no_new_privs and the capability bounding set (hex) of a running process."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {"no_new_privs": status["NoNewPrivs"].strip() == "1", "bounding_set": int(status["CapBnd"].strip(), 16)}
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 

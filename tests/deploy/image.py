@@ -135,3 +135,10 @@ def image_home(target: str) -> str:
             if argv[:1] == ["useradd"] and int(argv[argv.index("--uid") + 1]) == image_user(target).uid:
                 return argv[argv.index("--home-dir") + 1]
     raise AssertionError(f"Dockerfile stage {target}: no useradd for its USER")
+
+
+def image_target(reference: str) -> str:
+    """The Dockerfile stage an image reference names by its tag's suffix (flywheel:0.1.0-cpu: cpu)."""
+    match = re.search(r"-(cpu|gpu)$", reference)
+    assert match, f"image {reference}: not one this repository builds (a tag ending -cpu or -gpu)"
+    return match.group(1)
