@@ -99,7 +99,7 @@ class ComposeProject:
             for i in range(1, (scale or {}).get(service, 1) + 1):
                 name = f"{self.compose['name']}-{service}-{i}"
                 aliases = [a for n in (spec.get("networks") or {}).values() if n for a in n.get("aliases", [])]
-                host = cluster.add_host(name, names=[service, *aliases])
+                host = cluster.add_host(name, names=[service, *aliases], hostname=spec.get("hostname"))
                 home = root / "containers" / name
                 home.mkdir(parents=True)
                 c = Container(service, name, spec, host, home)
@@ -170,6 +170,15 @@ class ComposeProject:
                         docker_named_volume(path, image_directories(target_stage).get(target),
                                             image_files().get(target))
             mounts[target] = (path, mode == ["ro"])
+        # File secrets (docker compose without swarm): the host's file bound read-only, the host's ownership.
+        for entry in c.spec.get("secrets", []):
+            source = entry["source"] if isinstance(entry, dict) else entry
+            target = entry.get("target", source) if isinstance(entry, dict) else source
+            declared = (self.compose.get("secrets") or {}).get(source)
+            assert declared and set(declared) == {"file"}, f"{c.name}: secret {source}: only file secrets are played"
+            file = Path(declared["file"])
+            mounts[target if target.startswith("/") else f"/run/secrets/{target}"] = (
+                (ROOT / file).resolve() if not file.is_absolute() else file, True)
         return mounts
 
     # -- lifecycle ------------------------------------------------------------

@@ -34,7 +34,7 @@ NO_OPS: dict[str, str] = {
     "pod.tolerations": "one node without taints: every pod is scheduled",
     "pod.topologySpreadConstraints": "one node: spreading cannot be played",
     "container.image": "every Flywheel image is this repository (the tag picks the Dockerfile stage it reads)",
-    "container.imagePullPolicy": "nothing is pulled",
+    "container.imagePullPolicy": "nothing is pulled: the image is this repository",
     "container.resources": "no cgroups: requests and limits are neither reserved nor enforced (no GPU either)",
     "container.ports": "informational in Kubernetes too; named ports are looked up for probes and Services",
     "volume.emptyDir.sizeLimit": "no quota: the directory is not evicted when it grows",
@@ -45,7 +45,7 @@ NO_OPS: dict[str, str] = {
     "service.restart": "not played: a service that may be restarted (anything but \"no\") fails the test if it exits",
     "service.init": "no init process: the harness kills whatever is left in the container's namespace at the end",
     "service.ports": "no host ports are published: tests reach each container at its own address",
-    "service.shm_size": "/dev/shm is the host's",
+    "service.shm_size": "/dev/shm is the host's (not sized per container)",
     "service.ulimits": "the host's limits apply",
     "service.deploy": "no GPU: device reservations are not played (the gpu profile does not run here)",
     "service.healthcheck.retries": "a container is healthy at its first passing check and never marked unhealthy",
@@ -82,7 +82,8 @@ IMPLEMENTED: frozenset[str] = frozenset({
     "service.env_file[].required", "service.volumes", "service.user", "service.profiles", "service.depends_on",
     "service.depends_on.*", "service.depends_on.*.condition", "service.depends_on.*.required",
     "service.healthcheck", "service.healthcheck.test", "service.healthcheck.interval", "service.healthcheck.timeout",
-    "service.networks", "service.networks.default", "service.networks.default.aliases",
+    "service.networks", "service.networks.default", "service.networks.default.aliases", "service.hostname",
+    "service.secrets", "service.secrets[].source", "service.secrets[].target",
     "compose-volume.driver_opts", "compose-volume.driver_opts.o",
 })
 

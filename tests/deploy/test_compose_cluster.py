@@ -67,12 +67,6 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
         deadline = time.monotonic() + JOB_TIMEOUT
         try:
             project.up(deadline)
-            # Every service runs as the image's user, as Docker runs it (no compose `user:` overrides it).
-            image = image_user("cpu")
-            running = {c.name: process_identity(c.proc.pid) for cs in project.containers.values() for c in cs
-                       if c.service != "model-init"}
-            assert running and all(ids == {"uid": image.uid, "gid": image.gid, "groups": ()}
-                                   for ids in running.values()), running
             (controller,) = project.containers["controller"]
             ip = controller.host.address
             status_env = {k: v for k, v in controller.env.items() if k.startswith("FLYWHEEL_CONTROLLER__")}
@@ -89,6 +83,13 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
                     pass
                 time.sleep(0.3)
             replica_ids = {c["id"] for c in body["components"] if c["role"] == "rollout"}
+            # Every service runs as the image's user, as Docker runs it (no compose `user:` overrides it);
+            # read now that each (the controller included) is past its start-up and serving.
+            image = image_user("cpu")
+            running = {c.name: process_identity(c.proc.pid) for cs in project.containers.values() for c in cs
+                       if c.service != "model-init"}
+            assert len(running) == 3 + SCALE["rollout"] and running == {
+                name: {"uid": image.uid, "gid": image.gid, "groups": ()} for name in running}, running
             scrapes = {}
             for job, targets in prometheus_targets(cluster).items():
                 assert targets, f"prometheus job {job}: no target resolves"
