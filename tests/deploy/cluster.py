@@ -226,7 +226,8 @@ class NamespaceCluster:
              ) -> subprocess.CompletedProcess:
         """Runs `argv` inside `proc`'s network, mount and UTS namespaces as `user`, like `docker exec`
         (and the kubelet's exec probes), which run as the container's user."""
-        wrapper = ["nsenter", "--target", str(proc.pid), "--net", "--mount", "--uts", *user.setpriv(), *argv]
+        # --wd: the container process's working directory (its WORKDIR), as `docker exec` starts there.
+        wrapper = ["nsenter", "--target", str(proc.pid), "--net", "--mount", "--uts", "--wd", *user.setpriv(), *argv]
         try:
             return subprocess.run(wrapper, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:

@@ -39,6 +39,8 @@ What is emulated, each as Kubernetes documents it:
   (counted in `restarts`).
 - Restart policy: Always restarts an exited container (Deployments,
   StatefulSets); Never leaves the pod Succeeded or Failed (the Job).
+- Termination (a failed probe's restart, and `stop()`): SIGTERM, then SIGKILL
+  once the pod's terminationGracePeriodSeconds have passed.
 - Services: a ClusterIP Service gets a virtual IP in this namespace with a
   user-space proxy to its ready endpoints (kube-proxy's userspace mode); a
   headless one resolves to its endpoints' pod IPs, not-ready ones included
@@ -514,10 +516,22 @@ class Kube:
         assert not self.errors, self.errors
 
     def stop(self) -> None:
-        """No more restarts, probes or DNS answers; the cluster then stops every process
-        (SIGTERM, then SIGKILL after its grace)."""
+        """No more restarts, probes or DNS answers; every container gets SIGTERM, then SIGKILL once
+        its pod's terminationGracePeriodSeconds have passed (the cluster then stops what is left)."""
         self._stopping.set()
         if self._dns is not None:
             self._dns.close()
         for sock in self._sockets:
             sock.close()
+        running = [(pod, c.proc) for pod in self.pods for c in pod.containers if c.proc is not None]
+        for _, proc in running:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        for pod, proc in running:
+            grace = pod.spec.get("terminationGracePeriodSeconds", 30)
+            try:
+                proc.wait(max(0.0, start + grace - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -211,15 +211,15 @@ def test_a_container_process_is_the_user_it_is_given(tmp_path):
         host = cluster.add_host("probe", names=[])
         user = Identity(10001, 10001, (10001, 4242), no_new_privs=True, drop_capabilities=True)
         proc = cluster.run(host, [sys.executable, "-c", script], env={"PATH": os.environ["PATH"]},
-                           mounts={"/mine": (mine, False), "/root-owned": (root_owned, False)}, cwd=Path("/"),
+                           mounts={"/mine": (mine, False), "/root-owned": (root_owned, False)}, cwd=Path("/mine"),
                            log=tmp_path / "log", user=user)
         deadline = time.monotonic() + 30
         while "refused" not in (tmp_path / "log").read_text() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        done = cluster.exec(proc, ["id", "-u"], env={"PATH": os.environ["PATH"]}, timeout=10, user=user)
+        done = cluster.exec(proc, ["sh", "-c", "id -u; pwd"], env={"PATH": os.environ["PATH"]}, timeout=10, user=user)
         ids, privileges = process_identity(proc.pid), process_privileges(proc.pid)
         cluster.stop(grace=5)
-    assert done.stdout.strip() == "10001", done
+    assert done.stdout.split() == ["10001", "/mine"], done  # exec: the container's user, in its working directory
     assert ids == {"uid": 10001, "gid": 10001, "groups": (4242, 10001)}
     assert privileges == {"no_new_privs": True, "bounding_set": 0}
     assert "refused" in (tmp_path / "log").read_text(), (tmp_path / "log").read_text()
