@@ -185,8 +185,8 @@ class ComposeProject:
     def start(self, c: Container) -> None:
         command = c.spec["command"]
         assert command[0] == "python", f"{c.name}: the image's interpreter is `python`"
-        c.proc = self.cluster.run(c.host, command, env=c.env, mounts=c.mounts, cwd=Path(image_workdir(self.target(c.spec))),
-                                  log=c.log, user=c.user)
+        c.proc = self.cluster.run(c.host, command, env=c.env, mounts=c.mounts, log=c.log, user=c.user,
+                                  cwd=Path(image_workdir(self.target(c.spec))))
 
     def check_health(self, c: Container, now: float) -> None:
         hc = c.spec.get("healthcheck")

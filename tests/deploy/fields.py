@@ -25,12 +25,12 @@ from typing import Any
 #: Fields the harness knowingly treats as no-ops: pattern -> why that is acceptable here.
 NO_OPS: dict[str, str] = {
     # Kubernetes: the workload controllers
-    "workload.selector": "pods are made from the template directly; the apiserver's selector/labels match is kubeconform's",
     "workload.strategy": "pods are created once; no rolling update is ever made",
     "workload.podManagementPolicy": "every pod starts at once (Parallel); OrderedReady's ordering is not played",
     "workload.backoffLimit": "a Job's retries are not played: the test wants its first pod to succeed",
     # Kubernetes: the pod and its containers
-    "pod.securityContext.seccompProfile": "no seccomp filter is loaded (RuntimeDefault only blocks syscalls Python never makes)",
+    "pod.securityContext.seccompProfile":
+        "no seccomp filter is loaded (RuntimeDefault only blocks syscalls Python never makes)",
     "pod.tolerations": "one node without taints: every pod is scheduled",
     "pod.topologySpreadConstraints": "one node: spreading cannot be played",
     "container.image": "every Flywheel image is this repository (the tag picks the Dockerfile stage it reads)",
@@ -56,7 +56,8 @@ NO_OPS: dict[str, str] = {
 
 #: Fields kube.py / compose.py play as Kubernetes and Docker do.
 IMPLEMENTED: frozenset[str] = frozenset({
-    "workload.replicas", "workload.serviceName", "workload.template", "workload.template.metadata",
+    "workload.replicas", "workload.serviceName", "workload.selector", "workload.selector.matchLabels",
+    "workload.template", "workload.template.metadata",
     "workload.template.metadata.labels", "workload.template.metadata.annotations", "workload.template.spec",
     "pod.containers", "pod.initContainers", "pod.volumes", "pod.restartPolicy", "pod.terminationGracePeriodSeconds",
     "pod.securityContext", "pod.securityContext.runAsUser", "pod.securityContext.runAsGroup",

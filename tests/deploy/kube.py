@@ -157,7 +157,12 @@ class Kube:
                                                   "PodDisruptionBudget", "NetworkPolicy", *WORKLOAD_KINDS}
         assert not unknown, f"kinds this emulation does not run: {unknown}"
         for workload in workloads(objects):  # a field nobody plays fails here, naming it
-            check_workload(workload, f"{workload['kind']}/{workload['metadata']['name']}")
+            name = f"{workload['kind']}/{workload['metadata']['name']}"
+            check_workload(workload, name)
+            # The apiserver refuses a workload whose selector does not select its own template.
+            selector = workload["spec"].get("selector", {}).get("matchLabels")
+            assert selector is None or selects(selector, workload["spec"]["template"]["metadata"].get("labels", {})), (
+                f"{name}: spec.selector does not match the template's labels")
 
     # -- objects ----------------------------------------------------------------
     def find(self, kind: str, name: str) -> dict[str, Any]:
@@ -254,8 +259,8 @@ class Kube:
         groups = [g for g in [pod_context.get("fsGroup"), *pod_context.get("supplementalGroups", [])] if g is not None]
         drop = (context.get("capabilities") or {}).get("drop")
         assert drop in (None, ["ALL"]), f"{pod.name}/{spec['name']}: capabilities.drop {drop}: only [ALL] is played"
-        return Identity(uid, gid, tuple(dict.fromkeys(groups)), no_new_privs=context.get("allowPrivilegeEscalation") is False,
-                        drop_capabilities=drop == ["ALL"])
+        return Identity(uid, gid, tuple(dict.fromkeys(groups)), drop_capabilities=drop == ["ALL"],
+                        no_new_privs=context.get("allowPrivilegeEscalation") is False)
 
     def _service_links(self) -> dict[str, str]:
         """enableServiceLinks (the default): every ClusterIP Service as variables."""

@@ -94,6 +94,14 @@ def test_kubernetes_harness_refuses_a_field_it_does_not_play(tmp_path, where, fi
     Kube(None, render_overlay("cpu"), tmp_path)  # the shipped overlay itself passes
 
 
+def test_kubernetes_harness_refuses_a_selector_that_misses_its_template(tmp_path):
+    objects = copy.deepcopy(render_overlay("cpu"))
+    (rollout,) = [o for o in objects if o["kind"] == "Deployment"]
+    rollout["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] = "trainer"
+    with pytest.raises(AssertionError, match="Deployment/flywheel-rollout: spec.selector does not match"):
+        Kube(None, objects, tmp_path)
+
+
 @pytest.mark.parametrize("section, field, value", [
     ("services.trainer", "read_only", True),
     ("services.trainer", "cap_add", ["SYS_ADMIN"]),
