@@ -21,11 +21,12 @@ it execs the entrypoint: what that user may read and write is what the
 volumes' ownership allows, as on a real host. Needs root and iproute2;
 `available()` says why not otherwise.
 
-The image's interpreter is this machine's: where it lives under a directory
-other users cannot enter (pyenv's under /root, 0700), the container's mount
-namespace gets a world-traversable tmpfs over that directory with only the
-interpreter bound back into it, as the image carries Python where every user
-reaches it. Nothing on the host changes.
+The image's interpreter, virtualenv and code are this machine's: where one
+lives under a directory other users cannot enter (pyenv's under /root, 0700;
+a clone in a private home), the container's mount namespace gets a
+world-traversable tmpfs over that directory with only those bound back into
+it, as the image carries them where every user reaches them. Nothing on the
+host changes.
 """
 
 from __future__ import annotations
@@ -184,22 +185,32 @@ class NamespaceCluster:
                     path.mkdir()
                 self._created_paths.append(path)
 
-    def _interpreter_steps(self) -> list[str]:
-        """Mount steps that let any user reach the interpreter's installation (see the module doc)."""
-        prefix = Path(sys.base_prefix).resolve()
-        hidden = _unreachable_ancestor(prefix)
-        if hidden is None:
-            return []
-        stage = self.workdir / ".interpreter"
-        stage.mkdir(exist_ok=True)
-        q = shlex.quote
-        return [f"mount --bind {q(str(prefix))} {q(str(stage))}",
-                f"mount -t tmpfs -o mode=0755 tmpfs {q(str(hidden))}",
-                f"mkdir -p {q(str(prefix))}",
-                f"mount --move {q(str(stage))} {q(str(prefix))}"]
+    def _reachable_steps(self) -> list[str]:
+        """Mount steps that let any user reach the interpreter, the virtualenv and the repository
+        (PYTHONPATH) where they lie under a directory other users cannot enter (see the module doc)."""
+        from tests.deploy.manifests import ROOT
+
+        needed = sorted({Path(p).resolve() for p in (sys.base_prefix, sys.prefix, ROOT)})
+        needed = [p for p in needed if not any(q != p and q in p.parents for q in needed)]
+        q = lambda path: shlex.quote(str(path))  # noqa: E731
+        staged: list[tuple[Path, Path, Path]] = []
+        steps: list[str] = []
+        for index, path in enumerate(needed):
+            hidden = _unreachable_ancestor(path)
+            if hidden is None:
+                continue
+            stage = self.workdir / f".reachable-{index}"
+            stage.mkdir(exist_ok=True)
+            steps.append(f"mount --bind {q(path)} {q(stage)}")
+            staged.append((hidden, path, stage))
+        for hidden in dict.fromkeys(hidden for hidden, _, _ in staged):
+            steps.append(f"mount -t tmpfs -o mode=0755 tmpfs {q(hidden)}")
+        for _, path, stage in staged:
+            steps += [f"mkdir -p {q(path)}", f"mount --move {q(stage)} {q(path)}"]
+        return steps
 
     def _prologue(self, host: Host, mounts: dict[str, tuple[Path, bool]], cwd: Path | None, user: Identity) -> str:
-        steps = [f"hostname {shlex.quote(host.hostname)}", *self._interpreter_steps()]
+        steps = [f"hostname {shlex.quote(host.hostname)}", *self._reachable_steps()]
         for target, (source, read_only) in mounts.items():
             self._mount_point(Path(target), Path(source).is_file())
             steps.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
