@@ -6,15 +6,27 @@ bind-mounted at the paths the container sees.
     with NamespaceCluster(tmp_path) as cluster:
         host = cluster.add_host("flywheel-rollout-1", names=["rollout"])
         cluster.serve_names()              # every host's names, from every namespace
-        proc = cluster.run(host, argv, env=..., mounts={"/models": dir}, cwd=home, log=path)
-        cluster.exec(host, argv, env=...)  # like `docker exec`: the process's namespaces
+        proc = cluster.run(host, argv, env=..., mounts={"/models": dir}, cwd=home, log=path,
+                           user=Identity(10001, 10001))
+        cluster.exec(proc, argv, env=..., user=...)  # like `docker exec`: the process's namespaces
 
 Each process runs under `ip netns exec NS unshare --uts --mount`: its own
 hostname (a container id, as Docker gives) and a private mount namespace in
 which the volumes are bound, so nothing is mounted on the host. The mount
 points themselves must exist on the host: missing ones are created (empty)
-and removed again at the end. Needs root and iproute2; `available()` says why
-not otherwise.
+and removed again at the end. Then it becomes the container's user with
+util-linux `setpriv` (uid, gid, supplementary groups; no_new_privs and an
+empty capability bounding set where the manifest asks), as runc does before
+it execs the entrypoint: what that user may read and write is what the
+volumes' ownership allows, as on a real host. Needs root and iproute2;
+`available()` says why not otherwise.
+
+The image's interpreter, virtualenv and code are this machine's: where one
+lives under a directory other users cannot enter (pyenv's under /root, 0700;
+a clone in a private home), the container's mount namespace gets a
+world-traversable tmpfs over that directory with only those bound back into
+it, as the image carries them where every user reaches them. Nothing on the
+host changes.
 """
 
 from __future__ import annotations
@@ -27,11 +39,15 @@ import shutil
 import signal
 import socket
 import struct
+import stat
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from tests.deploy.image import Identity
 
 NETNS_ETC = Path("/etc/netns")
 
@@ -40,7 +56,7 @@ def available() -> str:
     """'' when namespaces can be made here, else why not."""
     if os.geteuid() != 0:
         return "needs root (network namespaces, bind mounts)"
-    for tool in ("ip", "unshare", "nsenter", "mount"):
+    for tool in ("ip", "unshare", "nsenter", "mount", "setpriv"):
         if shutil.which(tool) is None:
             return f"{tool} not found (iproute2 / util-linux)"
     probe = f"fwprobe{secrets.token_hex(3)}"
@@ -49,6 +65,30 @@ def available() -> str:
         return f"ip netns add failed: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return ""
+
+
+def _unreachable_ancestor(path: Path) -> Path | None:
+    """The outermost directory on `path` that other users cannot traverse (no o+x), if any."""
+    for ancestor in reversed([path, *path.parents]):
+        if ancestor.is_dir() and not ancestor.stat().st_mode & stat.S_IXOTH:
+            return ancestor
+    return None
+
+
+def process_identity(pid: int) -> dict:
+    """Who a running process is, from /proc/PID/status: its uid and gid (real, effective, saved and
+    filesystem ids all equal, else the differing ids are shown) and supplementary groups."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    uids, gids = set(status["Uid"].split()), set(status["Gid"].split())
+    return {"uid": int(uids.pop()) if len(uids) == 1 else status["Uid"].split(),
+            "gid": int(gids.pop()) if len(gids) == 1 else status["Gid"].split(),
+            "groups": tuple(sorted(int(g) for g in status["Groups"].split()))}
+
+
+def process_privileges(pid: int) -> dict:
+    """no_new_privs and the capability bounding set (hex) of a running process."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {"no_new_privs": status["NoNewPrivs"].strip() == "1", "bounding_set": int(status["CapBnd"].strip(), 16)}
 
 
 def _ip(*args: str) -> None:
@@ -145,8 +185,32 @@ class NamespaceCluster:
                     path.mkdir()
                 self._created_paths.append(path)
 
-    def _prologue(self, host: Host, mounts: dict[str, tuple[Path, bool]], cwd: Path | None) -> str:
-        steps = [f"hostname {shlex.quote(host.hostname)}"]
+    def _reachable_steps(self) -> list[str]:
+        """Mount steps that let any user reach the interpreter, the virtualenv and the repository
+        (PYTHONPATH) where they lie under a directory other users cannot enter (see the module doc)."""
+        from tests.deploy.manifests import ROOT
+
+        needed = sorted({Path(p).resolve() for p in (sys.base_prefix, sys.prefix, ROOT)})
+        needed = [p for p in needed if not any(q != p and q in p.parents for q in needed)]
+        q = lambda path: shlex.quote(str(path))  # noqa: E731
+        staged: list[tuple[Path, Path, Path]] = []
+        steps: list[str] = []
+        for index, path in enumerate(needed):
+            hidden = _unreachable_ancestor(path)
+            if hidden is None:
+                continue
+            stage = self.workdir / f".reachable-{index}"
+            stage.mkdir(exist_ok=True)
+            steps.append(f"mount --bind {q(path)} {q(stage)}")
+            staged.append((hidden, path, stage))
+        for hidden in dict.fromkeys(hidden for hidden, _, _ in staged):
+            steps.append(f"mount -t tmpfs -o mode=0755 tmpfs {q(hidden)}")
+        for _, path, stage in staged:
+            steps += [f"mkdir -p {q(path)}", f"mount --move {q(stage)} {q(path)}"]
+        return steps
+
+    def _prologue(self, host: Host, mounts: dict[str, tuple[Path, bool]], cwd: Path | None, user: Identity) -> str:
+        steps = [f"hostname {shlex.quote(host.hostname)}", *self._reachable_steps()]
         for target, (source, read_only) in mounts.items():
             self._mount_point(Path(target), Path(source).is_file())
             steps.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
@@ -154,25 +218,27 @@ class NamespaceCluster:
                 steps.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
         if cwd is not None:
             steps.append(f"cd {shlex.quote(str(cwd))}")
-        return " && ".join(steps) + ' && exec "$@"'
+        return " && ".join(steps) + f' && exec {shlex.join(user.setpriv())} "$@"'
 
     def run(
         self, host: Host, argv: list[str], *, env: dict[str, str], mounts: dict[str, tuple[Path, bool]],
-        cwd: Path, log: Path,
+        cwd: Path, log: Path, user: Identity,
     ) -> subprocess.Popen:
-        """Starts `argv` as the container's main process (its PID is the Popen's: every step execs)."""
+        """Starts `argv` as the container's main process, as `user` (its PID is the Popen's: every step execs)."""
         wrapper = ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--mount", "--propagation", "private",
-                   "sh", "-c", self._prologue(host, mounts, cwd), "sh", *argv]
+                   "sh", "-c", self._prologue(host, mounts, cwd, user), "sh", *argv]
         with log.open("ab") as out:
             proc = subprocess.Popen(wrapper, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         self.processes.append(proc)
         return proc
 
-    def exec(self, proc: subprocess.Popen, argv: list[str], *, env: dict[str, str], timeout: float
+    def exec(self, proc: subprocess.Popen, argv: list[str], *, env: dict[str, str], timeout: float, user: Identity
              ) -> subprocess.CompletedProcess:
-        """Runs `argv` inside `proc`'s network, mount and UTS namespaces, like `docker exec`."""
-        wrapper = ["nsenter", "--target", str(proc.pid), "--net", "--mount", "--uts", *argv]
+        """Runs `argv` inside `proc`'s network, mount and UTS namespaces as `user`, like `docker exec`
+        (and the kubelet's exec probes), which run as the container's user."""
+        # --wd: the container process's working directory (its WORKDIR), as `docker exec` starts there.
+        wrapper = ["nsenter", "--target", str(proc.pid), "--net", "--mount", "--uts", "--wd", *user.setpriv(), *argv]
         try:
             return subprocess.run(wrapper, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:

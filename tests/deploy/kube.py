@@ -16,10 +16,21 @@ What is emulated, each as Kubernetes documents it:
   env comes from values, ConfigMap and Secret keys and the downward API
   (status.podIP, metadata.name, metadata.namespace), plus the service links
   (`<SERVICE>_SERVICE_HOST`...) of every ClusterIP Service.
-- Volumes: configMap and secret (keys as files, `items` honoured), emptyDir,
-  persistentVolumeClaim (one directory per claim), each mount read-only
-  where the manifest says so. Anything else fails the test: an unsupported
-  field must not pass silently.
+- Users: each container runs (setpriv) as its securityContext's runAsUser/
+  runAsGroup, else the pod's, else the image's USER (Dockerfile), with
+  fsGroup and supplementalGroups as supplementary groups; runAsNonRoot with
+  uid 0 is refused as the kubelet refuses it; allowPrivilegeEscalation: false
+  sets no_new_privs, capabilities.drop [ALL] empties the bounding set. Exec
+  probes run as the container's user. Each container gets its own copy of
+  the image's home directory (HOME, owned as the image has it) and starts in
+  the image's WORKDIR unless workingDir says otherwise.
+- Volumes: configMap and secret (keys as files, `items` and modes honoured),
+  emptyDir, persistentVolumeClaim (one directory per claim), each mount
+  read-only where the manifest says so, owned and moded as the kubelet
+  leaves them, fsGroup included (volumes.py).
+- Fields: every workload is checked against fields.py first; a field that is
+  neither played nor listed there as a no-op (with its reason) fails the
+  test, naming it.
 - Probes, as the kubelet runs them from the node (this namespace) to the pod
   IP: startup first, then readiness and liveness, each with its period,
   timeout, initial delay and thresholds; grpc (grpc.health.v1 Check, no
@@ -28,6 +39,8 @@ What is emulated, each as Kubernetes documents it:
   (counted in `restarts`).
 - Restart policy: Always restarts an exited container (Deployments,
   StatefulSets); Never leaves the pod Succeeded or Failed (the Job).
+- Termination (a failed probe's restart, and `stop()`): SIGTERM, then SIGKILL
+  once the pod's terminationGracePeriodSeconds have passed.
 - Services: a ClusterIP Service gets a virtual IP in this namespace with a
   user-space proxy to its ready endpoints (kube-proxy's userspace mode); a
   headless one resolves to its endpoints' pod IPs, not-ready ones included
@@ -37,8 +50,8 @@ What is emulated, each as Kubernetes documents it:
   answered by a small DNS server on the bridge (NXDOMAIN otherwise, so search
   domains work).
 
-Not emulated: resource requests and limits, security contexts (processes run
-as root), scheduling constraints (one node), disruption budgets,
+Not emulated (fields.py NO_OPS says why for each pod field): resource
+requests and limits, seccomp profiles, scheduling constraints (one node), disruption budgets,
 NetworkPolicies (every pod reaches every other), a Job's retries (the test wants its first pod
 to succeed), rolling updates.
 """
@@ -64,7 +77,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.deploy.cluster import DnsServer, Host, NamespaceCluster
+from tests.deploy.fields import check_workload
+from tests.deploy.image import Identity, image_directories, image_home, image_target, image_user, image_workdir
 from tests.deploy.manifests import ROOT, WORKLOAD_KINDS, image_files, k8s_env, k8s_expand, selects, workloads
+from tests.deploy.volumes import EMPTY_DIR, ROOT_DIRECTORY, apply_fs_group, make_directory, write_key_files
 
 CLUSTER_DOMAIN = "cluster.local"
 PROBE_DEFAULTS = {"initialDelaySeconds": 0, "periodSeconds": 10, "timeoutSeconds": 1,
@@ -101,6 +117,7 @@ class Pod:
     subdomain: str = ""
     containers: list[Container] = field(default_factory=list)
     envs: dict[str, dict[str, str]] = field(default_factory=dict)  # container name -> its environment
+    users: dict[str, Identity] = field(default_factory=dict)  # container name -> who it runs as
     phase: str = "Pending"  # Pending, Running, Succeeded, Failed
     log: Path = field(init=False)
 
@@ -135,9 +152,17 @@ class Kube:
         self._sockets: list[socket.socket] = []
         self.errors: list[str] = []
         self._dns: DnsServer | None = None
+        self._claims_lock = threading.Lock()
         unknown = {o["kind"] for o in objects} - {"Namespace", "ConfigMap", "Secret", "Service", "PersistentVolumeClaim",
                                                   "PodDisruptionBudget", "NetworkPolicy", *WORKLOAD_KINDS}
         assert not unknown, f"kinds this emulation does not run: {unknown}"
+        for workload in workloads(objects):  # a field nobody plays fails here, naming it
+            name = f"{workload['kind']}/{workload['metadata']['name']}"
+            check_workload(workload, name)
+            # The apiserver refuses a workload whose selector does not select its own template.
+            selector = workload["spec"].get("selector", {}).get("matchLabels")
+            assert selector is None or selects(selector, workload["spec"]["template"]["metadata"].get("labels", {})), (
+                f"{name}: spec.selector does not match the template's labels")
 
     # -- objects ----------------------------------------------------------------
     def find(self, kind: str, name: str) -> dict[str, Any]:
@@ -182,8 +207,10 @@ class Kube:
 
     # -- the kubelet ------------------------------------------------------------
     def _volumes(self, pod: Pod) -> dict[str, tuple[Path, bool]]:
-        """volume name -> (directory, read-only by the volume itself)."""
+        """volume name -> (directory, read-only by the volume itself), owned as the kubelet
+        leaves them (volumes.py): fsGroup's group where the pod sets one."""
         found = {}
+        fs_group = (pod.spec.get("securityContext") or {}).get("fsGroup")
         for volume in pod.spec.get("volumes", []):
             name = volume["name"]
             if "configMap" in volume or "secret" in volume:
@@ -194,25 +221,46 @@ class Kube:
                 if kind == "Secret":
                     data = {k: base64.b64decode(v).decode() for k, v in data.items()}
                 spec = volume.get("configMap") or volume["secret"]
+                mode = spec.get("defaultMode", 0o644)
                 items = spec.get("items") or [{"key": k, "path": k} for k in data]
                 directory = pod.home / "volumes" / name
-                directory.mkdir(parents=True)
-                for item in items:
-                    (directory / item["path"]).write_text(data[item["key"]])
-                found[name] = (directory, True)  # the kubelet mounts these read-only
+                write_key_files(directory, {i["path"]: (data[i["key"]], i.get("mode", mode)) for i in items})
+                read_only = True  # the kubelet mounts these read-only
             elif "emptyDir" in volume:
-                directory = pod.home / "volumes" / name
-                directory.mkdir(parents=True)
-                found[name] = (directory, False)
+                directory = make_directory(pod.home / "volumes" / name, EMPTY_DIR)
+                read_only = False
             elif "persistentVolumeClaim" in volume:
                 claim = volume["persistentVolumeClaim"]
                 self.find("PersistentVolumeClaim", claim["claimName"])  # it must exist
                 directory = self.workdir / "claims" / claim["claimName"]
-                directory.mkdir(parents=True, exist_ok=True)
-                found[name] = (directory, bool(claim.get("readOnly")))
+                with self._claims_lock:
+                    if not directory.exists():  # provisioned: a new filesystem's root
+                        make_directory(directory, ROOT_DIRECTORY)
+                read_only = bool(claim.get("readOnly"))
             else:
                 raise AssertionError(f"{pod.name}: volume {name} is of a type this emulation does not mount: {volume}")
+            if fs_group is not None:
+                apply_fs_group(directory, fs_group, read_only)
+            found[name] = (directory, read_only)
         return found
+
+    def identity(self, pod: Pod, spec: dict[str, Any]) -> Identity:
+        """Who the container runs as: its securityContext, then the pod's, then the image's USER;
+        fsGroup and supplementalGroups as supplementary groups (what the kubelet hands the runtime)."""
+        image = image_user(image_target(spec["image"]))
+        pod_context, context = pod.spec.get("securityContext") or {}, spec.get("securityContext") or {}
+        setting = lambda key, default=None: context.get(key, pod_context.get(key, default))  # noqa: E731
+        uid = setting("runAsUser", image.uid)
+        # Without runAsGroup the runtime takes the user's group from the image (its USER, or root's).
+        gid = setting("runAsGroup", image.gid if uid == image.uid else 0)
+        if setting("runAsNonRoot") and uid == 0:  # the kubelet refuses to create the container
+            raise AssertionError(f"{pod.name}/{spec['name']}: CreateContainerConfigError: container has "
+                                 "runAsNonRoot and image will run as root")
+        groups = [g for g in [pod_context.get("fsGroup"), *pod_context.get("supplementalGroups", [])] if g is not None]
+        drop = (context.get("capabilities") or {}).get("drop")
+        assert drop in (None, ["ALL"]), f"{pod.name}/{spec['name']}: capabilities.drop {drop}: only [ALL] is played"
+        return Identity(uid, gid, tuple(dict.fromkeys(groups)), drop_capabilities=drop == ["ALL"],
+                        no_new_privs=context.get("allowPrivilegeEscalation") is False)
 
     def _service_links(self) -> dict[str, str]:
         """enableServiceLinks (the default): every ClusterIP Service as variables."""
@@ -231,25 +279,30 @@ class Kube:
         return env
 
     def _start(self, pod: Pod, spec: dict[str, Any], volumes: dict[str, tuple[Path, bool]]) -> subprocess.Popen:
+        target = image_target(spec["image"])
+        user, home = self.identity(pod, spec), image_home(target)
         fields = {"status.podIP": pod.ip, "metadata.name": pod.name, "metadata.namespace": self.namespace}
         env = {"PATH": IMAGE_PATH, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
-               "HOME": str(pod.home), "HF_HOME": str(pod.home / ".cache/huggingface"), "HOSTNAME": pod.name,
-               **self._service_links()}
+               # HOME from the image's /etc/passwd: its user's home, "/" for any other uid.
+               "HOME": home if user.uid == image_user(target).uid else "/",
+               "HF_HOME": f"{home}/.cache/huggingface", "HOSTNAME": pod.name, **self._service_links()}
         env.update(k8s_env(spec, self.objects, fields))
         argv = [k8s_expand(a, env) for a in [*spec.get("command", []), *spec.get("args", [])]]
         # The image's interpreter, or the image's shell handing over to it (`sh -c '...; exec python ...'`).
         assert argv and (argv[0] == "python" or argv[:2] == ["sh", "-c"] and "exec python " in argv[2]), (
             f"{pod.name}/{spec['name']}: the image's interpreter is `python`: {argv}")
-        pod.envs[spec["name"]] = env
-        mounts = {target: (source, True) for target, source in image_files().items()}
+        pod.envs[spec["name"]], pod.users[spec["name"]] = env, user
+        mounts = {target_path: (source, True) for target_path, source in image_files().items()}
+        # The container's own copy of the image's home directory (its writable layer), owned as the image has it.
+        mounts[home] = (make_directory(pod.home / "homes" / spec["name"], image_directories(target)[home]), False)
         for mount in spec.get("volumeMounts", []):
             assert "subPath" not in mount, f"{pod.name}: subPath is not emulated"
             source, read_only = volumes[mount["name"]]
             mounts[mount["mountPath"]] = (source, read_only or bool(mount.get("readOnly")))
-        cwd = Path(spec["workingDir"]) if "workingDir" in spec else pod.home
+        cwd = Path(spec.get("workingDir") or image_workdir(target))
         with pod.log.open("a") as out:
             out.write(f"--- {spec['name']}: {' '.join(argv)}\n")
-        return self.cluster.run(pod.host, argv, env=env, mounts=mounts, cwd=cwd, log=pod.log)
+        return self.cluster.run(pod.host, argv, env=env, mounts=mounts, cwd=cwd, log=pod.log, user=user)
 
     def _kubelet(self, pod: Pod) -> None:
         volumes = self._volumes(pod)
@@ -364,7 +417,8 @@ class Kube:
                     return True
             if "exec" in probe:
                 assert c.proc is not None
-                done = self.cluster.exec(c.proc, probe["exec"]["command"], env=pod.envs[c.name], timeout=timeout)
+                done = self.cluster.exec(c.proc, probe["exec"]["command"], env=pod.envs[c.name], timeout=timeout,
+                                         user=pod.users[c.name])
                 if done.returncode != 0:  # what `kubectl describe pod` shows for a failed exec probe
                     output = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o or ""
                                      for o in (done.stdout, done.stderr))
@@ -467,10 +521,22 @@ class Kube:
         assert not self.errors, self.errors
 
     def stop(self) -> None:
-        """No more restarts, probes or DNS answers; the cluster then stops every process
-        (SIGTERM, then SIGKILL after its grace)."""
+        """No more restarts, probes or DNS answers; every container gets SIGTERM, then SIGKILL once
+        its pod's terminationGracePeriodSeconds have passed (the cluster then stops what is left)."""
         self._stopping.set()
         if self._dns is not None:
             self._dns.close()
         for sock in self._sockets:
             sock.close()
+        running = [(pod, c.proc) for pod in self.pods for c in pod.containers if c.proc is not None]
+        for _, proc in running:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        for pod, proc in running:
+            grace = pod.spec.get("terminationGracePeriodSeconds", 30)
+            try:
+                proc.wait(max(0.0, start + grace - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -16,6 +16,8 @@ import pytest
 import yaml
 
 from flywheel.runtime.config import env_name, leaf_fields
+from tests.deploy.image import image_directories, image_user
+from tests.deploy.volumes import ROOT_DIRECTORY, docker_tmpfs_options
 from tests.deploy.manifests import (
     COMPOSE_ENV_EXAMPLE,
     OVERLAYS,
@@ -345,3 +347,46 @@ def test_compose_rollouts_mount_the_synchronizers_shared_memory(compose, compose
     for c in composed:
         if c.service == "rollout":  # the same path: the stream names files by it
             assert compose_mounts(c)[directory]["source"] == volume, c.source
+
+
+# ---------------------------------------------------------------- who may write the volumes
+
+
+def test_compose_volumes_mounted_writable_belong_to_the_image_user(compose):
+    """A new named volume starts as the image's directory at its mount path (root's, 0755, where the image
+    has none) unless tmpfs options say otherwise: the user each Flywheel service runs as must own every
+    named volume it mounts read-write. (The compose cluster test then runs them as that user.)"""
+    for name, spec in compose["services"].items():
+        if "build" not in spec:  # Prometheus and Grafana: other images
+            continue
+        stage = spec["build"]["target"]
+        user = image_user(stage)
+        assert "user" not in spec, f"compose/{name}: runs as another user than the image's"
+        for entry in spec.get("volumes", []):
+            source, path, *mode = entry.split(":")
+            if source.startswith((".", "/")) or mode == ["ro"]:  # bind mounts keep the host's ownership
+                continue
+            options = ((compose["volumes"][source] or {}).get("driver_opts") or {}).get("o", "")
+            owner = docker_tmpfs_options(options) or image_directories(stage).get(path) or ROOT_DIRECTORY
+            assert (owner.uid, owner.gid) == (user.uid, user.gid), (
+                f"compose/{name}: volume {source} at {path} starts as {owner}, but the service runs as {user}")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kubernetes_pods_may_write_their_claims_and_read_their_key_files(rendered, overlay):
+    """A fresh claim is root's 0755 and configMap/secret files are root's: a non-root pod writes the one
+    and reads the others only through fsGroup (or modes that let everyone)."""
+    for workload in workloads(rendered[overlay]):
+        pod = workload["spec"]["template"]["spec"]
+        context = pod.get("securityContext") or {}
+        assert context.get("runAsNonRoot"), workload["metadata"]["name"]
+        mounts = [m for c in [*pod.get("initContainers", []), *pod["containers"]] for m in c.get("volumeMounts", [])]
+        for volume in pod.get("volumes", []):
+            written = any(m["name"] == volume["name"] and not m.get("readOnly") for m in mounts)
+            if "persistentVolumeClaim" in volume and written:
+                assert context.get("fsGroup") == context.get("runAsGroup"), (workload["metadata"]["name"], volume)
+            files = volume.get("secret") or volume.get("configMap")
+            if files is not None:
+                for mode in [files.get("defaultMode", 0o644), *(i["mode"] for i in files.get("items", []) if "mode" in i)]:
+                    assert mode & 0o004 or (mode & 0o040 and context.get("fsGroup") == context.get("runAsGroup")), (
+                        workload["metadata"]["name"], volume["name"], oct(mode))

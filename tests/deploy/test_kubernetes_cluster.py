@@ -12,7 +12,10 @@ chooses the way a user would, in its own overlay on top of overlays/cpu:
   (`kubectl create secret generic flywheel-auth --from-literal=token=...`).
 The image is this repository: its `python` is the virtualenv's and the files
 the Dockerfile COPYs (examples/, the healthcheck script) are bound from here.
-What kube.py does not emulate is listed there.
+Every container runs as its securityContext (else the image's USER) says, on
+volumes owned as the kubelet leaves them, fsGroup included; the test checks
+each container's ids and privileges and who wrote the models volumes. What
+kube.py does not emulate is listed there and in fields.py.
 
 The TLS variant adds components/tls and components/tls-mutual to that overlay and
 creates Secret flywheel-tls from the certificate deploy/README.md's command makes;
@@ -35,7 +38,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.deploy.cluster import NamespaceCluster, available
+from tests.deploy.cluster import NamespaceCluster, available, process_identity, process_privileges
 from tests.deploy.kube import Kube
 from tests.deploy.manifests import readme_cert_hosts, user_overlay
 from tests.deploy.manifests import render as render_dir
@@ -69,6 +72,22 @@ def auth_secret(namespace: str, token: str) -> dict:
     return secret(namespace, "flywheel-auth", {"token": token})
 
 
+def check_run_as_the_pod_user(kube: Kube) -> None:
+    """Every container runs as its pod's securityContext says (runAsUser/runAsGroup 10001, fsGroup
+    10001 as a supplementary group, no privilege escalation, no capabilities), and each pod's
+    model-init init container wrote its models volume as that user."""
+    running = {f"{p.name}/{c.name}": {**process_identity(c.proc.pid), **process_privileges(c.proc.pid)}
+               for p in kube.pods for c in p.containers if c.proc is not None}
+    assert len(running) == 3 + ROLLOUTS and running == {name: {
+        "uid": 10001, "gid": 10001, "groups": (10001,), "no_new_privs": True, "bounding_set": 0} for name in running}, running
+    for pod in kube.pods:
+        if any(c["name"] == "model-init" for c in pod.spec.get("initContainers", [])):
+            written = list((pod.home / "volumes" / "models" / "policy").rglob("*"))
+            assert written and {p.stat().st_uid for p in written} == {10001}, (pod.name, written)
+            # fsGroup's setgid directory: what the pod writes stays in the group.
+            assert {p.stat().st_gid for p in written} == {10001}, (pod.name, written)
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
 def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
@@ -100,6 +119,7 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
                     pass
                 time.sleep(0.5)
             replica_ids = sorted(c["id"] for c in body["components"] if c["role"] == "rollout")
+            check_run_as_the_pod_user(kube)
             # Each rollout pod registered under its own pod IP (the Deployment's POD_IP advertise address).
             assert sorted(c["address"].rsplit(":", 1)[0] for c in body["components"] if c["role"] == "rollout") == \
                 sorted(p.ip for p in rollouts), body["components"]
