@@ -27,7 +27,7 @@ import yaml
 from tests.deploy.cluster import NamespaceCluster, available, process_identity
 from tests.deploy.compose import ComposeProject
 from tests.deploy.image import image_user
-from tests.deploy.manifests import ROOT, read_env_file
+from tests.deploy.manifests import ROOT, load_compose, read_env_file
 from tests.deploy.observe import check_dashboard, check_page_in_browser, live_status, replica_versions, replica_work, scrape
 
 pytestmark = pytest.mark.slow
@@ -117,3 +117,53 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
         assert all(version >= 5 for version in newest.values()), newest
         assert len(work) == SCALE["rollout"] and all(tokens > 0 and version >= 5 for tokens, version in work.values()), work
 
+
+
+def checkpoint_sync_examples(directory: Path) -> Path:
+    """The repository's examples/ with quickstart-tiny switched to CHECKPOINT weight sync, as a user
+    mounts their own run files at /etc/flywheel/examples (the compose file's FLYWHEEL_RUN_FILE)."""
+    directory.mkdir(parents=True)
+    for example in (ROOT / "examples").iterdir():
+        if example.is_file():
+            (directory / example.name).write_bytes(example.read_bytes())
+    run = yaml.safe_load((ROOT / "examples" / "quickstart-tiny.yaml").read_text())
+    run["sync"] = {**run.get("sync", {}), "method": "checkpoint"}
+    (directory / "quickstart-tiny.yaml").write_text(yaml.safe_dump(run))
+    return directory
+
+
+def committed_methods(run_dir: Path) -> set[str]:
+    events = [json.loads(line) for line in (run_dir / "synchronizer_events.jsonl").read_text().splitlines() if line]
+    return {e.get("method") for e in events if e["kind"] == "VERSION_COMMITTED"}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
+def test_compose_trains_with_checkpoint_weight_sync(tmp_path: Path) -> None:
+    """sync.method: checkpoint works where compose ships it: the trainer publishes each version to
+    /data/published on the flywheel-data volume, the synchronizer verifies it there and the rollout
+    loads it from the same path (both mount the volume read-only; their checkpoint_root)."""
+    compose = load_compose(VARIABLES)
+    examples = str(checkpoint_sync_examples(tmp_path / "examples"))
+    for service in compose["services"].values():
+        service["volumes"] = [f"{examples}:/etc/flywheel/examples:ro" if v.endswith(":/etc/flywheel/examples:ro")
+                              else v for v in service.get("volumes", [])]
+    with NamespaceCluster(tmp_path) as cluster:
+        project = ComposeProject(cluster, tmp_path, VARIABLES, compose=compose)
+        deadline = time.monotonic() + JOB_TIMEOUT
+        try:
+            project.up(deadline)
+            (controller,) = project.containers["controller"]
+            code = controller.proc.wait(max(1.0, deadline - time.monotonic()))
+            assert code == 0, controller.tail()
+        finally:
+            logs = {c.name: c.tail(1500) for cs in project.containers.values() for c in cs}
+            cluster.stop()
+    run_dir = project.volumes["flywheel-data"] / "runs" / "quickstart-tiny"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["last_step"] == 10 and summary["exit_code"] == 0, (summary, logs)
+    assert committed_methods(run_dir) == {"CHECKPOINT"}, logs
+    published = sorted(p.name for p in (project.volumes["flywheel-data"] / "published").iterdir())
+    assert published, "no version was published to /data/published"
+    newest = replica_versions((run_dir / "trained_tasks.jsonl").read_text())
+    assert newest and all(version >= 5 for version in newest.values()), newest

@@ -390,3 +390,33 @@ def test_kubernetes_pods_may_write_their_claims_and_read_their_key_files(rendere
                 for mode in [files.get("defaultMode", 0o644), *(i["mode"] for i in files.get("items", []) if "mode" in i)]:
                     assert mode & 0o004 or (mode & 0o040 and context.get("fsGroup") == context.get("runAsGroup")), (
                         workload["metadata"]["name"], volume["name"], oct(mode))
+
+
+def _volume_at(c: Container, path: str) -> str | None:
+    """Which volume holds `path` in `c`: a Kubernetes claim name, or a compose volume (or bind) source."""
+    mounts = k8s_mounts(c) if c.source.startswith("kubernetes") else compose_mounts(c)
+    for mount, spec in sorted(mounts.items(), key=lambda item: -len(item[0].parts)):
+        if PurePosixPath(path).is_relative_to(mount):
+            return spec["volume"].get("persistentVolumeClaim", {}).get("claimName") if "volume" in spec \
+                else spec["source"]
+    return None
+
+
+def test_checkpoint_versions_are_read_where_the_trainer_publishes_them(containers):
+    """sync.method: checkpoint works where it ships: the synchronizer (to verify a version) and each
+    rollout (to load it) take the trainer's sync.publish_dir as checkpoint_root, on the same volume."""
+    def deployment(c: Container) -> str:  # "kubernetes/cpu", "kubernetes/gpu" or "compose"
+        return c.source.split(" ")[0] if c.source.startswith("kubernetes") else "compose"
+
+    for source in {deployment(c) for c in containers}:
+        group = [c for c in containers if deployment(c) == source]
+        published = {str(resolved(c).sync.publish_dir) for c in group if c.service == "trainer"}
+        volumes = {_volume_at(c, p) for c in group if c.service == "trainer" for p in published}
+        assert len(published) == 1 and None not in volumes, (source, published, volumes)
+        (directory,) = published
+        for c in group:
+            if c.service in ("synchronizer", "rollout"):
+                config = resolved(c)
+                root = config.checkpoint_root if c.service == "synchronizer" else config.updates.checkpoint_root
+                assert str(root) == directory, f"{c.source}: checkpoint_root {root}, the trainer publishes to {directory}"
+                assert _volume_at(c, directory) in volumes, f"{c.source}: {directory} is not on the trainer's volume"

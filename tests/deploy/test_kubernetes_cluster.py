@@ -18,9 +18,11 @@ each container's ids and privileges and who wrote the models volumes. What
 kube.py does not emulate is listed there and in fields.py.
 
 The TLS variant adds components/tls and components/tls-mutual to that overlay and
-creates Secret flywheel-tls from the certificate deploy/README.md's command makes;
-it runs until the job has trained a step on both replicas (a plaintext client and
-one without a certificate are refused meanwhile), not to the end.
+creates Secret flywheel-tls from the certificate deploy/README.md's command makes,
+and runs its own job file (quickstart-tiny with sync.method: checkpoint, in the
+flywheel-run ConfigMap) to completion: a plaintext client and one without a
+certificate are refused meanwhile, and every version travels as a checkpoint on
+the claim the trainer, synchronizer and rollouts mount.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ import urllib.error
 from pathlib import Path
 
 import grpc
+import yaml
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.deploy.cluster import NamespaceCluster, available, process_identity, process_privileges
 from tests.deploy.kube import Kube
-from tests.deploy.manifests import readme_cert_hosts, user_overlay
+from tests.deploy.manifests import ROOT, readme_cert_hosts, user_overlay
 from tests.deploy.manifests import render as render_dir
 from tests.deploy.observe import check_dashboard, check_page_in_browser, http_get, live_status, replica_versions, replica_work, scrape
 
@@ -52,12 +55,21 @@ JOB = {"run_file": "/etc/flywheel/examples/quickstart-tiny.yaml", "model_source"
 JOB_TIMEOUT = 780.0
 
 
-def render(tmp_path: Path, components: tuple[str, ...] = ()) -> list[dict]:
+def render(tmp_path: Path, components: tuple[str, ...] = (), run_file: dict | None = None) -> list[dict]:
+    """The cpu overlay with `components`, as a user's overlay; `run_file`: the job's own run file, added
+    to the flywheel-run ConfigMap (mounted at /etc/flywheel/run) as deploy/README.md shows."""
+    job, generators = dict(JOB), []
+    if run_file is not None:
+        (tmp_path / "overlay").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "overlay" / "job.yaml").write_text(yaml.safe_dump(run_file))
+        generators.append({"name": "flywheel-run", "behavior": "merge", "files": ["job.yaml"]})
+        job["run_file"] = "/etc/flywheel/run/job.yaml"
     overlay = user_overlay(
         tmp_path / "overlay", "cpu", components,
         replicas=[{"name": "flywheel-rollout", "count": ROLLOUTS}],
         configMapGenerator=[
-            {"name": "flywheel-job", "behavior": "merge", "literals": [f"{k}={v}" for k, v in JOB.items()]}],
+            {"name": "flywheel-job", "behavior": "merge", "literals": [f"{k}={v}" for k, v in job.items()]},
+            *generators],
     )
     return render_dir(overlay)
 
@@ -161,12 +173,17 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
         assert len(work) == ROLLOUTS and all(tokens > 0 and version >= 5 for tokens, version in work.values()), work
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
-def test_kubernetes_mutual_tls_components_run_the_job(tmp_path: Path) -> None:
+def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_sync(tmp_path: Path) -> None:
+    """The job to completion under mutual TLS, its weights moved by sync.method: checkpoint: the trainer
+    publishes each version to /data/published on the checkpoints claim, which the synchronizer (to verify
+    it) and the rollouts (to load it) mount at the same path, their checkpoint_root."""
     from flywheel.launcher.certs import make_pki
 
-    objects = render(tmp_path, ("tls", "tls-mutual"))
+    run = yaml.safe_load((ROOT / "examples" / "quickstart-tiny.yaml").read_text())
+    run["sync"] = {**run.get("sync", {}), "method": "checkpoint"}
+    objects = render(tmp_path, ("tls", "tls-mutual"), run_file=run)
     (namespace,) = [o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"]
     token = secrets.token_hex(16)
     pki = make_pki(tmp_path / "tls", readme_cert_hosts("kubernetes"))
@@ -177,7 +194,7 @@ def test_kubernetes_mutual_tls_components_run_the_job(tmp_path: Path) -> None:
     client.check_hostname = False  # the status page through its Service's virtual IP; the CA is still checked
     with NamespaceCluster(tmp_path) as cluster:
         kube = Kube(cluster, objects, tmp_path)
-        deadline = time.monotonic() + 420
+        deadline = time.monotonic() + JOB_TIMEOUT
         try:
             kube.apply()
             (job_pod,) = [p for p in kube.pods if p.owner["kind"] == "Job"]
@@ -229,8 +246,23 @@ def test_kubernetes_mutual_tls_components_run_the_job(tmp_path: Path) -> None:
             models_url = f"https://{kube.service_address('flywheel-rollout', 'http')}/v1/models"
             models = json.loads(http_get(models_url, headers={"Authorization": f"Bearer {token}"}, context=client))
             assert models["data"], models
+
+            while job_pod.phase in ("Pending", "Running"):
+                kube.check()
+                assert time.monotonic() < deadline, f"the Job did not complete:\n{job_pod.tail()}"
+                time.sleep(0.5)
         finally:
             logs = {p.name: p.tail(1500) for p in kube.pods}
             kube.stop()
             cluster.stop()
+        assert job_pod.phase == "Succeeded", logs[job_pod.name]
         assert {p.name: p.restarts for p in kube.pods if p.restarts} == {}, logs
+        claim = tmp_path / "claims" / "flywheel-checkpoints"
+        run_dir = claim / "runs" / "quickstart-tiny"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["last_step"] == 10 and summary["exit_code"] == 0, (summary, logs)
+        events = [json.loads(line) for line in (run_dir / "synchronizer_events.jsonl").read_text().splitlines() if line]
+        assert {e.get("method") for e in events if e["kind"] == "VERSION_COMMITTED"} == {"CHECKPOINT"}, logs
+        assert any((claim / "published").iterdir()), "no version was published to /data/published"
+        newest = replica_versions((run_dir / "trained_tasks.jsonl").read_text())
+        assert len(newest) == ROLLOUTS and all(version >= 5 for version in newest.values()), newest
