@@ -45,11 +45,13 @@ rendered namespace exist.
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests.deploy.cluster import connect_from
 from tests.deploy.fields import check_network_policy
 
 TABLE = "flywheel_policy"
@@ -187,3 +189,30 @@ def apply_ruleset(netns: str, ruleset: str | None) -> None:
     script = f"table inet {TABLE}\ndelete table inet {TABLE}\n" + (ruleset or "")
     subprocess.run(["nsenter", f"--net=/var/run/netns/{netns}", "nft", "-f", "-"], input=script, text=True,
                    check=True, capture_output=True)
+
+
+# -- what a client sees (for the tests) -------------------------------------------------
+def reach(netns: str | None, address: str, port: int, timeout: float = 1.5) -> str:
+    """A TCP connection from a namespace (None: the node): 'served' when it is made, 'timed out'
+    when it is dropped (what a policy does), else the error's name (a closed port: ConnectionRefusedError)."""
+    try:
+        connect_from(netns, address, port, timeout).close()
+        return "served"
+    except TimeoutError:
+        return "timed out"
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def http_get_from(netns: str | None, address: str, path: str, headers: dict[str, str], timeout: float
+                  ) -> tuple[int, bytes]:
+    """GET http://address/path from inside a namespace: (status, body)."""
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    connection.sock = connect_from(netns, host, int(port), timeout)
+    try:
+        connection.request("GET", path, headers=headers)
+        reply = connection.getresponse()
+        return reply.status, reply.read()
+    finally:
+        connection.close()

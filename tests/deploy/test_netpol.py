@@ -12,10 +12,10 @@ import socket
 
 import pytest
 
-from tests.deploy.cluster import NamespaceCluster, available, connect_from, socket_in
+from tests.deploy.cluster import NamespaceCluster, available, socket_in
 from tests.deploy.kube import Kube
 from tests.deploy.manifests import render_overlay, workloads
-from tests.deploy.netpol import Member, apply_ruleset, ingress_ruleset, ingress_rulesets
+from tests.deploy.netpol import Member, apply_ruleset, ingress_ruleset, ingress_rulesets, reach
 
 NODE = "10.9.0.1"
 OUTSIDER = {"app": "outsider"}
@@ -128,17 +128,6 @@ def listen_in(netns: str, address: str, port: int) -> socket.socket:
     return listener
 
 
-def reaches(netns: str | None, address: str, port: int) -> str:
-    """'served' when a TCP connection is made, 'timed out' when it is dropped, else the error."""
-    try:
-        connect_from(netns, address, port, timeout=1.5).close()
-        return "served"
-    except TimeoutError:
-        return "timed out"
-    except OSError as exc:
-        return type(exc).__name__
-
-
 @pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
 def test_the_kernel_enforces_the_shipped_policies_between_namespaces(tmp_path, cpu_objects):
     with NamespaceCluster(tmp_path) as cluster:
@@ -157,9 +146,9 @@ def test_the_kernel_enforces_the_shipped_policies_between_namespaces(tmp_path, c
         listeners = [listen_in(trainer.netns, trainer.address, p) for p in ports.values()]
         listeners.append(listen_in(bystander.netns, bystander.address, 8080))
         try:
-            seen = {(source, port): reaches(hosts[source].netns if source != "node" else None, trainer.address, number)
+            seen = {(source, port): reach(hosts[source].netns if source != "node" else None, trainer.address, number)
                     for source in ("controller", "rollout", "outsider", "node") for port, number in ports.items()}
-            seen[("outsider", "bystander")] = reaches(outsider.netns, bystander.address, 8080)
+            seen[("outsider", "bystander")] = reach(outsider.netns, bystander.address, 8080)
         finally:
             for listener in listeners:
                 listener.close()
