@@ -9,6 +9,7 @@ bind-mounted at the paths the container sees.
         proc = cluster.run(host, argv, env=..., mounts={"/models": dir}, cwd=home, log=path,
                            user=Identity(10001, 10001))
         cluster.exec(proc, argv, env=..., user=...)  # like `docker exec`: the process's namespaces
+        sock = connect_from(host.netns, address, port, timeout=2)  # a TCP connection made as that host
 
 Each process runs under `ip netns exec NS unshare --uts --mount`: its own
 hostname (a container id, as Docker gives) and a private mount namespace in
