@@ -33,8 +33,8 @@ What is emulated, each as Kubernetes documents it:
   fields.py first; a field that is neither played nor listed there as a no-op
   (with its reason) fails the test, naming it.
 - NetworkPolicies (Ingress), enforced with nftables in each selected pod's
-  network namespace before its containers start, rewritten whenever a pod is
-  added (netpol.py, which also says how Service traffic keeps its client).
+  network namespace once every pod has its address, before any container
+  starts (netpol.py, which also says how Service traffic keeps its client).
 - Probes, as the kubelet runs them from the node (this namespace) to the pod
   IP: startup first, then readiness and liveness, each with its period,
   timeout, initial delay and thresholds; grpc (grpc.health.v1 Check, no

@@ -22,7 +22,8 @@ drop), which admits:
   container ports; TCP unless protocol says UDP or SCTP; no `ports`, any).
 Everything else is dropped, as those plugins drop it: the client's connection
 times out. Pods no policy selects get no table and admit everything. The rules
-name pods by IP, so kube.py rewrites every pod's table whenever a pod is added.
+name pods by IP, so kube.py writes them once every pod has its address and
+before any container starts (Kube.enforce() rewrites them all).
 
 Services: kube.py's ClusterIP proxy is a userspace one in the root namespace,
 where a real kube-proxy DNATs in the kernel and leaves the client's source
