@@ -9,6 +9,7 @@ bind-mounted at the paths the container sees.
         proc = cluster.run(host, argv, env=..., mounts={"/models": dir}, cwd=home, log=path,
                            user=Identity(10001, 10001))
         cluster.exec(proc, argv, env=..., user=...)  # like `docker exec`: the process's namespaces
+        sock = connect_from(host.netns, address, port, timeout=2)  # a TCP connection made as that host
 
 Each process runs under `ip netns exec NS unshare --uts --mount`: its own
 hostname (a container id, as Docker gives) and a private mount namespace in
@@ -31,6 +32,7 @@ host changes.
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import os
 import secrets
@@ -50,6 +52,8 @@ from typing import Callable
 from tests.deploy.image import Identity
 
 NETNS_ETC = Path("/etc/netns")
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def available() -> str:
@@ -89,6 +93,37 @@ def process_privileges(pid: int) -> dict:
     """no_new_privs and the capability bounding set (hex) of a running process."""
     status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
     return {"no_new_privs": status["NoNewPrivs"].strip() == "1", "bounding_set": int(status["CapBnd"].strip(), 16)}
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "setns")
+
+
+def socket_in(netns: str | None, kind: int = socket.SOCK_STREAM) -> socket.socket:
+    """A new IPv4 socket of a network namespace (None: this one). setns moves only the calling
+    thread, and a socket stays in the namespace it was made in: the thread makes it there and
+    comes back at once, so this process can connect from a pod's address, as that pod."""
+    if netns is None:
+        return socket.socket(socket.AF_INET, kind)
+    with open("/proc/thread-self/ns/net") as home, open(f"/var/run/netns/{netns}") as there:
+        _setns(there.fileno())
+        try:
+            return socket.socket(socket.AF_INET, kind)
+        finally:
+            _setns(home.fileno())
+
+
+def connect_from(netns: str | None, address: str, port: int, timeout: float) -> socket.socket:
+    """A TCP connection made from inside a network namespace (a pod's, or None for the node)."""
+    sock = socket_in(netns)
+    sock.settimeout(timeout)
+    try:
+        sock.connect((address, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _ip(*args: str) -> None:

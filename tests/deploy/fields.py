@@ -5,11 +5,14 @@ manifest never passes on behaviour nobody emulated.
     check_workload(deployment, "kubernetes/cpu Deployment/flywheel-rollout")
     check_compose_service(spec, "compose/trainer")
     check_compose_volume(spec, "compose volume weights-shm")
+    check_network_policy(policy["spec"], "NetworkPolicy/flywheel-service-ports")
 
 Fields are named by pattern: `pod.` a pod template's spec, `container.` an
 entry of its containers or initContainers, `volume.` an entry of its volumes,
 `workload.` the Deployment/StatefulSet/Job spec around the template,
-`service.` a compose service, `compose-volume.` a compose top-level volume.
+`service.` a compose service, `compose-volume.` a compose top-level volume,
+`policy.` a NetworkPolicy's spec (netpol.py enforces it), `selector.` a label
+selector in one.
 `[]` stands for a list's items, `*` for any key of a free-form mapping
 (environment variables, labels, depends_on's services). A field is accepted
 when its pattern is in IMPLEMENTED (kube.py and compose.py do what it says)
@@ -86,11 +89,19 @@ IMPLEMENTED: frozenset[str] = frozenset({
     "service.networks", "service.networks.default", "service.networks.default.aliases", "service.hostname",
     "service.secrets", "service.secrets[].source", "service.secrets[].target",
     "compose-volume.driver_opts", "compose-volume.driver_opts.o",
+    # NetworkPolicy (netpol.py): Ingress only; egress and any other field is refused.
+    "policy.podSelector", "policy.policyTypes", "policy.ingress", "policy.ingress[].from", "policy.ingress[].ports",
+    "policy.ingress[].from[].podSelector", "policy.ingress[].from[].namespaceSelector",
+    "policy.ingress[].from[].ipBlock", "policy.ingress[].from[].ipBlock.cidr", "policy.ingress[].from[].ipBlock.except",
+    "policy.ingress[].ports[].port", "policy.ingress[].ports[].protocol", "policy.ingress[].ports[].endPort",
+    "selector.matchLabels", "selector.matchExpressions", "selector.matchExpressions[].key",
+    "selector.matchExpressions[].operator", "selector.matchExpressions[].values",
 })
 
 #: Lists whose items are objects of their own kind.
 _ITEMS = {"pod.containers[]": "container", "pod.initContainers[]": "container", "pod.volumes[]": "volume",
-          "workload.template.spec": "pod"}
+          "workload.template.spec": "pod", "policy.podSelector": "selector",
+          "policy.ingress[].from[].podSelector": "selector", "policy.ingress[].from[].namespaceSelector": "selector"}
 
 
 def _has_subfields(pattern: str) -> bool:
@@ -121,6 +132,16 @@ def _check(value: Any, pattern: str, where: str, owner: str) -> None:
 def check_workload(workload: dict[str, Any], owner: str) -> None:
     """A Deployment, StatefulSet or Job: its spec, pod template, containers and volumes."""
     _check(workload["spec"], "workload", "spec", owner)
+
+
+def check_pod(spec: dict[str, Any], owner: str) -> None:
+    """A bare Pod's spec (what `kubectl run` creates): its containers and volumes."""
+    _check(spec, "pod", "spec", owner)
+
+
+def check_network_policy(spec: dict[str, Any], owner: str) -> None:
+    """A NetworkPolicy's spec: the fields netpol.py enforces, and no others."""
+    _check(spec, "policy", "spec", owner)
 
 
 def check_compose_service(service: dict[str, Any], owner: str) -> None:

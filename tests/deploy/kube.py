@@ -28,9 +28,13 @@ What is emulated, each as Kubernetes documents it:
   emptyDir, persistentVolumeClaim (one directory per claim), each mount
   read-only where the manifest says so, owned and moded as the kubelet
   leaves them, fsGroup included (volumes.py).
-- Fields: every workload is checked against fields.py first; a field that is
-  neither played nor listed there as a no-op (with its reason) fails the
-  test, naming it.
+- Bare Pods (`kind: Pod`, what `kubectl run` makes), run like a workload's.
+- Fields: every workload, bare Pod and NetworkPolicy is checked against
+  fields.py first; a field that is neither played nor listed there as a no-op
+  (with its reason) fails the test, naming it.
+- NetworkPolicies (Ingress), enforced with nftables in each selected pod's
+  network namespace once every pod has its address, before any container
+  starts (netpol.py, which also says how Service traffic keeps its client).
 - Probes, as the kubelet runs them from the node (this namespace) to the pod
   IP: startup first, then readiness and liveness, each with its period,
   timeout, initial delay and thresholds; grpc (grpc.health.v1 Check, no
@@ -42,7 +46,8 @@ What is emulated, each as Kubernetes documents it:
 - Termination (a failed probe's restart, and `stop()`): SIGTERM, then SIGKILL
   once the pod's terminationGracePeriodSeconds have passed.
 - Services: a ClusterIP Service gets a virtual IP in this namespace with a
-  user-space proxy to its ready endpoints (kube-proxy's userspace mode); a
+  user-space proxy to its ready endpoints (kube-proxy's userspace mode), which
+  connects to the endpoint from the client pod's network namespace; a
   headless one resolves to its endpoints' pod IPs, not-ready ones included
   where publishNotReadyAddresses says so. DNS: `<svc>.<ns>.svc.cluster.local`,
   `<pod hostname>.<svc>.<ns>.svc.cluster.local` and every pod's
@@ -52,8 +57,8 @@ What is emulated, each as Kubernetes documents it:
 
 Not emulated (fields.py NO_OPS says why for each pod field): resource
 requests and limits, seccomp profiles, scheduling constraints (one node), disruption budgets,
-NetworkPolicies (every pod reaches every other), a Job's retries (the test wants its first pod
-to succeed), rolling updates.
+egress NetworkPolicies (refused), a Job's retries (the test wants its first pod to succeed),
+rolling updates.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ import base64
 import hashlib
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,10 +82,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.deploy.cluster import DnsServer, Host, NamespaceCluster
-from tests.deploy.fields import check_workload
+from tests.deploy.cluster import DnsServer, Host, NamespaceCluster, connect_from
+from tests.deploy.fields import check_pod, check_workload
 from tests.deploy.image import Identity, image_directories, image_home, image_target, image_user, image_workdir
 from tests.deploy.manifests import ROOT, WORKLOAD_KINDS, image_files, k8s_env, k8s_expand, selects, workloads
+from tests.deploy.netpol import Member, apply_ruleset, check_policy, ingress_rulesets
 from tests.deploy.volumes import EMPTY_DIR, ROOT_DIRECTORY, apply_fs_group, make_directory, write_key_files
 
 CLUSTER_DOMAIN = "cluster.local"
@@ -154,8 +161,14 @@ class Kube:
         self._dns: DnsServer | None = None
         self._claims_lock = threading.Lock()
         unknown = {o["kind"] for o in objects} - {"Namespace", "ConfigMap", "Secret", "Service", "PersistentVolumeClaim",
-                                                  "PodDisruptionBudget", "NetworkPolicy", *WORKLOAD_KINDS}
+                                                  "PodDisruptionBudget", "NetworkPolicy", "Pod", *WORKLOAD_KINDS}
         assert not unknown, f"kinds this emulation does not run: {unknown}"
+        self.policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+        for policy in self.policies:  # a policy field or value nobody enforces fails here, naming it
+            check_policy(policy, f"NetworkPolicy/{policy['metadata']['name']}")
+        self.bare_pods = [o for o in objects if o["kind"] == "Pod"]
+        for bare in self.bare_pods:
+            check_pod(bare["spec"], f"Pod/{bare['metadata']['name']}")
         for workload in workloads(objects):  # a field nobody plays fails here, naming it
             name = f"{workload['kind']}/{workload['metadata']['name']}"
             check_workload(workload, name)
@@ -176,19 +189,36 @@ class Kube:
                 for port in svc["spec"]["ports"]:
                     self._spawn(self._proxy, name, port)
         self._dns = DnsServer(self.cluster.gateway, self._records)
-        for workload in workloads(self.objects):
-            replicas = 1 if workload["kind"] == "Job" else workload["spec"].get("replicas", 1)
+        for workload in [*workloads(self.objects), *self.bare_pods]:
+            replicas = 1 if workload["kind"] in ("Job", "Pod") else workload["spec"].get("replicas", 1)
             for index in range(replicas):
                 self._create_pod(workload, index)
+        self.enforce()  # isolated before any container starts, as the network plugin sets a pod's network up first
         for pod in self.pods:
             self._spawn(self._kubelet, pod)
+
+    def enforce(self) -> None:
+        """Every pod's NetworkPolicy table, from the pods there are now (rules name pods by IP)."""
+        if not self.policies:
+            return
+        assert shutil.which("nft"), "nft not found (Debian: nftables): the NetworkPolicies cannot be enforced"
+        members = [Member(p.name, p.ip, self.namespace, p.labels, {
+            port["name"]: (port["containerPort"], port.get("protocol", "TCP"))
+            for c in p.spec["containers"] for port in c.get("ports", []) if "name" in port}) for p in self.pods]
+        namespaces = {o["metadata"]["name"]: o["metadata"].get("labels") or {}
+                      for o in self.objects if o["kind"] == "Namespace"}
+        namespaces.setdefault(self.namespace, {})
+        rulesets = ingress_rulesets(self.policies, members, namespaces, node=[self.cluster.gateway])
+        for pod in self.pods:
+            apply_ruleset(pod.host.netns, rulesets[pod.name])
 
     def _create_pod(self, workload: dict[str, Any], index: int) -> None:
         name, kind = workload["metadata"]["name"], workload["kind"]
         suffix = lambda n: "".join(random.choices("bcdfghjklmnpqrstvwxz2456789", k=n))  # noqa: E731
-        pod_name = {"StatefulSet": f"{name}-{index}", "Job": f"{name}-{suffix(5)}"}.get(
+        pod_name = {"StatefulSet": f"{name}-{index}", "Job": f"{name}-{suffix(5)}", "Pod": name}.get(
             kind, f"{name}-{hashlib.sha1(name.encode()).hexdigest()[:10]}-{suffix(5)}")
-        template = workload["spec"]["template"]
+        template = workload["spec"]["template"] if kind != "Pod" else {"metadata": workload["metadata"],
+                                                                       "spec": workload["spec"]}
         subdomain = workload["spec"].get("serviceName", "") if kind == "StatefulSet" else ""
         host = self.cluster.add_host(pod_name, names=[], hostname=pod_name)
         home = self.workdir / "pods" / pod_name
@@ -389,7 +419,8 @@ class Kube:
                 self._restart(pod, c, volumes, kill=True)
                 return
 
-    def _port(self, pod: Pod, port: int | str) -> int:
+    def container_port(self, pod: Pod, port: int | str) -> int:
+        """A container port of the pod, by number or by name."""
         if isinstance(port, int) or str(port).isdigit():
             return int(port)
         for c in pod.spec["containers"]:
@@ -402,18 +433,19 @@ class Kube:
         timeout = probe["timeoutSeconds"]
         try:
             if "grpc" in probe:
-                target = f"{pod.ip}:{self._port(pod, probe['grpc']['port'])}"
+                target = f"{pod.ip}:{self.container_port(pod, probe['grpc']['port'])}"
                 with grpc.insecure_channel(target) as channel:
                     reply = health_pb2_grpc.HealthStub(channel).Check(
                         health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", "")), timeout=timeout)
                 return reply.status == health_pb2.HealthCheckResponse.SERVING
             if "httpGet" in probe:
                 get = probe["httpGet"]
-                url = f"http://{pod.ip}:{self._port(pod, get['port'])}{get.get('path', '/')}"
+                url = f"http://{pod.ip}:{self.container_port(pod, get['port'])}{get.get('path', '/')}"
                 with urllib.request.urlopen(url, timeout=timeout) as reply:
                     return 200 <= reply.status < 400
             if "tcpSocket" in probe:
-                with socket.create_connection((pod.ip, self._port(pod, probe["tcpSocket"]["port"])), timeout=timeout):
+                port = self.container_port(pod, probe["tcpSocket"]["port"])
+                with socket.create_connection((pod.ip, port), timeout=timeout):
                     return True
             if "exec" in probe:
                 assert c.proc is not None
@@ -473,7 +505,7 @@ class Kube:
         turn = 0
         while not self._stopping.is_set():
             try:
-                client, _ = listener.accept()
+                client, (source, _) = listener.accept()
             except (TimeoutError, OSError):
                 continue
             ready = self.endpoints(service)
@@ -482,13 +514,22 @@ class Kube:
                 continue
             pod = ready[turn % len(ready)]
             turn += 1
-            try:
-                upstream = socket.create_connection((pod.ip, self._port(pod, port.get("targetPort", port["port"]))), 5)
-            except OSError:
-                client.close()
-                continue
-            for a, b in ((client, upstream), (upstream, client)):
-                self._spawn(self._pump, a, b)
+            target = self.container_port(pod, port.get("targetPort", port["port"]))
+            self._spawn(self._forward, client, source, pod, target)
+
+    def _forward(self, client: socket.socket, source: str, pod: Pod, port: int) -> None:
+        """One proxied connection, made from the client pod's own namespace (its IP, as kube-proxy's DNAT
+        leaves it) so that the endpoint's NetworkPolicy judges the client (netpol.py); from the node otherwise.
+        A connection the policy drops times out here, and the client's is closed."""
+        clients = [p for p in self.pods if p.ip == source]
+        try:
+            upstream = connect_from(clients[0].host.netns if clients else None, pod.ip, port, timeout=5)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        for a, b in ((client, upstream), (upstream, client)):
+            self._spawn(self._pump, a, b)
 
     @staticmethod
     def _pump(source: socket.socket, sink: socket.socket) -> None:

@@ -17,6 +17,13 @@ volumes owned as the kubelet leaves them, fsGroup included; the test checks
 each container's ids and privileges and who wrote the models volumes. What
 kube.py does not emulate is listed there and in fields.py.
 
+The NetworkPolicies are enforced (netpol.py: nftables in each pod's network
+namespace). Beside the overlay the cpu test runs two pods of its own, as
+`kubectl run` would, labelled outside the policies: `outsider` is refused on
+every Flywheel pod's service ports, directly and through a Service, while
+the project's pods are served there and `outsider` itself is served by
+`bystander` (no policy selects it), so the refusal is the policy's.
+
 The TLS variant adds components/tls and components/tls-mutual to that overlay and
 creates Secret flywheel-tls from the certificate deploy/README.md's command makes,
 and runs its own job file (quickstart-tiny with sync.method: checkpoint, in the
@@ -31,6 +38,7 @@ import base64
 import http.client
 import json
 import secrets
+import shutil
 import ssl
 import time
 import urllib.error
@@ -45,11 +53,12 @@ from tests.deploy.cluster import NamespaceCluster, available, process_identity, 
 from tests.deploy.kube import Kube
 from tests.deploy.manifests import ROOT, readme_cert_hosts, user_overlay
 from tests.deploy.manifests import render as render_dir
+from tests.deploy.netpol import http_get_from, reach
 from tests.deploy.observe import check_dashboard, check_page_in_browser, http_get, live_status, replica_versions, replica_work, scrape
 
 pytestmark = pytest.mark.slow
 
-WHY_NOT = available()
+WHY_NOT = available() or ("" if shutil.which("nft") else "nft not found (Debian: nftables): NetworkPolicies unenforceable")
 ROLLOUTS = 2
 JOB = {"run_file": "/etc/flywheel/examples/quickstart-tiny.yaml", "model_source": "tiny"}
 JOB_TIMEOUT = 780.0
@@ -84,12 +93,48 @@ def auth_secret(namespace: str, token: str) -> dict:
     return secret(namespace, "flywheel-auth", {"token": token})
 
 
+def bare_pod(namespace: str, name: str) -> dict:
+    """As `kubectl run NAME --image=flywheel:0.1.0-cpu --labels=app=NAME -- python -m http.server 8080` makes it:
+    a pod of no Flywheel workload, which no NetworkPolicy admits and none selects."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace, "labels": {"app": name}},
+            "spec": {"containers": [{"name": name, "image": "flywheel:0.1.0-cpu",
+                                     "command": ["python", "-m", "http.server", "8080"]}]}}
+
+
+def flywheel_pods(kube: Kube) -> list:
+    return [p for p in kube.pods if p.labels.get("app.kubernetes.io/part-of") == "flywheel"]
+
+
+def check_network_policy(kube: Kube, token: str) -> None:
+    """Inside the policies, served; outside, refused (dropped: the connection times out); the same outside
+    pod served by a pod no policy selects. Directly to pod IPs and through the rollouts' Service."""
+    pods = {p.name: p for p in kube.pods}
+    outsider, bystander = pods["outsider"], pods["bystander"]
+    (controller,) = [p for p in kube.pods if p.owner["kind"] == "Job"]
+    targets = {f"{p.name}:{name}": (p.ip, kube.container_port(p, name)) for p in flywheel_pods(kube) if p is not controller
+               for c in p.spec["containers"] for name in [port["name"] for port in c.get("ports", [])]}
+    assert len(targets) == 2 + 2 + 3 * ROLLOUTS, targets  # synchronizer, trainer: grpc, metrics; rollouts: grpc, http, metrics
+    inside = {target: reach(controller.host.netns, *address) for target, address in targets.items()}
+    outside = {target: reach(outsider.host.netns, *address) for target, address in targets.items()}
+    assert inside == {target: "served" for target in targets}, inside
+    assert outside == {target: "timed out" for target in targets}, outside
+    assert reach(outsider.host.netns, bystander.ip, 8080) == "served"
+    status, _ = http_get_from(outsider.host.netns, f"{bystander.ip}:8080", "/", {}, timeout=10)
+    assert status == 200
+    # Through the Service: kube-proxy keeps the client's address, so the policy judges the client pod.
+    models, auth = kube.service_address("flywheel-rollout", "http"), {"Authorization": f"Bearer {token}"}
+    status, body = http_get_from(controller.host.netns, models, "/v1/models", auth, timeout=10)
+    assert status == 200 and json.loads(body)["data"], body
+    with pytest.raises(ConnectionError):  # the proxy's upstream connection was dropped: nothing is served
+        http_get_from(outsider.host.netns, models, "/v1/models", auth, timeout=10)
+
+
 def check_run_as_the_pod_user(kube: Kube) -> None:
     """Every container runs as its pod's securityContext says (runAsUser/runAsGroup 10001, fsGroup
     10001 as a supplementary group, no privilege escalation, no capabilities), and each pod's
     model-init init container wrote its models volume as that user."""
     running = {f"{p.name}/{c.name}": {**process_identity(c.proc.pid), **process_privileges(c.proc.pid)}
-               for p in kube.pods for c in p.containers if c.proc is not None}
+               for p in flywheel_pods(kube) for c in p.containers if c.proc is not None}
     assert len(running) == 3 + ROLLOUTS and running == {name: {
         "uid": 10001, "gid": 10001, "groups": (10001,), "no_new_privs": True, "bounding_set": 0} for name in running}, running
     for pod in kube.pods:
@@ -106,7 +151,7 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
     objects = render(tmp_path)
     (namespace,) = [o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"]
     token = secrets.token_hex(16)
-    objects.append(auth_secret(namespace, token))
+    objects += [auth_secret(namespace, token), bare_pod(namespace, "outsider"), bare_pod(namespace, "bystander")]
     with NamespaceCluster(tmp_path) as cluster:
         kube = Kube(cluster, objects, tmp_path)
         deadline = time.monotonic() + JOB_TIMEOUT
@@ -142,6 +187,7 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
             assert len(targets) == 3 + ROLLOUTS
             check_dashboard(scrape(targets))
             check_page_in_browser(page, ["trainer-0", *replica_ids])
+            check_network_policy(kube, token)
 
             # Agents reach the rollouts through their Service, with the Secret's token (and not without it).
             models_url = f"http://{kube.service_address('flywheel-rollout', 'http')}/v1/models"
