@@ -127,9 +127,16 @@ def _read_token_file(path: Path) -> str:
 def read_tokens_file(path: Path) -> dict[Scope, list[str]]:
     """A tokens file's tokens by scope. Errors name the file and the entry, never a token."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        text = Path(path).read_text()
     except OSError as exc:
         raise InvalidArgument(f"tokens file {path}: {exc.strerror}") from None
+    return parse_tokens(text, path)
+
+
+def parse_tokens(text: str, path: Path | str) -> dict[Scope, list[str]]:
+    """A tokens file's text (from `path`, which errors name) as tokens by scope."""
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError:
         raise InvalidArgument(f"tokens file {path}: not YAML") from None
     if not isinstance(data, Mapping) or not data:

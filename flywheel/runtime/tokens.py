@@ -1,13 +1,16 @@
 """Makes the tokens file every shipped deployment runs on, and reads one token back out.
 
     python -m flywheel.runtime.tokens init FILE          # a fresh token per scope, unless FILE exists
+    python -m flywheel.runtime.tokens init --from - FILE < tokens.yaml   # another deployment's tokens
     python -m flywheel.runtime.tokens show SCOPE [FILE]  # FILE's (default $FLYWHEEL_TOKENS_FILE) SCOPE token
 
 `init` writes FILE (mode 0600) with one random token for each scope of
 `flywheel.runtime.auth.Scope` (viewer, agent, service, operator), in the format
 `read_tokens_file` reads. It leaves an existing FILE as it is, so that the
 compose init service can run at every `docker compose up` and the tokens stay
-those clients already hold. `show` prints one token, for handing each client the
+those clients already hold; `--from` copies another deployment's tokens file
+instead (read from stdin with `-`, so that a container needs no host file it
+could not read), for a far site that must hold the central site's tokens. `show` prints one token, for handing each client the
 least it needs: agents the `agent` token, whoever looks at the status page the
 `viewer` one; never the `operator` token to an agent.
 """
@@ -21,7 +24,7 @@ import sys
 from pathlib import Path
 
 from flywheel.errors import InvalidArgument
-from flywheel.runtime.auth import TOKENS_FILE_ENV, Scope, read_tokens_file
+from flywheel.runtime.auth import TOKENS_FILE_ENV, Scope, parse_tokens, read_tokens_file
 
 #: 32 random bytes, hex: 256 bits a guesser would have to find.
 TOKEN_BYTES = 32
@@ -33,8 +36,11 @@ def new_tokens_yaml() -> str:
     return header + "".join(f"{scope}: {secrets.token_hex(TOKEN_BYTES)}\n" for scope in Scope)
 
 
-def init(path: Path) -> bool:
-    """Writes a fresh tokens file at `path` unless one is there; whether it wrote one."""
+def init(path: Path, text: str | None = None) -> bool:
+    """Writes a tokens file at `path` unless one is there, whether it wrote one: `text`
+    (another deployment's tokens, checked first), else a fresh token per scope."""
+    if text is not None:
+        parse_tokens(text, "--from")
     try:
         # O_EXCL: two inits racing leave one file, and an existing one is never overwritten.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -42,7 +48,7 @@ def init(path: Path) -> bool:
         read_tokens_file(path)  # a file that is there must be one the services can read
         return False
     with os.fdopen(fd, "w") as out:
-        out.write(new_tokens_yaml())
+        out.write(new_tokens_yaml() if text is None else text)
     return True
 
 
@@ -58,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flywheel.runtime.tokens", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     init_command = commands.add_parser("init", help="write FILE with a fresh token per scope, unless it exists")
+    init_command.add_argument("--from", dest="source", help="copy this tokens file instead ('-': stdin)")
     init_command.add_argument("file", type=Path)
     show_command = commands.add_parser("show", help="print one scope's token of FILE")
     show_command.add_argument("scope", choices=[str(s) for s in Scope])
@@ -65,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "init":
-            wrote = init(args.file)
+            source = None if args.source is None else (
+                sys.stdin.read() if args.source == "-" else Path(args.source).read_text())
+            wrote = init(args.file, source)
             print(f"{'wrote' if wrote else 'kept the existing'} tokens file {args.file} "
                   f"(scopes {', '.join(str(s) for s in Scope)})", file=sys.stderr)
             return 0

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import stat
 import subprocess
 import sys
@@ -51,3 +52,16 @@ def test_it_runs_as_a_module(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "flywheel.runtime.tokens", "init", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "wrote tokens file" in done.stderr and path.exists(), done.stderr
+
+
+def test_init_from_copies_another_deployments_tokens_after_checking_them(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    central = tmp_path / "central.yaml"
+    assert main(["init", str(central)]) == 0
+    far = tmp_path / "far.yaml"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(central.read_text()))
+    assert main(["init", "--from", "-", str(far)]) == 0
+    assert read_tokens_file(far) == read_tokens_file(central) and stat.S_IMODE(far.stat().st_mode) == 0o600
+    (tmp_path / "bad.yaml").write_text("- a\n")
+    assert main(["init", "--from", str(tmp_path / "bad.yaml"), str(tmp_path / "other.yaml")]) == 2
+    assert not (tmp_path / "other.yaml").exists()
