@@ -8,9 +8,10 @@
 # Build stages install into a virtualenv at /opt/venv with compilers at hand;
 # the final stages copy only that virtualenv onto a runtime base and run as
 # the unprivileged user 10001 (numeric, so Kubernetes' runAsNonRoot can verify it).
-# /data and /models are that user's: a named volume mounted there starts as
-# the image's directory, ownership included, so model-init (which runs as
-# 10001) can write /models/policy and the trainer /data/checkpoints.
+# /data, /models and /etc/flywheel/tokens are that user's: a named volume mounted
+# there starts as the image's directory, ownership included, so model-init (which
+# runs as 10001) can write /models/policy, the trainer /data/checkpoints and
+# compose's tokens-init /etc/flywheel/tokens/tokens.yaml.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
@@ -69,7 +70,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 libgomp1 libnuma1 \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --uid 10001 --user-group --create-home --home-dir /home/flywheel flywheel \
- && mkdir -p /data /models && chown 10001:10001 /data /models
+ && mkdir -p /data /models /etc/flywheel/tokens && chown 10001:10001 /data /models /etc/flywheel/tokens
 COPY --from=gpu-build /opt/venv /opt/venv
 COPY deploy/docker/healthcheck.py /opt/flywheel/healthcheck.py
 # The shipped jobs (quickstart, quickstart-tiny): deployments run them by path.
@@ -91,7 +92,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends libgomp1 libnuma1 \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --uid 10001 --user-group --create-home --home-dir /home/flywheel flywheel \
- && mkdir -p /data /models && chown 10001:10001 /data /models
+ && mkdir -p /data /models /etc/flywheel/tokens && chown 10001:10001 /data /models /etc/flywheel/tokens
 COPY --from=cpu-build /opt/venv /opt/venv
 COPY deploy/docker/healthcheck.py /opt/flywheel/healthcheck.py
 # The shipped jobs (quickstart, quickstart-tiny): deployments run them by path.

@@ -1,7 +1,8 @@
 """Bearer tokens and their scopes, for servers and clients alike.
 
-Three scopes, each allowed what the one below it is, and more:
+Four scopes, each allowed what the one below it is, and more:
 
+- `viewer`: read-only: the controller's status page and its JSON, /metrics;
 - `agent`: generation, tokenize and the rollout's session endpoints;
 - `service`: what the services call on each other (register, heartbeats,
   weights, training steps...);
@@ -16,7 +17,8 @@ Where tokens come from:
 - `server.tokens_file` (else env FLYWHEEL_TOKENS_FILE): YAML mapping each
   scope to a token or a list of tokens (a list lets a token be rotated), e.g.
   `{agent: [a1, a2], service: s1, operator: o1}`; in Kubernetes, a Secret key
-  mounted as a file;
+  mounted as a file. `python -m flywheel.runtime.tokens init FILE` writes one
+  with a fresh token per scope (what the shipped deployments run on);
 - the single token of earlier releases, `server.auth_token` /
   `server.auth_token_file` (else env FLYWHEEL_AUTH_TOKEN, then
   FLYWHEEL_AUTH_TOKEN_FILE), which keeps meaning what it meant: everything,
@@ -39,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from flywheel.errors import InvalidArgument
+from flywheel.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
 if TYPE_CHECKING:
     from flywheel.runtime.server_config import ServerConfig
@@ -52,9 +54,10 @@ TOKENS_FILE_ENV = "FLYWHEEL_TOKENS_FILE"
 class Scope(IntEnum):
     """A token's scope; a larger one may do everything a smaller one may."""
 
-    AGENT = 1
-    SERVICE = 2
-    OPERATOR = 3
+    VIEWER = 1
+    AGENT = 2
+    SERVICE = 3
+    OPERATOR = 4
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -99,6 +102,17 @@ class TokenScopes:
                 found = scope
         return found
 
+    def admit(self, authorization: str | bytes | None, needed: Scope, what: str) -> Scope:
+        """The scope of `authorization`'s token if it may do `what` (which needs `needed`).
+        No or an unknown token: Unauthenticated; too small a scope: PermissionDenied, naming
+        the scope needed (HTTP 401 and 403, gRPC UNAUTHENTICATED and PERMISSION_DENIED)."""
+        held = self.scope_of(authorization)
+        if held is None:
+            raise Unauthenticated("missing or wrong bearer token")
+        if held < needed:
+            raise PermissionDenied(refusal(what, needed, held))
+        return held
+
 
 def _read_token_file(path: Path) -> str:
     try:
@@ -113,9 +127,16 @@ def _read_token_file(path: Path) -> str:
 def read_tokens_file(path: Path) -> dict[Scope, list[str]]:
     """A tokens file's tokens by scope. Errors name the file and the entry, never a token."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        text = Path(path).read_text()
     except OSError as exc:
         raise InvalidArgument(f"tokens file {path}: {exc.strerror}") from None
+    return parse_tokens(text, path)
+
+
+def parse_tokens(text: str, path: Path | str) -> dict[Scope, list[str]]:
+    """A tokens file's text (from `path`, which errors name) as tokens by scope."""
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError:
         raise InvalidArgument(f"tokens file {path}: not YAML") from None
     if not isinstance(data, Mapping) or not data:
@@ -182,6 +203,13 @@ def accepted_tokens(server: ServerConfig, env: Mapping[str, str] | None = None) 
     if legacy:
         scoped.setdefault(Scope.OPERATOR, []).append(legacy)
     return TokenScopes.of(scoped)
+
+
+def viewer_token(server: ServerConfig, env: Mapping[str, str] | None = None) -> str | None:
+    """A `viewer` token of the tokens file, to hand someone who only looks (the status page's
+    link); None without one: a larger scope's token is never handed out in its place."""
+    viewers = _scoped_tokens(server, os.environ if env is None else env).get(Scope.VIEWER)
+    return viewers[0] if viewers else None
 
 
 def own_token(server: ServerConfig, env: Mapping[str, str] | None = None) -> str | None:

@@ -23,7 +23,7 @@ class ServerConfig(StrictModel):
     )
     metrics_auth: bool = Field(
         False, description="/metrics (the metrics port, and the rollout's HTTP /metrics) needs a bearer token "
-        "of any scope, like the RPCs; give the scraper an agent token"
+        "of any scope, like the RPCs; give the scraper a viewer token"
     )
     auth_token: SecretStr | None = Field(
         None, description="bearer token clients must send; falls back to env FLYWHEEL_AUTH_TOKEN, then none (auth off)"
@@ -32,8 +32,8 @@ class ServerConfig(StrictModel):
         None, description="file holding the bearer token; falls back to env FLYWHEEL_AUTH_TOKEN_FILE"
     )
     tokens_file: Path | None = Field(
-        None, description="YAML file of scoped tokens, {agent|service|operator: token or [tokens]}; falls back to "
-        "env FLYWHEEL_TOKENS_FILE. auth_token keeps meaning scope operator. This service calls the others with its "
+        None, description="YAML file of scoped tokens, {viewer|agent|service|operator: token or [tokens]} (python -m "
+        "flywheel.runtime.tokens init FILE writes one); falls back to env FLYWHEEL_TOKENS_FILE. auth_token keeps meaning scope operator. This service calls the others with its "
         "service token",
     )
     tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS for every listener and call (flywheel.runtime.tls)")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import services.controller.telemetry.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.controller.v1 import controller_pb2, controller_pb2_grpc
+from flywheel.runtime.auth import accepted_tokens
 from flywheel.runtime.http_server import HttpServer
 from flywheel.runtime.server import ServiceSpec
 from services.controller.adapters import connect
@@ -33,7 +34,7 @@ def service_spec(
     """The controller's servicer, plus its status page started before SERVING
     (`on_status_page` is told the bound port) and stopped at shutdown."""
     servicer = ControllerServicer(runs)
-    page = HttpServer(create_app(runs), config.server.host, config.status_port, name="status page")
+    page = HttpServer(create_app(runs, accepted_tokens(config.server)), config.server.host, config.status_port, name="status page")
 
     async def startup() -> None:
         port = await page.start()

@@ -18,5 +18,6 @@ class ControllerConfig(StrictModel):
     status_port: int = Field(
         8080, ge=0, le=65535,
         description="HTTP port of the status page (components, versions, curves, timeline, errors; read-only) "
-        "on server.host; 0 picks a free one",
+        "on server.host; 0 picks a free one. With tokens configured its JSON needs a viewer token or above, "
+        "which the page takes from its URL's fragment (/#token=...)",
     )

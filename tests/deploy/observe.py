@@ -4,12 +4,17 @@ every /metrics target, and the Grafana dashboard's queries against them."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shutil
 import ssl
 import subprocess
+import urllib.error
 import urllib.request
+
+import grpc
+import pytest
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,11 +32,32 @@ def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = No
         return reply.read()
 
 
-def live_status(page: str, roles: list[str], context: ssl.SSLContext | None = None) -> dict:
-    """The status page's JSON once it lists exactly these running roles and a trained step, else {}."""
-    body = json.loads(http_get(page + "api/status", context=context))
+def live_status(page: str, roles: list[str], token: str, context: ssl.SSLContext | None = None) -> dict:
+    """The status page's JSON (asked with `token`, a viewer's) once it lists exactly these running roles
+    and a trained step, else {}."""
+    body = json.loads(http_get(page + "api/status", headers={"Authorization": f"Bearer {token}"}, context=context))
     running = sorted(c["role"] for c in body["components"] if c["state"] != "stopped")
     return body if running == sorted(roles) and body["step"] >= 1 else {}
+
+
+def check_secure_defaults(page: str, trainer: str, synchronizer: str, tokens: dict[str, str]) -> None:
+    """What a default deployment refuses: the status page's JSON without a token or with a wrong one
+    (401), and an agent's token on the trainer's and the synchronizer's RPCs (PERMISSION_DENIED,
+    naming the scope they need). `tokens`: the deployment's tokens file, scope -> token."""
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            http_get(page + "api/status", headers=headers)
+        assert refused.value.code == 401, headers
+    for address, service in ((trainer, "trainer"), (synchronizer, "synchronizer")):
+        proto = importlib.import_module(f"flywheel.{service}.v1.{service}_pb2")
+        (described,) = proto.DESCRIPTOR.services_by_name.values()
+        method = next(m for m in described.methods if not m.client_streaming and not m.server_streaming)
+        with grpc.insecure_channel(address) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                channel.unary_unary(f"/{described.full_name}/{method.name}")(
+                    b"", timeout=10, metadata=[("authorization", f"Bearer {tokens['agent']}")])
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, (service, refused.value)
+        assert refused.value.details() == f"{method.name} needs scope service or operator; this token has scope agent"
 
 
 def scrape(targets: list[str]) -> dict[str, str]:

@@ -24,11 +24,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flywheel.runtime.auth import read_tokens_file
 from tests.deploy.cluster import NamespaceCluster, available, process_identity
 from tests.deploy.compose import ComposeProject
 from tests.deploy.image import image_user
 from tests.deploy.manifests import ROOT, load_compose, read_env_file
-from tests.deploy.observe import check_dashboard, check_page_in_browser, live_status, replica_versions, replica_work, scrape
+from tests.deploy.observe import (
+    check_dashboard, check_page_in_browser, check_secure_defaults, live_status, replica_versions, replica_work, scrape,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +66,7 @@ def prometheus_targets(cluster: NamespaceCluster) -> dict[str, list[str]]:
 def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
     with NamespaceCluster(tmp_path) as cluster:
         project = ComposeProject(cluster, tmp_path, VARIABLES, scale=SCALE)
-        assert set(project.containers) == {"model-init", "synchronizer", "trainer", "rollout", "controller"}
+        assert set(project.containers) == {"tokens-init", "model-init", "synchronizer", "trainer", "rollout", "controller"}
         deadline = time.monotonic() + JOB_TIMEOUT
         try:
             project.up(deadline)
@@ -71,6 +74,9 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
             ip = controller.host.address
             status_env = {k: v for k, v in controller.env.items() if k.startswith("FLYWHEEL_CONTROLLER__")}
             page = f"http://{ip}:{status_env['FLYWHEEL_CONTROLLER__STATUS_PORT']}/"
+            # The tokens tokens-init generated (what `tokens-init ... tokens show SCOPE` prints).
+            tokens = {str(scope): listed[0] for scope, listed in
+                      read_tokens_file(project.volumes["flywheel-tokens"] / "tokens.yaml").items()}
 
             # While the job runs: the status page shows every component, Prometheus's targets answer.
             body = {}
@@ -78,7 +84,7 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
                 assert controller.proc.poll() is None, f"controller exited early:\n{controller.tail()}"
                 assert time.monotonic() < deadline
                 try:
-                    body = live_status(page, ["rollout"] * SCALE["rollout"] + ["trainer"])
+                    body = live_status(page, ["rollout"] * SCALE["rollout"] + ["trainer"], tokens["viewer"])
                 except OSError:
                     pass
                 time.sleep(0.3)
@@ -87,7 +93,7 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
             # read now that each (the controller included) is past its start-up and serving.
             image = image_user("cpu")
             running = {c.name: process_identity(c.proc.pid) for cs in project.containers.values() for c in cs
-                       if c.service != "model-init"}
+                       if c.service not in ("model-init", "tokens-init")}
             assert len(running) == 3 + SCALE["rollout"] and running == {
                 name: {"uid": image.uid, "gid": image.gid, "groups": ()} for name in running}, running
             scrapes = {}
@@ -96,7 +102,9 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
                 scrapes.update(scrape(targets))
             assert len(scrapes) == 3 + SCALE["rollout"]  # synchronizer, trainer, controller, each rollout
             check_dashboard(scrapes)
-            check_page_in_browser(page, ["trainer-0", *replica_ids])
+            check_page_in_browser(f"{page}#token={tokens['viewer']}", ["trainer-0", *replica_ids])
+            (trainer,), (synchronizer,) = project.containers["trainer"], project.containers["synchronizer"]
+            check_secure_defaults(page, f"{trainer.host.address}:50052", f"{synchronizer.host.address}:50051", tokens)
 
             code = controller.proc.wait(max(1.0, deadline - time.monotonic()))
             assert code == 0, controller.tail()

@@ -15,6 +15,7 @@ from pathlib import PurePosixPath
 import pytest
 import yaml
 
+from flywheel.runtime.auth import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_FILE_ENV
 from flywheel.runtime.config import env_name, leaf_fields
 from tests.deploy.image import image_directories, image_user
 from tests.deploy.volumes import ROOT_DIRECTORY, docker_tmpfs_options
@@ -111,9 +112,13 @@ def test_every_value_validates_and_services_listen_on_all_interfaces(containers)
         assert config.server.host == "0.0.0.0", f"{c.source}: a container must listen on 0.0.0.0"
 
 
-def test_the_auth_token_is_configured(containers):
+def test_scoped_tokens_are_configured_and_no_single_operator_token(containers):
+    """Secure by default: every service reads the scoped tokens file (it accepts each token with
+    its scope and calls the others with the service token); none is handed the single token of
+    earlier releases, which means operator."""
     for c in containers:
-        assert set(SHARED_ENV) & set(c.env), f"{c.source}: no auth token configured"
+        assert TOKENS_FILE_ENV in c.env, f"{c.source}: no tokens file configured"
+        assert not {TOKEN_ENV, TOKEN_FILE_ENV} & set(c.env), f"{c.source}: a single (operator) token"
 
 
 # ---------------------------------------------------------------- Kubernetes
@@ -160,13 +165,14 @@ def test_termination_grace_outlasts_the_shutdown_grace(k8s):
         assert grace > resolved(c).server.shutdown_grace_seconds, c.source
 
 
-def test_token_file_is_the_mounted_secret(k8s):
+def test_tokens_file_is_the_mounted_secret(k8s):
     for c in k8s:
-        path = PurePosixPath(c.env["FLYWHEEL_AUTH_TOKEN_FILE"])
+        path = PurePosixPath(c.env[TOKENS_FILE_ENV])
         mount = k8s_mounts(c)[path.parent]
         secret = mount["volume"]["secret"]
-        assert secret["secretName"] == "flywheel-auth" and not secret.get("optional", False), c.source
-        assert {"key": "token", "path": path.name} in secret["items"], c.source
+        # Not optional: without the Secret a pod waits in ContainerCreating instead of running unauthenticated.
+        assert secret["secretName"] == "flywheel-tokens" and not secret.get("optional", False), c.source
+        assert {"key": "tokens.yaml", "path": path.name} in secret["items"] and mount["readOnly"], c.source
 
 
 def test_directories_the_services_write_are_on_writable_volumes(k8s):
@@ -307,7 +313,22 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port(composed):
 
 def test_compose_env_file_example_sets_only_known_variables():
     env = read_env_file(COMPOSE_ENV_EXAMPLE)
-    assert env and set(env) <= set(SHARED_ENV) | set().union(*(known_env(s) for s in SERVICES))
+    assert set(env) <= set(SHARED_ENV) | set().union(*(known_env(s) for s in SERVICES))
+
+
+def test_compose_services_read_the_tokens_tokens_init_writes_before_they_start(compose, composed):
+    """tokens-init writes the tokens file into a volume every service mounts read-only at the path its
+    FLYWHEEL_TOKENS_FILE names, and the synchronizer (which the others wait for) waits for it."""
+    init = compose["services"]["tokens-init"]
+    path = PurePosixPath(init["environment"][TOKENS_FILE_ENV])
+    assert init["command"][-1] == str(path) and init["restart"] == "no"
+    (written,) = [v for v in init["volumes"] if v.split(":")[1] == str(path.parent)]
+    assert written.split(":")[2:] == [], "tokens-init writes the volume"
+    for c in composed:
+        assert c.env[TOKENS_FILE_ENV] == str(path), c.source
+        assert compose_mounts(c)[path.parent] == {"source": written.split(":")[0], "readOnly": True}, c.source
+    depends = compose["services"]["synchronizer"]["depends_on"]
+    assert depends["tokens-init"]["condition"] == "service_completed_successfully"
 
 
 # ---------------------------------------------------------------- Dockerfile

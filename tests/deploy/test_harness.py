@@ -162,8 +162,8 @@ def test_compose_user_overrides_the_image_user(tmp_path):
 
 def kube_pod(tmp_path: Path, workload: str, fs_group: bool = True) -> tuple[Kube, Pod]:
     objects = copy.deepcopy(render_overlay("cpu"))
-    objects.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "flywheel-auth", "namespace": "flywheel"},
-                    "data": {"token": "c2VjcmV0"}})
+    objects.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "flywheel-tokens", "namespace": "flywheel"},
+                    "data": {"tokens.yaml": "c2VydmljZTogc2VjcmV0Cg=="}})  # "service: secret\n"
     kube = Kube(None, objects, tmp_path)
     (owner,) = [o for o in objects if o["kind"] in WORKLOAD_KINDS and o["metadata"]["name"] == workload]
     spec = owner["spec"]["template"]["spec"]
@@ -180,7 +180,7 @@ def test_kubelet_volumes_with_fs_group(tmp_path):
     setgid = stat.S_ISGID
     assert owner_and_mode(volumes["models"][0]) == (0, 10001, 0o777 | setgid)  # emptyDir
     assert owner_and_mode(volumes["data"][0]) == (0, 10001, 0o775 | setgid)  # a new claim, 0755 + group rwx
-    assert owner_and_mode(volumes["auth"][0] / "token") == (0, 10001, 0o440)  # secret, defaultMode 0440
+    assert owner_and_mode(volumes["tokens"][0] / "tokens.yaml") == (0, 10001, 0o440)  # secret, defaultMode 0440
     (trainer,) = pod.spec["containers"]
     assert kube.identity(pod, trainer) == Identity(10001, 10001, (10001,), no_new_privs=True, drop_capabilities=True)
 
@@ -190,7 +190,7 @@ def test_kubelet_volumes_without_fs_group(tmp_path):
     volumes = kube._volumes(pod)
     assert owner_and_mode(volumes["models"][0]) == (0, 0, 0o777)
     assert owner_and_mode(volumes["data"][0]) == (0, 0, 0o755)
-    assert owner_and_mode(volumes["auth"][0] / "token") == (0, 0, 0o440)
+    assert owner_and_mode(volumes["tokens"][0] / "tokens.yaml") == (0, 0, 0o440)
 
 
 def test_kubelet_refuses_run_as_non_root_with_root(tmp_path):

@@ -8,8 +8,11 @@ chooses the way a user would, in its own overlay on top of overlays/cpu:
 - `replicas: flywheel-rollout 2` (as `kubectl scale` would);
 - ConfigMap flywheel-job merged with run_file=/etc/flywheel/examples/
   quickstart-tiny.yaml and model_source=tiny (a user's own job goes the same way);
-- Secret flywheel-auth created with a random token, as deploy/README.md says
-  (`kubectl create secret generic flywheel-auth --from-literal=token=...`).
+- Secret flywheel-tokens created from the tokens file deploy/README.md's command
+  writes (`python -m flywheel.runtime.tokens init tokens.yaml`, then
+  `kubectl create secret generic flywheel-tokens --from-file=tokens.yaml`); the
+  cpu overlay's test checks what that default refuses: the status page's JSON
+  without a token, an agent's token on the trainer's and synchronizer's RPCs.
 The image is this repository: its `python` is the virtualenv's and the files
 the Dockerfile COPYs (examples/, the healthcheck script) are bound from here.
 Every container runs as its securityContext (else the image's USER) says, on
@@ -37,7 +40,6 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import secrets
 import shutil
 import ssl
 import time
@@ -49,12 +51,16 @@ import yaml
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from flywheel.runtime.auth import read_tokens_file
+from flywheel.runtime.tokens import init as init_tokens
 from tests.deploy.cluster import NamespaceCluster, available, process_identity, process_privileges
 from tests.deploy.kube import Kube
 from tests.deploy.manifests import ROOT, readme_cert_hosts, user_overlay
 from tests.deploy.manifests import render as render_dir
 from tests.deploy.netpol import http_get_from, reach
-from tests.deploy.observe import check_dashboard, check_page_in_browser, http_get, live_status, replica_versions, replica_work, scrape
+from tests.deploy.observe import (
+    check_dashboard, check_page_in_browser, check_secure_defaults, http_get, live_status, replica_versions, replica_work, scrape,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -89,8 +95,12 @@ def secret(namespace: str, name: str, data: dict[str, str | bytes]) -> dict:
             "data": {k: base64.b64encode(v if isinstance(v, bytes) else v.encode()).decode() for k, v in data.items()}}
 
 
-def auth_secret(namespace: str, token: str) -> dict:
-    return secret(namespace, "flywheel-auth", {"token": token})
+def tokens_secret(namespace: str, directory: Path) -> tuple[dict, dict[str, str]]:
+    """Secret flywheel-tokens as deploy/README.md makes it, and its tokens (scope name -> token)."""
+    path = directory / "tokens.yaml"
+    init_tokens(path)
+    tokens = {str(scope): listed[0] for scope, listed in read_tokens_file(path).items()}
+    return secret(namespace, "flywheel-tokens", {"tokens.yaml": path.read_bytes()}), tokens
 
 
 def bare_pod(namespace: str, name: str) -> dict:
@@ -150,8 +160,8 @@ def check_run_as_the_pod_user(kube: Kube) -> None:
 def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
     objects = render(tmp_path)
     (namespace,) = [o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"]
-    token = secrets.token_hex(16)
-    objects += [auth_secret(namespace, token), bare_pod(namespace, "outsider"), bare_pod(namespace, "bystander")]
+    made, tokens = tokens_secret(namespace, tmp_path)
+    objects += [made, bare_pod(namespace, "outsider"), bare_pod(namespace, "bystander")]
     with NamespaceCluster(tmp_path) as cluster:
         kube = Kube(cluster, objects, tmp_path)
         deadline = time.monotonic() + JOB_TIMEOUT
@@ -171,7 +181,7 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
                 assert time.monotonic() < deadline, "the job never showed every component training:\n" + "\n".join(
                     f"{p.name} {p.phase} ready={p.ready}" for p in kube.pods)
                 try:
-                    body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"])
+                    body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], tokens["viewer"])
                 except OSError:
                     pass
                 time.sleep(0.5)
@@ -186,12 +196,15 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
                        if p.annotations.get("prometheus.io/scrape") == "true"]
             assert len(targets) == 3 + ROLLOUTS
             check_dashboard(scrape(targets))
-            check_page_in_browser(page, ["trainer-0", *replica_ids])
-            check_network_policy(kube, token)
+            check_page_in_browser(f"{page}#token={tokens['viewer']}", ["trainer-0", *replica_ids])
+            (trainer,) = [p for p in kube.pods if p.name == "flywheel-trainer-0"]
+            (synchronizer,) = [p for p in kube.pods if p.name == "flywheel-synchronizer-0"]
+            check_secure_defaults(page, f"{trainer.ip}:50052", f"{synchronizer.ip}:50051", tokens)
+            check_network_policy(kube, tokens["agent"])
 
-            # Agents reach the rollouts through their Service, with the Secret's token (and not without it).
+            # Agents reach the rollouts through their Service, with the agent token (and not without one).
             models_url = f"http://{kube.service_address('flywheel-rollout', 'http')}/v1/models"
-            models = json.loads(http_get(models_url, headers={"Authorization": f"Bearer {token}"}))
+            models = json.loads(http_get(models_url, headers={"Authorization": f"Bearer {tokens['agent']}"}))
             assert models["data"], models
             with pytest.raises(urllib.error.HTTPError) as refused:
                 http_get(models_url)
@@ -231,9 +244,9 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
     run["sync"] = {**run.get("sync", {}), "method": "checkpoint"}
     objects = render(tmp_path, ("tls", "tls-mutual"), run_file=run)
     (namespace,) = [o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"]
-    token = secrets.token_hex(16)
+    made, tokens = tokens_secret(namespace, tmp_path)
     pki = make_pki(tmp_path / "tls", readme_cert_hosts("kubernetes"))
-    objects += [auth_secret(namespace, token), secret(namespace, "flywheel-tls", {
+    objects += [made, secret(namespace, "flywheel-tls", {
         "tls.crt": pki.cert_file.read_bytes(), "tls.key": pki.key_file.read_bytes(), "ca.crt": pki.ca_file.read_bytes()})]
     client = ssl.create_default_context(cafile=pki.ca_file)
     client.load_cert_chain(pki.cert_file, pki.key_file)
@@ -255,7 +268,7 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
                 assert time.monotonic() < deadline, "the job never trained a step with every component:\n" + \
                     "\n".join(f"{p.name} {p.phase} ready={p.ready}\n{p.tail(1500)}" for p in kube.pods)
                 try:
-                    body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], context=client)
+                    body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], tokens["viewer"], context=client)
                 except OSError:
                     pass
                 time.sleep(0.5)
@@ -290,7 +303,7 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
             with pytest.raises((OSError, http.client.HTTPException)):
                 http_get(page.replace("https://", "http://") + "api/status")
             models_url = f"https://{kube.service_address('flywheel-rollout', 'http')}/v1/models"
-            models = json.loads(http_get(models_url, headers={"Authorization": f"Bearer {token}"}, context=client))
+            models = json.loads(http_get(models_url, headers={"Authorization": f"Bearer {tokens['agent']}"}, context=client))
             assert models["data"], models
 
             while job_pod.phase in ("Pending", "Running"):

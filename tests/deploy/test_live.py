@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,8 +29,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from flywheel.runtime.auth import TOKEN_ENV, TOKEN_FILE_ENV
+from flywheel.runtime.auth import TOKENS_FILE_ENV, Scope, read_tokens_file
 from flywheel.runtime.config import resolve
+from flywheel.runtime.tokens import init as init_tokens
 from tests.conftest import MODEL_FLAGS
 from tests.deploy.manifests import ROOT, SERVICES, Container, clean_env, config_class
 from tests.net import free_port
@@ -204,8 +206,8 @@ def localize(container: Container, tmp: Path, model: Path) -> dict[str, str]:
             value = str(tmp / value.lstrip("/"))
             Path(value).parent.mkdir(parents=True, exist_ok=True)
         env[name] = value
-    if TOKEN_FILE_ENV in env:
-        Path(env[TOKEN_FILE_ENV]).write_text("token-from-a-mounted-secret\n")
+    if TOKENS_FILE_ENV in env:  # what the Secret (Kubernetes) or tokens-init (compose) holds
+        init_tokens(Path(env[TOKENS_FILE_ENV]))
     if container.service == "rollout":
         # What is checked here is the server's configuration; the engine (vLLM, with the
         # run file's arguments) is started as deployed by the namespace-cluster tests.
@@ -213,10 +215,8 @@ def localize(container: Container, tmp: Path, model: Path) -> dict[str, str]:
     return env
 
 
-def _token(env: dict[str, str]) -> str | None:
-    if env.get(TOKEN_ENV):
-        return env[TOKEN_ENV]
-    return Path(env[TOKEN_FILE_ENV]).read_text().strip() if env.get(TOKEN_FILE_ENV) else None
+def _token(env: dict[str, str], scope: Scope) -> str | None:
+    return read_tokens_file(Path(env[TOKENS_FILE_ENV]))[scope][0] if env.get(TOKENS_FILE_ENV) else None
 
 
 def _unary_method(service: str) -> str:
@@ -226,14 +226,28 @@ def _unary_method(service: str) -> str:
     return f"/{svc.full_name}/{method.name}"
 
 
-def _call_code(port: int, path: str, token: str | None) -> grpc.StatusCode:
+def _call(port: int, path: str, token: str | None) -> tuple[grpc.StatusCode, str]:
     metadata = [("authorization", f"Bearer {token}")] if token else None
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         try:
             channel.unary_unary(path)(b"", timeout=5, metadata=metadata)
         except grpc.RpcError as exc:
-            return exc.code()
-    return grpc.StatusCode.OK
+            return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def _call_code(port: int, path: str, token: str | None) -> grpc.StatusCode:
+    return _call(port, path, token)[0]
+
+
+def _status_page_code(port: int, token: str | None) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/api/status",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def start_from_manifest(containers: list[Container], tmp: Path, model: Path) -> None:
@@ -257,10 +271,18 @@ def start_from_manifest(containers: list[Container], tmp: Path, model: Path) -> 
             port = config.server.port
             _wait(c.source, lambda p=port: _health(p) == health_pb2.HealthCheckResponse.SERVING, child, log)
             assert "flywheel_service_ready" in _scrape(config.server.metrics_port), c.source
-            token, method = _token(env), _unary_method(c.service)
+            token, method = _token(env, Scope.OPERATOR), _unary_method(c.service)
             assert token, f"{c.source}: no auth token"
             assert _call_code(port, method, None) == grpc.StatusCode.UNAUTHENTICATED, f"{c.source}: auth is off"
             assert _call_code(port, method, token) != grpc.StatusCode.UNAUTHENTICATED, f"{c.source}: token refused"
+            if c.service in ("trainer", "synchronizer"):  # an agent's token does not train or move weights
+                code, details = _call(port, method, _token(env, Scope.AGENT))
+                assert code == grpc.StatusCode.PERMISSION_DENIED and details.endswith(
+                    "needs scope service or operator; this token has scope agent"), (c.source, code, details)
+            if c.service == "controller":  # the status page's JSON: a viewer token, not none
+                assert _status_page_code(config.status_port, None) == 401, c.source
+                assert _status_page_code(config.status_port, "wrong") == 401, c.source
+                assert _status_page_code(config.status_port, _token(env, Scope.VIEWER)) == 200, c.source
     finally:
         _stop([child for _, child, *_ in started])
 

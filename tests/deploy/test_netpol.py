@@ -59,7 +59,7 @@ def test_every_flywheel_pod_admits_only_the_project_on_its_service_ports(cpu_obj
         f'ip saddr {{ {ip["flywheel-rollout"]}, {ip["flywheel-trainer"]} }} accept '
         'comment "flywheel-weight-transfers ingress[0]"',
     ]
-    assert f'dport {{ 50053, 8000, 9093 }} accept comment "flywheel-service-ports' in rules["flywheel-rollout"]
+    assert 'dport { 50053, 8000, 9093 } accept comment "flywheel-service-ports' in rules["flywheel-rollout"]
     assert "weight-transfers" in rules["flywheel-rollout"]
     for name, ports in (("flywheel-synchronizer", "50051, 9091"), ("flywheel-controller", "50054, 8080, 9094")):
         assert f"{{ {project} }} meta l4proto tcp th dport {{ {ports} }} accept" in rules[name], rules[name]

@@ -1,6 +1,6 @@
 """TLS, mutual TLS and scoped tokens from Secrets, as deploy/README.md turns them on:
-the Kubernetes components (deploy/kubernetes/components/tls, tls-mutual, tokens)
-added to each overlay, and the compose override files (deploy/compose/
+scoped tokens in every overlay as shipped, the Kubernetes components
+(deploy/kubernetes/components/tls, tls-mutual) added to each overlay, and the compose override files (deploy/compose/
 docker-compose.tls.yml, docker-compose.tls-mutual.yml) on top of docker-compose.yml.
 
 Checked on the files as a user deploys them: overlays rendered with the components
@@ -48,12 +48,12 @@ COMPOSE_TLS = ROOT / "deploy" / "compose" / "docker-compose.tls.yml"
 COMPOSE_MUTUAL = ROOT / "deploy" / "compose" / "docker-compose.tls-mutual.yml"
 #: What each Secret must hold (the keys deploy/README.md creates them with).
 SECRET_KEYS = {"flywheel-tls": {"tls.crt", "tls.key", "ca.crt"}, "flywheel-tokens": {"tokens.yaml"}}
-#: component set -> the variables every Flywheel container must get from it.
+#: component set -> the variables every Flywheel container must get from a Secret; the scoped
+#: tokens file without any component (the overlays as shipped), and with every one.
 VARIANTS = {
-    ("tls",): ("FLYWHEEL_TLS_CERT_FILE", "FLYWHEEL_TLS_KEY_FILE", "FLYWHEEL_TLS_CA_FILE"),
-    ("tls", "tls-mutual"): tuple(TLS_ENV.values()),
-    ("tokens",): ("FLYWHEEL_TOKENS_FILE",),
-    ("tls", "tls-mutual", "tokens"): (*TLS_ENV.values(), "FLYWHEEL_TOKENS_FILE"),
+    (): ("FLYWHEEL_TOKENS_FILE",),
+    ("tls",): ("FLYWHEEL_TLS_CERT_FILE", "FLYWHEEL_TLS_KEY_FILE", "FLYWHEEL_TLS_CA_FILE", "FLYWHEEL_TOKENS_FILE"),
+    ("tls", "tls-mutual"): (*TLS_ENV.values(), "FLYWHEEL_TOKENS_FILE"),
 }
 K8S_VERSIONS = ("1.29.0", "latest")  # as test_schemas.py
 
@@ -64,8 +64,9 @@ def with_components(tmp_path_factory) -> dict[tuple[str, tuple[str, ...]], list[
     rendered = {}
     for overlay in OVERLAYS:
         for components in VARIANTS:
-            directory = tmp_path_factory.mktemp(f"{overlay}-{'-'.join(components)}")
-            rendered[overlay, components] = render(user_overlay(directory, overlay, components))
+            directory = tmp_path_factory.mktemp(f"{overlay}-{'-'.join(components) or 'shipped'}")
+            rendered[overlay, components] = render(user_overlay(directory, overlay, components) if components
+                                                   else ROOT / "deploy" / "kubernetes" / "overlays" / overlay)
     return rendered
 
 
@@ -90,7 +91,7 @@ def test_components_render_and_match_the_kubernetes_schemas(with_components):
                                 f"at {list(exc.path)}")
 
 
-@pytest.mark.parametrize("components", list(VARIANTS), ids="+".join)
+@pytest.mark.parametrize("components", list(VARIANTS), ids=lambda components: "+".join(components) or "shipped")
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_container_gets_the_secrets_files_at_the_paths_its_variables_name(
         with_components, overlay, components):

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from flywheel.controller.v1 import controller_pb2 as pb
 from flywheel.controller.v1 import controller_pb2_grpc as pb_grpc
+from flywheel.runtime.auth import Scope, read_tokens_file
+from flywheel.runtime.tokens import init as init_tokens
 from tests.deploy.observe import CHROMIUM, NO_CHROMIUM, chromium
 
 pytestmark = pytest.mark.slow
@@ -61,8 +64,9 @@ def wait_for(what: str, ready, proc: subprocess.Popen, timeout: float = 300.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as reply:
+def get_json(url: str, token: str | None = None) -> dict:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=5) as reply:
         return json.loads(reply.read())
 
 
@@ -70,21 +74,37 @@ def test_the_status_page_follows_a_live_run(tmp_path: Path) -> None:
     assert CHROMIUM is not None, NO_CHROMIUM
     run_dir = tmp_path / "run"
     ready_file = tmp_path / "controller.ready"
+    # Scoped tokens, as deployed: the launcher's services and its status page all read them.
+    tokens_file = tmp_path / "tokens.yaml"
+    init_tokens(tokens_file)
+    tokens = {scope: listed[0] for scope, listed in read_tokens_file(tokens_file).items()}
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLYWHEEL_MODEL_CACHE": str(tmp_path / "models"),
-           "FLYWHEEL_CONTROLLER__STATUS_PORT": "0", "FLYWHEEL_CONTROLLER__SERVER__READY_FILE": str(ready_file)}
+           "FLYWHEEL_CONTROLLER__STATUS_PORT": "0", "FLYWHEEL_CONTROLLER__SERVER__READY_FILE": str(ready_file),
+           "FLYWHEEL_TOKENS_FILE": str(tokens_file)}
     out = (tmp_path / "launcher.out").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.controller", "run", str(long_tiny_run(tmp_path)), "--run-dir", str(run_dir)],
         cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
     )
     try:
+        # The link a user opens: the page with the viewer token in its fragment (which browsers never send);
+        # the run directory's copy holds no token.
         url = wait_for("the status page URL", lambda: re.search(
             r"status page: (http://\S+)", (tmp_path / "launcher.out").read_text()), proc).group(1)
-        assert (run_dir / "status_url").read_text().strip() == url
-        api = url + "api/status"
+        page, _, fragment = url.partition("#")
+        assert fragment == f"token={tokens[Scope.VIEWER]}" and (run_dir / "status_url").read_text().strip() == page
+        api = page + "api/status"
         body = wait_for("two components and three steps", lambda: (
-            (b := get_json(api))["step"] >= 3 and {c["role"] for c in b["components"]} == {"trainer", "rollout"} and b
+            (b := get_json(api, tokens[Scope.VIEWER]))["step"] >= 3
+            and {c["role"] for c in b["components"]} == {"trainer", "rollout"} and b
         ), proc)
+        for token in (None, "wrong"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                get_json(api, token)
+            assert refused.value.code == 401 and refused.value.headers["WWW-Authenticate"] == "Bearer"
+        refused_page = chromium(page, "--dump-dom")  # no token: the page says what it needs, and shows nothing
+        assert 'data-refused="401"' in refused_page and "viewer token" in refused_page
+        assert 'data-id="trainer-0"' not in refused_page
         assert body["phase"] == "running" and body["trainer_version"] >= 3
         rollout = next(c for c in body["components"] if c["role"] == "rollout")
         assert rollout["weight_version"] >= 1 and rollout["state"] in ("running", "require_sync", "synchronizing")
@@ -103,18 +123,19 @@ def test_the_status_page_follows_a_live_run(tmp_path: Path) -> None:
 
         # The same process is the controller service.
         ports = json.loads(ready_file.read_text())
+        operator = [("authorization", f"Bearer {tokens[Scope.OPERATOR]}")]
         with grpc.insecure_channel(f"127.0.0.1:{ports['grpc_port']}") as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             stub = pb_grpc.ControllerServiceStub(channel)
-            status = stub.Status(pb.StatusRequest(), timeout=5)
+            status = stub.Status(pb.StatusRequest(), timeout=5, metadata=operator)
             assert status.phase == pb.RUN_PHASE_RUNNING and status.step >= 3
             assert {c.identity.id for c in status.components} == {"trainer-0", "rollout-0"}
             with urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics_port']}/metrics", timeout=5) as reply:
                 metrics = reply.read().decode()
             assert re.search(r'^flywheel_service_ready\{service="controller"\} 1\.0$', metrics, re.M)
             assert float(re.search(r"^flywheel_controller_trainer_step (\S+)$", metrics, re.M).group(1)) >= 3
-            stopped = stub.Stop(pb.StopRequest(checkpoint=True, grace_seconds=120), timeout=150)
+            stopped = stub.Stop(pb.StopRequest(checkpoint=True, grace_seconds=120), timeout=150, metadata=operator)
         assert stopped.checkpoint_path, "Stop with checkpoint=True returns the checkpoint written"
         assert proc.wait(120) == 0, (tmp_path / "launcher.out").read_text()[-3000:]
         summary = json.loads((run_dir / "summary.json").read_text())

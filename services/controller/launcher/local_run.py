@@ -387,6 +387,7 @@ class LocalRun:
         from services.controller.loop import run
         from services.controller.telemetry.metrics_log import PrometheusSink
         from services.controller.ops.runs import RunManager
+        from services.controller.ops.status_page import status_link
 
         controller = self.controller_config()
         services = connect(cfg)
@@ -412,8 +413,8 @@ class LocalRun:
             host = controller.server.host
             shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
             self.status_url = f"{'https' if process_tls().serving else 'http'}://{shown}:{port}/"
-            (self.run_dir / "status_url").write_text(self.status_url + "\n")
-            self.say(f"status page: {self.status_url}")
+            (self.run_dir / "status_url").write_text(self.status_url + "\n")  # no token: files outlive runs
+            self.say(f"status page: {status_link(self.status_url, controller.server)}")
 
         def on_ready(running: Any) -> None:
             if not served.done():

@@ -6,6 +6,14 @@
 
 Read-only: nothing here changes the run (Stop is a gRPC call). Everything
 comes from `RunManager.status()`, the same snapshot the gRPC Status answers.
+
+With tokens configured, /api/status needs `Authorization: Bearer <token>` of
+scope viewer or above (401 without one or with a wrong one, 403 for too small a
+scope). The page itself is public but holds no data: its script reads the token
+from the URL's fragment (`/#token=...`, which browsers never send) and sends it
+as that header. A token rather than a localhost-only listener, because the page
+is reached from elsewhere: `kubectl port-forward`, a published compose port, a
+Service.
 """
 
 from __future__ import annotations
@@ -13,9 +21,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
+from flywheel.errors import PermissionDenied, Unauthenticated
+from flywheel.runtime.auth import Scope, TokenScopes, accepted_tokens, viewer_token
+from flywheel.runtime.server_config import ServerConfig
 from flywheel.synchronizer.types import Role
 from services.controller.ops.runs import RunManager, RunStatus
 
@@ -26,6 +37,8 @@ VALIDATION_METRICS = ("val/accuracy", "val/reward")
 #: How many timeline entries and points per curve the page gets (the newest).
 TIMELINE_LIMIT = 200
 CURVE_LIMIT = 2000
+#: Reading the run's status changes nothing: the read-only scope suffices.
+STATUS_SCOPE = Scope.VIEWER
 
 
 def _validation_metric(history: list[tuple[int, int, dict[str, float]]]) -> str:
@@ -70,17 +83,37 @@ def status_json(s: RunStatus) -> dict[str, Any]:
     }
 
 
-def create_app(runs: RunManager) -> FastAPI:
+def status_link(url: str, server: ServerConfig) -> str:
+    """The page's address as a user opens it: with a viewer token in the fragment when the
+    page needs a token (the browser keeps it out of requests); a larger scope's token is
+    never put there, so without a viewer token the user is told what to add."""
+    if not accepted_tokens(server):
+        return url
+    token = viewer_token(server)
+    return f"{url}#token={token}" if token else f"{url} (add #token=<a viewer token> to open it)"
+
+
+def create_app(runs: RunManager, tokens: TokenScopes) -> FastAPI:
+    """`tokens`: the bearer tokens accepted, by scope (none: auth off, as on the gRPC port)."""
     app = FastAPI(title="Flywheel controller", docs_url=None, redoc_url=None, openapi_url=None)
     page = PAGE.read_text()
+    # No caching: the page polls, and a proxy must not hand it an old run (nor a refusal).
+    no_store = {"Cache-Control": "no-store"}
 
     @app.get("/", response_class=HTMLResponse)
     async def index() -> str:
         return page
 
     @app.get("/api/status")
-    async def status() -> JSONResponse:
-        # No caching: the page polls, and a proxy must not hand it an old run.
-        return JSONResponse(status_json(runs.status()), headers={"Cache-Control": "no-store"})
+    async def status(request: Request) -> JSONResponse:
+        if tokens:
+            try:
+                tokens.admit(request.headers.get("authorization"), STATUS_SCOPE, "GET /api/status")
+            except Unauthenticated as exc:
+                return JSONResponse({"error": str(exc)}, status_code=401,
+                                    headers={**no_store, "WWW-Authenticate": "Bearer"})
+            except PermissionDenied as exc:
+                return JSONResponse({"error": str(exc)}, status_code=403, headers=no_store)
+        return JSONResponse(status_json(runs.status()), headers=no_store)
 
     return app

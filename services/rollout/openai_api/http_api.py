@@ -26,8 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from flywheel.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
-from flywheel.runtime.auth import Scope, TokenScopes, refusal
+from flywheel.errors import InvalidArgument, NotFound
+from flywheel.runtime.auth import Scope, TokenScopes
 from services.rollout.serving import sampling
 from services.rollout.openai_api.chat import ChatTurn, prepare_turn, record, reply_of, response_format_constraint
 from services.rollout.config import RolloutConfig
@@ -73,11 +73,7 @@ def create_app(core: RolloutCore, config: RolloutConfig, tokens: TokenScopes, se
         if session_id is not None:
             return sessions.authorize(session_id, request.headers.get("authorization", ""))
         if tokens:
-            held = tokens.scope_of(request.headers.get("authorization"))
-            if held is None:
-                raise Unauthenticated("missing or wrong bearer token")
-            if held < API_SCOPE:
-                raise PermissionDenied(refusal(f"{request.method} {request.url.path}", API_SCOPE, held))
+            tokens.admit(request.headers.get("authorization"), API_SCOPE, f"{request.method} {request.url.path}")
         return None
 
     install_error_handlers(app)

@@ -11,6 +11,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from flywheel.runtime.auth import Scope, TokenScopes
+from flywheel.runtime.server_config import ServerConfig
 from flywheel.synchronizer.client_types import WatchEvent
 from flywheel.synchronizer.types import Component, EventKind, Identity, Method, Role, State
 from services.controller.assemble import Services, build_pipeline
@@ -19,7 +21,7 @@ from services.controller.weights.observer import SynchronizerObserver
 from services.controller.run_config import run_config_from_yaml
 from services.controller.ops.runs import RunManager
 from services.controller.testing.simulated import SimulatedRolloutEngine, SimulatedTrainer, constant, simulated_services
-from services.controller.ops.status_page import create_app, status_json
+from services.controller.ops.status_page import create_app, status_json, status_link
 from tests.unit.controller.controller_helpers import items
 
 
@@ -103,7 +105,7 @@ async def test_an_adopted_run_is_reported_live_then_completed(tmp_path: Path) ->
 
 async def test_the_page_and_its_json_are_served(tmp_path: Path) -> None:
     runs = RunManager(tmp_path, simulated)
-    app = create_app(runs)
+    app = create_app(runs, TokenScopes())  # auth off (local development): the JSON is open
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://page") as client:
         html = await client.get("/")
         assert html.status_code == 200 and "text/html" in html.headers["content-type"]
@@ -120,6 +122,35 @@ async def test_the_page_and_its_json_are_served(tmp_path: Path) -> None:
         assert body["run_id"] == "live" and body["phase"] == "completed", body
         assert len(body["curves"]["reward"]) == 6
         assert (await client.post("/api/status")).status_code == 405  # read-only
+
+
+async def test_with_tokens_the_json_needs_a_viewer_token_and_the_page_holds_no_data(tmp_path: Path) -> None:
+    runs = RunManager(tmp_path, simulated)
+    await runs.start(yaml.safe_dump(RUN), "private")
+    tokens = TokenScopes.of({Scope.VIEWER: ["v1"], Scope.AGENT: ["a1"], Scope.OPERATOR: ["o1"]})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(runs, tokens)),
+                                 base_url="http://page") as client:
+        html = await client.get("/")
+        assert html.status_code == 200 and "private" not in html.text  # the shell only: data comes with a token
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "v1"}):
+            refused = await client.get("/api/status", headers=headers)
+            assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer", headers
+            assert refused.json() == {"error": "missing or wrong bearer token"} and "private" not in refused.text
+        for token in ("v1", "a1", "o1"):  # viewer, and every scope above it
+            served = await client.get("/api/status", headers={"authorization": f"Bearer {token}"})
+            assert served.status_code == 200 and served.json()["run_id"] == "private", token
+    await runs.close()
+
+
+def test_the_launcher_links_the_page_with_a_viewer_token_only(tmp_path: Path) -> None:
+    url = "http://127.0.0.1:8080/"
+    assert status_link(url, ServerConfig()) == url  # auth off: nothing to add
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("viewer: v1\nagent: a1\noperator: o1\n")
+    assert status_link(url, ServerConfig(tokens_file=tokens)) == url + "#token=v1"
+    tokens.write_text("agent: a1\noperator: o1\n")
+    linked = status_link(url, ServerConfig(tokens_file=tokens))
+    assert "a1" not in linked and "o1" not in linked and "#token=<a viewer token>" in linked
 
 
 def test_a_quarantined_replica_and_its_update_results_show_on_the_page(tmp_path: Path) -> None:
