@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import services.controller.telemetry.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.controller.v1 import controller_pb2, controller_pb2_grpc
-from flywheel.runtime.auth import accepted_tokens
+from flywheel.runtime.auth import Scope, accepted_tokens
 from flywheel.runtime.http_server import HttpServer
 from flywheel.runtime.server import ServiceSpec
 from services.controller.adapters import connect
@@ -49,6 +49,8 @@ def service_spec(
         name="controller",
         proto_services=[PROTO_SERVICE],
         register=lambda server: controller_pb2_grpc.add_ControllerServiceServicer_to_server(servicer, server),
+        # What the status page shows, over gRPC, for the same read-only token; runs start and stop by operators.
+        method_scopes={"Status": Scope.VIEWER, "StreamMetrics": Scope.VIEWER},
         startup=startup,
         shutdown=shutdown,
     )

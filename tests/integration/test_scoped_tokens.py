@@ -17,14 +17,14 @@ from flywheel.synchronizer.client import SynchronizerClient
 from tests.conftest import TEST_TOKEN
 from tests.integration.test_services_start import DESCRIPTORS
 
-AGENT, SERVICE, OPERATOR = "agent-token-a1", "service-token-s1", "operator-token-o1"
+VIEWER, AGENT, SERVICE, OPERATOR = "viewer-token-v1", "agent-token-a1", "service-token-s1", "operator-token-o1"
 
 
 @pytest.fixture
 def scoped_env(tmp_path: Path, service_env: dict[str, str]) -> dict[str, str]:
     """Children with a tokens file of every scope; the single token of earlier releases stays (operator)."""
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(f"agent: [{AGENT}, agent-token-a2]\nservice: {SERVICE}\noperator: {OPERATOR}\n")
+    tokens.write_text(f"viewer: {VIEWER}\nagent: [{AGENT}, agent-token-a2]\nservice: {SERVICE}\noperator: {OPERATOR}\n")
     return {**service_env, "FLYWHEEL_TOKENS_FILE": str(tokens)}
 
 
@@ -123,3 +123,9 @@ async def test_service_token_links_services_and_operator_owns_the_controller(
         grpc.StatusCode.PERMISSION_DENIED, "Stop needs scope operator; this token has scope service")
     code, _ = await _code_and_details(controller.grpc_address, OPERATOR, "controller", "Stop")
     assert code not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+    # A viewer token (the status page's) reads the run over gRPC too, and changes nothing.
+    code, _ = await _code_and_details(controller.grpc_address, VIEWER, "controller", "Status")
+    assert code not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+    code, details = await _code_and_details(controller.grpc_address, VIEWER, "controller", "Stop")
+    assert (code, details) == (
+        grpc.StatusCode.PERMISSION_DENIED, "Stop needs scope operator; this token has scope viewer")
