@@ -143,6 +143,33 @@ def trained_steps(run_dir: Path) -> int:
     return max((r["step"] for r in jsonl(run_dir / "trained_tasks.jsonl")), default=0)
 
 
+def trainer_killed_after_step_3(tmp_path: Path, checkpoint_interval: int = 2) -> tuple[str, object, Path]:
+    """The kubelet restarts the trainer once step 3 is trained; the one controller command heals the
+    run and exits 0. Returns its output, the synchronizer's status at the end and the run directory,
+    once the run was checked to be healed by the controller alone, every task trained once, in two
+    sessions."""
+    deployment, controller, run_dir = start_controller(tmp_path, "trainer", checkpoint_interval)
+    try:
+        wait_for(lambda: trained_steps(run_dir) >= 3, 600, "step 3", controller)
+        if checkpoint_interval > STEPS:
+            assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+        deployment.kill_and_restart("trainer")
+        code = controller.wait(600)
+        output = deployment.cluster.controller_output()
+        assert code == 0, output
+        status = synchronizer_status(deployment)
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+        deployment.stop()
+    assert "healing: trainer died at step" in output, output
+    assert "hold weights newer than step" not in output, "nobody but the kubelet restarts anything"
+    rows = jsonl(run_dir / "trained_tasks.jsonl")
+    assert_each_task_trained_once(rows)
+    assert len({r["session"] for r in rows}) == 2
+    return output, status, run_dir
+
+
 @pytest.mark.timeout(900)
 def test_a_synchronizer_restarted_by_the_kubelet_is_caught_up_and_the_run_goes_on(tmp_path: Path) -> None:
     """It comes back empty (no store): the trainer and the replica re-register with their weights, the
@@ -175,24 +202,9 @@ def test_a_trainer_restarted_by_the_kubelet_rewinds_the_run_to_its_last_checkpoi
     """It comes back with its base weights: the run resumes from the step-2 checkpoint, the
     controller rewinds the synchronizer and the replica (which hold versions made by the lost
     weights) to version 2, and the later steps are redone. Only the trainer is restarted."""
-    deployment, controller, run_dir = start_controller(tmp_path, "trainer")
-    try:
-        wait_for(lambda: trained_steps(run_dir) >= 3, 600, "step 3", controller)
-        deployment.kill_and_restart("trainer")
-        code = controller.wait(600)
-        output = deployment.cluster.controller_output()
-        assert code == 0, output
-        status = synchronizer_status(deployment)
-    finally:
-        if controller.poll() is None:
-            controller.kill()
-        deployment.stop()
-    assert "healing: trainer died at step" in output, output
-    assert "hold weights newer than step" not in output, "nobody but the kubelet restarts anything"
+    output, status, run_dir = trainer_killed_after_step_3(tmp_path)
     rows = jsonl(run_dir / "trained_tasks.jsonl")
-    assert_each_task_trained_once(rows)
     sessions = list(dict.fromkeys(r["session"] for r in rows))
-    assert len(sessions) == 2
     redone = [r["step"] for r in rows if r["session"] == sessions[1]]
     [restart] = json.loads((run_dir / "summary.json").read_text())["restarts"]
     assert restart["service"] == "trainer" and restart["action"] == "resumed"
@@ -232,26 +244,10 @@ def test_a_trainer_that_dies_before_its_first_checkpoint_starts_the_run_over(tmp
     run resumes at step 0. The synchronizer and the replica hold versions made by the lost weights:
     the controller starts them over (Rewind to version 0: every version dropped, the replica reloads
     the weights it started with), and every step is redone. Only the trainer is restarted."""
-    deployment, controller, run_dir = start_controller(tmp_path, "trainer", checkpoint_interval=STEPS * 10)
-    try:
-        wait_for(lambda: trained_steps(run_dir) >= 3, 600, "step 3", controller)
-        assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
-        deployment.kill_and_restart("trainer")
-        code = controller.wait(600)
-        output = deployment.cluster.controller_output()
-        assert code == 0, output
-        status = synchronizer_status(deployment)
-    finally:
-        if controller.poll() is None:
-            controller.kill()
-        deployment.stop()
-    assert "healing: trainer died at step" in output, output
-    assert "hold weights newer than step" not in output, "nobody but the kubelet restarts anything"
+    output, status, run_dir = trainer_killed_after_step_3(tmp_path, checkpoint_interval=STEPS * 10)
     assert "rewound the synchronizer and the replicas to version 0" in output, output
     rows = jsonl(run_dir / "trained_tasks.jsonl")
-    assert_each_task_trained_once(rows)
     sessions = list(dict.fromkeys(r["session"] for r in rows))
-    assert len(sessions) == 2
     assert [r["step"] for r in rows if r["session"] == sessions[1]] == list(range(1, STEPS + 1))
     [restart] = json.loads((run_dir / "summary.json").read_text())["restarts"]
     assert (restart["service"], restart["action"], restart["rewound_to"], restart["redo_from_step"]) == (
