@@ -36,7 +36,7 @@ from flywheel.codec.identity import manifest_identity
 from flywheel.common.types import pause_mode_to_pb
 from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import FailedPrecondition, InvalidArgument
-from flywheel.runtime.client import domain_error, open_channel
+from flywheel.runtime.client import client_streaming_call, domain_error, open_channel
 from flywheel.runtime.tls import TlsFiles
 from flywheel.transfer.frames import encoded_frames
 from flywheel.runtime.server_config import MIB
@@ -265,16 +265,16 @@ class SynchronizerClient:
         with SharedPush(self.address, encoded, self.shared_memory) as segment:
             if segment is not None:
                 try:
-                    return await self._push_frames(shared_frames(encoded, segment), timeout)
+                    return await self._push_frames(lambda: shared_frames(encoded, segment), timeout)
                 except FailedPrecondition as exc:
                     if not refused_shared_memory(exc):
                         raise
                     remember_unmappable(self.address, exc)
-        return await self._push_frames(encoded_frames(encoded), timeout)
+        return await self._push_frames(lambda: encoded_frames(encoded), timeout)
 
-    async def _push_frames(self, frames: Iterable[bytes], timeout: float) -> PushResult:
+    async def _push_frames(self, frames: Callable[[], Iterable[bytes]], timeout: float) -> PushResult:
         try:
-            r = await self._push(frames, timeout=timeout)
+            r = await client_streaming_call(self._push, frames, timeout)
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc, "synchronizer PushWeights") from None
         return PushResult(r.version, r.bytes, list(r.kept_versions))
