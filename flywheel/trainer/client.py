@@ -140,9 +140,11 @@ class TrainerClient:
 
     async def forward_backward(
         self, batch: pb.TrainBatch, loss: pb.LossSpec | None = None, *, expected_step: int | None = None,
-        timeout: float | None = None,
+        forward_only: bool = False, timeout: float | None = None,
     ) -> ForwardBackwardResult:
-        request = pb.ForwardBackwardRequest(batch=batch, loss=loss or pb.LossSpec(), expected_step=expected_step)
+        """`forward_only`: the loss, metrics and log-probs without keeping gradients (Tinker's forward)."""
+        request = pb.ForwardBackwardRequest(batch=batch, loss=loss or pb.LossSpec(), expected_step=expected_step,
+                                            forward_only=forward_only)
         response = await self.stub.ForwardBackward(request, timeout=timeout)
         logprobs = tensor_from_proto(response.logprobs) if response.HasField("logprobs") else None
         return ForwardBackwardResult(response.loss_tokens, _metrics(response.metrics), logprobs)

@@ -106,7 +106,8 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     async def ForwardBackward(self, request: pb.ForwardBackwardRequest, context) -> pb.ForwardBackwardResponse:
         loss = loss_request(request.loss)
         result = await self.engine.run(
-            lambda: self.engine.forward_backward(batch_tensors(request.batch), loss, _expected(request))
+            lambda: self.engine.forward_backward(batch_tensors(request.batch), loss, _expected(request),
+                                                 request.forward_only)
         )
         prom.TOKENS.inc(result.tokens)
         return pb.ForwardBackwardResponse(metrics=_metrics(result.metrics), loss_tokens=result.loss_tokens,

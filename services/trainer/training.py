@@ -278,8 +278,11 @@ class TrainingEngine:
 
     # ------------------------------------------------------------ training
 
-    def _accumulate(self, policy: Policy, batch: Batch, loss: LossSettings, micro: int) -> LossOutput | None:
-        """Forward + backward over this rank's micro-batches; gradients add up in .grad.
+    def _accumulate(
+        self, policy: Policy, batch: Batch, loss: LossSettings, micro: int, backward: bool = True
+    ) -> LossOutput | None:
+        """Forward + backward over this rank's micro-batches; gradients add up in .grad
+        (`backward=False`: the forward alone, under the caller's no_grad).
 
         Returns the whole batch's statistics on rank 0 (None on other ranks)."""
         num_tokens, num_seqs = loss_denominators(batch.loss_mask)
@@ -323,11 +326,13 @@ class TrainingEngine:
             if not agreed:
                 raise FailedPrecondition("loss is not finite on another rank's samples")
             if plan is None:
-                (out.loss * 0).backward()
+                if backward:
+                    (out.loss * 0).backward()
                 continue
             out.row_logprobs.append((order[start:stop].cpu(), logprobs.detach().float().cpu()))
             # FSDP averages gradients over the ranks; the loss already divides by the whole batch.
-            (out.loss * world if world > 1 else out.loss).backward()
+            if backward:
+                (out.loss * world if world > 1 else out.loss).backward()
             total = out if total is None else total.merge(out)
         if world == 1:
             assert total is not None
@@ -350,15 +355,17 @@ class TrainingEngine:
             raise
 
     def forward_backward(
-        self, tensors: Mapping[str, Tensor | None], loss_request: LossRequest, expected_step: int | None = None
+        self, tensors: Mapping[str, Tensor | None], loss_request: LossRequest, expected_step: int | None = None,
+        forward_only: bool = False,
     ) -> StepResult:
-        """Accumulates gradients of one batch; step and weight version stay as they are."""
+        """Accumulates gradients of one batch; step and weight version stay as they are.
+        `forward_only`: the loss, metrics and log-probs alone; the gradients are not touched."""
         with self._lock:
             policy = self._ready(expected_step)
             loss = resolve_loss(loss_request, self.config.loss)
             batch = self._training_batch(policy, tensors, loss)
             micro = self._micro_size(batch, 0)
-            out = self._spmd("accumulate", batch, loss, micro)
+            out = self._spmd("forward" if forward_only else "accumulate", batch, loss, micro)
             return StepResult(policy.step, policy.weight_version, tokens=batch.real_tokens, loss_tokens=int(out.tokens),
                               metrics={**out.metrics(), **self._staleness(policy, batch)},
                               logprobs=out.logprobs(batch.size, batch.seq_len))
@@ -366,6 +373,11 @@ class TrainingEngine:
     def _do_accumulate(self, batch: Batch, loss: LossSettings, micro: int) -> LossOutput | None:
         policy = self._ready(None)
         return self._run_discarding_on_error(policy, self._accumulate, policy, batch, loss, micro)
+
+    def _do_forward(self, batch: Batch, loss: LossSettings, micro: int) -> LossOutput | None:
+        # No gradients are made, so a failure leaves the accumulated ones as they were.
+        with torch.no_grad():
+            return self._accumulate(self._ready(None), batch, loss, micro, backward=False)
 
     def _optim(self, policy: Policy, adam: AdamStep | None = None) -> tuple[float, float]:
         params = policy.trainable_parameters()

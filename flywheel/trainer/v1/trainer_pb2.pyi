@@ -118,14 +118,16 @@ class GetInfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., trainable_parameter_count: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., device: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
-    __slots__ = ("batch", "loss", "expected_step")
+    __slots__ = ("batch", "loss", "expected_step", "forward_only")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
     batch: TrainBatch
     loss: LossSpec
     expected_step: int
-    def __init__(self, batch: _Optional[_Union[TrainBatch, _Mapping]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., expected_step: _Optional[int] = ...) -> None: ...
+    forward_only: bool
+    def __init__(self, batch: _Optional[_Union[TrainBatch, _Mapping]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., expected_step: _Optional[int] = ..., forward_only: _Optional[bool] = ...) -> None: ...
 
 class ForwardBackwardResponse(_message.Message):
     __slots__ = ("metrics", "loss_tokens", "logprobs")

@@ -89,7 +89,8 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ForwardBackward(self, request, context):
-        """Accumulates gradients of one batch; does not change the parameters.
+        """Accumulates gradients of one batch (or, forward_only, only computes its
+        loss and log-probs); does not change the parameters.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -121,6 +121,26 @@ def test_gradients_of_successive_forward_backward_calls_add_up(make_engine) -> N
     assert engine.optim_step().step == 1
 
 
+def test_a_forward_only_pass_reports_the_loss_and_logprobs_and_leaves_the_gradients_as_they_were(make_engine) -> None:
+    """Tinker's forward: the same loss and log-probs a forward_backward would give, and no gradient
+    made or dropped (it may come between the chunks of one step)."""
+    engine = make_engine()
+    engine.forward_backward(make_batch(seed=1), GRPO)
+    pending = {n: p.grad.clone() for n, p in engine.policy.model.named_parameters() if p.grad is not None}
+    probe = make_batch(seed=2)
+    forward = engine.forward_backward(probe, GRPO, forward_only=True)
+    after = {n: p.grad for n, p in engine.policy.model.named_parameters() if p.grad is not None}
+    assert after.keys() == pending.keys() and all(torch.equal(after[n], pending[n]) for n in pending)
+    both = engine.forward_backward(probe, GRPO)  # now accumulated, with the same loss and log-probs
+    assert forward.metrics["loss"] == pytest.approx(both.metrics["loss"], rel=1e-5)
+    assert torch.allclose(forward.logprobs, both.logprobs, atol=1e-6)
+    fresh = make_engine()
+    fresh.forward_backward(make_batch(seed=3), GRPO, forward_only=True)
+    assert all(p.grad is None for p in fresh.policy.model.parameters())
+    with pytest.raises(FailedPrecondition, match="no accumulated gradients"):
+        fresh.optim_step()
+
+
 def test_rejected_calls_leave_model_and_optimizer_bit_identical(make_engine) -> None:
     engine = make_engine()
     engine.train_step(make_batch(seed=1), GRPO)  # optimizer state exists
