@@ -101,6 +101,8 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             step=info.step,
             weight_version=info.weight_version,
             ready=info.ready,
+            lora_rank=info.lora_rank,
+            lora_target_modules=info.lora_target_modules,
         )
 
     async def ForwardBackward(self, request: pb.ForwardBackwardRequest, context) -> pb.ForwardBackwardResponse:

@@ -132,6 +132,9 @@ class Info:
     step: int
     weight_version: int
     ready: bool
+    #: The LoRA adapters' rank and modules, from the config; 0 and () when every parameter trains.
+    lora_rank: int = 0
+    lora_target_modules: tuple[str, ...] = ()
 
 
 @dataclass
@@ -244,9 +247,11 @@ class TrainingEngine:
 
     def info(self) -> Info:
         p, m = self.policy, self.config.model
+        lora = (m.lora.rank, tuple(m.lora.target_modules)) if m.lora.enabled else (0, ())
         if p is None:
-            return Info(str(m.path or ""), 0, 0, m.dtype, m.device, 0, 0, False)
-        return Info(p.name, p.parameter_count, p.trainable_count, m.dtype, str(p.device), p.step, p.weight_version, True)
+            return Info(str(m.path or ""), 0, 0, m.dtype, m.device, 0, 0, False, *lora)
+        return Info(p.name, p.parameter_count, p.trainable_count, m.dtype, str(p.device), p.step, p.weight_version, True,
+                    *lora)
 
     def _ready(self, expected_step: int | None) -> Policy:
         if self.policy is None:

@@ -98,7 +98,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "parameter_count", "trainable_parameter_count", "dtype", "device", "step", "weight_version", "ready")
+    __slots__ = ("model_name", "parameter_count", "trainable_parameter_count", "dtype", "device", "step", "weight_version", "ready", "lora_rank", "lora_target_modules")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     TRAINABLE_PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,8 @@ class GetInfoResponse(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     parameter_count: int
     trainable_parameter_count: int
@@ -115,7 +117,9 @@ class GetInfoResponse(_message.Message):
     step: int
     weight_version: int
     ready: bool
-    def __init__(self, model_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., trainable_parameter_count: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., device: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+    lora_rank: int
+    lora_target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., trainable_parameter_count: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., device: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., ready: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
     __slots__ = ("batch", "loss", "expected_step", "forward_only")

@@ -27,6 +27,10 @@ def test_info(make_engine) -> None:
     assert info.parameter_count == sum(p.numel() for p in engine.policy.model.parameters())
     assert info.trainable_count == info.parameter_count
     assert (info.dtype, info.device) == ("float32", "cpu")
+    assert (info.lora_rank, info.lora_target_modules) == (0, ())  # every parameter trains
+    lora = make_engine(model={"lora": {"enabled": True, "rank": 4, "target_modules": ["q_proj", "lm_head"]}}).info()
+    assert (lora.lora_rank, lora.lora_target_modules) == (4, ("q_proj", "lm_head"))
+    assert lora.trainable_count < lora.parameter_count
 
 
 def test_train_step_advances_step_and_reports_metrics(make_engine) -> None:
