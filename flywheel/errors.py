@@ -72,3 +72,11 @@ class PermissionDenied(FlywheelError):
     """The caller may not do this (a path outside the service's directories, a scope too narrow)."""
 
     code = "PERMISSION_DENIED"
+
+
+#: The HTTP status of each error code, for the HTTP APIs (the rollout's, the Tinker gateway's).
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "FAILED_PRECONDITION": 409, "ABORTED": 409,
+    "RESOURCE_EXHAUSTED": 429, "UNIMPLEMENTED": 501, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
+}

@@ -30,6 +30,7 @@ def _sections() -> list[tuple[str, str, type[BaseModel]]]:
     from services.controller.run_config import RunConfig
     from services.rollout.config import RolloutConfig
     from services.synchronizer.config import SynchronizerConfig
+    from services.tinker.config import TinkerConfig
     from services.trainer.config import TrainerConfig
 
     return [
@@ -39,6 +40,8 @@ def _sections() -> list[tuple[str, str, type[BaseModel]]]:
         ("Rollout service", "`python -m services.rollout --config FILE`.", RolloutConfig),
         ("Synchronizer service", "`python -m services.synchronizer --config FILE`.", SynchronizerConfig),
         ("Controller service", "`python -m services.controller --config FILE` (the gRPC service).", ControllerConfig),
+        ("Tinker gateway", "`python -m services.tinker --config FILE`: the Tinker API over a trainer (docs/tinker.md).",
+         TinkerConfig),
     ]
 
 

@@ -1,0 +1,211 @@
+"""What the Tinker API's calls do, over the trainer service (the HTTP layer
+only translates: services/tinker/http_api.py).
+
+Named checkpoints (save_weights) live under `checkpoint_dir/<model id>/<name>/`,
+written by the trainer (so the directory must be one both see), with a
+`tinker.json` beside them holding the name, the expiry its `ttl_seconds`
+gave it, and the caller's metadata; expired ones are removed when the next
+save of the gateway runs. Their Tinker path is `tinker://<model id>/weights/<name>`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from flywheel.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from flywheel.runtime.client import translated
+from flywheel.trainer.client import TrainerClient
+from services.tinker.config import TinkerConfig
+from services.tinker.futures import Futures, Outcome
+from services.tinker.models import LORA_MODULES, Sessions, TrainingModel, TrainingModels, check_lora
+from services.tinker.wire import adam_step, forward_backward_output, trainer_call
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: Tinker's bounds on a checkpoint's time to live: an hour to ten years (None: never expires).
+_TTL_RANGE = (3600, 10 * 365 * 24 * 3600)
+_CHECKPOINT_RECORD = "tinker.json"
+
+
+def _refuse_unknown(body: dict[str, Any], allowed: set[str], what: str) -> None:
+    unknown = sorted(set(body) - allowed - {"type"})
+    if unknown:
+        raise InvalidArgument(f"{what}: {unknown[0]} is not served by this gateway")
+
+
+class Gateway:
+    def __init__(self, config: TinkerConfig, trainer: TrainerClient) -> None:
+        self.config = config
+        self.trainer = trainer
+        self.futures = Futures()
+        self.sessions = Sessions(config.session_timeout_seconds)
+        self.models = TrainingModels(self.futures)
+        self._created: dict[tuple[str, int], str] = {}  # (session, model_seq_id) -> create_model's request id
+        self.base_model = config.base_model
+        self.lora_rank = 0
+        self.lora_modules: tuple[str, ...] = ()
+
+    async def start(self) -> None:
+        """Learns what the trainer holds (its model and adapters)."""
+        with translated("trainer GetInfo"):
+            info = await self.trainer.get_info(timeout=self.config.trainer_timeout_seconds)
+        if not info.ready:
+            raise FailedPrecondition("the trainer has no model loaded")
+        self.base_model = self.config.base_model or info.model_name
+        self.lora_rank, self.lora_modules = info.lora_rank, tuple(info.lora_target_modules)
+
+    async def close(self) -> None:
+        await self.models.close()
+
+    # -- service -------------------------------------------------------------
+
+    def capabilities(self) -> dict[str, Any]:
+        return {"supported_models": [{"model_name": self.base_model, "trainable": True, "sampleable": False}]}
+
+    def create_session(self) -> str:
+        return self.sessions.create().session_id
+
+    # -- models --------------------------------------------------------------
+
+    def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        _refuse_unknown(body, {"session_id", "model_seq_id", "base_model", "user_metadata", "lora_config",
+                               "optimizer_config"}, "create_model")
+        session = self.sessions.live(str(body.get("session_id", "")))
+        seq = body.get("model_seq_id")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise InvalidArgument(f"create_model: model_seq_id must be an integer >= 0, got {seq!r}")
+        key = (session.session_id, seq)
+        model_id = f"{session.session_id}:train:{seq}"
+        if key in self._created:  # sent again
+            return {"request_id": self._created[key], "model_id": model_id}
+        request_id = self.futures.new("create_model")
+        self._created[key] = request_id
+
+        async def create() -> Outcome:
+            base = body.get("base_model")
+            if base != self.base_model:
+                raise NotFound(f"base_model {base!r} is not served here; this gateway serves {self.base_model!r}")
+            optimizer = body.get("optimizer_config") or {"type": "adamw"}
+            if not isinstance(optimizer, dict) or optimizer.get("type") != "adamw":
+                raise InvalidArgument(f"optimizer_config: only adamw is served, got {optimizer!r}")
+            lora = body.get("lora_config")
+            if lora is None:
+                if self.lora_rank:
+                    raise InvalidArgument(f"lora_config: the trainer trains LoRA adapters of rank {self.lora_rank}; "
+                                          "a full fine-tuning model is not served by it")
+                rank = 0
+            else:
+                _refuse_unknown(lora, {"rank", "seed", *LORA_MODULES}, "lora_config")
+                if lora.get("seed") is not None:
+                    raise InvalidArgument("lora_config.seed: the adapters are initialised when the trainer starts "
+                                          "(its model.seed); a per-model seed is not served")
+                rank = int(lora.get("rank", 0))
+                check_lora(rank, {k: bool(lora.get(k, True)) for k in LORA_MODULES}, self.lora_rank,
+                           self.lora_modules)
+            self.models.add(TrainingModel(model_id, session.session_id, self.base_model, rank))
+            return Outcome(json={"type": "create_model", "model_id": model_id})
+
+        self.futures.run(request_id, create)
+        return {"request_id": request_id, "model_id": model_id}
+
+    def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        model = self.models.get(str(body.get("model_id", "")))
+        return {
+            "type": "get_info", "model_id": model.model_id, "model_name": model.base_model,
+            # The tokenizer is the base model's: a local model directory loads without a hub.
+            "model_data": {"model_name": model.base_model, "tokenizer_id": model.base_model},
+            "is_lora": model.lora_rank > 0, "lora_rank": model.lora_rank or None,
+            "optimizer_config": {"type": "adamw"},
+        }
+
+    # -- training ------------------------------------------------------------
+
+    def forward_backward(self, request) -> dict[str, Any]:
+        """`request`: the SDK's tinker.proto ForwardBackwardRequest."""
+        model = self.models.get(request.model_id)
+        self.sessions.live(model.session_id)
+        timeout = self.config.trainer_timeout_seconds
+
+        async def run() -> Outcome:
+            call = trainer_call(request)
+            with translated("trainer ForwardBackward"):
+                result = await self.trainer.forward_backward(call.batch, call.loss, forward_only=call.forward_only,
+                                                             timeout=timeout)
+            return Outcome(proto=forward_backward_output(result, call.lengths))
+
+        label = "forward" if request.forward_only else "forward_backward"
+        return {"request_id": self.models.submit(model.model_id, request.seq_id, label, run),
+                "model_id": model.model_id}
+
+    def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
+        model = self.models.get(str(body.get("model_id", "")))
+        self.sessions.live(model.session_id)
+
+        async def run() -> Outcome:
+            _refuse_unknown(body, {"model_id", "seq_id", "adam_params", "optimizer_params"}, "optim_step")
+            adam = adam_step(body)
+            with translated("trainer OptimStep"):
+                result = await self.trainer.optim_step(adam=adam, timeout=self.config.trainer_timeout_seconds)
+            return Outcome(json={"type": "optim_step", "metrics": {
+                "grad_norm:mean": result.grad_norm, "learning_rate:mean": result.learning_rate,
+                "step:max": float(result.step)}})
+
+        return {"request_id": self.models.submit(model.model_id, body.get("seq_id"), "optim_step", run),
+                "model_id": model.model_id}
+
+    # -- checkpoints ---------------------------------------------------------
+
+    def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        model = self.models.get(str(body.get("model_id", "")))
+        self.sessions.live(model.session_id)
+
+        async def run() -> Outcome:
+            _refuse_unknown(body, {"model_id", "seq_id", "path", "ttl_seconds", "overwrite", "user_metadata"},
+                            "save_weights")
+            name = body.get("path") or f"step-{model.next_seq - 1}"
+            if not isinstance(name, str) or not _NAME.match(name):
+                raise InvalidArgument(f"save_weights: path {name!r} must be a name of letters, digits, '.', '_', '-'")
+            ttl = body.get("ttl_seconds")
+            if ttl is not None and not (isinstance(ttl, int) and _TTL_RANGE[0] <= ttl <= _TTL_RANGE[1]):
+                raise InvalidArgument(f"save_weights: ttl_seconds must be {_TTL_RANGE[0]}..{_TTL_RANGE[1]} or "
+                                      f"null, got {ttl!r}")
+            metadata = body.get("user_metadata") or {}
+            if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+                raise InvalidArgument("save_weights: user_metadata must map names to strings")
+            self._remove_expired()
+            target = self._checkpoint_dir(model.model_id, name)
+            if target.exists():
+                if not body.get("overwrite"):
+                    raise AlreadyExists(f"save_weights: {name!r} exists for model {model.model_id}; "
+                                        "pass overwrite=True to replace it")
+                shutil.rmtree(target)
+            with translated("trainer SaveCheckpoint"):
+                saved = await self.trainer.save_checkpoint(str(target), timeout=self.config.trainer_timeout_seconds)
+            record = {"name": name, "trainer_path": saved.path, "step": saved.step, "created": time.time(),
+                      "expires": None if ttl is None else time.time() + ttl, "user_metadata": metadata}
+            (target / _CHECKPOINT_RECORD).write_text(json.dumps(record))
+            return Outcome(json={"type": "save_weights", "path": f"tinker://{model.model_id}/weights/{name}"})
+
+        return {"request_id": self.models.submit(model.model_id, body.get("seq_id"), "save_weights", run),
+                "model_id": model.model_id}
+
+    def _checkpoint_dir(self, model_id: str, name: str) -> Path:
+        return self.config.checkpoint_dir / model_id / name
+
+    def _remove_expired(self) -> None:
+        now = time.time()
+        for record_file in self.config.checkpoint_dir.glob(f"*/*/{_CHECKPOINT_RECORD}"):
+            try:
+                expires = json.loads(record_file.read_text()).get("expires")
+            except (OSError, ValueError):
+                continue
+            if expires is not None and expires < now:
+                shutil.rmtree(record_file.parent, ignore_errors=True)
+                log.info("checkpoint expired and removed", extra={"path": str(record_file.parent)})

@@ -1,0 +1,179 @@
+"""Sessions and training models of the Tinker gateway.
+
+A model's requests (forward_backward, optim_step, save...) carry a `seq_id`
+1, 2, 3... (create_model is 0) and run strictly in that order, whatever order
+they arrive in: the SDK sends the chunks of one forward_backward in parallel.
+Gradients add up in the trainer across forward_backward calls until
+optim_step. A request sent again (the same model and seq_id, as the SDK's
+retries do) gets the first one's request id and is never run twice.
+
+One trainer holds one model: a second create_model is refused, naming the
+model that holds it (several LoRA models on one trainer are not built yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.tinker.futures import Futures, Outcome
+
+log = logging.getLogger(__name__)
+
+#: Tinker's LoRA flags -> the module names they stand for in the Llama/Qwen families we serve.
+LORA_MODULES = {
+    "train_attn": frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}),
+    "train_mlp": frozenset({"gate_proj", "up_proj", "down_proj"}),
+    "train_unembed": frozenset({"lm_head"}),
+}
+
+
+@dataclass
+class Session:
+    session_id: str
+    created: float
+    last_heartbeat: float
+    #: How it ended ("success", "errored", "interrupted"); None while it runs. The first reason stays.
+    finished: str | None = None
+    detail: str | None = None
+
+
+class Sessions:
+    def __init__(self, timeout_seconds: float) -> None:
+        self.timeout_seconds = timeout_seconds
+        self._sessions: dict[str, Session] = {}
+
+    def create(self) -> Session:
+        now = time.monotonic()
+        session = Session(f"session-{uuid.uuid4().hex[:12]}", now, now)
+        self._sessions[session.session_id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"session {session_id!r} is not known here")
+        return session
+
+    def live(self, session_id: str) -> Session:
+        """The session, if it runs: finished or silent past the timeout, FailedPrecondition."""
+        session = self.get(session_id)
+        if session.finished is None and time.monotonic() - session.last_heartbeat > self.timeout_seconds:
+            session.finished, session.detail = "expired", f"no heartbeat for {self.timeout_seconds:g} s"
+        if session.finished is not None:
+            raise FailedPrecondition(f"session {session_id} has finished ({session.finished})")
+        return session
+
+    def heartbeat(self, session_id: str) -> None:
+        self.live(session_id).last_heartbeat = time.monotonic()
+
+    def finish(self, session_id: str, reason: str, detail: str | None) -> Session:
+        session = self.get(session_id)
+        if session.finished is None:
+            session.finished, session.detail = reason, detail
+        return session
+
+
+@dataclass
+class Request:
+    """One of a model's requests: its id, and what it does once its turn comes."""
+
+    request_id: str
+    work: Callable[[], Awaitable[Outcome]]
+
+
+@dataclass
+class TrainingModel:
+    model_id: str
+    session_id: str
+    base_model: str
+    lora_rank: int
+    #: The next seq_id to run (create_model was 0).
+    next_seq: int = 1
+    #: Every seq_id seen -> its request id (a retried request gets the same).
+    seen: dict[int, str] = field(default_factory=dict)
+    waiting: dict[int, Request] = field(default_factory=dict)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    runner: asyncio.Task | None = None
+
+
+class TrainingModels:
+    """The gateway's models, each running its requests in seq_id order."""
+
+    def __init__(self, futures: Futures) -> None:
+        self.futures = futures
+        self._models: dict[str, TrainingModel] = {}
+
+    def add(self, model: TrainingModel) -> TrainingModel:
+        if self._models:
+            holder = next(iter(self._models.values()))
+            raise FailedPrecondition(
+                f"this gateway's trainer already holds model {holder.model_id} (session {holder.session_id}); "
+                "several models on one trainer are not served yet: start another gateway and trainer"
+            )
+        self._models[model.model_id] = model
+        model.runner = asyncio.create_task(self._run(model), name=f"tinker model {model.model_id}")
+        return model
+
+    def get(self, model_id: str) -> TrainingModel:
+        model = self._models.get(model_id)
+        if model is None:
+            raise NotFound(f"model {model_id!r} is not known here")
+        return model
+
+    def submit(self, model_id: str, seq_id: int | None, label: str,
+               work: Callable[[], Awaitable[Outcome]]) -> str:
+        """The request id of `model_id`'s request `seq_id`, which runs once every earlier one has."""
+        model = self.get(model_id)
+        if seq_id is None or seq_id < 1:
+            raise InvalidArgument(f"{label}: seq_id must be 1 or more (create_model is 0), got {seq_id}")
+        known = model.seen.get(seq_id)
+        if known is not None:
+            return known  # sent again: the first one's answer
+        if seq_id < model.next_seq:
+            raise InvalidArgument(f"{label}: seq_id {seq_id} of model {model_id} is older than the requests run")
+        request_id = self.futures.new(label)
+        model.seen[seq_id] = request_id
+        model.waiting[seq_id] = Request(request_id, work)
+        model.wakeup.set()
+        return request_id
+
+    async def _run(self, model: TrainingModel) -> None:
+        while True:
+            request = model.waiting.pop(model.next_seq, None)
+            if request is None:
+                model.wakeup.clear()
+                await model.wakeup.wait()
+                continue
+            model.next_seq += 1
+            await self.futures.run(request.request_id, request.work)
+
+    async def close(self) -> None:
+        for model in self._models.values():
+            if model.runner is not None:
+                model.runner.cancel()
+        await asyncio.gather(*(m.runner for m in self._models.values() if m.runner), return_exceptions=True)
+
+
+def check_lora(rank: int, flags: dict[str, bool], trainer_rank: int, trainer_modules: tuple[str, ...]) -> None:
+    """Refuses LoRA settings the trainer does not train (rank, and which modules have adapters)."""
+    if trainer_rank == 0:
+        raise FailedPrecondition("lora_config: this gateway's trainer trains every parameter, not LoRA adapters; "
+                                 "start the trainer with model.lora.enabled")
+    if rank != trainer_rank:
+        raise InvalidArgument(f"lora_config.rank: the trainer's adapters have rank {trainer_rank}, not {rank}")
+    modules = set(trainer_modules)
+    if "all-linear" in modules:  # peft: every linear layer but the output head
+        modules = (modules - {"all-linear"}) | LORA_MODULES["train_attn"] | LORA_MODULES["train_mlp"]
+    for flag, names in LORA_MODULES.items():
+        wanted, covered = flags.get(flag, True), names & modules
+        if (wanted and covered != names) or (not wanted and covered):
+            raise InvalidArgument(
+                f"lora_config.{flag}={wanted}: the trainer has adapters on {', '.join(sorted(covered)) or 'none'} "
+                f"of {', '.join(sorted(names))} (its target modules: {', '.join(trainer_modules)})"
+            )

@@ -1,0 +1,154 @@
+"""The official Tinker SDK (tinker==0.38, unmodified) trains through the gateway
+on a real trainer process: sessions, create_model, forward / forward_backward
+(protobuf both ways), optim_step with per-step Adam parameters, the futures
+protocol, named saves, and refusals the SDK surfaces as user errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from flywheel.runtime.auth import Scope, TokenScopes
+from flywheel.runtime.http_server import HttpServer
+from flywheel.trainer.client import TrainerClient
+from services.tinker.config import TinkerConfig
+from services.tinker.gateway import Gateway
+from services.tinker.http_api import create_app
+from tests.conftest import TEST_TOKEN
+
+pytestmark = pytest.mark.slow
+
+KEY, AGENT_KEY = "tml-test-service-key", "tml-test-agent-key"
+ADAPTED = '["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj","lm_head"]'
+
+
+@contextlib.asynccontextmanager
+async def gateway_on(trainer_address: str, checkpoints: Path, **settings):
+    config = TinkerConfig(trainer_address=trainer_address, http_port=0, checkpoint_dir=checkpoints, **settings)
+    trainer = TrainerClient(trainer_address, token=TEST_TOKEN, timeout=120)
+    gateway = Gateway(config, trainer)
+    await gateway.start()
+    tokens = TokenScopes.of({Scope.SERVICE: [KEY], Scope.AGENT: [AGENT_KEY]})
+    http = HttpServer(create_app(gateway, tokens), "127.0.0.1", 0, name="tinker api")
+    await http.start()
+    try:
+        yield gateway, f"http://127.0.0.1:{http.port}"
+    finally:
+        await http.stop()
+        await gateway.close()
+        await trainer.close()
+
+
+@pytest.fixture
+def lora_trainer(run_service, service_model: Path, tmp_path: Path):
+    checkpoints = tmp_path / "trainer-checkpoints"
+    process = run_service("trainer", "--model.path", str(service_model), "--checkpoint.dir", str(checkpoints),
+                          "--model.lora.enabled", "true",
+                          "--model.lora.rank", "4", "--model.lora.target-modules", ADAPTED)
+    return process.grpc_address, checkpoints
+
+
+def fixed_data() -> list[types.Datum]:
+    """Two short supervised examples, their first target weighted 0 (a prompt token)."""
+    out = []
+    for tokens in ([11, 42, 77, 23, 56, 9], [101, 7, 88, 64]):
+        targets = tokens[1:] + [5]
+        weights = [0.0] + [1.0] * (len(tokens) - 1)
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                               loss_fn_inputs={"target_tokens": targets, "weights": weights}))
+    return out
+
+
+def train_with_the_sdk(url: str, base_model: str) -> dict:
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    training = service.create_lora_training_client(base_model=base_model, rank=4).result()
+    info = training.get_info()
+    data = fixed_data()
+    forward = training.forward(data, "cross_entropy").result()
+    losses, first_pass = [], None
+    for _ in range(5):
+        result = training.forward_backward(data, "cross_entropy").result()
+        first_pass = first_pass or result
+        losses.append(result.metrics["loss:sum"])
+        training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    saved = training.save_state("after-five", ttl_seconds=3600).result()
+    try:
+        training.save_state("after-five").result()
+        again = None
+    except tinker.RequestFailedError as exc:
+        again = exc
+    try:
+        training.forward_backward(data, "ppo").result()
+        refused = None
+    except tinker.RequestFailedError as exc:
+        refused = exc
+    service.close("success").result()
+    return {"info": info, "forward": forward, "first": first_pass, "losses": losses, "saved": saved,
+            "again": again, "refused": refused, "model_id": training.model_id}
+
+
+async def test_the_sdk_trains_a_lora_model_through_the_gateway(lora_trainer, service_model: Path) -> None:
+    address, checkpoints = lora_trainer
+    async with gateway_on(address, checkpoints / "tinker") as (gateway, url):
+        out = await asyncio.to_thread(train_with_the_sdk, url, str(service_model))
+        info, forward, first = out["info"], out["forward"], out["first"]
+        assert info.is_lora and info.lora_rank == 4 and info.model_data.tokenizer_id == str(service_model)
+        # forward is forward_backward's pass without the backward: the same log-probs, the same loss.
+        for ours, theirs in zip(forward.loss_fn_outputs, first.loss_fn_outputs, strict=True):
+            assert ours["logprobs"].tolist() == pytest.approx(theirs["logprobs"].tolist(), abs=1e-5)
+        assert forward.metrics["loss:sum"] == pytest.approx(first.metrics["loss:sum"], rel=1e-5)
+        # cross_entropy is Tinker's sum: -Σ weight x log-prob, over the very log-probs returned.
+        expected = -sum(w * lp for d, o in zip(fixed_data(), first.loss_fn_outputs)
+                        for w, lp in zip(d.loss_fn_inputs["weights"].tolist(), o["logprobs"].tolist()))
+        assert first.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+        assert [len(o["logprobs"].tolist()) for o in first.loss_fn_outputs] == [6, 4]
+        losses = out["losses"]
+        assert losses[-1] < 0.8 * losses[0], losses  # five steps on a fixed batch learn it
+        assert out["saved"].path == f"tinker://{out['model_id']}/weights/after-five"
+        assert (checkpoints / "tinker" / out["model_id"] / "after-five" / "tinker.json").is_file()
+        assert out["again"] is not None and out["again"].category == types.RequestErrorCategory.User
+        assert "exists" in str(out["again"])
+        assert out["refused"] is not None and out["refused"].category == types.RequestErrorCategory.User
+        assert "loss_fn 'ppo' is not served" in str(out["refused"])
+        session = next(iter(gateway.sessions._sessions.values()))
+        assert session.finished == "success"
+
+
+async def test_keys_are_checked_and_a_forward_backward_sent_again_is_the_same_request(
+    lora_trainer, service_model: Path
+) -> None:
+    address, checkpoints = lora_trainer
+    async with gateway_on(address, checkpoints / "tinker") as (gateway, url):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            assert (await http.get("/api/v1/healthz")).json() == {"status": "ok"}  # no key needed
+            assert (await http.post("/api/v1/create_session", json={})).status_code == 401
+            refused = await http.post("/api/v1/create_session", json={}, headers={"X-API-Key": AGENT_KEY})
+            assert refused.status_code == 403 and "needs scope service or operator" in refused.text
+            headers = {"X-API-Key": KEY}
+            session = (await http.post("/api/v1/create_session", json={"tags": []}, headers=headers)).json()
+            created = (await http.post("/api/v1/create_model", headers=headers, json={
+                "session_id": session["session_id"], "model_seq_id": 0, "base_model": str(service_model),
+                "lora_config": {"rank": 4}})).json()
+            done = (await http.post("/api/v1/retrieve_future", headers=headers,
+                                    json={"request_id": created["request_id"]})).json()
+            assert done == {"type": "create_model", "model_id": created["model_id"]}
+            from tinker.proto.request_conv import forward_backward_request_to_proto
+
+            body = forward_backward_request_to_proto(types.ForwardBackwardRequest(
+                forward_backward_input=types.ForwardBackwardInput(data=fixed_data(), loss_fn="cross_entropy"),
+                model_id=created["model_id"], seq_id=1)).SerializeToString()
+            proto = {**headers, "Content-Type": "application/x-protobuf"}
+            first = (await http.post("/api/v1/forward_backward", content=body, headers=proto)).json()
+            again = (await http.post("/api/v1/forward_backward", content=body, headers=proto)).json()
+            assert first == again  # the SDK's retry of seq_id 1: one request, run once
+            as_json = await http.post("/api/v1/retrieve_future", headers=headers,
+                                      json={"request_id": first["request_id"]})
+            assert as_json.status_code == 400 and "Accept: application/x-protobuf" in as_json.text
+            unknown = await http.post("/api/v1/asample_everything", headers=headers, json={})
+            assert unknown.status_code == 404 and "is not served by this gateway" in unknown.text
