@@ -4,6 +4,7 @@ reported once the trainer answered what it holds."""
 
 from __future__ import annotations
 
+from flywheel.rollout.client import RolloutClient
 from flywheel.runtime.auth import accepted_tokens
 from flywheel.runtime.http_server import HttpServer
 from flywheel.runtime.server import ServiceSpec
@@ -15,7 +16,9 @@ from services.tinker.http_api import create_app
 
 def build(config: TinkerConfig) -> ServiceSpec:
     trainer = TrainerClient(config.trainer_address, timeout=config.trainer_timeout_seconds)
-    gateway = Gateway(config, trainer)
+    rollout = RolloutClient(config.rollout_address, timeout=config.trainer_timeout_seconds) \
+        if config.rollout_address else None
+    gateway = Gateway(config, trainer, rollout)
     http = HttpServer(create_app(gateway, accepted_tokens(config.server)), config.server.host, config.http_port,
                       name="tinker api")
 
@@ -27,6 +30,8 @@ def build(config: TinkerConfig) -> ServiceSpec:
         await http.stop()
         await gateway.close()
         await trainer.close()
+        if rollout is not None:
+            await rollout.close()
 
     return ServiceSpec(name="tinker", proto_services=[], register=lambda server: None, startup=startup,
                        shutdown=shutdown)

@@ -27,6 +27,15 @@ class TinkerConfig(StrictModel):
         Path("tinker-checkpoints"),
         description="where save_weights puts a model's named checkpoints (the trainer writes them: a path it sees)",
     )
+    rollout_address: str = Field(
+        "", description="the rollout replica that samples the model's saved weights (the gateway's alone); "
+        "empty: sampling is not served"
+    )
+    sampler_dir: Path = Field(
+        Path("tinker-sampler"),
+        description="where saves for the sampler export the merged weights: a path the trainer may write and inside "
+        "the rollout's updates.checkpoint_root",
+    )
     long_poll_seconds: float = Field(
         30.0, gt=0, lt=SDK_RETRIEVE_TIMEOUT_SECONDS, description="how long a retrieve_future waits before try_again"
     )

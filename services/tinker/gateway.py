@@ -6,6 +6,8 @@ written by the trainer (so the directory must be one both see), with a
 `tinker.json` beside them holding the name, the expiry its `ttl_seconds`
 gave it, and the caller's metadata; expired ones are removed when the next
 save of the gateway runs. Their Tinker path is `tinker://<model id>/weights/<name>`.
+Weights saved for the sampler are versions (services/tinker/sampling.py), named
+`tinker://<model id>/sampler_weights/<name>` when the save names them.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ import logging
 import re
 import shutil
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flywheel.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from flywheel.rollout.client import RolloutClient
 from flywheel.runtime.client import translated
 from flywheel.trainer.client import TrainerClient
 from services.tinker.config import TinkerConfig
 from services.tinker.futures import Futures, Outcome
 from services.tinker.models import LORA_MODULES, Sessions, TrainingModel, TrainingModels, check_lora
+from services.tinker.sampling import Sampler, sample_plan, sample_response
 from services.tinker.wire import adam_step, forward_backward_output, trainer_call
 
 log = logging.getLogger(__name__)
@@ -34,6 +40,19 @@ _TTL_RANGE = (3600, 10 * 365 * 24 * 3600)
 _CHECKPOINT_RECORD = "tinker.json"
 
 
+_PATH = re.compile(r"^tinker://(?P<model>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
+
+
+@dataclass(frozen=True)
+class SamplingSession:
+    session_id: str
+    sampling_session_id: str
+    #: The weight version it samples: exactly (snapshot) or at least (inflight).
+    version: int
+    exact: bool
+    model_path: str | None
+
+
 def _refuse_unknown(body: dict[str, Any], allowed: set[str], what: str) -> None:
     unknown = sorted(set(body) - allowed - {"type"})
     if unknown:
@@ -41,9 +60,14 @@ def _refuse_unknown(body: dict[str, Any], allowed: set[str], what: str) -> None:
 
 
 class Gateway:
-    def __init__(self, config: TinkerConfig, trainer: TrainerClient) -> None:
+    def __init__(self, config: TinkerConfig, trainer: TrainerClient, rollout: RolloutClient | None = None) -> None:
         self.config = config
         self.trainer = trainer
+        self.sampler = Sampler(rollout, config.trainer_timeout_seconds) if rollout is not None else None
+        self.sampling_sessions: dict[str, SamplingSession] = {}
+        self._sampler_weights: dict[tuple[str, str], int] = {}  # (model id, name) -> version
+        self._samples: dict[tuple[str, int], dict[str, Any]] = {}  # (sampling session, seq_id) -> its answer
+        self._sampling_created: dict[tuple[str, int], str] = {}  # (session, sampling_session_seq_id) -> its id
         self.futures = Futures()
         self.sessions = Sessions(config.session_timeout_seconds)
         self.models = TrainingModels(self.futures)
@@ -60,6 +84,8 @@ class Gateway:
             raise FailedPrecondition("the trainer has no model loaded")
         self.base_model = self.config.base_model or info.model_name
         self.lora_rank, self.lora_modules = info.lora_rank, tuple(info.lora_target_modules)
+        if self.sampler is not None:
+            await self.sampler.start()
 
     async def close(self) -> None:
         await self.models.close()
@@ -67,7 +93,8 @@ class Gateway:
     # -- service -------------------------------------------------------------
 
     def capabilities(self) -> dict[str, Any]:
-        return {"supported_models": [{"model_name": self.base_model, "trainable": True, "sampleable": False}]}
+        return {"supported_models": [{"model_name": self.base_model, "trainable": True,
+                                      "sampleable": self.sampler is not None}]}
 
     def create_session(self) -> str:
         return self.sessions.create().session_id
@@ -209,3 +236,125 @@ class Gateway:
             if expires is not None and expires < now:
                 shutil.rmtree(record_file.parent, ignore_errors=True)
                 log.info("checkpoint expired and removed", extra={"path": str(record_file.parent)})
+
+    # -- sampling ------------------------------------------------------------
+
+    def _require_sampler(self) -> Sampler:
+        if self.sampler is None:
+            raise FailedPrecondition("sampling is not served by this gateway (no rollout_address configured)")
+        return self.sampler
+
+    def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
+        model = self.models.get(str(body.get("model_id", "")))
+        session = self.sessions.live(model.session_id)
+
+        async def run() -> Outcome:
+            _refuse_unknown(body, {"model_id", "seq_id", "path", "sampling_session_seq_id", "kind", "ttl_seconds",
+                                   "user_metadata"}, "save_weights_for_sampler")
+            sampler = self._require_sampler()
+            name, kind = body.get("path"), body.get("kind", "snapshot")
+            if kind not in ("snapshot", "inflight"):
+                raise InvalidArgument(f"save_weights_for_sampler: kind must be snapshot or inflight, got {kind!r}")
+            if name is not None and (not isinstance(name, str) or not _NAME.match(name)):
+                raise InvalidArgument(f"save_weights_for_sampler: path {name!r} must be a name of letters, digits, "
+                                      "'.', '_', '-'")
+            if name is None and body.get("sampling_session_seq_id") is None:
+                raise InvalidArgument("save_weights_for_sampler: give a path (a name) or a sampling_session_seq_id")
+            if body.get("ttl_seconds") is not None or body.get("user_metadata"):
+                raise InvalidArgument("save_weights_for_sampler: ttl_seconds and user_metadata are not served for "
+                                      "sampler weights (the sampler keeps the newest version only)")
+            if name is not None and (model.model_id, name) in self._sampler_weights:
+                raise AlreadyExists(f"save_weights_for_sampler: {name!r} exists for model {model.model_id}")
+            timeout = self.config.trainer_timeout_seconds
+            with translated("trainer GetInfo"):
+                version = int((await self.trainer.get_info(timeout=timeout)).weight_version)
+            if version:  # version 0 is the base model the replica started with: nothing to export
+                with translated("trainer ExportWeights"):
+                    exported = await self.trainer.export_weights(
+                        "checkpoint", directory=str(self.config.sampler_dir / model.model_id), timeout=timeout)
+                version = int(exported.weight_version)
+                await sampler.install(version, exported.path)
+            if name is not None:
+                self._sampler_weights[(model.model_id, name)] = version
+                return Outcome(json={"type": "save_weights_for_sampler",
+                                     "path": f"tinker://{model.model_id}/sampler_weights/{name}"})
+            sampling = self._new_sampling_session(session.session_id, int(body["sampling_session_seq_id"]), version,
+                                                  kind == "snapshot", None)
+            return Outcome(json={"type": "save_weights_for_sampler", "sampling_session_id": sampling})
+
+        return {"request_id": self.models.submit(model.model_id, body.get("seq_id"), "save_weights_for_sampler", run),
+                "model_id": model.model_id}
+
+    def _new_sampling_session(self, session_id: str, seq: int, version: int, exact: bool,
+                              model_path: str | None) -> str:
+        key = (session_id, seq)
+        if key in self._sampling_created:
+            return self._sampling_created[key]
+        sampling_id = f"sampler-{uuid.uuid4().hex[:12]}"
+        self.sampling_sessions[sampling_id] = SamplingSession(session_id, sampling_id, version, exact, model_path)
+        self._sampling_created[key] = sampling_id
+        return sampling_id
+
+    def _sampler_version(self, model_path: str) -> int:
+        match = _PATH.match(model_path)
+        if match is None:
+            raise InvalidArgument(f"model_path {model_path!r} is not a tinker://<model>/sampler_weights/<name> path")
+        if match["kind"] != "sampler_weights":
+            raise InvalidArgument(f"model_path {model_path!r}: training checkpoints (weights/) are not sampled "
+                                  "from; save_weights_for_sampler makes weights to sample")
+        version = self._sampler_weights.get((match["model"], match["name"]))
+        if version is None:
+            raise NotFound(f"model_path {model_path!r}: no such sampler weights here")
+        return version
+
+    def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        _refuse_unknown(body, {"session_id", "sampling_session_seq_id", "base_model", "model_path"},
+                        "create_sampling_session")
+        self._require_sampler()
+        session = self.sessions.live(str(body.get("session_id", "")))
+        seq = body.get("sampling_session_seq_id")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise InvalidArgument(f"sampling_session_seq_id must be an integer >= 0, got {seq!r}")
+        model_path, base = body.get("model_path"), body.get("base_model")
+        if model_path is not None:
+            version = self._sampler_version(str(model_path))
+        elif base == self.base_model:
+            version = 0
+        else:
+            raise NotFound(f"base_model {base!r} is not served here; this gateway serves {self.base_model!r}")
+        sampling_id = self._new_sampling_session(session.session_id, seq, version, True, model_path)
+        return {"type": "create_sampling_session", "sampling_session_id": sampling_id}
+
+    def get_sampler(self, sampling_session_id: str) -> dict[str, Any]:
+        sampling = self.sampling_sessions.get(sampling_session_id)
+        if sampling is None:
+            raise NotFound(f"sampler {sampling_session_id!r} is not known here")
+        return {"sampler_id": sampling_session_id, "base_model": self.base_model, "model_path": sampling.model_path}
+
+    def asample(self, body: dict[str, Any]) -> dict[str, Any]:
+        sampler = self._require_sampler()
+        sampling_id = body.get("sampling_session_id")
+        if sampling_id is None:
+            raise InvalidArgument("asample: sampling_session_id is needed (the SDK's sampling clients send it)")
+        sampling = self.sampling_sessions.get(str(sampling_id))
+        if sampling is None:
+            raise NotFound(f"sampler {sampling_id!r} is not known here")
+        self.sessions.live(sampling.session_id)
+        seq = body.get("seq_id")
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            raise InvalidArgument(f"asample: seq_id must be an integer, got {seq!r}")
+        known = self._samples.get((sampling.sampling_session_id, seq))
+        if known is not None:
+            return known  # sent again: the first one's answer
+        plan = sample_plan(body)  # a malformed request is answered now, before it is accepted
+        request_id = self.futures.new("sample")
+
+        async def run() -> Outcome:
+            samples = await sampler.sample(plan, sampling.version, sampling.exact)
+            return Outcome(proto=sample_response(samples))
+
+        self.futures.run(request_id, run)
+        answer = {"request_id": request_id,
+                  "sample_sequence_ids": [f"{request_id}:{i}" for i in range(plan.num_samples)]}
+        self._samples[(sampling.sampling_session_id, seq)] = answer
+        return answer

@@ -143,6 +143,22 @@ def create_app(gateway: Gateway, tokens: TokenScopes) -> FastAPI:
     async def save_weights(request: Request) -> dict:
         return gateway.save_weights(await _json(request))
 
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict:
+        return gateway.save_weights_for_sampler(await _json(request))
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict:
+        return gateway.create_sampling_session(await _json(request))
+
+    @app.get("/api/v1/samplers/{sampling_session_id}")
+    async def get_sampler(sampling_session_id: str) -> dict:
+        return gateway.get_sampler(sampling_session_id)
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request) -> dict:
+        return gateway.asample(await _json(request))
+
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         body = await _json(request)

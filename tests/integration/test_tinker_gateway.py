@@ -1,7 +1,9 @@
-"""The official Tinker SDK (tinker==0.38, unmodified) trains through the gateway
-on a real trainer process: sessions, create_model, forward / forward_backward
-(protobuf both ways), optim_step with per-step Adam parameters, the futures
-protocol, named saves, and refusals the SDK surfaces as user errors."""
+"""The official Tinker SDK (tinker==0.38, unmodified) trains and samples through
+the gateway on a real trainer and a real rollout process: sessions,
+create_model, forward / forward_backward (protobuf both ways), optim_step with
+per-step Adam parameters, the futures protocol, named saves, saves for the
+sampler installed on the rollout, sampling on an exact version, and refusals
+the SDK surfaces as user errors."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import tinker
 from tinker import types
 
+from flywheel.rollout.client import RolloutClient
 from flywheel.runtime.auth import Scope, TokenScopes
 from flywheel.runtime.http_server import HttpServer
 from flywheel.trainer.client import TrainerClient
@@ -26,13 +29,16 @@ pytestmark = pytest.mark.slow
 
 KEY, AGENT_KEY = "tml-test-service-key", "tml-test-agent-key"
 ADAPTED = '["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj","lm_head"]'
+ADAPTED_BUT_THE_HEAD = '["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"]'
 
 
 @contextlib.asynccontextmanager
-async def gateway_on(trainer_address: str, checkpoints: Path, **settings):
-    config = TinkerConfig(trainer_address=trainer_address, http_port=0, checkpoint_dir=checkpoints, **settings)
+async def gateway_on(trainer_address: str, checkpoints: Path, rollout_address: str = "", **settings):
+    config = TinkerConfig(trainer_address=trainer_address, http_port=0, checkpoint_dir=checkpoints,
+                          rollout_address=rollout_address, **settings)
     trainer = TrainerClient(trainer_address, token=TEST_TOKEN, timeout=120)
-    gateway = Gateway(config, trainer)
+    rollout = RolloutClient(rollout_address, token=TEST_TOKEN, timeout=120) if rollout_address else None
+    gateway = Gateway(config, trainer, rollout)
     await gateway.start()
     tokens = TokenScopes.of({Scope.SERVICE: [KEY], Scope.AGENT: [AGENT_KEY]})
     http = HttpServer(create_app(gateway, tokens), "127.0.0.1", 0, name="tinker api")
@@ -43,15 +49,27 @@ async def gateway_on(trainer_address: str, checkpoints: Path, **settings):
         await http.stop()
         await gateway.close()
         await trainer.close()
+        if rollout is not None:
+            await rollout.close()
+
+
+def start_lora_trainer(run_service, model: Path, checkpoints: Path, modules: str):
+    process = run_service("trainer", "--model.path", str(model), "--checkpoint.dir", str(checkpoints),
+                          "--model.lora.enabled", "true", "--model.lora.rank", "4", "--model.lora.target-modules", modules)
+    return process.grpc_address, checkpoints
 
 
 @pytest.fixture
 def lora_trainer(run_service, service_model: Path, tmp_path: Path):
-    checkpoints = tmp_path / "trainer-checkpoints"
-    process = run_service("trainer", "--model.path", str(service_model), "--checkpoint.dir", str(checkpoints),
-                          "--model.lora.enabled", "true",
-                          "--model.lora.rank", "4", "--model.lora.target-modules", ADAPTED)
-    return process.grpc_address, checkpoints
+    """Adapters where Tinker's defaults put them: attention, MLP and the output head."""
+    return start_lora_trainer(run_service, service_model, tmp_path / "trainer-checkpoints", ADAPTED)
+
+
+@pytest.fixture
+def lora_trainer_for_sampling(run_service, service_model: Path, tmp_path: Path):
+    """The tiny model ties its output head to its input embeddings, as SmolLM2 does: merged weights with an
+    adapter on the head would untie them, which no sampler of that model loads (docs/tinker.md)."""
+    return start_lora_trainer(run_service, service_model, tmp_path / "trainer-checkpoints", ADAPTED_BUT_THE_HEAD)
 
 
 def fixed_data() -> list[types.Datum]:
@@ -152,3 +170,71 @@ async def test_keys_are_checked_and_a_forward_backward_sent_again_is_the_same_re
             assert as_json.status_code == 400 and "Accept: application/x-protobuf" in as_json.text
             unknown = await http.post("/api/v1/asample_everything", headers=headers, json={})
             assert unknown.status_code == 404 and "is not served by this gateway" in unknown.text
+
+
+PROMPT = [11, 42, 77, 23]
+
+
+def sample_with_the_sdk(url: str, base_model: str) -> dict:
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    training = service.create_lora_training_client(base_model=base_model, rank=4, train_unembed=False).result()
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
+    prompt = types.ModelInput.from_ints(PROMPT)
+    first = training.save_weights_and_get_sampling_client().result()  # the base weights: version 0
+    base = first.sample(prompt, num_samples=3, sampling_params=params).result()
+    sequence = base.sequences[0]
+    tokens = PROMPT + sequence.tokens
+    scored = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+        "target_tokens": tokens[1:], "weights": [0.0] * (len(PROMPT) - 1) + [1.0] * len(sequence.tokens)})
+    forward = training.forward([scored], "cross_entropy").result()
+    training.forward_backward(fixed_data(), "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    second = training.save_weights_and_get_sampling_client().result()  # version 1, installed on the rollout
+    trained = second.sample(prompt, num_samples=1, sampling_params=params).result()
+    try:
+        first.sample(prompt, num_samples=1, sampling_params=params).result()
+        stale = None
+    except tinker.RequestFailedError as exc:
+        stale = exc
+    named = training.save_weights_for_sampler("named").result().path
+    by_path = service.create_sampling_client(model_path=named).result()
+    stopped = by_path.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(
+        max_tokens=6, stop=[trained.sequences[0].tokens[0]], seed=7)).result()
+    try:
+        by_path.sample(prompt, num_samples=1, sampling_params=params, include_prompt_logprobs=True).result()
+        prompt_logprobs = None
+    except Exception as exc:  # noqa: BLE001 - the SDK raises a RequestFailedError or a BadRequestError
+        prompt_logprobs = exc
+    service.close("success").result()
+    return {"base": base, "forward": forward, "trained": trained, "stale": stale, "named": named,
+            "stopped": stopped, "prompt_logprobs": prompt_logprobs, "model_id": training.model_id}
+
+
+@pytest.fixture
+def rollout(run_service):
+    return run_service("rollout").grpc_address
+
+
+async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
+    lora_trainer_for_sampling, rollout, service_model: Path
+) -> None:
+    address, checkpoints = lora_trainer_for_sampling
+    async with gateway_on(address, checkpoints / "tinker", rollout, sampler_dir=checkpoints / "sampler") as (
+        gateway, url
+    ):
+        out = await asyncio.to_thread(sample_with_the_sdk, url, str(service_model))
+        base = out["base"]
+        assert len(base.sequences) == 3 and len({s.sequence_id for s in base.sequences}) == 3
+        sequence = base.sequences[0]
+        assert 1 <= len(sequence.tokens) <= 6 and len(sequence.logprobs) == len(sequence.tokens)
+        # The sampler's log-probs of its tokens are forward()'s on the same tokens (temperature 1, no truncation).
+        scored = out["forward"].loss_fn_outputs[0]["logprobs"].tolist()[-len(sequence.tokens):]
+        assert sequence.logprobs == pytest.approx(scored, abs=1e-5)  # measured: 4.8e-7 (float32 both sides)
+        assert (await gateway.sampler.rollout.status()).weight_version == 1  # the trained weights, installed
+        assert len(out["trained"].sequences[0].tokens) >= 1
+        assert out["stale"] is not None and out["stale"].category == types.RequestErrorCategory.User
+        assert "were replaced on the sampler by version 1" in str(out["stale"])
+        assert out["named"] == f"tinker://{out['model_id']}/sampler_weights/named"
+        stopped = out["stopped"].sequences[0]
+        assert stopped.stop_reason == "stop" and len(stopped.tokens) <= 1  # the stop token itself ends it
+        assert "prompt_logprobs is not served" in str(out["prompt_logprobs"])
