@@ -8,10 +8,20 @@ gave it, and the caller's metadata; expired ones are removed when the next
 save of the gateway runs. Their Tinker path is `tinker://<model id>/weights/<name>`.
 Weights saved for the sampler are versions (services/tinker/sampling.py), named
 `tinker://<model id>/sampler_weights/<name>` when the save names them.
+
+The trainer holds one model at a time (services/tinker/models.py). The gateway
+keeps the trainer's initial state (`checkpoint_dir/.initial`, saved when it
+first starts on a fresh trainer) and loads it when a new model takes the
+trainer, so every model starts from the base weights, the same adapters'
+initialisation and a fresh optimizer; a model created from a checkpoint
+(create-via-load) gets that checkpoint's weights and optimizer state instead.
+Each model's `run.json` (`checkpoint_dir/<model id>/`) keeps what
+`GET training_runs/{id}` answers, across gateway restarts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -19,6 +29,7 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +49,9 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: Tinker's bounds on a checkpoint's time to live: an hour to ten years (None: never expires).
 _TTL_RANGE = (3600, 10 * 365 * 24 * 3600)
 _CHECKPOINT_RECORD = "tinker.json"
+_RUN_RECORD = "run.json"
+#: The trainer's state before any model trained: what a new model starts from.
+_INITIAL = ".initial"
 
 
 _PATH = re.compile(r"^tinker://(?P<model>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
@@ -51,6 +65,18 @@ class SamplingSession:
     version: int
     exact: bool
     model_path: str | None
+
+
+def _iso(unix_seconds: float) -> str:
+    return datetime.fromtimestamp(unix_seconds, timezone.utc).isoformat()
+
+
+def _checkpoint_json(model_id: str, record: dict[str, Any]) -> dict[str, Any]:
+    expires = record.get("expires")
+    return {"checkpoint_id": f"weights/{record['name']}", "checkpoint_type": "training",
+            "time": _iso(record["created"]), "tinker_path": f"tinker://{model_id}/weights/{record['name']}",
+            "user_metadata": record.get("user_metadata") or None,
+            "expires_at": None if expires is None else _iso(expires)}
 
 
 def _refuse_unknown(body: dict[str, Any], allowed: set[str], what: str) -> None:
@@ -68,6 +94,8 @@ class Gateway:
         self._sampler_weights: dict[tuple[str, str], int] = {}  # (model id, name) -> version
         self._samples: dict[tuple[str, int], dict[str, Any]] = {}  # (sampling session, seq_id) -> its answer
         self._sampling_created: dict[tuple[str, int], str] = {}  # (session, sampling_session_seq_id) -> its id
+        self._initial: str | None = None  # the trainer's initial state (its checkpoint path)
+        self._trainer_turns = asyncio.Lock()  # one model takes the trainer at a time
         self.futures = Futures()
         self.sessions = Sessions(config.session_timeout_seconds)
         self.models = TrainingModels(self.futures)
@@ -84,6 +112,18 @@ class Gateway:
             raise FailedPrecondition("the trainer has no model loaded")
         self.base_model = self.config.base_model or info.model_name
         self.lora_rank, self.lora_modules = info.lora_rank, tuple(info.lora_target_modules)
+        initial = self.config.checkpoint_dir / _INITIAL
+        saved = sorted(initial.glob("global_step_*"))
+        if saved:
+            self._initial = str(saved[-1])
+        elif info.step == 0 and info.weight_version == 0:
+            with translated("trainer SaveCheckpoint"):
+                self._initial = (await self.trainer.save_checkpoint(
+                    str(initial), timeout=self.config.trainer_timeout_seconds)).path
+        else:
+            raise FailedPrecondition(
+                f"the trainer has trained already (step {info.step}) and {initial} holds no initial state: "
+                "start the gateway with a freshly started trainer")
         if self.sampler is not None:
             await self.sampler.start()
 
@@ -136,11 +176,137 @@ class Gateway:
                 rank = int(lora.get("rank", 0))
                 check_lora(rank, {k: bool(lora.get(k, True)) for k in LORA_MODULES}, self.lora_rank,
                            self.lora_modules)
-            self.models.add(TrainingModel(model_id, session.session_id, self.base_model, rank))
+            metadata = body.get("user_metadata") or {}
+            if not isinstance(metadata, dict):
+                raise InvalidArgument("create_model: user_metadata must be an object")
+            await self._take_trainer(TrainingModel(model_id, session.session_id, self.base_model, rank, metadata),
+                                     self._initial)
             return Outcome(json={"type": "create_model", "model_id": model_id})
 
         self.futures.run(request_id, create)
         return {"request_id": request_id, "model_id": model_id}
+
+    async def _take_trainer(self, model: TrainingModel, load: str | None) -> None:
+        """Gives the trainer to `model`, loading `load` first (the initial state, or a checkpoint)."""
+        async with self._trainer_turns:
+            holder = self.models.holder
+            self.models.check_free(holder is not None and self._session_runs(holder.session_id))
+            timeout = self.config.trainer_timeout_seconds
+            with translated("trainer GetInfo"):
+                info = await self.trainer.get_info(timeout=timeout)
+            if load is not None and (load != self._initial or holder is not None or info.step or info.weight_version):
+                with translated("trainer LoadCheckpoint"):
+                    await self.trainer.load_checkpoint(load, timeout=timeout)
+            self.models.add(model)
+            self._write_run(model)
+
+    def _session_runs(self, session_id: str) -> bool:
+        try:
+            self.sessions.live(session_id)
+        except FailedPrecondition:
+            return False
+        return True
+
+    def _write_run(self, model: TrainingModel) -> None:
+        directory = self.config.checkpoint_dir / model.model_id
+        directory.mkdir(parents=True, exist_ok=True)
+        record = {"training_run_id": model.model_id, "base_model": model.base_model, "lora_rank": model.lora_rank,
+                  "user_metadata": model.user_metadata, "created": time.time()}
+        (directory / _RUN_RECORD).write_text(json.dumps(record))
+
+    def _read_run(self, model_id: str) -> dict[str, Any]:
+        try:
+            return json.loads((self.config.checkpoint_dir / model_id / _RUN_RECORD).read_text())
+        except (OSError, ValueError):
+            raise NotFound(f"training run {model_id!r} is not known here") from None
+
+    def training_run(self, model_id: str) -> dict[str, Any]:
+        run = self._read_run(model_id)
+        listed = self.checkpoints(model_id)["checkpoints"]
+        last = listed[-1] if listed else None
+        return {
+            "training_run_id": model_id, "base_model": run["base_model"], "model_owner": "flywheel",
+            "is_lora": run["lora_rank"] > 0, "lora_rank": run["lora_rank"] or None,
+            "last_request_time": last["time"] if last else _iso(run["created"]),
+            "user_metadata": run.get("user_metadata") or None, "corrupted": False,
+            "last_checkpoint": last, "last_sampler_checkpoint": None,
+        }
+
+    def checkpoints(self, model_id: str) -> dict[str, Any]:
+        self._read_run(model_id)  # NotFound for a run this gateway never made
+        records = []
+        for record_file in (self.config.checkpoint_dir / model_id).glob(f"*/{_CHECKPOINT_RECORD}"):
+            try:
+                records.append(json.loads(record_file.read_text()))
+            except (OSError, ValueError):
+                continue
+        records.sort(key=lambda r: r.get("created", 0))
+        return {"checkpoints": [_checkpoint_json(model_id, r) for r in records]}
+
+    def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Create-via-load (session_id + model_seq_id: a new model from a checkpoint) or a load into
+        the model (model_id + seq_id, in its order)."""
+        _refuse_unknown(body, {"model_id", "seq_id", "session_id", "model_seq_id", "base_model", "user_metadata",
+                               "path", "optimizer", "optimizer_config", "weights_access_token"}, "load_weights")
+        path = str(body.get("path", ""))
+        if body.get("weights_access_token"):
+            raise InvalidArgument("load_weights: weights_access_token is not served (one deployment, one owner)")
+
+        def checkpoint() -> tuple[str, dict[str, Any]]:
+            if not body.get("optimizer"):
+                raise InvalidArgument("load_weights: weights without their optimizer state are not served yet; "
+                                      "load with the optimizer (load_state_with_optimizer)")
+            if body.get("optimizer_config") not in (None, {"type": "adamw"}):
+                raise InvalidArgument(f"load_weights: only adamw is served, got {body['optimizer_config']!r}")
+            match = _PATH.match(path)
+            if match is None or match["kind"] != "weights":
+                raise InvalidArgument(f"load_weights: path {path!r} is not a tinker://<model>/weights/<name> path")
+            try:
+                record = json.loads((self._checkpoint_dir(match["model"], match["name"]) / _CHECKPOINT_RECORD)
+                                    .read_text())
+            except (OSError, ValueError):
+                raise NotFound(f"load_weights: no checkpoint {path!r} here") from None
+            return record["trainer_path"], self._read_run(match["model"])
+
+        if body.get("session_id") is not None:
+            session = self.sessions.live(str(body["session_id"]))
+            seq = body.get("model_seq_id")
+            if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+                raise InvalidArgument(f"load_weights: model_seq_id must be an integer >= 0, got {seq!r}")
+            key = (session.session_id, seq)
+            model_id = f"{session.session_id}:train:{seq}"
+            if key in self._created:
+                return {"request_id": self._created[key], "model_id": model_id}
+            request_id = self.futures.new("load_weights")
+            self._created[key] = request_id
+
+            async def create() -> Outcome:
+                trainer_path, run = checkpoint()
+                base = body.get("base_model") or run["base_model"]
+                if base != self.base_model:
+                    raise NotFound(f"base_model {base!r} is not served here; this gateway serves {self.base_model!r}")
+                metadata = body.get("user_metadata") or run.get("user_metadata") or {}
+                await self._take_trainer(
+                    TrainingModel(model_id, session.session_id, base, int(run["lora_rank"]), metadata), trainer_path)
+                return Outcome(json={"type": "load_weights", "path": path, "model_id": model_id})
+
+            self.futures.run(request_id, create)
+            return {"request_id": request_id, "model_id": model_id}
+
+        model = self.models.get(str(body.get("model_id", "")))
+        self.sessions.live(model.session_id)
+
+        async def load() -> Outcome:
+            trainer_path, run = checkpoint()
+            if int(run["lora_rank"]) != model.lora_rank:
+                raise InvalidArgument(f"load_weights: {path} has LoRA rank {run['lora_rank']}, the model "
+                                      f"{model.lora_rank}")
+            with translated("trainer LoadCheckpoint"):
+                await self.trainer.load_checkpoint(trainer_path, timeout=self.config.trainer_timeout_seconds)
+            return Outcome(json={"type": "load_weights", "path": path, "model_id": model.model_id})
+
+        return {"request_id": self.models.submit(model.model_id, body.get("seq_id"), "load_weights", load),
+                "model_id": model.model_id}
 
     def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
         model = self.models.get(str(body.get("model_id", "")))

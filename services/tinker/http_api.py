@@ -143,6 +143,18 @@ def create_app(gateway: Gateway, tokens: TokenScopes) -> FastAPI:
     async def save_weights(request: Request) -> dict:
         return gateway.save_weights(await _json(request))
 
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request) -> dict:
+        return gateway.load_weights(await _json(request))
+
+    @app.get("/api/v1/training_runs/{model_id}")
+    async def training_run(model_id: str) -> dict:
+        return gateway.training_run(model_id)
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
+    async def checkpoints(model_id: str) -> dict:
+        return gateway.checkpoints(model_id)
+
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict:
         return gateway.save_weights_for_sampler(await _json(request))

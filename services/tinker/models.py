@@ -7,8 +7,10 @@ Gradients add up in the trainer across forward_backward calls until
 optim_step. A request sent again (the same model and seq_id, as the SDK's
 retries do) gets the first one's request id and is never run twice.
 
-One trainer holds one model: a second create_model is refused, naming the
-model that holds it (several LoRA models on one trainer are not built yet).
+One trainer holds one model at a time: a second create_model is refused,
+naming the model that holds it, while that model's session runs (several
+LoRA models on one trainer are not built yet); once it finished or went
+silent, a new model takes the trainer.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.tinker.futures import Futures, Outcome
+from services.tinker.futures import Futures, Outcome, failure
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ class TrainingModel:
     session_id: str
     base_model: str
     lora_rank: int
+    user_metadata: dict = field(default_factory=dict)
     #: The next seq_id to run (create_model was 0).
     next_seq: int = 1
     #: Every seq_id seen -> its request id (a retried request gets the same).
@@ -108,15 +111,34 @@ class TrainingModels:
     def __init__(self, futures: Futures) -> None:
         self.futures = futures
         self._models: dict[str, TrainingModel] = {}
+        self._current: TrainingModel | None = None
+
+    @property
+    def holder(self) -> TrainingModel | None:
+        """The model that holds the trainer now (None before the first)."""
+        return self._current
+
+    def check_free(self, holder_runs: bool) -> None:
+        """Refuses a new model while the one holding the trainer has a running session."""
+        if self._current is not None and holder_runs:
+            raise FailedPrecondition(
+                f"this gateway's trainer holds model {self._current.model_id} (session {self._current.session_id}, "
+                "running); several models on one trainer are not served yet: finish that session, or start "
+                "another gateway and trainer"
+            )
 
     def add(self, model: TrainingModel) -> TrainingModel:
-        if self._models:
-            holder = next(iter(self._models.values()))
-            raise FailedPrecondition(
-                f"this gateway's trainer already holds model {holder.model_id} (session {holder.session_id}); "
-                "several models on one trainer are not served yet: start another gateway and trainer"
-            )
+        """Gives the trainer to `model` (call check_free first): the previous holder's waiting
+        requests are refused and it takes no new ones."""
+        previous = self._current
+        if previous is not None and previous.runner is not None:
+            previous.runner.cancel()
+            for request in previous.waiting.values():
+                self.futures.finish(request.request_id, failure(FailedPrecondition(
+                    f"model {previous.model_id} gave the trainer to model {model.model_id}")))
+            previous.waiting.clear()
         self._models[model.model_id] = model
+        self._current = model
         model.runner = asyncio.create_task(self._run(model), name=f"tinker model {model.model_id}")
         return model
 
@@ -124,7 +146,13 @@ class TrainingModels:
         model = self._models.get(model_id)
         if model is None:
             raise NotFound(f"model {model_id!r} is not known here")
+        if model is not self._current:
+            raise FailedPrecondition(f"model {model_id} no longer holds the trainer (its session ended)")
         return model
+
+    def known(self, model_id: str) -> TrainingModel | None:
+        """A model this gateway made, holding the trainer or not."""
+        return self._models.get(model_id)
 
     def submit(self, model_id: str, seq_id: int | None, label: str,
                work: Callable[[], Awaitable[Outcome]]) -> str:

@@ -238,3 +238,55 @@ async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
         stopped = out["stopped"].sequences[0]
         assert stopped.stop_reason == "stop" and len(stopped.tokens) <= 1  # the stop token itself ends it
         assert "prompt_logprobs is not served" in str(out["prompt_logprobs"])
+
+
+def resume_with_the_sdk(url: str, base_model: str) -> dict:
+    data = fixed_data()
+    adam = types.AdamParams(learning_rate=2e-2)
+    first = tinker.ServiceClient(base_url=url, api_key=KEY)
+    training = first.create_lora_training_client(base_model=base_model, rank=4,
+                                                 user_metadata={"renderer": "role_colon"}).result()
+    for _ in range(2):
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(adam).result()
+    saved = training.save_state("mid").result().path
+    uninterrupted = []
+    for _ in range(2):
+        uninterrupted.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        training.optim_step(adam).result()
+    try:  # the trainer is held while the first session runs
+        tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
+            base_model=base_model, rank=4).result()
+        busy = None
+    except tinker.RequestFailedError as exc:
+        busy = exc
+    run = first.create_rest_client().get_training_run_by_tinker_path(saved).result()
+    first.close("success").result()
+
+    second = tinker.ServiceClient(base_url=url, api_key=KEY)
+    resumed = second.create_training_client_from_state_with_optimizer(saved).result()
+    again = []
+    for _ in range(2):
+        again.append(resumed.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        resumed.optim_step(adam).result()
+    try:
+        second.create_training_client_from_state(saved).result()  # weights without the optimizer
+        weights_only = None
+    except tinker.RequestFailedError as exc:
+        weights_only = exc
+    second.close("success").result()
+    return {"uninterrupted": uninterrupted, "again": again, "busy": busy, "run": run, "saved": saved,
+            "weights_only": weights_only}
+
+
+async def test_a_new_session_resumes_from_a_save_with_its_optimizer_state(lora_trainer, service_model: Path) -> None:
+    address, checkpoints = lora_trainer
+    async with gateway_on(address, checkpoints / "tinker") as (gateway, url):
+        out = await asyncio.to_thread(resume_with_the_sdk, url, str(service_model))
+    # Weights and Adam's moments both come back: the two steps after the save repeat exactly.
+    assert out["again"] == pytest.approx(out["uninterrupted"], rel=1e-5)
+    assert out["busy"] is not None and "holds model" in str(out["busy"])
+    run = out["run"]
+    assert run.base_model == str(service_model) and run.is_lora and run.lora_rank == 4
+    assert run.user_metadata == {"renderer": "role_colon"} and run.last_checkpoint.tinker_path == out["saved"]
+    assert out["weights_only"] is not None and "without their optimizer state" in str(out["weights_only"])

@@ -64,11 +64,24 @@ async def test_a_failed_request_answers_its_error_and_the_next_one_still_runs() 
     await models.close()
 
 
-async def test_one_trainer_holds_one_model() -> None:
-    models = TrainingModels(Futures())
+async def test_one_trainer_holds_one_model_while_its_session_runs() -> None:
+    futures = Futures()
+    models = TrainingModels(futures)
+    models.check_free(holder_runs=True)  # nobody holds it yet
     models.add(TrainingModel("first", "s", "base", 4))
-    with pytest.raises(FailedPrecondition, match="already holds model first"):
-        models.add(TrainingModel("second", "s", "base", 4))
+    with pytest.raises(FailedPrecondition, match="holds model first"):
+        models.check_free(holder_runs=True)
+
+    async def never() -> Outcome:
+        raise AssertionError("a request of a model that gave the trainer away ran")
+
+    waiting = models.submit("first", 2, "optim_step", never)  # seq 1 never came
+    models.check_free(holder_runs=False)  # its session ended: a new model may take the trainer
+    models.add(TrainingModel("second", "t", "base", 4))
+    assert "gave the trainer to model second" in (await futures.wait(waiting, 1)).reply()["error"]
+    with pytest.raises(FailedPrecondition, match="no longer holds the trainer"):
+        models.submit("first", 3, "optim_step", never)
+    assert models.known("first") is not None and models.get("second").model_id == "second"
     await models.close()
 
 
