@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import socket
 import ssl
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
@@ -24,6 +27,21 @@ from fastapi import FastAPI
 from flywheel.runtime.tls import TlsFiles, process_tls
 
 log = logging.getLogger(__name__)
+
+
+def http_ready_file(ready_file: Path) -> Path:
+    """Where a service reports its HTTP port, next to the runtime's ready file (for launchers)."""
+    return ready_file.with_name(f"{ready_file.stem}.http.json")
+
+
+def report_http_port(ready_file: Path | None, port: int) -> None:
+    """Writes {"http_port": N} to `http_ready_file(ready_file)` atomically; nothing without a ready file."""
+    if ready_file is None:
+        return
+    target = http_ready_file(ready_file)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"http_port": port}))
+    os.replace(tmp, target)
 
 
 class _Server(uvicorn.Server):

@@ -28,12 +28,15 @@ from flywheel.runtime.auth import TOKENS_FILE_ENV, Scope, parse_tokens, read_tok
 
 #: 32 random bytes, hex: 256 bits a guesser would have to find.
 TOKEN_BYTES = 32
+#: Every token starts so: the Tinker SDK sends only API keys that do, and the `service`
+#: token is what a Tinker client holds (services/tinker).
+TOKEN_PREFIX = "tml-"
 
 
 def new_tokens_yaml() -> str:
     """A tokens file's text: one fresh token per scope, lowest scope first."""
     header = "# Flywheel bearer tokens by scope (python -m flywheel.runtime.tokens); keep this file secret.\n"
-    return header + "".join(f"{scope}: {secrets.token_hex(TOKEN_BYTES)}\n" for scope in Scope)
+    return header + "".join(f"{scope}: {TOKEN_PREFIX}{secrets.token_hex(TOKEN_BYTES)}\n" for scope in Scope)
 
 
 def init(path: Path, text: str | None = None) -> bool:

@@ -18,10 +18,7 @@ version, and graceful shutdown deregisters it first.
 from __future__ import annotations
 
 import gc
-import json
 import logging
-import os
-from pathlib import Path
 
 import services.rollout.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.errors import InvalidArgument
@@ -45,11 +42,6 @@ METHOD_SCOPES = {
 }
 
 
-def http_ready_file(ready_file: Path) -> Path:
-    """Where the HTTP port is written, next to the runtime's ready file."""
-    return ready_file.with_name(f"{ready_file.stem}.http.json")
-
-
 def build(config: RolloutConfig) -> ServiceSpec:
     model_path = require_model_dir(config.engine.model_path, "rollout", ("engine", "model_path"))
     name = config.engine.served_model_name or model_path.name
@@ -70,7 +62,7 @@ def build(config: RolloutConfig) -> ServiceSpec:
     async def startup() -> None:
         from services.rollout.engine import create_engine
         from services.rollout.openai_api.http_api import create_app
-        from flywheel.runtime.http_server import HttpServer
+        from flywheel.runtime.http_server import HttpServer, report_http_port
         from services.rollout.serving.text import TextCodec
 
         codec = TextCodec.load(config.engine.args.get("tokenizer") or model_path)
@@ -102,11 +94,7 @@ def build(config: RolloutConfig) -> ServiceSpec:
         http = HttpServer(create_app(core, config, accepted_tokens(server), sessions, replica), server.host, config.http_port)
         await http.start()
         state["http"] = http
-        if server.ready_file is not None:
-            target = http_ready_file(server.ready_file)
-            tmp = target.with_name(target.name + ".tmp")
-            tmp.write_text(json.dumps({"http_port": http.port}))
-            os.replace(tmp, target)
+        report_http_port(server.ready_file, http.port)
         if config.synchronizer.address:
             from services.rollout.weights.link import SynchronizerLink
 

@@ -25,7 +25,7 @@ from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
 from tests.conftest import TEST_TOKEN
-from services.rollout.app import http_ready_file
+from flywheel.runtime.http_server import http_ready_file
 from tests.unit.rollout.rollout_helpers import engine_args, need_engine, reference_greedy, reference_logprobs
 
 ENGINES = ["transformers", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])]

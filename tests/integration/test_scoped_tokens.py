@@ -88,7 +88,7 @@ async def test_rollout_scopes_over_grpc_and_http(run_service, scoped_env: dict[s
 def _http_port(child) -> int:
     import json
 
-    from services.rollout.app import http_ready_file
+    from flywheel.runtime.http_server import http_ready_file
 
     return json.loads(http_ready_file(child.ready_path).read_text())["http_port"]
 

@@ -29,7 +29,6 @@ pytestmark = pytest.mark.slow
 
 KEY, AGENT_KEY = "tml-test-service-key", "tml-test-agent-key"
 ADAPTED = '["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj","lm_head"]'
-ADAPTED_BUT_THE_HEAD = '["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"]'
 
 
 @contextlib.asynccontextmanager
@@ -65,11 +64,20 @@ def lora_trainer(run_service, service_model: Path, tmp_path: Path):
     return start_lora_trainer(run_service, service_model, tmp_path / "trainer-checkpoints", ADAPTED)
 
 
+@pytest.fixture(scope="module")
+def untied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model ties its output head to its input embeddings, as SmolLM2 does: an adapter on the head
+    (Tinker's default) merges into a head of its own, which only an untied copy can serve (docs/tinker.md)."""
+    from flywheel.models.tiny import build_tiny_model
+    from flywheel.models.untie import untie_embeddings
+
+    root = tmp_path_factory.mktemp("untied")
+    return untie_embeddings(build_tiny_model(root / "tied", max_position_embeddings=512), root / "model")
+
+
 @pytest.fixture
-def lora_trainer_for_sampling(run_service, service_model: Path, tmp_path: Path):
-    """The tiny model ties its output head to its input embeddings, as SmolLM2 does: merged weights with an
-    adapter on the head would untie them, which no sampler of that model loads (docs/tinker.md)."""
-    return start_lora_trainer(run_service, service_model, tmp_path / "trainer-checkpoints", ADAPTED_BUT_THE_HEAD)
+def lora_trainer_for_sampling(run_service, untied_model: Path, tmp_path: Path):
+    return start_lora_trainer(run_service, untied_model, tmp_path / "trainer-checkpoints", ADAPTED)
 
 
 def fixed_data() -> list[types.Datum]:
@@ -177,7 +185,7 @@ PROMPT = [11, 42, 77, 23]
 
 def sample_with_the_sdk(url: str, base_model: str) -> dict:
     service = tinker.ServiceClient(base_url=url, api_key=KEY)
-    training = service.create_lora_training_client(base_model=base_model, rank=4, train_unembed=False).result()
+    training = service.create_lora_training_client(base_model=base_model, rank=4).result()
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
     prompt = types.ModelInput.from_ints(PROMPT)
     first = training.save_weights_and_get_sampling_client().result()  # the base weights: version 0
@@ -187,9 +195,16 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
     scored = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
         "target_tokens": tokens[1:], "weights": [0.0] * (len(PROMPT) - 1) + [1.0] * len(sequence.tokens)})
     forward = training.forward([scored], "cross_entropy").result()
+    # The RL step Tinker's recipes take: the sampler's log-probs and advantages, importance-sampled.
+    n = len(sequence.tokens)
+    rl = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+        "target_tokens": tokens[1:], "logprobs": [0.0] * (len(PROMPT) - 1) + list(sequence.logprobs),
+        "advantages": [0.0] * (len(PROMPT) - 1) + [0.5] * n})
+    importance = training.forward_backward([rl], "importance_sampling").result()
+    training.optim_step(types.AdamParams(learning_rate=0.0)).result()  # nothing moves: the next step is CE's
     training.forward_backward(fixed_data(), "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-    second = training.save_weights_and_get_sampling_client().result()  # version 1, installed on the rollout
+    second = training.save_weights_and_get_sampling_client().result()  # version 2, installed on the rollout
     trained = second.sample(prompt, num_samples=1, sampling_params=params).result()
     try:
         first.sample(prompt, num_samples=1, sampling_params=params).result()
@@ -206,23 +221,24 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - the SDK raises a RequestFailedError or a BadRequestError
         prompt_logprobs = exc
     service.close("success").result()
-    return {"base": base, "forward": forward, "trained": trained, "stale": stale, "named": named,
+    return {"base": base, "forward": forward, "importance": importance, "trained": trained, "stale": stale, "named": named,
             "stopped": stopped, "prompt_logprobs": prompt_logprobs, "model_id": training.model_id}
 
 
 @pytest.fixture
-def rollout(run_service):
-    return run_service("rollout").grpc_address
+def rollout(run_service, untied_model: Path):
+    return run_service("rollout", "--engine.model-path", str(untied_model), "--engine.kind", "transformers",
+                       "--http-port", "0").grpc_address
 
 
 async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
-    lora_trainer_for_sampling, rollout, service_model: Path
+    lora_trainer_for_sampling, rollout, untied_model: Path
 ) -> None:
     address, checkpoints = lora_trainer_for_sampling
     async with gateway_on(address, checkpoints / "tinker", rollout, sampler_dir=checkpoints / "sampler") as (
         gateway, url
     ):
-        out = await asyncio.to_thread(sample_with_the_sdk, url, str(service_model))
+        out = await asyncio.to_thread(sample_with_the_sdk, url, str(untied_model))
         base = out["base"]
         assert len(base.sequences) == 3 and len({s.sequence_id for s in base.sequences}) == 3
         sequence = base.sequences[0]
@@ -230,10 +246,12 @@ async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
         # The sampler's log-probs of its tokens are forward()'s on the same tokens (temperature 1, no truncation).
         scored = out["forward"].loss_fn_outputs[0]["logprobs"].tolist()[-len(sequence.tokens):]
         assert sequence.logprobs == pytest.approx(scored, abs=1e-5)  # measured: 4.8e-7 (float32 both sides)
-        assert (await gateway.sampler.rollout.status()).weight_version == 1  # the trained weights, installed
+        # Same weights sampled and trained: every ratio p/q is 1, so the loss is -Σ advantage.
+        assert out["importance"].metrics["loss:sum"] == pytest.approx(-0.5 * len(sequence.tokens), rel=1e-4)
+        assert (await gateway.sampler.rollout.status()).weight_version == 2  # the trained weights (2 steps), installed
         assert len(out["trained"].sequences[0].tokens) >= 1
         assert out["stale"] is not None and out["stale"].category == types.RequestErrorCategory.User
-        assert "were replaced on the sampler by version 1" in str(out["stale"])
+        assert "(version 0) were replaced on the sampler by version 2" in str(out["stale"])
         assert out["named"] == f"tinker://{out['model_id']}/sampler_weights/named"
         stopped = out["stopped"].sequences[0]
         assert stopped.stop_reason == "stop" and len(stopped.tokens) <= 1  # the stop token itself ends it

@@ -21,7 +21,7 @@ from flywheel.runtime.client import open_channel
 from flywheel.runtime.tls import TlsFiles
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.v1 import synchronizer_pb2, synchronizer_pb2_grpc
-from services.rollout.app import http_ready_file
+from flywheel.runtime.http_server import http_ready_file
 from tests.conftest import TEST_TOKEN
 
 ROOT = Path(__file__).resolve().parents[2]

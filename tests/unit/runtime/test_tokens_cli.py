@@ -21,7 +21,8 @@ def test_init_writes_one_secret_token_per_scope_and_keeps_an_existing_file(tmp_p
     tokens = read_tokens_file(path)
     assert set(tokens) == set(Scope) and all(len(listed) == 1 for listed in tokens.values())
     assert len({listed[0] for listed in tokens.values()}) == len(Scope)  # no two scopes share a token
-    assert all(len(listed[0]) == 64 for listed in tokens.values())
+    # 256 random bits, behind the prefix the Tinker SDK requires of an API key.
+    assert all(listed[0].startswith("tml-") and len(listed[0]) == 4 + 64 for listed in tokens.values())
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert main(["init", str(path)]) == 0
     assert read_tokens_file(path) == tokens  # clients keep the tokens they hold
