@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SERVICES = ("synchronizer", "trainer", "rollout", "controller")
+#: Services started only when asked for (`flywheel up --with tinker`).
+OPTIONAL_SERVICES = ("tinker",)
 
 
 class ServiceDied(RuntimeError):
@@ -152,8 +154,8 @@ def start_service(
     """Starts `python -m services.<name>` on the given ports (0: free ones); call `wait_ready` next.
 
     A restarted child is given its predecessor's ports: the others hold its address."""
-    if name not in SERVICES:
-        raise ValueError(f"unknown service {name!r}; expected one of {SERVICES}")
+    if name not in SERVICES + OPTIONAL_SERVICES:
+        raise ValueError(f"unknown service {name!r}; expected one of {SERVICES + OPTIONAL_SERVICES}")
     run_dir.mkdir(parents=True, exist_ok=True)
     ready_path = run_dir / f"{name}.ready.json"
     ready_path.unlink(missing_ok=True)

@@ -189,7 +189,7 @@ def test_bad_config_exits_naming_the_field(service_env) -> None:
 
 def test_flywheel_up_check_starts_all_four(tmp_path, service_env) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "flywheel.cli", "up", "--check", "--run-dir", str(tmp_path)],
+        [sys.executable, "-m", "flywheel.cli", "up", "--check", "--status-port", "0", "--run-dir", str(tmp_path)],
         env=service_env,
         capture_output=True,
         text=True,
@@ -198,3 +198,17 @@ def test_flywheel_up_check_starts_all_four(tmp_path, service_env) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("SERVING") == len(SERVICES)
     assert "stopped: synchronizer (exit 0), trainer (exit 0), rollout (exit 0), controller (exit 0)" in result.stdout
+
+
+def test_flywheel_up_with_tinker_serves_the_tinker_api(tmp_path, service_env) -> None:
+    env = dict(service_env, FLYWHEEL_MODEL_CACHE=str(tmp_path / "models"))
+    result = subprocess.run(
+        [sys.executable, "-m", "flywheel.cli", "up", "--with", "tinker", "--tinker-port", "0", "--lora-rank", "4",
+         "--status-port", "0", "--check", "--run-dir", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SERVING") == len(SERVICES) + 1 and "tinker" in result.stdout
+    assert "Tinker API: TINKER_BASE_URL=http://127.0.0.1:" in result.stdout and "-untied" in result.stdout
+    assert "stopped: synchronizer (exit 0), trainer (exit 0), rollout (exit 0), controller (exit 0), tinker (exit 0)" \
+        in result.stdout
