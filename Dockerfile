@@ -79,7 +79,7 @@ ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HOM
 USER 10001:10001
 WORKDIR /home/flywheel
 # gRPC 50051-50054 (synchronizer, trainer, rollout, controller), OpenAI HTTP 8000, status page 8080, /metrics 9091-9094.
-EXPOSE 50051 50052 50053 50054 8000 8080 9091 9092 9093 9094
+EXPOSE 50051 50052 50053 50054 50056 8000 8080 8096 9091 9092 9093 9094 9096
 # Long start period: a service reports SERVING only after loading its model.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=600s --retries=3 CMD ["python", "/opt/flywheel/healthcheck.py"]
 CMD ["python", "-m", "services.synchronizer"]
@@ -100,6 +100,6 @@ COPY examples /etc/flywheel/examples
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HOME=/home/flywheel/.cache/huggingface
 USER 10001:10001
 WORKDIR /home/flywheel
-EXPOSE 50051 50052 50053 50054 8000 8080 9091 9092 9093 9094
+EXPOSE 50051 50052 50053 50054 50056 8000 8080 8096 9091 9092 9093 9094 9096
 HEALTHCHECK --interval=10s --timeout=5s --start-period=600s --retries=3 CMD ["python", "/opt/flywheel/healthcheck.py"]
 CMD ["python", "-m", "services.synchronizer"]

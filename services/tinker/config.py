@@ -43,3 +43,7 @@ class TinkerConfig(StrictModel):
         120.0, gt=0, description="a session without a heartbeat for this long has finished (the SDK beats every 10 s)"
     )
     trainer_timeout_seconds: float = Field(600.0, gt=0, description="deadline of one trainer call")
+    wait_seconds: float = Field(
+        1800.0, gt=0, description="how long the gateway waits at start for its trainer and rollout to answer, "
+        "their models loaded"
+    )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from flywheel.errors import (
     AlreadyExists, FailedPrecondition, FlywheelError, InvalidArgument, NotFound, PermissionDenied,
 )
+from services.tinker import metrics
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +77,17 @@ class Futures:
 
     def run(self, request_id: str, work: Callable[[], Awaitable[Outcome]]) -> asyncio.Task:
         """Runs `work` now and finishes `request_id` with its outcome (or its failure)."""
+        kind = request_id.rsplit("-", 1)[0]
 
         async def runner() -> None:
+            started = time.monotonic()
             try:
                 outcome = await work()
             except Exception as exc:
                 outcome = failure(exc)
+            metrics.WORK.labels(kind).observe(time.monotonic() - started)
+            if outcome.error is not None:
+                metrics.FAILURES.labels(kind, outcome.category).inc()
             self.finish(request_id, outcome)
 
         return asyncio.create_task(runner(), name=f"tinker {request_id}")

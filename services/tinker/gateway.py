@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from flywheel.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from flywheel.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from flywheel.rollout.client import RolloutClient
 from flywheel.runtime.client import translated
 from flywheel.trainer.client import TrainerClient
@@ -105,11 +105,17 @@ class Gateway:
         self.lora_modules: tuple[str, ...] = ()
 
     async def start(self) -> None:
-        """Learns what the trainer holds (its model and adapters)."""
-        with translated("trainer GetInfo"):
-            info = await self.trainer.get_info(timeout=self.config.trainer_timeout_seconds)
-        if not info.ready:
-            raise FailedPrecondition("the trainer has no model loaded")
+        """Learns what the trainer holds (its model and adapters) and what the sampler serves, waiting
+        for both to be up and loaded (a gateway may start first: Kubernetes starts pods in no order)."""
+        deadline = time.monotonic() + self.config.wait_seconds
+
+        async def loaded_trainer():
+            info = await self.trainer.get_info(timeout=10.0)
+            return info if info.ready else None
+
+        info = await self._wait_for(f"trainer {self.config.trainer_address}", loaded_trainer, deadline)
+        if self.sampler is not None:
+            await self._wait_for(f"rollout {self.config.rollout_address}", self.sampler.start, deadline)
         self.base_model = self.config.base_model or info.model_name
         self.lora_rank, self.lora_modules = info.lora_rank, tuple(info.lora_target_modules)
         initial = self.config.checkpoint_dir / _INITIAL
@@ -124,8 +130,23 @@ class Gateway:
             raise FailedPrecondition(
                 f"the trainer has trained already (step {info.step}) and {initial} holds no initial state: "
                 "start the gateway with a freshly started trainer")
-        if self.sampler is not None:
-            await self.sampler.start()
+
+    async def _wait_for(self, what: str, call, deadline: float):
+        """`call()`'s answer once it gives one (not None), retrying while it is unavailable or not ready."""
+        while True:
+            try:
+                with translated(what):
+                    answer = await call()
+                if answer is not None:
+                    return answer
+                waiting_for = "to load its model"
+            except Unavailable as exc:
+                waiting_for = f"to answer ({exc})"
+            if time.monotonic() > deadline:
+                raise FailedPrecondition(f"the {what} did not come up within wait_seconds="
+                                         f"{self.config.wait_seconds:g}: waiting for it {waiting_for}")
+            log.info("waiting for the %s %s", what, waiting_for)
+            await asyncio.sleep(2.0)
 
     async def close(self) -> None:
         await self.models.close()

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from flywheel.errors import HTTP_STATUS, FlywheelError, InvalidArgument
 from flywheel.runtime.auth import Scope, TokenScopes
+from services.tinker import metrics
 from services.tinker.gateway import Gateway
 from services.tinker.wire import parse_forward_backward
 
@@ -58,8 +59,16 @@ def create_app(gateway: Gateway, tokens: TokenScopes) -> FastAPI:
         what = "is not served by this gateway" if exc.status_code == 404 else str(exc.detail)
         return _error(exc.status_code, f"{request.method} {request.url.path} {what}")
 
+    metrics.SESSIONS.set_function(gateway.sessions.running)
+
     @app.middleware("http")
-    async def authorize(request: Request, call_next):
+    async def authorize_and_count(request: Request, call_next):
+        response = await _authorized(request, call_next)
+        route = request.scope.get("route")
+        metrics.REQUESTS.labels(getattr(route, "path", "unknown"), str(response.status_code)).inc()
+        return response
+
+    async def _authorized(request: Request, call_next):
         if tokens and request.url.path != "/api/v1/healthz":
             key = request.headers.get("x-api-key")
             try:

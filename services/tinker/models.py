@@ -71,6 +71,11 @@ class Sessions:
             raise FailedPrecondition(f"session {session_id} has finished ({session.finished})")
         return session
 
+    def running(self) -> int:
+        """Sessions neither finished nor silent past the timeout."""
+        cutoff = time.monotonic() - self.timeout_seconds
+        return sum(1 for s in self._sessions.values() if s.finished is None and s.last_heartbeat >= cutoff)
+
     def heartbeat(self, session_id: str) -> None:
         self.live(session_id).last_heartbeat = time.monotonic()
 

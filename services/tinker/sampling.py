@@ -31,6 +31,7 @@ from tinker.proto import tinker_public_pb2 as tpb
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.rollout.client import RolloutClient
+from services.tinker import metrics
 
 #: SampleRequest fields asking for what this sampler does not compute, with what "not asked" looks like.
 _NOT_SERVED = {"prompt_logprobs": (None, False), "topk_prompt_logprobs": (0,), "topk_sample_logprobs": (0,),
@@ -136,8 +137,11 @@ class Sampler:
         self._installing = False
         self._turns = asyncio.Condition()
 
-    async def start(self) -> None:
+    async def start(self) -> int:
+        """The version the replica serves (a replica that answers is loaded: it serves after loading)."""
         self.serving = int((await self.rollout.status()).weight_version)
+        metrics.SAMPLER_VERSION.set(self.serving)
+        return self.serving
 
     async def install(self, version: int, checkpoint: str) -> None:
         """Serves `version` (the newest saved) from here on, once the samples running finish."""
@@ -149,6 +153,7 @@ class Sampler:
             if version > self.serving:
                 await self.rollout.update_weights(version, checkpoint=checkpoint, timeout_seconds=self.timeout)
                 self.serving = version
+                metrics.SAMPLER_VERSION.set(version)
         finally:
             async with self._turns:
                 self._installing = False

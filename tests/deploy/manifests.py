@@ -34,7 +34,9 @@ from flywheel.runtime.entry import env_prefix
 ROOT = Path(__file__).resolve().parents[2]
 # Every package under services/ with a config model is a service.
 SERVICES = tuple(sorted(p.parent.name for p in (ROOT / "services").glob("*/config.py")))
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "tinker")
+#: The image build target (Dockerfile) each overlay runs.
+OVERLAY_IMAGES = {"cpu": "cpu", "gpu": "gpu", "tinker": "cpu"}
 KUSTOMIZE_ROOT = ROOT / "deploy" / "kubernetes"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 COMPOSE_ENV_EXAMPLE = ROOT / "deploy" / "compose" / "flywheel.env.example"

@@ -22,6 +22,7 @@ from tests.deploy.volumes import ROOT_DIRECTORY, docker_tmpfs_options
 from tests.deploy.manifests import (
     COMPOSE_ENV_EXAMPLE,
     OVERLAYS,
+    OVERLAY_IMAGES,
     ROOT,
     SERVICES,
     SHARED_ENV,
@@ -69,7 +70,7 @@ def written_dirs(container: Container) -> dict[str, str]:
 
 
 def test_services_are_found():
-    assert set(SERVICES) == {"synchronizer", "trainer", "rollout", "controller"}
+    assert set(SERVICES) == {"synchronizer", "trainer", "rollout", "controller", "tinker"}
 
 
 # ---------------------------------------------------------------- both kinds of manifest
@@ -196,9 +197,9 @@ def test_gpus_are_requested_only_by_the_gpu_overlay(rendered, k8s, overlay):
         gpus = c.raw["resources"].get("limits", {}).get("nvidia.com/gpu")
         wanted = 1 if overlay == "gpu" and c.service in ("trainer", "rollout") else None
         assert gpus == wanted, c.source
-        assert c.raw["image"] == pinned_image(overlay), c.source
+        assert c.raw["image"] == pinned_image(OVERLAY_IMAGES[overlay]), c.source
         for init in c.pod["spec"].get("initContainers", []):
-            assert init["image"] == pinned_image(overlay), f"{c.source} {init['name']}"
+            assert init["image"] == pinned_image(OVERLAY_IMAGES[overlay]), f"{c.source} {init['name']}"
         assert c.raw["resources"]["requests"] and c.raw["resources"]["limits"]["memory"], c.source
 
 
@@ -249,8 +250,8 @@ def test_statefulsets_have_headless_services_published_before_ready(rendered, ov
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_rollouts_scale_under_a_disruption_budget(rendered, overlay):
     objects = rendered[overlay]
-    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
-    assert deployment["spec"]["template"]["spec"]["containers"][0]["name"] == "rollout"
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"
+                     and o["spec"]["template"]["spec"]["containers"][0]["name"] == "rollout"]
     (pdb,) = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
     assert selects(pdb["spec"]["selector"]["matchLabels"], deployment["spec"]["template"]["metadata"]["labels"])
 
@@ -286,14 +287,22 @@ def test_compose_directories_the_services_write_are_on_volumes(composed):
             assert _under_writable_mount(path, compose_mounts(c)), f"{c.source}: {name}={path} is not on a volume"
 
 
-@pytest.mark.parametrize("profiles", [None, {"gpu"}])
-def test_each_profile_runs_every_service_once(compose, composed, profiles):
-    """`docker compose up` (profiles from .env) and COMPOSE_PROFILES=gpu each start one of every service."""
+#: What an RL job runs; the Tinker profile runs the gateway over a trainer and a rollout of its own.
+RUN_SERVICES = ("synchronizer", "trainer", "rollout", "controller")
+TINKER_SERVICES = ("synchronizer", "trainer", "rollout", "tinker")
+
+
+@pytest.mark.parametrize("profiles, services", [(None, RUN_SERVICES), ({"gpu"}, RUN_SERVICES),
+                                                ({"tinker"}, TINKER_SERVICES)])
+def test_each_profile_runs_every_service_once(compose, composed, profiles, services):
+    """`docker compose up` (profiles from .env) and COMPOSE_PROFILES=gpu each start one of every service of
+    a run; COMPOSE_PROFILES=tinker one of every service the Tinker API needs; together, every service."""
     active = default_profiles() if profiles is None else profiles
     started = [c for c in composed if not c.raw.get("profiles") or set(c.raw["profiles"]) & active]
-    assert sorted(c.service for c in started) == sorted(SERVICES), (
+    assert sorted(c.service for c in started) == sorted(services), (
         f"profiles {active or '{}'} start {[c.name for c in started]}"
     )
+    assert set(RUN_SERVICES) | set(TINKER_SERVICES) == set(SERVICES)
     for c in started:  # the others reach every service by its plain name
         aliases = c.raw.get("networks", {}).get("default", {}).get("aliases", [])
         assert c.service == c.name or c.service in aliases, c.source

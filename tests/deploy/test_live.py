@@ -89,6 +89,8 @@ def scrapes(tmp_path_factory, service_model) -> Iterator[dict[str, dict]]:
     children, ready_files = [], {}
     try:
         for service in SERVICES:
+            if service == "tinker":
+                continue  # started below, once the trainer it fronts has a port
             ready_files[service] = tmp / f"{service}.json"
             log = tmp / f"{service}.log"
             argv = [sys.executable, "-m", f"services.{service}", "--server.port", "0", "--server.metrics-port", "0"]
@@ -103,12 +105,25 @@ def scrapes(tmp_path_factory, service_model) -> Iterator[dict[str, dict]]:
                 subprocess.Popen(argv, env=clean_env({}, tmp), cwd=tmp, stdout=log.open("w"), stderr=subprocess.STDOUT)
             )
         found = {}
-        for service, child in zip(SERVICES, children):
+        for service, child in zip([s for s in SERVICES if s != "tinker"], children):
             _wait(service, ready_files[service].exists, child, tmp / f"{service}.log")
             info = json.loads(ready_files[service].read_text())
             # One request first: RPC metrics are labelled by method and appear with traffic.
             _call_code(info["grpc_port"], _unary_method(service), None)
             found[service] = {"text": _scrape(info["metrics_port"]), "grpc_port": info["grpc_port"]}
+        if "tinker" in SERVICES:  # the gateway, in front of that trainer; its traffic is HTTP
+            ready_files["tinker"] = tmp / "tinker.json"
+            log = tmp / "tinker.log"
+            argv = [sys.executable, "-m", "services.tinker", "--server.port", "0", "--server.metrics-port", "0",
+                    "--server.ready-file", str(ready_files["tinker"]), "--server.log-format", "text",
+                    "--http-port", "0", "--trainer-address", f"127.0.0.1:{found['trainer']['grpc_port']}",
+                    "--checkpoint-dir", str(tmp / "checkpoints" / "tinker")]  # inside the trainer's (cwd-relative)
+            children.append(subprocess.Popen(argv, env=clean_env({}, tmp), cwd=tmp, stdout=log.open("w"),
+                                             stderr=subprocess.STDOUT))
+            _wait("tinker", ready_files["tinker"].exists, children[-1], log)
+            info = json.loads(ready_files["tinker"].read_text())
+            assert _tinker_code(_http_port(ready_files["tinker"]), "GET", "/api/v1/healthz", None) == 200
+            found["tinker"] = {"text": _scrape(info["metrics_port"]), "grpc_port": info["grpc_port"]}
         yield found
     finally:
         _stop(children)
@@ -250,13 +265,44 @@ def _status_page_code(port: int, token: str | None) -> int:
         return exc.code
 
 
+def _http_port(ready_file: Path) -> int:
+    from flywheel.runtime.http_server import http_ready_file
+
+    return json.loads(http_ready_file(ready_file).read_text())["http_port"]
+
+
+def _tinker_code(port: int, method: str, path: str, key: str | None) -> int:
+    """The HTTP status of a Tinker API call with `key` as the SDK sends it (X-API-Key)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                     data=b"{}" if method == "POST" else None,
+                                     headers={"X-API-Key": key, "Content-Type": "application/json"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+#: The gateway's addresses, by the service each names: pointed at that container's local port here.
+_TINKER_ADDRESSES = {"FLYWHEEL_TINKER__TRAINER_ADDRESS": "trainer", "FLYWHEEL_TINKER__ROLLOUT_ADDRESS": "rollout"}
+
+
 def start_from_manifest(containers: list[Container], tmp: Path, model: Path) -> None:
     started = []
+    localized: dict[str, dict[str, str]] = {}
+    # The Tinker gateway shares the trainer's and rollout's volumes and tokens, as deployed: one root for all.
+    shared = any(c.service == "tinker" for c in containers)
     try:
-        for c in containers:
+        # The gateway last: it dials the trainer and rollout the others' localized ports name.
+        for c in sorted(containers, key=lambda c: c.service == "tinker"):
             home = tmp / c.name
             home.mkdir()
-            env = localize(c, home, model)
+            env = localize(c, tmp / "shared" if shared else home, model)
+            localized[c.service] = env
+            if c.service == "tinker":
+                for name, service in _TINKER_ADDRESSES.items():
+                    prefix = f"FLYWHEEL_{service.upper()}__SERVER__PORT"
+                    env[name] = f"127.0.0.1:{localized[service][prefix]}"
             log = home / "log"
             # The controller's `run CONFIG` starts a training run; its server
             # configuration is what is checked here, so it starts as a server.
@@ -271,6 +317,13 @@ def start_from_manifest(containers: list[Container], tmp: Path, model: Path) -> 
             port = config.server.port
             _wait(c.source, lambda p=port: _health(p) == health_pb2.HealthCheckResponse.SERVING, child, log)
             assert "flywheel_service_ready" in _scrape(config.server.metrics_port), c.source
+            if c.service == "tinker":  # the Tinker API: the SDK's X-API-Key, the service scope to train
+                http = config.http_port
+                assert _tinker_code(http, "POST", "/api/v1/create_session", None) == 401, c.source
+                assert _tinker_code(http, "POST", "/api/v1/create_session", _token(env, Scope.AGENT)) == 403, c.source
+                assert _tinker_code(http, "POST", "/api/v1/create_session", _token(env, Scope.SERVICE)) == 200, \
+                    c.source
+                continue
             token, method = _token(env, Scope.OPERATOR), _unary_method(c.service)
             assert token, f"{c.source}: no auth token"
             assert _call_code(port, method, None) == grpc.StatusCode.UNAUTHENTICATED, f"{c.source}: auth is off"
@@ -287,13 +340,19 @@ def start_from_manifest(containers: list[Container], tmp: Path, model: Path) -> 
         _stop([child for _, child, *_ in started])
 
 
-def test_services_start_with_only_the_kubernetes_env(k8s, tmp_path, service_model):
-    containers = [c for c in k8s if c.source.startswith("kubernetes/cpu ")]
-    assert sorted(c.service for c in containers) == sorted(SERVICES)
+RUN_SERVICES = ("synchronizer", "trainer", "rollout", "controller")
+TINKER_SERVICES = ("synchronizer", "trainer", "rollout", "tinker")
+
+
+@pytest.mark.parametrize("overlay, services", [("cpu", RUN_SERVICES), ("tinker", TINKER_SERVICES)])
+def test_services_start_with_only_the_kubernetes_env(k8s, tmp_path, service_model, overlay, services):
+    containers = [c for c in k8s if c.source.startswith(f"kubernetes/{overlay} ")]
+    assert sorted(c.service for c in containers) == sorted(services)
     start_from_manifest(containers, tmp_path, service_model)
 
 
-def test_services_start_with_only_the_compose_env(composed, tmp_path, service_model):
-    containers = [c for c in composed if "gpu" not in c.raw.get("profiles", [])]
-    assert sorted(c.service for c in containers) == sorted(SERVICES)
+@pytest.mark.parametrize("profile, services", [("cpu", RUN_SERVICES), ("tinker", TINKER_SERVICES)])
+def test_services_start_with_only_the_compose_env(composed, tmp_path, service_model, profile, services):
+    containers = [c for c in composed if profile in c.raw.get("profiles", [profile])]
+    assert sorted(c.service for c in containers) == sorted(services)
     start_from_manifest(containers, tmp_path, service_model)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from flywheel.models.tiny import build_tiny_model
-from flywheel.models.untie import ties_embeddings, untie_embeddings
+from flywheel.models.untie import ensure_untied, ties_embeddings, untie_embeddings
 
 
 def test_the_untied_copy_gives_the_same_logits_and_its_head_trains_alone(tmp_path: Path) -> None:
@@ -29,3 +29,12 @@ def test_the_untied_copy_gives_the_same_logits_and_its_head_trains_alone(tmp_pat
     assert (tmp_path / "untied" / "tokenizer.json").is_file()
     with pytest.raises(ValueError, match="does not tie"):
         untie_embeddings(untied, tmp_path / "again")
+
+
+def test_the_first_start_step_makes_the_copy_once_and_links_a_model_that_does_not_tie(tmp_path: Path) -> None:
+    tied = build_tiny_model(tmp_path / "tied")
+    out = ensure_untied(tied, tmp_path / "untied")
+    made = (out / "model.safetensors").stat().st_mtime_ns
+    assert ensure_untied(tied, out) == out and (out / "model.safetensors").stat().st_mtime_ns == made
+    link = ensure_untied(out, tmp_path / "linked")
+    assert link.is_symlink() and link.resolve() == out.resolve() and not ties_embeddings(link)

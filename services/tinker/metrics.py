@@ -1,0 +1,31 @@
+"""Prometheus metrics of the Tinker gateway: calls by route and outcome, how long the
+trainer and sampler work on them, and what the gateway holds.
+
+Declared at import time (app.py imports this module) so that every family is in
+the first scrape, before the first call.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter(
+    "flywheel_tinker_requests_total",
+    "Tinker API calls answered, by route and HTTP status.",
+    ["route", "status"],
+)
+WORK = Histogram(
+    "flywheel_tinker_work_seconds",
+    "Wall time of a request's work once its turn came (trainer or sampler calls), in seconds, by kind.",
+    ["kind"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)
+FAILURES = Counter(
+    "flywheel_tinker_failures_total",
+    "Requests whose future answered an error, by kind and category (user: the request; server: anything else).",
+    ["kind", "category"],
+)
+SESSIONS = Gauge("flywheel_tinker_sessions", "Client sessions running (heartbeating, not finished).")
+SAMPLER_VERSION = Gauge(
+    "flywheel_tinker_sampler_weight_version", "Weight version the gateway's rollout replica serves for sampling."
+)
