@@ -41,7 +41,7 @@ class Session:
     created: float
     last_heartbeat: float
     #: How it ended ("success", "errored", "interrupted"); None while it runs. The first reason stays.
-    finished: str | None = None
+    ended: str | None = None
     detail: str | None = None
 
 
@@ -65,24 +65,24 @@ class Sessions:
     def live(self, session_id: str) -> Session:
         """The session, if it runs: finished or silent past the timeout, FailedPrecondition."""
         session = self.get(session_id)
-        if session.finished is None and time.monotonic() - session.last_heartbeat > self.timeout_seconds:
-            session.finished, session.detail = "expired", f"no heartbeat for {self.timeout_seconds:g} s"
-        if session.finished is not None:
-            raise FailedPrecondition(f"session {session_id} has finished ({session.finished})")
+        if session.ended is None and time.monotonic() - session.last_heartbeat > self.timeout_seconds:
+            session.ended, session.detail = "expired", f"no heartbeat for {self.timeout_seconds:g} s"
+        if session.ended is not None:
+            raise FailedPrecondition(f"session {session_id} has finished ({session.ended})")
         return session
 
     def running(self) -> int:
         """Sessions neither finished nor silent past the timeout."""
         cutoff = time.monotonic() - self.timeout_seconds
-        return sum(1 for s in self._sessions.values() if s.finished is None and s.last_heartbeat >= cutoff)
+        return sum(1 for s in self._sessions.values() if s.ended is None and s.last_heartbeat >= cutoff)
 
     def heartbeat(self, session_id: str) -> None:
         self.live(session_id).last_heartbeat = time.monotonic()
 
     def finish(self, session_id: str, reason: str, detail: str | None) -> Session:
         session = self.get(session_id)
-        if session.finished is None:
-            session.finished, session.detail = reason, detail
+        if session.ended is None:
+            session.ended, session.detail = reason, detail
         return session
 
 

@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Every package under services/ with a config model is a service.
 SERVICES = tuple(sorted(p.parent.name for p in (ROOT / "services").glob("*/config.py")))
 OVERLAYS = ("cpu", "gpu", "tinker")
+#: The overlays that run an RL job (a controller Job); the tinker overlay serves the Tinker API instead.
+JOB_OVERLAYS = ("cpu", "gpu")
 #: The image build target (Dockerfile) each overlay runs.
 OVERLAY_IMAGES = {"cpu": "cpu", "gpu": "gpu", "tinker": "cpu"}
 KUSTOMIZE_ROOT = ROOT / "deploy" / "kubernetes"

@@ -18,6 +18,7 @@ import pytest
 
 from flywheel.runtime.config import leaf_fields
 from tests.deploy.manifests import (
+    JOB_OVERLAYS,
     OVERLAYS,
     ROOT,
     Container,
@@ -57,7 +58,7 @@ def test_compose_controller_runs_against_the_compose_services(composed, compose)
             assert ports == {int(port)}, f"{controller.source}: {role} at {endpoint.address}, listening on {ports}"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", JOB_OVERLAYS)
 def test_kubernetes_controller_runs_against_the_cluster_services(rendered, k8s, overlay):
     objects = rendered[overlay]
     (controller,) = [c for c in k8s if c.service == "controller" and c.source.startswith(f"kubernetes/{overlay} ")]
@@ -102,7 +103,7 @@ def test_controller_cli_accepts_run_when_it_exists():
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", JOB_OVERLAYS)
 def test_controller_trainer_and_rollout_take_the_same_run_file(rendered, k8s, overlay):
     """The Job runs the file whose launch.<service> sections trainer and rollouts start from."""
     deployed = [c for c in k8s if c.source.startswith(f"kubernetes/{overlay} ")]
@@ -204,3 +205,46 @@ def test_every_address_a_service_is_given_reaches_the_right_service_and_port(
             assert [t.service for t in targets] == [role], (
                 f"{c.source}: {path} = {address} reaches {[t.source for t in targets]}, not the {role}")
             assert int(port) == expected_ports(targets[0])["grpc"], f"{c.source}: {path} = {address}"
+
+
+def _inside(path: object, root: object) -> bool:
+    return PurePosixPath(str(path)).is_relative_to(PurePosixPath(str(root)))
+
+
+def _check_tinker_gateway(gateway: Container, served: dict[str, Container], where: str) -> None:
+    """What the gateway needs of the trainer and rollout its addresses reach: their gRPC ports, a trainer
+    that trains LoRA adapters, named saves inside the trainer's checkpoint.dir, and sampler versions
+    inside what the trainer may write and the rollout may load (its checkpoint_root)."""
+    config = resolved(gateway)
+    trainer, rollout = resolved(served["trainer"]), resolved(served["rollout"])
+    for role, address in (("trainer", config.trainer_address), ("rollout", config.rollout_address)):
+        assert int(address.rsplit(":", 1)[1]) == expected_ports(served[role])["grpc"], f"{where}: {role} {address}"
+    assert trainer.model.lora.enabled and "lm_head" in trainer.model.lora.target_modules, where
+    assert trainer.model.path == rollout.engine.model_path and str(trainer.model.path).endswith("-untied"), where
+    assert _inside(config.checkpoint_dir, trainer.checkpoint.dir), f"{where}: {config.checkpoint_dir}"
+    assert _inside(config.sampler_dir, trainer.sync.publish_dir), f"{where}: {config.sampler_dir}"
+    assert _inside(config.sampler_dir, rollout.updates.checkpoint_root), f"{where}: {config.sampler_dir}"
+    assert not rollout.synchronizer.address, f"{where}: the gateway's replica must take no run's updates"
+    assert not trainer.sync.synchronizer_address, f"{where}: the gateway's trainer must publish to no run"
+
+
+def test_the_compose_tinker_gateway_reaches_its_own_trainer_and_rollout(composed, compose):
+    names = compose_names(compose)
+    (gateway,) = [c for c in composed if c.service == "tinker"]
+    served = {}
+    for role, address in (("trainer", resolved(gateway).trainer_address),
+                          ("rollout", resolved(gateway).rollout_address)):
+        host = address.rsplit(":", 1)[0]
+        # In the tinker profile, the name reaches the profile's own trainer and rollout.
+        (served[role],) = [c for c in composed if c.name in names.get(host, ()) and "tinker" in c.raw.get("profiles", ())]
+    _check_tinker_gateway(gateway, served, "compose")
+
+
+def test_the_kubernetes_tinker_gateway_reaches_its_own_trainer_and_rollout(rendered, k8s):
+    objects = rendered["tinker"]
+    deployed = [c for c in k8s if c.source.startswith("kubernetes/tinker ")]
+    (gateway,) = [c for c in deployed if c.service == "tinker"]
+    served = {c.service: c for c in deployed if c.service in ("trainer", "rollout")}
+    _check_tinker_gateway(gateway, served, "kubernetes/tinker")
+    (replicas,) = [w["spec"]["replicas"] for w in workloads(objects) if w["metadata"]["name"] == "flywheel-rollout"]
+    assert replicas == 1, "the gateway installs versions on one replica"

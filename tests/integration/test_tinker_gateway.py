@@ -143,7 +143,7 @@ async def test_the_sdk_trains_a_lora_model_through_the_gateway(lora_trainer, ser
         assert out["refused"] is not None and out["refused"].category == types.RequestErrorCategory.User
         assert "loss_fn 'ppo' is not served" in str(out["refused"])
         session = next(iter(gateway.sessions._sessions.values()))
-        assert session.finished == "success"
+        assert session.ended == "success"
 
 
 async def test_keys_are_checked_and_a_forward_backward_sent_again_is_the_same_request(

@@ -91,7 +91,7 @@ def test_a_session_ends_once_and_a_silent_one_expires(monkeypatch) -> None:
     sessions.heartbeat(session.session_id)
     sessions.finish(session.session_id, "success", None)
     sessions.finish(session.session_id, "errored", "late")
-    assert (session.finished, session.detail) == ("success", None)  # the first reason stays
+    assert (session.ended, session.detail) == ("success", None)  # the first reason stays
     with pytest.raises(FailedPrecondition, match="has finished"):
         sessions.heartbeat(session.session_id)
     silent = sessions.create()
