@@ -92,7 +92,8 @@ class Gateway:
         self.sampler = Sampler(rollout, config.trainer_timeout_seconds) if rollout is not None else None
         self.sampling_sessions: dict[str, SamplingSession] = {}
         self._sampler_weights: dict[tuple[str, str], int] = {}  # (model id, name) -> version
-        self._samples: dict[tuple[str, int], dict[str, Any]] = {}  # (sampling session, seq_id) -> its answer
+        # (sampling session, seq_id) -> its answer, as long as its result is kept (a resend gets the same).
+        self._samples: dict[tuple[str, int], tuple[float, dict[str, Any]]] = {}
         self._sampling_created: dict[tuple[str, int], str] = {}  # (session, sampling_session_seq_id) -> its id
         self._initial: str | None = None  # the trainer's initial state (its checkpoint path)
         self._trainer_turns = asyncio.Lock()  # one model takes the trainer at a time
@@ -532,7 +533,7 @@ class Gateway:
             raise InvalidArgument(f"asample: seq_id must be an integer, got {seq!r}")
         known = self._samples.get((sampling.sampling_session_id, seq))
         if known is not None:
-            return known  # sent again: the first one's answer
+            return known[1]  # sent again: the first one's answer
         plan = sample_plan(body)  # a malformed request is answered now, before it is accepted
         request_id = self.futures.new("sample")
 
@@ -543,5 +544,8 @@ class Gateway:
         self.futures.run(request_id, run)
         answer = {"request_id": request_id,
                   "sample_sequence_ids": [f"{request_id}:{i}" for i in range(plan.num_samples)]}
-        self._samples[(sampling.sampling_session_id, seq)] = answer
+        now = time.monotonic()
+        for key in [k for k, (at, _) in self._samples.items() if at < now - self.futures.keep_seconds]:
+            del self._samples[key]
+        self._samples[(sampling.sampling_session_id, seq)] = (now, answer)
         return answer
