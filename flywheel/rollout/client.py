@@ -128,14 +128,18 @@ class RolloutClient:
         return (await self._call("Resume", self._stub.Resume, pb.ResumeRequest())).weight_version
 
     async def update_weights(self, version: int, *, checkpoint: str | None = None, memory: bool = False,
-                             nccl: pb.NcclSource | None = None, pause_mode: str | None = None,
-                             timeout_seconds: float = 0.0) -> pb.UpdateWeightsResponse:
+                             nccl: pb.NcclSource | None = None, start_over: bool = False,
+                             pause_mode: str | None = None, timeout_seconds: float = 0.0) -> pb.UpdateWeightsResponse:
         """Moves to `version` (the operator's path) from a checkpoint directory, the replica's own
-        synchronizer (`memory`) or an NCCL group of that synchronizer's: exactly one."""
-        if sum((checkpoint is not None, memory, nccl is not None)) != 1:
-            raise errors.InvalidArgument("update_weights: give exactly one of checkpoint, memory or nccl")
-        request = pb.UpdateWeightsRequest(version=version, pause_mode=pause_mode_to_pb(pause_mode), timeout_seconds=timeout_seconds)
-        if checkpoint is not None:
+        synchronizer (`memory`) or an NCCL group of that synchronizer's: exactly one. `start_over`:
+        back to the base model as version 0 (give version 0 and no source), a new lineage of weights."""
+        if sum((checkpoint is not None, memory, nccl is not None, start_over)) != 1:
+            raise errors.InvalidArgument("update_weights: give exactly one of checkpoint, memory, nccl or start_over")
+        request = pb.UpdateWeightsRequest(version=version, pause_mode=pause_mode_to_pb(pause_mode),
+                                          timeout_seconds=timeout_seconds, start_over=start_over)
+        if start_over:
+            pass  # the base model: no source
+        elif checkpoint is not None:
             request.checkpoint.path = checkpoint
         elif nccl is not None:
             request.nccl.CopyFrom(nccl)

@@ -25,7 +25,7 @@ from services.rollout.weights.nccl import NcclTarget, update_over_group
 from services.rollout.serving.prompts import (
     ChatPrompt, PromptInput, TextPrompt, TokenPrompt, check_token_ids, validate_messages, validate_tools,
 )
-from services.rollout.weights.sources import checkpoint_stage, memory_stage
+from services.rollout.weights.sources import base_stage, checkpoint_stage, memory_stage
 
 
 
@@ -165,6 +165,8 @@ class RolloutServicer:
         return pb.ResumeResponse(weight_version=await self.core.resume())
 
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext) -> pb.UpdateWeightsResponse:
+        if request.start_over:
+            return await self._start_over(request)
         if request.version < 1:
             raise InvalidArgument("version: must be >= 1")
         if not request.timeout_seconds >= 0:
@@ -191,6 +193,19 @@ class RolloutServicer:
                                  timeout=timeout, max_message_bytes=self.config.server.max_message_bytes,
                                  buffers=self.core.staging)
         return _update_response(await self.core.update_weights(version, stage, mode, timeout))
+
+    async def _start_over(self, request: pb.UpdateWeightsRequest) -> pb.UpdateWeightsResponse:
+        """Back to the base model as version 0: a new lineage of weights (UpdateWeightsRequest.start_over)."""
+        if request.version != 0 or request.WhichOneof("source") is not None:
+            raise InvalidArgument("start_over: the base model is version 0 from engine.model_path; give no version "
+                                  "and no source")
+        if not request.timeout_seconds >= 0:
+            raise InvalidArgument("timeout_seconds: must be >= 0")
+        engine, _ = self.core.require_engine()
+        stage = base_stage(self.config.engine, engine.weight_specs())
+        timeout = request.timeout_seconds or self.config.updates.timeout_seconds
+        mode = self._mode(request.pause_mode, "pause_mode")
+        return _update_response(await self.core.update_weights(0, stage, mode, timeout, rewind=True))
 
     def _synchronizer(self, method: str) -> str:
         """The rollout's own synchronizer: a request never names one (one road for weights)."""

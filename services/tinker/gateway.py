@@ -79,6 +79,17 @@ def _checkpoint_json(model_id: str, record: dict[str, Any]) -> dict[str, Any]:
             "expires_at": None if expires is None else _iso(expires)}
 
 
+def _ttl_and_metadata(body: dict[str, Any], what: str) -> tuple[int | None, dict[str, str]]:
+    """A save's time to live (None: it never expires) and the caller's metadata, checked."""
+    ttl = body.get("ttl_seconds")
+    if ttl is not None and not (isinstance(ttl, int) and _TTL_RANGE[0] <= ttl <= _TTL_RANGE[1]):
+        raise InvalidArgument(f"{what}: ttl_seconds must be {_TTL_RANGE[0]}..{_TTL_RANGE[1]} or null, got {ttl!r}")
+    metadata = body.get("user_metadata") or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InvalidArgument(f"{what}: user_metadata must map names to strings")
+    return ttl, metadata
+
+
 def _refuse_unknown(body: dict[str, Any], allowed: set[str], what: str) -> None:
     unknown = sorted(set(body) - allowed - {"type"})
     if unknown:
@@ -221,6 +232,8 @@ class Gateway:
                     await self.trainer.load_checkpoint(load, timeout=timeout)
             self.models.add(model)
             self._write_run(model)
+            if self.sampler is not None:  # this model's versions count from its own start
+                await self.sampler.start_over()
 
     def _session_runs(self, session_id: str) -> bool:
         try:
@@ -387,13 +400,7 @@ class Gateway:
             name = body.get("path") or f"step-{model.next_seq - 1}"
             if not isinstance(name, str) or not _NAME.match(name):
                 raise InvalidArgument(f"save_weights: path {name!r} must be a name of letters, digits, '.', '_', '-'")
-            ttl = body.get("ttl_seconds")
-            if ttl is not None and not (isinstance(ttl, int) and _TTL_RANGE[0] <= ttl <= _TTL_RANGE[1]):
-                raise InvalidArgument(f"save_weights: ttl_seconds must be {_TTL_RANGE[0]}..{_TTL_RANGE[1]} or "
-                                      f"null, got {ttl!r}")
-            metadata = body.get("user_metadata") or {}
-            if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-                raise InvalidArgument("save_weights: user_metadata must map names to strings")
+            ttl, metadata = _ttl_and_metadata(body, "save_weights")
             self._remove_expired()
             target = self._checkpoint_dir(model.model_id, name)
             if target.exists():
@@ -415,8 +422,11 @@ class Gateway:
         return self.config.checkpoint_dir / model_id / name
 
     def _remove_expired(self) -> None:
+        """Removes the named saves and the sampler versions whose time to live is over."""
         now = time.time()
-        for record_file in self.config.checkpoint_dir.glob(f"*/*/{_CHECKPOINT_RECORD}"):
+        records = [*self.config.checkpoint_dir.glob(f"*/*/{_CHECKPOINT_RECORD}"),
+                   *self.config.sampler_dir.glob(f"*/*/{_CHECKPOINT_RECORD}")]
+        for record_file in records:
             try:
                 expires = json.loads(record_file.read_text()).get("expires")
             except (OSError, ValueError):
@@ -448,9 +458,8 @@ class Gateway:
                                       "'.', '_', '-'")
             if name is None and body.get("sampling_session_seq_id") is None:
                 raise InvalidArgument("save_weights_for_sampler: give a path (a name) or a sampling_session_seq_id")
-            if body.get("ttl_seconds") is not None or body.get("user_metadata"):
-                raise InvalidArgument("save_weights_for_sampler: ttl_seconds and user_metadata are not served for "
-                                      "sampler weights (the sampler keeps the newest version only)")
+            ttl, metadata = _ttl_and_metadata(body, "save_weights_for_sampler")
+            self._remove_expired()
             if name is not None and (model.model_id, name) in self._sampler_weights:
                 raise AlreadyExists(f"save_weights_for_sampler: {name!r} exists for model {model.model_id}")
             timeout = self.config.trainer_timeout_seconds
@@ -461,6 +470,9 @@ class Gateway:
                     exported = await self.trainer.export_weights(
                         "checkpoint", directory=str(self.config.sampler_dir / model.model_id), timeout=timeout)
                 version = int(exported.weight_version)
+                record = {"name": name, "version": version, "created": time.time(),
+                          "expires": None if ttl is None else time.time() + ttl, "user_metadata": metadata}
+                (Path(exported.path) / _CHECKPOINT_RECORD).write_text(json.dumps(record))
                 await sampler.install(version, exported.path)
             if name is not None:
                 self._sampler_weights[(model.model_id, name)] = version

@@ -8,6 +8,8 @@ pinned to the version it was made for: a `snapshot` session samples exactly
 that version, an `inflight` one that version or a newer one. The replica
 holds one version, the newest saved: a snapshot whose version was replaced
 is refused, naming both (serving several versions at once is not built yet).
+When a new model takes the trainer, the replica starts over from the base
+model (version 0), since that model's versions count from 0 again.
 Installs wait for the samples running on the old version to finish, and
 samples wait for an install in progress, so every sample comes from one
 version, which is checked on the samples the replica returns.
@@ -145,15 +147,29 @@ class Sampler:
 
     async def install(self, version: int, checkpoint: str) -> None:
         """Serves `version` (the newest saved) from here on, once the samples running finish."""
+        async with self._installing_turn():
+            if version > self.serving:
+                await self.rollout.update_weights(version, checkpoint=checkpoint, timeout_seconds=self.timeout)
+                self.serving = version
+                metrics.SAMPLER_VERSION.set(version)
+
+    async def start_over(self) -> None:
+        """Back to the base model as version 0 (a new model took the trainer: its versions count from 0
+        again), once the samples running finish."""
+        async with self._installing_turn():
+            if self.serving != 0:
+                await self.rollout.update_weights(0, start_over=True, timeout_seconds=self.timeout)
+                self.serving = 0
+                metrics.SAMPLER_VERSION.set(0)
+
+    @contextlib.asynccontextmanager
+    async def _installing_turn(self) -> AsyncIterator[None]:
         async with self._turns:
             await self._turns.wait_for(lambda: not self._installing)
             self._installing = True
             await self._turns.wait_for(lambda: self._running == 0)
         try:
-            if version > self.serving:
-                await self.rollout.update_weights(version, checkpoint=checkpoint, timeout_seconds=self.timeout)
-                self.serving = version
-                metrics.SAMPLER_VERSION.set(version)
+            yield
         finally:
             async with self._turns:
                 self._installing = False

@@ -363,6 +363,14 @@ async def test_update_must_move_forward(server) -> None:
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def test_a_start_over_names_no_version_and_no_source(server) -> None:
+    """Back to the base model is version 0 from engine.model_path: anything else it is sent is refused, and
+    the served weights stay (tests/integration/test_tinker_gateway.py takes a replica back to the base)."""
+    for version, source in ((5, {}), (0, {"checkpoint": pb.CheckpointSource(path="elsewhere")})):
+        details = await _rejected(server, grpc.StatusCode.INVALID_ARGUMENT, version, start_over=True, **source)
+        assert "give no version and no source" in details
+
+
 async def test_checkpoint_paths_outside_the_root_are_refused_and_nothing_changes(server, tmp_path: Path) -> None:
     outside = tmp_path.parent.parent.parent  # above the session's base temp: outside updates.checkpoint_root
     async with open_channel(server.address, token=TEST_TOKEN, max_attempts=1) as channel:

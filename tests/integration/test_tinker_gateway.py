@@ -221,7 +221,13 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - the SDK raises a RequestFailedError or a BadRequestError
         prompt_logprobs = exc
     service.close("success").result()
-    return {"base": base, "forward": forward, "importance": importance, "trained": trained, "stale": stale, "named": named,
+    # The next user's model starts from the base weights: so does the sampler (its versions count from 0).
+    after = tinker.ServiceClient(base_url=url, api_key=KEY)
+    fresh = after.create_lora_training_client(base_model=base_model, rank=4).result()
+    again = fresh.save_weights_and_get_sampling_client().result().sample(
+        prompt, num_samples=3, sampling_params=params).result()
+    after.close("success").result()
+    return {"base": base, "forward": forward, "importance": importance, "trained": trained, "again": again, "stale": stale, "named": named,
             "stopped": stopped, "prompt_logprobs": prompt_logprobs, "model_id": training.model_id}
 
 
@@ -248,14 +254,18 @@ async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
         assert sequence.logprobs == pytest.approx(scored, abs=1e-5)  # measured: 4.8e-7 (float32 both sides)
         # Same weights sampled and trained: every ratio p/q is 1, so the loss is -Σ advantage.
         assert out["importance"].metrics["loss:sum"] == pytest.approx(-0.5 * len(sequence.tokens), rel=1e-4)
-        assert (await gateway.sampler.rollout.status()).weight_version == 2  # the trained weights (2 steps), installed
         assert len(out["trained"].sequences[0].tokens) >= 1
         assert out["stale"] is not None and out["stale"].category == types.RequestErrorCategory.User
+        # The trained weights (2 steps) were installed, and the base model's client was refused after.
         assert "(version 0) were replaced on the sampler by version 2" in str(out["stale"])
         assert out["named"] == f"tinker://{out['model_id']}/sampler_weights/named"
         stopped = out["stopped"].sequences[0]
         assert stopped.stop_reason == "stop" and len(stopped.tokens) <= 1  # the stop token itself ends it
         assert "prompt_logprobs is not served" in str(out["prompt_logprobs"])
+        # A new model took the trainer: the sampler started over from the base model, and its samples
+        # with the same seed are the base model's again.
+        assert (await gateway.sampler.rollout.status()).weight_version == 0
+        assert [s.tokens for s in out["again"].sequences] == [s.tokens for s in base.sequences]
 
 
 def resume_with_the_sdk(url: str, base_model: str) -> dict:

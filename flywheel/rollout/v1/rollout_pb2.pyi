@@ -194,7 +194,7 @@ class NcclSource(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "method", "memory", "checkpoint", "nccl", "pause_mode", "timeout_seconds")
+    __slots__ = ("version", "method", "memory", "checkpoint", "nccl", "pause_mode", "timeout_seconds", "start_over")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,7 @@ class UpdateWeightsRequest(_message.Message):
     NCCL_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    START_OVER_FIELD_NUMBER: _ClassVar[int]
     version: int
     method: _common_pb2.SyncMethod
     memory: MemorySource
@@ -209,7 +210,8 @@ class UpdateWeightsRequest(_message.Message):
     nccl: NcclSource
     pause_mode: _common_pb2.PauseMode
     timeout_seconds: float
-    def __init__(self, version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., memory: _Optional[_Union[MemorySource, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSource, _Mapping]] = ..., nccl: _Optional[_Union[NcclSource, _Mapping]] = ..., pause_mode: _Optional[_Union[_common_pb2.PauseMode, str]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    start_over: bool
+    def __init__(self, version: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.SyncMethod, str]] = ..., memory: _Optional[_Union[MemorySource, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSource, _Mapping]] = ..., nccl: _Optional[_Union[NcclSource, _Mapping]] = ..., pause_mode: _Optional[_Union[_common_pb2.PauseMode, str]] = ..., timeout_seconds: _Optional[float] = ..., start_over: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("weight_version", "pause_seconds", "bytes", "aborted_request_ids")
