@@ -410,8 +410,9 @@ class Gateway:
                 shutil.rmtree(target)
             with translated("trainer SaveCheckpoint"):
                 saved = await self.trainer.save_checkpoint(str(target), timeout=self.config.trainer_timeout_seconds)
-            record = {"name": name, "trainer_path": saved.path, "step": saved.step, "created": time.time(),
-                      "expires": None if ttl is None else time.time() + ttl, "user_metadata": metadata}
+            now = time.time()
+            record = {"name": name, "trainer_path": saved.path, "step": saved.step, "created": now,
+                      "expires": None if ttl is None else now + ttl, "user_metadata": metadata}
             (target / _CHECKPOINT_RECORD).write_text(json.dumps(record))
             return Outcome(json={"type": "save_weights", "path": f"tinker://{model.model_id}/weights/{name}"})
 
@@ -470,8 +471,9 @@ class Gateway:
                     exported = await self.trainer.export_weights(
                         "checkpoint", directory=str(self.config.sampler_dir / model.model_id), timeout=timeout)
                 version = int(exported.weight_version)
-                record = {"name": name, "version": version, "created": time.time(),
-                          "expires": None if ttl is None else time.time() + ttl, "user_metadata": metadata}
+                now = time.time()
+                record = {"name": name, "version": version, "created": now,
+                          "expires": None if ttl is None else now + ttl, "user_metadata": metadata}
                 (Path(exported.path) / _CHECKPOINT_RECORD).write_text(json.dumps(record))
                 await sampler.install(version, exported.path)
             if name is not None:

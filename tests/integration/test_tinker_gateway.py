@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from pathlib import Path
 
 import httpx
@@ -211,7 +212,7 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
         stale = None
     except tinker.RequestFailedError as exc:
         stale = exc
-    named = training.save_weights_for_sampler("named").result().path
+    named = training.save_weights_for_sampler("named", ttl_seconds=3600, user_metadata={"step": "2"}).result().path
     by_path = service.create_sampling_client(model_path=named).result()
     stopped = by_path.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(
         max_tokens=6, stop=[trained.sequences[0].tokens[0]], seed=7)).result()
@@ -259,6 +260,10 @@ async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
         # The trained weights (2 steps) were installed, and the base model's client was refused after.
         assert "(version 0) were replaced on the sampler by version 2" in str(out["stale"])
         assert out["named"] == f"tinker://{out['model_id']}/sampler_weights/named"
+        (record,) = [json.loads(p.read_text()) for p in (checkpoints / "sampler").glob("*/version_*/tinker.json")
+                     if json.loads(p.read_text())["name"] == "named"]
+        assert record["version"] == 2 and record["user_metadata"] == {"step": "2"}
+        assert record["expires"] - record["created"] == 3600  # removed at a save after that
         stopped = out["stopped"].sequences[0]
         assert stopped.stop_reason == "stop" and len(stopped.tokens) <= 1  # the stop token itself ends it
         assert "prompt_logprobs is not served" in str(out["prompt_logprobs"])
