@@ -124,13 +124,15 @@ def create_app(gateway: Gateway, tokens: TokenScopes) -> FastAPI:
     async def telemetry() -> dict:
         return {"status": "accepted"}  # the SDK's client-side events: not collected here
 
-    @app.post("/api/v1/create_model")
-    async def create_model(request: Request) -> dict:
-        return gateway.create_model(await _json(request))
+    # The calls whose body is a JSON object, answered by the gateway method of the same name.
+    def json_call(call):
+        async def route(request: Request) -> dict:
+            return call(await _json(request))
+        return route
 
-    @app.post("/api/v1/get_info")
-    async def get_info(request: Request) -> dict:
-        return gateway.get_info(await _json(request))
+    for name in ("create_model", "get_info", "optim_step", "save_weights", "load_weights",
+                 "save_weights_for_sampler", "create_sampling_session", "asample"):
+        app.post(f"/api/v1/{name}", name=name)(json_call(getattr(gateway, name)))
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request) -> dict:
@@ -144,18 +146,6 @@ def create_app(gateway: Gateway, tokens: TokenScopes) -> FastAPI:
                 raise InvalidArgument(f"forward_backward: the zstd body does not decompress ({exc})") from None
         return gateway.forward_backward(parse_forward_backward(body))
 
-    @app.post("/api/v1/optim_step")
-    async def optim_step(request: Request) -> dict:
-        return gateway.optim_step(await _json(request))
-
-    @app.post("/api/v1/save_weights")
-    async def save_weights(request: Request) -> dict:
-        return gateway.save_weights(await _json(request))
-
-    @app.post("/api/v1/load_weights")
-    async def load_weights(request: Request) -> dict:
-        return gateway.load_weights(await _json(request))
-
     @app.get("/api/v1/training_runs/{model_id}")
     async def training_run(model_id: str) -> dict:
         return gateway.training_run(model_id)
@@ -164,21 +154,9 @@ def create_app(gateway: Gateway, tokens: TokenScopes) -> FastAPI:
     async def checkpoints(model_id: str) -> dict:
         return gateway.checkpoints(model_id)
 
-    @app.post("/api/v1/save_weights_for_sampler")
-    async def save_weights_for_sampler(request: Request) -> dict:
-        return gateway.save_weights_for_sampler(await _json(request))
-
-    @app.post("/api/v1/create_sampling_session")
-    async def create_sampling_session(request: Request) -> dict:
-        return gateway.create_sampling_session(await _json(request))
-
     @app.get("/api/v1/samplers/{sampling_session_id}")
     async def get_sampler(sampling_session_id: str) -> dict:
         return gateway.get_sampler(sampling_session_id)
-
-    @app.post("/api/v1/asample")
-    async def asample(request: Request) -> dict:
-        return gateway.asample(await _json(request))
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
