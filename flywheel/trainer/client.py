@@ -193,6 +193,14 @@ class TrainerClient:
         response = await self.stub.LoadCheckpoint(pb.LoadCheckpointRequest(path=path, latest=latest), timeout=timeout)
         return LoadedCheckpoint(response.path, response.step, response.weight_version, response.client_state)
 
+    async def select_model(self, model_id: str, *, timeout: float | None = None) -> bool:
+        """Makes `model_id` the trainer's live model (LoRA: several on one base); True when it was created."""
+        response = await self.stub.SelectModel(pb.SelectModelRequest(model_id=model_id), timeout=timeout)
+        return response.created
+
+    async def drop_model(self, model_id: str, *, timeout: float | None = None) -> None:
+        await self.stub.DropModel(pb.DropModelRequest(model_id=model_id), timeout=timeout)
+
     async def export_weights(
         self, method: str, *, directory: str = "", group_id: str = "",
         merge_lora: bool = True, timeout: float | None = None,

@@ -113,6 +113,10 @@ class LimitsConfig(StrictModel):
         0, ge=0, description="largest B*T of one forward pass (micro-batch), in tokens; 0: no limit"
     )
     max_sequence_length: int = Field(32_768, ge=2, description="largest T of a batch, in tokens")
+    max_models: int = Field(
+        16, ge=1, description="most LoRA models held on the one base (SelectModel); each costs its adapters "
+        "about four times over (values, gradients, two Adam moments)"
+    )
 
 
 class CheckpointConfig(StrictModel):

@@ -9,11 +9,21 @@ its adapters switched off, which costs no memory.
 
 The step and weight version live here too: both advance by one per
 optimizer step and are restored from checkpoints.
+
+With LoRA, one base holds several models (`select`, `drop`): each model is
+its adapters' values, optimizer and schedule, accumulated gradients, step and
+weight version. The selected one is live in the model; the others are parked
+in memory (a few copies of the adapters: small beside the base). Switching
+copies adapter values in and out and swaps the rest by reference, so a
+model's gradients and optimizer moments never touch another's. A new model
+starts from the adapters' initialisation (what they held when the policy
+loaded) with a fresh optimizer at step 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -26,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from flywheel.errors import FailedPrecondition, NotFound, ResourceExhausted
 from flywheel.trainer.types import AdamStep
 from services.trainer.config import OptimizerConfig, TrainerConfig
 from services.trainer.distributed import is_sharded, shard_model
@@ -111,6 +122,12 @@ class Policy:
         self.step = 0
         self.weight_version = 0
         self._reference: nn.Module | None = None
+        #: The selected model's id ("" is the policy's own: the one it loads with).
+        self.model_id = ""
+        self._parked: dict[str, ParkedModel] = {}
+        self._held: tuple[str, ...] = ("",)
+        #: The adapters as initialised, which every new model starts from (LoRA only: nothing to keep else).
+        self._initial_adapters = self._adapter_values() if self.lora else {}
 
     # ------------------------------------------------------------ loading
 
@@ -242,6 +259,55 @@ class Policy:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    # ------------------------------------------------------------ models
+
+    @property
+    def model_ids(self) -> tuple[str, ...]:
+        """Every model held: the selected one first, then the parked ones (a copy made under the
+        engine's lock: GetInfo reads it while a step may run)."""
+        return self._held
+
+    def _adapter_values(self) -> dict[str, Tensor]:
+        return {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def select(self, model_id: str, max_models: int) -> bool:
+        """Makes `model_id` the live model, parking the selected one; True when it is new (created
+        from the adapters' initialisation). At most `max_models` are held."""
+        if model_id == self.model_id:
+            return False
+        if not self.lora:
+            raise FailedPrecondition("several models on one trainer need LoRA adapters (model.lora.enabled): with "
+                                     "every parameter trained there is one model")
+        created = model_id not in self._parked
+        if created and len(self._parked) + 1 >= max_models:
+            raise ResourceExhausted(f"the trainer holds {max_models} models (limits.max_models); drop one first")
+        params = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+        parked = ParkedModel(self._adapter_values(), {n: p.grad for n, p in params.items()},
+                             self.optimizer, self.scheduler, self.step, self.weight_version)
+        incoming = self._parked.pop(model_id, None)
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(incoming.adapters[name] if incoming else self._initial_adapters[name])
+                p.grad = incoming.grads[name] if incoming else None
+        if incoming is None:
+            self.optimizer, self.scheduler = build_optimizer(self.model, self.config.optimizer)
+            self.step = self.weight_version = 0
+        else:
+            self.optimizer, self.scheduler = incoming.optimizer, incoming.scheduler
+            self.step, self.weight_version = incoming.step, incoming.weight_version
+        self._parked[self.model_id] = parked
+        self.model_id = model_id
+        self._held = (model_id, *self._parked)
+        return created
+
+    def drop(self, model_id: str) -> None:
+        """Forgets a parked model (its adapters, optimizer state and gradients)."""
+        if model_id == self.model_id:
+            raise FailedPrecondition(f"model {model_id!r} is selected: select another before dropping it")
+        if self._parked.pop(model_id, None) is None:
+            raise NotFound(f"model {model_id!r} is not held by this trainer")
+        self._held = (self.model_id, *self._parked)
+
     # ------------------------------------------------------------ weights
 
     def hf_state_dict(self) -> dict[str, Tensor]:
@@ -262,6 +328,18 @@ class Policy:
                     delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
                     merged[weight] = (merged[weight] + delta).to(merged[weight].dtype)
         return merged
+
+
+@dataclasses.dataclass
+class ParkedModel:
+    """A model that is not selected: what `Policy.select` swaps in to make it live again."""
+
+    adapters: dict[str, Tensor]
+    grads: dict[str, Tensor | None]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    step: int
+    weight_version: int
 
 
 def _wrap_lora(model: nn.Module, config: TrainerConfig) -> nn.Module:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from flywheel.codec.dtypes import tensor_from_proto, tensor_to_proto
 from flywheel.common.v1 import common_pb2
-from flywheel.errors import InvalidArgument
+from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.runtime.auth import own_token
 from flywheel.synchronizer.types import Method, method_name
 from flywheel.trainer.types import AdamStep, aggregation_from_pb, loss_kind_from_pb
@@ -103,6 +103,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             ready=info.ready,
             lora_rank=info.lora_rank,
             lora_target_modules=info.lora_target_modules,
+            model_ids=info.model_ids,
         )
 
     async def ForwardBackward(self, request: pb.ForwardBackwardRequest, context) -> pb.ForwardBackwardResponse:
@@ -172,6 +173,19 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         return pb.LoadCheckpointResponse(
             path=str(loaded or ""), step=step, weight_version=version, client_state=client_state
         )
+
+    async def SelectModel(self, request: pb.SelectModelRequest, context) -> pb.SelectModelResponse:
+        if self.after_step is not None and request.model_id != "":
+            # A linked trainer publishes every step to the synchronizer's one version line.
+            raise FailedPrecondition("this trainer publishes its weights to a synchronizer (sync."
+                                     "synchronizer_address): it trains one model; several need a standalone trainer")
+        created, step = await self.engine.run(self.engine.select_model, request.model_id)
+        prom.STEP.set(step)
+        return pb.SelectModelResponse(created=created, step=step)
+
+    async def DropModel(self, request: pb.DropModelRequest, context) -> pb.DropModelResponse:
+        await self.engine.run(self.engine.drop_model, request.model_id)
+        return pb.DropModelResponse()
 
     async def ExportWeights(self, request: pb.ExportWeightsRequest, context) -> pb.ExportWeightsResponse:
         result = await export_weights(self.exporter, request)

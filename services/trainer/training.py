@@ -135,6 +135,8 @@ class Info:
     #: The LoRA adapters' rank and modules, from the config; 0 and () when every parameter trains.
     lora_rank: int = 0
     lora_target_modules: tuple[str, ...] = ()
+    #: The models held (`select_model`), the selected one first.
+    model_ids: tuple[str, ...] = ("",)
 
 
 @dataclass
@@ -251,7 +253,23 @@ class TrainingEngine:
         if p is None:
             return Info(str(m.path or ""), 0, 0, m.dtype, m.device, 0, 0, False, *lora)
         return Info(p.name, p.parameter_count, p.trainable_count, m.dtype, str(p.device), p.step, p.weight_version, True,
-                    *lora)
+                    *lora, model_ids=p.model_ids)
+
+    # ------------------------------------------------------------ models
+
+    def select_model(self, model_id: str) -> tuple[bool, int]:
+        """Makes `model_id` the model every later call trains, saves and exports (a new one starts
+        from the adapters' initialisation); returns (created, its step)."""
+        with self._lock:
+            policy = self._ready(None)
+            created = policy.select(model_id, self.config.limits.max_models)
+            log.info("model selected", extra={"model_id": model_id, "created": created, "step": policy.step,
+                                              "models": len(policy.model_ids)})
+            return created, policy.step
+
+    def drop_model(self, model_id: str) -> None:
+        with self._lock:
+            self._ready(None).drop(model_id)
 
     def _ready(self, expected_step: int | None) -> Policy:
         if self.policy is None:

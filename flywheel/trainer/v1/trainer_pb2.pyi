@@ -98,7 +98,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "parameter_count", "trainable_parameter_count", "dtype", "device", "step", "weight_version", "ready", "lora_rank", "lora_target_modules")
+    __slots__ = ("model_name", "parameter_count", "trainable_parameter_count", "dtype", "device", "step", "weight_version", "ready", "lora_rank", "lora_target_modules", "model_ids")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     TRAINABLE_PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class GetInfoResponse(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     LORA_TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IDS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     parameter_count: int
     trainable_parameter_count: int
@@ -119,7 +120,8 @@ class GetInfoResponse(_message.Message):
     ready: bool
     lora_rank: int
     lora_target_modules: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., trainable_parameter_count: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., device: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., ready: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+    model_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., trainable_parameter_count: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., device: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., ready: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ..., model_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
     __slots__ = ("batch", "loss", "expected_step", "forward_only")
@@ -308,3 +310,27 @@ class ExportWeightsResponse(_message.Message):
     path: str
     identity: bytes
     def __init__(self, weight_version: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., path: _Optional[str] = ..., identity: _Optional[bytes] = ...) -> None: ...
+
+class SelectModelRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class SelectModelResponse(_message.Message):
+    __slots__ = ("created", "step")
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    step: int
+    def __init__(self, created: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
+
+class DropModelRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class DropModelResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

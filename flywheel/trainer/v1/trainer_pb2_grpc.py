@@ -75,6 +75,16 @@ class TrainerServiceStub:
                 request_serializer=flywheel_dot_trainer_dot_v1_dot_trainer__pb2.ExportWeightsRequest.SerializeToString,
                 response_deserializer=flywheel_dot_trainer_dot_v1_dot_trainer__pb2.ExportWeightsResponse.FromString,
                 _registered_method=True)
+        self.SelectModel = channel.unary_unary(
+                '/flywheel.trainer.v1.TrainerService/SelectModel',
+                request_serializer=flywheel_dot_trainer_dot_v1_dot_trainer__pb2.SelectModelRequest.SerializeToString,
+                response_deserializer=flywheel_dot_trainer_dot_v1_dot_trainer__pb2.SelectModelResponse.FromString,
+                _registered_method=True)
+        self.DropModel = channel.unary_unary(
+                '/flywheel.trainer.v1.TrainerService/DropModel',
+                request_serializer=flywheel_dot_trainer_dot_v1_dot_trainer__pb2.DropModelRequest.SerializeToString,
+                response_deserializer=flywheel_dot_trainer_dot_v1_dot_trainer__pb2.DropModelResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -138,6 +148,21 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SelectModel(self, request, context):
+        """Several models on one base (LoRA only): makes one the model every later
+        call trains, checkpoints and exports, parking the selected one in memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropModel(self, request, context):
+        """Forgets a parked model: its adapters, optimizer state and gradients.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +205,16 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.ExportWeights,
                     request_deserializer=flywheel_dot_trainer_dot_v1_dot_trainer__pb2.ExportWeightsRequest.FromString,
                     response_serializer=flywheel_dot_trainer_dot_v1_dot_trainer__pb2.ExportWeightsResponse.SerializeToString,
+            ),
+            'SelectModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.SelectModel,
+                    request_deserializer=flywheel_dot_trainer_dot_v1_dot_trainer__pb2.SelectModelRequest.FromString,
+                    response_serializer=flywheel_dot_trainer_dot_v1_dot_trainer__pb2.SelectModelResponse.SerializeToString,
+            ),
+            'DropModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropModel,
+                    request_deserializer=flywheel_dot_trainer_dot_v1_dot_trainer__pb2.DropModelRequest.FromString,
+                    response_serializer=flywheel_dot_trainer_dot_v1_dot_trainer__pb2.DropModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +434,60 @@ class TrainerService:
             '/flywheel.trainer.v1.TrainerService/ExportWeights',
             flywheel_dot_trainer_dot_v1_dot_trainer__pb2.ExportWeightsRequest.SerializeToString,
             flywheel_dot_trainer_dot_v1_dot_trainer__pb2.ExportWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SelectModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.trainer.v1.TrainerService/SelectModel',
+            flywheel_dot_trainer_dot_v1_dot_trainer__pb2.SelectModelRequest.SerializeToString,
+            flywheel_dot_trainer_dot_v1_dot_trainer__pb2.SelectModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.trainer.v1.TrainerService/DropModel',
+            flywheel_dot_trainer_dot_v1_dot_trainer__pb2.DropModelRequest.SerializeToString,
+            flywheel_dot_trainer_dot_v1_dot_trainer__pb2.DropModelResponse.FromString,
             options,
             channel_credentials,
             insecure,
