@@ -9,12 +9,11 @@ save of the gateway runs. Their Tinker path is `tinker://<model id>/weights/<nam
 Weights saved for the sampler are versions (services/tinker/sampling.py), named
 `tinker://<model id>/sampler_weights/<name>` when the save names them.
 
-The trainer holds one model at a time (services/tinker/models.py). The gateway
-keeps the trainer's initial state (`checkpoint_dir/.initial`, saved when it
-first starts on a fresh trainer) and loads it when a new model takes the
-trainer, so every model starts from the base weights, the same adapters'
-initialisation and a fresh optimizer; a model created from a checkpoint
-(create-via-load) gets that checkpoint's weights and optimizer state instead.
+The trainer holds every model of the gateway, each a LoRA model on its base
+(services/tinker/models.py): a new model starts from the base weights, the
+adapters' initialisation and a fresh optimizer; a model created from a
+checkpoint (create-via-load) gets that checkpoint's weights and optimizer
+state instead. A model whose session finished or went silent is dropped.
 Each model's `run.json` (`checkpoint_dir/<model id>/`) keeps what
 `GET training_runs/{id}` answers, across gateway restarts.
 """
@@ -50,8 +49,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TTL_RANGE = (3600, 10 * 365 * 24 * 3600)
 _CHECKPOINT_RECORD = "tinker.json"
 _RUN_RECORD = "run.json"
-#: The trainer's state before any model trained: what a new model starts from.
-_INITIAL = ".initial"
 
 
 _PATH = re.compile(r"^tinker://(?P<model>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
@@ -61,10 +58,12 @@ _PATH = re.compile(r"^tinker://(?P<model>[^/]+)/(?P<kind>weights|sampler_weights
 class SamplingSession:
     session_id: str
     sampling_session_id: str
-    #: The weight version it samples: exactly (snapshot) or at least (inflight).
+    #: The weight version it samples: exactly (snapshot) or at least (inflight: then its model's newest).
     version: int
     exact: bool
     model_path: str | None
+    #: The model whose weights it samples (None: the base model).
+    model_id: str | None
 
 
 def _iso(unix_seconds: float) -> str:
@@ -106,11 +105,10 @@ class Gateway:
         # (sampling session, seq_id) -> its answer, as long as its result is kept (a resend gets the same).
         self._samples: dict[tuple[str, int], tuple[float, dict[str, Any]]] = {}
         self._sampling_created: dict[tuple[str, int], str] = {}  # (session, sampling_session_seq_id) -> its id
-        self._initial: str | None = None  # the trainer's initial state (its checkpoint path)
-        self._trainer_turns = asyncio.Lock()  # one model takes the trainer at a time
         self.futures = Futures()
         self.sessions = Sessions(config.session_timeout_seconds)
-        self.models = TrainingModels(self.futures)
+        self.models = TrainingModels(self.futures, self._select, self._drop)
+        self._retiring: set[asyncio.Task] = set()
         self._created: dict[tuple[str, int], str] = {}  # (session, model_seq_id) -> create_model's request id
         self.base_model = config.base_model
         self.lora_rank = 0
@@ -130,18 +128,21 @@ class Gateway:
             await self._wait_for(f"rollout {self.config.rollout_address}", self.sampler.start, deadline)
         self.base_model = self.config.base_model or info.model_name
         self.lora_rank, self.lora_modules = info.lora_rank, tuple(info.lora_target_modules)
-        initial = self.config.checkpoint_dir / _INITIAL
-        saved = sorted(initial.glob("global_step_*"))
-        if saved:
-            self._initial = str(saved[-1])
-        elif info.step == 0 and info.weight_version == 0:
-            with translated("trainer SaveCheckpoint"):
-                self._initial = (await self.trainer.save_checkpoint(
-                    str(initial), timeout=self.config.trainer_timeout_seconds)).path
-        else:
-            raise FailedPrecondition(
-                f"the trainer has trained already (step {info.step}) and {initial} holds no initial state: "
-                "start the gateway with a freshly started trainer")
+        # Models a gateway that ran before this one made: their sessions are gone with it.
+        orphans = [model_id for model_id in info.model_ids if model_id]
+        if orphans:
+            await self._select("")
+            for orphan in orphans:
+                await self._drop(orphan)
+            log.info("models of an earlier gateway dropped from the trainer", extra={"models": orphans})
+
+    async def _select(self, model_id: str) -> bool:
+        with translated("trainer SelectModel"):
+            return await self.trainer.select_model(model_id, timeout=self.config.trainer_timeout_seconds)
+
+    async def _drop(self, model_id: str) -> None:
+        with translated("trainer DropModel"):
+            await self.trainer.drop_model(model_id, timeout=self.config.trainer_timeout_seconds)
 
     async def _wait_for(self, what: str, call, deadline: float):
         """`call()`'s answer once it gives one (not None), retrying while it is unavailable or not ready."""
@@ -161,6 +162,7 @@ class Gateway:
             await asyncio.sleep(2.0)
 
     async def close(self) -> None:
+        await asyncio.gather(*self._retiring, return_exceptions=True)
         await self.models.close()
 
     # -- service -------------------------------------------------------------
@@ -212,28 +214,27 @@ class Gateway:
             metadata = body.get("user_metadata") or {}
             if not isinstance(metadata, dict):
                 raise InvalidArgument("create_model: user_metadata must be an object")
-            await self._take_trainer(TrainingModel(model_id, session.session_id, self.base_model, rank, metadata),
-                                     self._initial)
+            await self._create(TrainingModel(model_id, session.session_id, self.base_model, rank, metadata), None)
             return Outcome(json={"type": "create_model", "model_id": model_id})
 
         self.futures.run(request_id, create)
         return {"request_id": request_id, "model_id": model_id}
 
-    async def _take_trainer(self, model: TrainingModel, load: str | None) -> None:
-        """Gives the trainer to `model`, loading `load` first (the initial state, or a checkpoint)."""
-        async with self._trainer_turns:
-            holder = self.models.holder
-            self.models.check_free(holder is not None and self._session_runs(holder.session_id))
-            timeout = self.config.trainer_timeout_seconds
-            with translated("trainer GetInfo"):
-                info = await self.trainer.get_info(timeout=timeout)
-            if load is not None and (load != self._initial or holder is not None or info.step or info.weight_version):
-                with translated("trainer LoadCheckpoint"):
-                    await self.trainer.load_checkpoint(load, timeout=timeout)
+    async def _create(self, model: TrainingModel, load: str | None) -> None:
+        """Creates `model` on the trainer from the adapters' initialisation, or from checkpoint `load`."""
+        for ended in [m for m in self.models.training() if not self._session_runs(m.session_id)]:
+            await self.models.retire(ended, f"its session ended ({self.sessions.get(ended.session_id).ended})")
+        async with self.models.turn(model.model_id, new=True):
+            if load is not None:
+                try:
+                    with translated("trainer LoadCheckpoint"):
+                        await self.trainer.load_checkpoint(load, timeout=self.config.trainer_timeout_seconds)
+                except BaseException:
+                    await self._select("")
+                    await self._drop(model.model_id)
+                    raise
             self.models.add(model)
-            self._write_run(model)
-            if self.sampler is not None:  # this model's versions count from its own start
-                await self.sampler.start_over()
+        self._write_run(model)
 
     def _session_runs(self, session_id: str) -> bool:
         try:
@@ -241,6 +242,15 @@ class Gateway:
         except FailedPrecondition:
             return False
         return True
+
+    def finish_session(self, session_id: str, reason: str, detail: str | None) -> None:
+        """Ends the session (the first reason stays) and drops its models from the trainer, in the
+        background: a drop waits for the trainer's turn, which a long request may hold."""
+        session = self.sessions.finish(session_id, reason, detail)
+        for model in self.models.of_session(session_id):
+            task = asyncio.create_task(self.models.retire(model, f"its session finished ({session.ended})"))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
 
     def _write_run(self, model: TrainingModel) -> None:
         directory = self.config.checkpoint_dir / model.model_id
@@ -321,7 +331,7 @@ class Gateway:
                 if base != self.base_model:
                     raise NotFound(f"base_model {base!r} is not served here; this gateway serves {self.base_model!r}")
                 metadata = body.get("user_metadata") or run.get("user_metadata") or {}
-                await self._take_trainer(
+                await self._create(
                     TrainingModel(model_id, session.session_id, base, int(run["lora_rank"]), metadata), trainer_path)
                 return Outcome(json={"type": "load_weights", "path": path, "model_id": model_id})
 
@@ -475,29 +485,30 @@ class Gateway:
                 record = {"name": name, "version": version, "created": now,
                           "expires": None if ttl is None else now + ttl, "user_metadata": metadata}
                 (Path(exported.path) / _CHECKPOINT_RECORD).write_text(json.dumps(record))
-                await sampler.install(version, exported.path)
+                await sampler.install(model.model_id, version, exported.path)
             if name is not None:
                 self._sampler_weights[(model.model_id, name)] = version
                 return Outcome(json={"type": "save_weights_for_sampler",
                                      "path": f"tinker://{model.model_id}/sampler_weights/{name}"})
             sampling = self._new_sampling_session(session.session_id, int(body["sampling_session_seq_id"]), version,
-                                                  kind == "snapshot", None)
+                                                  kind == "snapshot", None, model.model_id)
             return Outcome(json={"type": "save_weights_for_sampler", "sampling_session_id": sampling})
 
         return {"request_id": self.models.submit(model.model_id, body.get("seq_id"), "save_weights_for_sampler", run),
                 "model_id": model.model_id}
 
     def _new_sampling_session(self, session_id: str, seq: int, version: int, exact: bool,
-                              model_path: str | None) -> str:
+                              model_path: str | None, model_id: str | None) -> str:
         key = (session_id, seq)
         if key in self._sampling_created:
             return self._sampling_created[key]
         sampling_id = f"sampler-{uuid.uuid4().hex[:12]}"
-        self.sampling_sessions[sampling_id] = SamplingSession(session_id, sampling_id, version, exact, model_path)
+        self.sampling_sessions[sampling_id] = SamplingSession(session_id, sampling_id, version, exact, model_path,
+                                                              model_id)
         self._sampling_created[key] = sampling_id
         return sampling_id
 
-    def _sampler_version(self, model_path: str) -> int:
+    def _sampler_version(self, model_path: str) -> tuple[str, int]:
         match = _PATH.match(model_path)
         if match is None:
             raise InvalidArgument(f"model_path {model_path!r} is not a tinker://<model>/sampler_weights/<name> path")
@@ -507,7 +518,7 @@ class Gateway:
         version = self._sampler_weights.get((match["model"], match["name"]))
         if version is None:
             raise NotFound(f"model_path {model_path!r}: no such sampler weights here")
-        return version
+        return match["model"], version
 
     def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
         _refuse_unknown(body, {"session_id", "sampling_session_seq_id", "base_model", "model_path"},
@@ -519,12 +530,12 @@ class Gateway:
             raise InvalidArgument(f"sampling_session_seq_id must be an integer >= 0, got {seq!r}")
         model_path, base = body.get("model_path"), body.get("base_model")
         if model_path is not None:
-            version = self._sampler_version(str(model_path))
+            model_id, version = self._sampler_version(str(model_path))
         elif base == self.base_model:
-            version = 0
+            model_id, version = None, 0
         else:
             raise NotFound(f"base_model {base!r} is not served here; this gateway serves {self.base_model!r}")
-        sampling_id = self._new_sampling_session(session.session_id, seq, version, True, model_path)
+        sampling_id = self._new_sampling_session(session.session_id, seq, version, True, model_path, model_id)
         return {"type": "create_sampling_session", "sampling_session_id": sampling_id}
 
     def get_sampler(self, sampling_session_id: str) -> dict[str, Any]:
@@ -552,7 +563,7 @@ class Gateway:
         request_id = self.futures.new("sample")
 
         async def run() -> Outcome:
-            samples = await sampler.sample(plan, sampling.version, sampling.exact)
+            samples = await sampler.sample(plan, sampling.model_id, sampling.version, sampling.exact)
             return Outcome(proto=sample_response(samples))
 
         self.futures.run(request_id, run)

@@ -117,7 +117,7 @@ def create_app(gateway: Gateway, tokens: TokenScopes) -> FastAPI:
         kind = reason.get("type") if isinstance(reason, dict) else None
         if kind not in ("success", "errored", "interrupted"):
             raise InvalidArgument(f"reason.type must be success, errored or interrupted, got {kind!r}")
-        gateway.sessions.finish(session_id, kind, body.get("detail"))
+        gateway.finish_session(session_id, kind, body.get("detail"))
         return Response(status_code=200, content=b"null", media_type="application/json")
 
     @app.post("/api/v1/telemetry")

@@ -7,22 +7,29 @@ Gradients add up in the trainer across forward_backward calls until
 optim_step. A request sent again (the same model and seq_id, as the SDK's
 retries do) gets the first one's request id and is never run twice.
 
-One trainer holds one model at a time: a second create_model is refused,
-naming the model that holds it, while that model's session runs (several
-LoRA models on one trainer are not built yet); once it finished or went
-silent, a new model takes the trainer.
+One trainer holds several LoRA models on its base (the trainer's
+SelectModel: each model its own adapters, gradients, optimizer state and
+step). Models' requests take turns on the trainer, one request at a time,
+and each turn first selects its model there, so two clients training at once
+never touch each other's weights. Selecting on every turn (a call of about a
+millisecond) rather than remembering the selection means a trainer that
+restarted and lost a model is found at that model's next request (it would
+be created anew: refused as lost) instead of training another model's
+adapters. A model whose session ended is dropped from the trainer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound
+from flywheel.errors import AlreadyExists, FailedPrecondition, FlywheelError, InvalidArgument, NotFound
 from services.tinker.futures import Futures, Outcome, failure
 
 log = logging.getLogger(__name__)
@@ -108,42 +115,42 @@ class TrainingModel:
     waiting: dict[int, Request] = field(default_factory=dict)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     runner: asyncio.Task | None = None
+    #: Why it takes no more requests (its session ended); None while it trains.
+    retired: str | None = None
+
+
+#: Makes a model the trainer's live one; returns whether the trainer created it.
+Select = Callable[[str], Awaitable[bool]]
+#: Forgets a model on the trainer.
+Drop = Callable[[str], Awaitable[None]]
 
 
 class TrainingModels:
-    """The gateway's models, each running its requests in seq_id order."""
+    """The gateway's models, each running its requests in seq_id order, all taking turns on one trainer."""
 
-    def __init__(self, futures: Futures) -> None:
+    def __init__(self, futures: Futures, select: Select, drop: Drop) -> None:
         self.futures = futures
+        self._select, self._drop = select, drop
         self._models: dict[str, TrainingModel] = {}
-        self._current: TrainingModel | None = None
+        self._turns = asyncio.Lock()
 
-    @property
-    def holder(self) -> TrainingModel | None:
-        """The model that holds the trainer now (None before the first)."""
-        return self._current
-
-    def check_free(self, holder_runs: bool) -> None:
-        """Refuses a new model while the one holding the trainer has a running session."""
-        if self._current is not None and holder_runs:
-            raise FailedPrecondition(
-                f"this gateway's trainer holds model {self._current.model_id} (session {self._current.session_id}, "
-                "running); several models on one trainer are not served yet: finish that session, or start "
-                "another gateway and trainer"
-            )
+    @contextlib.asynccontextmanager
+    async def turn(self, model_id: str, *, new: bool = False) -> AsyncIterator[None]:
+        """The trainer, with `model_id` selected on it, until the block ends. `new`: the model is being
+        created (the trainer must not hold it yet); otherwise the trainer must hold it already."""
+        async with self._turns:
+            created = await self._select(model_id)
+            if created != new:
+                if new:
+                    raise AlreadyExists(f"the trainer holds a model {model_id!r} already")
+                raise FailedPrecondition(f"the trainer no longer holds model {model_id} (did it restart?): its "
+                                         "adapters and optimizer state are gone; load a saved checkpoint into a "
+                                         "new model")
+            yield
 
     def add(self, model: TrainingModel) -> TrainingModel:
-        """Gives the trainer to `model` (call check_free first): the previous holder's waiting
-        requests are refused and it takes no new ones."""
-        previous = self._current
-        if previous is not None and previous.runner is not None:
-            previous.runner.cancel()
-            for request in previous.waiting.values():
-                self.futures.finish(request.request_id, failure(FailedPrecondition(
-                    f"model {previous.model_id} gave the trainer to model {model.model_id}")))
-            previous.waiting.clear()
+        """Starts running `model`'s requests (it was created on the trainer)."""
         self._models[model.model_id] = model
-        self._current = model
         model.runner = asyncio.create_task(self._run(model), name=f"tinker model {model.model_id}")
         return model
 
@@ -151,17 +158,41 @@ class TrainingModels:
         model = self._models.get(model_id)
         if model is None:
             raise NotFound(f"model {model_id!r} is not known here")
-        if model is not self._current:
-            raise FailedPrecondition(f"model {model_id} no longer holds the trainer (its session ended)")
+        if model.retired is not None:
+            raise FailedPrecondition(f"model {model_id} takes no more requests: {model.retired}")
         return model
 
     def known(self, model_id: str) -> TrainingModel | None:
-        """A model this gateway made, holding the trainer or not."""
+        """A model this gateway made, training or retired."""
         return self._models.get(model_id)
+
+    def of_session(self, session_id: str) -> list[TrainingModel]:
+        return [m for m in self._models.values() if m.session_id == session_id and m.retired is None]
+
+    def training(self) -> list[TrainingModel]:
+        return [m for m in self._models.values() if m.retired is None]
+
+    async def retire(self, model: TrainingModel, reason: str) -> None:
+        """Stops `model` (its waiting requests answer `reason`) and drops it from the trainer."""
+        if model.retired is not None:
+            return
+        model.retired = reason
+        for request in model.waiting.values():
+            self.futures.finish(request.request_id, failure(FailedPrecondition(f"model {model.model_id}: {reason}")))
+        model.waiting.clear()
+        model.wakeup.set()  # its runner stops once the request it may be running has answered
+        try:
+            async with self._turns:
+                await self._select("")  # the trainer's own model: a model is dropped while parked
+                await self._drop(model.model_id)
+        except FlywheelError as exc:  # a trainer that restarted has lost it already
+            log.warning("model not dropped from the trainer", extra={"model_id": model.model_id, "error": str(exc)})
+        log.info("model retired", extra={"model_id": model.model_id, "reason": reason})
 
     def submit(self, model_id: str, seq_id: int | None, label: str,
                work: Callable[[], Awaitable[Outcome]]) -> str:
-        """The request id of `model_id`'s request `seq_id`, which runs once every earlier one has."""
+        """The request id of `model_id`'s request `seq_id`, which runs once every earlier one has,
+        in a turn of the trainer with the model selected."""
         model = self.get(model_id)
         if seq_id is None or seq_id < 1:
             raise InvalidArgument(f"{label}: seq_id must be 1 or more (create_model is 0), got {seq_id}")
@@ -177,14 +208,18 @@ class TrainingModels:
         return request_id
 
     async def _run(self, model: TrainingModel) -> None:
-        while True:
+        while model.retired is None:
             request = model.waiting.pop(model.next_seq, None)
             if request is None:
                 model.wakeup.clear()
                 await model.wakeup.wait()
                 continue
             model.next_seq += 1
-            await self.futures.run(request.request_id, request.work)
+            await self.futures.run(request.request_id, functools.partial(self._in_turn, model.model_id, request.work))
+
+    async def _in_turn(self, model_id: str, work: Callable[[], Awaitable[Outcome]]) -> Outcome:
+        async with self.turn(model_id):
+            return await work()
 
     async def close(self) -> None:
         for model in self._models.values():

@@ -1,18 +1,21 @@
-"""The gateway's sampler: one rollout replica that serves the model's weights
+"""The gateway's sampler: one rollout replica that serves the models' weights
 as saved for sampling, and Tinker's sample requests translated to its Generate.
 
 A save for the sampler exports the trainer's merged weights as a checkpoint
-version (`sampler_dir/<model id>/version_N`) and installs it on the replica
-at once (the trainer's weight version numbers them). A sampling session is
-pinned to the version it was made for: a `snapshot` session samples exactly
-that version, an `inflight` one that version or a newer one. The replica
-holds one version, the newest saved: a snapshot whose version was replaced
-is refused, naming both (serving several versions at once is not built yet).
-When a new model takes the trainer, the replica starts over from the base
-model (version 0), since that model's versions count from 0 again.
-Installs wait for the samples running on the old version to finish, and
-samples wait for an install in progress, so every sample comes from one
-version, which is checked on the samples the replica returns.
+version (`sampler_dir/<model id>/version_N`: N is the trainer's weight
+version, which names one set of weights whichever model made it) and
+installs it on the replica at once. A sampling session is pinned to the
+version it was made for: a `snapshot` session samples exactly that version,
+an `inflight` one that version or its model's newer one. The replica holds
+one version at a time: a sample of another version waits for the samples
+running to finish, then the replica loads that version from its checkpoint
+(going back to the base model first when the version is older than the one
+it serves). Two clients sampling their own models in turn therefore reload
+the replica at each turn: correct, and as slow as a load (serving several
+adapters at once, vLLM's multi-LoRA, is not built). The served weights are
+known by their checkpoint, not their number alone: a trainer that restarted
+numbers new weights from 1 again. Every sample comes from one version, which
+is checked on the samples the replica returns.
 
 Log-probs are of the distribution each token was drawn from (the rollout's
 default: temperature, top-k and top-p applied); at temperature 1 without
@@ -128,57 +131,79 @@ def sample_response(samples: list[common_pb2.Sample]) -> bytes:
     return out.SerializeToString()
 
 
+@dataclass(frozen=True)
+class SavedWeights:
+    """Weights saved for sampling: their version and where the replica loads them from (None: the base)."""
+
+    version: int
+    checkpoint: str | None
+
+
+BASE = SavedWeights(0, None)
+
+
 class Sampler:
-    """The replica and the version it serves; installs and samples take turns (see the module doc)."""
+    """The replica and the weights it serves; loads and samples take turns (see the module doc)."""
 
     def __init__(self, rollout: RolloutClient, timeout: float) -> None:
         self.rollout = rollout
         self.timeout = timeout
-        self.serving = 0
+        #: What the replica serves; None until known (a gateway that restarted does not know what it loaded).
+        self.serving: SavedWeights | None = None
+        self._saved: dict[int, SavedWeights] = {0: BASE}
+        self._newest: dict[str, int] = {}  # model id -> its newest version saved for sampling
         self._running = 0  # samples in flight
-        self._installing = False
+        self._loading = False
         self._turns = asyncio.Condition()
 
     async def start(self) -> int:
         """The version the replica serves (a replica that answers is loaded: it serves after loading)."""
-        self.serving = int((await self.rollout.status()).weight_version)
-        metrics.SAMPLER_VERSION.set(self.serving)
-        return self.serving
+        version = int((await self.rollout.status()).weight_version)
+        self.serving = BASE if version == 0 else None
+        metrics.SAMPLER_VERSION.set(version)
+        return version
 
-    async def install(self, version: int, checkpoint: str) -> None:
-        """Serves `version` (the newest saved) from here on, once the samples running finish."""
-        async with self._installing_turn():
-            if version > self.serving:
-                await self.rollout.update_weights(version, checkpoint=checkpoint, timeout_seconds=self.timeout)
-                self.serving = version
-                metrics.SAMPLER_VERSION.set(version)
-
-    async def start_over(self) -> None:
-        """Back to the base model as version 0 (a new model took the trainer: its versions count from 0
-        again), once the samples running finish."""
-        async with self._installing_turn():
-            if self.serving != 0:
-                await self.rollout.update_weights(0, start_over=True, timeout_seconds=self.timeout)
-                self.serving = 0
-                metrics.SAMPLER_VERSION.set(0)
-
-    @contextlib.asynccontextmanager
-    async def _installing_turn(self) -> AsyncIterator[None]:
+    async def install(self, model_id: str, version: int, checkpoint: str) -> None:
+        """Records `model_id`'s weights `version` (exported to `checkpoint`) and serves them from now on,
+        once the samples running finish."""
+        weights = SavedWeights(version, checkpoint)
+        self._saved[version] = weights
+        self._newest[model_id] = max(version, self._newest.get(model_id, 0))
         async with self._turns:
-            await self._turns.wait_for(lambda: not self._installing)
-            self._installing = True
-            await self._turns.wait_for(lambda: self._running == 0)
+            await self._serve(weights)
+
+    async def _serve(self, weights: SavedWeights) -> None:
+        """Makes the replica serve `weights` (call it holding `_turns`); returns holding it again."""
+        await self._turns.wait_for(lambda: not self._loading)
+        if self.serving == weights:
+            return
+        self._loading = True
+        await self._turns.wait_for(lambda: self._running == 0)
+        self._turns.release()  # samples of other versions queue on `_loading` meanwhile
         try:
-            yield
+            if weights.version == 0 or self.serving is None or weights.version <= self.serving.version:
+                await self.rollout.update_weights(0, start_over=True, timeout_seconds=self.timeout)
+                self.serving = BASE
+            if weights.version:
+                if weights.checkpoint is None:
+                    raise FailedPrecondition(f"version {weights.version} was not saved for sampling here")
+                await self.rollout.update_weights(weights.version, checkpoint=weights.checkpoint,
+                                                  timeout_seconds=self.timeout)
+                self.serving = weights
+            metrics.SAMPLER_VERSION.set(weights.version)
+        except BaseException:
+            self.serving = None  # unknown: the next sample loads what it needs from the start
+            raise
         finally:
-            async with self._turns:
-                self._installing = False
-                self._turns.notify_all()
+            await self._turns.acquire()
+            self._loading = False
+            self._turns.notify_all()
 
     @contextlib.asynccontextmanager
-    async def _sampling(self) -> AsyncIterator[None]:
+    async def _serving(self, weights: SavedWeights) -> AsyncIterator[None]:
         async with self._turns:
-            await self._turns.wait_for(lambda: not self._installing)
+            while self.serving != weights or self._loading:
+                await self._serve(weights)
             self._running += 1
         try:
             yield
@@ -187,17 +212,18 @@ class Sampler:
                 self._running -= 1
                 self._turns.notify_all()
 
-    async def sample(self, plan: SamplePlan, version: int, exact: bool) -> list[common_pb2.Sample]:
-        async with self._sampling():
-            if self.serving < version or (exact and self.serving != version):
-                raise FailedPrecondition(
-                    f"this sampling client's weights (version {version}) were replaced on the sampler by version "
-                    f"{self.serving}; the gateway serves the newest weights saved for sampling only: "
-                    "save again and sample with the new client"
-                )
+    async def sample(self, plan: SamplePlan, model_id: str | None, version: int, exact: bool) -> list[common_pb2.Sample]:
+        """Samples `version` (exact), or `model_id`'s newest version from `version` on."""
+        if not exact and model_id is not None:
+            version = max(version, self._newest.get(model_id, 0))
+        weights = self._saved.get(version)
+        if weights is None:
+            raise FailedPrecondition(f"version {version} is not saved for sampling on this gateway (it restarted "
+                                     "since?): save the weights for the sampler again")
+        async with self._serving(weights):
             [samples] = await self.rollout.generate([plan.prompt], timeout=self.timeout, **plan.params)
         served = {(s.weight_version_start, s.weight_version_end) for s in samples}
-        if served != {(self.serving, self.serving)}:
+        if served != {(version, version)}:
             raise FailedPrecondition(f"the sampler answered with weight versions {sorted(served)}, "
-                                     f"not {self.serving} throughout")
+                                     f"not {version} throughout")
         return samples

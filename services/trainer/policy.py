@@ -8,7 +8,8 @@ use (or at load with `reference.preload`); with LoRA it is the same model with
 its adapters switched off, which costs no memory.
 
 The step and weight version live here too: both advance by one per
-optimizer step and are restored from checkpoints.
+optimizer step and are restored from checkpoints (with several models, each
+has its step, and a version numbers one set of weights across all of them).
 
 With LoRA, one base holds several models (`select`, `drop`): each model is
 its adapters' values, optimizer and schedule, accumulated gradients, step and
@@ -122,6 +123,9 @@ class Policy:
         self.step = 0
         self.weight_version = 0
         self._reference: nn.Module | None = None
+        #: The newest weight version any of its models reached: a version names one set of weights on this
+        #: trainer whichever model made it (`next_version`).
+        self._newest_version = 0
         #: The selected model's id ("" is the policy's own: the one it loads with).
         self.model_id = ""
         self._parked: dict[str, ParkedModel] = {}
@@ -258,6 +262,12 @@ class Policy:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def next_version(self) -> int:
+        """The weight version an optimizer step makes: one past the newest of every model's (and of the
+        one loaded), so two models never number different weights alike; with one model, step by step."""
+        self._newest_version = max(self._newest_version, self.weight_version) + 1
+        return self._newest_version
 
     # ------------------------------------------------------------ models
 

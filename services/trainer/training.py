@@ -262,9 +262,11 @@ class TrainingEngine:
         from the adapters' initialisation); returns (created, its step)."""
         with self._lock:
             policy = self._ready(None)
+            switched = model_id != policy.model_id
             created = policy.select(model_id, self.config.limits.max_models)
-            log.info("model selected", extra={"model_id": model_id, "created": created, "step": policy.step,
-                                              "models": len(policy.model_ids)})
+            if switched:
+                log.debug("model selected", extra={"model_id": model_id, "new_model": created, "step": policy.step,
+                                                   "models": len(policy.model_ids)})
             return created, policy.step
 
     def drop_model(self, model_id: str) -> None:
@@ -419,7 +421,7 @@ class TrainingEngine:
         policy.scheduler.step()
         policy.zero_grad()
         policy.step += 1
-        policy.weight_version += 1
+        policy.weight_version = policy.next_version()
         return grad_norm, lr
 
     def optim_step(self, expected_step: int | None = None, adam: AdamStep | None = None) -> StepResult:

@@ -207,11 +207,8 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
     training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     second = training.save_weights_and_get_sampling_client().result()  # version 2, installed on the rollout
     trained = second.sample(prompt, num_samples=1, sampling_params=params).result()
-    try:
-        first.sample(prompt, num_samples=1, sampling_params=params).result()
-        stale = None
-    except tinker.RequestFailedError as exc:
-        stale = exc
+    # The first client is pinned to version 0: the replica goes back to the base model for it.
+    older = first.sample(prompt, num_samples=3, sampling_params=params).result()
     named = training.save_weights_for_sampler("named", ttl_seconds=3600, user_metadata={"step": "2"}).result().path
     by_path = service.create_sampling_client(model_path=named).result()
     stopped = by_path.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(
@@ -228,7 +225,8 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
     again = fresh.save_weights_and_get_sampling_client().result().sample(
         prompt, num_samples=3, sampling_params=params).result()
     after.close("success").result()
-    return {"base": base, "forward": forward, "importance": importance, "trained": trained, "again": again, "stale": stale, "named": named,
+    return {"base": base, "forward": forward, "importance": importance, "trained": trained, "again": again,
+            "older": older, "named": named,
             "stopped": stopped, "prompt_logprobs": prompt_logprobs, "model_id": training.model_id}
 
 
@@ -256,9 +254,8 @@ async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
         # Same weights sampled and trained: every ratio p/q is 1, so the loss is -Σ advantage.
         assert out["importance"].metrics["loss:sum"] == pytest.approx(-0.5 * len(sequence.tokens), rel=1e-4)
         assert len(out["trained"].sequences[0].tokens) >= 1
-        assert out["stale"] is not None and out["stale"].category == types.RequestErrorCategory.User
-        # The trained weights (2 steps) were installed, and the base model's client was refused after.
-        assert "(version 0) were replaced on the sampler by version 2" in str(out["stale"])
+        # The client of version 0 sampled the base model again after version 2 was installed: the same samples.
+        assert [s.tokens for s in out["older"].sequences] == [s.tokens for s in base.sequences]
         assert out["named"] == f"tinker://{out['model_id']}/sampler_weights/named"
         (record,) = [json.loads(p.read_text()) for p in (checkpoints / "sampler").glob("*/version_*/tinker.json")
                      if json.loads(p.read_text())["name"] == "named"]
@@ -267,8 +264,7 @@ async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
         stopped = out["stopped"].sequences[0]
         assert stopped.stop_reason == "stop" and len(stopped.tokens) <= 1  # the stop token itself ends it
         assert "prompt_logprobs is not served" in str(out["prompt_logprobs"])
-        # A new model took the trainer: the sampler started over from the base model, and its samples
-        # with the same seed are the base model's again.
+        # A new model's weights before it trained are the base model's: sampled as version 0 again.
         assert (await gateway.sampler.rollout.status()).weight_version == 0
         assert [s.tokens for s in out["again"].sequences] == [s.tokens for s in base.sequences]
 
@@ -283,16 +279,17 @@ def resume_with_the_sdk(url: str, base_model: str) -> dict:
         training.forward_backward(data, "cross_entropy").result()
         training.optim_step(adam).result()
     saved = training.save_state("mid").result().path
+    # Another client trains its own model on the same trainer meanwhile: it changes nothing of this one's.
+    other = tinker.ServiceClient(base_url=url, api_key=KEY)
+    neighbour = other.create_lora_training_client(base_model=base_model, rank=4).result()
+    neighbour.forward_backward(data[:1], "cross_entropy").result()  # gradients left pending, then a step
     uninterrupted = []
     for _ in range(2):
         uninterrupted.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        neighbour.optim_step(types.AdamParams(learning_rate=0.1)).result()
+        neighbour.forward_backward(data[1:], "cross_entropy").result()
         training.optim_step(adam).result()
-    try:  # the trainer is held while the first session runs
-        tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
-            base_model=base_model, rank=4).result()
-        busy = None
-    except tinker.RequestFailedError as exc:
-        busy = exc
+    other.close("success").result()
     run = first.create_rest_client().get_training_run_by_tinker_path(saved).result()
     first.close("success").result()
 
@@ -308,7 +305,7 @@ def resume_with_the_sdk(url: str, base_model: str) -> dict:
     except tinker.RequestFailedError as exc:
         weights_only = exc
     second.close("success").result()
-    return {"uninterrupted": uninterrupted, "again": again, "busy": busy, "run": run, "saved": saved,
+    return {"uninterrupted": uninterrupted, "again": again, "run": run, "saved": saved,
             "weights_only": weights_only}
 
 
@@ -316,10 +313,69 @@ async def test_a_new_session_resumes_from_a_save_with_its_optimizer_state(lora_t
     address, checkpoints = lora_trainer
     async with gateway_on(address, checkpoints / "tinker") as (gateway, url):
         out = await asyncio.to_thread(resume_with_the_sdk, url, str(service_model))
-    # Weights and Adam's moments both come back: the two steps after the save repeat exactly.
+    # Weights and Adam's moments both come back: the two steps after the save repeat exactly (and the
+    # neighbour's steps in between did not move them).
     assert out["again"] == pytest.approx(out["uninterrupted"], rel=1e-5)
-    assert out["busy"] is not None and "holds model" in str(out["busy"])
     run = out["run"]
     assert run.base_model == str(service_model) and run.is_lora and run.lora_rank == 4
     assert run.user_metadata == {"renderer": "role_colon"} and run.last_checkpoint.tinker_path == out["saved"]
     assert out["weights_only"] is not None and "without their optimizer state" in str(out["weights_only"])
+
+
+def train_and_sample(url: str, base_model: str, data: list, learning_rate: float, both_created) -> dict:
+    """One client's run: three steps on its own data, then samples of its weights scored by its forward()."""
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    training = service.create_lora_training_client(base_model=base_model, rank=4).result()
+    if both_created is not None:
+        both_created.wait(timeout=60)  # the two clients train at once from here
+    losses = []
+    for _ in range(3):
+        losses.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        training.optim_step(types.AdamParams(learning_rate=learning_rate)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    sampled, scored = [], []
+    for _ in range(2):  # the other client's samples and saves come in between: the replica switches back
+        sequence = sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=1,
+                                  sampling_params=params).result().sequences[0]
+        tokens = PROMPT + sequence.tokens
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": tokens[1:], "weights": [0.0] * (len(tokens) - 1)})
+        sampled.append(list(sequence.logprobs))
+        scored.append(training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+                      .tolist()[-len(sequence.tokens):])
+    service.close("success").result()
+    return {"losses": losses, "sampled": sampled, "scored": scored, "model_id": training.model_id}
+
+
+async def test_two_clients_train_and_sample_at_once_without_touching_each_others_weights(
+    lora_trainer_for_sampling, rollout, untied_model: Path
+) -> None:
+    import threading
+
+    address, checkpoints = lora_trainer_for_sampling
+    data_a, data_b = fixed_data(), fixed_data()[::-1][:1]
+    async with gateway_on(address, checkpoints / "tinker", rollout, sampler_dir=checkpoints / "sampler") as (
+        gateway, url
+    ):
+        barrier = threading.Barrier(2)
+        together = await asyncio.gather(
+            asyncio.to_thread(train_and_sample, url, str(untied_model), data_a, 2e-2, barrier),
+            asyncio.to_thread(train_and_sample, url, str(untied_model), data_b, 5e-2, barrier))
+        alone = [await asyncio.to_thread(train_and_sample, url, str(untied_model), data, lr, None)
+                 for data, lr in ((data_a, 2e-2), (data_b, 5e-2))]
+        for run in together:
+            assert gateway.models.known(run["model_id"]).retired.startswith("its session finished")
+        for _ in range(50):  # a finished session's models are dropped in the background
+            held = list((await gateway.trainer.get_info()).model_ids)
+            if held == [""]:
+                break
+            await asyncio.sleep(0.1)
+        assert held == [""]  # every finished client's model was dropped from the trainer
+    for concurrent, solo in zip(together, alone):
+        # Interleaved on one trainer, each model trains exactly as it does alone.
+        assert concurrent["losses"] == pytest.approx(solo["losses"], rel=1e-6)
+        # Each client's samples come from its own weights (its forward() gives the sampler's log-probs).
+        for sampled, scored in zip(concurrent["sampled"], concurrent["scored"]):
+            assert sampled == pytest.approx(scored, abs=1e-5)
+    assert together[0]["losses"][-1] != pytest.approx(together[1]["losses"][-1], rel=1e-2)  # two different models

@@ -1,4 +1,5 @@
-"""A model's requests run in seq_id order, each once; sessions end once."""
+"""A model's requests run in seq_id order, each once, and models take turns on the trainer, each turn with
+its own model selected there; sessions end once."""
 
 from __future__ import annotations
 
@@ -6,14 +7,40 @@ import asyncio
 
 import pytest
 
-from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound
+from flywheel.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.tinker.futures import Futures, Outcome
 from services.tinker.models import Sessions, TrainingModel, TrainingModels, check_lora
 
 
+class FakeTrainer:
+    """What the trainer's SelectModel/DropModel do, as far as the gateway can see."""
+
+    def __init__(self) -> None:
+        self.held, self.selected = {""}, ""
+        self.calls: list[tuple[str, str]] = []
+
+    async def select(self, model_id: str) -> bool:
+        self.calls.append(("select", model_id))
+        created = model_id not in self.held
+        self.held.add(model_id)
+        self.selected = model_id
+        return created
+
+    async def drop(self, model_id: str) -> None:
+        self.calls.append(("drop", model_id))
+        assert model_id != self.selected
+        self.held.remove(model_id)
+
+
+def make_models(futures: Futures, trainer: FakeTrainer | None = None) -> TrainingModels:
+    trainer = trainer or FakeTrainer()
+    trainer.held |= {"m"}
+    return TrainingModels(futures, trainer.select, trainer.drop)
+
+
 async def test_requests_run_in_seq_order_whatever_order_they_arrive_in_and_a_resend_runs_once() -> None:
     futures = Futures()
-    models = TrainingModels(futures)
+    models = make_models(futures)
     models.add(TrainingModel("m", "s", "base", 4))
     ran: list[int] = []
 
@@ -44,7 +71,7 @@ async def test_requests_run_in_seq_order_whatever_order_they_arrive_in_and_a_res
 
 async def test_a_failed_request_answers_its_error_and_the_next_one_still_runs() -> None:
     futures = Futures()
-    models = TrainingModels(futures)
+    models = make_models(futures)
     models.add(TrainingModel("m", "s", "base", 4))
 
     async def refused() -> Outcome:
@@ -64,24 +91,43 @@ async def test_a_failed_request_answers_its_error_and_the_next_one_still_runs() 
     await models.close()
 
 
-async def test_one_trainer_holds_one_model_while_its_session_runs() -> None:
-    futures = Futures()
-    models = TrainingModels(futures)
-    models.check_free(holder_runs=True)  # nobody holds it yet
-    models.add(TrainingModel("first", "s", "base", 4))
-    with pytest.raises(FailedPrecondition, match="holds model first"):
-        models.check_free(holder_runs=True)
+async def test_two_models_take_turns_each_with_itself_selected_and_a_retired_one_is_dropped() -> None:
+    futures, trainer = Futures(), FakeTrainer()
+    models = TrainingModels(futures, trainer.select, trainer.drop)
+    for name in ("a", "b"):
+        async with models.turn(name, new=True):
+            models.add(TrainingModel(name, f"session-{name}", "base", 4))
+    seen: list[tuple[str, str]] = []
+
+    def work(name: str, seq: int):
+        async def run() -> Outcome:
+            seen.append((name, trainer.selected))
+            await asyncio.sleep(0.01)  # the other model's request waits for this turn to end
+            seen.append((name, trainer.selected))
+            return Outcome(json={"seq": seq})
+        return run
+
+    ids = [models.submit(name, seq, "forward_backward", work(name, seq)) for seq in (1, 2) for name in ("a", "b")]
+    assert [(await futures.wait(i, 5)).json for i in ids] == [{"seq": 1}, {"seq": 1}, {"seq": 2}, {"seq": 2}]
+    assert all(name == selected for name, selected in seen)  # never another model's turn
 
     async def never() -> Outcome:
-        raise AssertionError("a request of a model that gave the trainer away ran")
+        raise AssertionError("a request of a retired model ran")
 
-    waiting = models.submit("first", 2, "optim_step", never)  # seq 1 never came
-    models.check_free(holder_runs=False)  # its session ended: a new model may take the trainer
-    models.add(TrainingModel("second", "t", "base", 4))
-    assert "gave the trainer to model second" in (await futures.wait(waiting, 1)).reply()["error"]
-    with pytest.raises(FailedPrecondition, match="no longer holds the trainer"):
-        models.submit("first", 3, "optim_step", never)
-    assert models.known("first") is not None and models.get("second").model_id == "second"
+    waiting = models.submit("a", 4, "optim_step", never)  # seq 3 never came
+    await models.retire(models.get("a"), "its session finished (success)")
+    assert "its session finished" in (await futures.wait(waiting, 1)).reply()["error"]
+    assert trainer.held == {"", "b"} and trainer.calls[-2:] == [("select", ""), ("drop", "a")]
+    with pytest.raises(FailedPrecondition, match="takes no more requests"):
+        models.submit("a", 3, "optim_step", never)
+    assert models.known("a") is not None and [m.model_id for m in models.training()] == ["b"]
+
+    trainer.held.remove("b")  # the trainer restarted: it would create b afresh, from the initial adapters
+    lost = models.submit("b", 3, "optim_step", never)
+    assert "no longer holds model b" in (await futures.wait(lost, 5)).reply()["error"]
+    with pytest.raises(AlreadyExists):
+        async with models.turn("b", new=True):
+            pass
     await models.close()
 
 

@@ -1,4 +1,5 @@
-"""The gateway waits for its trainer and rollout at start (pods start in no order), within a deadline."""
+"""The gateway waits for its trainer and rollout at start (pods start in no order), within a deadline, and
+drops the models an earlier gateway left on the trainer."""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ class Answers:
         return answer
 
 
-def info(ready: bool, step: int = 0):
+def info(ready: bool, step: int = 0, model_ids=("",)):
     return SimpleNamespace(ready=ready, model_name="base", lora_rank=4, lora_target_modules=["q_proj"], step=step,
-                           weight_version=step)
+                           weight_version=step, model_ids=list(model_ids))
 
 
 @pytest.fixture
@@ -45,14 +46,12 @@ def no_waiting(monkeypatch):
 
 
 async def test_the_gateway_waits_for_a_trainer_that_is_down_then_loading(no_waiting, tmp_path) -> None:
-    trainer = SimpleNamespace(get_info=Answers(unavailable(), info(False), info(True)),
-                              save_checkpoint=Answers(SimpleNamespace(path=str(tmp_path / "initial"))))
+    trainer = SimpleNamespace(get_info=Answers(unavailable(), info(False), info(True)))
     rollout = SimpleNamespace(status=Answers(unavailable(), SimpleNamespace(weight_version=0)))
     gateway = Gateway(TinkerConfig(checkpoint_dir=tmp_path, rollout_address="r:1"), trainer, rollout)
     await gateway.start()
     assert trainer.get_info.calls == 3 and rollout.status.calls == 2
     assert (gateway.base_model, gateway.lora_rank) == ("base", 4)
-    assert trainer.save_checkpoint.calls == 1  # the fresh trainer's initial state, kept for new models
 
 
 async def test_a_trainer_that_never_comes_fails_the_start_naming_it(no_waiting, tmp_path) -> None:
@@ -62,7 +61,18 @@ async def test_a_trainer_that_never_comes_fails_the_start_naming_it(no_waiting, 
         await gateway.start()
 
 
-async def test_a_trainer_that_trained_without_the_gateway_is_refused(no_waiting, tmp_path) -> None:
-    trainer = SimpleNamespace(get_info=Answers(info(True, step=3)))
-    with pytest.raises(FailedPrecondition, match=r"trained already \(step 3\)"):
-        await Gateway(TinkerConfig(checkpoint_dir=tmp_path), trainer).start()
+async def test_models_an_earlier_gateway_left_on_the_trainer_are_dropped(no_waiting, tmp_path) -> None:
+    calls: list[tuple[str, str]] = []
+
+    async def select(model_id: str, **_) -> bool:
+        calls.append(("select", model_id))
+        return False
+
+    async def drop(model_id: str, **_) -> None:
+        calls.append(("drop", model_id))
+
+    trainer = SimpleNamespace(get_info=Answers(info(True, step=3, model_ids=("s1:train:0", "", "s2:train:0"))),
+                              select_model=select, drop_model=drop)
+    await Gateway(TinkerConfig(checkpoint_dir=tmp_path), trainer).start()
+    # their sessions went with that gateway: nobody can reach them, and each holds memory on the trainer
+    assert calls == [("select", ""), ("drop", "s1:train:0"), ("drop", "s2:train:0")]

@@ -30,6 +30,14 @@ LOSS = LossRequest(kind="dapo", is_cap=2.0, entropy_coef=0.001)
 OPTIMIZER = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01, "warmup_steps": 2, "schedule": "cosine", "total_steps": 10}
 
 
+@pytest.fixture(autouse=True)
+def _threads_kept() -> Iterator[None]:
+    """model.cpu_threads sets this process's thread count: the tests after these run as they would alone."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _config(model: Path, ckpt: Path, world_size: int) -> TrainerConfig:
     return TrainerConfig.model_validate({
         "model": {"path": str(model), "cpu_threads": 1},
