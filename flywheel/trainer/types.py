@@ -15,16 +15,24 @@ from flywheel.errors import InvalidArgument
 
 from flywheel.trainer.v1 import trainer_pb2 as pb
 
-#: grpo, dapo, ppo_clip: PPO's clipped surrogate (they differ in their defaults). Tinker's two
-#: unclipped losses: cross_entropy, -Σ weight x log-prob (the advantages are the per-token weights,
-#: any sign: supervised learning, and a client's custom loss through its gradients), and
-#: importance_sampling, -Σ advantage x p/q, q the sampler's probability (behaviour_logprobs).
+#: grpo, dapo, ppo_clip: PPO's clipped surrogate (they differ in their defaults; Tinker's ppo is
+#: ppo_clip with the sum reduction). Tinker's two unclipped losses: cross_entropy, -Σ weight x
+#: log-prob (the advantages are the per-token weights, any sign: supervised learning, and a client's
+#: custom loss through its gradients), and importance_sampling, -Σ advantage x p/q, q the sampler's
+#: probability (behaviour_logprobs). Tinker's cispo: -Σ sg(clip(p/q)) x advantage x log p, the
+#: clipped ratio a constant weight on the log-prob (sg: no gradient through it), so a token outside
+#: the clip range still has a gradient, of bounded size.
 ClippedLossKind = Literal["grpo", "dapo", "ppo_clip"]
 #: The kinds without PPO's clip or a proximal policy: no clip range, no truncated IS correction.
 UnclippedLossKind = Literal["cross_entropy", "importance_sampling"]
-LossKind = Literal[ClippedLossKind, UnclippedLossKind]
+#: Clipped, but not PPO's surrogate: a clip range, no truncated IS correction (its clip is one).
+#: Not offered by the RL loop's run config, which takes ClippedLossKind.
+CispoLossKind = Literal["cispo"]
+LossKind = Literal[ClippedLossKind, UnclippedLossKind, CispoLossKind]
 LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
 UNCLIPPED_KINDS: tuple[str, ...] = get_args(UnclippedLossKind)
+#: The kinds whose default reduction is Tinker's sum.
+SUM_KINDS: tuple[str, ...] = (*UNCLIPPED_KINDS, "cispo")
 
 #: How per-token losses become one scalar. Sequences with no loss token count in no denominator.
 #: seq_mean_token_sum_norm is Dr. GRPO's: token sums over (sequences x a constant max length).
@@ -34,18 +42,24 @@ AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 #: DAPO's "clip-higher": its upper clip epsilon when none is given (the lower one is clip_low as for any kind).
 DAPO_CLIP_HIGH = 0.28
+#: Tinker's cispo defaults, as epsilons: the ratio's thresholds 0 (no lower bound) and 4, one-sided
+#: (tinker-cookbook 0.6.1, tutorials/202_loss_functions.py: `{"clip_low_threshold": 0.0,
+#: "clip_high_threshold": 4.0}`). Its unset clip takes these, not the trainer's configured PPO clip.
+CISPO_CLIP_LOW, CISPO_CLIP_HIGH = 1.0, 3.0
 
 
 def default_clip_high(kind: str, clip_low: float) -> float:
-    """The upper clip epsilon of `kind` when none is given: DAPO's clip-higher, else symmetric.
-    The controller resolves a run's loss with it and the trainer a request's, so they agree."""
-    return DAPO_CLIP_HIGH if kind == "dapo" else clip_low
+    """The upper clip epsilon of `kind` when none is given: DAPO's clip-higher, cispo's Tinker
+    default, else symmetric. The controller resolves a run's loss with it and the trainer a
+    request's, so they agree."""
+    return DAPO_CLIP_HIGH if kind == "dapo" else CISPO_CLIP_HIGH if kind == "cispo" else clip_low
 
 
 def default_aggregation(kind: str) -> str:
     """The aggregation of `kind` when none is given: GRPO's per-sequence mean, Tinker's sum for its
-    unclipped losses, else DAPO's token mean."""
-    return "seq_mean_token_mean" if kind == "grpo" else "sum" if kind in UNCLIPPED_KINDS else "token_mean"
+    losses (ppo_clip excepted: the RL loop's PPO, whose Tinker callers send the sum), else DAPO's
+    token mean."""
+    return "seq_mean_token_mean" if kind == "grpo" else "sum" if kind in SUM_KINDS else "token_mean"
 
 
 def loss_kind_to_pb(name: str | None) -> int:

@@ -16,6 +16,7 @@ the first position where they differ.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,14 +26,29 @@ from tinker.proto import tinker_public_pb2 as tpb
 
 from flywheel.errors import InvalidArgument
 from flywheel.trainer.client import ForwardBackwardResult, make_loss_spec, make_train_batch
-from flywheel.trainer.types import AdamStep
+from flywheel.trainer.types import CISPO_CLIP_HIGH, CISPO_CLIP_LOW, AdamStep
 from flywheel.trainer.v1 import trainer_pb2
 
 #: Tinker's loss -> the loss_fn_inputs it reads (besides target_tokens), and those it may do without.
 LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("weights",),
     "importance_sampling": ("logprobs", "advantages"),
+    "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
 }
+
+#: Tinker's loss -> the trainer's loss kind. Tinker's ppo, -min(r A, clip(r) A) per token with r the
+#: ratio p/q to the sampler's probability, is the trainer's ppo_clip under the sum reduction.
+TRAINER_KIND = {"cross_entropy": "cross_entropy", "importance_sampling": "importance_sampling", "ppo": "ppo_clip",
+                "cispo": "cispo"}
+
+#: The losses that clip the ratio p/q -> the thresholds (low, high) when loss_fn_config leaves them out,
+#: as tinker-cookbook 0.6.1 documents them (tutorials/202_loss_functions.py: "PPO defaults to 0.8 and
+#: 1.2"; cispo `{"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}`, the trainer's own cispo default).
+CLIP_THRESHOLDS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2),
+                                                   "cispo": (1.0 - CISPO_CLIP_LOW, 1.0 + CISPO_CLIP_HIGH)}
+#: The loss_fn_config keys of those losses (the SDK's names): the only settings served.
+CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
 
 _NUMPY_OF = {tpb.DTYPE_FLOAT32: np.float32, tpb.DTYPE_INT64: np.int64, tpb.DTYPE_INT32: np.int32}
 
@@ -85,19 +101,48 @@ def _tokens(datum: tpb.Datum, index: int) -> np.ndarray:
     return tokens.astype(np.int64)
 
 
-def _loss_config(request: tpb.ForwardBackwardRequest) -> None:
-    names = sorted(set(request.loss_fn_config) | set(request.loss_fn_config_v2))
-    if names:
-        raise InvalidArgument(f"loss_fn_config: {request.loss_fn} takes no settings here; got {', '.join(names)}")
+def _loss_config(request: tpb.ForwardBackwardRequest) -> dict[str, float]:
+    """loss_fn_config's numbers by key. The SDK writes a number to both maps and text to
+    loss_fn_config_v2 alone, and says servers prefer v2: a key there wins."""
+    values = dict(request.loss_fn_config)
+    for name, value in request.loss_fn_config_v2.items():
+        kind = value.WhichOneof("value")
+        if kind != "number":
+            given = repr(value.text) if kind == "text" else "nothing"
+            raise InvalidArgument(f"loss_fn_config.{name}: must be a number, got {given}")
+        values[name] = value.number
+    loss = request.loss_fn
+    allowed = CLIP_KEYS if loss in CLIP_THRESHOLDS else ()
+    unknown = sorted(set(values) - set(allowed))
+    if unknown and not allowed:
+        raise InvalidArgument(f"loss_fn_config: {loss} takes no settings here; got {', '.join(unknown)}")
+    if unknown:
+        raise InvalidArgument(f"loss_fn_config: {', '.join(unknown)} not served for {loss}; it takes "
+                              f"{' and '.join(allowed)}")
+    return values
+
+
+def _clip(loss: str, config: dict[str, float]) -> dict[str, float]:
+    """The trainer's clip epsilons (clip_low, clip_high) for Tinker's thresholds on the ratio p/q:
+    [low, high] = [1 - clip_low, 1 + clip_high]. Nothing for a loss without a clip."""
+    if loss not in CLIP_THRESHOLDS:
+        return {}
+    low, high = (config.get(k, default) for k, default in zip(CLIP_KEYS, CLIP_THRESHOLDS[loss], strict=True))
+    if not (math.isfinite(low) and 0 <= low < 1):
+        raise InvalidArgument(f"loss_fn_config.clip_low_threshold: must be in [0, 1) (0: no lower bound on the "
+                              f"ratio p/q), got {low}")
+    if not (math.isfinite(high) and high > 1):
+        raise InvalidArgument(f"loss_fn_config.clip_high_threshold: must be a finite number > 1, got {high}")
+    return {"clip_low": 1.0 - low, "clip_high": high - 1.0}
 
 
 def trainer_call(request: tpb.ForwardBackwardRequest) -> TrainerCall:
     """The trainer's batch and loss for a Tinker forward_backward (or forward) request."""
     loss = request.loss_fn
-    if loss not in LOSS_INPUTS:  # ppo, cispo, dro, gspo, stable_reinforce, custom: not computed here yet
+    if loss not in LOSS_INPUTS:  # dro, gspo, stable_reinforce, custom: not computed here yet
         served = ", ".join(LOSS_INPUTS)
         raise InvalidArgument(f"loss_fn {loss!r} is not served by this gateway; it serves {served}")
-    _loss_config(request)
+    clip = _clip(loss, _loss_config(request))
     if not request.data:
         raise InvalidArgument("forward_backward: no data")
     needs = LOSS_INPUTS[loss]
@@ -132,7 +177,7 @@ def trainer_call(request: tpb.ForwardBackwardRequest) -> TrainerCall:
     attention = torch.zeros(size, width, dtype=torch.long)
     mask = torch.zeros(size, width, dtype=torch.bool)
     advantages = torch.zeros(size, width, dtype=torch.float32)
-    sampler = torch.zeros(size, width, dtype=torch.float32) if loss == "importance_sampling" else None
+    sampler = torch.zeros(size, width, dtype=torch.float32) if "logprobs" in needs else None
     for b, row in enumerate(rows):
         n = row["ids"].size
         input_ids[b, :n] = torch.from_numpy(row["ids"])
@@ -144,7 +189,9 @@ def trainer_call(request: tpb.ForwardBackwardRequest) -> TrainerCall:
             sampler[b, 1:n] = torch.from_numpy(row["logprobs"].astype(np.float32))
     batch = make_train_batch(input_ids, attention_mask=attention, loss_mask=mask, advantages=advantages,
                              behaviour_logprobs=sampler)
-    return TrainerCall(batch, make_loss_spec(loss), [r["ids"].size - 1 for r in rows], request.forward_only)
+    # Every Tinker loss is a sum: said, not left to the trainer's configured default.
+    spec = make_loss_spec(TRAINER_KIND[loss], aggregation="sum", **clip)
+    return TrainerCall(batch, spec, [r["ids"].size - 1 for r in rows], request.forward_only)
 
 
 def forward_backward_output(result: ForwardBackwardResult, lengths: list[int]) -> bytes:

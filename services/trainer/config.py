@@ -92,12 +92,15 @@ class LossConfig(StrictModel):
     """
 
     kind: LossKind = Field("grpo", description="loss when the request says LOSS_KIND_UNSPECIFIED")
-    clip_low: float = Field(0.2, gt=0, lt=1, description="lower clip epsilon when the request sends 0")
+    clip_low: float = Field(0.2, gt=0, lt=1, description="lower clip epsilon when the request sends 0 (not for cispo: "
+                            "its unset clip is Tinker's, the ratio in [0, 4])")
     clip_high: float | None = Field(
-        None, gt=0, description=f"upper clip epsilon when the request sends 0; none: {DAPO_CLIP_HIGH} for dapo, clip_low otherwise"
+        None, gt=0, description=f"upper clip epsilon when the request sends 0 (not for cispo); none: {DAPO_CLIP_HIGH} "
+        "for dapo, clip_low otherwise"
     )
     aggregation: Aggregation | None = Field(
-        None, description="aggregation when unspecified; none: seq_mean_token_mean for grpo, token_mean otherwise. "
+        None, description="aggregation when unspecified; none: seq_mean_token_mean for grpo, sum for Tinker's "
+        "cross_entropy, importance_sampling and cispo, token_mean otherwise. "
         "Sequences with no loss token count in no denominator (seq_* modes count only sequences with one)"
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="estimator of KL(policy || reference)")

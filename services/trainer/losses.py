@@ -1,10 +1,10 @@
-"""RL policy losses as pure tensor functions (GRPO, DAPO, PPO-clip, off-policy IS).
+"""RL policy losses as pure tensor functions (GRPO, DAPO, PPO-clip, CISPO, off-policy IS).
 
 Every function takes per-token tensors of shape [B, T] (log-probs of token t
 given tokens < t, a loss mask, advantages broadcast to tokens) and returns
 tensors; nothing here knows about models, optimizers or the wire.
 
-The three loss kinds share one clipped surrogate and differ in defaults
+The three PPO kinds share one clipped surrogate and differ in defaults
 (`flywheel.trainer.types.default_clip_high` and `default_aggregation`; the
 controller's run config resolves clip_high with the same function):
 - GRPO: symmetric clip (0.2), seq-mean-token-mean aggregation, optional KL to a
@@ -14,7 +14,14 @@ controller's run config resolves clip_high with the same function):
   aggregation, no KL by default; its overlong reward shaping acts on rewards,
   so it is the `overlong_penalty` hook the controller applies before
   computing advantages.
-- PPO-clip: symmetric clip, token-mean aggregation.
+- PPO-clip: symmetric clip, token-mean aggregation. With the sum reduction and
+  the ratio against the sampler's log-probs it is Tinker's `ppo`
+  (-min(r A, clip(r) A) per token, its thresholds 1 - clip_low and 1 + clip_high).
+
+Tinker's other losses, all summed over tokens by default: cross_entropy and
+importance_sampling (no clip), and cispo, whose clipped ratio is a constant
+weight on each token's log-prob (`cispo_surrogate`) instead of PPO's surrogate.
+The ratio p/q is `importance_ratio` for every kind that has one.
 
 Off-policy correction (is_cap > 0): the samples come from the rollout's
 behaviour policy μ at some older weight version. The surrogate's ratio is then
@@ -109,6 +116,12 @@ def aggregate(
 # ---------------------------------------------------------------- pieces
 
 
+def importance_ratio(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
+    """p/q per token, p the current policy's probability (with its gradient) and q the one the
+    tokens were sampled under (or the proximal policy's)."""
+    return torch.exp(logprobs - old_logprobs)
+
+
 def clipped_surrogate(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_low: float, clip_high: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -119,13 +132,31 @@ def clipped_surrogate(
     ratio left [1 - clip_low, 1 + clip_high] in the direction the advantage
     pushes it.
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = importance_ratio(logprobs, old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
     clipped_high = (advantages > 0) & (ratio > 1.0 + clip_high)
     clipped_low = (advantages < 0) & (ratio < 1.0 - clip_low)
     return loss, ratio, clipped_low, clipped_high
+
+
+def cispo_surrogate(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """CISPO's objective (MiniMax-M1; Tinker's cispo) as a per-token loss to minimise:
+    -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) x advantage x log-prob.
+
+    The clipped ratio is a constant weight (no gradient through it), so every token keeps the
+    gradient -weight x advantage w.r.t. its log-prob; the clip bounds that weight rather than
+    zeroing it as PPO's does. Returns (loss, ratio, clipped_low, clipped_high) as
+    `clipped_surrogate`; here the masks mark tokens whose weight was clipped, whatever the sign
+    of their advantage.
+    """
+    ratio = importance_ratio(logprobs, old_logprobs)
+    low, high = 1.0 - clip_low, 1.0 + clip_high
+    weight = torch.clamp(ratio, low, high).detach()
+    return -weight * advantages * logprobs, ratio, ratio.detach() < low, ratio.detach() > high
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
@@ -238,6 +269,8 @@ def policy_loss(
                                num_tokens=num_tokens, num_seqs=num_seqs)
     is_weights = None
     if settings.is_cap > 0:
+        if settings.kind == "cispo":
+            raise ValueError("cispo takes no truncated importance weights (is_cap): its clipped ratio is one")
         if behaviour_logprobs is None:
             raise ValueError("behaviour_logprobs are required for the off-policy correction (is_cap > 0)")
         proximal = old_logprobs if old_logprobs is not None else logprobs.detach()
@@ -248,9 +281,8 @@ def policy_loss(
         if old is None:
             raise ValueError("old_logprobs or behaviour_logprobs are required")
 
-    pg, _ratio, clipped_low, clipped_high = clipped_surrogate(
-        logprobs, old, advantages, settings.clip_low, settings.clip_high
-    )
+    surrogate = cispo_surrogate if settings.kind == "cispo" else clipped_surrogate
+    pg, _ratio, clipped_low, clipped_high = surrogate(logprobs, old, advantages, settings.clip_low, settings.clip_high)
     if is_weights is not None:
         pg = pg * is_weights
     agg = _aggregation(settings, num_tokens, num_seqs)
@@ -287,7 +319,7 @@ def _unclipped_loss(
         return out
     if behaviour_logprobs is None:
         raise ValueError("behaviour_logprobs are required for importance_sampling")
-    ratio = torch.exp(logprobs - behaviour_logprobs)
+    ratio = importance_ratio(logprobs, behaviour_logprobs)
     out = _with_regularisers(settings, -advantages * ratio, logprobs=logprobs, mask=mask, ref_logprobs=ref_logprobs,
                              entropy=entropy, agg=agg)
     out.token_sums["ratio_mean"] = _masked_sum(ratio, mask)

@@ -51,6 +51,7 @@ from services.trainer.distributed import full as full_tensor
 from services.trainer.files import request_roots
 from services.trainer.forward import token_logprobs
 from flywheel.trainer.types import UNCLIPPED_KINDS, AGGREGATIONS, AdamStep, default_aggregation, default_clip_high
+from flywheel.trainer.types import CISPO_CLIP_LOW
 from flywheel.trainer.types import LOSS_KINDS as KINDS
 from services.trainer.losses import LossOutput, LossSettings, loss_denominators, policy_loss
 from services.trainer.policy import Policy, autocast_dtype
@@ -102,10 +103,17 @@ def resolve_loss(request: LossRequest, defaults: LossConfig) -> LossSettings:
         for name in ("clip_low", "clip_high", "is_cap"):  # refused, not ignored
             if getattr(request, name):
                 raise InvalidArgument(f"loss.{name}: {kind} has no clip and no truncated importance weights")
-    clip_low = request.clip_low or defaults.clip_low
-    if clip_low >= 1:
-        raise InvalidArgument(f"loss.clip_low: must be < 1, got {clip_low}")
-    clip_high = request.clip_high or defaults.clip_high or default_clip_high(kind, clip_low)
+    if kind == "cispo":  # the configured clip is PPO's; cispo's own is Tinker's one-sided default
+        if request.is_cap:
+            raise InvalidArgument("loss.is_cap: cispo takes no truncated importance weights; its clipped ratio is one")
+        clip_low = request.clip_low or CISPO_CLIP_LOW
+        clip_high = request.clip_high or default_clip_high(kind, clip_low)
+    else:
+        clip_low = request.clip_low or defaults.clip_low
+        clip_high = request.clip_high or defaults.clip_high or default_clip_high(kind, clip_low)
+    if clip_low > 1:  # 1: the ratio's lower bound is 0, no bound at all (Tinker's clip_low_threshold 0)
+        raise InvalidArgument(f"loss.clip_low: must be <= 1 (a lower bound 1 - clip_low >= 0 on the ratio), "
+                              f"got {clip_low}")
     aggregation = request.aggregation or defaults.aggregation or default_aggregation(kind)
     if aggregation not in AGGREGATIONS:
         raise InvalidArgument(f"loss.aggregation: unknown {aggregation!r}")

@@ -1,6 +1,7 @@
 """The official Tinker SDK (tinker==0.38, unmodified) trains and samples through
 the gateway on a real trainer and a real rollout process: sessions,
-create_model, forward / forward_backward (protobuf both ways), optim_step with
+create_model, forward / forward_backward (protobuf both ways; cross_entropy,
+importance_sampling, ppo and cispo with clip thresholds), optim_step with
 per-step Adam parameters, the futures protocol, named saves, saves for the
 sampler installed on the rollout, sampling on an exact version, and refusals
 the SDK surfaces as user errors."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 from pathlib import Path
 
 import httpx
@@ -110,14 +112,38 @@ def train_with_the_sdk(url: str, base_model: str) -> dict:
         again = None
     except tinker.RequestFailedError as exc:
         again = exc
-    try:
-        training.forward_backward(data, "ppo").result()
-        refused = None
-    except tinker.RequestFailedError as exc:
-        refused = exc
+    rl = rl_datum(training)
+    clipped = {loss: training.forward_backward([rl], loss, CLIP_CONFIG).result() for loss in ("ppo", "cispo")}
+    refused = []
+    for loss, config in (("dro", None), ("ppo", {"clip_low_threshold": 0.9, "kl_coeff": 0.1})):
+        try:
+            training.forward_backward(data, loss, config).result()
+            refused.append(None)
+        except tinker.RequestFailedError as exc:
+            refused.append(exc)
     service.close("success").result()
     return {"info": info, "forward": forward, "first": first_pass, "losses": losses, "saved": saved,
-            "again": again, "refused": refused, "model_id": training.model_id}
+            "again": again, "rl": rl, "clipped": clipped, "refused": refused, "model_id": training.model_id}
+
+
+#: ppo's and cispo's thresholds on the ratio p/q, and per target position the ratio to make and the advantage:
+#: ratios above, below and inside [0.9, 1.3], advantages of both signs.
+CLIP_CONFIG = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.3}
+RATIOS = [1.5, 0.5, 1.1, 1.5, 0.5, 1.0]
+ADVANTAGES = [1.0, 2.0, 0.5, -1.0, -1.0, 0.0]
+RL_TOKENS = [11, 42, 77, 23, 56, 9]
+
+
+def rl_datum(training: tinker.TrainingClient) -> types.Datum:
+    """An RL datum whose sampler log-probs q are the current weights' log p minus log RATIOS."""
+    tokens = types.ModelInput.from_ints(RL_TOKENS)
+    targets = RL_TOKENS[1:] + [5]
+    now = training.forward([types.Datum(model_input=tokens, loss_fn_inputs={
+        "target_tokens": targets, "weights": [1.0] * len(targets)})], "cross_entropy").result()
+    current = now.loss_fn_outputs[0]["logprobs"].tolist()
+    return types.Datum(model_input=tokens, loss_fn_inputs={
+        "target_tokens": targets, "logprobs": [lp - math.log(r) for lp, r in zip(current, RATIOS, strict=True)],
+        "advantages": ADVANTAGES})
 
 
 async def test_the_sdk_trains_a_lora_model_through_the_gateway(lora_trainer, service_model: Path) -> None:
@@ -141,8 +167,25 @@ async def test_the_sdk_trains_a_lora_model_through_the_gateway(lora_trainer, ser
         assert (checkpoints / "tinker" / out["model_id"] / "after-five" / "tinker.json").is_file()
         assert out["again"] is not None and out["again"].category == types.RequestErrorCategory.User
         assert "exists" in str(out["again"])
-        assert out["refused"] is not None and out["refused"].category == types.RequestErrorCategory.User
-        assert "loss_fn 'ppo' is not served" in str(out["refused"])
+        # Tinker's ppo and cispo, on the log-probs of their own pass: p/q is RATIOS (to float32's precision).
+        low, high = CLIP_CONFIG["clip_low_threshold"], CLIP_CONFIG["clip_high_threshold"]
+        sampler = out["rl"].loss_fn_inputs["logprobs"].tolist()  # as sent: float32
+        for loss, result in out["clipped"].items():
+            logprobs = result.loss_fn_outputs[0]["logprobs"].tolist()
+            ratios = [math.exp(lp - q) for lp, q in zip(logprobs, sampler, strict=True)]
+            assert ratios == pytest.approx(RATIOS, abs=1e-4)
+            clipped = [min(max(r, low), high) for r in ratios]
+            if loss == "ppo":  # -min(r A, clip(r) A): by hand -1.3 - 1.0 - 0.55 + 1.5 + 0.9 = -0.45
+                expected = -sum(min(r * a, c * a) for r, c, a in zip(ratios, clipped, ADVANTAGES, strict=True))
+                assert expected == pytest.approx(-0.45, abs=1e-3)
+            else:  # -clip(r) A log p
+                expected = -sum(c * a * lp for c, a, lp in zip(clipped, ADVANTAGES, logprobs, strict=True))
+            assert result.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4, abs=1e-5), loss
+        unserved, unknown_setting = out["refused"]
+        assert unserved is not None and unserved.category == types.RequestErrorCategory.User
+        assert "loss_fn 'dro' is not served" in str(unserved)
+        assert unknown_setting is not None and unknown_setting.category == types.RequestErrorCategory.User
+        assert "kl_coeff not served for ppo" in str(unknown_setting)
         session = next(iter(gateway.sessions._sessions.values()))
         assert session.ended == "success"
 

@@ -16,6 +16,7 @@ class LossKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOSS_KIND_PPO_CLIP: _ClassVar[LossKind]
     LOSS_KIND_CROSS_ENTROPY: _ClassVar[LossKind]
     LOSS_KIND_IMPORTANCE_SAMPLING: _ClassVar[LossKind]
+    LOSS_KIND_CISPO: _ClassVar[LossKind]
 
 class LossAggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ LOSS_KIND_DAPO: LossKind
 LOSS_KIND_PPO_CLIP: LossKind
 LOSS_KIND_CROSS_ENTROPY: LossKind
 LOSS_KIND_IMPORTANCE_SAMPLING: LossKind
+LOSS_KIND_CISPO: LossKind
 LOSS_AGGREGATION_UNSPECIFIED: LossAggregation
 LOSS_AGGREGATION_TOKEN_MEAN: LossAggregation
 LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN: LossAggregation

@@ -45,18 +45,61 @@ def test_a_datum_becomes_its_input_and_last_target_with_weights_at_the_target_po
     assert call.lengths == [3, 2] and call.loss.kind == trainer_pb2.LOSS_KIND_CROSS_ENTROPY and not call.forward_only
 
 
+#: An RL datum: the sampler's log-probs and the advantages at 3 target positions.
+RL = datum([1, 2, 3], logprobs=[-1.0, -2.0, -3.0], advantages=[0.0, 0.5, -0.5])
+
+
 def test_importance_sampling_carries_the_samplers_logprobs_and_the_advantages() -> None:
     call = trainer_call(request([datum([1, 2, 3], logprobs=[-1.0, -2.0, -3.0], advantages=[0.0, 0.5, 0.5])],
                                 loss="importance_sampling", forward_only=True))
     assert tensor_from_proto(call.batch.behaviour_logprobs).tolist() == [[0, -1, -2, -3]]
     assert tensor_from_proto(call.batch.advantages).tolist() == [[0, 0, 0.5, 0.5]]
     assert call.loss.kind == trainer_pb2.LOSS_KIND_IMPORTANCE_SAMPLING and call.forward_only
+    assert call.loss.aggregation == trainer_pb2.LOSS_AGGREGATION_SUM  # said, not left to the trainer's config
+
+
+@pytest.mark.parametrize("loss, config, kind, clip", [
+    ("ppo", None, trainer_pb2.LOSS_KIND_PPO_CLIP, (0.2, 0.2)),  # Tinker's defaults: [0.8, 1.2] on the ratio
+    ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.3}, trainer_pb2.LOSS_KIND_PPO_CLIP, (0.1, 0.3)),
+    ("ppo", {"clip_low_threshold": 0.0}, trainer_pb2.LOSS_KIND_PPO_CLIP, (1.0, 0.2)),  # no lower bound
+    ("cispo", None, trainer_pb2.LOSS_KIND_CISPO, (1.0, 3.0)),  # one-sided: [0, 4]
+    ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2}, trainer_pb2.LOSS_KIND_CISPO, (0.5, 1.0)),
+])
+def test_ppo_and_cispo_carry_their_thresholds_as_the_trainers_clip_with_the_sum(loss, config, kind, clip) -> None:
+    call = trainer_call(request([RL], loss=loss, config=config))
+    assert tensor_from_proto(call.batch.behaviour_logprobs).tolist() == [[0, -1, -2, -3]]
+    assert tensor_from_proto(call.batch.advantages).tolist() == [[0, 0, 0.5, -0.5]]
+    assert call.loss.kind == kind and call.loss.aggregation == trainer_pb2.LOSS_AGGREGATION_SUM
+    assert (call.loss.clip_low, call.loss.clip_high) == pytest.approx(clip)
+    assert (call.loss.is_cap, call.loss.kl_coef, call.loss.entropy_coef) == (0, 0, 0)
+
+
+def test_a_setting_in_the_sdks_v2_map_wins_over_its_legacy_copy() -> None:
+    """The SDK writes each number to both maps and says servers prefer v2; an older SDK writes the
+    legacy map alone."""
+    message = request([RL], loss="ppo", config={"clip_high_threshold": 1.5})
+    message.loss_fn_config["clip_high_threshold"] = 3.0
+    message.loss_fn_config["clip_low_threshold"] = 0.5  # legacy only
+    call = trainer_call(message)
+    assert (call.loss.clip_low, call.loss.clip_high) == pytest.approx((0.5, 0.5))
 
 
 @pytest.mark.parametrize("loss, data, config, message", [
-    ("ppo", [datum([1, 2], [1.0, 1.0])], None, "loss_fn 'ppo' is not served"),
     ("dro", [datum([1, 2], [1.0, 1.0])], None, "loss_fn 'dro' is not served"),
+    ("gspo", [datum([1, 2], [1.0, 1.0])], None, "loss_fn 'gspo' is not served"),
     ("cross_entropy", [datum([1, 2], [1.0, 1.0])], {"clip_low_threshold": 0.8}, "takes no settings here; got clip"),
+    ("importance_sampling", [RL], {"clip_high_threshold": 1.2}, "importance_sampling takes no settings here"),
+    ("ppo", [RL], {"clip_low_threshold": 0.8, "kl_coeff": 0.1, "beta": 1.0},
+     "loss_fn_config: beta, kl_coeff not served for ppo; it takes clip_low_threshold and clip_high_threshold"),
+    ("cispo", [RL], {"clip_ratio": 2.0}, "clip_ratio not served for cispo"),
+    ("ppo", [RL], {"clip_low_threshold": "tight"}, r"loss_fn_config\.clip_low_threshold: must be a number, got 'tight'"),
+    ("ppo", [RL], {"clip_low_threshold": 1.0}, r"clip_low_threshold: must be in \[0, 1\)"),
+    ("cispo", [RL], {"clip_low_threshold": -0.1}, r"clip_low_threshold: must be in \[0, 1\)"),
+    ("ppo", [RL], {"clip_high_threshold": 1.0}, r"clip_high_threshold: must be a finite number > 1, got 1.0"),
+    ("cispo", [RL], {"clip_high_threshold": float("inf")}, "clip_high_threshold: must be a finite number > 1"),
+    ("ppo", [datum([1, 2], logprobs=[-1.0, -1.0], advantages=[1.0, 1.0], clip_low_threshold=[0.5, 0.5])], None,
+     "clip_low_threshold not read by ppo"),  # per-token thresholds: only loss_fn_config's are served
+    ("cispo", [datum([1, 2], advantages=[1.0, 1.0])], None, "cispo needs logprobs"),
     ("cross_entropy", [datum([1, 2])], None, "cross_entropy needs weights"),
     ("cross_entropy", [datum([1, 2], [1.0, 1.0], advantages=[1.0, 1.0])], None, "advantages not read by"),
     ("importance_sampling", [datum([1, 2], advantages=[1.0, 1.0])], None, "needs logprobs"),

@@ -263,3 +263,93 @@ def test_importance_sampling_weights_each_advantage_by_p_over_the_samplers_q() -
 
 def test_sum_reduction_divides_by_nothing() -> None:
     assert float(aggregate(VALUES, MASK, "sum")) == 1 + 2 + 4
+
+
+# ---------------------------------------------------------------- Tinker's clipped losses: ppo and cispo
+
+# Per token: the current log-prob, the ratio p/q to the sampler and the advantage. With the thresholds
+# [0.9, 1.3] the ratios are above (1.5), below (0.5) and inside (1.1) the range, each with both signs of
+# advantage; the last token (a wild ratio) is outside the loss mask.
+CLIP_LOGP = [[-1.0, -0.5, -2.0], [-0.2, -3.0, -0.7]]
+CLIP_RATIO = torch.tensor([[1.5, 1.5, 0.5], [0.5, 1.1, 5.0]], dtype=torch.float64)
+CLIP_ADV = torch.tensor([[1.0, -1.0, 2.0], [-1.0, 0.5, 3.0]], dtype=torch.float64)
+CLIP_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+# Tinker's thresholds [0.9, 1.3] as the trainer's epsilons around 1.
+CLIP = {"clip_low": 1 - 0.9, "clip_high": 1.3 - 1}
+
+
+def _clip_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """(current log-probs with their gradient, the sampler's log-probs q = log p - log ratio), float64."""
+    logp = torch.tensor(CLIP_LOGP, dtype=torch.float64, requires_grad=True)
+    return logp, logp.detach() - torch.log(CLIP_RATIO)
+
+
+def test_tinkers_ppo_is_ppo_clip_summed_pessimistic_on_both_sides() -> None:
+    """Tinker's ppo by hand: -min(r A, clip(r, 0.9, 1.3) A) per token, summed; where the clipped
+    branch wins the token has no gradient, elsewhere d/dlogp(-A r) = -A r."""
+    logp, sampler = _clip_inputs()
+    settings = LossSettings(kind="ppo_clip", aggregation="sum", **CLIP)
+    out = policy_loss(settings, logprobs=logp, mask=CLIP_MASK, advantages=CLIP_ADV, behaviour_logprobs=sampler)
+    per_token = [-min(1.5, 1.3), -min(-1.5, -1.3), -min(1.0, 1.8), -min(-0.5, -0.9), -min(0.55, 0.55)]
+    assert per_token == pytest.approx([-1.3, 1.5, -1.0, 0.9, -0.55])
+    assert float(out.loss.detach()) == pytest.approx(sum(per_token)) and out.parts["loss"] == pytest.approx(-0.45)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    assert grad.flatten().tolist() == pytest.approx([0.0, 1.5, -1.0, 0.0, -0.55, 0.0])
+    m = out.metrics()  # clipped: token 1 (above, A > 0) and token 4 (below, A < 0), of 5
+    assert (m["clip_fraction_high"], m["clip_fraction_low"]) == pytest.approx((0.2, 0.2))
+
+
+def test_tinkers_cispo_weights_each_log_prob_by_the_clipped_ratio_held_constant() -> None:
+    """cispo by hand: -sg(clip(r, 0.9, 1.3)) A log p per token, summed. Its gradient is the stop-gradient
+    form -clip(r) A: a token outside the clip range keeps a gradient (PPO's would be 0), and no
+    gradient flows through the ratio, which the numerical derivative of the loss shows."""
+    logp, sampler = _clip_inputs()
+    settings = LossSettings(kind="cispo", aggregation="sum", **CLIP)
+
+    def loss_at(values: torch.Tensor) -> torch.Tensor:
+        return policy_loss(settings, logprobs=values, mask=CLIP_MASK, advantages=CLIP_ADV,
+                           behaviour_logprobs=sampler).loss
+
+    out = policy_loss(settings, logprobs=logp, mask=CLIP_MASK, advantages=CLIP_ADV, behaviour_logprobs=sampler)
+    weights = [[1.3, 1.3, 0.9], [0.9, 1.1, 0.0]]  # clip(r); the masked token does not count
+    per_token = [-w * a * lp for wr, ar, lr in zip(weights, CLIP_ADV.tolist(), CLIP_LOGP, strict=True)
+                 for w, a, lp in zip(wr, ar, lr, strict=True)]
+    assert per_token[:5] == pytest.approx([1.3, -0.65, 3.6, -0.18, 1.65])
+    assert float(out.loss.detach()) == pytest.approx(5.72) and out.parts["pg_loss"] == pytest.approx(5.72)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    expected = [[-1.3, 1.3, -1.8], [0.9, -0.55, 0.0]]  # -clip(r) A
+    assert grad.flatten().tolist() == pytest.approx(sum(expected, []))
+    # Numerically: where the ratio is clipped the weight is locally constant, so the loss's own derivative
+    # is the gradient; inside the range the loss also moves through r (d r/d log p = r), which the
+    # stop-gradient leaves out of the gradient: numerical = gradient - A r log p there.
+    h = 1e-6
+    for b, t in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]:
+        step = torch.zeros_like(logp)
+        step[b, t] = h
+        numerical = float(loss_at(logp.detach() + step) - loss_at(logp.detach() - step)) / (2 * h)
+        r, a, lp = float(CLIP_RATIO[b, t]), float(CLIP_ADV[b, t]), CLIP_LOGP[b][t]
+        through_ratio = -a * r * lp if 0.9 < r < 1.3 else 0.0
+        assert numerical == pytest.approx(float(grad[b, t]) + through_ratio, abs=1e-6)
+        if through_ratio:  # the in-range token: 1.1 numerically, -0.55 the gradient
+            assert numerical == pytest.approx(1.1, abs=1e-6) and float(grad[b, t]) == pytest.approx(-0.55)
+    m = out.metrics()  # weights clipped: tokens 1 and 2 above, 3 and 4 below, whatever the advantage's sign
+    assert (m["clip_fraction_high"], m["clip_fraction_low"], m["clip_fraction"]) == pytest.approx((0.4, 0.4, 0.8))
+
+
+def test_cispos_default_clip_is_one_sided() -> None:
+    """Tinker's cispo default [0, 4]: a small ratio is its own weight, a large one is capped at 4."""
+    from flywheel.trainer.types import CISPO_CLIP_HIGH, CISPO_CLIP_LOW
+
+    logp, sampler = _clip_inputs()
+    settings = LossSettings(kind="cispo", aggregation="sum", clip_low=CISPO_CLIP_LOW, clip_high=CISPO_CLIP_HIGH)
+    out = policy_loss(settings, logprobs=logp, mask=torch.ones_like(CLIP_MASK), advantages=torch.ones_like(CLIP_ADV),
+                      behaviour_logprobs=sampler)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    assert grad.flatten().tolist() == pytest.approx([-1.5, -1.5, -0.5, -0.5, -1.1, -4.0])
+    assert out.metrics()["clip_fraction_low"] == 0.0
+
+
+def test_cispo_takes_no_truncated_importance_weights() -> None:
+    t = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="cispo takes no truncated importance weights"):
+        policy_loss(LossSettings(kind="cispo", is_cap=2.0), logprobs=t, mask=t, advantages=t, behaviour_logprobs=t)

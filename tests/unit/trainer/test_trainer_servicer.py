@@ -69,6 +69,35 @@ def test_tinker_losses_resolve_to_a_sum_and_refuse_clip_settings_they_do_not_hav
                 resolve_loss(loss_request(spec), LossConfig())
 
 
+def test_cispo_resolves_to_tinkers_sum_and_one_sided_clip_and_refuses_is_cap() -> None:
+    from services.trainer.config import LossConfig
+    from services.trainer.training import resolve_loss
+
+    request = loss_request(make_loss_spec("cispo"))
+    assert request.kind == "cispo"
+    # Unset: Tinker's [0, 4] on the ratio, whatever PPO clip the trainer is configured with.
+    settings = resolve_loss(request, LossConfig(clip_low=0.3, clip_high=0.4))
+    assert (settings.kind, settings.aggregation, settings.clip_low, settings.clip_high) == ("cispo", "sum", 1.0, 3.0)
+    given = resolve_loss(loss_request(make_loss_spec("cispo", clip_low=0.1, clip_high=0.3)), LossConfig())
+    assert (given.clip_low, given.clip_high) == pytest.approx((0.1, 0.3))
+    with pytest.raises(InvalidArgument, match=r"loss\.is_cap: cispo takes no truncated importance weights"):
+        resolve_loss(loss_request(make_loss_spec("cispo", is_cap=2.0)), LossConfig())
+
+
+def test_clip_low_may_take_the_lower_bound_to_zero_and_no_further() -> None:
+    """Tinker's clip_low_threshold 0 is clip_low 1 (no lower bound on the ratio); beyond 1 the bound
+    would be negative."""
+    from services.trainer.config import LossConfig
+    from services.trainer.training import resolve_loss
+
+    for kind in ("ppo_clip", "cispo"):
+        assert resolve_loss(loss_request(make_loss_spec(kind, clip_low=1.0)), LossConfig()).clip_low == 1.0
+        with pytest.raises(InvalidArgument, match=r"loss\.clip_low: must be <= 1"):
+            resolve_loss(loss_request(make_loss_spec(kind, clip_low=1.5)), LossConfig())
+    with pytest.raises(InvalidArgument, match=r"loss\.clip_high: must be a finite number >= 0"):
+        resolve_loss(loss_request(make_loss_spec("cispo", clip_high=-0.5)), LossConfig())
+
+
 async def test_get_info_answers_while_a_training_call_holds_the_engine(make_engine) -> None:
     engine = make_engine()
     servicer = TrainerServicer(engine)
