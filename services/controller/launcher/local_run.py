@@ -262,6 +262,16 @@ class LocalRun:
             t = time.monotonic()
             self.model_dir = prepare_model(spec.model)
             self.say(f"model {self.model_dir} ({time.monotonic() - t:.0f}s)")
+            lora = (spec.trainer.get("model") or {}).get("lora") or {}
+            if lora.get("enabled") and "lm_head" in (lora.get("target_modules") or ()):
+                # An adapter on a head tied to the input embeddings merges into a head of its own, which the
+                # tied model the rollout serves has no room for: every update would be refused.
+                from flywheel.models.untie import ensure_untied, ties_embeddings
+
+                if ties_embeddings(self.model_dir):
+                    self.model_dir = ensure_untied(self.model_dir,
+                                                   self.model_dir.with_name(self.model_dir.name + "-untied"))
+                    self.say(f"model {self.model_dir}: its output head untied (LoRA adapts lm_head)")
         self.data["data"] = prepare_data(spec.dataset, dict(self.data.get("data") or {}), self.run_dir / "data")
         self.data.setdefault("model", {}).setdefault("name", str(self.model_dir or ""))
         # Validated now, with a placeholder address: a bad field fails before anything starts.

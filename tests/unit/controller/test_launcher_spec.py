@@ -207,3 +207,23 @@ def test_a_decaying_learning_rate_decays_over_the_runs_steps_unless_told_otherwi
     assert optimizer({"optimizer": {"schedule": "linear"}}).total_steps == 30
     assert optimizer({"optimizer": {"schedule": "cosine", "total_steps": 50}}).total_steps == 50  # named: kept
     assert optimizer({"optimizer": {"lr": 1e-5}}).total_steps == 0  # constant: nothing to decay over
+
+
+@pytest.mark.parametrize("modules", [["q_proj", "lm_head"], ["q_proj"]], ids=["head adapted", "head not adapted"])
+def test_a_lora_on_the_output_head_of_a_tied_model_trains_an_untied_copy(tmp_path, modules):
+    from flywheel.models.tiny import build_tiny_model
+    from flywheel.models.untie import ties_embeddings
+    from services.controller.launcher.local_run import LocalRun
+
+    tied = build_tiny_model(tmp_path / "tiny")
+    assert ties_embeddings(tied)
+    spec, data = split_run_file({
+        "launch": {"model": {"source": "path", "path": str(tied)}, "dataset": {"train_size": 4, "validation_size": 2},
+                   "trainer": {"model": {"lora": {"enabled": True, "target_modules": modules}}}},
+        "data": {"train": {"prompt_key": "question"}}}, "test")
+    run = LocalRun(spec=spec, data=data, run_dir=tmp_path / "run", out=open(tmp_path / "out.txt", "w"))
+    run.prepare()
+    # The merged adapter makes a head of its own: a tied served model has no room for it (every update
+    # would be refused), so the services load an untied copy, made once beside the model.
+    assert run.model_dir == (tmp_path / "tiny-untied" if "lm_head" in modules else tied)
+    assert not ties_embeddings(run.model_dir) or "lm_head" not in modules
