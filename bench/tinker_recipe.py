@@ -2,8 +2,13 @@
 same batch on our own controller: the recipe's reward step by step, and seconds per step of both.
 
 Run manual:
-    python bench/tinker_recipe.py                 # SmolLM2-135M-Instruct, 20 recipe steps (minutes)
+    python bench/tinker_recipe.py --renderer qwen3_instruct --max-tokens 8 --temperature 0.7
+                                                  # SmolLM2-135M-Instruct, 20 recipe steps (~15 min)
     python bench/tinker_recipe.py --smoke         # the tiny model, 2 steps each: checks it runs (CI)
+
+SmolLM2 speaks ChatML, which the cookbook's qwen3_instruct renderer writes (its stop token is
+SmolLM2's <|im_end|>); with role_colon it seldom ends an answer with the "User:" stop the recipe's
+format reward asks for within a few tokens, every group scores alike and nothing is learnt.
 
 Measured in one run, one after the other on the same machine:
   recipe      `flywheel up --with tinker --model M` (trainer with LoRA adapters, a transformers-engine
@@ -15,9 +20,10 @@ Measured in one run, one after the other on the same machine:
               0.1 without the stop sequence), its seconds per step `time/total`.
   controller  `python -m services.controller run` on a config made here: the same model, LoRA
               rank and modules, engine kind, batch (groups x group size), temperature, token
-              limit and learning rate, sync mode, on "What is x + y?" questions (x, y in 1..100:
-              our arithmetic generator; the prompt is our math worker's, not the cookbook's); its
-              seconds per step are its `time/step_seconds`.
+              limit and learning rate, sync mode, every core to the trainer, on "What is x + y?"
+              questions (x, y in 1..100: our arithmetic generator), asked bare in the model's chat
+              template (the recipe adds one example exchange before it); its seconds per step are
+              its `time/step_seconds`.
 The first step of each is left out of the medians (model loading, first compilations).
 gateway_recipe_step_vs_controller_step is the recipe's median step over the controller's: what
 driving the loop through the Tinker API costs against our own loop (lower is better). Ends with
@@ -59,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=5, help="the recipe's default for arithmetic")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--temperature", type=float, default=1.0, help="the recipe's default")
+    parser.add_argument("--renderer", default="role_colon",
+                        help="the recipe's renderer_name; SmolLM2 speaks ChatML, which qwen3_instruct renders")
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--smoke", action="store_true", help="the tiny model, 2 steps each (CI)")
     args = parser.parse_args()
@@ -109,9 +118,10 @@ def run_recipe(args: argparse.Namespace, url: str, base_model: str, work: Path) 
     log_path = work / "recipe"
     command = [
         sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={base_model}",
-        f"lora_rank={args.lora_rank}", "renderer_name=role_colon", "loss_fn=importance_sampling",
+        f"lora_rank={args.lora_rank}", f"renderer_name={args.renderer}", "loss_fn=importance_sampling",
         f"base_url={url}", f"groups_per_batch={args.groups}", f"group_size={args.group_size}",
         f"max_tokens={args.max_tokens}", f"learning_rate={args.learning_rate}", f"max_steps={args.steps}",
+        f"temperature={args.temperature}",
         "eval_every=0", "save_every=0", f"log_path={log_path}", "behavior_if_log_dir_exists=delete"]
     env = {**os.environ, "TINKER_API_KEY": "tml-bench"}
     proc = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
@@ -129,16 +139,20 @@ def run_controller(args: argparse.Namespace, model: Path, work: Path) -> list[fl
             "model": {"source": "path", "path": str(model)},
             "dataset": {"generator": "arithmetic", "train_size": args.groups * args.controller_steps,
                         "validation_size": 8, "max_operand": 100, "operations": ["+"], "terms": [2]},
+            # every core for the trainer, as `flywheel up` gives the gateway's (the launcher's default is half:
+            # it expects the engine to run beside the trainer, which sync mode does not do)
             "trainer": {"optimizer": {"lr": args.learning_rate},
-                        "model": {"lora": {"enabled": True, "rank": args.lora_rank,
-                                           "target_modules": json.loads(TINKER_LORA_MODULES)}}},
+                        "model": {"cpu_threads": 0, "lora": {"enabled": True, "rank": args.lora_rank,
+                                                             "target_modules": json.loads(TINKER_LORA_MODULES)}}},
             # the engine `flywheel up` gives the gateway's rollout
             "rollout": {"engine": {"kind": "transformers"}},
         },
         "data": {"train": {"prompt_key": "question", "answer_key": "answer"},
                  "validation": {"prompt_key": "question", "answer_key": "answer", "shuffle": False}},
+        # the bare question in the model's chat template, as the recipe's prompt is (no instruction, no system)
         "worker": {"type": "math", "group_size": args.group_size, "max_in_flight": args.groups,
-                   "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens}},
+                   "system_prompt": "", "instruction": "",
+                   "sampling": {"temperature": args.temperature, "max_tokens": args.max_tokens}},
         "reward": {"name": "math"},
         "algorithm": {"name": "grpo", "train_batch_size": samples},
         "mode": "sync", "resume": "disable",
@@ -186,6 +200,7 @@ def main() -> None:
     print(json.dumps({
         **cpu(), "commit": _commit(), "model": args.model, "steps": len(rows), "groups": args.groups,
         "group_size": args.group_size, "max_tokens": args.max_tokens, "learning_rate": args.learning_rate,
+        "temperature": args.temperature, "renderer": args.renderer,
         "lora_rank": args.lora_rank, "reward_per_step": rewards,
         "correct_per_step": [round(r.get("env/all/correct", 0.0), 4) for r in rows],
         "recipe_step_seconds": round(recipe_step, 3), "controller_step_seconds": round(controller_step, 3),

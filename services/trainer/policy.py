@@ -291,6 +291,8 @@ class Policy:
         created = model_id not in self._parked
         if created and len(self._parked) + 1 >= max_models:
             raise ResourceExhausted(f"the trainer holds {max_models} models (limits.max_models); drop one first")
+        # A checkpoint loaded into the model being parked may carry a version past every step taken here.
+        self._newest_version = max(self._newest_version, self.weight_version)
         params = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
         parked = ParkedModel(self._adapter_values(), {n: p.grad for n, p in params.items()},
                              self.optimizer, self.scheduler, self.step, self.weight_version)

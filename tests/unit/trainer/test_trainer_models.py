@@ -80,6 +80,13 @@ def test_a_checkpoint_loads_into_the_selected_model_only(make_engine, tmp_path) 
     assert same_tensors(adapters(engine), saved_a) and engine.info().step == step == 1
     engine.select_model("b")
     assert same_tensors(adapters(engine), untouched) and engine.info().step == 0
+    # A version names one set of weights: b's next step is numbered past the loaded model's version too.
+    loaded_version = 7
+    engine.select_model("c")
+    engine.policy.weight_version = loaded_version  # as a checkpoint from a longer run would set it
+    engine.select_model("b")
+    engine.forward_backward(make_batch(), GRPO)
+    assert engine.optim_step().weight_version == loaded_version + 1
 
 
 def test_what_cannot_hold_several_models_is_refused(make_engine) -> None:
