@@ -179,6 +179,12 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             # A linked trainer publishes every step to the synchronizer's one version line.
             raise FailedPrecondition("this trainer publishes its weights to a synchronizer (sync."
                                      "synchronizer_address): it trains one model; several need a standalone trainer")
+        policy = self.engine.policy
+        if policy is not None and policy.model_id == request.model_id:
+            # Selected already (the Tinker gateway selects before each request): answered here rather than
+            # on the compute thread, behind a step. Only SelectModel changes the selection, and its caller
+            # (one gateway) waits for each before it sends the next.
+            return pb.SelectModelResponse(created=False, step=policy.step)
         created, step = await self.engine.run(self.engine.select_model, request.model_id)
         prom.STEP.set(step)
         return pb.SelectModelResponse(created=created, step=step)

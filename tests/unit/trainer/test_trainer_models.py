@@ -3,6 +3,8 @@ optimizer moments, step and weight version, whatever order their calls interleav
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -111,9 +113,16 @@ async def test_a_trainer_that_publishes_to_a_synchronizer_trains_its_own_model_o
     from flywheel.trainer.v1 import trainer_pb2 as pb
     from services.trainer.servicer import TrainerServicer
 
-    servicer = TrainerServicer(make_engine(model=LORA))
+    engine = make_engine(model=LORA)
+    servicer = TrainerServicer(engine)
     selected = await servicer.SelectModel(pb.SelectModelRequest(model_id="a"), None)
     assert selected.created and selected.step == 0
+    engine.lock.acquire()  # a long step in progress: selecting the selected model does not wait for it
+    try:
+        again = await asyncio.wait_for(servicer.SelectModel(pb.SelectModelRequest(model_id="a"), None), timeout=2)
+    finally:
+        engine.lock.release()
+    assert not again.created
     info = await servicer.GetInfo(pb.GetInfoRequest(), None)
     assert list(info.model_ids) == ["a", ""]
 
