@@ -242,6 +242,7 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
     # compute_logprobs: a sample request with prompt_logprobs, on the base model (version 0, served now).
     prompt_logprobs = first.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     last_two = first.compute_logprobs(types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=2).result()
+    topk = first.sample(prompt, num_samples=1, sampling_params=params, topk_sample_logprobs=3).result()
     # The RL step Tinker's recipes take: the sampler's log-probs and advantages, importance-sampled.
     n = len(sequence.tokens)
     rl = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
@@ -273,7 +274,7 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
     after.close("success").result()
     return {"base": base, "forward": forward, "importance": importance, "trained": trained, "again": again,
             "older": older, "named": named,
-            "stopped": stopped, "prompt_logprobs": prompt_logprobs, "last_two": last_two, "refused": refused,
+            "stopped": stopped, "prompt_logprobs": prompt_logprobs, "last_two": last_two, "topk": topk, "refused": refused,
             "model_id": training.model_id}
 
 
@@ -321,6 +322,15 @@ async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
         last_two = out["last_two"]  # prompt_logprobs_last_n=2: the positions before the last two are None
         assert last_two[:-2] == [None] * (len(prompt_logprobs) - 2)
         assert last_two[-2:] == pytest.approx(prompt_logprobs[-2:], abs=1e-6)
+        # topk_sample_logprobs: the 3 likeliest tokens at each sampled position, most likely first, of the
+        # distribution the token was drawn from (here temperature 1, nothing cut: the model's).
+        (topk,) = out["topk"].sequences
+        assert topk.tokens == sequence.tokens and len(topk.topk_logprobs) == len(topk.tokens)  # the same seed
+        for token, logprob, row in zip(topk.tokens, topk.logprobs, topk.topk_logprobs, strict=True):
+            assert len(row) == 3 and [lp for _, lp in row] == sorted((lp for _, lp in row), reverse=True)
+            assert logprob <= row[0][1]
+            if token in dict(row):
+                assert dict(row)[token] == pytest.approx(logprob, abs=1e-6)
         # A new model's weights before it trained are the base model's: sampled as version 0 again.
         assert (await gateway.sampler.rollout.status()).weight_version == 0
         assert [s.tokens for s in out["again"].sequences] == [s.tokens for s in base.sequences]
