@@ -132,6 +132,8 @@ class SamplingSpec:
     constraint: OutputConstraint | None = None
     #: Which log-probs the caller wants (LogprobsMode); None: the engine's.
     logprobs_mode: str | None = None
+    #: Also score the prompt: each sample's log-probs of its prompt tokens, of the model's raw distribution.
+    prompt_logprobs: bool = False
 
     def distribution(self, mode: str) -> SampledDistribution:
         """What log-probs in `mode` of a sample drawn with this spec are of. Greedy samples

@@ -81,6 +81,7 @@ def sample_to_proto(sample: SampleOutput, prompt_ids: list[int]) -> common_pb2.S
                       for top in sample.top_logprobs],
         index=sample.index,
         logprobs_distribution=sample.distribution.to_pb(),
+        prompt_logprobs=sample.prompt_logprobs,
     )
 
 

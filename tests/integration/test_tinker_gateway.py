@@ -239,6 +239,10 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
     scored = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
         "target_tokens": tokens[1:], "weights": [0.0] * (len(PROMPT) - 1) + [1.0] * len(sequence.tokens)})
     forward = training.forward([scored], "cross_entropy").result()
+    # compute_logprobs: a sample request with prompt_logprobs, on the base model (version 0, served now).
+    prompt_logprobs = first.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    last_two = first.compute_logprobs(types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=2).result()
+    topk = first.sample(prompt, num_samples=1, sampling_params=params, topk_sample_logprobs=3).result()
     # The RL step Tinker's recipes take: the sampler's log-probs and advantages, importance-sampled.
     n = len(sequence.tokens)
     rl = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
@@ -257,10 +261,10 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
     stopped = by_path.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(
         max_tokens=6, stop=[trained.sequences[0].tokens[0]], seed=7)).result()
     try:
-        by_path.sample(prompt, num_samples=1, sampling_params=params, include_prompt_logprobs=True).result()
-        prompt_logprobs = None
+        by_path.sample(prompt, num_samples=1, sampling_params=params, prompt_alt_tokens_k=2).result()
+        refused = None
     except Exception as exc:  # noqa: BLE001 - the SDK raises a RequestFailedError or a BadRequestError
-        prompt_logprobs = exc
+        refused = exc
     service.close("success").result()
     # The next user's model starts from the base weights: so does the sampler (its versions count from 0).
     after = tinker.ServiceClient(base_url=url, api_key=KEY)
@@ -270,7 +274,8 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
     after.close("success").result()
     return {"base": base, "forward": forward, "importance": importance, "trained": trained, "again": again,
             "older": older, "named": named,
-            "stopped": stopped, "prompt_logprobs": prompt_logprobs, "model_id": training.model_id}
+            "stopped": stopped, "prompt_logprobs": prompt_logprobs, "last_two": last_two, "topk": topk, "refused": refused,
+            "model_id": training.model_id}
 
 
 @pytest.fixture
@@ -306,7 +311,26 @@ async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
         assert record["expires"] - record["created"] == 3600  # removed at a save after that
         stopped = out["stopped"].sequences[0]
         assert stopped.stop_reason == "stop" and len(stopped.tokens) <= 1  # the stop token itself ends it
-        assert "prompt_logprobs is not served" in str(out["prompt_logprobs"])
+        assert "prompt_alt_tokens_k is not served" in str(out["refused"])
+        # compute_logprobs on the base model: forward()'s log-probs of the same tokens, None for the first.
+        scored_all = out["forward"].loss_fn_outputs[0]["logprobs"].tolist()
+        prompt_logprobs = out["prompt_logprobs"]
+        assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(PROMPT) + len(sequence.tokens)
+        print(f"compute_logprobs vs forward: largest gap "
+              f"{max(abs(a - b) for a, b in zip(prompt_logprobs[1:], scored_all)):.2e}")
+        assert prompt_logprobs[1:] == pytest.approx(scored_all, abs=1e-5)  # measured: 4.8e-7 (float32 both sides)
+        last_two = out["last_two"]  # prompt_logprobs_last_n=2: the positions before the last two are None
+        assert last_two[:-2] == [None] * (len(prompt_logprobs) - 2)
+        assert last_two[-2:] == pytest.approx(prompt_logprobs[-2:], abs=1e-6)
+        # topk_sample_logprobs: the 3 likeliest tokens at each sampled position, most likely first, of the
+        # distribution the token was drawn from (here temperature 1, nothing cut: the model's).
+        (topk,) = out["topk"].sequences
+        assert topk.tokens == sequence.tokens and len(topk.topk_logprobs) == len(topk.tokens)  # the same seed
+        for token, logprob, row in zip(topk.tokens, topk.logprobs, topk.topk_logprobs, strict=True):
+            assert len(row) == 3 and [lp for _, lp in row] == sorted((lp for _, lp in row), reverse=True)
+            assert logprob <= row[0][1]
+            if token in dict(row):
+                assert dict(row)[token] == pytest.approx(logprob, abs=1e-6)
         # A new model's weights before it trained are the base model's: sampled as version 0 again.
         assert (await gateway.sampler.rollout.status()).weight_version == 0
         assert [s.tokens for s in out["again"].sequences] == [s.tokens for s in base.sequences]

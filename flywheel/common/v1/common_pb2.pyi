@@ -246,7 +246,7 @@ class ComponentStatus(_message.Message):
     def __init__(self, identity: _Optional[_Union[ComponentIdentity, _Mapping]] = ..., state: _Optional[_Union[ComponentState, str]] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., weight_identity: _Optional[bytes] = ..., quarantined: _Optional[bool] = ..., quarantine_reason: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "top_logprobs", "min_tokens", "repetition_penalty", "ignore_eos", "logprobs_mode")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "top_logprobs", "min_tokens", "repetition_penalty", "ignore_eos", "logprobs_mode", "prompt_logprobs")
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,7 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -273,7 +274,8 @@ class SamplingParams(_message.Message):
     repetition_penalty: float
     ignore_eos: bool
     logprobs_mode: LogprobsMode
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ...) -> None: ...
+    prompt_logprobs: bool
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class SampledDistribution(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "penalised")
@@ -296,7 +298,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "finish_reason", "stop_reason", "weight_version_start", "weight_version_end", "text", "top_logprobs", "index", "logprobs_distribution")
+    __slots__ = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "finish_reason", "stop_reason", "weight_version_start", "weight_version_end", "text", "top_logprobs", "index", "logprobs_distribution", "prompt_logprobs")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +310,7 @@ class Sample(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_DISTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -319,7 +322,8 @@ class Sample(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     index: int
     logprobs_distribution: SampledDistribution
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., weight_version_start: _Optional[int] = ..., weight_version_end: _Optional[int] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., logprobs_distribution: _Optional[_Union[SampledDistribution, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., weight_version_start: _Optional[int] = ..., weight_version_end: _Optional[int] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., logprobs_distribution: _Optional[_Union[SampledDistribution, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "name", "tool_call_id", "tool_calls_json")

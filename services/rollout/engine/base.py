@@ -43,6 +43,9 @@ class SampleOutput:
     version_end: int
     #: The distribution `logprobs` and `top_logprobs` are of.
     distribution: SampledDistribution = RAW
+    #: When the spec asked (`SamplingSpec.prompt_logprobs`): log p(prompt[i + 1] | prompt[:i + 1]) for each i,
+    #: len(prompt) - 1 of them, of the model's raw distribution, with the weights of `version_start`.
+    prompt_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -145,6 +148,15 @@ class Engine(abc.ABC):
     logprobs_mode: str = "processed"
     #: Whether it can return the other kind for a request that asks (`SamplingSpec.logprobs_mode`).
     logprobs_mode_per_request: bool = False
+    #: Whether it scores prompts (`SamplingSpec.prompt_logprobs`, `SampleOutput.prompt_logprobs`).
+    supports_prompt_logprobs: bool = False
+
+    def resolve(self, spec: SamplingSpec) -> SamplingSpec:
+        """`spec` as this engine serves it (its log-probs named, `resolve_logprobs_mode`), or InvalidArgument
+        for what it asks that this engine cannot honour."""
+        if spec.prompt_logprobs and not self.supports_prompt_logprobs:
+            raise InvalidArgument(f"sampling.prompt_logprobs: this {self.kind} engine does not score prompts")
+        return self.resolve_logprobs_mode(spec)
 
     def resolve_logprobs_mode(self, spec: SamplingSpec) -> SamplingSpec:
         """`spec` with the log-probs it will get named, or InvalidArgument when it asks for the kind

@@ -5,6 +5,7 @@ Log-probs are of the distribution the spec's `logprobs_mode` names, as vLLM's
 sampler computes them: processed (the one the token was drawn from: after
 penalties, min_tokens masking, temperature, top-k and top-p, renormalised over
 the kept tokens; greedy samples: after penalties only), or raw (the model's).
+Prompt log-probs (`SamplingSpec.prompt_logprobs`) are always raw, as vLLM's are.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from services.rollout.engine.base import Delta, FinishReason, SampleOutput, Samp
 
 # U+FFFD at the end of decoded text means a multi-byte character is still incomplete.
 _INCOMPLETE = "\ufffd"
+# Prompt positions scored at a time: bounds the float32 copy of the logits log_softmax makes.
+_SCORE_ROWS = 256
 
 
 def process_logits(logits: torch.Tensor, spec: SamplingSpec, seen: list[int], n_out: int, stop_ids: set[int]) -> torch.Tensor:
@@ -73,6 +76,8 @@ class Sequence:
     version_start: int | None = None
     finish: FinishReason | None = None
     stop_reason: str = ""
+    #: log p(prompt[i + 1] | prompt[:i + 1]) when the spec asks (`score_prompt`).
+    prompt_logprobs: list[float] = field(default_factory=list)
 
     @property
     def stop_ids(self) -> set[int]:
@@ -85,6 +90,16 @@ class Sequence:
         # Without a cache (first step, or dropped after a weight swap) the whole
         # context is recomputed, so no token ever sees keys from other weights.
         return self.prompt_ids + self.out_ids if self.cache is None else self.out_ids[-1:]
+
+    def score_prompt(self, logits: torch.Tensor) -> None:
+        """Keeps the log-prob of each prompt token after the first under the model's raw distribution, from
+        the prefill's logits at prompt positions 0 .. len - 2 (position i predicts token i + 1)."""
+        targets = torch.tensor(self.prompt_ids[1:], dtype=torch.long, device=logits.device)
+        scored = []
+        for start in range(0, len(targets), _SCORE_ROWS):
+            rows = torch.log_softmax(logits[start:start + _SCORE_ROWS].float(), dim=-1)
+            scored.append(rows.gather(-1, targets[start:start + _SCORE_ROWS, None])[:, 0])
+        self.prompt_logprobs = torch.cat(scored).tolist() if scored else []
 
     def step(self, logits: torch.Tensor, codec: Any, version: int) -> None:
         """Samples one token from the last position's logits and updates the state."""
@@ -142,6 +157,7 @@ class Sequence:
                 version_start=self.version_start if self.version_start is not None else version,
                 version_end=version,
                 distribution=self.spec.distribution(self.spec.logprobs_mode or "processed"),
+                prompt_logprobs=list(self.prompt_logprobs),
             )
         elif not stream:
             return None

@@ -54,6 +54,8 @@ class TransformersEngine(Engine):
     kind = "transformers"
     #: Its sampler computes both kinds of log-probs at every step.
     logprobs_mode_per_request = True
+    #: A sample's prefill computes the logits at every prompt position.
+    supports_prompt_logprobs = True
 
     def __init__(self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0) -> None:
         ignored = sorted(set(args) - _KNOWN_ARGS)
@@ -198,9 +200,12 @@ class TransformersEngine(Engine):
             for seq in batch:
                 if seq.finish is not None:
                     continue
+                prefill = seq.cache is None and not seq.out_ids  # the first; not a recompute after a swap
                 ids = torch.tensor([seq.next_input()], dtype=torch.long, device=self._device)
                 out = self.model(input_ids=ids, past_key_values=seq.cache, use_cache=True)
                 seq.cache = out.past_key_values
+                if prefill and seq.spec.prompt_logprobs:
+                    seq.score_prompt(out.logits[0, :-1])
                 seq.step(out.logits[0, -1].cpu(), self._codec, version)
 
     def _dispatch(self, batch: list[Sequence], version: int) -> None:

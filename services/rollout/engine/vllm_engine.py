@@ -112,6 +112,24 @@ class _Sample:
         self.top: list[list[tuple[int, float]]] = []
         self.text = ""
         self.done = False
+        #: vLLM's prompt log-probs as they come (a long prompt's prefill chunks each add theirs when streamed):
+        #: None first (the first token's), then {token id: Logprob} per prompt position.
+        self.prompt: list[Any] = []
+
+
+def _prompt_logprobs(entries: list[Any], prompt_ids: list[int], finished: bool) -> list[float]:
+    """log p(prompt[i + 1] | prompt[:i + 1]) from vLLM's prompt log-probs (None for the first token, then
+    each position's {token id: Logprob}, the prompt's own token among them); [] when none came (not asked).
+    A sample that did not finish (aborted, failed) may have stopped part way through its prefill: it gets
+    [] unless it has them all."""
+    if not entries:
+        return []
+    if entries[0] is not None or len(entries) != len(prompt_ids):
+        if not finished:
+            return []
+        raise FailedPrecondition(f"vLLM returned {len(entries)} prompt log-probs for a prompt of {len(prompt_ids)} "
+                                 "tokens")
+    return [float(entry[token].logprob) for entry, token in zip(entries[1:], prompt_ids[1:])]
 
 
 def _checkpoint_dtype(path: Path) -> str:
@@ -126,6 +144,8 @@ def _checkpoint_dtype(path: Path) -> str:
 class VllmEngine(Engine):
     kind = "vllm"
     supports_constraints = True
+    #: vLLM's prompt_logprobs (its prefill's, of the raw distribution in either *_logprobs mode).
+    supports_prompt_logprobs = True
 
     pulls_memory = True
 
@@ -229,6 +249,9 @@ class VllmEngine(Engine):
             repetition_penalty=spec.repetition_penalty, ignore_eos=spec.ignore_eos,
             skip_special_tokens=spec.skip_special_tokens, structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            # 0: each prompt token's own log-prob, no alternatives. Such a request does not read the prefix cache
+            # (vLLM's default for it): every prompt position is computed.
+            prompt_logprobs=0 if spec.prompt_logprobs else None,
         )
 
     async def generate(
@@ -264,13 +287,17 @@ class VllmEngine(Engine):
                 sample = samples.setdefault(completion.index, _Sample(completion.index))
                 if sample.done:
                     continue
-                delta = self._delta(sample, completion, top_k, distribution)
+                # Streamed, an output carries one sample's and only what is new; otherwise the one final output
+                # carries all n samples and the whole prompt's (those of the sample that finished last).
+                sample.prompt += output.prompt_logprobs or ()
+                delta = self._delta(sample, completion, top_k, distribution, prompt_ids)
                 if delta.token_ids or delta.text or delta.final is not None:
                     deltas.append(delta)
             if deltas:
                 yield deltas
 
-    def _delta(self, sample: _Sample, completion: Any, top_k: int, distribution: SampledDistribution) -> Delta:
+    def _delta(self, sample: _Sample, completion: Any, top_k: int, distribution: SampledDistribution,
+               prompt_ids: list[int]) -> Delta:
         ids = list(completion.token_ids)
         logprobs: list[float] = []
         top: list[list[tuple[int, float]]] = []
@@ -297,6 +324,7 @@ class VllmEngine(Engine):
                 index=sample.index, token_ids=sample.ids, logprobs=sample.logprobs, top_logprobs=sample.top,
                 text=sample.text, finish_reason=reason, stop_reason="" if stop is None else str(stop),
                 version_start=start, version_end=end, distribution=distribution,
+                prompt_logprobs=_prompt_logprobs(sample.prompt, prompt_ids, reason in ("stop", "length")),
             )
         return delta
 

@@ -267,7 +267,7 @@ class RolloutCore:
         """All prompts' samples, in order; aborted samples come back with finish reason "abort".
 
         `run_step`/`min_version`: the weights the generation must wait for (see follower.py)."""
-        spec = self.require_engine()[0].resolve_logprobs_mode(spec)
+        spec = self.require_engine()[0].resolve(spec)
         await self._weights_ready(run_step, min_version)
         prompts = [p if p.request_id else ResolvedPrompt(p.ids, f"gen-{uuid.uuid4().hex[:16]}", p.tools) for p in prompts]
         async with self._admitted(len(prompts) * spec.n, reservation):
@@ -293,7 +293,7 @@ class RolloutCore:
         *, run_step: int = 0, min_version: int = 0,
     ) -> AsyncIterator[list[Delta]]:
         """Deltas of one prompt's samples as they come (`reserve` first to fail before streaming)."""
-        spec = self.require_engine()[0].resolve_logprobs_mode(spec)
+        spec = self.require_engine()[0].resolve(spec)
         await self._weights_ready(run_step, min_version)
         if not prompt.request_id:
             prompt = ResolvedPrompt(prompt.ids, f"gen-{uuid.uuid4().hex[:16]}", prompt.tools)

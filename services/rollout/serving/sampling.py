@@ -38,6 +38,7 @@ def make_spec(
     skip_special_tokens: bool = True,
     constraint: OutputConstraint | None = None,
     logprobs_mode: str | None = None,
+    prompt_logprobs: bool = False,
 ) -> SamplingSpec:
     """A validated spec; `field` prefixes the names in error messages."""
 
@@ -98,6 +99,7 @@ def make_spec(
         skip_special_tokens=bool(skip_special_tokens),
         constraint=constraint,
         logprobs_mode=logprobs_mode,
+        prompt_logprobs=bool(prompt_logprobs),
     )
 
 
@@ -119,6 +121,7 @@ def from_proto(params: common_pb2.SamplingParams, *, max_top_logprobs: int, fiel
         repetition_penalty=params.repetition_penalty or 1.0,
         ignore_eos=params.ignore_eos,
         logprobs_mode=_logprobs_mode(params.logprobs_mode, field),
+        prompt_logprobs=params.prompt_logprobs,
     )
 
 

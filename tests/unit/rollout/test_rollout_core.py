@@ -160,3 +160,12 @@ async def test_without_an_engine_generation_is_a_failed_precondition() -> None:
     with pytest.raises(FailedPrecondition, match="no model is loaded"):
         await core.generate([prompt()], SamplingSpec())
     assert core.status().engine == "none"
+
+
+async def test_an_engine_that_cannot_score_prompts_refuses_to_before_it_runs() -> None:
+    from flywheel.errors import InvalidArgument
+
+    core, engine = make_core()
+    with pytest.raises(InvalidArgument, match="sampling.prompt_logprobs: this fake engine does not score prompts"):
+        await core.generate([prompt()], SamplingSpec(max_tokens=1, prompt_logprobs=True))
+    assert not engine.running

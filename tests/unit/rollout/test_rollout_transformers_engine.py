@@ -205,3 +205,19 @@ async def test_alternatives_are_only_tokens_the_sampling_distribution_can_draw(e
     (sample,), _ = await run(engine, spec)
     assert all(1 <= len(top) <= 2 for top in sample.top_logprobs)
     assert all(lp > -float("inf") for top in sample.top_logprobs for _, lp in top)
+
+
+async def test_prompt_log_probs_are_a_plain_forward_pass_over_the_prompt(engine, rollout_model: Path) -> None:
+    """Each sample's prefill scores the prompt: log p(prompt[i + 1] | prompt[:i + 1]) under the model's raw
+    distribution, whatever the sampling (tempered, truncated) and its log-probs."""
+    spec = engine.resolve(SamplingSpec(n=2, temperature=0.7, top_k=5, max_tokens=3, seed=2, ignore_eos=True,
+                                       prompt_logprobs=True))
+    samples, _ = await run(engine, spec)
+    expected = reference_logprobs(rollout_model, PROMPT[:1], PROMPT[1:])
+    for sample in samples:
+        assert len(sample.prompt_logprobs) == len(PROMPT) - 1
+        # measured: 0.0 (the prefill is the same forward, float32)
+        assert sample.prompt_logprobs == pytest.approx(expected, abs=1e-6)
+    (plain,), _ = await run(engine, SamplingSpec(max_tokens=1), rid="plain")
+    (one,), _ = await run(engine, SamplingSpec(max_tokens=1, prompt_logprobs=True), rid="one", prompt=PROMPT[:1])
+    assert plain.prompt_logprobs == [] and one.prompt_logprobs == []  # not asked; nothing before the only token
