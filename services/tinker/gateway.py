@@ -564,7 +564,7 @@ class Gateway:
 
         async def run() -> Outcome:
             samples = await sampler.sample(plan, sampling.model_id, sampling.version, sampling.exact)
-            return Outcome(proto=sample_response(samples))
+            return Outcome(proto=sample_response(samples, plan))
 
         self.futures.run(request_id, run)
         answer = {"request_id": request_id,

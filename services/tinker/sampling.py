@@ -148,14 +148,6 @@ def sample_plan(body: Mapping[str, Any]) -> SamplePlan:
                       topk_sample_logprobs=k)
 
 
-class Samples(list):
-    """A sample request's samples, as the replica returned them, with the request's plan."""
-
-    def __init__(self, samples: list[common_pb2.Sample], plan: SamplePlan) -> None:
-        super().__init__(samples)
-        self.plan = plan
-
-
 def _prompt_logprobs(sample: common_pb2.Sample, plan: SamplePlan) -> bytes:
     """float32 per prompt token, NaN where none is given: the first token (no context), and the tokens before the
     last N with prompt_logprobs_last_n."""
@@ -185,12 +177,8 @@ def _topk(sample: common_pb2.Sample, k: int) -> tpb.TopkLogprobs:
     return tpb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(rows))
 
 
-def sample_response(samples: list[common_pb2.Sample], plan: SamplePlan | None = None) -> bytes:
-    """The protobuf SampleResponse the SDK reads, for `plan`'s samples (by default the plan `Sampler.sample`
-    returned them with)."""
-    plan = plan if plan is not None else getattr(samples, "plan", None)
-    if plan is None:
-        raise TypeError("sample_response: the samples' plan is needed")
+def sample_response(samples: list[common_pb2.Sample], plan: SamplePlan) -> bytes:
+    """The protobuf SampleResponse the SDK reads, for the samples of `plan`."""
     out = tpb.SampleResponse()
     if plan.prompt_logprobs and samples:
         out.prompt_logprobs = _prompt_logprobs(samples[0], plan)
@@ -288,7 +276,8 @@ class Sampler:
                 self._running -= 1
                 self._turns.notify_all()
 
-    async def sample(self, plan: SamplePlan, model_id: str | None, version: int, exact: bool) -> Samples:
+    async def sample(self, plan: SamplePlan, model_id: str | None, version: int,
+                     exact: bool) -> list[common_pb2.Sample]:
         """Samples `version` (exact), or `model_id`'s newest version from `version` on."""
         if not exact and model_id is not None:
             version = max(version, self._newest.get(model_id, 0))
@@ -302,4 +291,4 @@ class Sampler:
         if served != {(version, version)}:
             raise FailedPrecondition(f"the sampler answered with weight versions {sorted(served)}, "
                                      f"not {version} throughout")
-        return Samples(samples, plan)
+        return list(samples)

@@ -8,7 +8,7 @@ from tinker.proto.response_conv import deserialize_sample_response
 
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import FailedPrecondition, InvalidArgument
-from services.tinker.sampling import Samples, sample_plan, sample_response
+from services.tinker.sampling import sample_plan, sample_response
 
 PROMPT = [5, 6, 7, 8]
 
@@ -28,16 +28,16 @@ def sample(**fields) -> common_pb2.Sample:
 def test_prompt_log_probs_are_asked_of_the_rollout_and_come_back_with_none_first() -> None:
     plan = sample_plan(body(prompt_logprobs=True))
     assert plan.params["prompt_logprobs"] is True
-    got = deserialize_sample_response(sample_response(Samples([sample(prompt_logprobs=[-1, -2, -3])], plan)))
+    got = deserialize_sample_response(sample_response([sample(prompt_logprobs=[-1, -2, -3])], plan))
     assert got.prompt_logprobs == [None, -1.0, -2.0, -3.0]
     # The last N only: the positions before them are None (the whole prompt is scored all the same).
     plan = sample_plan(body(prompt_logprobs=True, prompt_logprobs_last_n=2))
-    got = deserialize_sample_response(sample_response(Samples([sample(prompt_logprobs=[-1, -2, -3])], plan)))
+    got = deserialize_sample_response(sample_response([sample(prompt_logprobs=[-1, -2, -3])], plan))
     assert got.prompt_logprobs == [None, None, -2.0, -3.0]
     # Not asked: not asked of the rollout, and none in the response.
     plan = sample_plan(body(prompt_logprobs=False))
     assert "prompt_logprobs" not in plan.params
-    assert deserialize_sample_response(sample_response(Samples([sample()], plan))).prompt_logprobs is None
+    assert deserialize_sample_response(sample_response([sample()], plan)).prompt_logprobs is None
 
 
 def test_top_k_of_the_sampled_tokens_are_the_rollouts_alternatives_in_the_sdks_matrices() -> None:
@@ -47,14 +47,14 @@ def test_top_k_of_the_sampled_tokens_are_the_rollouts_alternatives_in_the_sdks_m
             common_pb2.TopLogprobs(token_ids=[3], logprobs=[-0.1])]  # a distribution that keeps one token
     two = common_pb2.Sample(prompt_token_ids=PROMPT, completion_token_ids=[9, 3], completion_logprobs=[-0.5, -0.1],
                             finish_reason=common_pb2.FINISH_REASON_STOP, top_logprobs=rows)
-    (sequence,) = deserialize_sample_response(sample_response(Samples([two], plan))).sequences
+    (sequence,) = deserialize_sample_response(sample_response([two], plan)).sequences
     assert sequence.topk_logprobs == [[(9, -0.5), (4, -1.5), (2, -2.0)], [(3, pytest.approx(-0.1))]]
     assert sequence.topk_logprobs_np.token_ids.shape == (2, 3)
     # Not asked: none.
-    (sequence,) = deserialize_sample_response(sample_response(Samples([sample()], sample_plan(body())))).sequences
+    (sequence,) = deserialize_sample_response(sample_response([sample()], sample_plan(body()))).sequences
     assert sequence.topk_logprobs is None
     with pytest.raises(FailedPrecondition, match="top log-probs for 0 of 1 sampled tokens"):
-        sample_response(Samples([sample()], plan))
+        sample_response([sample()], plan)
 
 
 def test_what_cannot_be_served_is_refused_by_name() -> None:
@@ -67,4 +67,4 @@ def test_what_cannot_be_served_is_refused_by_name() -> None:
             sample_plan(body(**fields))
     plan = sample_plan(body(prompt_logprobs=True))
     with pytest.raises(FailedPrecondition, match="scored 1 prompt tokens, not 3"):
-        sample_response(Samples([sample(prompt_logprobs=[-1.0])], plan))
+        sample_response([sample(prompt_logprobs=[-1.0])], plan)
