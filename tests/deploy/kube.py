@@ -270,7 +270,10 @@ class Kube:
             else:
                 raise AssertionError(f"{pod.name}: volume {name} is of a type this emulation does not mount: {volume}")
             if fs_group is not None:
-                apply_fs_group(directory, fs_group, read_only)
+                # A claim is shared: two kubelets' walks reading and writing the same modes would lose one's
+                # grant (a read-only mount's chmod undoing another pod's group write), so they take turns.
+                with self._claims_lock:
+                    apply_fs_group(directory, fs_group, read_only)
             found[name] = (directory, read_only)
         return found
 

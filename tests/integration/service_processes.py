@@ -34,17 +34,27 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_for(check, timeout: float, what: str, controller: subprocess.Popen | None = None):
-    """The first truthy value of `check()`, polled; fails if the controller exits first."""
+def wait_for(check, timeout: float, what: str, controller: subprocess.Popen | None = None,
+             output: Path | None = None):
+    """The first truthy value of `check()`, polled; fails if `controller` (any process the wait depends
+    on) exits first. `output`: a log whose last lines the failure shows."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         if controller is not None and controller.poll() is not None:
-            raise AssertionError(f"the controller exited ({controller.returncode}) while waiting for {what}")
+            raise AssertionError(f"the process exited ({controller.returncode}) while waiting for {what}"
+                                 f"{log_tail(output)}")
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{log_tail(output)}")
+
+
+def log_tail(path: Path | None, lines: int = 40) -> str:
+    """The last lines of a log, on lines of their own after a colon; empty without one."""
+    if path is None or not path.exists():
+        return ""
+    return ":\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 class Cluster:

@@ -26,13 +26,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.integration.service_processes import log_tail, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -49,26 +50,6 @@ def cookbook_file(*parts: str) -> Path:
     assert spec is not None and spec.submodule_search_locations, \
         "tinker-cookbook is not installed: pip install --no-deps -r requirements/tinker-cookbook.txt"
     return Path(next(iter(spec.submodule_search_locations)), *parts)
-
-
-def wait_for(what: str, check: Callable[[], object], timeout: float, process: subprocess.Popen | None = None,
-             output: Path | None = None):
-    """check()'s first truthy value; fails if `process` exits first, with its last output."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        if process is not None and process.poll() is not None:
-            raise AssertionError(f"exited ({process.returncode}) while waiting for {what}:\n{tail(output)}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}:\n{tail(output)}")
-
-
-def tail(path: Path | None, lines: int = 40) -> str:
-    if path is None or not path.exists():
-        return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -125,8 +106,8 @@ class Deployment:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-            raise AssertionError(f"{name} did not finish in {timeout:.0f} s:\n{tail(output)}") from None
-        assert code == 0, f"{name} exited {code}:\n{tail(output, 60)}"
+            raise AssertionError(f"{name} did not finish in {timeout:.0f} s{log_tail(output)}") from None
+        assert code == 0, f"{name} exited {code}{log_tail(output, 60)}"
         return output.read_text(errors="replace")
 
     def retired(self) -> dict[str, str]:
@@ -136,7 +117,7 @@ class Deployment:
 
     def assert_closed_with_success(self, model_id: str) -> None:
         """The session of `model_id` was closed by its client with reason "success" (the first reason stays)."""
-        why = wait_for(f"model {model_id} to be retired", lambda: self.retired().get(model_id), 30)
+        why = wait_for(lambda: self.retired().get(model_id), 30, f"model {model_id} to be retired")
         assert why == "its session finished (success)", (model_id, why)
 
     def refused(self) -> list[dict]:
@@ -180,9 +161,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                                "--tinker-port", "0", "--status-port", "0", "--run-dir", str(work / "runs")],
                               cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        line = wait_for("the Tinker API", lambda: re.search(
+        line = wait_for(lambda: re.search(
             r"Tinker API: TINKER_BASE_URL=(\S+) \(base_model (\S+)\)", up_output.read_text(errors="replace")),
-            300, up, up_output)
+            300, "the Tinker API", up, up_output)
         run_dir = Path(re.search(r"\(logs in (\S+)\)", up_output.read_text()).group(1))
         yield Deployment(url=line.group(1), base_model=line.group(2), run_dir=run_dir, work=work, env=env,
                          prefix=prefix, refused_log=refused_log)
@@ -245,7 +226,7 @@ def test_chat_sl_cut_after_a_save_resumes_from_it_with_the_optimizer_state(deplo
     first, first_output = deployment.recipe("chat_sl", log_path, *args)
     try:
         # Cut it once its first periodic save is on record (checkpoints.jsonl gets a line once the save is done).
-        wait_for("chat_sl's first periodic save", lambda: jsonl(log_path / "checkpoints.jsonl"), 240, first,
+        wait_for(lambda: jsonl(log_path / "checkpoints.jsonl"), 240, "chat_sl's first periodic save", first,
                  first_output)
     finally:
         first.kill()  # no goodbye: its session stays live on the gateway until its heartbeats time out
