@@ -77,6 +77,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -182,7 +183,9 @@ class Kube:
         (found,) = [o for o in self.objects if o["kind"] == kind and o["metadata"]["name"] == name]
         return found
 
-    def apply(self) -> None:
+    def apply(self, held: Callable[[Pod], bool] = lambda pod: False) -> None:
+        """Creates every object; a pod `held` picks is placed (address, policies) but stays Pending
+        until `release`, as a user applies a Job once what it needs is up."""
         for name, svc in self.services.items():
             if svc["spec"].get("clusterIP") != "None":
                 self.cluster_ips[name] = self.cluster.add_address()
@@ -195,7 +198,12 @@ class Kube:
                 self._create_pod(workload, index)
         self.enforce()  # isolated before any container starts, as the network plugin sets a pod's network up first
         for pod in self.pods:
-            self._spawn(self._kubelet, pod)
+            if not held(pod):
+                self._spawn(self._kubelet, pod)
+
+    def release(self, pod: Pod) -> None:
+        """Starts a pod `apply` held."""
+        self._spawn(self._kubelet, pod)
 
     def enforce(self) -> None:
         """Every pod's NetworkPolicy table, from the pods there are now (rules name pods by IP)."""

@@ -53,7 +53,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from flywheel.runtime.auth import read_tokens_file
 from flywheel.runtime.tokens import init as init_tokens
 from tests.deploy.cluster import NamespaceCluster, available, process_identity, process_privileges
-from tests.deploy.kube import Kube
+from tests.deploy.kube import Kube, Pod
 from tests.deploy.manifests import ROOT, readme_cert_hosts, user_overlay
 from tests.deploy.manifests import render as render_dir
 from tests.deploy.netpol import http_get_from, reach
@@ -68,6 +68,10 @@ WHY_NOT = available()
 ROLLOUTS = 2
 JOB = {"run_file": "/etc/flywheel/examples/quickstart-tiny.yaml", "model_source": "tiny"}
 JOB_TIMEOUT = 780.0
+#: The job's steps (FLYWHEEL_RUN__* variables on the Job, over the run file's 10): long enough to be
+#: seen live through the status page while the checks below run, on a machine where 10 steps of the
+#: tiny model take 4 s.
+STEPS = 40
 
 
 def render(tmp_path: Path, components: tuple[str, ...] = (), run_file: dict | None = None) -> list[dict]:
@@ -86,7 +90,30 @@ def render(tmp_path: Path, components: tuple[str, ...] = (), run_file: dict | No
             {"name": "flywheel-job", "behavior": "merge", "literals": [f"{k}={v}" for k, v in job.items()]},
             *generators],
     )
-    return render_dir(overlay)
+    objects = render_dir(overlay)
+    for job_object in (o for o in objects if o["kind"] == "Job"):
+        for container in job_object["spec"]["template"]["spec"]["containers"]:
+            container.setdefault("env", []).extend([  # the run file's 40 tasks are one epoch of 10 steps
+                {"name": "FLYWHEEL_RUN__RUN__MAX_STEPS", "value": str(STEPS)},
+                {"name": "FLYWHEEL_RUN__DATA__EPOCHS", "value": str(STEPS // 10)}])
+    return objects
+
+
+def apply_then_start_the_job(kube: Kube, deadline: float) -> tuple[Pod, list[Pod]]:
+    """Every object, the Job held until each rollout replica is ready: on a real cluster the replicas
+    start at once on nodes of their own, here their vLLM start-ups share two cores, and a run of the
+    tiny model can end before the second one is up. The Job's pod and the rollout pods."""
+    kube.apply(held=lambda pod: pod.owner["kind"] == "Job")
+    (job_pod,) = [p for p in kube.pods if p.owner["kind"] == "Job"]
+    rollouts = [p for p in kube.pods if p.labels.get("app.kubernetes.io/component") == "rollout"]
+    assert len(rollouts) == ROLLOUTS
+    while not all(p.ready for p in rollouts):
+        kube.check()
+        assert time.monotonic() < deadline, "the rollout replicas never became ready:\n" + "\n".join(
+            f"{p.name} {p.phase} ready={p.ready}\n{p.tail(1500)}" for p in rollouts)
+        time.sleep(0.5)
+    kube.release(job_pod)
+    return job_pod, rollouts
 
 
 def secret(namespace: str, name: str, data: dict[str, str | bytes]) -> dict:
@@ -166,24 +193,22 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
         kube = Kube(cluster, objects, tmp_path)
         deadline = time.monotonic() + JOB_TIMEOUT
         try:
-            kube.apply()
-            (job_pod,) = [p for p in kube.pods if p.owner["kind"] == "Job"]
-            rollouts = [p for p in kube.pods if p.labels.get("app.kubernetes.io/component") == "rollout"]
-            assert len(rollouts) == ROLLOUTS
+            job_pod, rollouts = apply_then_start_the_job(kube, deadline)
             # The status page through the controller's Service (what `kubectl port-forward svc/...` reaches).
             page = f"http://{kube.service_address('flywheel-controller', 'http')}/"
-            body = {}
+            body, seen = {}, "the page never answered"
             while not body:
                 kube.check()
                 crashed = {p.name: p.tail() for p in kube.pods if p.restarts}
                 assert not crashed, f"restarted while the job ran: {crashed}"
-                assert job_pod.phase in ("Pending", "Running"), f"controller pod {job_pod.phase}:\n{job_pod.tail()}"
+                assert job_pod.phase in ("Pending", "Running"), \
+                    f"controller pod {job_pod.phase} before the status page showed it training ({seen}):\n{job_pod.tail()}"
                 assert time.monotonic() < deadline, "the job never showed every component training:\n" + "\n".join(
                     f"{p.name} {p.phase} ready={p.ready}" for p in kube.pods)
                 try:
                     body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], tokens["viewer"])
-                except OSError:
-                    pass
+                except OSError as exc:
+                    seen = f"the page: {exc!r}"
                 time.sleep(0.5)
             replica_ids = sorted(c["id"] for c in body["components"] if c["role"] == "rollout")
             check_run_as_the_pod_user(kube)
@@ -225,7 +250,7 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
         assert {p.name: p.restarts for p in kube.pods if p.restarts} == {}, logs
         run_dir = tmp_path / "claims" / "flywheel-checkpoints" / "runs" / "quickstart-tiny"
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["last_step"] == 10 and summary["exit_code"] == 0, (summary, logs)
+        assert summary["last_step"] == STEPS and summary["exit_code"] == 0, (summary, logs)
         newest = replica_versions((run_dir / "trained_tasks.jsonl").read_text())
         assert sorted(newest) == replica_ids, (newest, replica_ids)
         assert all(version >= 5 for version in newest.values()), newest
@@ -255,9 +280,7 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
         kube = Kube(cluster, objects, tmp_path)
         deadline = time.monotonic() + JOB_TIMEOUT
         try:
-            kube.apply()
-            (job_pod,) = [p for p in kube.pods if p.owner["kind"] == "Job"]
-            rollouts = [p for p in kube.pods if p.labels.get("app.kubernetes.io/component") == "rollout"]
+            job_pod, rollouts = apply_then_start_the_job(kube, deadline)
             page = f"https://{kube.service_address('flywheel-controller', 'http')}/"
             body = {}
             while not body:
@@ -319,7 +342,7 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
         claim = tmp_path / "claims" / "flywheel-checkpoints"
         run_dir = claim / "runs" / "quickstart-tiny"
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["last_step"] == 10 and summary["exit_code"] == 0, (summary, logs)
+        assert summary["last_step"] == STEPS and summary["exit_code"] == 0, (summary, logs)
         events = [json.loads(line) for line in (run_dir / "synchronizer_events.jsonl").read_text().splitlines() if line]
         assert {e.get("method") for e in events if e["kind"] == "VERSION_COMMITTED"} == {"CHECKPOINT"}, logs
         assert any((claim / "published").iterdir()), "no version was published to /data/published"
