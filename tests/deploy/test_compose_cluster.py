@@ -44,6 +44,19 @@ VARIABLES = {
 #: Replicas per service (`--scale`); FLYWHEEL_TEST_ROLLOUT_SCALE=3 checks `--scale rollout=3`.
 SCALE = {"rollout": int(os.environ.get("FLYWHEEL_TEST_ROLLOUT_SCALE", "2"))}
 JOB_TIMEOUT = 780.0
+#: The job's steps, over the run file's 10 (FLYWHEEL_RUN__* in the controller's environment, as a user's
+#: override file sets them): long enough to be seen live while the checks run, where 10 steps take 8 s.
+STEPS = 40
+
+
+def long_job() -> dict:
+    """docker-compose.yml with the controller's job run for STEPS steps (the run file's 40 tasks are one
+    epoch of 10 steps)."""
+    compose = load_compose(VARIABLES)
+    controller = compose["services"]["controller"]
+    controller["environment"] = {**(controller.get("environment") or {}), "FLYWHEEL_RUN__RUN__MAX_STEPS": str(STEPS),
+                                 "FLYWHEEL_RUN__DATA__EPOCHS": str(STEPS // 10)}
+    return compose
 
 
 def prometheus_targets(cluster: NamespaceCluster) -> dict[str, list[str]]:
@@ -65,7 +78,7 @@ def prometheus_targets(cluster: NamespaceCluster) -> dict[str, list[str]]:
 @pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
 def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
     with NamespaceCluster(tmp_path) as cluster:
-        project = ComposeProject(cluster, tmp_path, VARIABLES, scale=SCALE)
+        project = ComposeProject(cluster, tmp_path, VARIABLES, scale=SCALE, compose=long_job())
         assert set(project.containers) == {"tokens-init", "model-init", "synchronizer", "trainer", "rollout", "controller"}
         deadline = time.monotonic() + JOB_TIMEOUT
         try:
@@ -121,7 +134,7 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
         assert written and {(p.stat().st_uid, p.stat().st_gid) for p in written} == {(image.uid, image.gid)}, written
         run_dir = project.volumes["flywheel-data"] / "runs" / "quickstart-tiny"
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["last_step"] == 10 and summary["exit_code"] == 0, (summary, logs)
+        assert summary["last_step"] == STEPS and summary["exit_code"] == 0, (summary, logs)
         # Every replica generated trained samples, and each did so on new weights.
         newest = replica_versions((run_dir / "trained_tasks.jsonl").read_text())
         assert set(newest) == replica_ids, (newest, replica_ids)
