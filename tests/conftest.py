@@ -15,7 +15,7 @@ TEST_TOKEN = "test-token-123"
 # The tests run several torch processes (trainer, replicas, controller) on two cores. libgomp's OpenMP
 # threads spin-wait after each parallel region by default, taking the core from the other processes; on
 # an Intel Xeon (where PAUSE is slow) test_elastic_replicas.py took 729 s, and 101 s with idle threads
-# asleep. Every process the tests start inherits this (the deploy harness sets it per host: cluster.py).
+# asleep. Every process the tests start inherits this (the deploy harness hands it to each host: cluster.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

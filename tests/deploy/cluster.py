@@ -56,10 +56,10 @@ CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-#: Every emulated host runs on this machine's two cores, where a real cluster gives each pod its own.
-#: OpenMP threads that spin-wait after each parallel region (libgomp's default) then take the core
-#: from another host's process: idle threads sleep instead (tests/conftest.py measures the cost).
-SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+#: Every emulated host runs on this machine's two cores, where a real cluster gives each pod its own:
+#: the test session's OpenMP wait policy (idle threads asleep, set and measured in tests/conftest.py)
+#: goes to every container, whose environment is otherwise the image's and the manifest's alone.
+SHARED_CORES_VARIABLES = ("OMP_WAIT_POLICY",)
 
 
 def available() -> str:
@@ -269,8 +269,9 @@ class NamespaceCluster:
         wrapper = ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--mount", "--propagation", "private",
                    "sh", "-c", self._prologue(host, mounts, cwd, user), "sh", *argv]
         with log.open("ab") as out:
-            proc = subprocess.Popen(wrapper, env={**SHARED_CORES_ENV, **env}, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            shared = {k: os.environ[k] for k in SHARED_CORES_VARIABLES if k in os.environ}
+            proc = subprocess.Popen(wrapper, env={**shared, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
         self.processes.append(proc)
         return proc
 

@@ -25,6 +25,14 @@ NO_CHROMIUM = ("headless Chromium is not installed (Debian package `chromium`, w
                "the status page's browser check cannot run")
 
 
+#: Steps of the job the cluster tests watch live, over the run file's 10: long enough to be seen through
+#: the status page while the checks run, where 10 steps of the tiny model take 4-8 s.
+LIVE_STEPS = 40
+#: The variables that set it (`FLYWHEEL_RUN__*`, as a user's overlay or override file sets them); the
+#: run file's 40 tasks are one epoch of 10 steps.
+LIVE_JOB_ENV = {"FLYWHEEL_RUN__RUN__MAX_STEPS": str(LIVE_STEPS), "FLYWHEEL_RUN__DATA__EPOCHS": str(LIVE_STEPS // 10)}
+
+
 def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None,
              context: ssl.SSLContext | None = None) -> bytes:
     request = urllib.request.Request(url, headers=headers or {})

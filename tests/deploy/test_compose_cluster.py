@@ -30,7 +30,8 @@ from tests.deploy.compose import ComposeProject
 from tests.deploy.image import image_user
 from tests.deploy.manifests import ROOT, load_compose, read_env_file
 from tests.deploy.observe import (
-    check_dashboard, check_page_in_browser, check_secure_defaults, live_status, replica_versions, replica_work, scrape,
+    LIVE_JOB_ENV, LIVE_STEPS, check_dashboard, check_page_in_browser, check_secure_defaults, live_status,
+    replica_versions, replica_work, scrape,
 )
 
 pytestmark = pytest.mark.slow
@@ -44,18 +45,13 @@ VARIABLES = {
 #: Replicas per service (`--scale`); FLYWHEEL_TEST_ROLLOUT_SCALE=3 checks `--scale rollout=3`.
 SCALE = {"rollout": int(os.environ.get("FLYWHEEL_TEST_ROLLOUT_SCALE", "2"))}
 JOB_TIMEOUT = 780.0
-#: The job's steps, over the run file's 10 (FLYWHEEL_RUN__* in the controller's environment, as a user's
-#: override file sets them): long enough to be seen live while the checks run, where 10 steps take 8 s.
-STEPS = 40
 
 
 def long_job() -> dict:
-    """docker-compose.yml with the controller's job run for STEPS steps (the run file's 40 tasks are one
-    epoch of 10 steps)."""
+    """docker-compose.yml with the controller's job run for LIVE_STEPS steps."""
     compose = load_compose(VARIABLES)
     controller = compose["services"]["controller"]
-    controller["environment"] = {**(controller.get("environment") or {}), "FLYWHEEL_RUN__RUN__MAX_STEPS": str(STEPS),
-                                 "FLYWHEEL_RUN__DATA__EPOCHS": str(STEPS // 10)}
+    controller["environment"] = {**(controller.get("environment") or {}), **LIVE_JOB_ENV}
     return compose
 
 
@@ -134,7 +130,7 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
         assert written and {(p.stat().st_uid, p.stat().st_gid) for p in written} == {(image.uid, image.gid)}, written
         run_dir = project.volumes["flywheel-data"] / "runs" / "quickstart-tiny"
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["last_step"] == STEPS and summary["exit_code"] == 0, (summary, logs)
+        assert summary["last_step"] == LIVE_STEPS and summary["exit_code"] == 0, (summary, logs)
         # Every replica generated trained samples, and each did so on new weights.
         newest = replica_versions((run_dir / "trained_tasks.jsonl").read_text())
         assert set(newest) == replica_ids, (newest, replica_ids)

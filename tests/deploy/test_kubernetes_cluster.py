@@ -58,7 +58,7 @@ from tests.deploy.manifests import ROOT, readme_cert_hosts, user_overlay
 from tests.deploy.manifests import render as render_dir
 from tests.deploy.netpol import http_get_from, reach
 from tests.deploy.observe import (
-    check_dashboard, check_page_in_browser, check_secure_defaults, http_get, live_status, replica_versions, replica_work, scrape,
+    LIVE_JOB_ENV, LIVE_STEPS, check_dashboard, check_page_in_browser, check_secure_defaults, http_get, live_status, replica_versions, replica_work, scrape,
 )
 
 pytestmark = pytest.mark.slow
@@ -68,10 +68,6 @@ WHY_NOT = available()
 ROLLOUTS = 2
 JOB = {"run_file": "/etc/flywheel/examples/quickstart-tiny.yaml", "model_source": "tiny"}
 JOB_TIMEOUT = 780.0
-#: The job's steps (FLYWHEEL_RUN__* variables on the Job, over the run file's 10): long enough to be
-#: seen live through the status page while the checks below run, on a machine where 10 steps of the
-#: tiny model take 4 s.
-STEPS = 40
 
 
 def render(tmp_path: Path, components: tuple[str, ...] = (), run_file: dict | None = None) -> list[dict]:
@@ -93,9 +89,7 @@ def render(tmp_path: Path, components: tuple[str, ...] = (), run_file: dict | No
     objects = render_dir(overlay)
     for job_object in (o for o in objects if o["kind"] == "Job"):
         for container in job_object["spec"]["template"]["spec"]["containers"]:
-            container.setdefault("env", []).extend([  # the run file's 40 tasks are one epoch of 10 steps
-                {"name": "FLYWHEEL_RUN__RUN__MAX_STEPS", "value": str(STEPS)},
-                {"name": "FLYWHEEL_RUN__DATA__EPOCHS", "value": str(STEPS // 10)}])
+            container.setdefault("env", []).extend({"name": k, "value": v} for k, v in LIVE_JOB_ENV.items())
     return objects
 
 
@@ -250,7 +244,7 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
         assert {p.name: p.restarts for p in kube.pods if p.restarts} == {}, logs
         run_dir = tmp_path / "claims" / "flywheel-checkpoints" / "runs" / "quickstart-tiny"
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["last_step"] == STEPS and summary["exit_code"] == 0, (summary, logs)
+        assert summary["last_step"] == LIVE_STEPS and summary["exit_code"] == 0, (summary, logs)
         newest = replica_versions((run_dir / "trained_tasks.jsonl").read_text())
         assert sorted(newest) == replica_ids, (newest, replica_ids)
         assert all(version >= 5 for version in newest.values()), newest
@@ -342,7 +336,7 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
         claim = tmp_path / "claims" / "flywheel-checkpoints"
         run_dir = claim / "runs" / "quickstart-tiny"
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["last_step"] == STEPS and summary["exit_code"] == 0, (summary, logs)
+        assert summary["last_step"] == LIVE_STEPS and summary["exit_code"] == 0, (summary, logs)
         events = [json.loads(line) for line in (run_dir / "synchronizer_events.jsonl").read_text().splitlines() if line]
         assert {e.get("method") for e in events if e["kind"] == "VERSION_COMMITTED"} == {"CHECKPOINT"}, logs
         assert any((claim / "published").iterdir()), "no version was published to /data/published"

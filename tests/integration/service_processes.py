@@ -34,17 +34,17 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_for(check, timeout: float, what: str, controller: subprocess.Popen | None = None,
+def wait_for(check, timeout: float, what: str, process: subprocess.Popen | None = None,
              output: Path | None = None):
-    """The first truthy value of `check()`, polled; fails if `controller` (any process the wait depends
-    on) exits first. `output`: a log whose last lines the failure shows."""
+    """The first truthy value of `check()`, polled; fails if `process` (the controller, or any process
+    the wait depends on) exits first. `output`: a log whose last lines the failure shows."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
-        if controller is not None and controller.poll() is not None:
-            raise AssertionError(f"the process exited ({controller.returncode}) while waiting for {what}"
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the process exited ({process.returncode}) while waiting for {what}"
                                  f"{log_tail(output)}")
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{log_tail(output)}")
