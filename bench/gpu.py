@@ -19,6 +19,9 @@ Measured in the same run, on the same model directory and the same batch:
                  FSDP2 over nccl, one FSDP unit per decoder layer + the
                  root): validation, the loss-mask-only output head, the
                  DAPO loss, backward, clipping, AdamW, the step counters.
+  unsharded      the same TrainingEngine.train_step without parallel.shard
+  trainer step   (the default at world_size 1: the model as loaded, no FSDP
+                 wrapping): what separates FSDP2's cost from our loss path's.
   plain step     the same model loaded with from_pretrained onto the GPU,
                  unsharded: full logits, log-softmax, the policy-gradient
                  term -mean(logp * advantage) over the loss mask, backward,
@@ -58,7 +61,8 @@ Each side runs --warmup rounds first, then --steps timed rounds; the sides
 alternate round by round so anything else on the machine hits both alike;
 figures are medians. Ratios are throughput ratios, ours over the baseline
 (baseline seconds / our seconds: 1.0 is parity, above 1 is faster):
-  fsdp_step_vs_plain_step, export_buckets_vs_d2h_copy,
+  fsdp_step_vs_plain_step, trainer_step_vs_plain_step (unsharded),
+  export_buckets_vs_d2h_copy,
   rollout_generate_vs_inprocess_generate, ipc_handoff_vs_d2d_copy.
 Also printed: the GPU memory peaks of both steps and the export's GPU peak
 above the resident model (about one parameter: no second copy).
@@ -157,6 +161,20 @@ def timed(fn, device: str) -> float:
     fn()
     sync(device)
     return time.perf_counter() - started
+
+
+def profile_steps(steps: dict, device: str) -> None:
+    """torch.profiler's view of one step of each trainer: where the time over the plain step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    sort = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    for name, step in steps.items():
+        with profile(activities=activities) as prof:
+            step()
+            sync(device)
+        print(f"--- profile: {name} trainer step, top operators by {sort} ---")
+        print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
 
 
 def generation_figures(tmp: Path, device: str, smoke: bool, args: argparse.Namespace) -> dict:
@@ -315,6 +333,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per Generate (generation figure)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per prompt")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed rounds, print torch.profiler's top operators of one step of each trainer")
     parser.add_argument("--smoke", "--cpu-smoke", dest="cpu_smoke", action="store_true",
                         help="no GPU: a tiny model on CPU, to check the script runs (CI)")
     args = parser.parse_args()
@@ -348,28 +368,40 @@ def main() -> int:
         })
         engine = TrainingEngine(config)
         engine.load()
+        unsharded = TrainingEngine(config.model_copy(update={"parallel": config.parallel.model_copy(update={"shard": False})}))
+        unsharded.load()
         plain = PlainStep(path, device, lr, torch.bfloat16 if autocast == "bfloat16" else None)
         params = sum(p.numel() for p in plain.model.parameters())
         print(f"model: Qwen2 architecture, {params / 1e6:.0f}M parameters, random weights; device {device}; "
               f"batch {args.batch_size} x {args.seq_len} ({tokens} tokens)")
 
         ours: list[float] = []
+        whole: list[float] = []
         base: list[float] = []
         for i in range(args.warmup + args.steps):
             t_ours = timed(lambda: engine.train_step(batch, loss), device)
+            t_whole = timed(lambda: unsharded.train_step(batch, loss), device)
             t_base = timed(lambda: plain.step(batch), device)
             if i >= args.warmup:
                 ours.append(t_ours)
+                whole.append(t_whole)
                 base.append(t_base)
-        step_ours, step_base = statistics.median(ours), statistics.median(base)
+        step_ours, step_whole, step_base = statistics.median(ours), statistics.median(whole), statistics.median(base)
         peaks = {}
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
             engine.train_step(batch, loss)
             peaks["fsdp_step_peak_bytes"] = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+            unsharded.train_step(batch, loss)
+            peaks["unsharded_step_peak_bytes"] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
             plain.step(batch)
             peaks["plain_step_peak_bytes"] = torch.cuda.max_memory_allocated()
+
+        if args.profile:
+            profile_steps({"sharded": lambda: engine.train_step(batch, loss),
+                           "unsharded": lambda: unsharded.train_step(batch, loss)}, device)
 
         bucket_bytes = args.bucket_mib << 20
         exported = {"bytes": 0}
@@ -397,6 +429,7 @@ def main() -> int:
             export()
             peaks["export_peak_above_resident_bytes"] = torch.cuda.max_memory_allocated() - resident
         engine.close()
+        unsharded.close()
         plain.model = plain.optimizer = None  # the GPU memory goes to the generation figure's models
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -405,6 +438,8 @@ def main() -> int:
         print(f"{'step (s)':22}{step_ours:>14.4f}{step_base:>14.4f}{step_base / step_ours:>8.2f}   "
               f"trainer step (1-rank FSDP2) vs plain torch step; {tokens / step_ours:,.0f} vs "
               f"{tokens / step_base:,.0f} tokens/s")
+        print(f"{'unsharded step (s)':22}{step_whole:>14.4f}{step_base:>14.4f}{step_base / step_whole:>8.2f}   "
+              f"trainer step (no FSDP) vs plain torch step; {tokens / step_whole:,.0f} tokens/s")
         print(f"{'export (s)':22}{export_ours:>14.4f}{export_base:>14.4f}{export_base / export_ours:>8.2f}   "
               f"buckets gathered to host vs raw D2H copy of the same {gib:.2f} GiB; "
               f"{gib / export_ours:.2f} vs {gib / export_base:.2f} GiB/s")
@@ -418,6 +453,7 @@ def main() -> int:
         "parameters": params, "tokens_per_step": tokens,
         "fsdp_step_seconds": step_ours, "plain_step_seconds": step_base,
         "fsdp_step_vs_plain_step": step_base / step_ours,
+        "unsharded_step_seconds": step_whole, "trainer_step_vs_plain_step": step_base / step_whole,
         "export_bytes": exported["bytes"], "export_buckets_seconds": export_ours, "d2h_copy_seconds": export_base,
         "export_buckets_vs_d2h_copy": export_base / export_ours,
         **generation,

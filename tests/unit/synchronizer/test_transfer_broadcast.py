@@ -14,7 +14,7 @@ from flywheel.errors import Aborted, DeadlineExceeded, InvalidArgument
 from flywheel.transfer.broadcast import GroupSpec, apply_staged, plan, receive, send
 from tests.unit.synchronizer.sync_helpers import small_state
 
-_port = iter(range(42000 + os.getpid() % 500 * 4, 42000 + os.getpid() % 500 * 4 + 4))
+_port = iter(range(42000 + os.getpid() % 500 * 8, 42000 + os.getpid() % 500 * 8 + 8))
 
 
 def spec(rank: int, world: int, port: int, seconds: float = 20.0) -> GroupSpec:
@@ -72,6 +72,29 @@ def test_rendezvous_honours_abort_and_deadline() -> None:
     with pytest.raises(DeadlineExceeded):
         send(spec(0, 2, port, seconds=1.0), small_state())
     assert time.monotonic() - started < 5
+
+
+def test_a_receiver_that_arrives_first_waits_on_the_port_and_hears_an_abort_at_once() -> None:
+    """Before the sender's store listens, a receiver polls the port (not a TCPStore client, which blocks for
+    its whole connect timeout, 2 s here, and then backs off), so it joins the moment the store is up and an
+    abort reaches it within a poll."""
+    port = next(_port)
+    flag = threading.Event()
+    threading.Timer(0.3, flag.set).start()
+    started = time.monotonic()
+    with pytest.raises(Aborted, match="rendezvous"):
+        receive(spec(1, 2, port), small_state(), should_abort=flag.is_set)  # the sender never comes
+    assert time.monotonic() - started < 1.0
+
+    state = small_state()
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    with ThreadPoolExecutor(2) as pool:
+        got = pool.submit(receive, spec(1, 2, port), live)
+        time.sleep(0.3)  # the receiver is waiting on a port nobody listens on yet
+        sent = pool.submit(send, spec(0, 2, port), state)
+        apply_staged(got.result(60), live)
+        sent.result(60)
+    assert all(torch.equal(live[k], v) for k, v in state.items())
 
 
 def test_the_rendezvous_listens_on_its_interface_only_and_only_during_the_transfer() -> None:
