@@ -25,8 +25,8 @@ Measured in the same run, on the same model directory and the same batch:
   plain step     the same model loaded with from_pretrained onto the GPU,
                  unsharded: full logits, log-softmax, the policy-gradient
                  term -mean(logp * advantage) over the loss mask, backward,
-                 clip_grad_norm_, AdamW (fused=False, foreach=False, as the
-                 trainer). The floor a training step cannot beat by much.
+                 clip_grad_norm_, AdamW (fused on CUDA, as the trainer; the
+                 per-parameter loop on CPU). The floor a training step cannot beat by much.
   export buckets gather_buckets over the sharded model (one parameter at a
                  time gathered, copied to the host into 512 MiB buckets):
                  what every weight export of a sharded trainer does first.
@@ -131,7 +131,9 @@ class PlainStep:
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
         self.model.config.use_cache = False
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, foreach=False)
+        # On CUDA the fused AdamW a torch user would pick; on CPU the per-parameter loop, as the trainer.
+        cuda = device.startswith("cuda")
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=cuda, foreach=False)
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         ids = batch["input_ids"].to(self.device)

@@ -46,7 +46,7 @@ from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFo
 from services.trainer.distributed import Ranks, gather_state
 from services.trainer.files import replace_directory
 from services.trainer.hf_save import save_hf
-from services.trainer.policy import Policy, rng_state, set_rng_state
+from services.trainer.policy import Policy, restore_optimizer_kernels, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,7 @@ def load(policy: Policy, path: Path) -> tuple[int, int, bytes]:
         with torch.no_grad():
             policy.model.load_state_dict(weights, strict=False)
     policy.optimizer.load_state_dict(optimizer)
+    restore_optimizer_kernels(policy.optimizer)
     policy.scheduler.load_state_dict(scheduler)
     py = rng_json["python"]
     npy = rng_json["numpy"]
@@ -368,6 +369,7 @@ def load_sharded(policy: Policy, path: Path, ranks: Ranks) -> tuple[int, int, by
             raise error
         raise FailedPrecondition(f"checkpoint {path}: another rank could not read it; nothing loaded")
     set_state_dict(policy.model, policy.optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    restore_optimizer_kernels(policy.optimizer)
     policy.scheduler.load_state_dict(scheduler)
     if rng is not None:
         set_rng_state(rng)

@@ -65,3 +65,22 @@ def test_warmup_then_schedule(schedule: str, expected: list[float]) -> None:
     assert [lr_factor(s, cfg) for s in steps] == pytest.approx(expected)
     if schedule == "cosine":
         assert lr_factor(4, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + 0.7071067811865476))
+
+
+def test_adamw_kernels_follow_the_parameters_device_also_after_a_checkpoint_from_elsewhere() -> None:
+    import torch
+
+    from services.trainer.policy import build_optimizer, restore_optimizer_kernels
+
+    model = torch.nn.Linear(4, 4)
+    optimizer, _ = build_optimizer(model, OptimizerConfig())
+    assert all(g["fused"] is False and g["foreach"] is False for g in optimizer.param_groups)  # CPU: the loop
+    saved = optimizer.state_dict()
+    for group in saved["param_groups"]:
+        group["fused"] = True  # as written by a trainer on a GPU
+    optimizer.load_state_dict(saved)
+    assert any(g["fused"] for g in optimizer.param_groups)  # what loading alone leaves
+    restore_optimizer_kernels(optimizer)
+    assert all(g["fused"] is False for g in optimizer.param_groups)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()  # and it steps
