@@ -7,7 +7,7 @@ Run manual:
 
 What runs, for each mode (sync first, then fully-async), from scratch: a real
 synchronizer, trainer and rollout (the tiny quickstart model; vLLM on CPU when
-installed, else the transformers engine) as separate processes, and the
+installed, else the transformers engine; --smoke: the transformers engine) as separate processes, and the
 controller driving them with the synchronizer's policy FIXED(1, 0) and MEMORY
 weights. The trainer and the rollout get one core each (`taskset`, --no-pin to
 share all cores): on shared cores, overlapping generation with training has
@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from services.controller.launcher.prepare import prepare_model  # noqa: E402
 from flywheel.launcher.processes import ServiceProcess, start_service  # noqa: E402
 from services.controller.launcher.spec import ModelSource  # noqa: E402
+from flywheel.testing.engines import with_transformers_engine  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -74,7 +75,7 @@ def start(kind: str, directory: Path, config: dict, core: int | None) -> Service
     return start_service(kind, directory, ["--config", str(directory / "config.yaml")], python=pinned(core))
 
 
-def run_mode(mode: str, steps: int, model: Path, work: Path, pin: bool) -> dict:
+def run_mode(mode: str, steps: int, model: Path, work: Path, pin: bool, smoke: bool) -> dict:
     trainer_core, rollout_core = (cores()[0], cores()[-1]) if pin and len(cores()) > 1 else (None, None)
     quick = yaml.safe_load((ROOT / "examples" / "quickstart-tiny.yaml").read_text())
     children: list[ServiceProcess] = []
@@ -88,6 +89,8 @@ def run_mode(mode: str, steps: int, model: Path, work: Path, pin: bool) -> dict:
             "checkpoint": {"dir": str(work / "checkpoints")},
             "sync": {"synchronizer_address": sync.grpc_address},
         }, trainer_core))
+        if smoke:  # checks the bench runs: the transformers engine starts in seconds, vLLM in 30 s on a core
+            with_transformers_engine(quick)
         engine = dict(quick["launch"]["rollout"]["engine"])
         engine["args"] = {**engine["args"], "dtype": "float32"}
         children.append(start("rollout", work / "rollout", {
@@ -139,7 +142,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("sync", "fully-async"):
-            results[mode] = run_mode(mode, args.steps, model, Path(tmp) / mode, pin)
+            results[mode] = run_mode(mode, args.steps, model, Path(tmp) / mode, pin, args.smoke)
     print(f"{'mode':<12} {'samples/s':>10} {'trainer idle':>13} {'staleness':>10} {'wall s':>8}")
     for mode, r in results.items():
         print(f"{mode:<12} {r['samples_per_second']:>10.2f} {r['trainer_idle_fraction']:>13.2f} "

@@ -1,8 +1,8 @@
 """Sync policies and modes against real synchronizer, trainer and rollout processes.
 
-Each case runs the tiny quickstart (real gRPC services, vLLM CPU or the
-transformers engine, real torch training, MEMORY weights through the
-synchronizer) for a few GRPO steps under one sync policy and mode, then reads
+Each case runs the tiny quickstart (real gRPC services, the transformers
+engine, or vLLM CPU in the NCCL case, real torch training, MEMORY weights
+through the synchronizer) for a few GRPO steps under one sync policy and mode, then reads
 what the run left behind:
 
 - the ledger (`trained_tasks.jsonl`): for every trained sample, the weight
@@ -35,6 +35,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flywheel.testing.engines import with_transformers_engine
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,8 +53,13 @@ def fixed_due(step: int, interval: int, offset: int) -> int:
     return 0 if step <= offset else (step - offset) // interval * interval
 
 
-def run_case(tmp_path: Path, cache: Path, mode: str, sync: dict, threshold: int = 1) -> tuple[list[dict], list[dict]]:
+def run_case(tmp_path: Path, cache: Path, mode: str, sync: dict, threshold: int = 1,
+             vllm: bool = False) -> tuple[list[dict], list[dict]]:
+    """`vllm`: the quickstart's own engine; else the transformers engine (flywheel/testing/engines.py):
+    what the cases check is the controller's and the synchronizer's."""
     config = yaml.safe_load((ROOT / "examples" / "quickstart-tiny.yaml").read_text())
+    if not vllm:
+        with_transformers_engine(config)
     config["run"].update(name=f"policy-{mode}", max_steps=STEPS)
     config["mode"] = mode
     config["staleness"] = {"threshold": threshold, "policy": "drop"}
@@ -203,7 +210,7 @@ def test_a_dynamic_request_that_lapses_is_asked_again_and_then_served(tmp_path: 
 def test_nccl_sync_mode_follows_the_nccl_state_tables(tmp_path: Path, model_cache: Path) -> None:
     """NCCL (gloo on CPU): the trainer broadcasts each due version as rank 0 of a group of every registered
     replica; the replica joins it on its own; every sample is on-policy."""
-    rows, events = run_case(tmp_path, model_cache, "sync", {**FIXED_1_0, "method": "nccl"})
+    rows, events = run_case(tmp_path, model_cache, "sync", {**FIXED_1_0, "method": "nccl"}, vllm=True)
     for row in rows:
         assert {tuple(v) for v in row["sample_versions"]} == {(row["trained_version"],) * 2}, row
     assert states_of(events, "TRAINER") == ["RUNNING"] + ["WAITING_SYNC", "RUNNING"] * STEPS
