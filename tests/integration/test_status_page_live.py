@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from flywheel.controller.v1 import controller_pb2 as pb
 from flywheel.controller.v1 import controller_pb2_grpc as pb_grpc
 from flywheel.runtime.auth import Scope, read_tokens_file
+from flywheel.testing.engines import with_transformers_engine
 from flywheel.runtime.tokens import init as init_tokens
 from tests.deploy.observe import CHROMIUM, NO_CHROMIUM, chromium
 
@@ -41,7 +42,8 @@ SCREENSHOT_ENV = "FLYWHEEL_STATUS_SCREENSHOT"  # where to keep the screenshot (t
 
 
 def long_tiny_run(tmp_path: Path) -> Path:
-    data = yaml.safe_load((ROOT / "examples/quickstart-tiny.yaml").read_text())
+    # The transformers engine: the page is the subject, and vLLM's start would be half the test's time.
+    data = with_transformers_engine(yaml.safe_load((ROOT / "examples/quickstart-tiny.yaml").read_text()))
     data["run"]["max_steps"] = 100_000  # ended by Stop
     data["launch"]["dataset"]["train_size"] = 4000
     path = tmp_path / "long-tiny.yaml"
