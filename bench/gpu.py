@@ -3,6 +3,7 @@
 Run manual:
     python bench/gpu.py                       # Qwen2-0.5B architecture, random weights, cuda:0
     python bench/gpu.py --steps 10 --batch-size 8 --seq-len 512
+    python bench/gpu.py --only ipc            # the ipc handoff figure alone
     python bench/gpu.py --smoke               # (or --cpu-smoke) no GPU: a tiny model on CPU (gloo), to check the script runs
 
 Without CUDA (and without --cpu-smoke) it says so and exits 0: there is
@@ -335,6 +336,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per Generate (generation figure)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per prompt")
+    parser.add_argument("--only", choices=("ipc",), help="measure this figure alone (a short device run)")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed rounds, print torch.profiler's top operators of one step of each trainer")
     parser.add_argument("--smoke", "--cpu-smoke", dest="cpu_smoke", action="store_true",
@@ -348,6 +350,13 @@ def main() -> int:
         device, shape, autocast = "cuda:0", QWEN2_05B, "bfloat16"
     else:
         print("bench/gpu.py: no CUDA device here; nothing to measure (run it on a GPU machine, or --cpu-smoke)")
+        return 0
+
+    if args.only == "ipc":
+        if not device.startswith("cuda"):
+            print("bench/gpu.py --only ipc: the ipc handoff needs CUDA; nothing to measure")
+            return 0
+        print(json.dumps({"device": torch.cuda.get_device_name(0), **ipc_figures(args)}))
         return 0
 
     from services.trainer.config import TrainerConfig

@@ -50,7 +50,8 @@ from flywheel.transfer.cuda_ipc import open_shared, require_cuda, share
 
 ALIGN = 64
 _POLL_SECONDS = 0.02
-#: ipc's per-bucket barriers wait for a device copy (milliseconds), not a network: poll faster.
+#: ipc's members share a host, and its per-bucket barriers wait for a device copy (milliseconds), not a
+#: network: every wait of an ipc transfer polls this often (a 20 ms poll was most of a 47 ms handoff).
 _IPC_POLL_SECONDS = 0.0005
 BACKENDS = ("nccl", "gloo", "ipc")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -117,6 +118,7 @@ class _Session:
 
     def __init__(self, spec: GroupSpec, should_abort: Callable[[], bool] | None) -> None:
         self.spec, self._should_abort = spec, should_abort or (lambda: False)
+        self.poll = _IPC_POLL_SECONDS if spec.backend == "ipc" else _POLL_SECONDS
         self.store = dist.PrefixStore(f"flywheel/{spec.group_id}/", self._connect())
         self.pg = None
 
@@ -152,7 +154,7 @@ class _Session:
                 with socket.create_connection((spec.host, spec.port), timeout=min(spec.remaining("rendezvous"), 1.0)):
                     return
             except OSError:
-                time.sleep(_POLL_SECONDS)
+                time.sleep(self.poll)
 
     def check(self, what: str) -> None:
         if self._should_abort():
@@ -163,7 +165,7 @@ class _Session:
             return self.store.get("abort").decode(errors="replace")
         return None
 
-    def barrier(self, name: str, limit: float | None = None, poll: float = _POLL_SECONDS) -> None:
+    def barrier(self, name: str, limit: float | None = None) -> None:
         spec = self.spec
         self.store.set(f"{name}/{spec.rank}", "1")
         keys = [f"{name}/{r}" for r in range(spec.world_size)]
@@ -174,7 +176,7 @@ class _Session:
                 raise Aborted(f"transfer {spec.group_id}: a peer aborted: {reason}")
             if time.time() > min(end, spec.deadline):
                 raise DeadlineExceeded(f"transfer {spec.group_id}: not every rank reached {name!r} in time")
-            time.sleep(poll)
+            time.sleep(self.poll)
 
     def join(self) -> None:
         self.barrier("joined")
@@ -286,8 +288,8 @@ def send(
             session.check(f"bucket {b}")
             if ipc:
                 torch.cuda.current_stream(device).synchronize()  # the bucket is in memory before anyone reads it
-                session.barrier(f"ready/{b}", poll=_IPC_POLL_SECONDS)
-                session.barrier(f"copied/{b}", poll=_IPC_POLL_SECONDS)  # refilled only once everyone copied it
+                session.barrier(f"ready/{b}")
+                session.barrier(f"copied/{b}")  # refilled only once everyone copied it
             else:
                 session.broadcast(view)
             if on_bucket is not None:
@@ -328,10 +330,10 @@ def receive(
             buffer = torch.empty(size, dtype=torch.uint8, device=device)
             session.check(f"bucket {b}")
             if spec.backend == "ipc":
-                session.barrier(f"ready/{b}", poll=_IPC_POLL_SECONDS)
+                session.barrier(f"ready/{b}")
                 buffer.copy_(shared[:size])
                 torch.cuda.current_stream(device).synchronize()
-                session.barrier(f"copied/{b}", poll=_IPC_POLL_SECONDS)
+                session.barrier(f"copied/{b}")
             else:
                 session.broadcast(buffer)
             if meta["checksums"] and device.type == "cpu":
