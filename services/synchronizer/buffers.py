@@ -43,7 +43,7 @@ class Phase(enum.Enum):
 
 
 class Signal:
-    """A level-less broadcast: `wait()` returns at the next `fire()`."""
+    """A level-less broadcast: what `wait()` returns is done at the next `fire()`."""
 
     def __init__(self) -> None:
         self._future: asyncio.Future | None = None
@@ -53,10 +53,13 @@ class Signal:
             self._future.set_result(None)
         self._future = None
 
-    async def wait(self) -> None:
+    def wait(self) -> asyncio.Future:
+        """Listens from this call on, not from the first await: `asyncio.wait_for(signal.wait(), t)`
+        runs its argument in a task of its own, and a fire() before that task's first step was lost
+        when wait() was a coroutine (the caller had checked its condition, then slept to `t`)."""
         if self._future is None:
             self._future = asyncio.get_running_loop().create_future()
-        await asyncio.shield(self._future)
+        return asyncio.shield(self._future)
 
 
 class VersionBuffer:

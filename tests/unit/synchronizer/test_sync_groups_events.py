@@ -86,6 +86,20 @@ async def test_wait_returns_when_the_outcome_is_known() -> None:
     assert (await t.wait(g.group_id, 0)).state == TransferState.COMMITTED
 
 
+async def test_an_outcome_decided_while_the_waiter_is_being_scheduled_is_not_missed() -> None:
+    """The waiter checked PENDING and asked for the next change; the commit comes before its wait
+    has run a step (reports handled back to back). Asking must already listen: a wait that began
+    listening only when its task first ran slept to its timeout (300 s in a run: a replica's swap
+    of a committed version held until the group's deadline)."""
+    t, _, _ = transfers()
+    g = t.allocate(1, T, [R1], 0, "")
+    waiter = asyncio.ensure_future(t.wait(g.group_id, 5))
+    await asyncio.sleep(0)  # the waiter runs to its wait, nothing further
+    t.report(g.group_id, "r1", True)
+    t.report(g.group_id, "t", True)
+    assert (await asyncio.wait_for(waiter, 1)).state == TransferState.COMMITTED
+
+
 async def test_slow_watcher_is_dropped_without_blocking_others() -> None:
     bus = EventBus(queue_size=8)
     slow, fast, only_r1 = bus.subscribe(), bus.subscribe(), bus.subscribe(["r1"])
