@@ -26,8 +26,11 @@ NO_CHROMIUM = ("headless Chromium is not installed (Debian package `chromium`, w
 
 
 #: Steps of the job the cluster tests watch live, over the run file's 10: long enough to be seen through
-#: the status page while the checks run, where 10 steps of the tiny model take 4-8 s.
-LIVE_STEPS = 40
+#: the status page while the checks run, where 10 steps of the tiny model took 4-8 s with one replica
+#: serving. With both replicas serving from the start (the tests hold the Job until they do) a step takes
+#: 2-3 s on two cores, and 40 steps cost the tests 55-85 s each beyond what the checks need. A multiple of
+#: 10: the run file's data is one epoch of 10 steps.
+LIVE_STEPS = 20
 #: The variables that set it (`FLYWHEEL_RUN__*`, as a user's overlay or override file sets them); the
 #: run file's 40 tasks are one epoch of 10 steps.
 LIVE_JOB_ENV = {"FLYWHEEL_RUN__RUN__MAX_STEPS": str(LIVE_STEPS), "FLYWHEEL_RUN__DATA__EPOCHS": str(LIVE_STEPS // 10)}
