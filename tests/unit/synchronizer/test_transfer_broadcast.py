@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -60,14 +61,20 @@ def test_a_mismatched_receiver_aborts_the_sender() -> None:
             sent.result(60)
 
 
-def test_rendezvous_honours_abort_and_deadline() -> None:
-    port = next(_port)
+def seconds_to_abort(call: Callable[[Callable[[], bool]], object], match: str) -> float:
+    """How long `call(should_abort)` takes to raise Aborted (matching `match`) once its flag rises at 0.3 s."""
     flag = threading.Event()
     threading.Timer(0.3, flag.set).start()
     started = time.monotonic()
-    with pytest.raises(Aborted, match="aborted"):
-        send(spec(0, 2, port), small_state(), should_abort=flag.is_set)  # the receiver never comes
-    assert time.monotonic() - started < 5
+    with pytest.raises(Aborted, match=match):
+        call(flag.is_set)
+    return time.monotonic() - started
+
+
+def test_rendezvous_honours_abort_and_deadline() -> None:
+    port = next(_port)
+    # the receiver never comes
+    assert seconds_to_abort(lambda aborted: send(spec(0, 2, port), small_state(), should_abort=aborted), "aborted") < 5
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         send(spec(0, 2, port, seconds=1.0), small_state())
@@ -79,12 +86,9 @@ def test_a_receiver_that_arrives_first_waits_on_the_port_and_hears_an_abort_at_o
     its whole connect timeout, 2 s here, and then backs off), so it joins the moment the store is up and an
     abort reaches it within a poll."""
     port = next(_port)
-    flag = threading.Event()
-    threading.Timer(0.3, flag.set).start()
-    started = time.monotonic()
-    with pytest.raises(Aborted, match="rendezvous"):
-        receive(spec(1, 2, port), small_state(), should_abort=flag.is_set)  # the sender never comes
-    assert time.monotonic() - started < 1.0
+    # the sender never comes
+    assert seconds_to_abort(lambda aborted: receive(spec(1, 2, port), small_state(), should_abort=aborted),
+                            "rendezvous") < 1.0
 
     state = small_state()
     live = {k: torch.zeros_like(v) for k, v in state.items()}
