@@ -483,7 +483,11 @@ class Synchronizer:
         elapsed = self._clock() - group.started
         if committed:
             metrics.WEIGHT_SYNC_DURATION.labels("nccl").observe(elapsed)
-            if group.version > self.catalog.latest:
+            recorded = self.catalog.records.get(group.version)
+            # A version at most the newest is a replica caught up, so already recorded; except the
+            # version a rewind went back to, broadcast again by the resumed trainer: it is this
+            # lineage's now, with the identity of what was sent (the replicas are judged against it).
+            if group.version > self.catalog.latest or (recorded is not None and recorded.epoch < self.epoch):
                 self.commit_version(VersionRecord(group.version, Method.NCCL, identity=group.identity),
                                     location=group.group_id)
         else:

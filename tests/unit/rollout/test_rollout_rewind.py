@@ -23,8 +23,14 @@ from services.synchronizer.embedded import embedded_synchronizer
 from tests.net import free_port
 from tests.unit.rollout.rollout_helpers import rollout_config
 from tests.unit.rollout.test_rollout_follower import (
-    CID, _at_version, eventually, generate, linked_rollout, shifted,
+    CID, _at_version, component, eventually, generate, linked_rollout, shifted,
 )
+
+
+async def _update_of(client: SynchronizerClient, version: int, epoch: int):
+    """The synchronizer's record of the replica's update to `version` in lineage `epoch` (None: none yet).
+    Once it exists, the replica's own report of it was made: observers added after it miss nothing late."""
+    return next((u for u in await client.list_updates(version) if u.component_id == CID and u.epoch == epoch), None)
 
 
 @pytest.fixture
@@ -71,7 +77,7 @@ async def test_a_replica_on_a_lost_version_goes_back_to_the_rewound_one(rollout_
                 # One at a time: with keep_versions 1, a version pushed before the replica pulled the
                 # previous one evicts it, and a failed pull waits for the next sync request (1 run in 6).
                 await link.follower.reach(version, 30)
-            await eventually(lambda: _at_version(client, 3), what="version 3 reported")
+            await eventually(lambda: _update_of(client, 3, 0), what="version 3 reported")
             reports: list[UpdateReport] = []
             core.update_observers.append(reports.append)
 
@@ -90,6 +96,9 @@ async def test_a_replica_on_a_lost_version_goes_back_to_the_rewound_one(rollout_
             assert torch.allclose(first_weight(core), next(iter(lineage.values())).float())
             await eventually(lambda: _at_version(client, 2), what="version 2 reported back")
             assert [(r.version, r.error) for r in reports] == [(2, None)]
+            judged = await eventually(lambda: _update_of(client, 2, 1), what="the update to version 2 recorded")
+            assert judged.verified, judged.reason  # the new lineage's version 2 is what was published again
+            assert not (await component(client)).quarantined
 
             await client.push_weights(shifted(base_state, 0.6), 3)  # the new lineage goes on: an ordinary update
             await link.follower.reach(3, 30)
@@ -141,7 +150,7 @@ async def test_a_replica_on_a_lost_nccl_version_is_broadcast_the_rewound_one(rol
                                                timeout_seconds=30)
                 assert sent.state == TransferState.COMMITTED, sent.error
                 await eventually(lambda: core.status().version == version, what=f"version {version} installed")
-            await eventually(lambda: _at_version(client, 3), what="version 3 reported")
+            await eventually(lambda: _update_of(client, 3, 0), what="version 3 reported")
             reports: list[UpdateReport] = []
             core.update_observers.append(reports.append)
 
@@ -162,6 +171,9 @@ async def test_a_replica_on_a_lost_nccl_version_is_broadcast_the_rewound_one(rol
             assert torch.allclose(first_weight(core), next(iter(lineage.values())).float())
             await eventually(lambda: _at_version(client, 2), what="version 2 reported back")
             assert [(r.version, r.error) for r in reports] == [(2, None)]
+            judged = await eventually(lambda: _update_of(client, 2, 1), what="the update to version 2 recorded")
+            assert judged.verified, judged.reason  # the new lineage's version 2 is what was published again
+            assert not (await component(client)).quarantined
             status = await client.status()
             assert (status.epoch, status.rewound_to, status.latest_version) == (1, 2, 2)
 
@@ -180,6 +192,7 @@ async def test_when_the_run_starts_over_a_replica_reloads_the_weights_it_started
                 await client.push_weights(shifted(base_state, 0.01 * version), version)
                 await link.follower.reach(version, 30)
             assert not torch.equal(first_weight(core), started_with)
+            await eventually(lambda: _update_of(client, 2, 0), what="version 2 reported")
             reports: list[UpdateReport] = []
             core.update_observers.append(reports.append)
 

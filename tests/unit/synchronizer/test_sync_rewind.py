@@ -134,18 +134,29 @@ def test_rewind_aborts_pushes_above_it_and_cancels_sync_requests_for_dropped_ver
 
 def test_a_broadcast_after_a_rewind_includes_the_rollouts_going_back() -> None:
     """NCCL versions are kept nowhere to pull from: the rewound version, broadcast again, goes to
-    the rollouts above it as well as to those behind it; its commit is no news to the catalog."""
+    the rollouts above it as well as to those behind it. Its commit makes it the new lineage's,
+    with the identity the trainer sent (the replicas' reports are judged against that); a later
+    broadcast of it (a replica caught up) changes nothing."""
     sync, plane, _ = three_versions()
     sync.register(Identity(Role.ROLLOUT, "level"), 0, 2)
     sync.rewind(2)
     group = plane.allocate_group(2, "t", [], 0, "gloo")
     assert [m for m, _ in group.members] == ["t", "r", "behind"]  # "level" serves 2 already
     for member, _ in group.members:
-        plane.report_transfer(group.group_id, member, True, "")
+        plane.report_transfer(group.group_id, member, True, "", identity=b"resumed" if member == "t" else b"")
     assert sync.registry.get("r").weight_version == 3  # until it reports 2, installed
     sync.heartbeat("r", 0, 2)
     assert sync.registry.get("r").weight_version == 2 and not sync.registry.rewinding
     assert sync.catalog.latest == 2 and sync.registry.get("behind").weight_version == 2
+    record = sync.catalog.records[2]
+    assert (record.identity, record.epoch) == (b"resumed", 1)
+    assert sync.report_update(UpdateRecord("r", 2, UpdateOutcome.VERIFIED, resident_identity=b"resumed")).verified
+
+    sync.register(Identity(Role.ROLLOUT, "late"), 0, 0)
+    again = plane.allocate_group(2, "t", [], 0, "gloo")
+    for member, _ in again.members:
+        plane.report_transfer(again.group_id, member, True, "", identity=b"other" if member == "t" else b"")
+    assert sync.catalog.records[2].identity == b"resumed"
 
 
 def test_a_rollout_registering_again_ends_its_rewind() -> None:
