@@ -13,6 +13,7 @@ fully-async, so every replica has work whenever it serves.
 3. r0 is SIGKILLed mid-run: its requests fail over to the others, the run goes
    on, and the ledger shows every task trained exactly once.
 4. r0 restarts on the same address and id: it catches up and gets work again.
+5. The run is stopped as a user stops it (SIGINT: after a checkpoint), with no step lost.
 """
 
 from __future__ import annotations
@@ -22,12 +23,20 @@ from pathlib import Path
 
 import pytest
 
+from services.controller.launcher.local_run import EXIT_INTERRUPTED
 from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run, wait_for
 
 pytestmark = pytest.mark.slow
 
-#: Long enough for a replica to load its model twice mid-run (about 1.5 s a step here).
-STEPS = 48
+#: More than a replica needs to load its model twice mid-run (about 1.5 s a step here): the tests
+#: stop the run once what they watch has happened.
+STEPS = 200
+
+
+def stop_the_run(controller) -> None:
+    """As a user's Ctrl-C: the controller stops after a checkpoint and exits EXIT_INTERRUPTED."""
+    controller.send_signal(signal.SIGINT)
+    assert controller.wait(120) == EXIT_INTERRUPTED
 
 
 def samples_of(rows: list[dict], replica: str) -> list[tuple[int, int]]:
@@ -81,14 +90,14 @@ def test_replicas_join_die_and_rejoin_without_losing_a_task(tmp_path: Path) -> N
             back = wait_for(lambda: [s for s in samples_of(ledger(), "r0") if s[0] > killed_at + 2], 300,
                             "work on r0 after its restart", controller)
             assert min(v for _, v in back) >= restarted_at, "the restarted r0 served its base weights"
-            assert controller.wait(600) == 0, cluster.controller_output()
+            stop_the_run(controller)
         finally:
             if controller.poll() is None:
                 controller.kill()
         rows = ledger()
-        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+        assert len(rows) < STEPS and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
         trained = [task for row in rows for task in row["tasks"]]
-        assert len(trained) == len(set(trained)) == 4 * STEPS, "a task was lost or trained twice"
+        assert len(trained) == len(set(trained)) == 4 * len(rows), "a task was lost or trained twice"
         # The synchronizer saw r0 leave and come back.
         r0 = [e["state"] for e in jsonl(run_dir / "synchronizer_events.jsonl") if e.get("id") == "r0"]
         assert "STOPPED" in r0 and r0.index("STOPPED") < len(r0) - 1
@@ -102,11 +111,12 @@ def test_a_replica_that_joins_an_nccl_run_is_sent_the_newest_version_before_it_s
     newest one again to the late replica (gloo on CPU), whose first sample is on it, not on its base weights.
     FIXED(4): between broadcasts the trainer has moved on, so a late replica must wait for it to come round.
     The run is long enough for that: r1 starts in 5-30 s (load), the trainer makes about two steps a second,
-    and with 16 steps r1 registered at version 8, missed 12 (the trainer held 13) and the run ended at 16."""
+    and with 16 steps r1 registered at version 8, missed 12 (the trainer held 13) and the run ended at 16.
+    The run is stopped once r1 has generated."""
     model = prepare_tiny_model()
     cluster = Cluster(tmp_path)
     run_dir = tmp_path / "run"
-    steps = 64
+    steps = STEPS
 
     def ledger() -> list[dict]:
         return jsonl(run_dir / "trained_tasks.jsonl")
@@ -130,7 +140,7 @@ def test_a_replica_that_joins_an_nccl_run_is_sent_the_newest_version_before_it_s
             cluster.rollout("r1", model, sync).wait_ready(300)
             first = wait_for(lambda: samples_of(ledger(), "r1"), 300, "work on r1", controller)
             assert min(v for _, v in first) >= joined_at, "r1 generated on its base weights"
-            assert controller.wait(600) == 0, cluster.controller_output()
+            stop_the_run(controller)
         finally:
             if controller.poll() is None:
                 controller.kill()
