@@ -6,6 +6,7 @@ run` against `services:` addresses, as in a deployment."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import yaml
 
 from flywheel.launcher.processes import ServiceProcess, start_service
+from services.controller.launcher.local_run import EXIT_INTERRUPTED
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,6 +121,11 @@ class Cluster:
 
     def controller_output(self) -> str:
         return (self.root / "controller.out").read_text()[-4000:]
+
+    def stop_the_run(self, controller: subprocess.Popen) -> None:
+        """As a user's Ctrl-C: the controller stops after a checkpoint and exits EXIT_INTERRUPTED."""
+        controller.send_signal(signal.SIGINT)
+        assert controller.wait(120) == EXIT_INTERRUPTED, self.controller_output()
 
     def stop(self) -> None:
         for child in reversed(list(self.services.values())):

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from services.controller.launcher.local_run import EXIT_INTERRUPTED
 from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run, wait_for
 
 pytestmark = pytest.mark.slow
@@ -31,12 +30,6 @@ pytestmark = pytest.mark.slow
 #: More than a replica needs to load its model twice mid-run (about 1.5 s a step here): the tests
 #: stop the run once what they watch has happened.
 STEPS = 200
-
-
-def stop_the_run(controller) -> None:
-    """As a user's Ctrl-C: the controller stops after a checkpoint and exits EXIT_INTERRUPTED."""
-    controller.send_signal(signal.SIGINT)
-    assert controller.wait(120) == EXIT_INTERRUPTED
 
 
 def samples_of(rows: list[dict], replica: str) -> list[tuple[int, int]]:
@@ -90,7 +83,7 @@ def test_replicas_join_die_and_rejoin_without_losing_a_task(tmp_path: Path) -> N
             back = wait_for(lambda: [s for s in samples_of(ledger(), "r0") if s[0] > killed_at + 2], 300,
                             "work on r0 after its restart", controller)
             assert min(v for _, v in back) >= restarted_at, "the restarted r0 served its base weights"
-            stop_the_run(controller)
+            cluster.stop_the_run(controller)
         finally:
             if controller.poll() is None:
                 controller.kill()
@@ -140,7 +133,7 @@ def test_a_replica_that_joins_an_nccl_run_is_sent_the_newest_version_before_it_s
             cluster.rollout("r1", model, sync).wait_ready(300)
             first = wait_for(lambda: samples_of(ledger(), "r1"), 300, "work on r1", controller)
             assert min(v for _, v in first) >= joined_at, "r1 generated on its base weights"
-            stop_the_run(controller)
+            cluster.stop_the_run(controller)
         finally:
             if controller.poll() is None:
                 controller.kill()

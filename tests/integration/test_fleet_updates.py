@@ -20,12 +20,10 @@ them, and the ledger of trained samples with the replica that made each):
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
 
-from services.controller.launcher.local_run import EXIT_INTERRUPTED
 from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run, wait_for
 
 pytestmark = pytest.mark.slow
@@ -82,8 +80,7 @@ def test_a_faulty_replica_is_quarantined_gets_no_work_and_rejoins_once_an_update
             back = wait_for(lambda: [s for s in samples_of(ledger(), "r1") if s[1] >= rejoined["version"]], 300,
                             "work on r1 after it rejoined", controller)
             assert back
-            controller.send_signal(signal.SIGINT)  # as a user's Ctrl-C: stops after a checkpoint
-            assert controller.wait(120) == EXIT_INTERRUPTED, cluster.controller_output()
+            cluster.stop_the_run(controller)
         finally:
             if controller.poll() is None:
                 controller.kill()
