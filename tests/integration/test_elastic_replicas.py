@@ -109,7 +109,6 @@ def test_a_replica_that_joins_an_nccl_run_is_sent_the_newest_version_before_it_s
     model = prepare_tiny_model()
     cluster = Cluster(tmp_path)
     run_dir = tmp_path / "run"
-    steps = STEPS
 
     def ledger() -> list[dict]:
         return jsonl(run_dir / "trained_tasks.jsonl")
@@ -123,7 +122,7 @@ def test_a_replica_that_joins_an_nccl_run_is_sent_the_newest_version_before_it_s
         cluster.rollout("r0", model, sync)
         for name in ("trainer", "r0"):
             cluster[name].wait_ready(300)
-        run = tiny_run("nccl-join", steps, sync, trainer.grpc_address, mode="fully-async",
+        run = tiny_run("nccl-join", STEPS, sync, trainer.grpc_address, mode="fully-async",
                        sync={"method": "nccl", "interval": 4})
         controller = cluster.controller(run, run_dir)
         try:
