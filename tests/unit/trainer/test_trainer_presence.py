@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from flywheel.errors import Unavailable
 from flywheel.runtime.server import RunningServer, serve
 from flywheel.synchronizer.client import SynchronizerClient
 from services.synchronizer.embedded import embedded_synchronizer
@@ -28,12 +29,17 @@ FAST = {"retry_initial_seconds": 0.05, "retry_max_seconds": 0.3, "rpc_timeout_se
 
 
 async def eventually(check: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
-    """Polls an async or sync `check` until it returns something truthy."""
+    """Polls an async or sync `check` until it returns something truthy. A synchronizer that
+    has just come back may still be unreachable for a moment (a channel tries again about
+    once a second): that is "not yet" too."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
         if asyncio.iscoroutine(value):
-            value = await value
+            try:
+                value = await value
+            except Unavailable:
+                value = None
         if value:
             return value
         if time.monotonic() > deadline:
