@@ -26,7 +26,7 @@ from flywheel.synchronizer.policy import Decision, decide, validate
 from services.synchronizer.registry import Registry
 from services.synchronizer.storage import open_pool
 from services.synchronizer.store import Store
-from services.synchronizer.updates import UpdateLedger, judge
+from services.synchronizer.updates import UpdateLedger, judge, judge_dropped
 from flywheel.synchronizer.types import (
     Component,
     EventKind,
@@ -401,7 +401,12 @@ class Synchronizer:
         c = self.registry.get(report.component_id)
         if c.role != Role.ROLLOUT:
             raise InvalidArgument(f"ReportUpdate is for rollouts; {c.id!r} is a {c.role.name.lower()}")
-        record = judge(report, self.identity_of(report.version), self.epoch)
+        if self.epoch and report.version > self.rewound_to and report.version not in self.catalog.records:
+            # A replica that finished installing a dropped version after the rewind: with no identity
+            # left to compare, `judge` would take it as verified (and end a quarantine).
+            record = judge_dropped(report, self.rewound_to, self.epoch)
+        else:
+            record = judge(report, self.identity_of(report.version), self.epoch)
         self.updates.record(record)
         t = record.timings
         for phase, seconds in (("admit", t.admit_seconds), ("transfer", t.transfer_seconds),

@@ -159,6 +159,25 @@ def test_a_broadcast_after_a_rewind_includes_the_rollouts_going_back() -> None:
     assert sync.catalog.records[2].identity == b"resumed"
 
 
+def test_a_report_of_a_dropped_version_after_the_rewind_is_no_verified_update() -> None:
+    """A replica that finishes installing version 3 just after a rewind to 2 dropped it holds the
+    lost lineage's weights: its report is judged failed (it is quarantined until an update of the
+    new lineage verifies), not verified for want of an identity to compare. Once version 3 is
+    committed again, a report of it is judged against the new identity as usual."""
+    sync, plane, _ = three_versions()
+    sync.rewind(2)
+    record = sync.report_update(UpdateRecord("behind", 3, UpdateOutcome.VERIFIED, resident_identity=b"old-3"))
+    assert record.outcome == UpdateOutcome.FAILED and record.epoch == 1
+    assert "dropped by the rewind to version 2" in record.reason
+    assert sync.registry.get("behind").quarantined
+    assert sync.report_update(UpdateRecord("behind", 2, UpdateOutcome.VERIFIED,
+                                           resident_identity=sync.identity_of(2))).verified
+    assert not sync.registry.get("behind").quarantined
+    push(plane, 3, seed=33)
+    assert sync.report_update(UpdateRecord("behind", 3, UpdateOutcome.VERIFIED,
+                                           resident_identity=sync.identity_of(3))).verified
+
+
 def test_a_rollout_registering_again_ends_its_rewind() -> None:
     sync, _, _ = three_versions()
     sync.rewind(1)
