@@ -108,7 +108,8 @@ def wait_all_gone(procs: list[psutil.Process], timeout: float) -> None:
 @pytest.mark.timeout(1800)
 def test_sigkill_mid_run_then_the_same_command_resumes_and_finishes(tmp_path: Path, model_cache: Path) -> None:
     run_dir = tmp_path / "run"
-    first = launch(run_dir, model_cache, "first.out")
+    run_file = transformers_run_file(tmp_path)  # the subject is the launcher; chaos trial 2 runs vLLM
+    first = launch(run_dir, model_cache, "first.out", config=run_file)
     try:
         # Step 3 trained means the step-2 checkpoint is written (checkpoints follow the step's record).
         wait_for("step 3", lambda: any(r["step"] >= 3 for r in ledger(run_dir)), 900, first)
@@ -126,7 +127,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_and_finishes(tmp_path: Pa
     assert killed_at < STEPS, "the run finished before it could be killed"
 
     first_session_log_lines = len((run_dir / "rollout.log").read_text().splitlines())
-    second = launch(run_dir, model_cache, "second.out")
+    second = launch(run_dir, model_cache, "second.out", config=run_file)
     assert second.wait(1200) == 0, (tmp_path / "second.out").read_text()[-3000:]
 
     rows = ledger(run_dir)
