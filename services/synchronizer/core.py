@@ -401,8 +401,8 @@ class Synchronizer:
         c = self.registry.get(report.component_id)
         if c.role != Role.ROLLOUT:
             raise InvalidArgument(f"ReportUpdate is for rollouts; {c.id!r} is a {c.role.name.lower()}")
-        if self.epoch and report.version > self.rewound_to and report.version not in self.catalog.records:
-            # A replica that finished installing a dropped version after the rewind: with no identity
+        if report.version in self.catalog.dropped:
+            # A replica that finished installing a version after a rewind dropped it: with no identity
             # left to compare, `judge` would take it as verified (and end a quarantine).
             record = judge_dropped(report, self.rewound_to, self.epoch)
         else:

@@ -35,13 +35,13 @@ def judge(report: UpdateRecord, expected: bytes, epoch: int) -> UpdateRecord:
 
 
 def judge_dropped(report: UpdateRecord, rewound_to: int, epoch: int) -> UpdateRecord:
-    """A report of a version the last rewind dropped (one that has not been committed again since):
-    whatever the replica measured, it holds the lost lineage's weights, never verified in this one."""
+    """A report of a version a rewind dropped (one that has not been committed again since): whatever
+    the replica measured, it holds a lost lineage's weights, never verified in this one."""
     return replace(
         report, outcome=UpdateOutcome.FAILED, failed_phase=UpdatePhase.VERIFY, epoch=epoch,
         unix_ms=int(time.time() * 1000),
-        reason=f"version {report.version} was dropped by the rewind to version {rewound_to} (lineage {epoch}): "
-               "these weights are the lost lineage's",
+        reason=f"version {report.version} was dropped by a rewind (the last went back to version {rewound_to}, "
+               f"lineage {epoch}): these weights are a lost lineage's",
     )
 
 

@@ -34,6 +34,9 @@ class VersionCatalog:
     def __init__(self, max_records: int = 256) -> None:
         self.max_records = max_records
         self.records: dict[int, VersionRecord] = {}
+        #: Versions rewinds dropped that nothing committed again since: a replica reporting one holds
+        #: a lost lineage's weights. Kept in memory only (a restarted synchronizer judges as before).
+        self.dropped: set[int] = set()
 
     @property
     def latest(self) -> int:
@@ -53,6 +56,7 @@ class VersionCatalog:
         if not record.committed_unix_ms:
             record.committed_unix_ms = int(time.time() * 1000)
         self.records[record.version] = record
+        self.dropped.discard(record.version)
         for version in sorted(self.records)[: -self.max_records]:
             del self.records[version]
 
@@ -61,6 +65,7 @@ class VersionCatalog:
         dropped = sorted(v for v in self.records if v > version)
         for v in dropped:
             del self.records[v]
+        self.dropped.update(dropped)
         return dropped
 
     def restore(self, records: list[VersionRecord]) -> None:
