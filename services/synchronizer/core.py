@@ -118,7 +118,9 @@ class Synchronizer:
         self.registry.restore(components)
         self.catalog.restore(self.store.load_versions())
         self.events.latest_version = self.catalog.latest
-        self.events.epoch, self.events.rewound_to = self.store.load_lineage()
+        self.events.epoch, self.events.rewound_to, dropped = self.store.load_lineage()
+        # Those committed again since the rewind are in the catalog as the new lineage's.
+        self.catalog.dropped = dropped - set(self.catalog.records)
         if self.epoch:  # rollouts that had not come back from the last rewind still may
             self.registry.rewinding = {c.id: self.rewound_to for c in components
                                        if c.role == Role.ROLLOUT and c.weight_version > self.rewound_to}
@@ -350,7 +352,7 @@ class Synchronizer:
         epoch = self.epoch + 1
         self.events.epoch, self.events.rewound_to = epoch, to_version
         self.events.latest_version = self.catalog.latest
-        self.store.save_lineage(epoch, to_version)
+        self.store.save_lineage(epoch, to_version, self.catalog.dropped)
         for c in self.registry.components.values():
             # The steps after to_version are redone: DYNAMIC counts from there again.
             c.last_sync_step = min(c.last_sync_step, to_version)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -146,20 +147,21 @@ class Store:
         if self._db is not None:
             self._db.execute("DELETE FROM versions WHERE version > ?", (version,))
 
-    def save_lineage(self, epoch: int, rewound_to: int) -> None:
+    def save_lineage(self, epoch: int, rewound_to: int, dropped: Iterable[int] = ()) -> None:
         if self._db is not None:
-            value = json.dumps({"epoch": epoch, "rewound_to": rewound_to})
+            value = json.dumps({"epoch": epoch, "rewound_to": rewound_to, "dropped": sorted(dropped)})
             self._db.execute("INSERT OR REPLACE INTO settings VALUES ('lineage', ?)", (value,))
 
-    def load_lineage(self) -> tuple[int, int]:
-        """(epoch, rewound_to) of the last rewind; (0, 0) before any."""
+    def load_lineage(self) -> tuple[int, int, set[int]]:
+        """(epoch, rewound_to, the versions rewinds dropped) as of the last rewind; (0, 0, {}) before any."""
         if self._db is None:
-            return 0, 0
+            return 0, 0, set()
         row = self._db.execute("SELECT value FROM settings WHERE key = 'lineage'").fetchone()
         if row is None:
-            return 0, 0
+            return 0, 0, set()
         data = json.loads(row[0])
-        return int(data["epoch"]), int(data["rewound_to"])
+        # "dropped" is absent in stores written before it existed.
+        return int(data["epoch"]), int(data["rewound_to"]), {int(v) for v in data.get("dropped", ())}
 
     def trim_versions(self, keep_from: int) -> None:
         if self._db is not None:

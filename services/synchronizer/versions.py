@@ -35,7 +35,7 @@ class VersionCatalog:
         self.max_records = max_records
         self.records: dict[int, VersionRecord] = {}
         #: Versions rewinds dropped that nothing committed again since: a replica reporting one holds
-        #: a lost lineage's weights. Kept in memory only (a restarted synchronizer judges as before).
+        #: a lost lineage's weights. The store keeps them with the lineage (Store.save_lineage).
         self.dropped: set[int] = set()
 
     @property

@@ -181,6 +181,18 @@ def test_a_report_of_a_dropped_version_after_the_rewind_is_no_verified_update() 
     assert sync.report_update(UpdateRecord("behind", 9, UpdateOutcome.VERIFIED, resident_identity=b"9")).verified
 
 
+def test_a_restarted_synchronizer_still_knows_what_the_rewind_dropped(tmp_path: Path) -> None:
+    sync, plane, _ = three_versions(tmp_path)
+    sync.rewind(1)
+    push(plane, 2, seed=22)  # the new lineage's version 2; 3 stays dropped
+    again = Synchronizer(sync.config)
+    assert again.catalog.dropped == {3}
+    late = again.report_update(UpdateRecord("r", 3, UpdateOutcome.VERIFIED, resident_identity=b"old-3"))
+    assert late.outcome == UpdateOutcome.FAILED and "dropped by a rewind" in late.reason
+    assert again.report_update(UpdateRecord("r", 2, UpdateOutcome.VERIFIED,
+                                            resident_identity=again.identity_of(2))).verified
+
+
 def test_a_rollout_registering_again_ends_its_rewind() -> None:
     sync, _, _ = three_versions()
     sync.rewind(1)
