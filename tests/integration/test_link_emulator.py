@@ -73,8 +73,14 @@ def test_lost_packets_are_retransmitted_by_tcp_and_a_cut_stalls_the_stream():
         assert (got, checksum) == (n, _expected_checksum(n))  # every byte, in order, despite the loss
         assert stats.lost > 0 and stats.forwarded_packets > n // 1500
 
+        before = link.stats()["near->far"].forwarded_bytes
+
         def cut_soon():
-            time.sleep(0.2)
+            # Once the payload flows (200 kB of the 2 MB through), not at a fixed time: a sender slow to
+            # start would meet the cut in its handshake, which TCP waits out before the timed part.
+            deadline = time.monotonic() + 60
+            while link.stats()["near->far"].forwarded_bytes - before < 200_000 and time.monotonic() < deadline:
+                time.sleep(0.005)
             link.cut(1.5)
 
         _, cut, got, checksum = _transfer(link, n, during=cut_soon)
