@@ -131,14 +131,38 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def group_alive(pgid: int) -> bool:
-    """Whether any process of group `pgid` still exists."""
+    """Whether any process of group `pgid` still runs. A zombie does not count: it holds nothing
+    but its process table entry, and once its parent is gone only init reaps it, when it gets to
+    it (seconds later in containers whose init reaps by polling: every vLLM rollout's stop
+    waited 5 s for its engine's zombies)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    members = _group_states(pgid)
+    return members is None or any(state != "Z" for state in members)
+
+
+def _group_states(pgid: int) -> list[str] | None:
+    """The states (R, S, Z...) of the processes of group `pgid`, from /proc; None where there is no /proc."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").is_file():
+        return None
+    states = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after the last ")".
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            states.append(fields[0])
+    return states
 
 
 def start_service(

@@ -69,5 +69,7 @@ def serve_metrics(
     context = server_ssl_context(tls) if tls is not None else None
     if context is not None:
         server.socket = context.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
+    # serve_forever's poll interval is how long `shutdown()` waits at most: its default (0.5 s) was
+    # half of a service's whole stop.
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True, name="metrics").start()
     return server.server_port, server

@@ -46,6 +46,9 @@ def main() -> int:
         engine.serve_commands()
     finally:
         engine.close()
+    from flywheel.runtime.entry import skip_teardown_collection
+
+    skip_teardown_collection()
     return 0
 
 

@@ -80,11 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     from flywheel.runtime.config import ConfigError
     from services.controller.launcher.local_run import LocalRun
 
+    from flywheel.runtime.entry import skip_teardown_collection
+
     try:
         return LocalRun.from_args(args).execute()
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        skip_teardown_collection()  # a second of the launcher's exit; the services stopped already
 
 
 if __name__ == "__main__":

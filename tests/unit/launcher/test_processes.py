@@ -50,6 +50,21 @@ def test_stop_of_a_running_child_terminates_the_group(tmp_path):
     assert not group_alive(child.process.pid)
 
 
+def test_a_group_of_zombies_is_not_alive(tmp_path):
+    # Exited but not yet reaped, as an engine's processes are once their parent is gone and until
+    # init reaps them: the group still answers a signal, yet nothing in it runs.
+    process = subprocess.Popen([sys.executable, "-c", "pass"], process_group=0)
+    try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.killpg(process.pid, 0)  # the zombie is still a member of its group
+        assert not group_alive(process.pid)
+    finally:
+        process.wait()
+
+
 def test_tail_skips_blank_lines(tmp_path):
     path = tmp_path / "log"
     path.write_text("a\n\n \nb\nc\n")
