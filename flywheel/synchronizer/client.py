@@ -170,8 +170,9 @@ class SynchronizerClient:
         """A background heartbeat loop (an async context manager; or .start()/.stop())."""
         return Heartbeats(self, component_id, progress, interval=interval, on_beat=on_beat, identity=identity)
 
-    async def deregister(self, component_id: str) -> None:
-        await self._call("Deregister", self.stub.Deregister, pb.DeregisterRequest(id=component_id))
+    async def deregister(self, component_id: str, *, timeout: float | None = None) -> None:
+        """`timeout`: the deadline over every attempt (default: the client's)."""
+        await self._call("Deregister", self.stub.Deregister, pb.DeregisterRequest(id=component_id), timeout)
 
     async def set_state(
         self,

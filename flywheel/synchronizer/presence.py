@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
 
+#: The deadline of the deregistration on a graceful stop. A synchronizer that answers does so in
+#: milliseconds; one that is gone (a cluster stops every pod at once) would otherwise hold the
+#: stop for the retry policy's 3 s, and its lease ends the registration anyway.
+DEREGISTER_TIMEOUT_SECONDS = 1.0
+
 
 def reachable_host(host: str) -> str:
     """A host others can connect to: a wildcard is where we listen, not an address."""
@@ -85,7 +90,7 @@ class Presence:
             return False
 
     async def stop(self) -> None:
-        """Stops beating (and any task a subclass added), then deregisters (within the RPC deadline)."""
+        """Stops beating (and any task a subclass added), then deregisters (within DEREGISTER_TIMEOUT_SECONDS)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -94,7 +99,7 @@ class Presence:
             await self.heartbeats.stop()
         if self.registered.is_set():
             try:
-                await self.client.deregister(self.component_id)
+                await self.client.deregister(self.component_id, timeout=DEREGISTER_TIMEOUT_SECONDS)
                 log.info("deregistered from the synchronizer", extra={"id": self.component_id})
             except FlywheelError as exc:
                 # Its lease runs out on its own: the synchronizer marks it STOPPED then.
