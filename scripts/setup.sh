@@ -24,7 +24,9 @@ fi
 
 echo "setting up $VENV (extras: $EXTRAS)"
 [[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
-pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+# --no-compile: pip would byte-compile all ~26,000 modules it installs (torch, vLLM, transformers ...),
+# about 80 s of one core; Python compiles the few thousand a run imports on first use instead.
+pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
 
 if [[ ,$EXTRAS, == *,cpu,* ]]; then
   # Installed first and alone: anything else asking for "torch" would pull the CUDA build.
