@@ -488,6 +488,12 @@ class Synchronizer:
             elif committed and rank > 0:
                 self.registry.touch(c, f"received version {group.version}")
         elapsed = self._clock() - group.started
+        # The transfer's outcome is announced before the version it made is committed: a watcher that
+        # stops once it has heard the newest version (the controller at a run's end) has then heard both.
+        self.events.publish(
+            EventKind.TRANSFER_FINISHED, version=group.version, method=Method.NCCL, location=group.group_id,
+            group=group, transfer_state=group.state, message=group.error, identity=group.identity,
+        )
         if committed:
             metrics.WEIGHT_SYNC_DURATION.labels("nccl").observe(elapsed)
             recorded = self.catalog.records.get(group.version)
@@ -500,10 +506,6 @@ class Synchronizer:
         else:
             metrics.WEIGHT_SYNC_FAILURES.labels("nccl").inc()
             log.warning("transfer aborted", extra={"group_id": group.group_id, "reason": group.error})
-        self.events.publish(
-            EventKind.TRANSFER_FINISHED, version=group.version, method=Method.NCCL, location=group.group_id,
-            group=group, transfer_state=group.state, message=group.error, identity=group.identity,
-        )
 
     def check_version(self, version: int, what: str, *, allow_equal: bool = False) -> None:
         latest = self.catalog.latest

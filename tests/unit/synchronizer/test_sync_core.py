@@ -106,7 +106,13 @@ def test_nccl_commit_abort_and_expiry_move_states() -> None:
     assert [m for m, _ in g3.members] == ["t", "a"]
     plane.report_transfer(g3.group_id, "a", True, "")
     assert g3.state == TransferState.PENDING, "the sender has not confirmed (with what it sent) yet"
+    watcher = sync.events.subscribe([])
     plane.report_transfer(g3.group_id, "t", True, "", b"\x07" * 16)
+    # The transfer's outcome comes before the version's commit: a watcher that stops once it has heard
+    # the newest version (the controller at a run's end) has heard the transfer finish too.
+    finished = [(e.kind, e.latest_version) for e in watcher._queue
+                if e.kind in (EventKind.TRANSFER_FINISHED, EventKind.VERSION_COMMITTED)]
+    assert finished == [(EventKind.TRANSFER_FINISHED, 0), (EventKind.VERSION_COMMITTED, 1)]
     assert g3.state == TransferState.COMMITTED and sync.registry.get("a").weight_version == 1
     assert sync.catalog.latest == 1 and sync.catalog.get(1).method == Method.NCCL
     assert sync.catalog.get(1).identity == b"\x07" * 16, "the version is committed with the sender's identity"
