@@ -147,6 +147,15 @@ class Pod:
     def tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
 
+    def why_restarted(self, n: int = 3000) -> str:
+        """What `kubectl describe pod` and `kubectl logs --previous` show: every start, restart and failed
+        probe of its containers, then the end of the log before the first restart."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        events = [line for line in text.splitlines() if line.startswith("--- ")]
+        first = text.find(": restart 1 (")
+        before = text[:text.rfind("\n", 0, first) + 1] if first >= 0 else text
+        return "\n".join(events) + "\n... before the first restart:\n" + before[-n:]
+
 
 class Kube:
     def __init__(self, cluster: NamespaceCluster, objects: list[dict[str, Any]], workdir: Path) -> None:

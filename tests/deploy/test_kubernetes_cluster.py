@@ -193,7 +193,7 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
             body, seen = {}, "the page never answered"
             while not body:
                 kube.check()
-                crashed = {p.name: p.tail() for p in kube.pods if p.restarts}
+                crashed = {p.name: p.why_restarted() for p in kube.pods if p.restarts}
                 assert not crashed, f"restarted while the job ran: {crashed}"
                 assert job_pod.phase in ("Pending", "Running"), \
                     f"controller pod {job_pod.phase} before the status page showed it training ({seen}):\n{job_pod.tail()}"
@@ -279,7 +279,7 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
             body = {}
             while not body:
                 kube.check()
-                crashed = {p.name: p.tail() for p in kube.pods if p.restarts}
+                crashed = {p.name: p.why_restarted() for p in kube.pods if p.restarts}
                 assert not crashed, f"restarted while the job ran: {crashed}"
                 assert job_pod.phase in ("Pending", "Running"), f"controller pod {job_pod.phase}:\n{job_pod.tail()}"
                 assert time.monotonic() < deadline, "the job never trained a step with every component:\n" + \
