@@ -393,10 +393,11 @@ class Kube:
             return
         if kill and c.proc is not None:
             self._terminate(pod, c.proc)
+        # The reason is in the log before the count moves: a test that sees the restart can read why.
+        with pod.log.open("a") as out:
+            out.write(f"--- {c.name}: restart {c.restarts + 1} ({'probe failed' if kill else f'exited {c.exit_code}'})\n")
         c.restarts += 1
         c.started, c.ready, c.counts, c.due = "startupProbe" not in c.spec, False, {}, {}
-        with pod.log.open("a") as out:
-            out.write(f"--- {c.name}: restart {c.restarts} ({'probe failed' if kill else f'exited {c.exit_code}'})\n")
         c.proc = self._start(pod, c.spec, volumes)
 
     def _terminate(self, pod: Pod, proc: subprocess.Popen) -> None:
