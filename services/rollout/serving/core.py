@@ -226,6 +226,9 @@ class RolloutCore:
                     await self._open.wait()
                 finally:
                     self._at_gate -= 1
+                # The update it waited for may have failed: the engine then holds weights that are
+                # not any version, and the replica is quarantined.
+                self._refuse_if_quarantined()
             yield
         finally:
             reservation.release()
@@ -248,10 +251,13 @@ class RolloutCore:
             self._flights.discard(flight)
             flight.done.set()
 
-    async def _weights_ready(self, run_step: int, min_version: int) -> None:
+    def _refuse_if_quarantined(self) -> None:
         if self.quarantine_reason:
             raise Unavailable(f"this rollout is quarantined and serves nothing until a weight update verifies: "
                               f"{self.quarantine_reason}")
+
+    async def _weights_ready(self, run_step: int, min_version: int) -> None:
+        self._refuse_if_quarantined()
         if self.weights_gate is not None:
             await self.weights_gate(run_step, min_version)
         elif min_version > self.status().version:
@@ -393,8 +399,6 @@ class RolloutCore:
                 metrics.WEIGHT_UPDATES.labels("failed").inc()
                 phase = exc.phase if isinstance(exc, UpdateFailed) else (
                     UpdatePhase.TRANSFER if timings.admit is None else UpdatePhase.APPLY)
-                if isinstance(exc, UpdateFailed):
-                    self.quarantine_reason = f"update to version {version}: {exc}"
                 log.warning("weight update failed", extra={"version": version, "serving": engine.version,
                                                            "phase": phase.name.lower(), "error": str(exc)})
                 self._notify(UpdateReport(version, engine.version, exc, timings.freeze(), phase,
@@ -454,9 +458,11 @@ class RolloutCore:
                 try:
                     await self._apply(engine, staged, timings)
                     identity = await self._verify(engine, staged, timings)
-                except UpdateFailed:
-                    # The engine holds weights that are not the version: requests frozen in place
-                    # (keep) must not go on with them. They end ABORTed, and are retried elsewhere.
+                except UpdateFailed as exc:
+                    # The engine holds weights that are not the version: quarantined before the gate
+                    # reopens, so that no request waiting there goes on with them, and requests frozen
+                    # in place (keep) end ABORTed, to be retried elsewhere.
+                    self.quarantine_reason = f"update to version {staged.version}: {exc}"
                     aborted += await self._pause_engine("abort")
                     raise
                 finally:

@@ -119,3 +119,22 @@ async def test_requests_frozen_by_keep_do_not_go_on_with_weights_that_failed_ver
         await core.update_weights(1, stage, "keep", 10)
     (out,) = await running
     assert out.samples[0].finish_reason == "abort" and len(out.samples[0].token_ids) < 100
+
+
+async def test_a_request_waiting_at_the_gate_is_refused_when_the_update_fails_verification(tmp_path: Path) -> None:
+    """Requests that arrive during an update wait at the closed gate; if the update fails, the gate
+    reopens on weights that are not any version, and they must be refused, not served on them."""
+    core, engine, faults, _ = make_core(tmp_path)
+    faults.write_text(json.dumps({"corrupt_after_apply": True, "apply_delay_seconds": 0.3}))
+    stage, _ = version(1, 1.5)
+    update = asyncio.ensure_future(core.update_weights(1, stage, "wait", 10))
+    while not core.status().updating:
+        await asyncio.sleep(0.005)
+    waiting = asyncio.ensure_future(core.generate([prompt("late")], SamplingSpec(max_tokens=2)))
+    while not core._at_gate:
+        await asyncio.sleep(0.005)
+    with pytest.raises(UpdateFailed):
+        await update
+    with pytest.raises(Unavailable, match="quarantined"):
+        await waiting
+    assert engine.version == 1 and not engine.running
