@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from flywheel.codec.identity import VersionIdentity
+from flywheel.probe import ProbeBatch
 
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.convert import component_from_pb, group_from_pb, policy_from_status_pb, update_from_pb
@@ -18,6 +19,25 @@ from flywheel.synchronizer.types import (
 
 def _method(value: int) -> Method | None:
     return Method(value) if value else None
+
+
+@dataclass(frozen=True)
+class VersionProof:
+    """What a committed version is, as the synchronizer recorded it at its commit (GetVersion):
+    what a replica verifies the weights it loaded against."""
+
+    version: int
+    #: Its identity and each tensor's digest (`tensors` empty: the publisher sent none).
+    identity: VersionIdentity
+    #: The trainer's probe of the version (None: none was published).
+    probe: ProbeBatch | None
+    #: The lineage it was committed in.
+    epoch: int = 0
+
+    @classmethod
+    def from_pb(cls, r: pb.GetVersionResponse) -> VersionProof:
+        tensors = {t.name: bytes(t.digest) for t in r.tensors}
+        return cls(r.version, VersionIdentity(bytes(r.identity), tensors), ProbeBatch.from_pb(r.probe), r.epoch)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flywheel.errors import FailedPrecondition, InvalidArgument
+from flywheel.probe import ProbeCheck
 
 
 class Role(enum.IntEnum):
@@ -93,6 +94,9 @@ class UpdateOutcome(enum.IntEnum):
     VERIFIED = 1
     #: A phase failed: the replica is quarantined until an update verifies.
     FAILED = 2
+    #: Applied, nothing measured contradicts the version, but not every tensor was covered
+    #: (`UpdateCoverage.complete` is False): not proof, quarantined like a failure by default.
+    UNVERIFIED = 3
 
 
 class UpdatePhase(enum.IntEnum):
@@ -193,6 +197,43 @@ class UpdateTimings:
 
 
 @dataclass(frozen=True)
+class UpdateCoverage:
+    """What a replica measured of the weights it holds after an update, and how: RESIDENT (hashed as
+    they sit in the engine), RECEIVED (hashed by the engine's loader as it consumed them, in its
+    worker; counted only for tensors not also RESIDENT) and PROBE (log-probs of the version's probe
+    batch against the trainer's). Counts only tensors whose measured digest equals the version's."""
+
+    #: Tensors of the version, and their bytes.
+    tensors: int = 0
+    bytes: int = 0
+    resident_tensors: int = 0
+    resident_bytes: int = 0
+    received_tensors: int = 0
+    received_bytes: int = 0
+    probe: ProbeCheck = field(default_factory=ProbeCheck)
+
+    @property
+    def complete(self) -> bool:
+        """Every tensor covered by RESIDENT, or by RECEIVED with a passing probe: the update is proof."""
+        if self.tensors == 0 or self.resident_tensors + self.received_tensors < self.tensors:
+            return False
+        return self.received_tensors == 0 or (self.probe.ran and self.probe.passed)
+
+    @property
+    def methods(self) -> list[str]:
+        """How it was covered, in words ("resident", "received", "probe")."""
+        return [name for name, used in (("resident", self.resident_tensors), ("received", self.received_tensors),
+                                        ("probe", self.probe.ran)) if used]
+
+    def describe(self) -> str:
+        parts = [f"{self.resident_tensors + self.received_tensors} of {self.tensors} tensors measured "
+                 f"({self.resident_tensors} resident, {self.received_tensors} as received)"]
+        if self.probe.ran:
+            parts.append(self.probe.describe())
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
 class UpdateRecord:
     """One replica's result of one weight update, with the synchronizer's verdict."""
 
@@ -211,6 +252,8 @@ class UpdateRecord:
     epoch: int = 0
     #: The version served after it.
     served_version: int = 0
+    #: What the replica measured, and how.
+    coverage: UpdateCoverage = field(default_factory=UpdateCoverage)
 
     @property
     def verified(self) -> bool:

@@ -153,7 +153,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "base_version", "tensors", "total_bytes", "chunk_count", "chunk_bytes", "bucket_bytes", "checksum_algorithm", "digest", "identity")
+    __slots__ = ("version", "base_version", "tensors", "total_bytes", "chunk_count", "chunk_bytes", "bucket_bytes", "checksum_algorithm", "digest", "identity", "probe")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class WeightManifest(_message.Message):
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     version: int
     base_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
@@ -174,7 +175,22 @@ class WeightManifest(_message.Message):
     checksum_algorithm: ChecksumAlgorithm
     digest: bytes
     identity: bytes
-    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., digest: _Optional[bytes] = ..., identity: _Optional[bytes] = ...) -> None: ...
+    probe: ProbeBatch
+    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., digest: _Optional[bytes] = ..., identity: _Optional[bytes] = ..., probe: _Optional[_Union[ProbeBatch, _Mapping]] = ...) -> None: ...
+
+class ProbeBatch(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[ProbeSequence]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[ProbeSequence, _Mapping]]] = ...) -> None: ...
+
+class ProbeSequence(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("version", "base_version", "tensor_name", "dtype", "shape", "offset", "data", "checksum", "last", "bucket_index", "sequence", "zstd")

@@ -43,6 +43,7 @@ class UpdateOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UPDATE_OUTCOME_UNSPECIFIED: _ClassVar[UpdateOutcome]
     UPDATE_OUTCOME_VERIFIED: _ClassVar[UpdateOutcome]
     UPDATE_OUTCOME_FAILED: _ClassVar[UpdateOutcome]
+    UPDATE_OUTCOME_UNVERIFIED: _ClassVar[UpdateOutcome]
 
 class UpdatePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -76,6 +77,7 @@ TRANSFER_STATE_ABORTED: TransferState
 UPDATE_OUTCOME_UNSPECIFIED: UpdateOutcome
 UPDATE_OUTCOME_VERIFIED: UpdateOutcome
 UPDATE_OUTCOME_FAILED: UpdateOutcome
+UPDATE_OUTCOME_UNVERIFIED: UpdateOutcome
 UPDATE_PHASE_UNSPECIFIED: UpdatePhase
 UPDATE_PHASE_ADMIT: UpdatePhase
 UPDATE_PHASE_TRANSFER: UpdatePhase
@@ -338,14 +340,26 @@ class PullWeightsResponse(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.WeightChunk, _Mapping]] = ..., segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., shared_chunk: _Optional[_Union[SharedChunk, _Mapping]] = ..., committed: _Optional[bool] = ...) -> None: ...
 
 class RegisterCheckpointRequest(_message.Message):
-    __slots__ = ("version", "path", "trainer_id")
+    __slots__ = ("version", "path", "trainer_id", "tensors", "probe")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     version: int
     path: str
     trainer_id: str
-    def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ..., trainer_id: _Optional[str] = ...) -> None: ...
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorDigest]
+    probe: _common_pb2.ProbeBatch
+    def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ..., trainer_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorDigest, _Mapping]]] = ..., probe: _Optional[_Union[_common_pb2.ProbeBatch, _Mapping]] = ...) -> None: ...
+
+class TensorDigest(_message.Message):
+    __slots__ = ("name", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: bytes
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class RegisterCheckpointResponse(_message.Message):
     __slots__ = ("version",)
@@ -408,18 +422,22 @@ class AllocateGroupResponse(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., deadline_unix_ms: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ReportTransferRequest(_message.Message):
-    __slots__ = ("group_id", "id", "success", "error", "identity")
+    __slots__ = ("group_id", "id", "success", "error", "identity", "tensors", "probe")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     id: str
     success: bool
     error: str
     identity: bytes
-    def __init__(self, group_id: _Optional[str] = ..., id: _Optional[str] = ..., success: _Optional[bool] = ..., error: _Optional[str] = ..., identity: _Optional[bytes] = ...) -> None: ...
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorDigest]
+    probe: _common_pb2.ProbeBatch
+    def __init__(self, group_id: _Optional[str] = ..., id: _Optional[str] = ..., success: _Optional[bool] = ..., error: _Optional[str] = ..., identity: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDigest, _Mapping]]] = ..., probe: _Optional[_Union[_common_pb2.ProbeBatch, _Mapping]] = ...) -> None: ...
 
 class ReportTransferResponse(_message.Message):
     __slots__ = ("state",)
@@ -515,6 +533,40 @@ class RewindResponse(_message.Message):
     rewinding: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, epoch: _Optional[int] = ..., latest_version: _Optional[int] = ..., dropped_versions: _Optional[_Iterable[int]] = ..., rewinding: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class UpdateCoverage(_message.Message):
+    __slots__ = ("tensors", "bytes", "resident_tensors", "resident_bytes", "received_tensors", "received_bytes", "probe")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    tensors: int
+    bytes: int
+    resident_tensors: int
+    resident_bytes: int
+    received_tensors: int
+    received_bytes: int
+    probe: ProbeCheck
+    def __init__(self, tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., resident_tensors: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., received_tensors: _Optional[int] = ..., received_bytes: _Optional[int] = ..., probe: _Optional[_Union[ProbeCheck, _Mapping]] = ...) -> None: ...
+
+class ProbeCheck(_message.Message):
+    __slots__ = ("ran", "tokens", "max_abs_diff", "mean_abs_diff", "tolerance", "passed")
+    RAN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_DIFF_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ABS_DIFF_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    ran: bool
+    tokens: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    tolerance: float
+    passed: bool
+    def __init__(self, ran: _Optional[bool] = ..., tokens: _Optional[int] = ..., max_abs_diff: _Optional[float] = ..., mean_abs_diff: _Optional[float] = ..., tolerance: _Optional[float] = ..., passed: _Optional[bool] = ...) -> None: ...
+
 class UpdateTimings(_message.Message):
     __slots__ = ("admit_seconds", "transfer_seconds", "apply_seconds", "verify_seconds", "reopen_seconds", "pause_seconds")
     ADMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -532,7 +584,7 @@ class UpdateTimings(_message.Message):
     def __init__(self, admit_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., reopen_seconds: _Optional[float] = ..., pause_seconds: _Optional[float] = ...) -> None: ...
 
 class UpdateRecord(_message.Message):
-    __slots__ = ("component_id", "version", "expected_identity", "resident_identity", "outcome", "failed_phase", "reason", "timings", "unix_ms", "epoch", "served_version")
+    __slots__ = ("component_id", "version", "expected_identity", "resident_identity", "outcome", "failed_phase", "reason", "timings", "unix_ms", "epoch", "served_version", "coverage")
     COMPONENT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -544,6 +596,7 @@ class UpdateRecord(_message.Message):
     UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SERVED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_FIELD_NUMBER: _ClassVar[int]
     component_id: str
     version: int
     expected_identity: bytes
@@ -555,10 +608,11 @@ class UpdateRecord(_message.Message):
     unix_ms: int
     epoch: int
     served_version: int
-    def __init__(self, component_id: _Optional[str] = ..., version: _Optional[int] = ..., expected_identity: _Optional[bytes] = ..., resident_identity: _Optional[bytes] = ..., outcome: _Optional[_Union[UpdateOutcome, str]] = ..., failed_phase: _Optional[_Union[UpdatePhase, str]] = ..., reason: _Optional[str] = ..., timings: _Optional[_Union[UpdateTimings, _Mapping]] = ..., unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., served_version: _Optional[int] = ...) -> None: ...
+    coverage: UpdateCoverage
+    def __init__(self, component_id: _Optional[str] = ..., version: _Optional[int] = ..., expected_identity: _Optional[bytes] = ..., resident_identity: _Optional[bytes] = ..., outcome: _Optional[_Union[UpdateOutcome, str]] = ..., failed_phase: _Optional[_Union[UpdatePhase, str]] = ..., reason: _Optional[str] = ..., timings: _Optional[_Union[UpdateTimings, _Mapping]] = ..., unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., served_version: _Optional[int] = ..., coverage: _Optional[_Union[UpdateCoverage, _Mapping]] = ...) -> None: ...
 
 class ReportUpdateRequest(_message.Message):
-    __slots__ = ("id", "version", "resident_identity", "outcome", "failed_phase", "reason", "timings", "served_version")
+    __slots__ = ("id", "version", "resident_identity", "outcome", "failed_phase", "reason", "timings", "served_version", "coverage")
     ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -567,6 +621,7 @@ class ReportUpdateRequest(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     SERVED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_FIELD_NUMBER: _ClassVar[int]
     id: str
     version: int
     resident_identity: bytes
@@ -575,7 +630,8 @@ class ReportUpdateRequest(_message.Message):
     reason: str
     timings: UpdateTimings
     served_version: int
-    def __init__(self, id: _Optional[str] = ..., version: _Optional[int] = ..., resident_identity: _Optional[bytes] = ..., outcome: _Optional[_Union[UpdateOutcome, str]] = ..., failed_phase: _Optional[_Union[UpdatePhase, str]] = ..., reason: _Optional[str] = ..., timings: _Optional[_Union[UpdateTimings, _Mapping]] = ..., served_version: _Optional[int] = ...) -> None: ...
+    coverage: UpdateCoverage
+    def __init__(self, id: _Optional[str] = ..., version: _Optional[int] = ..., resident_identity: _Optional[bytes] = ..., outcome: _Optional[_Union[UpdateOutcome, str]] = ..., failed_phase: _Optional[_Union[UpdatePhase, str]] = ..., reason: _Optional[str] = ..., timings: _Optional[_Union[UpdateTimings, _Mapping]] = ..., served_version: _Optional[int] = ..., coverage: _Optional[_Union[UpdateCoverage, _Mapping]] = ...) -> None: ...
 
 class ReportUpdateResponse(_message.Message):
     __slots__ = ("record",)
@@ -608,3 +664,23 @@ class RequestVersionResponse(_message.Message):
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     latest_version: int
     def __init__(self, latest_version: _Optional[int] = ...) -> None: ...
+
+class GetVersionRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class GetVersionResponse(_message.Message):
+    __slots__ = ("version", "identity", "tensors", "probe", "epoch")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    identity: bytes
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorDigest]
+    probe: _common_pb2.ProbeBatch
+    epoch: int
+    def __init__(self, version: _Optional[int] = ..., identity: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDigest, _Mapping]]] = ..., probe: _Optional[_Union[_common_pb2.ProbeBatch, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...

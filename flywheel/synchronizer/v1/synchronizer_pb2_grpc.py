@@ -130,6 +130,11 @@ class SynchronizerServiceStub:
                 request_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RequestVersionRequest.SerializeToString,
                 response_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RequestVersionResponse.FromString,
                 _registered_method=True)
+        self.GetVersion = channel.unary_unary(
+                '/flywheel.synchronizer.v1.SynchronizerService/GetVersion',
+                request_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.GetVersionRequest.SerializeToString,
+                response_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.GetVersionResponse.FromString,
+                _registered_method=True)
 
 
 class SynchronizerServiceServicer:
@@ -277,6 +282,15 @@ class SynchronizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetVersion(self, request, context):
+        """What a committed version is, as recorded at its commit: its identity,
+        each tensor's digest and the trainer's probe; what a replica verifies
+        the weights it loaded against.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SynchronizerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -374,6 +388,11 @@ def add_SynchronizerServiceServicer_to_server(servicer, server):
                     servicer.RequestVersion,
                     request_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RequestVersionRequest.FromString,
                     response_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RequestVersionResponse.SerializeToString,
+            ),
+            'GetVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetVersion,
+                    request_deserializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.GetVersionRequest.FromString,
+                    response_serializer=flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.GetVersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -890,6 +909,33 @@ class SynchronizerService:
             '/flywheel.synchronizer.v1.SynchronizerService/RequestVersion',
             flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RequestVersionRequest.SerializeToString,
             flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.RequestVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.synchronizer.v1.SynchronizerService/GetVersion',
+            flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.GetVersionRequest.SerializeToString,
+            flywheel_dot_synchronizer_dot_v1_dot_synchronizer__pb2.GetVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,
