@@ -32,10 +32,11 @@ import grpc
 import torch
 
 from flywheel.codec import MAX_CHUNK_BYTES, EncodedVersion, encode_state_dict
-from flywheel.codec.identity import manifest_identity
+from flywheel.codec.identity import VersionIdentity, manifest_identity
 from flywheel.common.types import pause_mode_to_pb
 from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import FailedPrecondition, InvalidArgument
+from flywheel.probe import ProbeBatch
 from flywheel.runtime.client import client_streaming_call, domain_error, open_channel
 from flywheel.runtime.tls import TlsFiles
 from flywheel.transfer.frames import encoded_frames
@@ -53,9 +54,12 @@ from flywheel.synchronizer.client_types import (
     SyncDecision,
     SyncStatus,
     TransferOutcome,
+    VersionProof,
     WatchEvent,
 )
-from flywheel.synchronizer.convert import group_from_pb, identity_to_pb, timings_to_pb, update_from_pb
+from flywheel.synchronizer.convert import (
+    coverage_to_pb, group_from_pb, identity_to_pb, tensor_digests_to_pb, timings_to_pb, update_from_pb,
+)
 from flywheel.synchronizer.heartbeats import Heartbeats
 from flywheel.synchronizer.pull import PullCall, pull_version
 from flywheel.synchronizer.push import SharedPush, refused_shared_memory, remember_unmappable, shared_frames
@@ -243,8 +247,13 @@ class SynchronizerClient:
         base_version: int = 0,
         chunk_bytes: int = MAX_CHUNK_BYTES,
         timeout: float | None = None,
+        probe: ProbeBatch | None = None,
     ) -> PushResult:
         """Streams a version (a state dict, encoded here, or an EncodedVersion).
+
+        `probe`: the trainer's probe of these weights (flywheel.probe), sent in the manifest
+        (`WeightManifest.probe`, set on an EncodedVersion's own manifest) and recorded with
+        the version beside the tensor digests the manifest carries.
 
         Chunks default to the largest that fits gRPC's default 4 MiB message:
         per-message costs dominate a Python gRPC stream, and 4 MiB chunks
@@ -262,6 +271,8 @@ class SynchronizerClient:
             encoded = await asyncio.to_thread(
                 encode_state_dict, weights, version, base_version, chunk_bytes=chunk_bytes
             )
+        if probe is not None:
+            encoded.manifest.probe.CopyFrom(probe.to_pb())
         timeout = timeout or self.transfer_timeout
         with SharedPush(self.address, encoded, self.shared_memory) as segment:
             if segment is not None:
@@ -327,8 +338,16 @@ class SynchronizerClient:
 
     # -- CHECKPOINT ----------------------------------------------------------
 
-    async def register_checkpoint(self, version: int, path: str, trainer_id: str = "") -> int:
-        request = pb.RegisterCheckpointRequest(version=version, path=str(path), trainer_id=trainer_id)
+    async def register_checkpoint(
+        self, version: int, path: str, trainer_id: str = "", *, tensors: Mapping[str, bytes] | None = None,
+        probe: ProbeBatch | None = None,
+    ) -> int:
+        """`tensors`: each tensor's identity digest, composing to the identity of the directory's
+        `weight_manifest.pb`; `probe`: the trainer's probe of the version. Both are recorded with it."""
+        request = pb.RegisterCheckpointRequest(version=version, path=str(path), trainer_id=trainer_id,
+                                               tensors=tensor_digests_to_pb(tensors or {}))
+        if probe is not None:
+            request.probe.CopyFrom(probe.to_pb())
         return (await self._call("RegisterCheckpoint", self.stub.RegisterCheckpoint, request)).version
 
     async def get_checkpoint(self, version: int = 0) -> tuple[int, str]:
@@ -355,11 +374,16 @@ class SynchronizerClient:
         return group
 
     async def report_transfer(
-        self, group_id: str, component_id: str, success: bool, error: str = "", *, identity: bytes = b"",
+        self, group_id: str, component_id: str, success: bool, error: str = "", *,
+        identity: VersionIdentity | bytes = b"", probe: ProbeBatch | None = None,
     ) -> TransferState:
-        """`identity`: rank 0 (the trainer), with success, the identity of the weights it sent."""
+        """Rank 0 (the trainer), with success: `identity`, what it sent (a VersionIdentity sends each
+        tensor's digest too), and `probe`, its probe of those weights; both are recorded with the version."""
+        whole = identity if isinstance(identity, VersionIdentity) else VersionIdentity(identity)
         request = pb.ReportTransferRequest(group_id=group_id, id=component_id, success=success, error=error[:4000],
-                                           identity=identity)
+                                           identity=whole.digest, tensors=tensor_digests_to_pb(whole.tensors))
+        if probe is not None:
+            request.probe.CopyFrom(probe.to_pb())
         r = await self._call("ReportTransfer", self.stub.ReportTransfer, request)
         return TransferState(r.state)
 
@@ -370,6 +394,13 @@ class SynchronizerClient:
         return TransferOutcome.from_pb(r)
 
     # -- status --------------------------------------------------------------
+
+    async def get_version(self, version: int) -> VersionProof:
+        """What committed `version` is, as recorded at its commit: its identity, each tensor's digest and
+        the trainer's probe (what a replica verifies the weights it loaded against). NOT_FOUND for a
+        version not committed in the current lineage, or whose record is evicted."""
+        r = await self._call("GetVersion", self.stub.GetVersion, pb.GetVersionRequest(version=version))
+        return VersionProof.from_pb(r)
 
     async def status(self) -> SyncStatus:
         return SyncStatus.from_pb(await self._call("Status", self.stub.Status, pb.StatusRequest()))
@@ -396,7 +427,7 @@ class SynchronizerClient:
         request = pb.ReportUpdateRequest(
             id=r.component_id, version=r.version, resident_identity=r.resident_identity, outcome=int(r.outcome),
             failed_phase=int(r.failed_phase) if r.failed_phase else 0, reason=r.reason[:4000],
-            timings=timings_to_pb(r.timings), served_version=r.served_version,
+            timings=timings_to_pb(r.timings), served_version=r.served_version, coverage=coverage_to_pb(r.coverage),
         )
         return update_from_pb((await self._call("ReportUpdate", self.stub.ReportUpdate, request)).record)
 

@@ -11,7 +11,9 @@ from flywheel.codec.identity import VersionIdentity
 from flywheel.probe import ProbeBatch
 
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
-from flywheel.synchronizer.convert import component_from_pb, group_from_pb, policy_from_status_pb, update_from_pb
+from flywheel.synchronizer.convert import (
+    component_from_pb, group_from_pb, policy_from_status_pb, tensor_digests_to_pb, update_from_pb,
+)
 from flywheel.synchronizer.types import (
     Component, EventKind, GroupInfo, Method, Policy, State, TransferState, UpdateRecord,
 )
@@ -38,6 +40,13 @@ class VersionProof:
     def from_pb(cls, r: pb.GetVersionResponse) -> VersionProof:
         tensors = {t.name: bytes(t.digest) for t in r.tensors}
         return cls(r.version, VersionIdentity(bytes(r.identity), tensors), ProbeBatch.from_pb(r.probe), r.epoch)
+
+    def to_pb(self) -> pb.GetVersionResponse:
+        r = pb.GetVersionResponse(version=self.version, identity=self.identity.digest,
+                                  tensors=tensor_digests_to_pb(self.identity.tensors), epoch=self.epoch)
+        if self.probe is not None:
+            r.probe.CopyFrom(self.probe.to_pb())
+        return r
 
 
 @dataclass(frozen=True)

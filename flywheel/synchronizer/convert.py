@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping
+
 from flywheel.common.types import pause_mode_from_pb, pause_mode_to_pb
 from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.codec.identity import IDENTITY_BYTES
 from flywheel.errors import InvalidArgument
+from flywheel.probe import ProbeBatch, ProbeCheck
 from flywheel.runtime.addresses import check_address
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.types import (
@@ -18,11 +22,16 @@ from flywheel.synchronizer.types import (
     Role,
     State,
     Style,
+    UpdateCoverage,
     UpdateOutcome,
     UpdatePhase,
     UpdateRecord,
     UpdateTimings,
 )
+
+#: Most log-probs a probe batch may carry (flywheel.probe's is 4 x 63): a bound on what the
+#: synchronizer records and persists with every version.
+MAX_PROBE_TOKENS = 1 << 16
 
 
 def identity_from_pb(msg: cpb.ComponentIdentity) -> Identity:
@@ -153,12 +162,49 @@ def timings_from_pb(msg: pb.UpdateTimings) -> UpdateTimings:
     return UpdateTimings(*values)
 
 
+def probe_check_to_pb(c: ProbeCheck) -> pb.ProbeCheck:
+    return pb.ProbeCheck(ran=c.ran, tokens=c.tokens, max_abs_diff=c.max_abs_diff, mean_abs_diff=c.mean_abs_diff,
+                         tolerance=c.tolerance, passed=c.passed)
+
+
+def probe_check_from_pb(msg: pb.ProbeCheck) -> ProbeCheck:
+    """A replica's probe check; INVALID_ARGUMENT when its numbers contradict each other (a pass
+    must have run over some tokens and stayed within its tolerance)."""
+    diffs = (msg.max_abs_diff, msg.mean_abs_diff)
+    if any(math.isnan(d) or d < 0 for d in diffs) or not (math.isfinite(msg.tolerance) and msg.tolerance >= 0):
+        raise InvalidArgument(f"coverage.probe: differences must be >= 0 nats and the tolerance finite and >= 0, got "
+                              f"max {msg.max_abs_diff}, mean {msg.mean_abs_diff}, tolerance {msg.tolerance}")
+    if msg.passed and not (msg.ran and msg.tokens > 0 and msg.max_abs_diff <= msg.tolerance):
+        raise InvalidArgument(f"coverage.probe: a pass needs a probe that ran over some tokens within its tolerance; "
+                              f"got ran={msg.ran}, tokens={msg.tokens}, max |diff| {msg.max_abs_diff} against "
+                              f"tolerance {msg.tolerance}")
+    return ProbeCheck(msg.ran, msg.tokens, msg.max_abs_diff, msg.mean_abs_diff, msg.tolerance, msg.passed)
+
+
+def coverage_to_pb(c: UpdateCoverage) -> pb.UpdateCoverage:
+    return pb.UpdateCoverage(
+        tensors=c.tensors, bytes=c.bytes, resident_tensors=c.resident_tensors, resident_bytes=c.resident_bytes,
+        received_tensors=c.received_tensors, received_bytes=c.received_bytes, probe=probe_check_to_pb(c.probe),
+    )
+
+
+def coverage_from_pb(msg: pb.UpdateCoverage) -> UpdateCoverage:
+    """What a replica measured; INVALID_ARGUMENT when it counts more measured than there is."""
+    if msg.resident_tensors + msg.received_tensors > msg.tensors or msg.resident_bytes + msg.received_bytes > msg.bytes:
+        raise InvalidArgument(
+            f"coverage: {msg.resident_tensors} resident + {msg.received_tensors} received tensors "
+            f"({msg.resident_bytes} + {msg.received_bytes} bytes) exceed the version's {msg.tensors} tensors "
+            f"({msg.bytes} bytes); a tensor is counted once")
+    return UpdateCoverage(msg.tensors, msg.bytes, msg.resident_tensors, msg.resident_bytes, msg.received_tensors,
+                          msg.received_bytes, probe_check_from_pb(msg.probe))
+
+
 def update_to_pb(r: UpdateRecord) -> pb.UpdateRecord:
     return pb.UpdateRecord(
         component_id=r.component_id, version=r.version, expected_identity=r.expected_identity,
         resident_identity=r.resident_identity, outcome=int(r.outcome),
         failed_phase=int(r.failed_phase) if r.failed_phase else 0, reason=r.reason, timings=timings_to_pb(r.timings),
-        unix_ms=r.unix_ms, epoch=r.epoch, served_version=r.served_version,
+        unix_ms=r.unix_ms, epoch=r.epoch, served_version=r.served_version, coverage=coverage_to_pb(r.coverage),
     )
 
 
@@ -166,7 +212,7 @@ def update_from_pb(msg: pb.UpdateRecord) -> UpdateRecord:
     return UpdateRecord(
         msg.component_id, msg.version, UpdateOutcome(msg.outcome or UpdateOutcome.FAILED), msg.expected_identity,
         msg.resident_identity, UpdatePhase(msg.failed_phase) if msg.failed_phase else None, msg.reason,
-        timings_from_pb(msg.timings), msg.unix_ms, msg.epoch, msg.served_version,
+        timings_from_pb(msg.timings), msg.unix_ms, msg.epoch, msg.served_version, coverage_from_pb(msg.coverage),
     )
 
 
@@ -177,7 +223,7 @@ def update_report_from_pb(msg: pb.ReportUpdateRequest) -> UpdateRecord:
     try:
         outcome = UpdateOutcome(msg.outcome)
     except ValueError:
-        raise InvalidArgument(f"outcome: must be VERIFIED or FAILED, got {msg.outcome}") from None
+        raise InvalidArgument(f"outcome: must be VERIFIED, UNVERIFIED or FAILED, got {msg.outcome}") from None
     try:
         phase = UpdatePhase(msg.failed_phase) if msg.failed_phase else None
     except ValueError:
@@ -189,7 +235,45 @@ def update_report_from_pb(msg: pb.ReportUpdateRequest) -> UpdateRecord:
     return UpdateRecord(
         msg.id, msg.version, outcome, resident_identity=msg.resident_identity, failed_phase=phase,
         reason=msg.reason[:4000], timings=timings_from_pb(msg.timings), served_version=msg.served_version,
+        coverage=coverage_from_pb(msg.coverage),
     )
+
+
+def tensor_digests_to_pb(tensors: Mapping[str, bytes]) -> list[pb.TensorDigest]:
+    """Each tensor's identity digest, in name order."""
+    return [pb.TensorDigest(name=name, digest=tensors[name]) for name in sorted(tensors)]
+
+
+def tensor_digests_from_pb(msgs: Iterable[pb.TensorDigest], what: str) -> dict[str, bytes]:
+    """Name -> digest; INVALID_ARGUMENT for a nameless, repeated or malformed entry."""
+    tensors: dict[str, bytes] = {}
+    for t in msgs:
+        if not t.name:
+            raise InvalidArgument(f"{what}: a tensor digest without a tensor name")
+        if t.name in tensors:
+            raise InvalidArgument(f"{what}: tensor {t.name!r} is listed twice")
+        if len(t.digest) != IDENTITY_BYTES:
+            raise InvalidArgument(f"{what}: tensor {t.name!r}: a digest is {IDENTITY_BYTES} bytes (XXH3-128), "
+                                  f"got {len(t.digest)}")
+        tensors[t.name] = bytes(t.digest)
+    return tensors
+
+
+def probe_from_pb(msg: cpb.ProbeBatch, what: str) -> ProbeBatch | None:
+    """A trainer's probe batch (None: none sent); INVALID_ARGUMENT for a malformed one, one larger
+    than MAX_PROBE_TOKENS, or log-probs that are not finite (a model that computes NaN has no
+    version worth proving)."""
+    try:
+        probe = ProbeBatch.from_pb(msg)
+    except ValueError as exc:
+        raise InvalidArgument(f"{what}: {exc}") from None
+    if probe is None:
+        return None
+    if probe.tokens > MAX_PROBE_TOKENS:
+        raise InvalidArgument(f"{what}: {probe.tokens} log-probs; a probe holds at most {MAX_PROBE_TOKENS}")
+    if not all(math.isfinite(x) for row in probe.logprobs for x in row):
+        raise InvalidArgument(f"{what}: every log-prob must be finite")
+    return probe
 
 
 def identity_bytes(value: bytes, what: str) -> bytes:

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from flywheel.codec import DEFAULT_BUCKET_BYTES
-from flywheel.codec.identity import identify
+from flywheel.codec.identity import VersionIdentity, identify
 from flywheel.errors import FailedPrecondition, FlywheelError
+from flywheel.probe import ProbeBatch
 from flywheel.transfer.broadcast import GroupSpec, apply_staged, receive, send
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.client_types import TransferOutcome
@@ -79,11 +80,13 @@ async def _abort_flag(client: SynchronizerClient, group_id: str) -> AsyncIterato
 
 async def _finish(
     client: SynchronizerClient, group: GroupInfo, component_id: str, error: BaseException | None,
-    identity: bytes = b"",
+    identity: VersionIdentity | None = None, probe: ProbeBatch | None = None,
 ) -> TransferOutcome:
-    """Reports this side's outcome (the sender's with the identity of what it sent) and waits for the transfer's."""
+    """Reports this side's outcome (the sender's with the identity, tensor digests and probe of what
+    it sent) and waits for the transfer's."""
     reason = "" if error is None else f"{type(error).__name__}: {error}"
-    await client.report_transfer(group.group_id, component_id, error is None, reason, identity=identity)
+    sent = {"identity": identity or b"", "probe": probe} if error is None else {}
+    await client.report_transfer(group.group_id, component_id, error is None, reason, **sent)
     wait = max(0.0, group.deadline_unix_ms / 1000 - time.time()) + 1.0
     return await client.get_transfer(group.group_id, wait_seconds=wait)
 
@@ -96,10 +99,12 @@ async def send_in_group(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     on_bucket: Callable[[int], None] | None = None,
-    identity: bytes | None = None,
+    identity: VersionIdentity | None = None,
+    probe: ProbeBatch | None = None,
 ) -> TransferOutcome:
-    """Broadcasts `tensors` as rank 0. The version's identity (`identity`, or measured on
-    `tensors` while the broadcast runs) goes with the success report."""
+    """Broadcasts `tensors` as rank 0. The version's identity with each tensor's digest
+    (`identity`, or measured on `tensors` while the broadcast runs) and the trainer's `probe`
+    of these weights go with the success report; the synchronizer records them with the version."""
     spec = spec_for(group, trainer_id)
     error: BaseException | None = None
     measured = None if identity is not None else asyncio.ensure_future(asyncio.to_thread(identify, tensors))
@@ -109,13 +114,13 @@ async def send_in_group(
                 send, spec, tensors, bucket_bytes=bucket_bytes, should_abort=aborted.is_set, on_bucket=on_bucket
             )
             if measured is not None:
-                identity = (await measured).digest
+                identity = await measured
         except Exception as exc:  # noqa: BLE001 - every failure is reported, then the outcome decides
             error = exc
         finally:
             if measured is not None and not measured.done():
                 measured.cancel()
-    return await _finish(client, group, trainer_id, error, identity or b"")
+    return await _finish(client, group, trainer_id, error, identity, probe)
 
 
 async def broadcast_version(
@@ -128,8 +133,9 @@ async def broadcast_version(
     timeout_seconds: float = 0.0,
     backend: str = "",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    probe: ProbeBatch | None = None,
 ) -> TransferOutcome:
-    """Trainer: allocates a group for `version` and broadcasts `tensors` as rank 0."""
+    """Trainer: allocates a group for `version` and broadcasts `tensors` as rank 0 (with its `probe`)."""
     try:
         group = await client.allocate_group(
             version, trainer_id, rollout_ids, timeout_seconds=timeout_seconds, backend=backend
@@ -139,7 +145,7 @@ async def broadcast_version(
         with contextlib.suppress(FlywheelError):
             await client.set_state(trainer_id, State.RUNNING, expected=State.WAITING_SYNC)
         raise
-    return await send_in_group(client, trainer_id, group, tensors, bucket_bytes=bucket_bytes)
+    return await send_in_group(client, trainer_id, group, tensors, bucket_bytes=bucket_bytes, probe=probe)
 
 
 @dataclass

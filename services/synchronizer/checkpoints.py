@@ -22,7 +22,10 @@ import struct
 from pathlib import Path
 
 from flywheel.common.v1 import common_pb2
-from flywheel.errors import DataLoss, FailedPrecondition, NotFound
+from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from flywheel.probe import ProbeBatch
+from flywheel.synchronizer.convert import probe_from_pb
+from services.synchronizer.versions import checked_digests
 
 MANIFEST_FILE = "weight_manifest.pb"
 INDEX_FILE = "model.safetensors.index.json"
@@ -116,12 +119,22 @@ def _verify_digest(directory: Path, manifest: common_pb2.WeightManifest) -> None
         raise DataLoss(f"{directory}: the bytes do not match {MANIFEST_FILE}'s digest (corrupt or altered)")
 
 
-def checkpoint_identity(path: str) -> bytes:
-    """The identity `weight_manifest.pb` records for a (verified) checkpoint directory; b"" without one."""
+def checkpoint_proof(path: str) -> tuple[bytes, dict[str, bytes], ProbeBatch | None]:
+    """What `weight_manifest.pb` records of a (verified) checkpoint directory: its identity, each
+    tensor's digest (only when every tensor has one) and the trainer's probe; (b"", {}, None) without
+    a manifest. DATA_LOSS for a probe that does not parse as one."""
     manifest_path = Path(path) / MANIFEST_FILE
     if not manifest_path.exists():
-        return b""
-    return bytes(common_pb2.WeightManifest.FromString(manifest_path.read_bytes()).identity)
+        return b"", {}, None
+    manifest = common_pb2.WeightManifest.FromString(manifest_path.read_bytes())
+    identity = bytes(manifest.identity)
+    tensors = {t.name: bytes(t.digest) for t in manifest.tensors}
+    try:
+        tensors = checked_digests(identity, tensors if tensors and all(tensors.values()) else {}, str(manifest_path))
+        probe = probe_from_pb(manifest.probe, f"{manifest_path}: probe")
+    except InvalidArgument as exc:  # a file, not a request: what it holds is damaged
+        raise DataLoss(str(exc)) from None
+    return identity, tensors, probe
 
 
 def verify_checkpoint(path: str, version: int, *, require_manifest: bool = False, verify_digest: bool = False) -> int:

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from flywheel.errors import FailedPrecondition, InvalidArgument
+from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.synchronizer import metrics
 from services.synchronizer.buffers import WeightStore
 from services.synchronizer.config import SynchronizerConfig
@@ -26,7 +26,7 @@ from flywheel.synchronizer.policy import Decision, decide, validate
 from services.synchronizer.registry import Registry
 from services.synchronizer.storage import open_pool
 from services.synchronizer.store import Store
-from services.synchronizer.updates import UpdateLedger, judge, judge_dropped
+from services.synchronizer.updates import UpdateLedger, judge, judge_base, judge_dropped
 from flywheel.synchronizer.types import (
     Component,
     EventKind,
@@ -38,6 +38,7 @@ from flywheel.synchronizer.types import (
     State,
     Style,
     TransferState,
+    UpdateOutcome,
     UpdateRecord,
 )
 from services.synchronizer.versions import VersionCatalog, VersionRecord
@@ -172,6 +173,17 @@ class Synchronizer:
         """The identity `version` was committed with in this lineage (b"": unknown or none)."""
         record = self.catalog.records.get(version) if version else None
         return record.identity if record is not None else b""
+
+    def version_record(self, version: int) -> VersionRecord:
+        """What `version` was committed with in this lineage (GetVersion): its identity, tensor digests
+        and probe. NotFound, saying why, for a version not committed in it (or whose record is evicted)."""
+        if version < 1:
+            raise InvalidArgument(f"version must be >= 1, got {version} (version 0 is the base model, which no "
+                                  "publisher recorded)")
+        record = self.catalog.records.get(version)
+        if record is None:
+            raise NotFound(self.catalog.why_missing(version, self.epoch, self.rewound_to))
+        return record
 
     @property
     def push_requested(self) -> bool:
@@ -394,21 +406,32 @@ class Synchronizer:
         self.registry.touch(c, f"quarantined: {reason}")
 
     def report_update(self, report: UpdateRecord) -> UpdateRecord:
-        """Records a rollout's update result with the synchronizer's verdict; a failed update
-        quarantines the rollout, a verified one ends its quarantine. Version 0 (the base model)
-        is an update only after the run started over (a rewind to 0)."""
+        """Records a rollout's update result with the synchronizer's verdict (`updates.judge`): a failed
+        or unverified update quarantines the rollout, only a verified one ends its quarantine. A claim
+        of success (VERIFIED or UNVERIFIED) for a version never recorded in this lineage is refused
+        (FAILED_PRECONDITION): there is nothing to judge it against. A failure is recorded whatever
+        the version: the replica's weights may be broken either way. Version 0 (the base model) is an
+        update only after the run started over (a rewind to 0); see `updates.judge_base`."""
         if report.version == 0 and not (self.epoch and self.rewound_to == 0):
             raise InvalidArgument("version: must be >= 1, got 0 (the base model is reported only after a rewind "
                                   "to version 0)")
         c = self.registry.get(report.component_id)
         if c.role != Role.ROLLOUT:
             raise InvalidArgument(f"ReportUpdate is for rollouts; {c.id!r} is a {c.role.name.lower()}")
+        base = report.version == 0
         if report.version in self.catalog.dropped:
-            # A replica that finished installing a version after a rewind dropped it: with no identity
-            # left to compare, `judge` would take it as verified (and end a quarantine).
+            # A replica that finished installing a version after a rewind dropped it: it holds a lost lineage's weights.
             record = judge_dropped(report, self.rewound_to, self.epoch)
+        elif base:
+            record = judge_base(report, self.epoch)
         else:
-            record = judge(report, self.identity_of(report.version), self.epoch)
+            version = self.catalog.records.get(report.version)
+            if version is None and report.outcome != UpdateOutcome.FAILED:
+                raise FailedPrecondition(
+                    f"{c.id!r} reports version {report.version} {report.outcome.name}, but "
+                    f"{self.catalog.why_missing(report.version, self.epoch, self.rewound_to)}: a claim is judged "
+                    "only against a version this synchronizer recorded")
+            record = judge(report, version, self.epoch)
         self.updates.record(record)
         t = record.timings
         for phase, seconds in (("admit", t.admit_seconds), ("transfer", t.transfer_seconds),
@@ -416,20 +439,24 @@ class Synchronizer:
                                ("reopen", t.reopen_seconds), ("pause", t.pause_seconds)):
             if seconds:
                 metrics.UPDATE_PHASE_SECONDS.labels(phase).observe(seconds)
+        metrics.UPDATES.labels(record.outcome.name.lower()).inc()
         if record.resident_identity:
             c.weight_identity = record.resident_identity
         if record.verified:
-            metrics.UPDATES.labels("verified").inc()
             if c.quarantined:
                 log.info("rollout rejoins: its update verified", extra={"id": c.id, "version": record.version})
             c.quarantined, c.quarantine_reason = False, ""
             metrics.QUARANTINED.set(sum(r.quarantined for r in self.registry.live(Role.ROLLOUT)))
             self.store.save_component(c)
-        else:
-            metrics.UPDATES.labels("failed").inc()
+        elif record.outcome == UpdateOutcome.FAILED:
             phase = record.failed_phase.name.lower() if record.failed_phase else "update"
             self.store.save_component(c)
             self._quarantine(c, f"{phase} of version {record.version} failed: {record.reason or 'no reason given'}")
+        elif base:
+            self.store.save_component(c)  # the base model: as trusted as at the run's start, no more, no less
+        else:
+            self.store.save_component(c)
+            self._quarantine(c, f"version {record.version} is unverified: {record.reason or 'no reason given'}")
         self.events.publish(EventKind.UPDATE_REPORTED, c, version=record.version, update=record,
                             message=record.reason if not record.verified else "")
         return record
@@ -501,7 +528,8 @@ class Synchronizer:
             # version a rewind went back to, broadcast again by the resumed trainer: it is this
             # lineage's now, with the identity of what was sent (the replicas are judged against it).
             if group.version > self.catalog.latest or (recorded is not None and recorded.epoch < self.epoch):
-                self.commit_version(VersionRecord(group.version, Method.NCCL, identity=group.identity),
+                self.commit_version(VersionRecord(group.version, Method.NCCL, identity=group.identity,
+                                                  tensors=group.tensors, probe=group.probe),
                                     location=group.group_id)
         else:
             metrics.WEIGHT_SYNC_FAILURES.labels("nccl").inc()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from flywheel.probe import ProbeBatch
 from services.synchronizer.buffers import Signal
 from flywheel.synchronizer.types import Component, TransferState
 from flywheel.transfer.broadcast import BACKENDS
@@ -45,6 +46,9 @@ class Group:
     started: float = field(default_factory=time.monotonic)
     #: What rank 0 reported it sent (flywheel.codec.identity); the version's identity once committed.
     identity: bytes = b""
+    #: Rank 0's tensor digests (composing to `identity`) and probe, recorded with the version on commit.
+    tensors: dict[str, bytes] = field(default_factory=dict)
+    probe: ProbeBatch | None = None
 
     @property
     def trainer_id(self) -> str:
@@ -152,10 +156,12 @@ class Transfers:
             raise NotFound(f"transfer group {group_id!r} is unknown (finished long ago, or before a restart)")
         return group
 
-    def report(self, group_id: str, component_id: str, success: bool, error: str = "", identity: bytes = b"") -> Group:
+    def report(self, group_id: str, component_id: str, success: bool, error: str = "", identity: bytes = b"",
+               tensors: dict[str, bytes] | None = None, probe: ProbeBatch | None = None) -> Group:
         """A member's outcome. The transfer commits once every member confirmed, the sender
-        included: its confirmation carries the identity of what it sent, which the version
-        is committed with and the receivers verify their loaded weights against."""
+        included: its confirmation carries the identity of what it sent (with each tensor's
+        digest and its probe), which the version is committed with and the receivers verify
+        their loaded weights against."""
         group = self.get(group_id)
         if not group.has(component_id):
             raise FailedPrecondition(f"{component_id!r} is not a member of transfer group {group_id!r}")
@@ -165,7 +171,7 @@ class Transfers:
             self._finish(group, TransferState.ABORTED, f"{component_id} failed: {error or 'no reason given'}")
         else:
             if component_id == group.trainer_id and identity:
-                group.identity = identity
+                group.identity, group.tensors, group.probe = identity, dict(tensors or {}), probe
             group.confirmed.add(component_id)
             if all(cid in group.confirmed for cid, _ in group.members):
                 self._finish(group, TransferState.COMMITTED, "")

@@ -90,17 +90,18 @@ UPDATE_PHASE_SECONDS = Histogram(
 )
 UPDATES = Counter(
     "flywheel_updates_total",
-    "Rollouts' weight updates by the synchronizer's verdict (verified, or failed in some phase).",
+    "Rollouts' weight updates by the synchronizer's verdict (verified; unverified: not every tensor measured; "
+    "or failed in some phase).",
     ["outcome"],
 )
 QUARANTINED = Gauge(
     "flywheel_synchronizer_quarantined_rollouts",
-    "Live rollouts quarantined (no traffic) since a weight update of theirs failed.",
+    "Live rollouts quarantined (no traffic) since a weight update of theirs failed or was not verified.",
 )
 
 for _phase in UPDATE_PHASES:
     UPDATE_PHASE_SECONDS.labels(_phase)
-for _outcome in ("verified", "failed"):
+for _outcome in ("verified", "unverified", "failed"):
     UPDATES.labels(_outcome)
 
 for _role in ROLES:

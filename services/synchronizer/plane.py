@@ -16,20 +16,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from flywheel.codec.identity import VersionIdentity
 from flywheel.common.v1 import common_pb2
-from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument, NotFound, Unavailable
+from flywheel.errors import DataLoss, FailedPrecondition, FlywheelError, InvalidArgument, NotFound, Unavailable
+from flywheel.probe import ProbeBatch
+from flywheel.synchronizer.client_types import VersionProof
+from flywheel.synchronizer.convert import probe_from_pb
 from flywheel.runtime.paths import confine
 from flywheel.transfer.segments import PREFIX as SEGMENT_PREFIX
 from flywheel.transfer.segments import PUSH_SEGMENT_REFUSED, SegmentMaps, SegmentUnavailable
 from services.synchronizer import metrics
 from services.synchronizer.buffers import VersionBuffer
-from services.synchronizer.checkpoints import checkpoint_identity, verify_checkpoint
+from services.synchronizer.checkpoints import checkpoint_proof, verify_checkpoint
 from services.synchronizer.core import Synchronizer
 from services.synchronizer.deltas import DeltaCache
 from services.synchronizer.relay import Relay
 from services.synchronizer.groups import Group
 from flywheel.synchronizer.types import Component, EventKind, Method, Policy, Role, State
-from services.synchronizer.versions import VersionRecord
+from services.synchronizer.versions import VersionRecord, checked_digests
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,7 @@ class WeightPlane:
         self._not_a_relay("a push")
         # A version equal to the newest is accepted only to restore bytes lost in a restart.
         self.sync.check_version(manifest.version, "push", allow_equal=self.sync.push_requested)
+        pushed_proof(manifest)  # refused before anything is staged
         buffer = self.weights.begin(manifest, frame)
         self.sync.events.publish(EventKind.VERSION_STAGED, version=buffer.version, method=Method.MEMORY)
         metrics.WEIGHTS_HELD_BYTES.set(self.weights.held_bytes)
@@ -113,7 +118,9 @@ class WeightPlane:
         """Verifies completeness and digest, then commits; returns the kept versions."""
         self.sync.check_version(buffer.version, "push", allow_equal=self.sync.push_requested)
         evicted = self.weights.commit(buffer, self._leased(), self.sync.config.delta_base_bytes)
-        record = VersionRecord(buffer.version, Method.MEMORY, buffer.payload_bytes, identity=bytes(buffer.manifest.identity))
+        tensors, probe = pushed_proof(buffer.manifest)
+        record = VersionRecord(buffer.version, Method.MEMORY, buffer.payload_bytes,
+                               identity=bytes(buffer.manifest.identity), tensors=tensors, probe=probe)
         self.sync.commit_version(record)
         metrics.WEIGHT_SYNC_DURATION.labels("memory").observe(time.monotonic() - buffer.started)
         log.info(
@@ -186,7 +193,12 @@ class WeightPlane:
 
     # -- CHECKPOINT ----------------------------------------------------------
 
-    async def register_checkpoint(self, version: int, path: str, trainer_id: str) -> int:
+    async def register_checkpoint(self, version: int, path: str, trainer_id: str,
+                                  tensors: dict[str, bytes] | None = None, probe: ProbeBatch | None = None) -> int:
+        """Commits a checkpoint directory once it checks out. Its identity is the one its
+        `weight_manifest.pb` records; the registration's `tensors` (each tensor's digest) and
+        `probe` must agree with the manifest's where it has them (DATA_LOSS otherwise: the
+        directory is not what the trainer says it wrote) and are recorded with the version."""
         self._not_a_relay("a checkpoint registration")
         if not path:
             raise InvalidArgument("path: empty")
@@ -203,12 +215,14 @@ class WeightPlane:
                 require_manifest=self.sync.config.checkpoint_require_manifest,
                 verify_digest=self.sync.config.checkpoint_verify_digest,
             )
-            identity = await asyncio.to_thread(checkpoint_identity, path)
+            identity, tensors, probe = _checkpoint_record(path, *await asyncio.to_thread(checkpoint_proof, path),
+                                                          tensors or {}, probe)
             self.sync.check_version(version, "checkpoint")  # something newer may have landed meanwhile
         except FlywheelError:
             metrics.WEIGHT_SYNC_FAILURES.labels("checkpoint").inc()
             raise
-        self.sync.commit_version(VersionRecord(version, Method.CHECKPOINT, nbytes, path, identity=identity))
+        self.sync.commit_version(VersionRecord(version, Method.CHECKPOINT, nbytes, path, identity=identity,
+                                               tensors=tensors, probe=probe))
         metrics.WEIGHT_SYNC_DURATION.labels("checkpoint").observe(time.monotonic() - started)
         log.info("checkpoint registered", extra={"version": version, "path": path, "trainer_id": trainer_id})
         return version
@@ -261,12 +275,30 @@ class WeightPlane:
         return group
 
     def report_transfer(self, group_id: str, component_id: str, success: bool, error: str,
-                        identity: bytes = b"") -> Group:
-        """`identity`: rank 0's report of what it sent (the version's identity once committed)."""
-        return self.sync.transfers.report(group_id, component_id, success, error, identity)
+                        identity: bytes = b"", tensors: dict[str, bytes] | None = None,
+                        probe: ProbeBatch | None = None) -> Group:
+        """`identity`, `tensors` and `probe`: rank 0's report of what it sent (recorded with the
+        version once the transfer commits); the tensor digests must compose to the identity."""
+        if tensors or probe is not None:
+            group = self.sync.transfers.get(group_id)
+            if component_id != group.trainer_id or not success:
+                raise InvalidArgument(f"only rank 0 ({group.trainer_id!r}), reporting success, sends the version's "
+                                      f"tensor digests and probe; {component_id!r} sent them")
+        tensors = checked_digests(identity, tensors or {}, "tensors")
+        return self.sync.transfers.report(group_id, component_id, success, error, identity, tensors, probe)
 
     async def get_transfer(self, group_id: str, wait_seconds: float) -> Group:
         return await self.sync.transfers.wait(group_id, wait_seconds)
+
+    # -- what a version is ----------------------------------------------------
+
+    async def get_version(self, version: int) -> VersionProof:
+        """What `version` was committed with (GetVersion). A relay holds bytes, not the run's
+        catalog: it asks its upstream (within its client's deadline)."""
+        if self.relay is not None:
+            return await self.relay.client.get_version(version)
+        r = self.sync.version_record(version)
+        return VersionProof(r.version, VersionIdentity(r.identity, dict(r.tensors)), r.probe, r.epoch)
 
     # -- status --------------------------------------------------------------
 
@@ -280,3 +312,31 @@ class WeightPlane:
             transfers=list(s.transfers.groups.values()),
             held_bytes=self.weights.held_bytes,
         )
+
+
+def pushed_proof(manifest: common_pb2.WeightManifest) -> tuple[dict[str, bytes], ProbeBatch | None]:
+    """What a pushed manifest says the version is beyond its identity: every tensor's digest (recorded
+    only when each tensor has one: the codec checked they compose to the identity) and the trainer's
+    probe; INVALID_ARGUMENT for a malformed probe."""
+    tensors = {t.name: bytes(t.digest) for t in manifest.tensors}
+    whole = bool(tensors) and all(tensors.values())
+    tensors = checked_digests(bytes(manifest.identity), tensors if whole else {}, "manifest.tensors")
+    return tensors, probe_from_pb(manifest.probe, "manifest.probe")
+
+
+def _checkpoint_record(
+    path: str, identity: bytes, listed: dict[str, bytes], written: ProbeBatch | None,
+    tensors: dict[str, bytes], probe: ProbeBatch | None,
+) -> tuple[bytes, dict[str, bytes], ProbeBatch | None]:
+    """(identity, tensor digests, probe) of a checkpoint: its manifest's (`identity`, `listed`,
+    `written`), which the registration's `tensors` and `probe` must agree with."""
+    if tensors and not identity:
+        raise InvalidArgument(f"tensors: {path} has no weight_manifest.pb with the identity the tensor digests "
+                              "compose to; write one, or register without tensor digests")
+    if tensors and listed and tensors != listed:
+        differ = sorted(n for n in set(tensors) | set(listed) if tensors.get(n) != listed.get(n))
+        raise DataLoss(f"{path}: weight_manifest.pb and the registration disagree on {len(differ)} tensor digest(s) "
+                       f"({', '.join(differ[:3])}): the directory is not what the trainer says it wrote")
+    if probe is not None and written is not None and probe != written:
+        raise DataLoss(f"{path}: weight_manifest.pb holds another probe than the registration sends")
+    return identity, checked_digests(identity, tensors or listed, "tensors"), probe or written

@@ -98,6 +98,9 @@ class Registry:
         self.rewinding.pop(identity.id, None)  # a registration says exactly what it holds
         if old is not None and old.role == identity.role:
             c.last_sync_step = old.last_sync_step
+            # A quarantine ends only with a verified update: a replica that registers again (its heartbeat
+            # found it forgotten, or its process restarted) holds nothing that proves its weights now.
+            c.quarantined, c.quarantine_reason = old.quarantined, old.quarantine_reason
         self.renew(c)
         self.components[c.id] = c
         self._on_change(c, EventKind.COMPONENT_REGISTERED, "")

@@ -31,7 +31,9 @@ from flywheel.synchronizer.convert import (
     identity_from_pb,
     policy_from_pb,
     policy_to_pb,
+    probe_from_pb,
     state_from_pb,
+    tensor_digests_from_pb,
     update_report_from_pb,
     update_to_pb,
 )
@@ -233,7 +235,9 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
     # -- CHECKPOINT ----------------------------------------------------------
 
     async def RegisterCheckpoint(self, request: pb.RegisterCheckpointRequest, context) -> pb.RegisterCheckpointResponse:
-        version = await self.plane.register_checkpoint(request.version, request.path, request.trainer_id)
+        version = await self.plane.register_checkpoint(
+            request.version, request.path, request.trainer_id, tensor_digests_from_pb(request.tensors, "tensors"),
+            probe_from_pb(request.probe, "probe"))
         return pb.RegisterCheckpointResponse(version=version)
 
     async def GetCheckpoint(self, request: pb.GetCheckpointRequest, context) -> pb.GetCheckpointResponse:
@@ -250,7 +254,9 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
 
     async def ReportTransfer(self, request: pb.ReportTransferRequest, context) -> pb.ReportTransferResponse:
         group = self.plane.report_transfer(request.group_id, request.id, request.success, request.error,
-                                           identity_bytes(request.identity, "identity"))
+                                           identity_bytes(request.identity, "identity"),
+                                           tensor_digests_from_pb(request.tensors, "tensors"),
+                                           probe_from_pb(request.probe, "probe"))
         return pb.ReportTransferResponse(state=int(group.state))
 
     async def GetTransfer(self, request: pb.GetTransferRequest, context) -> pb.GetTransferResponse:
@@ -276,6 +282,9 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
             transfers=[transfer_to_pb(g) for g in s.transfers], held_bytes=s.held_bytes,
             epoch=self.sync.epoch, rewound_to=self.sync.rewound_to,
         )
+
+    async def GetVersion(self, request: pb.GetVersionRequest, context) -> pb.GetVersionResponse:
+        return (await self.plane.get_version(request.version)).to_pb()
 
     # -- lineage -------------------------------------------------------------
 

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
+from flywheel.common.v1 import common_pb2
+from flywheel.probe import ProbeBatch
 from flywheel.synchronizer.types import Component, Identity, Method, Policy, Role, RolloutWait, State, Style
 from services.synchronizer.versions import VersionRecord
 
@@ -33,7 +35,9 @@ CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 #: Columns added after the first schema, with their values for rows written before them.
 _ADDED_COLUMNS = {
     "components": {"weight_identity": "BLOB NOT NULL DEFAULT x''", "quarantine_reason": "TEXT"},
-    "versions": {"identity": "BLOB NOT NULL DEFAULT x''", "epoch": "INTEGER NOT NULL DEFAULT 0"},
+    # tensors: JSON name -> hex digest; probe: a serialized common.v1.ProbeBatch (float32 exactly as sent).
+    "versions": {"identity": "BLOB NOT NULL DEFAULT x''", "epoch": "INTEGER NOT NULL DEFAULT 0",
+                 "tensors": "TEXT NOT NULL DEFAULT '{}'", "probe": "BLOB NOT NULL DEFAULT x''"},
 }
 
 
@@ -91,9 +95,11 @@ class Store:
         if self._db is None:
             return
         self._db.execute(
-            "INSERT OR REPLACE INTO versions (version, method, nbytes, path, committed_unix_ms, identity, epoch)"
-            " VALUES (?,?,?,?,?,?,?)",
-            (r.version, int(r.method), r.nbytes, r.path, r.committed_unix_ms, r.identity, r.epoch),
+            "INSERT OR REPLACE INTO versions (version, method, nbytes, path, committed_unix_ms, identity, epoch,"
+            " tensors, probe) VALUES (?,?,?,?,?,?,?,?,?)",
+            (r.version, int(r.method), r.nbytes, r.path, r.committed_unix_ms, r.identity, r.epoch,
+             json.dumps({name: digest.hex() for name, digest in r.tensors.items()}),
+             r.probe.to_pb().SerializeToString() if r.probe is not None else b""),
         )
 
     def save_policy(self, policy: Policy) -> None:
@@ -129,9 +135,15 @@ class Store:
         if self._db is None:
             return []
         rows = self._db.execute(
-            "SELECT version, method, nbytes, path, committed_unix_ms, identity, epoch FROM versions ORDER BY version"
+            "SELECT version, method, nbytes, path, committed_unix_ms, identity, epoch, tensors, probe FROM versions"
+            " ORDER BY version"
         ).fetchall()
-        return [VersionRecord(v, Method(m), n, p, t, bytes(i), e) for v, m, n, p, t, i, e in rows]
+        return [
+            VersionRecord(v, Method(m), n, p, t, bytes(i), e,
+                          tensors={name: bytes.fromhex(d) for name, d in json.loads(digests).items()},
+                          probe=ProbeBatch.from_pb(common_pb2.ProbeBatch.FromString(bytes(probe))))
+            for v, m, n, p, t, i, e, digests, probe in rows
+        ]
 
     def load_policy(self) -> Policy | None:
         if self._db is None:

@@ -5,13 +5,22 @@ CHECKPOINT registration or an NCCL transfer must carry a version at least as
 new as the newest committed one. Only a rewind (`Synchronizer.rewind`) drops
 the versions above a point, and starts a new lineage there. Only metadata lives here (it is persisted); the bytes
 of MEMORY versions live in `buffers.WeightStore` and may be lost on restart.
+
+With each version the catalog records what a replica's update is judged against (GetVersion): its
+identity, each tensor's identity digest and the trainer's probe, as the publisher sent them. Tensor
+digests are recorded only when they compose to the identity (`checked_digests`), so a replica that
+verifies tensor by tensor and one that verifies the whole version agree on what the version is.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+from flywheel.codec.identity import IDENTITY_BYTES, version_digest
+from flywheel.errors import InvalidArgument
+from flywheel.probe import ProbeBatch
 from flywheel.synchronizer.types import Method
 
 
@@ -28,6 +37,31 @@ class VersionRecord:
     identity: bytes = b""
     #: The lineage (rewinds so far) it was committed in.
     epoch: int = 0
+    #: Each tensor's identity digest, composing to `identity` (empty: the publisher sent none).
+    tensors: dict[str, bytes] = field(default_factory=dict)
+    #: The trainer's log-probs of the probe batch under this version (None: none was published).
+    probe: ProbeBatch | None = None
+
+
+def checked_digests(identity: bytes, tensors: Mapping[str, bytes], what: str) -> dict[str, bytes]:
+    """`tensors` (name -> identity digest) when they compose to `identity` (flywheel.codec.identity);
+    InvalidArgument naming `what` otherwise. None at all is fine: an older publisher sends none."""
+    if not tensors:
+        return {}
+    if not identity:
+        raise InvalidArgument(f"{what}: {len(tensors)} tensor digests without the identity they compose to")
+    for name, digest in tensors.items():
+        if not name:
+            raise InvalidArgument(f"{what}: a tensor digest without a tensor name")
+        if len(digest) != IDENTITY_BYTES:
+            raise InvalidArgument(f"{what}: tensor {name!r}: a digest is {IDENTITY_BYTES} bytes (XXH3-128), "
+                                  f"got {len(digest)}")
+    composed = version_digest(tensors)
+    if composed != identity:
+        raise InvalidArgument(f"{what}: the {len(tensors)} tensor digests compose to {composed.hex()[:16]}, not to "
+                              f"the identity {identity.hex()[:16]} they come with (a publisher's bug, or another "
+                              "version's digests)")
+    return dict(tensors)
 
 
 class VersionCatalog:
@@ -67,6 +101,15 @@ class VersionCatalog:
             del self.records[v]
         self.dropped.update(dropped)
         return dropped
+
+    def why_missing(self, version: int, epoch: int, rewound_to: int) -> str:
+        """Why `version` has no record in this lineage, in words (for a NOT_FOUND or a refusal)."""
+        if version in self.dropped:
+            return (f"version {version} was dropped by a rewind (the last went back to version {rewound_to}, "
+                    f"lineage {epoch})")
+        if self.records and version < min(self.records):
+            return f"version {version} is older than the oldest version kept ({min(self.records)}): its record was evicted"
+        return f"version {version} has not been committed in lineage {epoch} (newest committed: {self.latest})"
 
     def restore(self, records: list[VersionRecord]) -> None:
         for r in records:

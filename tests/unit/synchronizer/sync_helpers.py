@@ -6,6 +6,7 @@ import torch
 
 from flywheel.codec import encode_state_dict
 from flywheel.codec.wire import parse_chunk
+from flywheel.synchronizer.types import UpdateCoverage, UpdateOutcome, UpdateRecord
 from flywheel.transfer.frames import encoded_frames, split_frame
 
 
@@ -34,3 +35,18 @@ def frames_of(state: dict[str, torch.Tensor], version: int, chunk_bytes: int = 1
 def corrupt(frame: bytes) -> bytes:
     """The frame with its last payload byte flipped (the payload is the frame's tail)."""
     return frame[:-1] + bytes([frame[-1] ^ 0xFF])
+
+
+def measured_all(tensors: int, nbytes: int = 1) -> UpdateCoverage:
+    """Coverage of a replica that hashed every one of `tensors` tensors as they sit in its engine."""
+    return UpdateCoverage(tensors=tensors, bytes=nbytes, resident_tensors=tensors, resident_bytes=nbytes)
+
+
+def verified_report(sync, component: str, version: int, resident: bytes | None = None) -> UpdateRecord:
+    """A VERIFIED claim of `version` with every tensor measured RESIDENT; `resident` (default: the
+    identity the synchronizer recorded) is what the replica measured."""
+    record = sync.catalog.records.get(version)
+    identity = resident if resident is not None else record.identity
+    count = len(record.tensors) if record is not None and record.tensors else 1
+    return UpdateRecord(component, version, UpdateOutcome.VERIFIED, resident_identity=identity,
+                        coverage=measured_all(count), served_version=version)

@@ -13,6 +13,7 @@ from flywheel.runtime.auth import Scope
 from flywheel.synchronizer.types import EventKind, Identity, Role, State, UpdateOutcome, UpdateRecord
 from services.synchronizer.app import METHOD_SCOPES
 from services.synchronizer.core import Synchronizer
+from tests.unit.synchronizer.sync_helpers import measured_all, verified_report
 from tests.unit.synchronizer.test_sync_core import push, service
 
 
@@ -98,7 +99,11 @@ async def test_starting_over_drops_every_version_and_takes_the_replicas_back_to_
     assert "started over from the base model" in event.message
     sync.heartbeat("r", 0, 3)  # still on the lost lineage
     assert sync.registry.get("r").weight_version == 3
-    assert sync.report_update(UpdateRecord("r", 0, UpdateOutcome.VERIFIED)).verified  # reloaded its base weights
+    # Reloaded its base weights: no publisher recorded the base model, so that is no proof (never VERIFIED),
+    # and no quarantine either: as trusted as at the run's start.
+    base = sync.report_update(UpdateRecord("r", 0, UpdateOutcome.VERIFIED, coverage=measured_all(5)))
+    assert base.outcome == UpdateOutcome.UNVERIFIED and "base model" in base.reason
+    assert not sync.registry.get("r").quarantined
     sync.heartbeat("r", 0, 0)
     assert sync.registry.get("r").weight_version == 0 and "r" in sync.registry.components
     assert sync.registry.rewinding == {"behind": 0}
@@ -150,7 +155,7 @@ def test_a_broadcast_after_a_rewind_includes_the_rollouts_going_back() -> None:
     assert sync.catalog.latest == 2 and sync.registry.get("behind").weight_version == 2
     record = sync.catalog.records[2]
     assert (record.identity, record.epoch) == (b"resumed", 1)
-    assert sync.report_update(UpdateRecord("r", 2, UpdateOutcome.VERIFIED, resident_identity=b"resumed")).verified
+    assert sync.report_update(verified_report(sync, "r", 2, b"resumed")).verified
 
     sync.register(Identity(Role.ROLLOUT, "late"), 0, 0)
     again = plane.allocate_group(2, "t", [], 0, "gloo")
@@ -170,15 +175,15 @@ def test_a_report_of_a_dropped_version_after_the_rewind_is_no_verified_update() 
     assert record.outcome == UpdateOutcome.FAILED and record.epoch == 1
     assert "version 3 was dropped by a rewind (the last went back to version 2" in record.reason
     assert sync.registry.get("behind").quarantined
-    assert sync.report_update(UpdateRecord("behind", 2, UpdateOutcome.VERIFIED,
-                                           resident_identity=sync.identity_of(2))).verified
+    assert sync.report_update(verified_report(sync, "behind", 2)).verified
     assert not sync.registry.get("behind").quarantined
     push(plane, 3, seed=33)
-    assert sync.report_update(UpdateRecord("behind", 3, UpdateOutcome.VERIFIED,
-                                           resident_identity=sync.identity_of(3))).verified
-    # Only what a rewind dropped: a version the catalog never held (loaded by hand from a directory,
-    # say) is judged as before the rewind, with no identity to compare.
-    assert sync.report_update(UpdateRecord("behind", 9, UpdateOutcome.VERIFIED, resident_identity=b"9")).verified
+    assert sync.report_update(verified_report(sync, "behind", 3)).verified
+    # A version the catalog never held (loaded by hand from a directory, say) has nothing to be judged
+    # against: the claim is refused (test_sync_verification.py), never taken as verified.
+    with pytest.raises(FailedPrecondition, match="version 9 has not been committed"):
+        sync.report_update(UpdateRecord("behind", 9, UpdateOutcome.VERIFIED, resident_identity=b"9" * 16,
+                                        coverage=measured_all(5)))
 
 
 def test_a_restarted_synchronizer_still_knows_what_the_rewind_dropped(tmp_path: Path) -> None:
@@ -189,8 +194,7 @@ def test_a_restarted_synchronizer_still_knows_what_the_rewind_dropped(tmp_path: 
     assert again.catalog.dropped == {3}
     late = again.report_update(UpdateRecord("r", 3, UpdateOutcome.VERIFIED, resident_identity=b"old-3"))
     assert late.outcome == UpdateOutcome.FAILED and "dropped by a rewind" in late.reason
-    assert again.report_update(UpdateRecord("r", 2, UpdateOutcome.VERIFIED,
-                                            resident_identity=again.identity_of(2))).verified
+    assert again.report_update(verified_report(again, "r", 2)).verified
 
 
 def test_a_rollout_registering_again_ends_its_rewind() -> None:

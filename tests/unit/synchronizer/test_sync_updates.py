@@ -15,7 +15,7 @@ from flywheel.synchronizer.types import (
     EventKind, Identity, Method, Role, State, Style, UpdateOutcome, UpdatePhase, UpdateRecord, UpdateTimings,
 )
 from services.synchronizer.store import Store
-from tests.unit.synchronizer.sync_helpers import small_state
+from tests.unit.synchronizer.sync_helpers import measured_all, small_state
 from tests.unit.synchronizer.test_sync_core import push, service
 
 R = Identity(Role.ROLLOUT, "r", capabilities=frozenset({Method.MEMORY}))
@@ -26,10 +26,11 @@ def identity_of(seed: int) -> bytes:
 
 
 def verified(version: int, identity: bytes, component: str = "r") -> UpdateRecord:
+    """A VERIFIED claim with every tensor of small_state measured as resident."""
     return UpdateRecord(component, version, UpdateOutcome.VERIFIED, resident_identity=identity,
                         timings=UpdateTimings(admit_seconds=0.01, transfer_seconds=0.2, apply_seconds=0.05,
                                               verify_seconds=0.02, reopen_seconds=0.001, pause_seconds=0.08),
-                        served_version=version)
+                        served_version=version, coverage=measured_all(len(small_state())))
 
 
 def test_a_pushed_version_is_committed_with_its_identity_and_lineage() -> None:
