@@ -149,6 +149,7 @@ def build_pipeline(
     fleet = Fleet(
         services.synchronizer, engines, gate, mode=cfg.mode, method=sync.method, style=sync.style,
         interval=sync.interval, offset=sync.offset, pause_mode=sync.pause_mode, timeout_seconds=sync.timeout_seconds,
+        verify_timeout_seconds=cfg.verify_timeout_seconds,
     )
     validator = None
     if val_loader is not None:
@@ -194,7 +195,7 @@ def build_pipeline(
             lambda: WandbSink(cfg.metrics.wandb_project, cfg.run.name, cfg.model_dump(mode="json", by_alias=True)),
         ))
     observer = SynchronizerObserver(services.synchronizer.events, Path(run_dir) if run_dir else None,
-                                    latest=services.synchronizer.latest_version)
+                                    ask_newest=services.synchronizer.latest_version, newest=fleet.newest)
     membership = Membership(engines, liveness, services.connect_rollout, services.rollout_filter)
     observer.listeners.append(membership.update)
     observer.event_listeners.append(fleet.observe)

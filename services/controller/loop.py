@@ -5,6 +5,8 @@ Rollout workers generate in the background from the moment
 the mode's business: see batches/staleness.py and weights/fleet.py); the loop itself
 only consumes batches, trains and keeps the books. It moves no weights: the
 trainer publishes, the replicas follow (one road, through the synchronizer).
+It trains on no token of a weight version that no replica verified: before
+each step it takes the fleet's verdict on the versions the batch came from.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ async def run(p: Pipeline) -> RunSummary:
             batch = await p.next_batch()  # None: data exhausted, or a stop was requested
             if batch is None:
                 break
+            if not await p.weights_verified(batch):  # the fleet's verdict on each version its tokens came from
+                continue  # a version no replica proved (not trained: the run stops on its error), or a stop
             result = await p.train(batch)  # TrainStep; None if the trainer rejected the batch
             if result is None:
                 continue

@@ -267,16 +267,51 @@ class Pipeline:
             self.state.busy_at_first_batch = self.tracker.busy_seconds("trainer")
         return batch
 
+    async def weights_verified(self, batch: TrainBatch) -> bool:
+        """The fleet's verdict on every weight version the batch's tokens came from (weights/fleet.py):
+        True once a replica verified each, which it reported before generating on it, so normally at
+        once. Within sync.verify_timeout_seconds, or False: a version nobody proved (every replica
+        failed or could not measure it, and the synchronizer's policy does not accept that) is not
+        trained on in any mode; the critical error names each replica's verdict, and the run stops
+        (errors.policy), as a failed weight sync fails a verl job. Replicas keep their old weights
+        by themselves (a failed update leaves a replica quarantined, on no traffic). False as well,
+        with nothing given up, when the run is told to stop meanwhile."""
+        versions = {v for t in batch.trajectories
+                    for v in (t.version_start, t.version_end, *(x for turn in t.turn_versions for x in turn))}
+        done, answer = await self._unless_stopped(self.fleet.until_usable(versions))
+        if not done:
+            return False
+        verdicts, _ = answer
+        if not all(v.usable for v in verdicts):
+            self.not_trained(batch)
+        for verdict in verdicts:
+            if not verdict.usable:
+                self.errors.report(
+                    "controller", f"no rollout replica verified weight version {verdict.version} within "
+                    f"{self.fleet.verify_timeout_seconds:g} s (sync.verify_timeout_seconds); the batch of step "
+                    f"{self.train_worker.step + 1} holds tokens generated on it and is not trained. "
+                    f"{verdict.describe()}", severity="critical")
+            elif not verdict.verified:
+                log.warning("training on tokens of version %d, which no replica verified: the synchronizer's policy "
+                            "accepts unverified updates (%s)", verdict.version, verdict.describe())
+        return all(v.usable for v in verdicts)
+
+    def not_trained(self, batch: TrainBatch) -> None:
+        """The batch is given up without a step: later batches train one version earlier, and its tasks end."""
+        self.gate.batch_not_trained()
+        for task_id in {t.task.id for t in batch.trajectories}:
+            self.rollouts.finish(task_id)
+
     async def train(self, batch: TrainBatch) -> TrainResult | None:
         done, result = await self._unless_stopped(self.train_worker.train(batch))
         if not done:
             return None
         if result is None:
-            self.gate.batch_not_trained()
+            self.not_trained(batch)
+            return None
         for task_id in {t.task.id for t in batch.trajectories}:
             self.rollouts.finish(task_id)
-        if result is not None:
-            self.state.steps_done += 1
+        self.state.steps_done += 1
         return result
 
     def weights_published(self, result: TrainResult) -> None:

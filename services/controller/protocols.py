@@ -27,7 +27,7 @@ from services.controller.domain import (
 
 if TYPE_CHECKING:
     from flywheel.synchronizer.client_types import WatchEvent
-    from flywheel.synchronizer.types import Component
+    from flywheel.synchronizer.types import Component, UpdateRecord
     from services.controller.batches.batching import TrainBatch
     from services.controller.rollouts.episodes import OpenedSession, SessionRecord
     from services.controller.run_config import LossConfig
@@ -112,6 +112,11 @@ class Synchronizer(Protocol):
     async def request_version(self, min_version: int, reason: str) -> int:
         """Asks for a version >= `min_version` outside the schedule (the trainer publishes it);
         returns the newest committed version now."""
+        ...
+
+    async def updates(self, version: int) -> list[UpdateRecord]:
+        """The update reports of `version` the synchronizer keeps (ListUpdates): what a Watch
+        stream that reconnected, or a run that started after them, did not hear."""
         ...
 
 

@@ -270,6 +270,13 @@ class SyncConfig(StrictModel):
         "keep", description="what a replica does with its in-flight requests while it swaps weights: abort (they end "
         "and are retried), wait (they finish first, on the old weights), keep (frozen, they continue on the new ones)"
     )
+    verify_timeout_seconds: float | None = Field(
+        None, gt=0, description="how long a train step waits for a rollout replica's report that it verified each "
+        "weight version the batch's tokens came from (a replica reports before it generates on a version, so the "
+        "report is normally there and nothing waits), in seconds; default sync.timeout_seconds. Past it with no "
+        "replica that verified the version (nor one serving it unverified under a synchronizer policy that accepts "
+        "that), the batch is not trained and the run stops with a critical error naming each replica's verdict"
+    )
 
 
 class ValidationConfig(StrictModel):
@@ -426,6 +433,11 @@ class RunConfig(StrictModel):
         clip_high = loss.clip_high if loss.clip_high is not None else default_clip_high(kind, loss.clip_low)
         is_cap = loss.is_cap or (2.0 if self.mode != "sync" and self.staleness.policy == "correct" else 0.0)
         return loss.model_copy(update={"kind": kind, "clip_high": clip_high, "is_cap": is_cap})
+
+    @property
+    def verify_timeout_seconds(self) -> float:
+        """How long a train step waits for a replica's proof of its batch's versions (sync.verify_timeout_seconds)."""
+        return self.sync.verify_timeout_seconds or self.sync.timeout_seconds
 
     @property
     def staleness_limit(self) -> int | None:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.client_types import WatchEvent
-from flywheel.synchronizer.types import Component
+from flywheel.synchronizer.types import Component, UpdateRecord
 
 
 class GrpcSynchronizer:
@@ -43,3 +43,6 @@ class GrpcSynchronizer:
 
     async def request_version(self, min_version: int, reason: str) -> int:
         return await self.client.request_version(min_version, reason)
+
+    async def updates(self, version: int) -> list[UpdateRecord]:
+        return await self.client.list_updates(version)

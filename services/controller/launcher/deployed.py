@@ -252,7 +252,7 @@ class Deployment:
         if self.remote is None or not (even_before_start or pipeline.state.started):
             return  # until the session's start is done (resumed, policy given): the services move under it
         step = pipeline.train_worker.step
-        for service, finding in await self.remote.look(step):
+        for service, finding in await self.remote.look(step, pipeline.fleet.newest.value):
             if finding == "down":
                 message = f"{service} stopped answering at step {step}; waiting for it"
                 pipeline.errors.report("launcher", message, severity="warning")

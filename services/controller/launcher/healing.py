@@ -129,8 +129,10 @@ class RemoteWatch:
     `look_trainer()` returns the trainer's step, or None while it has no model
     loaded (a new process); `look_synchronizer()` the synchronizer's newest
     version and its sync policy. Either raises when the service does not
-    answer. `look(run_step)` returns what changed since the last look, as
-    (service, finding) pairs:
+    answer. `look(run_step, newest_committed)` returns what changed since the
+    last look, as (service, finding) pairs; `newest_committed` is the newest
+    version the run heard committed (the fleet's: weights/newest.py, the one
+    holder of that fact; the watch keeps no copy of its own):
 
     - "down": no answer for `down_after` seconds (a slow answer on a busy
       machine is not a death);
@@ -138,10 +140,12 @@ class RemoteWatch:
       or a step before the run's (`run_step`, the last one the run recorded);
     - "back" (trainer): it answers with the run's step after being down: the
       same process, nothing lost;
-    - "back" (synchronizer): it answers after being down, with an older newest
-      version than it had, or with another policy than the run gave it: a new
-      process, its memory gone (a pod restarts in a second or two: it may never
-      have been seen down).
+    - "back" (synchronizer): it answers after being down, with a newest version
+      older than the one the run heard committed, or with another policy than
+      the run gave it: a new process, its memory gone (a pod restarts in a
+      second or two: it may never have been seen down, even before the first
+      look). Found once: until it holds the run's newest version again (the
+      run hands it back), an answer behind it is the same finding.
     """
 
     def __init__(
@@ -156,11 +160,12 @@ class RemoteWatch:
         self.down_after, self.clock = down_after, clock
         self.silent_since: dict[str, float] = {}
         self.down: set[str] = set()
-        self.newest_version = 0
+        #: The synchronizer was found back behind the run's newest version and has not caught up yet.
+        self.synchronizer_behind = False
         #: The synchronizer's policy as the run set it (None: learnt at the next look).
         self.policy: Any = None
 
-    async def look(self, run_step: int) -> list[tuple[str, str]]:
+    async def look(self, run_step: int, newest_committed: int) -> list[tuple[str, str]]:
         found: list[tuple[str, str]] = []
         for name, ask in self.looks.items():
             try:
@@ -182,12 +187,13 @@ class RemoteWatch:
             else:
                 assert answer is not None
                 newest, policy = answer
-                if was_down or newest < self.newest_version or policy != (self.policy or policy):
+                behind = newest < newest_committed
+                if was_down or (behind and not self.synchronizer_behind) or policy != (self.policy or policy):
                     found.append((name, "back"))
                     self.policy = None  # the run hands it its policy again: learnt at the next look
                 else:
                     self.policy = policy
-                self.newest_version = newest
+                self.synchronizer_behind = behind
         return found
 
 

@@ -58,6 +58,9 @@ class RunStatus:
     history: list[tuple[int, int, dict[str, float]]] = field(default_factory=list)
     #: Syncs, joins, validations and checkpoints, oldest first, each a dict with `kind` and `unix_ms`.
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    #: The fleet's verdict on the versions the last batches were trained on, newest first
+    #: (weights/verdict.py `verdict_json`: who verified, who is quarantined, each replica's coverage).
+    verdicts: list[dict[str, Any]] = field(default_factory=list)
 
 
 class RunManager:
@@ -174,6 +177,7 @@ class RunManager:
             components=sorted(p.observer.components.values(), key=lambda c: (c.role, c.id)) if p.observer else [],
             history=list(p.memory.steps),
             timeline=sorted([*(p.observer.timeline if p.observer else ()), *p.state.milestones], key=lambda e: e["unix_ms"]),
+            verdicts=p.fleet.verdicts_json(),
         )
 
     async def metrics_after(self, step: int):

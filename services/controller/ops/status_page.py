@@ -2,7 +2,9 @@
 
     GET /             the page (static/status.html); it polls /api/status every 2 s
     GET /api/status   the run as JSON: phase, components and their weight versions,
-                      staleness, reward and validation curves, timeline, errors
+                      staleness, reward and validation curves, timeline, errors, and
+                      the fleet's verdict on each version trained on (with what each
+                      replica measured of it)
 
 Read-only: nothing here changes the run (Stop is a gRPC call). Everything
 comes from `RunManager.status()`, the same snapshot the gRPC Status answers.
@@ -77,6 +79,7 @@ def status_json(s: RunStatus) -> dict[str, Any]:
             "validation_metric": val_metric,
         },
         "timeline": s.timeline[-TIMELINE_LIMIT:],
+        "verdicts": list(s.verdicts or []),
         "errors": [
             {"module": e.module, "severity": e.severity, "message": e.message, "unix_ms": e.unix_ms} for e in s.errors
         ],

@@ -1,8 +1,10 @@
-"""Prometheus metrics of the controller: pipeline throughput, staleness, pools.
+"""Prometheus metrics of the controller: pipeline throughput, staleness, pools,
+and the fleet's verdict on the weights it trains on.
 
 Declared at import time (app.py imports this module) so that every family is
-in the first scrape, before a run starts. The `pool` label is pre-initialised
-for both of its values.
+in the first scrape, before a run starts. Every label's values are
+pre-initialised; none is per request or per replica (a replica's own coverage
+is in metrics.jsonl and on the status page).
 """
 
 from __future__ import annotations
@@ -82,6 +84,46 @@ QUARANTINED = Gauge(
 for _phase in UPDATE_PHASES:
     UPDATE_PHASE_SECONDS.labels(_phase)
 
+#: The outcomes of a replica's weight update (flywheel.synchronizer.types.UpdateOutcome).
+UPDATE_OUTCOMES = ("verified", "failed", "unverified")
+WEIGHT_UPDATES = Counter(
+    "flywheel_controller_weight_updates_total",
+    "Weight updates the rollout replicas reported, by outcome: verified (every tensor measured and equal), failed "
+    "(a phase failed) or unverified (not every tensor measured).",
+    ["outcome"],
+)
+for _outcome in UPDATE_OUTCOMES:
+    WEIGHT_UPDATES.labels(_outcome)
+
+#: A replica's place in the fleet's verdict on a version (services/controller/weights/verdict.py).
+VERDICTS = ("verified", "quarantined", "unverified", "pending")
+VERDICT_REPLICAS = Gauge(
+    "flywheel_controller_verdict_replicas",
+    "Rollout replicas by their verdict on the newest weight version the last trained batch's tokens came from: "
+    "verified it (or a newer one), quarantined, serving it unverified (a policy that accepts that), no report yet.",
+    ["verdict"],
+)
+for _verdict in VERDICTS:
+    VERDICT_REPLICAS.labels(_verdict)
+VERDICT_VERSION = Gauge(
+    "flywheel_controller_verdict_weight_version",
+    "The weight version of the fleet's last verdict: the newest one the last trained batch's tokens came from.",
+)
+COVERAGE = Gauge(
+    "flywheel_controller_update_coverage_ratio",
+    "The smallest share of that version's tensors a replica that reported it measured (resident or as received), "
+    "0..1; 1: every replica measured every tensor.",
+)
+PROBE_DIFF = Gauge(
+    "flywheel_controller_probe_max_abs_diff_nats",
+    "The largest per-token log-prob difference between a replica's probe of that version and the trainer's, in nats "
+    "(0 when no probe ran).",
+)
+VERIFY_WAIT = Counter(
+    "flywheel_controller_verify_wait_seconds_total",
+    "Seconds train steps waited for a replica's report that it verified the versions their tokens came from.",
+)
+
 COMPONENTS = ("trainer", "rollout")
 for _component in COMPONENTS:
     COMPONENT_BUSY.labels(_component)
@@ -106,6 +148,7 @@ def update_from_step(metrics: dict[str, float]) -> None:
     for phase in UPDATE_PHASES:
         if f"update/{phase}_seconds_max" in metrics:
             UPDATE_PHASE_SECONDS.labels(phase).set(metrics[f"update/{phase}_seconds_max"])
+    _update_verdict(metrics)
     SAMPLES.inc(get("rollout/new_samples", 0.0))
     TRAINED_TOKENS.inc(get("batch/tokens", 0.0))
     for name, value in metrics.items():
@@ -115,6 +158,25 @@ def update_from_step(metrics: dict[str, float]) -> None:
             COMPONENT_IDLE.labels(name.rsplit("/", 1)[1]).set(value)
         elif name.startswith("dropped/"):
             DROPPED_GROUPS.labels(name.split("/", 1)[1]).set(value)
+
+
+def _update_verdict(metrics: dict[str, float]) -> None:
+    """The verdict's families from a step's metrics (weights/verdict.py names them)."""
+    for outcome in UPDATE_OUTCOMES:
+        WEIGHT_UPDATES.labels(outcome).inc(metrics.get(f"update/{outcome}", 0.0))
+    VERIFY_WAIT.inc(metrics.get("verdict/wait_seconds", 0.0))
+    if "verdict/version" not in metrics:
+        return
+    VERDICT_VERSION.set(metrics["verdict/version"])
+    for verdict in VERDICTS:
+        VERDICT_REPLICAS.labels(verdict).set(metrics.get(f"verdict/{verdict}_replicas", 0.0))
+    covered = {k[len("coverage/"):-len("/covered_tensors")]: v for k, v in metrics.items()
+               if k.startswith("coverage/") and k.endswith("/covered_tensors")}
+    shares = [covered[r] / metrics[f"coverage/{r}/tensors"] if metrics.get(f"coverage/{r}/tensors") else 0.0
+              for r in covered]
+    COVERAGE.set(min(shares, default=0.0))
+    PROBE_DIFF.set(max((v for k, v in metrics.items()
+                        if k.startswith("coverage/") and k.endswith("/probe_max_abs_diff")), default=0.0))
 
 
 def observe_staleness(values: list[int]) -> None:

@@ -51,6 +51,7 @@ from flywheel.synchronizer.types import (
     RolloutWait,
     State,
     Style,
+    UpdateCoverage,
     UpdateOutcome,
     UpdatePhase,
     UpdateRecord,
@@ -162,6 +163,8 @@ class SimulatedSynchronizer:
     #: Every update result the replicas reported, in order.
     results: list[UpdateRecord] = field(default_factory=list)
     configured: dict[str, Any] = field(default_factory=dict)
+    #: UNVERIFIED updates leave the replica serving (the default quarantines it, as a failure).
+    accept_unverified: bool = False
     #: Called when the trainer should ask NeedSync between steps (SimulatedTrainer.wake).
     wake_trainer: Callable[[], None] = lambda: None
     _subscribers: list[asyncio.Queue] = field(default_factory=list)
@@ -196,6 +199,9 @@ class SimulatedSynchronizer:
 
     async def components(self) -> list[Component]:
         return [replace(c) for c in self.registered.values()]
+
+    async def updates(self, version: int) -> list[UpdateRecord]:
+        return [r for r in self.results if r.version == version]
 
     async def request_version(self, min_version: int, reason: str) -> int:
         if self.latest < min_version:
@@ -249,6 +255,9 @@ class SimulatedSynchronizer:
             c.quarantined, c.quarantine_reason = False, ""
             if c.awaited_version and c.weight_version >= c.awaited_version:
                 c.last_sync_step, c.state = max(c.last_sync_step, c.request_step), State.RUNNING
+        elif record.outcome == UpdateOutcome.UNVERIFIED:
+            c.quarantined = not self.accept_unverified
+            c.quarantine_reason = f"version {record.version} unverified: {record.reason}" if c.quarantined else ""
         else:
             phase = record.failed_phase.name.lower() if record.failed_phase else "update"
             c.quarantined = True
@@ -375,6 +384,8 @@ class SimulatedRolloutEngine:
     generated: list[Generation] = field(default_factory=list)
     #: A fault: version -> whether its update loads a tensor wrong (verification then fails).
     fail_updates: Callable[[int], bool] = lambda version: False
+    #: What its verify phase measures of a version (incomplete: the update is UNVERIFIED).
+    measures: Callable[[int], UpdateCoverage] = lambda version: UpdateCoverage(8, 8 << 20, 8, 8 << 20)
     #: Every update it made, as reported.
     updates: list[UpdateRecord] = field(default_factory=list)
     synchronizer: SimulatedSynchronizer | None = None
@@ -489,11 +500,17 @@ class SimulatedRolloutEngine:
                                   reason="simulated fault: a tensor loaded wrong", timings=timings,
                                   served_version=version)
         else:
-            record = UpdateRecord(self.name, version, UpdateOutcome.VERIFIED, resident_identity=b"\x01" * 16,
-                                  timings=timings, served_version=version)
+            coverage = self.measures(version)
+            record = UpdateRecord(self.name, version, UpdateOutcome.VERIFIED if coverage.complete else
+                                  UpdateOutcome.UNVERIFIED, resident_identity=b"\x01" * 16, timings=timings,
+                                  served_version=version, coverage=coverage,
+                                  reason="" if coverage.complete else coverage.describe())
         self.updates.append(record)
         if self.synchronizer is not None:
             self.synchronizer.report(record)
+            # UNVERIFIED: out of service if the synchronizer's policy says so, as after a failure.
+            self.quarantined = self.synchronizer.registered[self.name].quarantined
+            self._failed = version if self.quarantined else self._failed
 
     # -- serving -------------------------------------------------------------
     async def generate(self, prompts: Sequence[PromptInput], sampling: SamplingSpec) -> list[list[Generation]]:

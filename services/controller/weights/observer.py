@@ -21,6 +21,8 @@ from typing import Any
 from flywheel.runtime.backoff import Backoff
 from flywheel.synchronizer.client_types import WatchEvent
 from flywheel.synchronizer.types import Component, EventKind, Role
+from services.controller.weights.newest import NewestVersion
+from services.controller.weights.verdict import coverage_json
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +57,11 @@ def event_record(event: WatchEvent) -> dict[str, Any]:
         record["update"] = {
             "id": u.component_id, "version": u.version, "outcome": u.outcome.name,
             **({"identity": u.resident_identity.hex()} if u.resident_identity else {}),
-            **({"failed_phase": u.failed_phase.name, "reason": u.reason} if not u.verified else {}),
+            **({"reason": u.reason} if not u.verified else {}),
+            **({"failed_phase": u.failed_phase.name} if u.failed_phase else {}),
             **{f"{phase}_seconds": round(getattr(u.timings, f"{phase}_seconds"), 6)
                for phase in ("admit", "transfer", "apply", "verify", "reopen", "pause")},
+            "coverage": coverage_json(u),
         }
     if event.component is not None and event.component.quarantined:
         record["quarantined"] = event.component.quarantine_reason
@@ -67,19 +71,20 @@ def event_record(event: WatchEvent) -> dict[str, Any]:
 class SynchronizerObserver:
     def __init__(
         self, events: Callable[[bool], AsyncIterator[WatchEvent]], run_dir: Path | None,
-        latest: Callable[[], Awaitable[int]] | None = None,
+        ask_newest: Callable[[], Awaitable[int]] | None = None, newest: NewestVersion | None = None,
     ) -> None:
         #: Opens the synchronizer's event stream (True: current state first).
         self.events = events
         #: Asks the synchronizer for its newest version (catch_up).
-        self.latest = latest
+        self.ask_newest = ask_newest
+        #: The newest committed version as the run heard it (the fleet's: weights/newest.py); read only here.
+        self.newest = newest
         self._observed = asyncio.Event()
         self.path = run_dir / EVENTS_FILE if run_dir is not None else None
         #: Called with the component of every event about one (rollouts/membership.py).
         self.listeners: list[Callable[[Component], None]] = []
         #: Called with every event (weights/fleet.py).
         self.event_listeners: list[Callable[[WatchEvent], None]] = []
-        self.latest_version = 0
         #: Every component as the synchronizer last reported it, by id (Status, the status page).
         self.components: dict[str, Component] = {}
         #: The latest TIMELINE_KINDS events as records (event_record), and WEIGHTS_APPLIED
@@ -87,7 +92,6 @@ class SynchronizerObserver:
         self.timeline: deque[dict[str, Any]] = deque(maxlen=500)
 
     def observe(self, event: WatchEvent) -> None:
-        self.latest_version = max(self.latest_version, event.latest_version)
         record = event_record(event)
         if event.component is not None:
             c = event.component
@@ -118,13 +122,14 @@ class SynchronizerObserver:
 
     async def catch_up(self, timeout: float) -> None:
         """Returns once the events up to the synchronizer's newest version were recorded (or
-        after `timeout` seconds): the run's end must not cut off the last publish's events."""
-        if self.latest is None:
+        after `timeout` seconds): the run's end must not cut off the last publish's events. The
+        listeners (the fleet) have heard an event once it is observed here."""
+        if self.ask_newest is None or self.newest is None:
             return
         deadline = asyncio.get_running_loop().time() + timeout
         try:
-            newest = await asyncio.wait_for(self.latest(), timeout)
-            while self.latest_version < newest:
+            newest = await asyncio.wait_for(self.ask_newest(), timeout)
+            while self.newest.value < newest:
                 await asyncio.wait_for(self._observed.wait(), deadline - asyncio.get_running_loop().time())
         except Exception as exc:  # noqa: BLE001 - a short log is no reason to fail the run's end
             log.info("stopped watching before the newest version's events arrived", extra={"error": str(exc)})

@@ -38,7 +38,7 @@ def test_a_version_off_the_schedule_is_asked_for_and_published() -> None:
     p, trainer, _ = simulated_pipeline(cfg, seed=2)
     summary = run_virtual(run(p))
     assert summary.steps == 3 and trainer.published == [3]
-    assert p.fleet.latest == 3
+    assert p.fleet.newest.value == 3
 
 
 def test_a_replica_whose_update_fails_gets_no_work_until_one_verifies(tmp_path: Path) -> None:

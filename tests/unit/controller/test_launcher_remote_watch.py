@@ -30,56 +30,66 @@ class Clock:
 async def test_a_service_is_down_only_after_down_after_seconds_without_an_answer() -> None:
     trainer, synchronizer, clock = Service(3), Service(3, "run's"), Clock()
     watch = RemoteWatch(trainer, synchronizer, down_after=3.0, clock=clock)
-    assert await watch.look(3) == []
+    assert await watch.look(3, 3) == []
     trainer.up = False
-    assert await watch.look(3) == []  # one failed answer on a busy machine is not a death
+    assert await watch.look(3, 3) == []  # one failed answer on a busy machine is not a death
     clock.now += 2.0
-    assert await watch.look(3) == []
+    assert await watch.look(3, 3) == []
     clock.now += 1.5
-    assert await watch.look(3) == [("trainer", "down")]
-    assert await watch.look(3) == []  # said once
+    assert await watch.look(3, 3) == [("trainer", "down")]
+    assert await watch.look(3, 3) == []  # said once
     trainer.up = True  # the same process: nothing lost
-    assert await watch.look(3) == [("trainer", "back")]
+    assert await watch.look(3, 3) == [("trainer", "back")]
     trainer.value = 4
-    assert await watch.look(3) == []  # a step ahead of the run: it trained one the run has not recorded yet
+    assert await watch.look(3, 3) == []  # a step ahead of the run: it trained one the run has not recorded yet
 
 
 async def test_a_trainer_that_answers_with_less_than_the_run_had_died() -> None:
     trainer = Service(5)
     watch = RemoteWatch(trainer, None)
-    assert await watch.look(5) == []
+    assert await watch.look(5, 5) == []
     trainer.value = None  # a new process, still loading its model
-    assert await watch.look(5) == [("trainer", "died")]
+    assert await watch.look(5, 5) == [("trainer", "died")]
     trainer.value = 0  # a new process, loaded: its base weights
-    assert await watch.look(5) == [("trainer", "died")]
+    assert await watch.look(5, 5) == [("trainer", "died")]
 
 
 async def test_a_synchronizer_is_back_after_being_down_or_when_its_newest_version_went_backwards() -> None:
     trainer, synchronizer, clock = Service(6), Service(4, "run's"), Clock()
     watch = RemoteWatch(trainer, synchronizer, down_after=1.0, clock=clock)
-    assert await watch.look(4) == []
+    assert await watch.look(4, 4) == []
     synchronizer.value = 0  # restarted between two looks: empty
-    assert await watch.look(4) == [("synchronizer", "back")]
+    assert await watch.look(4, 4) == [("synchronizer", "back")]
+    assert await watch.look(4, 4) == []  # found once: the run is handing it its version back
     synchronizer.value = 5  # the trainer published again
-    assert await watch.look(5) == []
+    assert await watch.look(5, 5) == []
     synchronizer.up = False
-    await watch.look(5)
+    await watch.look(5, 5)
     clock.now += 1.0
-    assert await watch.look(5) == [("synchronizer", "down")]
+    assert await watch.look(5, 5) == [("synchronizer", "down")]
     synchronizer.up, synchronizer.value = True, 6
-    assert await watch.look(6) == [("synchronizer", "back")]
-    assert await watch.look(6) == []  # the run gave it its policy again: learnt now
+    assert await watch.look(6, 6) == [("synchronizer", "back")]
+    assert await watch.look(6, 6) == []  # the run gave it its policy again: learnt now
 
 
 async def test_a_synchronizer_restarted_between_two_looks_is_known_by_its_policy() -> None:
     """A pod restarts in a second: never seen down, and the trainer may have published again already."""
     synchronizer = Service(4, "run's")
     watch = RemoteWatch(Service(5), synchronizer)
-    assert await watch.look(4) == []
+    assert await watch.look(4, 4) == []
     synchronizer.value, synchronizer.policy = 5, "default"
-    assert await watch.look(5) == [("synchronizer", "back")]
+    assert await watch.look(5, 5) == [("synchronizer", "back")]
     synchronizer.policy = "run's"
-    assert await watch.look(5) == []
+    assert await watch.look(5, 5) == []
+
+
+async def test_a_synchronizer_restarted_before_the_first_look_is_known_by_the_runs_newest_version() -> None:
+    """The watch keeps no version of its own: it compares with the newest one the run heard committed.
+    A synchronizer that restarted before the first look has no earlier answer to fall behind, and
+    its policy (its own default, here equal to the run's) is all the watch has seen of it."""
+    synchronizer = Service(2, "run's")
+    watch = RemoteWatch(Service(6), synchronizer)
+    assert await watch.look(6, 6) == [("synchronizer", "back")]  # the run heard version 6 committed
 
 
 def test_the_deployed_remedies_are_said_plainly() -> None:
