@@ -35,6 +35,13 @@ A sharded policy (`parallel`) exports the same names and bytes: rank 0
 gathers them from the ranks one parameter at a time onto its host
 (`distributed.gather_buckets`), still under the training lock.
 
+Every version goes out with the trainer's probe of exactly those weights
+(`services.trainer.probe`, computed inside the snapshot) and its tensors'
+identity digests: in the pushed manifest (MEMORY), in the registration and the
+directory's `weight_manifest.pb` (CHECKPOINT: a replica loading the directory
+without a synchronizer has them too), in rank 0's success report (NCCL). The
+synchronizer records them with the version; replicas verify against them.
+
 Versions are monotonic at the synchronizer across methods: exporting the same
 version twice, or by two methods, is refused there (FAILED_PRECONDITION),
 except a CHECKPOINT registration retried with the same path.
@@ -61,16 +68,20 @@ from torch import Tensor
 from flywheel.codec import (
     DEFAULT_BUCKET_BYTES,
     MAX_CHUNK_BYTES,
+    VersionIdentity,
     build_manifest,
     encode_state_dict,
+    manifest_identity,
 )
 from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument
+from flywheel.probe import ProbeBatch
 from flywheel.runtime.paths import confine
 from flywheel.synchronizer.client import SynchronizerClient
 from services.trainer.config import SyncConfig
 from services.trainer.files import publish_dir, replace_directory, request_roots
 from services.trainer.hf_save import save_hf
 from services.trainer.policy import Policy
+from services.trainer.probe import probe_token_ids, published_probe
 from services.trainer.tied import drop_tied
 from services.trainer.training import TrainingEngine
 
@@ -151,8 +162,8 @@ class WeightExporter:
         return SynchronizerClient(address, self.token, shared_memory=self.sync.shared_memory_push)
 
     @contextlib.asynccontextmanager
-    async def _snapshot(self, merge_lora: bool) -> AsyncIterator[tuple[int, dict[str, Tensor]]]:
-        """(version, tensors), consistent and unchanging while the block runs."""
+    async def _snapshot(self, merge_lora: bool) -> AsyncIterator[tuple[int, dict[str, Tensor], ProbeBatch]]:
+        """(version, tensors, the probe of those tensors), consistent and unchanging while the block runs."""
         async with _hold(self.engine.lock):
             policy = self.engine.ready_policy()
             version = policy.weight_version
@@ -164,11 +175,14 @@ class WeightExporter:
             if self.engine.sharded:
                 # Gathered from the ranks one parameter at a time into this host's memory (one copy).
                 state = await asyncio.to_thread(self.engine.gathered_state, DEFAULT_BUCKET_BYTES)
-                yield version, state
+                ids = probe_token_ids(policy)
+                probe = ProbeBatch.of(ids, await asyncio.to_thread(self.engine.sharded_probe, ids))
+                yield version, state, probe
                 return
             with _eval_mode(policy):
                 state = await asyncio.to_thread(export_state, policy, merge_lora)
-                yield version, state
+                probe = await asyncio.to_thread(published_probe, policy, state, merge_lora)
+                yield version, state, probe
 
     # -- MEMORY ------------------------------------------------------------
 
@@ -186,11 +200,11 @@ class WeightExporter:
             )
         bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
         started = time.perf_counter()
-        async with self._client(address) as client, self._snapshot(merge_lora) as (version, state):
+        async with self._client(address) as client, self._snapshot(merge_lora) as (version, state, probe):
             encoded = await asyncio.to_thread(
                 encode_state_dict, state, version, chunk_bytes=chunk_bytes, bucket_bytes=bucket_bytes
             )
-            result = await client.push_weights(encoded)
+            result = await client.push_weights(encoded, probe=probe)
         duration = time.perf_counter() - started
         log.info("weights exported", extra={"method": "memory", "version": version, "bytes": result.nbytes,
                                             "seconds": round(duration, 3), "synchronizer": address})
@@ -203,17 +217,19 @@ class WeightExporter:
         config = self.engine.config
         parent = confine(directory, request_roots(config), "directory") if directory else publish_dir(config)
         started = time.perf_counter()
-        async with self._snapshot(merge_lora) as (version, state):
+        async with self._snapshot(merge_lora) as (version, state, probe):
             policy = self.engine.ready_policy()
-            path, nbytes, identity = await asyncio.to_thread(write_version, policy, state, version, parent, merge_lora)
+            path, nbytes, identity = await asyncio.to_thread(
+                write_version, policy, state, version, parent, merge_lora, probe)
         if self.sync.synchronizer_address:
             async with self._client(self.sync.synchronizer_address) as client:
                 # Absolute: the synchronizer takes a relative path inside its own checkpoint_root.
-                await client.register_checkpoint(version, str(path.absolute()), self.sync.trainer_id)
+                await client.register_checkpoint(version, str(path.absolute()), self.sync.trainer_id,
+                                                  tensors=identity.tensors, probe=probe)
         duration = time.perf_counter() - started
         log.info("weights exported", extra={"method": "checkpoint", "version": version, "bytes": nbytes,
                                             "seconds": round(duration, 3), "path": str(path)})
-        return ExportResult(version, nbytes, duration, str(path), identity)
+        return ExportResult(version, nbytes, duration, str(path), identity.digest)
 
     # -- NCCL --------------------------------------------------------------
 
@@ -234,14 +250,15 @@ class WeightExporter:
             rank0 = [c for c, r in group.ranks.items() if r == 0]
             trainer_id = self.sync.trainer_id if self.sync.trainer_id in group.ranks else (rank0[0] if rank0 else "")
             try:
-                async with self._snapshot(merge_lora) as (version, state):
+                async with self._snapshot(merge_lora) as (version, state, probe):
                     if version != group.version:
                         raise FailedPrecondition(
                             f"nccl.group_id: group {group_id!r} transfers version {group.version}, "
                             f"the trainer holds version {version}"
                         )
                     outcome = await send_in_group(
-                        client, trainer_id, group, state, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES
+                        client, trainer_id, group, state, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+                        probe=probe,
                     )
                     nbytes = sum(t.numel() * t.element_size() for t in state.values())
             except FlywheelError as exc:
@@ -274,10 +291,11 @@ def _safetensors_names(directory: Path) -> list[str]:
 
 
 def write_version(
-    policy: Policy, state: dict[str, Tensor], version: int, parent: Path, merge_lora: bool
-) -> tuple[Path, int, bytes]:
-    """Writes `parent/version_<version>` atomically; returns (path, weight bytes, identity: b"" without a
-    weight manifest)."""
+    policy: Policy, state: dict[str, Tensor], version: int, parent: Path, merge_lora: bool,
+    probe: ProbeBatch | None = None,
+) -> tuple[Path, int, VersionIdentity]:
+    """Writes `parent/version_<version>` atomically, `probe` in its weight manifest; returns (path,
+    weight bytes, identity with each tensor's digest: empty without a weight manifest)."""
     parent.mkdir(parents=True, exist_ok=True)
     name = f"version_{version}"
     for stale in parent.glob(f".tmp-{name}-*"):
@@ -295,12 +313,14 @@ def write_version(
             if policy.tokenizer is not None:
                 policy.tokenizer.save_pretrained(tmp)
         names = _safetensors_names(tmp)
-        identity = b""
+        identity = VersionIdentity(b"")
         if set(names) == set(state):
             # Binds every byte to the version (the synchronizer and rollouts verify it).
             manifest = build_manifest({n: state[n] for n in names}, version)
+            if probe is not None:
+                manifest.probe.CopyFrom(probe.to_pb())
             (tmp / MANIFEST_FILE).write_bytes(manifest.SerializeToString())
-            identity = bytes(manifest.identity)
+            identity = manifest_identity(manifest) or identity
         else:
             log.warning("export: the written tensors differ from the exported ones; no weight manifest",
                         extra={"path": str(final)})

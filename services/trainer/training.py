@@ -55,6 +55,7 @@ from flywheel.trainer.types import CISPO_CLIP_LOW
 from flywheel.trainer.types import LOSS_KINDS as KINDS
 from services.trainer.losses import LossOutput, LossSettings, loss_denominators, policy_loss
 from services.trainer.policy import Policy, autocast_dtype
+from services.trainer.probe import probe_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -536,6 +537,21 @@ class TrainingEngine:
     def _do_gather(self, bucket_bytes: int) -> dict[str, Tensor]:
         policy = self._ready(None)
         return gather_state(policy.model, bucket_bytes, keep=self._rank_world()[0] == 0)
+
+    def sharded_probe(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """A sharded policy's probe log-probs (`services.trainer.probe`): every rank runs the same
+        eval forward (FSDP gathers layer by layer); call it holding `lock`."""
+        self._ready(None)
+        return self._spmd("probe", token_ids)
+
+    def _do_probe(self, token_ids: list[list[int]]) -> list[list[float]]:
+        policy = self._ready(None)
+        policy.model.eval()
+        try:
+            return probe_logprobs(policy.model, token_ids, policy.device)
+        finally:
+            policy.model.train()
+            reshard(policy.model)  # a forward without backward leaves the root's parameters gathered
 
     # ------------------------------------------------------------ checkpoints
 

@@ -17,7 +17,7 @@ from flywheel.synchronizer.types import (
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.v1 import synchronizer_pb2_grpc as pb_grpc
 from services.synchronizer.embedded import embedded_synchronizer
-from tests.unit.synchronizer.sync_helpers import small_state
+from tests.unit.synchronizer.sync_helpers import measured_all, small_state
 
 
 async def test_reports_ledger_and_requests_round_trip() -> None:
@@ -52,9 +52,11 @@ async def test_reports_ledger_and_requests_round_trip() -> None:
         assert reported.update == record and reported.component.quarantined
         assert (await c.status()).component("r").quarantined
 
-        good = await c.report_update(UpdateRecord("r", 1, UpdateOutcome.VERIFIED,
-                                                  resident_identity=committed.identity, served_version=1))
-        assert good.verified and not (await c.status()).component("r").quarantined
+        # Verified means measured: the right identity, with every tensor hashed where it sits.
+        every = measured_all(len(small_state()))
+        good = await c.report_update(UpdateRecord("r", 1, UpdateOutcome.VERIFIED, resident_identity=committed.identity,
+                                                  served_version=1, coverage=every))
+        assert good.verified and good.coverage == every and not (await c.status()).component("r").quarantined
         assert [r.outcome for r in await c.list_updates(1)] == [UpdateOutcome.VERIFIED]
         await events.aclose()
 
@@ -67,6 +69,8 @@ async def test_reports_ledger_and_requests_round_trip() -> None:
     (pb.ReportUpdateRequest(id="r", version=1, outcome=2, failed_phase=3,
                             timings=pb.UpdateTimings(apply_seconds=-1)), "timings"),
     (pb.ReportUpdateRequest(id="", version=1, outcome=2, failed_phase=3), "id"),
+    (pb.ReportUpdateRequest(id="r", version=1, outcome=3,
+                            coverage=pb.UpdateCoverage(tensors=2, resident_tensors=2, received_tensors=1)), "coverage"),
 ])
 async def test_malformed_reports_are_refused_and_change_nothing(request_, field: str) -> None:
     async with embedded_synchronizer() as server, SynchronizerClient(server.address) as c:

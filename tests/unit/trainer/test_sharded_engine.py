@@ -18,7 +18,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from flywheel.errors import FailedPrecondition
 from services.trainer.config import TrainerConfig
-from services.trainer.export import WeightExporter, export_state
+from flywheel.common.v1 import common_pb2
+from flywheel.probe import ProbeBatch
+from services.trainer.export import MANIFEST_FILE, WeightExporter, export_state
+from services.trainer.probe import published_probe
 from services.trainer.training import LossRequest, TrainingEngine
 from tests.unit.trainer.trainer_helpers import make_batch
 
@@ -117,6 +120,14 @@ def test_two_ranks_train_like_one_and_export_bit_exact(tiny_model: Path, tmp_pat
         gathered = _state(two)
         assert set(written) == set(gathered)
         assert all(torch.equal(written[n], gathered[n]) for n in gathered)
+        # Its probe is the two ranks' forward of those weights: what one rank computes of its own (alike up to rounding).
+        manifest = common_pb2.WeightManifest.FromString((Path(result.path) / MANIFEST_FILE).read_bytes())
+        one.policy.model.eval()
+        alone = published_probe(one.policy, export_state(one.policy, False), False)
+        one.policy.model.train()
+        assert ProbeBatch.from_pb(manifest.probe).token_ids == alone.token_ids
+        torch.testing.assert_close(torch.tensor(ProbeBatch.from_pb(manifest.probe).logprobs),
+                                   torch.tensor(alone.logprobs), rtol=1e-4, atol=1e-4)
     one.close()
 
 
