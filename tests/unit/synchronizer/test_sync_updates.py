@@ -163,5 +163,5 @@ def test_a_store_written_before_identities_opens_and_gains_them(tmp_path: Path) 
     [c] = store.load_components()
     [v] = store.load_versions()
     assert (c.weight_version, c.weight_identity, c.quarantined) == (3, b"", False)
-    assert (v.version, v.identity, v.epoch) == (3, b"", 0)
+    assert (v.version, v.identity, v.epoch, v.tensors, v.probe) == (3, b"", 0, {}, None)
     assert State(c.state) == State.RUNNING
