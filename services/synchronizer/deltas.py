@@ -74,6 +74,7 @@ def _delta_buffer(base: VersionBuffer, target: VersionBuffer) -> VersionBuffer |
         return None
     encoded = encode_delta_version(delta, target.version, base.version, identity,
                                    chunk_bytes=max(1, target.manifest.chunk_bytes))
+    encoded.manifest.probe.CopyFrom(target.manifest.probe)  # what the target is, however it travels
     frames = encoded_frames(encoded)
     first = next(frames)
     buffer = VersionBuffer(encoded.manifest, first)

@@ -32,9 +32,9 @@ TENSORS = len(small_state())
 R = Identity(Role.ROLLOUT, "r", capabilities=frozenset({Method.MEMORY, Method.NCCL}))
 
 
-def push_probed(plane, version: int, seed: int = 0, probe: ProbeBatch | None = PROBE) -> None:
-    """A MEMORY push whose manifest carries `probe`, as the trainer's does."""
-    manifest, _, chunks = frames_of(small_state(seed), version)
+def push_probed(plane, version: int, seed: int = 0, probe: ProbeBatch | None = PROBE, state=None) -> None:
+    """A MEMORY push (of small_state(seed), or `state`) whose manifest carries `probe`, as the trainer's does."""
+    manifest, _, chunks = frames_of(state if state is not None else small_state(seed), version)
     if probe is not None:
         manifest.probe.CopyFrom(probe.to_pb())
     buffer = plane.begin_push(manifest, manifest_frame(manifest))
@@ -97,6 +97,17 @@ async def test_every_method_records_the_digests_and_probe_that_get_version_serve
     sync.rewind(2)
     with pytest.raises(NotFound, match="version 3 was dropped by a rewind"):
         await plane.get_version(3)
+
+
+async def test_a_delta_carries_its_target_versions_probe() -> None:
+    sync, plane, _ = service()
+    first = small_state(1)
+    second = {**first, "layer.0.bias": first["layer.0.bias"] + 1}  # one tensor changed: a delta is worth it
+    later = ProbeBatch.of([[1, 2]], [[-0.75]])
+    push_probed(plane, 1, state=first)
+    push_probed(plane, 2, state=second, probe=later)
+    buffer = await plane.open_pull(2, base_version=1, base_identity=identify(first).digest)
+    assert buffer.manifest.base_version == 1 and ProbeBatch.from_pb(buffer.manifest.probe) == later
 
 
 async def test_a_version_published_without_digests_or_probe_is_served_as_such() -> None:
