@@ -146,6 +146,8 @@ class Synchronizer:
         for role in Role:
             for state in State:
                 metrics.COMPONENTS.labels(role.name.lower(), state.name.lower()).set(counts[(role, state)])
+        # Also after a registration: a quarantine outlives it, and a restart.
+        metrics.QUARANTINED.set(sum(r.quarantined for r in self.registry.live(Role.ROLLOUT)))
 
     def _refresh_metrics(self) -> None:
         self._refresh_components()
@@ -401,7 +403,6 @@ class Synchronizer:
 
     def _quarantine(self, c: Component, reason: str) -> None:
         c.quarantined, c.quarantine_reason = True, reason
-        metrics.QUARANTINED.set(sum(r.quarantined for r in self.registry.live(Role.ROLLOUT)))
         log.warning("rollout quarantined", extra={"id": c.id, "reason": reason})
         self.registry.touch(c, f"quarantined: {reason}")
 
@@ -446,8 +447,8 @@ class Synchronizer:
             if c.quarantined:
                 log.info("rollout rejoins: its update verified", extra={"id": c.id, "version": record.version})
             c.quarantined, c.quarantine_reason = False, ""
-            metrics.QUARANTINED.set(sum(r.quarantined for r in self.registry.live(Role.ROLLOUT)))
             self.store.save_component(c)
+            self._refresh_components()
         elif record.outcome == UpdateOutcome.FAILED:
             phase = record.failed_phase.name.lower() if record.failed_phase else "update"
             self.store.save_component(c)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from flywheel.codec import identify
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
@@ -166,8 +167,10 @@ def test_a_quarantine_holds_across_registering_again_and_a_restart(tmp_path: Pat
     restarted = Synchronizer(sync.config)
     assert restarted.registry.get("r").quarantined
     assert restarted.register(R, 1, 1, restarted.identity_of(1)).quarantine_reason == why
+    assert REGISTRY.get_sample_value("flywheel_synchronizer_quarantined_rollouts") == 1
     assert restarted.report_update(verified_report(restarted, "r", 1)).verified
     assert not restarted.registry.get("r").quarantined, "a verified update ends it"
+    assert REGISTRY.get_sample_value("flywheel_synchronizer_quarantined_rollouts") == 0
     assert not Store(sync.config.store_path).load_components()[0].quarantined
 
 
