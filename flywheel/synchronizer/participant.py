@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -100,11 +101,12 @@ async def send_in_group(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     on_bucket: Callable[[int], None] | None = None,
     identity: VersionIdentity | None = None,
-    probe: ProbeBatch | None = None,
+    probe: ProbeBatch | Awaitable[ProbeBatch] | None = None,
 ) -> TransferOutcome:
     """Broadcasts `tensors` as rank 0. The version's identity with each tensor's digest
     (`identity`, or measured on `tensors` while the broadcast runs) and the trainer's `probe`
-    of these weights go with the success report; the synchronizer records them with the version."""
+    of these weights (awaited after the broadcast: it may be computed meanwhile) go with the
+    success report; the synchronizer records them with the version."""
     spec = spec_for(group, trainer_id)
     error: BaseException | None = None
     measured = None if identity is not None else asyncio.ensure_future(asyncio.to_thread(identify, tensors))
@@ -115,12 +117,14 @@ async def send_in_group(
             )
             if measured is not None:
                 identity = await measured
+            if inspect.isawaitable(probe):
+                probe = await probe
         except Exception as exc:  # noqa: BLE001 - every failure is reported, then the outcome decides
             error = exc
         finally:
             if measured is not None and not measured.done():
                 measured.cancel()
-    return await _finish(client, group, trainer_id, error, identity, probe)
+    return await _finish(client, group, trainer_id, error, identity, None if inspect.isawaitable(probe) else probe)
 
 
 async def broadcast_version(

@@ -36,7 +36,8 @@ gathers them from the ranks one parameter at a time onto its host
 (`distributed.gather_buckets`), still under the training lock.
 
 Every version goes out with the trainer's probe of exactly those weights
-(`services.trainer.probe`, computed inside the snapshot) and its tensors'
+(`services.trainer.probe`, computed inside the snapshot, beside the encoding or
+the broadcast) and its tensors'
 identity digests: in the pushed manifest (MEMORY), in the registration and the
 directory's `weight_manifest.pb` (CHECKPOINT: a replica loading the directory
 without a synchronizer has them too), in rank 0's success report (NCCL). The
@@ -138,6 +139,17 @@ async def _hold(lock: threading.Lock) -> AsyncIterator[None]:
         lock.release()
 
 
+@contextlib.asynccontextmanager
+async def _finished(work: asyncio.Future) -> AsyncIterator[None]:
+    """Waits, on the way out, for `work` (a thread reading the weights) to end, whatever ended the block:
+    the weights must not change under it."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(work)
+
+
 @contextlib.contextmanager
 def _eval_mode(policy: Policy) -> Iterator[None]:
     policy.model.eval()
@@ -162,8 +174,12 @@ class WeightExporter:
         return SynchronizerClient(address, self.token, shared_memory=self.sync.shared_memory_push)
 
     @contextlib.asynccontextmanager
-    async def _snapshot(self, merge_lora: bool) -> AsyncIterator[tuple[int, dict[str, Tensor], ProbeBatch]]:
-        """(version, tensors, the probe of those tensors), consistent and unchanging while the block runs."""
+    async def _snapshot(
+        self, merge_lora: bool
+    ) -> AsyncIterator[tuple[int, dict[str, Tensor], asyncio.Future[ProbeBatch]]]:
+        """(version, tensors, the probe of those tensors being computed), consistent and unchanging
+        while the block runs. The probe (one forward: `services.trainer.probe`) runs beside what the
+        block does with the tensors (encoding, broadcasting), and is over before the lock goes."""
         async with _hold(self.engine.lock):
             policy = self.engine.ready_policy()
             version = policy.weight_version
@@ -176,13 +192,16 @@ class WeightExporter:
                 # Gathered from the ranks one parameter at a time into this host's memory (one copy).
                 state = await asyncio.to_thread(self.engine.gathered_state, DEFAULT_BUCKET_BYTES)
                 ids = probe_token_ids(policy)
-                probe = ProbeBatch.of(ids, await asyncio.to_thread(self.engine.sharded_probe, ids))
-                yield version, state, probe
+                probing = asyncio.ensure_future(asyncio.to_thread(
+                    lambda: ProbeBatch.of(ids, self.engine.sharded_probe(ids))))
+                async with _finished(probing):
+                    yield version, state, probing
                 return
             with _eval_mode(policy):
                 state = await asyncio.to_thread(export_state, policy, merge_lora)
-                probe = await asyncio.to_thread(published_probe, policy, state, merge_lora)
-                yield version, state, probe
+                probing = asyncio.ensure_future(asyncio.to_thread(published_probe, policy, state, merge_lora))
+                async with _finished(probing):
+                    yield version, state, probing
 
     # -- MEMORY ------------------------------------------------------------
 
@@ -200,11 +219,11 @@ class WeightExporter:
             )
         bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
         started = time.perf_counter()
-        async with self._client(address) as client, self._snapshot(merge_lora) as (version, state, probe):
+        async with self._client(address) as client, self._snapshot(merge_lora) as (version, state, probing):
             encoded = await asyncio.to_thread(
                 encode_state_dict, state, version, chunk_bytes=chunk_bytes, bucket_bytes=bucket_bytes
             )
-            result = await client.push_weights(encoded, probe=probe)
+            result = await client.push_weights(encoded, probe=await probing)
         duration = time.perf_counter() - started
         log.info("weights exported", extra={"method": "memory", "version": version, "bytes": result.nbytes,
                                             "seconds": round(duration, 3), "synchronizer": address})
@@ -217,8 +236,9 @@ class WeightExporter:
         config = self.engine.config
         parent = confine(directory, request_roots(config), "directory") if directory else publish_dir(config)
         started = time.perf_counter()
-        async with self._snapshot(merge_lora) as (version, state, probe):
+        async with self._snapshot(merge_lora) as (version, state, probing):
             policy = self.engine.ready_policy()
+            probe = await probing
             path, nbytes, identity = await asyncio.to_thread(
                 write_version, policy, state, version, parent, merge_lora, probe)
         if self.sync.synchronizer_address:
@@ -250,7 +270,7 @@ class WeightExporter:
             rank0 = [c for c, r in group.ranks.items() if r == 0]
             trainer_id = self.sync.trainer_id if self.sync.trainer_id in group.ranks else (rank0[0] if rank0 else "")
             try:
-                async with self._snapshot(merge_lora) as (version, state, probe):
+                async with self._snapshot(merge_lora) as (version, state, probing):
                     if version != group.version:
                         raise FailedPrecondition(
                             f"nccl.group_id: group {group_id!r} transfers version {group.version}, "
@@ -258,7 +278,7 @@ class WeightExporter:
                         )
                     outcome = await send_in_group(
                         client, trainer_id, group, state, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
-                        probe=probe,
+                        probe=probing,  # reported after the broadcast: it runs beside it
                     )
                     nbytes = sum(t.numel() * t.element_size() for t in state.values())
             except FlywheelError as exc:
