@@ -24,12 +24,14 @@ import services.rollout.metrics  # noqa: F401  (registers the service's metric f
 from flywheel.errors import InvalidArgument
 from flywheel.models.check import require_model_dir
 from flywheel.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from flywheel.runtime.auth import Scope, accepted_tokens
+from flywheel.runtime.auth import Scope, accepted_tokens, own_token
 from flywheel.runtime.server import ServiceSpec
 from services.rollout.config import RolloutConfig
 from services.rollout.serving.core import RolloutCore
 from services.rollout.servicer import RolloutServicer
+from services.rollout.weights.arrival import WeightArrival
 from services.rollout.weights.peers import PEER_SERVICE, PeerWeights
+from services.rollout.weights.transaction import WeightUpdates
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +48,15 @@ def build(config: RolloutConfig) -> ServiceSpec:
     model_path = require_model_dir(config.engine.model_path, "rollout", ("engine", "model_path"))
     name = config.engine.served_model_name or model_path.name
     core = RolloutCore(config, engine=None, codec=None, model_name=name)
+    updates = WeightUpdates(core, config)
+    arrival = WeightArrival(updates, config, own_token(config.server))
     state: dict = {"http": None, "engine": None, "link": None, "grpc_port": 0}
 
     def http_port() -> int:
         return state["http"].port if state["http"] is not None else 0
 
-    servicer = RolloutServicer(config, core, http_port)
-    peers = PeerWeights(core) if config.updates.serve_peers else None
+    servicer = RolloutServicer(config, core, arrival, http_port)
+    peers = PeerWeights(updates) if config.updates.serve_peers else None
 
     def register(server) -> None:
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
@@ -63,7 +67,7 @@ def build(config: RolloutConfig) -> ServiceSpec:
         from services.rollout.engine import create_engine
         from services.rollout.openai_api.http_api import create_app
         from flywheel.runtime.http_server import HttpServer, report_http_port
-        from services.rollout.serving.text import TextCodec
+        from services.rollout.engine.text import TextCodec
 
         codec = TextCodec.load(config.engine.args.get("tokenizer") or model_path)
         engine = create_engine(config, codec)
@@ -98,7 +102,7 @@ def build(config: RolloutConfig) -> ServiceSpec:
         if config.synchronizer.address:
             from services.rollout.weights.link import SynchronizerLink
 
-            state["link"] = SynchronizerLink(config, core, state["grpc_port"])
+            state["link"] = SynchronizerLink(config, arrival, state["grpc_port"])
             state["link"].start()
             await state["link"].ready(config.synchronizer.rpc_timeout_seconds)
 

@@ -128,11 +128,25 @@ class UpdatesConfig(StrictModel):
         120.0, gt=0, description="deadline of loading a staged version into the engine (generation is paused "
         "meanwhile); past it the update fails and the replica is quarantined, in seconds"
     )
+    probe_tokens: int = Field(
+        32, ge=0, description="how many tokens of the version's probe batch (flywheel.probe: the trainer's "
+        "float32 log-probs of fixed token sequences) the replica scores on its resident weights before generation "
+        "reopens, the behavioural check for the tensors it cannot read back (vLLM's repacked linear layers); "
+        "scoring costs about a forward of that many tokens inside the pause; 0: no probe (an engine that cannot "
+        "read every tensor back then reports its updates UNVERIFIED)"
+    )
+    probe_tolerance: float | None = Field(
+        None, gt=0, description="the largest per-token difference, in nats, between the replica's probe "
+        "log-probs and the trainer's that still passes; none: the engine's own, measured per engine and dtype "
+        "(docs/verification.md)"
+    )
     faults_file: Path | None = Field(
         None, description="FAULT INJECTION, for tests and drills: a JSON file read at every update; while it "
-        "exists its keys take effect: corrupt_after_apply (true: one element of one loaded tensor is changed, "
-        "as an engine that loads a tensor wrong would; the transformers engine only), apply_delay_seconds "
-        "(the apply hangs this long). Unset in production"
+        "exists its keys take effect on the load (services.rollout.engine.base.LoadFaults): corrupt_readable "
+        "(one element of a tensor the engine can read back, changed), scale_linear (a linear layer's weight scaled "
+        "by this factor), swap_same_shaped (two same-shaped tensors swapped by the loader), skip_one (one tensor "
+        "left at the previous version), raise_halfway (the load raises RuntimeError halfway), and "
+        "apply_delay_seconds (the apply hangs this long). Unset in production"
     )
 
 

@@ -12,21 +12,22 @@ import grpc
 
 from flywheel.common.types import finish_reason_to_pb, pause_mode_from_pb
 from flywheel.common.v1 import common_pb2
-from flywheel.errors import FailedPrecondition, InvalidArgument
+from flywheel.errors import InvalidArgument
 from flywheel.rollout.v1 import rollout_pb2 as pb
-from flywheel.synchronizer.types import Method
 from flywheel.runtime.addresses import check_address
-from flywheel.runtime.auth import own_token
-from services.rollout.serving import sampling as sampling_mod
+from flywheel.synchronizer.types import Method
 from services.rollout.config import RolloutConfig
-from services.rollout.serving.core import QueueFull, RolloutCore, UpdateOutcome
 from services.rollout.engine.base import PauseMode, SampleOutput
-from services.rollout.weights.nccl import NcclTarget, update_over_group
+from services.rollout.serving import sampling as sampling_mod
+from services.rollout.serving.core import QueueFull, RolloutCore
 from services.rollout.serving.prompts import (
     ChatPrompt, PromptInput, TextPrompt, TokenPrompt, check_token_ids, validate_messages, validate_tools,
 )
-from services.rollout.weights.sources import base_stage, checkpoint_stage, memory_stage
-
+from services.rollout.weights.arrival import (
+    FromBaseModel, FromCheckpoint, FromGroup, FromSynchronizer, Source, WeightArrival,
+)
+from services.rollout.weights.nccl import NcclTarget
+from services.rollout.weights.transaction import UpdateResult
 
 
 def _json(text: str, field: str) -> Any:
@@ -86,9 +87,11 @@ def sample_to_proto(sample: SampleOutput, prompt_ids: list[int]) -> common_pb2.S
 
 
 class RolloutServicer:
-    def __init__(self, config: RolloutConfig, core: RolloutCore, http_port: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, config: RolloutConfig, core: RolloutCore, arrival: WeightArrival,
+                 http_port: Callable[[], int] = lambda: 0) -> None:
         self.config = config
         self.core = core
+        self.arrival = arrival
         self._http_port = http_port
 
     def _spec(self, request: Any) -> Any:
@@ -167,59 +170,35 @@ class RolloutServicer:
 
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext) -> pb.UpdateWeightsResponse:
         if request.start_over:
-            return await self._start_over(request)
-        if request.version < 1:
+            if request.version != 0 or request.WhichOneof("source") is not None:
+                raise InvalidArgument("start_over: the base model is version 0 from engine.model_path; give no "
+                                      "version and no source")
+        elif request.version < 1:
             raise InvalidArgument("version: must be >= 1")
         if not request.timeout_seconds >= 0:
             raise InvalidArgument("timeout_seconds: must be >= 0")
-        source = request.WhichOneof("source")
-        if source is None:
-            raise InvalidArgument("source: set memory, checkpoint or nccl")
-        if request.method not in (common_pb2.SYNC_METHOD_UNSPECIFIED, int(Method[source.upper()])):
-            raise InvalidArgument(f"method: {common_pb2.SyncMethod.Name(request.method)} does not match source {source}")
-        engine, _ = self.core.require_engine()
-        version, specs = request.version, engine.weight_specs()
-        timeout = request.timeout_seconds or self.config.updates.timeout_seconds
+        source = self._source(request)
         mode = self._mode(request.pause_mode, "pause_mode")
-        if source == "nccl":
-            target = _nccl_target(request.nccl, self._synchronizer("nccl"))
-            outcome = await update_over_group(self.core, target, version, mode, timeout, token=self._token())
-            return _update_response(outcome)
-        if source == "checkpoint":
+        # Back to the base model is a new lineage of weights (UpdateWeightsRequest.start_over).
+        return _update_response(await self.arrival.install(
+            request.version, source, mode=mode, timeout=request.timeout_seconds or None,
+            rewind=request.start_over))
+
+    def _source(self, request: pb.UpdateWeightsRequest) -> Source:
+        if request.start_over:
+            return FromBaseModel()
+        kind = request.WhichOneof("source")
+        if kind is None:
+            raise InvalidArgument("source: set memory, checkpoint or nccl")
+        if request.method not in (common_pb2.SYNC_METHOD_UNSPECIFIED, int(Method[kind.upper()])):
+            raise InvalidArgument(f"method: {common_pb2.SyncMethod.Name(request.method)} does not match source {kind}")
+        if kind == "nccl":
+            return FromGroup(_nccl_target(request.nccl, self.config.synchronizer.address))
+        if kind == "checkpoint":
             if not request.checkpoint.path:
                 raise InvalidArgument("checkpoint.path: empty")
-            stage = checkpoint_stage(request.checkpoint.path, version, specs, self.config.updates.checkpoint_root)
-        elif source == "memory":
-            stage = memory_stage(self._synchronizer("memory"), version, specs, token=self._token(),
-                                 timeout=timeout, max_message_bytes=self.config.server.max_message_bytes,
-                                 buffers=self.core.staging)
-        return _update_response(await self.core.update_weights(version, stage, mode, timeout))
-
-    async def _start_over(self, request: pb.UpdateWeightsRequest) -> pb.UpdateWeightsResponse:
-        """Back to the base model as version 0: a new lineage of weights (UpdateWeightsRequest.start_over)."""
-        if request.version != 0 or request.WhichOneof("source") is not None:
-            raise InvalidArgument("start_over: the base model is version 0 from engine.model_path; give no version "
-                                  "and no source")
-        if not request.timeout_seconds >= 0:
-            raise InvalidArgument("timeout_seconds: must be >= 0")
-        engine, _ = self.core.require_engine()
-        stage = base_stage(self.config.engine, engine.weight_specs())
-        timeout = request.timeout_seconds or self.config.updates.timeout_seconds
-        mode = self._mode(request.pause_mode, "pause_mode")
-        return _update_response(await self.core.update_weights(0, stage, mode, timeout, rewind=True))
-
-    def _synchronizer(self, method: str) -> str:
-        """The rollout's own synchronizer: a request never names one (one road for weights)."""
-        address = self.config.synchronizer.address
-        if not address:
-            raise FailedPrecondition(
-                f"a {method} update comes from this rollout's synchronizer, and it has none (synchronizer.address)")
-        return address
-
-    def _token(self) -> str | None:
-        """This service's own token, presented to the synchronizer it pulls from or reports to."""
-        server = self.config.server
-        return own_token(server)
+            return FromCheckpoint(request.checkpoint.path)
+        return FromSynchronizer()
 
 
 def _nccl_target(nccl: pb.NcclSource, synchronizer: str) -> NcclTarget:
@@ -231,7 +210,7 @@ def _nccl_target(nccl: pb.NcclSource, synchronizer: str) -> NcclTarget:
                       rendezvous_address=nccl.rendezvous_address, world_size=nccl.world_size, backend=nccl.backend)
 
 
-def _update_response(outcome: UpdateOutcome) -> pb.UpdateWeightsResponse:
+def _update_response(outcome: UpdateResult) -> pb.UpdateWeightsResponse:
     return pb.UpdateWeightsResponse(weight_version=outcome.version, pause_seconds=outcome.pause_seconds,
                                     bytes=outcome.nbytes, aborted_request_ids=outcome.aborted_request_ids)
 

@@ -6,10 +6,18 @@ subpackage named for its job (`serving/`, `openai_api/`, `weights/`,
 `engine/`), so the flat folder does not grow back.
 
 The rollout reaches the synchronizer only through `flywheel/synchronizer/`
-(its typed client), and only from `weights/`: no module opens a gRPC channel
-of its own, names a synchronizer RPC path or imports the synchronizer's wire
-stubs. Checked on the source (ast), so a lazy import inside a function counts
-as much as one at the top of a module.
+(its typed client), and only from `weights/` and the MEMORY pull that an
+engine's worker process runs itself (`engine/pull.py`): no module opens a
+gRPC channel of its own, names a synchronizer RPC path or imports the
+synchronizer's wire stubs.
+
+`engine/` is the floor: it imports nothing of the rollout above it (not
+`serving/`, `weights/`, the API layers or the servicer; its config is fine),
+as vLLM keeps its model executor below its engine. And a new version comes
+in by one door (`weights/arrival.py`): only it runs the update transaction.
+
+Checked on the source (ast), so a lazy import inside a function counts as
+much as one at the top of a module.
 """
 
 from __future__ import annotations
@@ -24,8 +32,13 @@ ROLLOUT = ROOT / "services" / "rollout"
 
 TOP_LEVEL = {"__init__.py", "__main__.py", "app.py", "config.py", "servicer.py", "metrics.py"}
 SUBPACKAGES = {"engine", "serving", "openai_api", "weights"}
-#: The synchronizer-facing code: the only place that may use flywheel.synchronizer's client side.
+#: The synchronizer-facing code: the only places that may use flywheel.synchronizer's client side.
 SYNC_FACING = "weights"
+SYNC_FACING_FILES = {"engine/pull.py"}
+#: What `engine/` may import of the rollout (everything else of services.rollout is above it).
+ENGINE_MAY_IMPORT = ("services.rollout.engine", "services.rollout.config")
+#: Who may run the update transaction (WeightUpdates.run): the door, and the NCCL receive it delegates to.
+TRANSACTION_CALLERS = {"weights/arrival.py", "weights/nccl.py"}
 #: flywheel.synchronizer modules that only name things (no calls): any module may import them.
 SYNC_VOCABULARY = {
     "flywheel.synchronizer.types", "flywheel.synchronizer.client_types", "flywheel.synchronizer.presence_config",
@@ -61,7 +74,7 @@ def channel_violations(package: Path) -> list[str]:
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(package)
         where = f"{package.name}/{rel.as_posix()}"
-        facing = rel.parts[0] == SYNC_FACING
+        facing = rel.parts[0] == SYNC_FACING or rel.as_posix() in SYNC_FACING_FILES
         tree = ast.parse(path.read_text(), filename=str(path))
         for line, module in _imports(tree):
             last = module.rsplit(".", 1)[-1]
@@ -79,6 +92,63 @@ def channel_violations(package: Path) -> list[str]:
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and RPC_PATH in node.value:
                 bad.append((where, node.lineno, f"names the RPC path {node.value!r}"))
     return [f"{where}:{line} {what}" for where, line, what in sorted(bad)]
+
+
+def upward_imports(package: Path) -> list[str]:
+    """Every import in `package`/engine/ of a rollout module outside the engine (and its config)."""
+    bad = []
+    name = f"services.{package.name}"
+    for path in sorted((package / "engine").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, module in _imports(tree):
+            if module.startswith(name + ".") and not module.startswith(
+                    tuple(m.replace("services.rollout", name) for m in ENGINE_MAY_IMPORT)):
+                bad.append(f"{package.name}/{path.relative_to(package).as_posix()}:{line} imports {module}")
+    return sorted(set(bad))
+
+
+def transaction_runs(package: Path) -> list[str]:
+    """Every call of `<something>.run(...)` on the update transaction outside its door: a call named
+    `run` on an attribute or name called `updates`."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "run"
+                    and (getattr(node.func.value, "attr", None) == "updates" or getattr(node.func.value, "id", None) == "updates")
+                    and rel not in TRANSACTION_CALLERS):
+                found.append(f"{package.name}/{rel}:{node.lineno}")
+    return found
+
+
+def test_the_engine_imports_nothing_above_it() -> None:
+    assert upward_imports(ROLLOUT) == []
+
+
+def test_a_new_version_comes_in_by_one_door() -> None:
+    assert transaction_runs(ROLLOUT) == []
+
+
+def test_the_floor_checks_see_violations(tmp_path: Path) -> None:
+    package = tmp_path / "rollout"
+    (package / "engine").mkdir(parents=True)
+    (package / "weights").mkdir()
+    (package / "engine" / "vllm.py").write_text(
+        "from services.rollout.engine.base import Engine\n"  # its own floor: fine
+        "from services.rollout.config import RolloutConfig\n"  # its config: fine
+        "def f():\n"
+        "    from services.rollout.weights.verify import checkpoint_specs\n"  # upward, even lazily
+        "from services.rollout.serving.text import TextCodec\n"
+    )
+    (package / "servicer.py").write_text("async def UpdateWeights(self):\n    await self.updates.run(1, None, None, 1)\n")
+    (package / "weights" / "arrival.py").write_text("async def install(updates):\n    await updates.run(1)\n")
+    assert upward_imports(package) == [
+        "rollout/engine/vllm.py:4 imports services.rollout.weights.verify",
+        "rollout/engine/vllm.py:4 imports services.rollout.weights.verify.checkpoint_specs",
+        "rollout/engine/vllm.py:5 imports services.rollout.serving.text",
+        "rollout/engine/vllm.py:5 imports services.rollout.serving.text.TextCodec",
+    ]
+    assert transaction_runs(package) == ["rollout/servicer.py:2"]
 
 
 def test_the_top_level_holds_only_the_service_frame() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from flywheel.errors import FailedPrecondition
 from services.rollout.config import RolloutConfig
 from services.rollout.engine.base import Engine
-from services.rollout.serving.text import TextCodec
+from services.rollout.engine.text import TextCodec
 
 
 def vllm_available() -> bool:

@@ -11,7 +11,9 @@ engine only does what it is told.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 
@@ -20,6 +22,7 @@ import torch
 from flywheel.codec.identity import VersionIdentity
 from flywheel.common.types import RAW, FinishReason, PauseMode, SampledDistribution, SamplingSpec
 from flywheel.errors import FailedPrecondition, InvalidArgument
+from flywheel.probe import ProbeBatch
 from flywheel.transfer.broadcast import GroupSpec
 
 
@@ -120,8 +123,51 @@ class StagedWeights:
     nbytes: int = 0
     release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     #: What the version is (its identity, from its manifest or the synchronizer): what the weights
-    #: resident after the swap are verified against. None: unknown (verified against what was staged).
+    #: resident after the swap are verified against. None: unknown until the update asks for it.
     identity: VersionIdentity | None = None
+    #: The trainer's probe of the version, where its manifest carried one.
+    probe: ProbeBatch | None = None
+
+
+@dataclass(frozen=True)
+class LoadFaults:
+    """FAULT INJECTION (`updates.faults_file`): what an engine's load does wrong on purpose, so that
+    tests can prove an update's verification catches each class of loading bug. All off by default;
+    the product never sets them."""
+
+    #: (a) one element changed in a tensor the engine keeps readable, after loading.
+    corrupt_readable: bool = False
+    #: (b) a linear layer's weight scaled by this factor after loading (on vLLM's CPU path: the
+    #: layer vLLM repacks, so that only a behavioural check can see it); 0: off.
+    scale_linear: float = 0.0
+    #: (c) two same-shaped tensors swapped by the loader (the name-mapping bug class).
+    swap_same_shaped: bool = False
+    #: (d) one tensor left at the previous version (a partial load).
+    skip_one: bool = False
+    #: (e) the load raises RuntimeError halfway.
+    raise_halfway: bool = False
+
+    @property
+    def any(self) -> bool:
+        return (self.corrupt_readable or bool(self.scale_linear) or self.swap_same_shaped or self.skip_one
+                or self.raise_halfway)
+
+
+NO_FAULTS = LoadFaults()
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What an engine measured of the weights it holds after a swap, by checkpoint name
+    (flywheel.codec.identity tensor digests). An engine never reports a digest it did not compute."""
+
+    #: RESIDENT: hashed as they sit in the engine now.
+    resident: Mapping[str, bytes] = field(default_factory=dict)
+    #: RECEIVED: hashed by the engine's loader as it consumed them, in the process that holds the
+    #: model, during the last swap.
+    received: Mapping[str, bytes] = field(default_factory=dict)
+    #: Why some tensors could not be read back (in words; "" when all were).
+    unreadable: str = ""
 
 
 #: True while an update is staged for an engine that pulls MEMORY versions
@@ -229,8 +275,9 @@ class Engine(abc.ABC):
         return staged
 
     @abc.abstractmethod
-    async def swap_weights(self, staged: StagedWeights) -> None:
-        """Replaces the live weights and sets the version; the engine is paused.
+    async def swap_weights(self, staged: StagedWeights, faults: LoadFaults = NO_FAULTS) -> None:
+        """Replaces the live weights and sets the version; the engine is paused. `faults`: tests
+        only (LoadFaults).
 
         `staged` was verified against weight_specs, so this cannot fail on
         names, dtypes or shapes. `staged.tensors` are reused for the next
@@ -245,16 +292,37 @@ class Engine(abc.ABC):
         (another device or dtype, a fused layout, another process). Nothing may write them."""
         return None
 
-    async def resident_digests(self, names: Collection[str]) -> dict[str, bytes] | None:
-        """The identity digests (flywheel.codec.identity) of the weights resident in the engine now,
-        under the checkpoint's names: for every name it can read back as the checkpoint holds it
-        (same dtype and shape); None when it can read none. Called while generation is paused."""
-        return None
+    async def measure(self, names: Collection[str]) -> Measured:
+        """What it can measure of the weights it holds (called after a swap, generation paused):
+        the digests of every tensor it can read back as the checkpoint holds it (same dtype and
+        shape), and those its loader hashed as it consumed them. Nothing, by default."""
+        return Measured(unreadable=f"the {self.kind} engine cannot read its weights back")
 
-    async def corrupt_one_element(self) -> str:
-        """FAULT INJECTION (faults_file): changes one element of one resident tensor, as an engine
-        that loaded a tensor wrong would; returns the tensor's name."""
-        raise FailedPrecondition(f"the {self.kind} engine cannot inject a corrupt load (faults_file)")
+    @property
+    def probe_tolerance(self) -> float:
+        """The largest per-token log-prob difference (nats) between this engine's scores of the
+        probe batch and the trainer's float32 ones that still counts as the same weights: engine
+        numerics, measured per engine and dtype (docs/verification.md)."""
+        return 1e-3
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log p(ids[i + 1] | ids[:i + 1]) of each sequence under the resident weights, from the
+        model's raw distribution (the probe). The engine must be running (not paused)."""
+        if not self.supports_prompt_logprobs:
+            raise FailedPrecondition(f"the {self.kind} engine does not score prompts")
+        spec = SamplingSpec(max_tokens=1, temperature=0.0, prompt_logprobs=True)
+
+        async def one(ids: Sequence[int]) -> list[float]:
+            final = None
+            async for deltas in self.generate(f"probe-{uuid.uuid4().hex[:12]}", list(ids), spec, stream=False):
+                final = next((d.final for d in deltas if d.final is not None), final)
+            if final is None or final.finish_reason not in ("stop", "length"):
+                raise FailedPrecondition(f"the {self.kind} engine did not finish scoring a probe sequence "
+                                         f"({final.finish_reason if final else 'no output'})")
+            return list(final.prompt_logprobs)
+
+        # Together: an engine that batches (vLLM) scores them in one prefill.
+        return list(await asyncio.gather(*(one(ids) for ids in sequences)))
 
     async def discard_weights(self, staged: StagedWeights) -> None:
         """Releases what prepare_weights made, whether or not it was swapped in."""

@@ -17,7 +17,6 @@ import asyncio
 import itertools
 import logging
 from collections import deque
-import math
 from collections.abc import AsyncIterator, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,12 +25,16 @@ from typing import Any
 
 import torch
 
+from flywheel.codec.checkpoint_dir import read_tensors
 from flywheel.codec.identity import identify
 from flywheel.errors import FailedPrecondition, InvalidArgument
-from services.rollout.engine.base import Delta, Engine, EngineLoad, PauseMode, SamplingSpec, StagedWeights, TensorSpec
+from services.rollout.engine.base import (
+    NO_FAULTS, Delta, Engine, EngineLoad, LoadFaults, Measured, PauseMode, SamplingSpec, StagedWeights, TensorSpec,
+)
+from services.rollout.engine.checkpoint import checkpoint_specs
+from services.rollout.engine.faults import fault_targets
 from services.rollout.engine.hf_sequence import Sequence
-from services.rollout.serving.text import TextCodec
-from services.rollout.weights.verify import checkpoint_specs, read_files
+from services.rollout.engine.text import TextCodec
 
 log = logging.getLogger(__name__)
 
@@ -249,36 +252,63 @@ class TransformersEngine(Engine):
         if staged.tensors is not None:
             return staged
         # Read before generation pauses, so the pause covers only the copy.
-        tensors = await asyncio.to_thread(read_files, staged.files or [])
-        return StagedWeights(version=staged.version, tensors=tensors, nbytes=staged.nbytes)
+        tensors = await asyncio.to_thread(read_tensors, staged.files or [])
+        return StagedWeights(version=staged.version, tensors=tensors, nbytes=staged.nbytes, identity=staged.identity,
+                             probe=staged.probe)
 
-    async def swap_weights(self, staged: StagedWeights) -> None:
+    async def swap_weights(self, staged: StagedWeights, faults: LoadFaults = NO_FAULTS) -> None:
         loop = asyncio.get_running_loop()
         async with self._step_lock:
-            await loop.run_in_executor(self._executor, self._copy_weights, staged)
-            self._version = staged.version
-            for seq in [*self._running, *self._waiting]:
-                seq.cache = None  # frozen (keep mode) samples recompute their context
+            try:
+                await loop.run_in_executor(self._executor, self._copy_weights, staged, faults)
+            finally:
+                # Whatever was loaded (all of it, or part of it when the copy failed) is no longer the
+                # old version: it is stamped with the new one, and the update's verification says what it is.
+                self._version = staged.version
+                for seq in [*self._running, *self._waiting]:
+                    seq.cache = None  # frozen (keep mode) samples recompute their context
 
-    def _copy_weights(self, staged: StagedWeights) -> None:
+    def _copy_weights(self, staged: StagedWeights, faults: LoadFaults) -> None:
         """Installs the staged tensors. Staging tensors that are handed back for the next update
         (`staged.release`: a MEMORY pull's, updates.reuse_staging) are traded: a parameter they can
         stand in for (same dtype, shape and device, contiguous) takes the staged tensor in place of
         its own, and its previous tensor goes back in the staged dict, to be staged into next time:
         no copy while generation is paused. Everything else is copied."""
-        tensors = staged.tensors if staged.tensors is not None else read_files(staged.files or [])
+        tensors = staged.tensors if staged.tensors is not None else read_tensors(staged.files or [])
         params = dict(self.model.named_parameters(remove_duplicate=False)) if staged.release is not None else {}
         state = self.model.state_dict()
+        targets = fault_targets(self._specs) if faults.any else None
+        order = list(tensors)
+        if targets is not None and faults.swap_same_shaped and targets.swapped is not None:
+            log.warning("FAULT INJECTION: two same-shaped tensors swapped in the load", extra={"tensors": targets.swapped})
+            a, b = targets.swapped
+            order = [b if n == a else a if n == b else n for n in order]
         with torch.no_grad():
-            for name, tensor in tensors.items():
+            for i, (name, source) in enumerate(zip(tensors, order)):
+                if targets is not None and faults.raise_halfway and i == len(order) // 2:
+                    log.warning("FAULT INJECTION: the load raises halfway", extra={"loaded": i})
+                    raise RuntimeError(f"FAULT INJECTION: the load failed after {i} of {len(order)} tensors")
+                if targets is not None and faults.skip_one and name == targets.skipped:
+                    log.warning("FAULT INJECTION: one tensor left at the previous version", extra={"tensor": name})
+                    continue
+                tensor = tensors[source]
                 param = params.get(name)
-                if (param is not None and param.dtype == tensor.dtype and param.shape == tensor.shape
-                        and param.device == tensor.device and tensor.is_contiguous()):
+                if (source == name and param is not None and param.dtype == tensor.dtype
+                        and param.shape == tensor.shape and param.device == tensor.device and tensor.is_contiguous()):
                     previous = param.data
                     param.data = tensor
                     tensors[name] = previous
                 else:
                     state[name].copy_(tensor)
+            state = self.model.state_dict()  # after the trades above: the tensors now live
+            if targets is not None and faults.scale_linear:
+                log.warning("FAULT INJECTION: a linear layer's weight scaled after the load",
+                            extra={"tensor": targets.linear, "factor": faults.scale_linear})
+                state[targets.linear].mul_(faults.scale_linear)
+            if targets is not None and faults.corrupt_readable:
+                log.warning("FAULT INJECTION: one element of a loaded tensor changed", extra={"tensor": targets.readable})
+                flat = state[targets.readable].view(-1)
+                flat[flat.numel() // 2] += 1
 
     def host_weights(self) -> Mapping[str, torch.Tensor] | None:
         # Only an update writes the weights, and updates run one at a time (RolloutCore): while the
@@ -292,25 +322,23 @@ class TransformersEngine(Engine):
             held[name] = t.detach()
         return held
 
-    async def resident_digests(self, names: Collection[str]) -> dict[str, bytes] | None:
+    async def measure(self, names: Collection[str]) -> Measured:
         # Read from the model itself, on its own thread (it owns the device): every name, as the
         # checkpoint holds it (the model loads in the checkpoint's dtypes unless engine.args.dtype says
-        # otherwise: those tensors cannot be compared and are left out).
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._resident_digests, names)
+        # otherwise: those tensors cannot be compared, and are named as unreadable).
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._measure, names)
 
-    def _resident_digests(self, names: Collection[str]) -> dict[str, bytes]:
+    def _measure(self, names: Collection[str]) -> Measured:
         state = self.model.state_dict()
         readable = {n: state[n] for n in names
                     if n in state and n in self._specs and state[n].dtype == self._specs[n].dtype
                     and tuple(state[n].shape) == tuple(self._specs[n].shape)}
-        return dict(identify(readable).tensors)
+        missing = [n for n in names if n not in readable]
+        why = f"{len(missing)} tensor(s) held in another dtype or shape than the checkpoint's" if missing else ""
+        return Measured(resident=dict(identify(readable).tensors), unreadable=why)
 
-    async def corrupt_one_element(self) -> str:
-        def corrupt() -> str:
-            name = max(self._specs, key=lambda n: math.prod(self._specs[n].shape))
-            with torch.no_grad():
-                flat = self.model.state_dict()[name].view(-1)
-                flat[flat.numel() // 2] += 1
-            return name
-
-        return await asyncio.get_running_loop().run_in_executor(self._executor, corrupt)
+    @property
+    def probe_tolerance(self) -> float:
+        # The trainer's own model code and kernels: float32 scores agree to about 1e-5 nats (measured,
+        # docs/verification.md); reduced precision moves every logit by its rounding.
+        return 2e-4 if self.model.dtype == torch.float32 else 0.15

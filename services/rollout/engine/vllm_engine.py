@@ -41,12 +41,12 @@ from flywheel.errors import Aborted, FailedPrecondition, InvalidArgument
 from flywheel.runtime.tls import process_tls
 from flywheel.transfer.broadcast import GroupSpec
 from services.rollout.engine.base import (
-    Delta, Engine, EngineLoad, GroupSource, MemorySource, PauseMode, SampleOutput, SamplingSpec, StagedWeights,
-    TensorSpec,
+    NO_FAULTS, Delta, Engine, EngineLoad, GroupSource, LoadFaults, Measured, MemorySource, PauseMode, SampleOutput,
+    SamplingSpec, StagedWeights, TensorSpec,
 )
+from services.rollout.engine.checkpoint import checkpoint_specs
+from services.rollout.engine.text import TextCodec
 from services.rollout.engine.vllm_transfer import BACKEND, decode_error, error_of
-from services.rollout.serving.text import TextCodec
-from services.rollout.weights.verify import checkpoint_specs
 
 log = logging.getLogger(__name__)
 
@@ -401,17 +401,17 @@ class VllmEngine(Engine):
                 raise found from exc
             raise
 
-    async def swap_weights(self, staged: StagedWeights) -> None:
+    async def swap_weights(self, staged: StagedWeights, faults: LoadFaults = NO_FAULTS) -> None:
         # Once the worker starts loading it finishes, whatever becomes of this call: an abandoned
         # swap still ends with the version set to the weights the worker holds.
-        swap = asyncio.ensure_future(self._swap(staged))
+        swap = asyncio.ensure_future(self._swap(staged, faults))
         try:
             await asyncio.shield(swap)
         except asyncio.CancelledError:
             await swap
             raise
 
-    async def _swap(self, staged: StagedWeights) -> None:
+    async def _swap(self, staged: StagedWeights, faults: LoadFaults) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         if staged.source is not None:
@@ -421,12 +421,16 @@ class VllmEngine(Engine):
         else:
             assert staged.files is not None, "prepare_weights shares tensors"
             info = {"files": list(staged.files)}
+        if faults.any:
+            info["faults"] = asdict(faults)
         await self._llm.start_weight_update()
         try:
             await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
         except Exception as exc:
-            # The worker has ended the update session itself; nothing was loaded unless the
-            # load proper failed, which verification before it leaves to vLLM's own errors.
+            # The worker has ended the update session itself. A failure before its load began left
+            # the model untouched; one during the load left it holding no version: stamped with
+            # the new number below, so that the update's verification and quarantine cover it.
+            self._version = staged.version
             raise _worker_error(exc) or exc from exc
         await self._llm.finish_weight_update()
         # KV computed with the old weights must not be reused: frozen requests
@@ -435,13 +439,27 @@ class VllmEngine(Engine):
         await self._llm.update_weight_version(str(staged.version))
         self._version = staged.version
 
-    async def resident_digests(self, names: Collection[str]) -> dict[str, bytes] | None:
-        # One worker holds whole tensors; with tensor or pipeline parallelism each holds shards,
-        # which are not the checkpoint's tensors: verified as staged then.
-        if not self.joins_groups or self._llm is None:
-            return None
-        [digests] = await self._llm.collective_rpc("flywheel_resident_digests", args=(list(names),))
-        return dict(digests) or None
+    async def measure(self, names: Collection[str]) -> Measured:
+        # Each worker measures what it holds: with tensor or pipeline parallelism those are shards (never
+        # the checkpoint's tensors, so nothing is RESIDENT), and every worker's loader took the whole
+        # checkpoint tensors it needed: RECEIVED counts only digests every worker reported alike.
+        if self._llm is None:
+            return Measured(unreadable="the vLLM engine is not running")
+        reports = await self._llm.collective_rpc("flywheel_measure", args=(list(names),))
+        if len(reports) == 1:
+            [only] = reports
+            return Measured(dict(only["resident"]), dict(only["received"]), only["unreadable"])
+        received = dict(reports[0]["received"])
+        for report in reports[1:]:
+            received = {n: d for n, d in received.items() if report["received"].get(n) == d}
+        return Measured({}, received, f"{len(reports)} workers hold shards, not the checkpoint's tensors")
+
+    @property
+    def probe_tolerance(self) -> float:
+        # vLLM's kernels against the trainer's float32 transformers forward, measured per dtype
+        # (docs/verification.md): float32 agrees to about 1e-4 nats; bfloat16 rounds every activation.
+        dtype = str(self._llm.vllm_config.model_config.dtype) if self._llm is not None else ""
+        return 2e-3 if dtype.endswith("float32") else 0.25
 
     async def discard_weights(self, staged: StagedWeights) -> None:
         if staged.source is not None and self._llm is not None:

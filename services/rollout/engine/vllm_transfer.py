@@ -24,8 +24,7 @@ parameter, so a rejected update leaves the model untouched:
   anonymous memory file of its process: `shared`);
 * safetensors files of a checkpoint directory the service verified (`files`).
 
-The load is vLLM's in-place reload (kernel-specific processing redone), plus
-`refresh_kept_cpu_gemms`. No weight file is ever written.
+The load, and what it measures, is `vllm_load`'s. No weight file is ever written.
 
 Why an engine of ours: vLLM's own engines (nccl, ipc, sparse) are CUDA-only,
 and none reads the synchronizer's checksummed chunks or segments. Its nccl
@@ -66,6 +65,10 @@ from vllm.distributed.weight_transfer.base import (
 from flywheel import errors
 from flywheel.errors import Aborted, DeadlineExceeded, FailedPrecondition, FlywheelError, NotFound
 from flywheel.transfer.broadcast import GroupSpec
+from services.rollout.engine.base import LoadFaults
+from services.rollout.engine.vllm_load import (
+    ReceivedDigests, corrupt_readable, faulty, load_in_place, resident_digests,
+)
 
 #: The backend name in vLLM's factory (`weight_transfer_config.backend`).
 BACKEND = "flywheel"
@@ -131,6 +134,8 @@ class FlywheelUpdateInfo(WeightTransferUpdateInfo):
     files: list[str] | None = None
     #: Or (`stage` only) the transfer group to receive in: `flywheel.transfer.broadcast.GroupSpec`'s fields.
     group: dict[str, Any] | None = None
+    #: FAULT INJECTION (tests only): `LoadFaults` fields for this load.
+    faults: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         given = [bool(self.ticket), bool(self.synchronizer), self.shared is not None, self.files is not None,
@@ -157,6 +162,8 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._specs: dict | None = None
+        #: RECEIVED digests of the last load (checkpoint names).
+        self._received: dict[str, bytes] = {}
 
     # -- vLLM's lifecycle ------------------------------------------------------
 
@@ -182,11 +189,12 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         if update_info.group is not None:
             raise ValueError("a transfer group's version is staged first (flywheel_stage) and loaded by its "
                              "ticket once the synchronizer declared the transfer COMMITTED")
+        faults = LoadFaults(**(update_info.faults or {}))
         if update_info.files is not None:
-            self._load(_file_tensors(update_info.files))
+            self._load(_file_tensors(update_info.files), faults)
         elif update_info.shared is not None:
             with _mapped(SharedTensors(**update_info.shared)) as tensors:
-                self._load(tensors.items())
+                self._load(tensors.items(), faults)
         else:
             if update_info.ticket:
                 future, reuse = self._staged.pop(update_info.ticket, (None, False))
@@ -196,7 +204,7 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
                 future, reuse = self._start_pull(update_info), update_info.reuse_staging
             _, tensors = _result(future)
             self._aborts.pop(update_info.ticket, None)
-            self._load(tensors.items())
+            self._load(tensors.items(), faults)
             # Kept only if the model took copies: a staging tensor it still held would change under it.
             self._free = tensors if reuse and not _shares_storage(self.model, tensors) else None
 
@@ -291,7 +299,7 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         self, info: FlywheelUpdateInfo, staging: dict[str, torch.Tensor] | None
     ) -> tuple[int, dict[str, torch.Tensor]]:
         from flywheel.runtime.tls import TlsFiles
-        from services.rollout.weights.memory import pull_tensors
+        from services.rollout.engine.pull import pull_tensors
 
         # None: the worker process's own TLS (its env variables).
         tls = TlsFiles(**{k: Path(v) if v else None for k, v in info.tls.items()}) if info.tls is not None else None
@@ -308,43 +316,38 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
             ) from None
         return int(pulled.nbytes), pulled.tensors
 
-    def resident_digests(self, names: list[str]) -> dict[str, bytes]:
-        """Identity digests of the weights resident in this worker's model, under the checkpoint's
-        names: every parameter held as the checkpoint holds it (same dtype and shape), and the
-        parts of a fused one (vLLM stacks q/k/v and gate/up) cut back along their first dimension.
-        Layers vLLM repacked for its CPU kernels and dropped the weight of cannot be read back."""
-        from flywheel.codec.identity import identify
-
+    def measure(self, names: list[str]) -> dict[str, Any]:
+        """What this worker measured of the weights it holds: RESIDENT digests (read back now) and
+        the RECEIVED ones its loader hashed during the last load, under the checkpoint's names."""
         specs = {n: s for n, s in self._served_specs().items() if n in set(names)}
-        readable: dict[str, torch.Tensor] = {}
-        packed = getattr(self.model, "packed_modules_mapping", {}) or {}
-        for name, param in self.model.named_parameters():
-            if param.numel() == 0:
-                continue
-            if name in specs:
-                readable[name] = param
-                continue
-            for fused, parts in packed.items():
-                if f".{fused}." not in name:
-                    continue
-                pieces = [name.replace(f".{fused}.", f".{part}.") for part in parts]
-                if all(p in specs for p in pieces) and sum(specs[p].shape[0] for p in pieces) == param.shape[0]:
-                    for piece, chunk in zip(pieces, param.split([specs[p].shape[0] for p in pieces])):
-                        readable[piece] = chunk
-        held = {n: t for n, t in readable.items()
-                if t.dtype == specs[n].dtype and tuple(t.shape) == tuple(specs[n].shape)}
-        return dict(identify(held).tensors)
+        resident = resident_digests(self.model, specs)
+        unread = len(specs) - len(resident)
+        why = (f"{unread} tensor(s) not held as the checkpoint holds them (repacked for vLLM's kernels, or "
+               "sharded)") if unread else ""
+        return {"resident": resident, "received": {n: d for n, d in self._received.items() if n in specs},
+                "unreadable": why}
 
     def _served_specs(self) -> dict:
         """Names, dtypes and shapes of the checkpoint the model was loaded from: what an update must provide."""
         if self._specs is None:
-            from services.rollout.weights.verify import checkpoint_specs
+            from services.rollout.engine.checkpoint import checkpoint_specs
 
             self._specs = checkpoint_specs(Path(self.model_config.model))
         return self._specs
 
-    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_in_place(self.vllm_config, self.model, weights)
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]], faults: LoadFaults) -> None:
+        """Loads a version, hashing each tensor as the loader takes it (RECEIVED). The digests of
+        a load that failed are dropped: nothing was received whole."""
+        specs = self._served_specs()
+        received = ReceivedDigests()
+        self._received = {}
+        stream = received.hashing(weights)
+        if faults.any:
+            stream = faulty(stream, faults, specs)
+        load_in_place(self.vllm_config, self.model, stream)
+        self._received = received.digests
+        if faults.corrupt_readable:
+            corrupt_readable(self.model, specs)
 
 
 def _result(future: concurrent.futures.Future) -> Any:
@@ -362,14 +365,6 @@ def _result(future: concurrent.futures.Future) -> Any:
 def _shares_storage(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
     held = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu"}
     return any(t.untyped_storage().data_ptr() in held for t in tensors.values())
-
-
-def load_in_place(vllm_config: Any, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """vLLM's in-place reload of checkpoint-format weights, then the CPU GEMM refresh."""
-    from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
-    reload_weights(vllm_config, model, weights_iterator=weights, weights_path=None, is_checkpoint_format=True)
-    refresh_kept_cpu_gemms(model)
 
 
 def _file_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -434,33 +429,3 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND, FlywheelWeightTransferEngine)
     elif loader() is not FlywheelWeightTransferEngine:
         raise RuntimeError(f"vLLM's weight-transfer backend {BACKEND!r} is registered to another engine")
-
-
-def refresh_kept_cpu_gemms(model: torch.nn.Module) -> int:
-    """Re-ties a tied LM head to the (reloaded) embedding and repacks the CPU GEMM copy of every
-    layer that keeps its weight; a no-op off CPU. Returns how many layers were repacked.
-
-    On CPU, vLLM packs a copy of every GEMM weight at load for its kernels, and
-    layers that keep their weight besides (the token embedding, and an LM head
-    tied to it) are not repacked by a reload. A model with tied embeddings
-    (SmolLM2, the tiny test models) then served new weights everywhere but in
-    its output head: samples came from a model nobody trained."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return 0
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    config = getattr(model, "config", None)
-    head, body = getattr(model, "lm_head", None), getattr(model, "model", None)
-    embedding = getattr(body, "embed_tokens", None)
-    if getattr(config, "tie_word_embeddings", False) and head is not None and embedding is not None:
-        head.weight = embedding.weight
-    repacked = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        # Layers whose weight was removed after packing (linear layers) were repacked by the reload.
-        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.numel():
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-            repacked += 1
-    return repacked

@@ -44,9 +44,9 @@ class FlywheelWorkerExtension:
         """Where the staging under `ticket` stands (see FlywheelWeightTransferEngine.staged)."""
         return self._flywheel_engine().staged(ticket)
 
-    def flywheel_resident_digests(self, names: list[str]) -> dict[str, bytes]:
-        """Identity digests of the weights this worker holds (see FlywheelWeightTransferEngine.resident_digests)."""
-        return self._flywheel_engine().resident_digests(names)
+    def flywheel_measure(self, names: list[str]) -> dict[str, Any]:
+        """What this worker measured of the weights it holds (see FlywheelWeightTransferEngine.measure)."""
+        return self._flywheel_engine().measure(names)
 
     def flywheel_drop(self, ticket: str) -> None:
         """Cancels or forgets the staging under `ticket`."""

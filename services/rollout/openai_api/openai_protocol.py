@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.rollout.engine.base import SampleOutput
-from services.rollout.serving.text import TextCodec
+from services.rollout.engine.text import TextCodec
 
 
 class _Strict(BaseModel):

@@ -1,6 +1,8 @@
-"""The rollout service's domain core: admission, the update gate, pause modes
-and weight versions, on top of one engine. Both transports (gRPC servicer and
-OpenAI HTTP) call this and nothing else.
+"""The rollout service's domain core: admission, generation's gate and pause
+modes, on top of one engine. Both transports (gRPC servicer and OpenAI HTTP)
+call this for generation; weight updates go through `services.rollout.weights`
+(the update transaction, `weights/transaction.py`), which closes and reopens
+this gate.
 
 Invariants:
 - A request waits at the gate while an update (or a Pause) is in progress and
@@ -9,47 +11,28 @@ Invariants:
   last token.
 - At most `limits.max_pending_requests` samples are admitted at once (waiting
   at the gate or in the engine); past that, QueueFull (RESOURCE_EXHAUSTED/429).
-- An update is a transaction in phases (each timed, `UpdateTimings`):
-  transfer (the bytes staged and verified while generation goes on), admit
-  (in-flight requests end, finish or freeze by the pause mode; wait and
-  abort close the gate first, keep once the engine froze at its step
-  boundary), apply (the engine loads the staged tensors, within
-  `updates.apply_timeout_seconds`), verify (the identity of the weights now
-  resident is measured and compared with the version's) and reopen. Any
-  failure before apply leaves the old weights serving. A failure in apply or
-  verify leaves the engine holding weights that are not the version: the
-  replica is then quarantined, refusing generation (UNAVAILABLE) until an
-  update of it verifies. Pause is what generation feels: from the gate
-  closing (wait, abort) or the engine freezing (keep) to the reopen. Every
-  outcome goes to the update observers (the synchronizer link reports it:
-  ReportUpdate).
+- A quarantined replica (its last update failed or did not verify: the
+  weights it holds are not a version) refuses generation with UNAVAILABLE,
+  also to a request that waited at the gate while that update ran, until an
+  update verifies.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from flywheel.codec.identity import VersionIdentity, version_digest
-from flywheel.errors import DataLoss, DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable
-from flywheel.synchronizer.types import UpdatePhase, UpdateTimings
+from flywheel.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
-from services.rollout.engine.base import (
-    Delta, Engine, PauseMode, SampleOutput, SamplingSpec, StagedWeights, engine_pulls_memory,
-)
+from services.rollout.engine.base import Delta, Engine, PauseMode, SampleOutput, SamplingSpec
+from services.rollout.engine.text import TextCodec
 from services.rollout.serving.prompts import PromptInput, ResolvedPrompt, resolve
-from services.rollout.weights.deltas import DeltaPolicy
-from services.rollout.weights.staging import StagingBuffers
-from services.rollout.serving.text import TextCodec
 
 log = logging.getLogger(__name__)
 
@@ -70,49 +53,6 @@ class PromptOutput:
     request_id: str
     prompt_ids: list[int]
     samples: list[SampleOutput]
-
-
-@dataclass
-class UpdateOutcome:
-    version: int
-    pause_seconds: float
-    nbytes: int
-    aborted_request_ids: list[str]
-    timings: UpdateTimings = field(default_factory=UpdateTimings)
-    #: The identity the resident weights were verified to have.
-    identity: bytes = b""
-
-
-class UpdateFailed(DataLoss):
-    """The engine does not hold the version after apply (it loaded a tensor wrong, or apply did
-    not finish in time): the replica is quarantined. DATA_LOSS: weights are not what was sent."""
-
-    def __init__(self, message: str, phase: UpdatePhase) -> None:
-        super().__init__(message)
-        self.phase = phase
-
-
-@dataclass(frozen=True)
-class UpdateReport:
-    """What became of one weight update that got past the version check."""
-
-    #: The version the update tried to install.
-    version: int
-    #: The version serving after it: `version` on success, the old one otherwise (or the new one,
-    #: unverified, when apply or verification failed).
-    served: int
-    #: Why it failed (a timeout, a cancelled call, bad weights); None on success.
-    error: BaseException | None
-    timings: UpdateTimings = field(default_factory=UpdateTimings)
-    #: The phase that failed (None on success).
-    failed_phase: UpdatePhase | None = None
-    #: The identity measured on the resident weights (b"": not measured).
-    resident_identity: bytes = b""
-
-
-#: Told of every update's outcome, whoever asked for it (called on the event
-#: loop; must not block or raise).
-UpdateObserver = Callable[[UpdateReport], None]
 
 
 @dataclass
@@ -162,24 +102,14 @@ class RolloutCore:
         self._open.set()
         self._paused = False
         self._updating = False
-        self._control = asyncio.Lock()  # Pause / Resume / the swap phase of updates
-        self._update = asyncio.Lock()  # one update at a time, staging included
+        #: Held by Pause, Resume and an update's swap (services.rollout.weights.transaction).
+        self.control = asyncio.Lock()
         self._flights: set[_Flight] = set()
-        self.update_observers: list[UpdateObserver] = []
         #: Set by the synchronizer link: waits until a generation of (run_step,
         #: min_version) may run on the served weights (services.rollout.weights.follower).
         self.weights_gate: Callable[[int, int], Awaitable[None]] | None = None
-        #: MEMORY updates stage into these (held between updates; see services.rollout.weights.staging).
-        self.staging = StagingBuffers(enabled=config.updates.reuse_staging)
-        #: Whether MEMORY updates ask for a delta from the served weights (services.rollout.weights.deltas).
-        self.deltas = DeltaPolicy(config.updates.delta_pulls)
-        #: Why the replica takes no traffic (its last update failed in apply or verify); "" when it serves.
+        #: Why the replica takes no traffic (its last update failed or did not verify); "" when it serves.
         self.quarantine_reason = ""
-        #: The identity of the weights its last verified update installed (b"": the base weights, unmeasured).
-        self.identity = b""
-        #: An apply that outlived its deadline and may still be running in the engine.
-        self._hung_apply: asyncio.Future | None = None
-        metrics.STAGING_HELD_BYTES.set_function(lambda: self.staging.held_bytes)
         metrics.WEIGHT_VERSION.set_function(lambda: self.engine.version if self.engine else 0)
         metrics.REQUESTS_RUNNING.set_function(lambda: self.engine.load().running if self.engine else 0)
         metrics.REQUESTS_WAITING.set_function(lambda: (self.engine.load().waiting if self.engine else 0) + self._at_gate)
@@ -324,7 +254,7 @@ class RolloutCore:
 
     async def pause(self, mode: PauseMode) -> tuple[list[str], int]:
         engine, _ = self.require_engine()
-        async with self._control:
+        async with self.control:
             if self._paused:
                 return [], engine.version
             self._open.clear()
@@ -339,7 +269,7 @@ class RolloutCore:
 
     async def resume(self) -> int:
         engine, _ = self.require_engine()
-        async with self._control:
+        async with self.control:
             if self._paused:
                 await engine.resume()
                 self._paused = False
@@ -362,217 +292,40 @@ class RolloutCore:
             quarantine_reason=self.quarantine_reason,
         )
 
-    # -- weight updates --------------------------------------------------------
+    # -- the gate, as a weight update drives it ------------------------------------
 
-    async def update_weights(
-        self, version: int, stage: Callable[[], Awaitable[StagedWeights]], mode: PauseMode | None, timeout: float | None,
-        *, rewind: bool = False,
-    ) -> UpdateOutcome:
-        """Transfers (fetch + verify the bytes) within `timeout`, then admits, applies, verifies and
-        reopens under the gate. Versions only go up, except for `rewind`: the synchronizer rewound
-        the run's weights below the served ones, and any version of the new lineage replaces them
-        (the same number may be other weights). A quarantined replica may install the same version
-        again (its weights are not that version)."""
-        engine, _ = self.require_engine()
-        mode = mode or self.config.updates.default_pause_mode
-        timeout = timeout or self.config.updates.timeout_seconds
-        async with self._update:
-            if version <= engine.version and not rewind and not self.quarantine_reason:
-                raise FailedPrecondition(f"version {version} is not newer than the served version {engine.version}")
-            timings = _Timings()
-            try:
-                started = time.monotonic()
-                try:
-                    staged = await asyncio.wait_for(self._stage(engine, stage), timeout)
-                except asyncio.TimeoutError:
-                    raise DeadlineExceeded(
-                        f"update to version {version} not staged within {timeout:g} s; still serving {engine.version}"
-                    ) from None
-                finally:
-                    timings.transfer = time.monotonic() - started
-                try:
-                    outcome = await self._swap(engine, staged, mode, timings)
-                finally:
-                    await engine.discard_weights(staged)
-                    _release(staged)
-            except BaseException as exc:
-                metrics.WEIGHT_UPDATES.labels("failed").inc()
-                phase = exc.phase if isinstance(exc, UpdateFailed) else (
-                    UpdatePhase.TRANSFER if timings.admit is None else UpdatePhase.APPLY)
-                log.warning("weight update failed", extra={"version": version, "serving": engine.version,
-                                                           "phase": phase.name.lower(), "error": str(exc)})
-                self._notify(UpdateReport(version, engine.version, exc, timings.freeze(), phase,
-                                          timings.resident_identity))
-                raise
+    @property
+    def paused(self) -> bool:
+        """Paused by an operator (Pause): an update leaves the engine paused and the gate closed."""
+        return self._paused
+
+    @property
+    def updating(self) -> bool:
+        return self._updating
+
+    @updating.setter
+    def updating(self, value: bool) -> None:
+        self._updating = value
+
+    def close_gate(self) -> None:
+        """New requests wait at the gate (an update's admit phase; call with `control` held)."""
+        self._open.clear()
+
+    def open_gate(self) -> None:
+        """Reopens the gate, unless an operator's Pause keeps it closed (call with `control` held)."""
+        if not self._paused:
+            self._open.set()
+
+    async def pause_engine(self, mode: PauseMode) -> list[str]:
+        """Pauses the engine (the gate is the caller's); for abort, the request ids that ended aborted."""
+        return await self._pause_engine(mode)
+
+    def quarantine(self, reason: str) -> None:
+        """Refuses generation until `lift_quarantine` (an update that verified). Set before the gate
+        can reopen, so that no request waiting there goes on with the weights held."""
+        self.quarantine_reason = reason
+
+    def lift_quarantine(self) -> None:
         self.quarantine_reason = ""
-        self.identity = outcome.identity
-        self._notify(UpdateReport(version, engine.version, None, outcome.timings, None, outcome.identity))
-        metrics.WEIGHT_UPDATES.labels("committed").inc()
-        metrics.WEIGHT_UPDATE_BYTES.inc(staged.nbytes)
-        metrics.UPDATE_PAUSE.observe(outcome.pause_seconds)
-        log.info("weights committed", extra={"version": version, "pause_seconds": round(outcome.pause_seconds, 4),
-                                             "bytes": staged.nbytes, "mode": mode,
-                                             "verify_seconds": round(outcome.timings.verify_seconds, 4)})
-        return outcome
-
-    def _notify(self, report: UpdateReport) -> None:
-        for observer in self.update_observers:
-            try:
-                observer(report)
-            except Exception:  # an observer's bug must not turn a committed update into an error
-                log.exception("weight update observer failed", extra={"version": report.version})
-
-    async def _stage(self, engine: Engine, stage: Callable[[], Awaitable[StagedWeights]]) -> StagedWeights:
-        engine_pulls_memory.set(engine.pulls_memory)  # this task's context only
-        staged = await stage()
-        try:
-            prepared = await engine.prepare_weights(staged)
-        except BaseException:
-            await engine.discard_weights(staged)
-            _release(staged)
-            raise
-        if prepared is not staged:
-            if prepared.identity is None:
-                prepared.identity = staged.identity
-            _release(staged)  # the engine made its own copy (e.g. shared memory for its worker)
-        return prepared
-
-    async def _swap(self, engine: Engine, staged: StagedWeights, mode: PauseMode, timings: _Timings) -> UpdateOutcome:
-        async with self._control:
-            started = time.monotonic()
-            self._updating = True
-            # keep: requests go on arriving while the engine reaches its step boundary (they queue
-            # there and are frozen with the others), so generation stops only once it froze. wait
-            # and abort: the gate closes first (a drain would never end otherwise).
-            if mode != "keep":
-                self._open.clear()
-            aborted: list[str] = []
-            stopped = started
-            try:
-                if not self._paused:
-                    aborted = await self._pause_engine(mode)
-                self._open.clear()
-                timings.admit = time.monotonic() - started
-                if mode == "keep":
-                    stopped = time.monotonic()
-                try:
-                    await self._apply(engine, staged, timings)
-                    identity = await self._verify(engine, staged, timings)
-                except UpdateFailed as exc:
-                    # The engine holds weights that are not the version: quarantined before the gate
-                    # reopens, so that no request waiting there goes on with them, and requests frozen
-                    # in place (keep) end ABORTed, to be retried elsewhere.
-                    self.quarantine_reason = f"update to version {staged.version}: {exc}"
-                    aborted += await self._pause_engine("abort")
-                    raise
-                finally:
-                    reopened = time.monotonic()
-                    if not self._paused:
-                        await engine.resume()
-                    timings.reopen = time.monotonic() - reopened
-            finally:
-                self._updating = False
-                if not self._paused:
-                    self._open.set()
-                timings.pause = time.monotonic() - stopped
-            return UpdateOutcome(engine.version, timings.pause, staged.nbytes, aborted, timings.freeze(), identity)
-
-    async def _apply(self, engine: Engine, staged: StagedWeights, timings: _Timings) -> None:
-        """Loads the staged version, within `updates.apply_timeout_seconds`. An apply that outlives it
-        fails the update (the replica is quarantined) and is awaited again before the next one: two
-        loads never run at once."""
-        started = time.monotonic()
-        limit = self.config.updates.apply_timeout_seconds
-        try:
-            if self._hung_apply is not None and not self._hung_apply.done():
-                await asyncio.wait_for(asyncio.shield(self._hung_apply), limit)
-            faults = read_faults(self.config.updates.faults_file)
-            apply = asyncio.ensure_future(self._load(engine, staged, faults))
-            try:
-                await asyncio.wait_for(asyncio.shield(apply), limit)
-            except asyncio.TimeoutError:
-                self._hung_apply = apply
-                raise UpdateFailed(f"apply did not finish within {limit:g} s (updates.apply_timeout_seconds)",
-                                   UpdatePhase.APPLY) from None
-        except asyncio.TimeoutError:
-            raise UpdateFailed(f"an earlier apply is still running after {limit:g} s more", UpdatePhase.APPLY) from None
-        finally:
-            timings.apply = time.monotonic() - started
-
-    async def _load(self, engine: Engine, staged: StagedWeights, faults: dict) -> None:
-        if faults.get("apply_delay_seconds"):
-            log.warning("FAULT INJECTION: apply delayed", extra={"seconds": faults["apply_delay_seconds"]})
-            await asyncio.sleep(float(faults["apply_delay_seconds"]))
-        await engine.swap_weights(staged)
-        if faults.get("corrupt_after_apply"):
-            name = await engine.corrupt_one_element()
-            log.warning("FAULT INJECTION: one element of a loaded tensor changed", extra={"tensor": name})
-
-    async def _verify(self, engine: Engine, staged: StagedWeights, timings: _Timings) -> bytes:
-        """The identity of the resident weights, compared with the version's; UpdateFailed (VERIFY)
-        when they differ. Tensors the engine cannot read back as the checkpoint holds them (a dtype
-        it converted to, a layout it repacked into) are checked only as staged."""
-        started = time.monotonic()
-        try:
-            expected = staged.identity
-            names = list(expected.tensors) if expected and expected.tensors else list(engine.weight_specs())
-            resident = await engine.resident_digests(names)
-            if not resident:
-                return expected.digest if expected else b""
-            timings.resident_identity = version_digest(resident) if len(resident) == len(names) else b""
-            if expected is None:
-                return timings.resident_identity
-            if expected.tensors:
-                measured = VersionIdentity(b"", resident)
-                wrong = [n for n in resident if resident[n] != expected.tensors.get(n)]
-                if wrong:
-                    raise UpdateFailed(
-                        f"the resident weights are not version {staged.version}: "
-                        f"{measured.describe_mismatch(VersionIdentity(b'', {n: expected.tensors[n] for n in resident}))}",
-                        UpdatePhase.VERIFY)
-            elif len(resident) == len(names) and timings.resident_identity != expected.digest:
-                raise UpdateFailed(
-                    f"the resident weights' identity {timings.resident_identity.hex()[:16]} is not version "
-                    f"{staged.version}'s {expected.hex[:16]}", UpdatePhase.VERIFY)
-            if len(resident) < len(names):
-                log.info("verified the tensors the engine can read back; the others as staged",
-                         extra={"version": staged.version, "resident": len(resident), "tensors": len(names)})
-            return expected.digest
-        finally:
-            timings.verify = time.monotonic() - started
 
 
-@dataclass
-class _Timings:
-    """An update's phase durations as they are measured (None: not reached)."""
-
-    transfer: float = 0.0
-    admit: float | None = None
-    apply: float = 0.0
-    verify: float = 0.0
-    reopen: float = 0.0
-    pause: float = 0.0
-    resident_identity: bytes = b""
-
-    def freeze(self) -> UpdateTimings:
-        return UpdateTimings(admit_seconds=self.admit or 0.0, transfer_seconds=self.transfer,
-                             apply_seconds=self.apply, verify_seconds=self.verify, reopen_seconds=self.reopen,
-                             pause_seconds=self.pause)
-
-
-def read_faults(path: Path | None) -> dict:
-    """The fault-injection file's keys while it exists ({} otherwise, or unset)."""
-    if path is None or not path.exists():
-        return {}
-    try:
-        faults = json.loads(path.read_text() or "{}")
-    except (OSError, ValueError) as exc:
-        log.warning("unreadable faults file; no fault injected", extra={"path": str(path), "error": str(exc)})
-        return {}
-    return faults if isinstance(faults, dict) else {}
-
-
-def _release(staged: StagedWeights) -> None:
-    if staged.release is not None:
-        release, staged.release = staged.release, None
-        release()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.errors import InvalidArgument
-from services.rollout.serving.text import TextCodec
+from services.rollout.engine.text import TextCodec
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -8,8 +8,8 @@ completed r - 1 steps. The first request of a new step makes the follower ask
 DYNAMIC_BY_EXPLORER every `interval` steps) the synchronizer moves the replica
 to REQUIRE_SYNC and names the version, the follower fetches it (MEMORY: pulled
 from the synchronizer once committed; CHECKPOINT: loaded from the path the
-commit names) and applies it through `RolloutCore.update_weights`, the same
-all-or-nothing path as UpdateWeights. The presence reports the outcome, which
+commit names) and installs it through the one door every update takes
+(`services.rollout.weights.arrival`), as an operator's UpdateWeights does. The presence reports the outcome, which
 takes the replica back to RUNNING. A DYNAMIC request whose wait lapses is
 asked again at the next step.
 
@@ -31,7 +31,7 @@ and installs the new lineage's newest version once there is one (N, which the
 controller has the trainer publish again; by NCCL, the synchronizer puts the
 replica in its broadcast although its number is higher; version 0, the base
 model, is reloaded from the engine's own model directory) with
-`update_weights(rewind=True)`;
+a rewinding install;
 its next report (at or below N) is what the synchronizer takes as its way
 back. A replica that missed the REWOUND event sees the new epoch on the next
 event it gets (a reconnecting Watch sends one at once).
@@ -60,24 +60,18 @@ import contextlib
 import logging
 import time
 
-from flywheel.codec.identity import VersionIdentity
 from flywheel.common.types import PauseMode
 from flywheel.errors import Aborted, FailedPrecondition, NotFound
 from flywheel.runtime.backoff import Backoff
 from flywheel.synchronizer.client import SynchronizerClient
-from flywheel.synchronizer.client_types import VersionInfo, WatchEvent
+from flywheel.synchronizer.client_types import WatchEvent
 from flywheel.synchronizer.policy import required_version
-from flywheel.synchronizer.types import EventKind, GroupInfo, Method, Policy, Role, State
+from flywheel.synchronizer.types import EventKind, GroupInfo, Method, Policy
 from services.rollout.config import RolloutConfig
-from services.rollout.serving.core import RolloutCore
-from services.rollout.weights.nccl import NcclTarget, update_over_group
-from services.rollout.weights.peers import peer_holding
-from services.rollout.weights.sources import Stage, base_stage, checkpoint_stage, fallback_stage, memory_stage
+from services.rollout.weights.arrival import FromBaseModel, FromCheckpoint, FromGroup, FromSynchronizer, Source, WeightArrival
+from services.rollout.weights.nccl import NcclTarget
 
 log = logging.getLogger(__name__)
-
-#: updates.compress_pulls -> what a pull asks for (None: the link decides, flywheel.synchronizer.pull).
-COMPRESS = {"auto": None, "on": True, "off": False}
 
 #: Failures worth trying the same version again for.
 TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "RESOURCE_EXHAUSTED"})
@@ -91,12 +85,11 @@ def _notify(owner: object, name: str) -> None:
 
 
 class Follower:
-    def __init__(
-        self, client: SynchronizerClient, core: RolloutCore, config: RolloutConfig, component_id: str,
-        *, token: str | None,
-    ) -> None:
-        self.client, self.core, self.config = client, core, config
-        self.component_id, self.token = component_id, token
+    def __init__(self, client: SynchronizerClient, arrival: WeightArrival, config: RolloutConfig,
+                 component_id: str) -> None:
+        self.client, self.arrival, self.config = client, arrival, config
+        self.core = arrival.updates.core
+        self.component_id = component_id
         #: Steps this replica completed (the newest run_step seen, minus one).
         self.step = 0
         #: step -> the version NeedSync named for it (0: none due).
@@ -106,8 +99,6 @@ class Follower:
         self.latest = 0
         #: version -> (method, checkpoint path) of committed versions heard of.
         self.sources: dict[int, tuple[Method | None, str]] = {}
-        #: version -> its identity as the synchronizer recorded it (what an update is verified against).
-        self.identities: dict[int, bytes] = {}
         #: The synchronizer quarantined this replica (its last update failed, or it holds a lost
         #: lineage's weights): it installs the newest version until an update verifies.
         self.quarantined = False
@@ -250,8 +241,6 @@ class Follower:
         if event.kind == EventKind.VERSION_COMMITTED and event.version:
             self.sources[event.version] = (event.method, event.location)
             latest = max(latest, event.version)
-        if event.kind in (EventKind.VERSION_COMMITTED, EventKind.TRANSFER_FINISHED) and event.identity:
-            self.identities[event.version] = event.identity
         c = event.component
         if c is not None and c.id == self.component_id and c.quarantined != self.quarantined:
             self.quarantined = c.quarantined
@@ -269,9 +258,6 @@ class Follower:
         are replaced by the new lineage's."""
         self.latest = latest
         self.sources = {v: s for v, s in self.sources.items() if v <= to_version}
-        # The rewound version's own identity goes too: when its bytes were evicted, the trainer
-        # publishes it again, possibly other weights under the number (asked again when needed).
-        self.identities = {v: i for v, i in self.identities.items() if v < to_version}
         self.target = min(self.target, to_version)
         self.step = min(self.step, to_version)
         for step in [s for s in self._asked if s >= to_version]:
@@ -301,7 +287,6 @@ class Follower:
         self.epoch = status.epoch
         for info in status.versions:
             self.sources.setdefault(info.version, (info.method, info.path))
-        self._learn_identities(status.versions)
         me = status.component(self.component_id)
         if me is not None and me.quarantined:
             # It holds weights the run does not know under their number (a lineage a rewind abandoned).
@@ -386,9 +371,8 @@ class Follower:
         target = NcclTarget(group.group_id, self.client.address, group.ranks[self.component_id])
         to = self.rewind_to  # a group after a rewind carries the new lineage's version, whatever its number
         try:
-            await update_over_group(self.core, target, group.version, self._pause_mode(),
-                                    self.config.updates.timeout_seconds, token=self.token,
-                                    rewind=to is not None or (self._reinstall_due() and group.version <= self.served))
+            await self.arrival.install(group.version, FromGroup(target), mode=self._pause_mode(),
+                                       rewind=to is not None or (self._reinstall_due() and group.version <= self.served))
             if to is not None and self.rewind_to == to:  # no newer rewind meanwhile
                 self.rewind_to = None
                 log.info("rewound", extra={"id": self.component_id, "version": self.served, "epoch": self.epoch})
@@ -437,18 +421,17 @@ class Follower:
 
     async def apply(self, version: int, *, rewind: bool = False, reinstall: bool = False) -> None:
         """Installs `version`. `reinstall` (quarantined): also when its number is the served one's (the
-        weights are not trusted); as with `rewind`, the core then takes the same number."""
+        weights are not trusted); as with `rewind`, the update then takes the same number."""
         if version <= self.served and not (rewind or reinstall):
             return
-        stage = await self._stage_for(version)
-        outcome = await self.core.update_weights(version, stage, self._pause_mode(), None,
-                                                 rewind=rewind or (reinstall and version <= self.served))
+        result = await self.arrival.install(version, await self._source_for(version), mode=self._pause_mode(),
+                                            rewind=rewind or (reinstall and version <= self.served))
         if reinstall:
             self.quarantined = False  # verified; the synchronizer's event confirms it
         log.info("synced to the synchronizer's version",
-                 extra={"id": self.component_id, "version": outcome.version,
-                        "pause_seconds": round(outcome.pause_seconds, 4),
-                        "verify_seconds": round(outcome.timings.verify_seconds, 4)})
+                 extra={"id": self.component_id, "version": result.version,
+                        "pause_seconds": round(result.pause_seconds, 4),
+                        "verify_seconds": round(result.timings.verify_seconds, 4)})
 
     async def _source(self, version: int) -> tuple[Method | None, str]:
         """How `version` travels: its method and checkpoint path."""
@@ -462,61 +445,13 @@ class Follower:
             raise NotFound(f"the synchronizer no longer lists version {version}")
         return self.sources[version]
 
-    async def _nearby(self, version: int, identity: VersionIdentity | None) -> list[tuple[str, str]]:
-        """Sources of `version` at this replica's site, from the synchronizer's registry, to try
-        before the synchronizer itself: a running relay of the site, then a peer replica that
-        holds the version verified (services.rollout.weights.peers). Empty without a site."""
-        site = self.config.synchronizer.site
-        if not site:
-            return []
-        components = (await self.client.status()).components
-        relays = sorted(c.identity.address for c in components
-                        if c.role is Role.SYNCHRONIZER and c.state is State.RUNNING
-                        and c.identity.labels.get("site") == site and c.identity.address)
-        found = [("relay", relays[0])] if relays else []
-        peer = peer_holding(components, site, version, identity.digest if identity else b"", self.component_id)
-        if peer is not None:
-            found.append(("peer", peer))
-        return found
-
-    def _learn_identities(self, versions: list[VersionInfo]) -> None:
-        """Identities the synchronizer recorded, of versions it can still serve: a MEMORY version
-        whose bytes are gone may be published again as other weights (a rewind's new lineage)."""
-        for info in versions:
-            if info.identity and (info.in_memory or info.method != Method.MEMORY):
-                self.identities[info.version] = info.identity
-
-    async def _identity(self, version: int) -> VersionIdentity | None:
-        """The version's identity as the synchronizer recorded it (asked for when no event told it yet)."""
-        if version not in self.identities:
-            self._learn_identities((await self.client.status()).versions)
-        known = self.identities.get(version)
-        return VersionIdentity(known) if known else None
-
-    async def _stage_for(self, version: int) -> Stage:
-        engine, _ = self.core.require_engine()
-        specs = engine.weight_specs()
+    async def _source_for(self, version: int) -> Source:
         if version == 0:  # the run started over (a rewind to 0): the weights this replica started with
-            return base_stage(self.config.engine, specs)
+            return FromBaseModel()
         method, location = await self._source(version)
         if method == Method.MEMORY:
-            identity = await self._identity(version)
-
-            def stage_from(address: str) -> Stage:
-                return memory_stage(address, version, specs, token=self.token,
-                                    timeout=self.config.updates.timeout_seconds,
-                                    max_message_bytes=self.config.server.max_message_bytes,
-                                    buffers=self.core.staging, identity=identity,
-                                    base=self.core.deltas.base(address, engine, self.core.identity),
-                                    on_pulled=lambda stats: self.core.deltas.observe(address, stats),
-                                    compress=COMPRESS[self.config.updates.compress_pulls])
-
-            sources = await self._nearby(version, identity)
-            if not sources:
-                return stage_from(self.client.address)
-            return fallback_stage([*((kind, address, stage_from(address)) for kind, address in sources),
-                                   ("synchronizer", self.client.address, lambda: stage_from(self.client.address)())])
+            return FromSynchronizer()
         if method == Method.CHECKPOINT and location:
-            return checkpoint_stage(location, version, specs, self.config.updates.checkpoint_root)
+            return FromCheckpoint(location)
         name = method.name if method else "an unknown method"
         raise FailedPrecondition(f"version {version} travels by {name}, which a rollout cannot pull by itself")

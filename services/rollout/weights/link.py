@@ -14,14 +14,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from flywheel.runtime.auth import own_token
-from services.rollout.config import RolloutConfig
-from services.rollout.serving.core import RolloutCore
-from services.rollout.weights.follower import Follower
-from services.rollout.weights.peers import PEER_LABEL
-from services.rollout.weights.presence import RolloutPresence
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.presence import advertised_address, reachable_host
 from flywheel.transfer.cuda_ipc import gpu_label
+from services.rollout.config import RolloutConfig
+from services.rollout.weights.arrival import WeightArrival
+from services.rollout.weights.follower import Follower
+from services.rollout.weights.peers import PEER_LABEL
+from services.rollout.weights.presence import RolloutPresence
 
 
 def device_of(engine_kind: str, engine_args: Mapping[str, Any]) -> str:
@@ -42,24 +42,26 @@ def default_component_id(config: RolloutConfig, grpc_port: int) -> str:
 
 
 class SynchronizerLink:
-    def __init__(self, config: RolloutConfig, core: RolloutCore, grpc_port: int) -> None:
+    def __init__(self, config: RolloutConfig, arrival: WeightArrival, grpc_port: int) -> None:
         link, server = config.synchronizer, config.server
-        token = own_token(server)
         self.component_id = link.component_id or default_component_id(config, grpc_port)
         self.client = SynchronizerClient(
-            link.address, token, timeout=link.rpc_timeout_seconds, max_message_bytes=server.max_message_bytes
+            link.address, own_token(server), timeout=link.rpc_timeout_seconds, max_message_bytes=server.max_message_bytes
         )
+        # Every update, whoever asks for it, is checked against what this synchronizer recorded.
+        arrival.attach(self.client, self.component_id)
+        core = arrival.updates.core
         status = core.status()
         device = device_of(status.engine, config.engine.args)
-        self.follower = Follower(self.client, core, config, self.component_id, token=token)
+        self.follower = Follower(self.client, arrival, config, self.component_id)
         self.presence = RolloutPresence(
-            self.client, core, link, self.component_id, advertised_address(link, server.host, grpc_port),
+            self.client, arrival.updates, link, self.component_id, advertised_address(link, server.host, grpc_port),
             labels={"model": core.model_name, "engine": status.engine, "device": device, **gpu_label(device),
                     **({"site": link.site} if link.site else {}),
                     **({PEER_LABEL: "1"} if config.updates.serve_peers else {})},
             step=lambda: self.follower.step,
         )
-        self.core = core
+        self.core, self.arrival = core, arrival
 
     def start(self) -> None:
         self.presence.start()
@@ -76,4 +78,5 @@ class SynchronizerLink:
         self.core.weights_gate = None
         await self.follower.stop()
         await self.presence.stop()
+        self.arrival.detach()
         await self.client.close()

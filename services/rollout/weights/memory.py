@@ -13,41 +13,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from flywheel.runtime.tls import TlsFiles
-from flywheel.synchronizer.client import SynchronizerClient
-from flywheel.synchronizer.client_types import DeltaBase, PulledWeights, PullStats
+from flywheel.synchronizer.client_types import DeltaBase, PullStats
 from services.rollout.engine.base import MemorySource, StagedWeights, TensorSpec, engine_pulls_memory
-from services.rollout.weights.verify import check_stream_manifest
-
-
-async def pull_tensors(
-    address: str,
-    version: int,
-    want: Mapping[str, TensorSpec],
-    *,
-    token: str | None,
-    timeout: float,
-    max_message_bytes: int,
-    staging: dict[str, torch.Tensor] | None = None,
-    tls: TlsFiles | None = None,
-    base: DeltaBase | None = None,
-    compress: bool | None = None,
-) -> PulledWeights:
-    """Version `version` from the synchronizer at `address`, every chunk checksum
-    and the version's digest verified, in CPU tensors: `staging` (tensors of
-    exactly `want`'s names, dtypes and shapes, overwritten) or fresh ones.
-    `tls`: the TLS to call with (default: this process's). The synchronizer's
-    refusals raise their domain errors, status kept (NOT_FOUND: evicted by a
-    newer push). `base`: a verified version held here, to be sent a delta from.
-    `compress`: ask for compressed chunks (None: when the link proved slow)."""
-    # A client (and channel) per pull: the address is the request's, and the
-    # vLLM worker pulls from its own process.
-    async with SynchronizerClient(address, token, timeout=timeout, transfer_timeout=timeout,
-                                  max_message_bytes=max_message_bytes, tls=tls, compress=compress) as client:
-        return await client.pull_weights(
-            version, staging=staging, timeout=timeout, base=base,
-            check_manifest=lambda m: check_stream_manifest(version, m, want),
-        )
+from services.rollout.engine.pull import pull_tensors
 
 
 async def pull_staged(

@@ -15,7 +15,7 @@ replica's `UpdateWeights(nccl=...)` together. On this side:
    moves (INVALID_ARGUMENT), gloo buckets are checksummed on CPU (DATA_LOSS).
    This side's outcome is reported, then the synchronizer's verdict awaited:
    only COMMITTED (every receiver confirmed) hands the staged weights to the
-   core's swap under the request gate.
+   update transaction's swap under generation's gate.
 3. Any failure, abort or timeout before the swap leaves the engine on its old
    weights, untouched, and is reported to the synchronizer (a late report
    after the verdict changes nothing there), so the trainer and the other
@@ -48,8 +48,8 @@ import torch
 
 from flywheel.codec.identity import VersionIdentity
 from flywheel.errors import Aborted, DeadlineExceeded, FailedPrecondition, FlywheelError, InvalidArgument, NotFound
-from services.rollout.serving.core import RolloutCore, UpdateOutcome
 from services.rollout.engine.base import Engine, PauseMode, StagedWeights, TensorSpec
+from services.rollout.weights.transaction import ProofSource, UpdateResult, WeightUpdates
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.participant import Received, stage_version
 from flywheel.synchronizer.types import GroupInfo, TransferState
@@ -163,12 +163,13 @@ def _committed(received: Received, group: GroupInfo) -> Any:
 
 
 async def update_over_group(
-    core: RolloutCore, target: NcclTarget, version: int, mode: PauseMode | None, timeout: float, *, token: str | None,
-    rewind: bool = False,
-) -> UpdateOutcome:
+    updates: WeightUpdates, target: NcclTarget, version: int, mode: PauseMode | None, timeout: float, *,
+    token: str | None, rewind: bool = False, proof: ProofSource | None = None,
+) -> UpdateResult:
     """Receives `version` in the target's group and swaps it in on commit (see module doc);
-    `rewind`: in place of a lost lineage's weights, whatever their number (`RolloutCore.update_weights`)."""
-    engine, _ = core.require_engine()
+    `rewind`: in place of a lost lineage's weights, whatever their number (`WeightUpdates.run`);
+    `proof`: the synchronizer's record of the version, asked for once the transfer committed."""
+    engine, _ = updates.core.require_engine()
     async with SynchronizerClient(target.synchronizer_address, token, timeout=RPC_SECONDS) as client:
         group = await _group(client, target)
         member = member_of(group, target.rank)
@@ -181,7 +182,7 @@ async def update_over_group(
                 specs = dict(engine.weight_specs())
                 stage = lambda: _stage(client, member, group, specs, device)  # noqa: E731
             left = group.deadline_unix_ms / 1000 - time.time() + _VERDICT_MARGIN_SECONDS
-            return await core.update_weights(version, stage, mode, max(timeout, left), rewind=rewind)
+            return await updates.run(version, stage, mode, max(timeout, left), rewind=rewind, proof=proof)
         except BaseException as exc:
             # Also for failures before the receive started (a stale version, no
             # CUDA): the other ranks then stop now rather than at the deadline.

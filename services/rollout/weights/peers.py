@@ -29,7 +29,7 @@ from flywheel.errors import FailedPrecondition, NotFound
 from flywheel.synchronizer.types import Component, Role, State
 from flywheel.synchronizer.version_server import SERVICE, version_pull_handler
 from services.rollout import metrics
-from services.rollout.serving.core import RolloutCore
+from services.rollout.weights.transaction import WeightUpdates
 
 #: The registry label of a replica that serves its weights to peers.
 PEER_LABEL = "weights_peer"
@@ -40,8 +40,9 @@ PEER_SERVICE = SERVICE
 class PeerWeights:
     """The replica's verified version, for its peers' pulls."""
 
-    def __init__(self, core: RolloutCore) -> None:
-        self.core = core
+    def __init__(self, updates: WeightUpdates) -> None:
+        self.updates = updates
+        self.core = updates.core
         self._encoded: tuple[int, bytes, EncodedVersion] | None = None
         self._encoding = asyncio.Lock()
 
@@ -51,7 +52,7 @@ class PeerWeights:
     async def held(self) -> EncodedVersion:
         """The served version, encoded (checksums and identity computed once per version)."""
         engine, _ = self.core.require_engine()
-        version, identity = self.core.status().version, self.core.identity
+        version, identity = self.core.status().version, self.updates.identity
         if version < 1 or not identity or self.core.quarantine_reason:
             raise NotFound(f"this replica serves no verified version to peers (version {version})")
         async with self._encoding:

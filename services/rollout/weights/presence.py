@@ -15,9 +15,10 @@ operator's UpdateWeights, or the follower), is reported twice:
   rollout in an NCCL transfer (WAITING_SYNC) keeps its state: the transfer's
   outcome is ReportTransfer's to decide, not ours;
 - as a fleet-update result (ReportUpdate): the phase durations, the identity
-  measured on the resident weights, and the outcome. The synchronizer judges
-  it against the version's identity and quarantines the rollout when it
-  failed, until one verifies.
+  computed from what was measured on the resident weights, the coverage (what
+  was measured, and how) and the outcome (VERIFIED, UNVERIFIED or FAILED).
+  The synchronizer judges it against the identity it recorded and
+  quarantines the rollout unless it verified, until one does.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import logging
 from collections.abc import Callable, Mapping
 
 from flywheel.errors import FlywheelError, NotFound
-from services.rollout.config import SynchronizerLinkConfig
-from services.rollout.serving.core import RolloutCore, UpdateReport
 from flywheel.synchronizer.client import SynchronizerClient
+from services.rollout.config import SynchronizerLinkConfig
+from services.rollout.weights.transaction import UpdateReport, WeightUpdates
 from flywheel.synchronizer.presence import Presence
 from flywheel.synchronizer.types import Method, Role, State, UpdateOutcome, UpdatePhase, UpdateRecord
 
@@ -45,6 +46,8 @@ def describe_failure(report: UpdateReport) -> str:
         why = "cancelled (the caller gave up or the rollout is stopping)"
     else:
         why = f"{getattr(error, 'code', type(error).__name__)}: {error}"
+    if report.unverified:
+        return f"weight update to version {report.version} was not proven; the weights held are not trusted: {why}"
     if report.failed_phase in (UpdatePhase.APPLY, UpdatePhase.VERIFY):
         # The engine was loading: what it holds is not a version (quarantined, refusing work).
         return (f"weight update to version {report.version} failed in {report.failed_phase.name.lower()}; "
@@ -56,7 +59,7 @@ class RolloutPresence(Presence):
     def __init__(
         self,
         client: SynchronizerClient,
-        core: RolloutCore,
+        updates: WeightUpdates,
         link: SynchronizerLinkConfig,
         component_id: str,
         address: str,
@@ -65,9 +68,10 @@ class RolloutPresence(Presence):
     ) -> None:
         super().__init__(
             client, Role.ROLLOUT, component_id, address, link, lambda: (step(), self.served()),
-            capabilities=CAPABILITIES, labels=labels, identity=lambda: self.core.identity,
+            capabilities=CAPABILITIES, labels=labels, identity=lambda: self.updates.identity,
         )
-        self.core = core
+        self.updates = updates
+        self.core = updates.core
         self._reports: asyncio.Queue[UpdateReport] = asyncio.Queue()
         self._observer = self._reports.put_nowait
 
@@ -75,14 +79,14 @@ class RolloutPresence(Presence):
         return self.core.status().version
 
     def start(self) -> None:
-        self.core.update_observers.append(self._observer)
+        self.updates.observers.append(self._observer)
         super().start()
         self._tasks.append(asyncio.ensure_future(self._report_loop()))
 
     async def stop(self) -> None:
         """Stops reporting, beating, then deregisters (within the RPC deadline)."""
-        if self._observer in self.core.update_observers:
-            self.core.update_observers.remove(self._observer)
+        if self._observer in self.updates.observers:
+            self.updates.observers.remove(self._observer)
         await super().stop()
 
     async def _report_loop(self) -> None:
@@ -110,12 +114,13 @@ class RolloutPresence(Presence):
                 self.component_id, target, expected=state, weight_version=report.served, reason=reason,
                 weight_identity=report.resident_identity if report.error is None else b"",
             )
+        outcome = (UpdateOutcome.VERIFIED if report.error is None
+                   else UpdateOutcome.UNVERIFIED if report.unverified else UpdateOutcome.FAILED)
         record = await self.client.report_update(UpdateRecord(
-            self.component_id, report.version,
-            UpdateOutcome.VERIFIED if report.error is None else UpdateOutcome.FAILED,
+            self.component_id, report.version, outcome,
             resident_identity=report.resident_identity, failed_phase=report.failed_phase,
             reason=describe_failure(report) if report.error is not None else "", timings=report.timings,
-            served_version=report.served,
+            served_version=report.served, coverage=report.coverage,
         ))
         if not record.verified and report.error is None:
             log.error("the synchronizer did not accept this update as verified",

@@ -1,15 +1,17 @@
-"""Where a weight version comes from, as the `stage` callable that
-`RolloutCore.update_weights` runs: a CHECKPOINT directory (verified in a
-thread), the engine's own model directory for version 0 (the base model, when
-a run starts over), or the synchronizer's MEMORY stream (pulled and verified as it
-arrives, read in place from shared memory on the synchronizer's host). Both check names, dtypes and shapes against the served model
-before anything live is touched (`services.rollout.weights.verify`)."""
+"""Where a weight version comes from, as the `stage` callable that the update
+transaction runs (`services.rollout.weights.transaction`): a CHECKPOINT
+directory (verified in a thread), the engine's own model directory for
+version 0 (the base model, when a run starts over), or the synchronizer's
+MEMORY stream (pulled and verified as it arrives, read in place from shared
+memory on the synchronizer's host). Each checks names, dtypes and shapes
+against the served model before anything live is touched
+(`services.rollout.weights.verify`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from flywheel.runtime.paths import confine
@@ -20,13 +22,12 @@ from flywheel.codec.identity import VersionIdentity
 from flywheel.synchronizer.client_types import DeltaBase, PullStats
 from services.rollout.config import EngineConfig
 from services.rollout.engine.base import StagedWeights, TensorSpec
-from services.rollout.weights.staging import StagingBuffers
 from services.rollout.weights.memory import pull_staged
+from services.rollout.weights.staging import StagingBuffers
+from services.rollout.weights.transaction import Stage
 from services.rollout.weights.verify import stage_checkpoint
 
 log = logging.getLogger(__name__)
-
-Stage = Callable[[], Awaitable[StagedWeights]]
 
 
 def checkpoint_stage(path: str, version: int, specs: Mapping[str, TensorSpec], root: Path | None) -> Stage:
@@ -74,10 +75,9 @@ def memory_stage(
 ) -> Stage:
     """`buffers`: staged into the set they hold, if any, and given back on
     release; after a failed pull the set is dropped (fresh tensors next time).
-    `identity`: the version's, as the synchronizer recorded it; what an engine
-    that pulls by itself is verified against (the manifest's otherwise). Not
-    given (an operator's UpdateWeights), it is asked of the synchronizer: every
-    update of a MEMORY version is verified against the same identity.
+    `identity`: the version's, as the synchronizer recorded it: a pull of other
+    bytes under the number (a relay's or peer's) is refused before anything
+    loads; the update verifies the engine against it.
     `base`: the served weights, offered as the base of a delta
     (`services.rollout.weights.deltas`); a delta that does not rebuild the
     version is pulled again in full. `on_pulled` is told what a pull cost.
@@ -98,7 +98,7 @@ def memory_stage(
             staged = await pull_staged(address, version, specs, token=token, timeout=timeout,
                                        max_message_bytes=max_message_bytes, on_pulled=on_pulled, compress=compress)
         if staged.identity is None:
-            staged.identity = identity or await recorded_identity(address, version, token=token)
+            staged.identity = identity
         elif identity is not None and staged.identity.digest != identity.digest:
             # Consistent in itself, yet not the version the synchronizer recorded (a relay's or peer's
             # stream of other weights under the number): refused before anything loads.
@@ -110,16 +110,6 @@ def memory_stage(
         return staged
 
     return stage
-
-
-async def recorded_identity(address: str, version: int, *, token: str | None) -> VersionIdentity | None:
-    """The identity the synchronizer recorded for `version` (None: it has none for it)."""
-    from flywheel.synchronizer.client import SynchronizerClient
-
-    async with SynchronizerClient(address, token=token) as client:
-        status = await client.status()
-    known = next((v.identity for v in status.versions if v.version == version and v.identity), None)
-    return VersionIdentity(known) if known else None
 
 
 def fallback_stage(sources: Sequence[tuple[str, str, Stage]]) -> Stage:

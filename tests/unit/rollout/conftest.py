@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.models.tiny import build_tiny_model
-from services.rollout.serving.text import TextCodec
+from services.rollout.engine.text import TextCodec
 
 
 @pytest.fixture(scope="session")

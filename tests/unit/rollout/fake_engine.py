@@ -9,7 +9,11 @@ from collections.abc import AsyncIterator, Mapping
 
 import torch
 
-from services.rollout.engine.base import Delta, Engine, EngineLoad, PauseMode, SampleOutput, SamplingSpec, StagedWeights, TensorSpec
+from flywheel.codec.identity import VersionIdentity, identify
+from services.rollout.engine.base import (
+    NO_FAULTS, Delta, Engine, EngineLoad, LoadFaults, Measured, PauseMode, SampleOutput, SamplingSpec, StagedWeights,
+    TensorSpec,
+)
 
 
 class FakeEngine(Engine):
@@ -17,10 +21,14 @@ class FakeEngine(Engine):
     max_model_len = 512
     vocab_size = 1024
 
-    def __init__(self, step_seconds: float = 0.001) -> None:
+    def __init__(self, step_seconds: float = 0.001, tensors: tuple[str, ...] = ("w",),
+                 readable: tuple[str, ...] | None = None) -> None:
         self.step_seconds = step_seconds
         self._version = 0
-        self.weights = {"w": torch.zeros(4)}
+        self.weights = {name: torch.zeros(4) for name in tensors}
+        #: The tensors it can read back as they sit (all by default); the others it can only hash as received.
+        self.readable = tuple(tensors) if readable is None else readable
+        self.received: dict[str, bytes] = {}
         self.running: dict[str, asyncio.Event] = {}
         self._aborted: set[str] = set()
         self._resumed = asyncio.Event()
@@ -83,19 +91,43 @@ class FakeEngine(Engine):
         return EngineLoad(running=len(self.running), waiting=0, kv_cache_usage=0.0)
 
     def weight_specs(self) -> Mapping[str, TensorSpec]:
-        return {"w": TensorSpec(torch.float32, (4,))}
+        return {name: TensorSpec(torch.float32, (4,)) for name in self.weights}
 
-    async def swap_weights(self, staged: StagedWeights) -> None:
+    async def swap_weights(self, staged: StagedWeights, faults: LoadFaults = NO_FAULTS) -> None:
         assert staged.tensors is not None
-        self.weights["w"].copy_(staged.tensors["w"])
+        self.received = dict(identify(staged.tensors).tensors)
+        names = list(self.weights)
+        for i, name in enumerate(names):
+            if faults.raise_halfway and i == len(names) // 2:
+                self._version = staged.version
+                raise RuntimeError("FAULT INJECTION: the load failed halfway")
+            if faults.skip_one and name == names[-1]:
+                continue
+            self.weights[name].copy_(staged.tensors[name])
+        if faults.scale_linear:
+            self.weights[names[-1]].mul_(faults.scale_linear)
+        if faults.corrupt_readable:
+            self.weights[self.readable[0]][1] += 1
         self._version = staged.version
         self.swaps.append(staged.version)
 
-    async def resident_digests(self, names) -> dict[str, bytes]:
-        from flywheel.codec.identity import identify
+    async def measure(self, names) -> Measured:
+        resident = identify({n: self.weights[n] for n in names if n in self.readable}).tensors
+        return Measured(dict(resident), {n: d for n, d in self.received.items() if n in names},
+                        "" if len(resident) == len(self.weights) else "some tensors are repacked")
 
-        return dict(identify({n: self.weights[n] for n in names if n in self.weights}).tensors)
+    # -- a probe: log-probs that depend on every weight ------------------------------
 
-    async def corrupt_one_element(self) -> str:
-        self.weights["w"][1] += 1
-        return "w"
+    supports_prompt_logprobs = False
+
+    def fake_logprobs(self, ids) -> list[float]:
+        """What this engine "scores" for a sequence: a function of every weight (the fake model)."""
+        total = float(sum(t.sum() for t in self.weights.values()))
+        return [-1.0 - 0.001 * total * (i + 1) for i in range(len(ids) - 1)]
+
+    async def score(self, sequences) -> list[list[float]]:
+        return [self.fake_logprobs(ids) for ids in sequences]
+
+
+def identity_of(tensors: dict[str, torch.Tensor]) -> VersionIdentity:
+    return identify(tensors)

@@ -12,7 +12,8 @@ from services.rollout.config import RolloutConfig
 from services.rollout.serving.core import QueueFull, RolloutCore
 from services.rollout.engine.base import SamplingSpec, StagedWeights
 from services.rollout.serving.prompts import ResolvedPrompt
-from tests.unit.rollout.fake_engine import FakeEngine
+from services.rollout.weights.transaction import WeightUpdates
+from tests.unit.rollout.fake_engine import FakeEngine, identity_of
 
 
 def make_core(max_pending: int = 512, step_seconds: float = 0.001) -> tuple[RolloutCore, FakeEngine]:
@@ -27,7 +28,8 @@ def prompt(rid: str = "") -> ResolvedPrompt:
 
 
 def staged(version: int, value: float) -> StagedWeights:
-    return StagedWeights(version=version, tensors={"w": torch.full((4,), value)}, nbytes=16)
+    tensors = {"w": torch.full((4,), value)}
+    return StagedWeights(version=version, tensors=tensors, nbytes=16, identity=identity_of(tensors))
 
 
 async def test_generate_tags_samples_with_the_serving_version() -> None:
@@ -53,11 +55,12 @@ async def test_queue_full_is_refused_with_a_retry_hint_and_frees_on_finish() -> 
 
 async def test_update_bumps_version_and_new_requests_use_new_weights() -> None:
     core, engine = make_core()
+    updates = WeightUpdates(core, core.config)
 
     async def stage() -> StagedWeights:
         return staged(3, 1.5)
 
-    outcome = await core.update_weights(3, stage, "wait", 10)
+    outcome = await updates.run(3, stage, "wait", 10)
     assert outcome.version == 3 and engine.version == 3 and outcome.pause_seconds >= 0
     assert torch.equal(engine.weights["w"], torch.full((4,), 1.5))
     (out,) = await core.generate([prompt()], SamplingSpec(max_tokens=2))
@@ -67,19 +70,20 @@ async def test_update_bumps_version_and_new_requests_use_new_weights() -> None:
 
 async def test_failed_or_late_staging_leaves_weights_and_version() -> None:
     core, engine = make_core()
+    updates = WeightUpdates(core, core.config)
 
     async def corrupt() -> StagedWeights:
         raise DataLoss("chunk 3 does not match its checksum")
 
     with pytest.raises(DataLoss):
-        await core.update_weights(2, corrupt, "wait", 10)
+        await updates.run(2, corrupt, "wait", 10)
 
     async def slow() -> StagedWeights:
         await asyncio.sleep(5)
         return staged(2, 9.0)
 
     with pytest.raises(DeadlineExceeded, match="still serving 0"):
-        await core.update_weights(2, slow, "wait", 0.05)
+        await updates.run(2, slow, "wait", 0.05)
     assert engine.version == 0 and engine.swaps == []
     assert torch.equal(engine.weights["w"], torch.zeros(4))
     (out,) = await core.generate([prompt()], SamplingSpec(max_tokens=1))  # the gate is open again
@@ -88,17 +92,19 @@ async def test_failed_or_late_staging_leaves_weights_and_version() -> None:
 
 async def test_version_must_increase() -> None:
     core, _ = make_core()
+    updates = WeightUpdates(core, core.config)
 
     async def stage() -> StagedWeights:
         return staged(1, 1.0)
 
-    await core.update_weights(1, stage, "wait", 10)
+    await updates.run(1, stage, "wait", 10)
     with pytest.raises(FailedPrecondition, match="not newer"):
-        await core.update_weights(1, stage, "wait", 10)
+        await updates.run(1, stage, "wait", 10)
 
 
 async def test_requests_during_an_update_wait_and_see_one_version() -> None:
     core, engine = make_core(step_seconds=0.002)
+    updates = WeightUpdates(core, core.config)
     release = asyncio.Event()
 
     async def stage() -> StagedWeights:
@@ -106,7 +112,7 @@ async def test_requests_during_an_update_wait_and_see_one_version() -> None:
         return staged(5, 2.0)
 
     spec = SamplingSpec(max_tokens=4)
-    update = asyncio.create_task(core.update_weights(5, stage, "wait", 10))
+    update = asyncio.create_task(updates.run(5, stage, "wait", 10))
     early = [asyncio.create_task(core.generate([prompt()], spec)) for _ in range(10)]
     await asyncio.sleep(0.001)
     release.set()
@@ -140,12 +146,13 @@ async def test_pause_abort_reports_aborted_requests_and_holds_new_ones() -> None
 
 async def test_update_while_paused_keeps_the_pause() -> None:
     core, engine = make_core()
+    updates = WeightUpdates(core, core.config)
     await core.pause("keep")
 
     async def stage() -> StagedWeights:
         return staged(2, 3.0)
 
-    await core.update_weights(2, stage, "abort", 10)
+    await updates.run(2, stage, "abort", 10)
     assert core.status().paused and engine.version == 2
     held = asyncio.create_task(core.generate([prompt()], SamplingSpec(max_tokens=1)))
     await asyncio.sleep(0.01)

@@ -24,6 +24,8 @@ from flywheel.synchronizer.types import UpdateOutcome, UpdatePhase
 from services.rollout.engine.base import SamplingSpec
 from services.rollout.engine.transformers_engine import TransformersEngine
 from services.rollout.serving.core import RolloutCore
+from services.rollout.weights.arrival import WeightArrival
+from services.rollout.weights.transaction import WeightUpdates
 from services.rollout.serving.prompts import ResolvedPrompt
 from services.rollout.weights.link import SynchronizerLink
 from services.rollout.weights.sources import checkpoint_stage
@@ -45,7 +47,7 @@ async def replica(model: Path, codec, address: str, **updates: object) -> AsyncI
     engine = TransformersEngine(model, dict(config.engine.args), codec)
     await engine.start()
     core = RolloutCore(config, engine, codec, "tiny")
-    link = SynchronizerLink(config, core, grpc_port=50999)
+    link = SynchronizerLink(config, WeightArrival(WeightUpdates(core, config), config, None), grpc_port=50999)
     try:
         yield core, link
     finally:
@@ -141,13 +143,13 @@ async def test_a_replica_holding_a_lost_lineages_weights_under_a_current_number_
         await client.push_weights(new, 2)  # the redone step 2: other bytes, the same number
         async with replica(rollout_model, codec, sync.address) as (core, link):
             # The replica was down during all this and holds the abandoned version 2.
-            await core.update_weights(2, checkpoint_stage(str(tmp_path / "old"), 2, core.engine.weight_specs(),
+            await link.arrival.updates.run(2, checkpoint_stage(str(tmp_path / "old"), 2, core.engine.weight_specs(),
                                                           tmp_path), None, 30)
-            assert core.identity == identify(old).digest != identify(new).digest
+            assert link.arrival.updates.identity == identify(old).digest != identify(new).digest
             link.start()
             await link.ready(5.0)
             # Registered with its identity: never taken as current; it installs the run's version 2.
-            await eventually(lambda: core.identity == identify(new).digest, what="the run's version 2 installed")
+            await eventually(lambda: link.arrival.updates.identity == identify(new).digest, what="the run's version 2 installed")
             await eventually(lambda: _not_quarantined(client), what="its update verified")
             assert core.status().version == 2
             records = await client.list_updates(2)

@@ -21,7 +21,9 @@ from safetensors.torch import load_file, save_file
 
 from flywheel.errors import Aborted, FailedPrecondition
 from flywheel.runtime.server import RunningServer, serve
-from services.rollout.serving.core import RolloutCore, UpdateReport
+from services.rollout.serving.core import RolloutCore
+from services.rollout.weights.arrival import WeightArrival
+from services.rollout.weights.transaction import UpdateReport, WeightUpdates
 from services.rollout.engine.base import SampleOutput, SamplingSpec
 from services.rollout.engine.transformers_engine import TransformersEngine
 from services.rollout.serving.prompts import ResolvedPrompt
@@ -74,7 +76,7 @@ async def linked_rollout(model: Path, codec, address: str, **link: object) -> As
     engine = TransformersEngine(model, dict(config.engine.args), codec)
     await engine.start()
     core = RolloutCore(config, engine, codec, "tiny")
-    link_ = SynchronizerLink(config, core, grpc_port=50999)
+    link_ = SynchronizerLink(config, WeightArrival(WeightUpdates(core, config), config, None), grpc_port=50999)
     link_.start()
     try:
         yield core, link_
@@ -154,7 +156,7 @@ async def test_an_update_anyone_triggers_is_reported(rollout_model, codec, base_
             await link.presence.registered.wait()
             specs = core.engine.weight_specs()
             # As UpdateWeights (the operator's path) does it: the core, with a checkpoint.
-            await core.update_weights(1, checkpoint_stage(str(ckpt), 1, specs, tmp_path), None, 30)
+            await link.arrival.updates.run(1, checkpoint_stage(str(ckpt), 1, specs, tmp_path), None, 30)
             c = await eventually(lambda: _at_version(client, 1), what="version 1 reported")
             assert c.state == State.RUNNING
 
@@ -261,7 +263,7 @@ async def test_a_replica_that_joins_catches_up_to_the_newest_version_first(rollo
             await client.push_weights(shifted(base_state, 0.01 * version), version)
         async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
             reports: list[UpdateReport] = []
-            core.update_observers.append(reports.append)
+            link.arrival.updates.observers.append(reports.append)
             await link.ready(5.0)
             assert core.status().version == 3, "caught up before it reports ready"
             assert [(r.version, r.error) for r in reports] == [(3, None)], "versions 1 and 2 must be skipped"
@@ -304,16 +306,16 @@ async def test_a_version_evicted_before_it_was_pulled_is_passed_over_for_the_new
         async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
             await link.ready(5.0)
             follower = link.follower
-            stage_for = follower._stage_for
+            source_for = follower._source_for
             failures: list[UpdateReport] = []
-            core.update_observers.append(lambda r: failures.append(r) if r.error is not None else None)
+            link.arrival.updates.observers.append(lambda r: failures.append(r) if r.error is not None else None)
 
             async def pushed_over(version: int):
                 if version == 1:
                     await client.push_weights(shifted(base_state, 0.02), 2)  # evicts version 1
-                return await stage_for(version)
+                return await source_for(version)
 
-            monkeypatch.setattr(follower, "_stage_for", pushed_over)
+            monkeypatch.setattr(follower, "_source_for", pushed_over)
             await client.push_weights(shifted(base_state, 0.01), 1)
             await eventually(lambda: follower.latest >= 1, what="version 1 heard")
             await follower.reach(1, 30.0)

@@ -16,7 +16,9 @@ from flywheel.errors import FailedPrecondition
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.participant import broadcast_version
 from flywheel.synchronizer.types import TransferState
-from services.rollout.serving.core import RolloutCore, UpdateReport
+from flywheel.synchronizer.types import UpdateOutcome
+from services.rollout.serving.core import RolloutCore
+from services.rollout.weights.transaction import UpdateReport, WeightUpdates
 from services.rollout.engine.transformers_engine import TransformersEngine
 from services.rollout.weights.sources import checkpoint_stage
 from services.synchronizer.embedded import embedded_synchronizer
@@ -48,17 +50,17 @@ async def test_the_core_installs_an_older_version_only_for_a_rewind(rollout_mode
     await engine.start()
     try:
         core = RolloutCore(config, engine, codec, "tiny")
+        updates = WeightUpdates(core, config)
         specs = engine.weight_specs()
         for version in (2, 3):
             (tmp_path / f"v{version}").mkdir()
             save_file(shifted(base_state, 0.01 * version), str(tmp_path / f"v{version}" / "model.safetensors"))
-        await core.update_weights(3, checkpoint_stage(str(tmp_path / "v3"), 3, specs, tmp_path), None, 30)
+        await updates.run(3, checkpoint_stage(str(tmp_path / "v3"), 3, specs, tmp_path), None, 30)
         for version in (2, 3):
             with pytest.raises(FailedPrecondition, match=f"version {version} is not newer than the served version 3"):
-                await core.update_weights(version, checkpoint_stage(str(tmp_path / "v2"), version, specs, tmp_path),
-                                          None, 30)
+                await updates.run(version, checkpoint_stage(str(tmp_path / "v2"), version, specs, tmp_path), None, 30)
         assert core.status().version == 3
-        await core.update_weights(2, checkpoint_stage(str(tmp_path / "v2"), 2, specs, tmp_path), None, 30, rewind=True)
+        await updates.run(2, checkpoint_stage(str(tmp_path / "v2"), 2, specs, tmp_path), None, 30, rewind=True)
         assert core.status().version == 2
         assert (await generate(core)).version_start == 2
     finally:
@@ -79,7 +81,7 @@ async def test_a_replica_on_a_lost_version_goes_back_to_the_rewound_one(rollout_
                 await link.follower.reach(version, 30)
             await eventually(lambda: _update_of(client, 3, 0), what="version 3 reported")
             reports: list[UpdateReport] = []
-            core.update_observers.append(reports.append)
+            link.arrival.updates.observers.append(reports.append)
 
             rewound = await client.rewind(2, "the trainer resumed from step 2")
             assert (rewound.epoch, rewound.dropped, rewound.rewinding) == (1, [3], ["rollout-under-test"])
@@ -152,7 +154,7 @@ async def test_a_replica_on_a_lost_nccl_version_is_broadcast_the_rewound_one(rol
                 await eventually(lambda: core.status().version == version, what=f"version {version} installed")
             await eventually(lambda: _update_of(client, 3, 0), what="version 3 reported")
             reports: list[UpdateReport] = []
-            core.update_observers.append(reports.append)
+            link.arrival.updates.observers.append(reports.append)
 
             rewound = await client.rewind(2, "the trainer resumed from step 2")
             assert (rewound.epoch, rewound.dropped, rewound.rewinding) == (1, [3], [CID])
@@ -194,7 +196,7 @@ async def test_when_the_run_starts_over_a_replica_reloads_the_weights_it_started
             assert not torch.equal(first_weight(core), started_with)
             await eventually(lambda: _update_of(client, 2, 0), what="version 2 reported")
             reports: list[UpdateReport] = []
-            core.update_observers.append(reports.append)
+            link.arrival.updates.observers.append(reports.append)
 
             rewound = await client.rewind(0, "the trainer restarted before its first checkpoint")
             assert (rewound.epoch, rewound.latest_version, rewound.dropped) == (1, 0, [1, 2])
@@ -207,9 +209,13 @@ async def test_when_the_run_starts_over_a_replica_reloads_the_weights_it_started
             await eventually(lambda: _at_version(client, 0), what="version 0 reported back")
 
             async def recorded() -> list:
-                return [u for u in await client.list_updates() if (u.version, u.epoch, u.verified) == (0, 1, True)]
+                return [u for u in await client.list_updates() if (u.version, u.epoch) == (0, 1)]
 
-            await eventually(recorded, what="the update to version 0 recorded, verified")
+            # The replica measured every tensor against the base model's files; the synchronizer never
+            # recorded the base model's identity, so it cannot judge it VERIFIED (nor quarantines for it).
+            [judged] = await eventually(recorded, what="the update to version 0 recorded")
+            assert judged.outcome == UpdateOutcome.UNVERIFIED and judged.coverage.complete
+            assert not (await component(client)).quarantined
 
             await client.push_weights(shifted(base_state, 0.3), 1)  # the new lineage's first step
             await link.follower.reach(1, 30)

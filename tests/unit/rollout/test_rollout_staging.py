@@ -10,19 +10,25 @@ import torch
 from flywheel.errors import DataLoss
 from services.rollout.config import RolloutConfig
 from services.rollout.serving.core import RolloutCore
-from services.rollout.engine.base import StagedWeights, TensorSpec
+from services.rollout.engine.base import NO_FAULTS, StagedWeights, TensorSpec
 from services.rollout.weights.sources import memory_stage
 from services.rollout.weights.staging import StagingBuffers
-from tests.unit.rollout.fake_engine import FakeEngine
+from services.rollout.weights.transaction import WeightUpdates
+from tests.unit.rollout.fake_engine import FakeEngine, identity_of
 from tests.unit.rollout.fake_synchronizer import FakeSynchronizer
 
 SPECS = {"w": TensorSpec(torch.float32, (4,))}
 
 
-def make_core(reuse: bool = True) -> tuple[RolloutCore, FakeEngine]:
+def make_core(reuse: bool = True) -> tuple[WeightUpdates, FakeEngine]:
     config = RolloutConfig.model_validate({"updates": {"reuse_staging": reuse}})
     engine = FakeEngine()
-    return RolloutCore(config, engine=engine, codec=object(), model_name="fake"), engine  # type: ignore[arg-type]
+    core = RolloutCore(config, engine=engine, codec=object(), model_name="fake")  # type: ignore[arg-type]
+    return WeightUpdates(core, config), engine
+
+
+def staged(version: int, tensors: dict[str, torch.Tensor], **kwargs: object) -> StagedWeights:
+    return StagedWeights(version, tensors, nbytes=16, identity=identity_of(tensors), **kwargs)  # type: ignore[arg-type]
 
 
 def test_a_set_is_handed_out_once_and_only_if_it_fits() -> None:
@@ -43,68 +49,69 @@ def test_a_set_is_handed_out_once_and_only_if_it_fits() -> None:
 
 
 async def test_staged_tensors_are_released_only_after_the_swap_copied_them() -> None:
-    core, engine = make_core()
+    updates, engine = make_core()
     events: list[str] = []
     swap = engine.swap_weights
 
-    async def recording_swap(staged: StagedWeights) -> None:
+    async def recording_swap(staged: StagedWeights, faults=NO_FAULTS) -> None:
         events.append("swap")
-        await swap(staged)
+        await swap(staged, faults)
 
     engine.swap_weights = recording_swap  # type: ignore[method-assign]
 
     async def stage() -> StagedWeights:
-        return StagedWeights(1, {"w": torch.full((4,), 2.0)}, nbytes=16, release=lambda: events.append("release"))
+        return staged(1, {"w": torch.full((4,), 2.0)}, release=lambda: events.append("release"))
 
-    await core.update_weights(1, stage, "wait", 10)
+    await updates.run(1, stage, "wait", 10)
     assert events == ["swap", "release"]
 
 
 async def test_a_copy_made_by_prepare_frees_the_staged_tensors_before_the_pause() -> None:
-    core, engine = make_core()
+    updates, engine = make_core()
     events: list[str] = []
 
     async def prepare(staged: StagedWeights) -> StagedWeights:
         events.append("prepare")
-        return StagedWeights(staged.version, {"w": staged.tensors["w"].clone()}, nbytes=staged.nbytes)
+        return StagedWeights(staged.version, {"w": staged.tensors["w"].clone()}, nbytes=staged.nbytes,
+                             identity=staged.identity)
 
     swap = engine.swap_weights
 
-    async def recording_swap(staged: StagedWeights) -> None:
+    async def recording_swap(staged: StagedWeights, faults=NO_FAULTS) -> None:
         events.append("swap")
-        await swap(staged)
+        await swap(staged, faults)
 
     engine.prepare_weights = prepare  # type: ignore[method-assign]
     engine.swap_weights = recording_swap  # type: ignore[method-assign]
 
     async def stage() -> StagedWeights:
-        return StagedWeights(1, {"w": torch.ones(4)}, nbytes=16, release=lambda: events.append("release"))
+        return staged(1, {"w": torch.ones(4)}, release=lambda: events.append("release"))
 
-    await core.update_weights(1, stage, "wait", 10)
+    await updates.run(1, stage, "wait", 10)
     assert events == ["prepare", "release", "swap"]
     assert torch.equal(engine.weights["w"], torch.ones(4))
 
 
 async def test_a_failed_swap_still_releases() -> None:
-    core, engine = make_core()
+    updates, engine = make_core()
     released: list[int] = []
 
-    async def broken_swap(staged: StagedWeights) -> None:
+    async def broken_swap(staged: StagedWeights, faults=NO_FAULTS) -> None:
         raise RuntimeError("engine fell over")
 
     engine.swap_weights = broken_swap  # type: ignore[method-assign]
 
     async def stage() -> StagedWeights:
-        return StagedWeights(1, {"w": torch.ones(4)}, nbytes=16, release=lambda: released.append(1))
+        return staged(1, {"w": torch.ones(4)}, release=lambda: released.append(1))
 
     with pytest.raises(RuntimeError):
-        await core.update_weights(1, stage, "wait", 10)
+        await updates.run(1, stage, "wait", 10)
     assert released == [1]
 
 
 @pytest.mark.parametrize("reuse", [True, False])
 async def test_memory_updates_reuse_one_set_and_serve_each_version_exactly(reuse: bool) -> None:
-    core, engine = make_core(reuse)
+    updates, engine = make_core(reuse)
     sync = FakeSynchronizer()
     values = {1: 1.5, 2: -3.0, 3: 7.0, 4: 0.25}
     for version, value in values.items():
@@ -115,7 +122,7 @@ async def test_memory_updates_reuse_one_set_and_serve_each_version_exactly(reuse
 
     def stage_of(version: int):
         inner = memory_stage(sync.address, version, SPECS, token=None, timeout=10, max_message_bytes=8 << 20,
-                             buffers=core.staging)
+                             buffers=updates.staging)
 
         async def stage() -> StagedWeights:
             staged = await inner()
@@ -126,14 +133,14 @@ async def test_memory_updates_reuse_one_set_and_serve_each_version_exactly(reuse
 
     try:
         for version in (1, 2):
-            await core.update_weights(version, stage_of(version), "wait", 10)
+            await updates.run(version, stage_of(version), "wait", 10)
             assert torch.equal(engine.weights["w"], torch.full((4,), values[version]))
-        assert core.staging.held_bytes == (16 if reuse else 0)
+        assert updates.staging.held_bytes == (16 if reuse else 0)
         with pytest.raises(DataLoss):  # a corrupt chunk: the held set is dropped, v2 keeps serving
-            await core.update_weights(3, stage_of(3), "wait", 10)
+            await updates.run(3, stage_of(3), "wait", 10)
         assert engine.version == 2 and torch.equal(engine.weights["w"], torch.full((4,), values[2]))
-        assert core.staging.held_bytes == 0
-        await core.update_weights(4, stage_of(4), "wait", 10)
+        assert updates.staging.held_bytes == 0
+        await updates.run(4, stage_of(4), "wait", 10)
         assert torch.equal(engine.weights["w"], torch.full((4,), values[4]))
     finally:
         await sync.stop()

@@ -1,140 +1,245 @@
 """A weight update as a transaction in phases: transfer, admit, apply, verify,
-reopen, each timed; a resident weight that is not the version's (one element
-loaded wrong), or an apply past its deadline, quarantines the replica until
-an update verifies."""
+reopen, each timed. VERIFIED only with every tensor measured (RESIDENT, or
+RECEIVED with a passing probe) and equal to the version's; anything else
+quarantines the replica before generation's gate can reopen, until an update
+verifies (services.rollout.weights.transaction)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from flywheel.codec.identity import identify
-from flywheel.errors import FailedPrecondition, Unavailable
+from flywheel.codec.identity import VersionIdentity, identify
+from flywheel.errors import DataLoss, FailedPrecondition, Unavailable
+from flywheel.probe import ProbeBatch
+from flywheel.synchronizer.client_types import VersionProof
 from flywheel.synchronizer.types import UpdatePhase
 from services.rollout.config import RolloutConfig
 from services.rollout.engine.base import SamplingSpec, StagedWeights
-from services.rollout.serving.core import RolloutCore, UpdateFailed, UpdateReport
+from services.rollout.serving.core import RolloutCore
+from services.rollout.weights.transaction import UpdateFailed, UpdateReport, UpdateUnverified, WeightUpdates
 from tests.unit.rollout.fake_engine import FakeEngine
 from tests.unit.rollout.test_rollout_core import prompt
 
 
-def make_core(tmp_path: Path, apply_timeout: float = 5.0) -> tuple[RolloutCore, FakeEngine, Path, list[UpdateReport]]:
+def make(tmp_path: Path, apply_timeout: float = 5.0, engine: FakeEngine | None = None,
+         **updates: object) -> tuple[WeightUpdates, FakeEngine, Path, list[UpdateReport]]:
     faults = tmp_path / "faults.json"
     config = RolloutConfig.model_validate(
-        {"updates": {"faults_file": str(faults), "apply_timeout_seconds": apply_timeout}})
-    engine = FakeEngine(0.001)
+        {"updates": {"faults_file": str(faults), "apply_timeout_seconds": apply_timeout, **updates}})
+    engine = engine or FakeEngine(0.001)
     core = RolloutCore(config, engine=engine, codec=object(), model_name="fake")  # type: ignore[arg-type]
+    weights = WeightUpdates(core, config)
     reports: list[UpdateReport] = []
-    core.update_observers.append(reports.append)
-    return core, engine, faults, reports
+    weights.observers.append(reports.append)
+    return weights, engine, faults, reports
 
 
-def version(n: int, value: float):
-    tensors = {"w": torch.full((4,), value)}
+def version(n: int, value: float, names: tuple[str, ...] = ("w",), probe_of: FakeEngine | None = None,
+            release: list | None = None):
+    """A stage of version `n` (every tensor `value`, with its identity); with `probe_of`, the version
+    carries the probe that engine's model scores on these weights (what the trainer would publish)."""
+    tensors = {name: torch.full((4,), value) for name in names}
     identity = identify(tensors)
+    probe = None
+    if probe_of is not None:
+        ids = ((1, 2, 3, 4), (5, 6, 7))
+        saved = probe_of.weights
+        probe_of.weights = tensors
+        probe = ProbeBatch.of(ids, [probe_of.fake_logprobs(s) for s in ids])
+        probe_of.weights = saved
 
     async def stage() -> StagedWeights:
-        return StagedWeights(version=n, tensors={"w": tensors["w"].clone()}, nbytes=16, identity=identity)
+        staged = StagedWeights(version=n, tensors={k: t.clone() for k, t in tensors.items()}, nbytes=16 * len(names),
+                               identity=identity, probe=probe)
+        if release is not None:
+            staged.release = lambda: release.append(time.monotonic())
+        return staged
 
     return stage, identity
 
 
 async def test_every_phase_is_timed_and_the_resident_identity_is_the_versions(tmp_path: Path) -> None:
-    core, engine, _, reports = make_core(tmp_path)
+    updates, engine, _, reports = make(tmp_path)
     stage, identity = version(1, 1.5)
-    outcome = await core.update_weights(1, stage, "wait", 10)
+    outcome = await updates.run(1, stage, "wait", 10)
     t = outcome.timings
-    assert outcome.identity == identity.digest == core.identity
+    assert outcome.identity == identity.digest == updates.identity
     assert t.transfer_seconds >= 0 and t.apply_seconds > 0 and t.verify_seconds > 0 and t.pause_seconds > 0
     # The pause covers admit, apply, verify and reopen, and nothing of the transfer.
     assert t.pause_seconds >= t.admit_seconds + t.apply_seconds + t.verify_seconds
     assert reports[-1].error is None and reports[-1].resident_identity == identity.digest
+    c = reports[-1].coverage
+    assert (c.tensors, c.resident_tensors, c.received_tensors, c.complete) == (1, 1, 0, True)
+    assert c.methods == ["resident"]
 
 
 async def test_a_tensor_loaded_wrong_is_caught_and_quarantines_until_an_update_verifies(tmp_path: Path) -> None:
-    core, engine, faults, reports = make_core(tmp_path)
-    faults.write_text(json.dumps({"corrupt_after_apply": True}))
+    updates, engine, faults, reports = make(tmp_path)
+    core = updates.core
+    faults.write_text(json.dumps({"corrupt_readable": True}))
     stage, _ = version(1, 1.5)
     with pytest.raises(UpdateFailed, match="1 tensor\\(s\\) differ: w") as info:
-        await core.update_weights(1, stage, "wait", 10)
+        await updates.run(1, stage, "wait", 10)
     assert info.value.code == "DATA_LOSS" and info.value.phase == UpdatePhase.VERIFY
-    assert reports[-1].failed_phase == UpdatePhase.VERIFY and reports[-1].resident_identity
+    assert reports[-1].failed_phase == UpdatePhase.VERIFY and not reports[-1].unverified
     assert core.status().quarantine_reason and engine.version == 1
     with pytest.raises(Unavailable, match="quarantined"):
         await core.generate([prompt("a")], SamplingSpec(max_tokens=2))
 
     # The same version again, while the fault holds: still refused.
     with pytest.raises(UpdateFailed):
-        await core.update_weights(1, stage, "wait", 10)
+        await updates.run(1, stage, "wait", 10)
     faults.unlink()  # the fault is cleared
-    outcome = await core.update_weights(1, stage, "wait", 10)  # the same number: it is not trusted yet
+    outcome = await updates.run(1, stage, "wait", 10)  # the same number: it is not trusted yet
     assert outcome.version == 1 and not core.status().quarantine_reason
     (out,) = await core.generate([prompt("b")], SamplingSpec(max_tokens=2))
     assert out.samples[0].version_start == 1
     with pytest.raises(FailedPrecondition, match="not newer"):
-        await core.update_weights(1, stage, "wait", 10)  # once it verified, versions only go up again
+        await updates.run(1, stage, "wait", 10)  # once it verified, versions only go up again
 
 
 async def test_an_apply_past_its_deadline_quarantines_and_the_next_update_waits_for_it(tmp_path: Path) -> None:
     # The hung apply outlives its 1 s deadline by 0.2 s, so the next update's wait for it (also up to
     # 1 s) has 0.8 s of margin for a loaded machine.
-    core, engine, faults, reports = make_core(tmp_path, apply_timeout=1.0)
+    updates, engine, faults, reports = make(tmp_path, apply_timeout=1.0)
     faults.write_text(json.dumps({"apply_delay_seconds": 1.2}))
     stage, _ = version(1, 1.5)
     with pytest.raises(UpdateFailed, match="apply did not finish within 1 s") as info:
-        await core.update_weights(1, stage, "wait", 10)
+        await updates.run(1, stage, "wait", 10)
     assert info.value.phase == UpdatePhase.APPLY and reports[-1].failed_phase == UpdatePhase.APPLY
-    assert core.status().quarantine_reason and not core.status().updating  # generation's gate is open again
+    assert updates.core.status().quarantine_reason and not updates.core.status().updating  # the gate is open again
     faults.unlink()
     stage2, identity2 = version(2, 2.5)
-    outcome = await core.update_weights(2, stage2, "wait", 10)  # waits out the hung apply, then loads
-    assert outcome.identity == identity2.digest and engine.swaps == [1, 2] and not core.status().quarantine_reason
+    outcome = await updates.run(2, stage2, "wait", 10)  # waits out the hung apply, then loads
+    assert outcome.identity == identity2.digest and engine.swaps == [1, 2]
+    assert not updates.core.status().quarantine_reason
 
 
-async def test_an_engine_that_cannot_read_its_weights_back_is_verified_as_staged(tmp_path: Path) -> None:
-    core, engine, _, reports = make_core(tmp_path)
+async def test_a_late_apply_keeps_its_staged_tensors_until_it_has_ended(tmp_path: Path) -> None:
+    updates, engine, faults, _ = make(tmp_path, apply_timeout=0.3)
+    faults.write_text(json.dumps({"apply_delay_seconds": 0.8}))
+    released: list[float] = []
+    stage, _ = version(1, 1.5, release=released)
+    started = time.monotonic()
+    with pytest.raises(UpdateFailed, match="apply did not finish"):
+        await updates.run(1, stage, "wait", 10)
+    # The update failed at its deadline; the late apply still reads the staged tensors.
+    assert released == [] and engine.swaps == []
+    while not released:
+        await asyncio.sleep(0.02)
+        assert time.monotonic() - started < 5, "the staged tensors were never released"
+    assert engine.swaps == [1]  # the apply ended first
+    assert released[0] - started >= 0.75
 
-    async def unreadable(names):
-        return None
 
-    engine.resident_digests = unreadable  # type: ignore[method-assign]
-    stage, identity = version(1, 1.5)
-    outcome = await core.update_weights(1, stage, "wait", 10)
-    assert outcome.identity == identity.digest and reports[-1].error is None
+async def test_an_engine_that_reads_back_part_of_the_weights_is_not_verified_by_echo(tmp_path: Path) -> None:
+    """vLLM on CPU reads back embeddings and norms only. Here the engine reads back "w" and one element
+    of the tensor it cannot read ("v") is wrong after the load: no probe, so nothing proves "v" (its
+    RECEIVED digest is right: the bytes came in whole, the load spoilt them). UNVERIFIED, quarantined."""
+    engine = FakeEngine(0.001, tensors=("w", "v"), readable=("w",))
+    updates, engine, faults, reports = make(tmp_path, engine=engine)
+    faults.write_text(json.dumps({"scale_linear": 1.01}))
+    stage, identity = version(1, 1.5, names=("w", "v"))
+    with pytest.raises(UpdateUnverified, match="not proven") as info:
+        await updates.run(1, stage, "wait", 10)
+    assert info.value.phase == UpdatePhase.VERIFY and reports[-1].unverified
+    c = reports[-1].coverage
+    assert (c.tensors, c.resident_tensors, c.received_tensors, c.probe.ran, c.complete) == (2, 1, 1, False, False)
+    assert updates.core.status().quarantine_reason and updates.identity == b""
 
 
-async def test_requests_frozen_by_keep_do_not_go_on_with_weights_that_failed_verification(tmp_path: Path) -> None:
-    core, engine, faults, _ = make_core(tmp_path)
-    engine.step_seconds = 0.01
-    running = asyncio.ensure_future(core.generate([prompt("long")], SamplingSpec(max_tokens=100)))
-    while not engine.running:
-        await asyncio.sleep(0.005)
-    faults.write_text(json.dumps({"corrupt_after_apply": True}))
+async def test_the_probe_catches_what_reading_back_cannot(tmp_path: Path) -> None:
+    engine = FakeEngine(0.001, tensors=("w", "v"), readable=("w",))
+    engine.supports_prompt_logprobs = True  # type: ignore[misc]
+    updates, engine, faults, reports = make(tmp_path, engine=engine, probe_tolerance=1e-6)
+    faults.write_text(json.dumps({"scale_linear": 1.01}))
+    stage, _ = version(1, 1.5, names=("w", "v"), probe_of=engine)
+    with pytest.raises(UpdateFailed, match="probe of 5 tokens.*FAILED") as info:
+        await updates.run(1, stage, "wait", 10)
+    assert not isinstance(info.value, UpdateUnverified)
+    assert reports[-1].coverage.probe.ran and not reports[-1].coverage.probe.passed
+    assert updates.core.status().quarantine_reason
+
+    faults.unlink()
+    outcome = await updates.run(1, stage, "wait", 10)
+    c = outcome.coverage
+    assert (c.resident_tensors, c.received_tensors, c.probe.passed, c.complete) == (1, 1, True, True)
+    assert c.methods == ["resident", "received", "probe"] and not updates.core.status().quarantine_reason
+
+
+@pytest.mark.parametrize("fault", ["raise_halfway", "admit"])
+async def test_the_gate_never_reopens_on_an_exception(tmp_path: Path, fault: str) -> None:
+    """An apply that raises anything (not only a verification failure), or an admit that fails, leaves
+    the engine holding weights that are no version: a request waiting at the gate is refused there."""
+    updates, engine, faults, reports = make(tmp_path)
+    core = updates.core
+    faults.write_text(json.dumps({"apply_delay_seconds": 0.3, **({"raise_halfway": True} if fault != "admit" else {})}))
+    if fault == "admit":
+        real_pause = engine.pause
+
+        async def pause(mode):
+            if mode != "abort":
+                await asyncio.sleep(0.3)
+                raise RuntimeError("the engine failed to pause")
+            await real_pause(mode)
+
+        engine.pause = pause  # type: ignore[method-assign]
     stage, _ = version(1, 1.5)
-    with pytest.raises(UpdateFailed):
-        await core.update_weights(1, stage, "keep", 10)
-    (out,) = await running
-    assert out.samples[0].finish_reason == "abort" and len(out.samples[0].token_ids) < 100
-
-
-async def test_a_request_waiting_at_the_gate_is_refused_when_the_update_fails_verification(tmp_path: Path) -> None:
-    """Requests that arrive during an update wait at the closed gate; if the update fails, the gate
-    reopens on weights that are not any version, and they must be refused, not served on them."""
-    core, engine, faults, _ = make_core(tmp_path)
-    faults.write_text(json.dumps({"corrupt_after_apply": True, "apply_delay_seconds": 0.3}))
-    stage, _ = version(1, 1.5)
-    update = asyncio.ensure_future(core.update_weights(1, stage, "wait", 10))
+    update = asyncio.ensure_future(updates.run(1, stage, "wait", 10))
     while not core.status().updating:
         await asyncio.sleep(0.005)
     waiting = asyncio.ensure_future(core.generate([prompt("late")], SamplingSpec(max_tokens=2)))
     while not core._at_gate:
         await asyncio.sleep(0.005)
-    with pytest.raises(UpdateFailed):
+    with pytest.raises(RuntimeError):
         await update
     with pytest.raises(Unavailable, match="quarantined"):
         await waiting
-    assert engine.version == 1 and not engine.running
+    assert not engine.running and reports[-1].error is not None and core.status().quarantine_reason
+
+
+async def test_requests_frozen_by_keep_do_not_go_on_with_weights_that_failed_verification(tmp_path: Path) -> None:
+    updates, engine, faults, _ = make(tmp_path)
+    engine.step_seconds = 0.01
+    running = asyncio.ensure_future(updates.core.generate([prompt("long")], SamplingSpec(max_tokens=100)))
+    while not engine.running:
+        await asyncio.sleep(0.005)
+    faults.write_text(json.dumps({"corrupt_readable": True}))
+    stage, _ = version(1, 1.5)
+    with pytest.raises(UpdateFailed):
+        await updates.run(1, stage, "keep", 10)
+    (out,) = await running
+    assert out.samples[0].finish_reason == "abort" and len(out.samples[0].token_ids) < 100
+
+
+async def test_the_synchronizers_record_is_what_the_update_is_verified_against(tmp_path: Path) -> None:
+    updates, engine, _, reports = make(tmp_path)
+    stage, identity = version(1, 1.5)
+    other = identify({"w": torch.full((4,), 7.0)})
+
+    async def recorded() -> VersionProof:
+        return VersionProof(1, other, None)
+
+    # Staged bytes that are not the recorded version: refused before anything loads (old weights serve).
+    with pytest.raises(DataLoss, match="not the version the synchronizer recorded"):
+        await updates.run(1, stage, "wait", 10, proof=recorded)
+    assert engine.swaps == [] and not updates.core.status().quarantine_reason
+    assert reports[-1].failed_phase == UpdatePhase.TRANSFER
+
+    async def forged() -> VersionProof:  # per-tensor digests that do not make the identity
+        return VersionProof(1, VersionIdentity(identity.digest, dict(other.tensors)), None)
+
+    with pytest.raises(DataLoss, match="do not make its identity"):
+        await updates.run(1, stage, "wait", 10, proof=forged)
+
+    async def right() -> VersionProof:
+        return VersionProof(1, identity, None)
+
+    outcome = await updates.run(1, stage, "wait", 10, proof=right)
+    assert outcome.identity == identity.digest and outcome.coverage.complete

@@ -14,7 +14,8 @@ from flywheel.codec.errors import ChunkCorrupted, StreamTruncated
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.transfer.frames import encoded_frames
-from services.rollout.weights.verify import MANIFEST_FILE, check_stream_manifest, checkpoint_specs, stage_checkpoint
+from services.rollout.engine.checkpoint import check_stream_manifest, checkpoint_specs
+from services.rollout.weights.verify import MANIFEST_FILE, stage_checkpoint
 from flywheel.synchronizer.pull import pull_version
 from tests.unit.synchronizer.sync_helpers import corrupt
 

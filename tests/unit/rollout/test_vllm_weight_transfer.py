@@ -54,7 +54,7 @@ class Recorder(FlywheelWeightTransferEngine):
         self.staged_at: list[int] = []
         self.keep = False  # True: the model keeps the loaded tensors themselves (no copy)
 
-    def _load(self, weights: Any) -> None:
+    def _load(self, weights: Any, faults: Any = None) -> None:
         weights = dict(weights)
         self.staged_at.append(next(iter(weights.values())).untyped_storage().data_ptr())
         self.loads.append({name: tensor.clone() for name, tensor in weights.items()})
