@@ -10,7 +10,9 @@ from the checkpoint's names, dtypes and shapes (never used by the product).
 - swapped: two linear weights of one shape and dtype (the attention's
   query and output projections first), as a loader that mapped a name to the
   wrong parameter would load them;
-- skipped: a linear weight the load leaves at the previous version.
+- skipped: a linear weight the load leaves at the previous version: one
+  that vLLM fuses with another (an MLP's up projection, loaded beside its
+  gate projection), as a loader that lost one shard of a fused layer would.
 """
 
 from __future__ import annotations
@@ -49,4 +51,5 @@ def fault_targets(specs: Mapping[str, TensorSpec]) -> FaultTargets:
         if len(group) >= 2:
             swapped = (group[0], group[1])
             break
-    return FaultTargets(readable=readable, linear=(down or linear)[0], swapped=swapped, skipped=linear[-1])
+    up = [n for n in linear if "up_proj" in n]
+    return FaultTargets(readable=readable, linear=(down or linear)[0], swapped=swapped, skipped=(up or linear)[-1])

@@ -114,9 +114,12 @@ def load_in_place(vllm_config: Any, model: torch.nn.Module, weights: Iterable[tu
 
 
 def _layers_left_short(model: torch.nn.Module) -> list[str]:
-    """Layers whose weight loaders copied in fewer elements than the layer holds (vLLM's count).
-    A layer that got all of them was processed and reset as it completed; attention layers are
-    processed at the end by design, and are not counted."""
+    """Layers whose weight loaders copied in some of their elements but not all (vLLM's own count):
+    a fused layer that got one of its shards (q without k and v, gate without up), the mark of a
+    loader that dropped a checkpoint tensor. A layer that got all of them was processed and reset as
+    it completed. Not counted: layers that got none (vLLM keeps their tensors: a tied output head,
+    rotary caches, which no checkpoint holds), attention layers (processed at the end by design) and
+    vocabulary embeddings (padded past the checkpoint's rows)."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
@@ -125,8 +128,11 @@ def _layers_left_short(model: torch.nn.Module) -> list[str]:
         info = LAYERWISE_INFO.get(layer)
         if info is None or not info.can_load() or is_deferred_attention_layer(layer):
             continue
+        kind = type(layer).__name__
+        if "Embedding" in kind or "LMHead" in kind:
+            continue
         total = info.load_numel_total or 0
-        if total > 0 and info.load_numel < total:
+        if 0 < info.load_numel < total:
             short.append(f"{name} ({info.load_numel} of {total} elements)")
     return short
 
