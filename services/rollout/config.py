@@ -128,12 +128,12 @@ class UpdatesConfig(StrictModel):
         120.0, gt=0, description="deadline of loading a staged version into the engine (generation is paused "
         "meanwhile); past it the update fails and the replica is quarantined, in seconds"
     )
-    probe_tokens: int = Field(
-        32, ge=0, description="how many tokens of the version's probe batch (flywheel.probe: the trainer's "
-        "float32 log-probs of fixed token sequences) the replica scores on its resident weights before generation "
-        "reopens, the behavioural check for the tensors it cannot read back (vLLM's repacked linear layers); "
-        "scoring costs about a forward of that many tokens inside the pause; 0: no probe (an engine that cannot "
-        "read every tensor back then reports its updates UNVERIFIED)"
+    probe: bool = Field(
+        True, description="score the version's probe batch (flywheel.probe: the trainer's float32 log-probs of "
+        "fixed token sequences, 30 tokens) on the resident weights before generation reopens: the behavioural "
+        "check for the tensors an engine cannot read back (vLLM's repacked linear layers) and a second line "
+        "everywhere; it costs about a forward of 32 tokens inside the pause. Off: an engine that cannot read "
+        "every tensor back reports its updates UNVERIFIED"
     )
     probe_tolerance: float | None = Field(
         None, gt=0, description="the largest per-token difference, in nats, between the replica's probe "

@@ -98,13 +98,15 @@ class Cluster:
         return self.start("trainer", "trainer", config)
 
     def rollout(self, name: str, model: Path, synchronizer: str, port: int = 0,
-                updates: dict[str, Any] | None = None) -> ServiceProcess:
-        """A replica on the transformers engine (light enough for several on two cores), registered as `name`;
-        `updates`: more of its updates section (a faults file, deadlines)."""
+                updates: dict[str, Any] | None = None, engine: str = "transformers") -> ServiceProcess:
+        """A replica registered as `name`, on the transformers engine by default (light enough for several
+        on two cores) or vLLM; `updates`: more of its updates section (a faults file, deadlines)."""
+        args: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "seed": 0}
+        if engine == "vllm":
+            args.update(max_num_seqs=16, kv_cache_memory_bytes=64 * 2**20, enforce_eager=True)
         return self.start(name, "rollout", {
             "http_port": 0,
-            "engine": {"kind": "transformers", "model_path": str(model),
-                       "args": {"dtype": "float32", "max_model_len": 256, "seed": 0}},
+            "engine": {"kind": engine, "model_path": str(model), "args": args},
             "synchronizer": {"address": synchronizer, "component_id": name.split("@")[0],
                              "heartbeat_interval_seconds": 0.5, "retry_max_seconds": 1.0},
             "updates": {"checkpoint_root": str(self.root), **(updates or {})},

@@ -1,20 +1,23 @@
 """A fleet update is a verified transaction: a replica whose update fails is quarantined, gets no
 work, and rejoins only through an update that verifies; the run goes on with the others.
 
-Real processes: a synchronizer, a trainer and two rollout replicas (the transformers engine on a
-tiny model), the controller driving them; fully-async, so each replica has work whenever it
-serves. r1 carries a fault from the start (its faults file):
-- corrupt: its engine changes one element of a loaded tensor after the transfer succeeded;
-  verification (the identity of the resident weights against the version's) catches it;
-- hang: its apply hangs past updates.apply_timeout_seconds.
-What must hold, from the run's own records (the synchronizer's events as the controller watched
-them, and the ledger of trained samples with the replica that made each):
-- r1's first update is reported FAILED (verify or apply), and r1 is quarantined;
+Real processes: a synchronizer, a trainer and two rollout replicas on a tiny model, the controller
+driving them; fully-async, so each replica has work whenever it serves. One run per engine (the
+transformers engine, and vLLM on CPU, whose linear layers are repacked and cannot be read back). r1
+is given each fault class of `LoadFaults` in turn through its faults file, and each must be caught:
+- (a) one element changed in a tensor the engine keeps readable (RESIDENT catches it);
+- (b) a linear layer's weight scaled by 1.01 after loading (on vLLM only the probe can see it);
+- (c) two same-shaped linear weights swapped by the loader (RESIDENT; on vLLM the probe);
+- (d) one tensor left at the previous version (RESIDENT; on vLLM the loader's own per-layer count
+  of what it copied, which fails the apply);
+- (e) the load raising RuntimeError halfway (an exception in apply).
+For each, from the run's own records (the synchronizer's events as the controller watched them, and
+the ledger of trained samples with the replica that made each):
+- r1's update is reported FAILED in the phase that catches the fault, and r1 is quarantined;
 - while quarantined, no trained sample comes from r1 (none made on the failed version or after,
-  until the version it rejoined with);
-- the run goes on on r0;
-- once the fault is cleared, r1's next update verifies, it leaves quarantine, and takes work again;
-- then the run is stopped as a user stops it (SIGINT: after a checkpoint), with no step lost.
+  until the version it rejoined with), and the run goes on on r0;
+- once the fault is cleared, r1's next update verifies (full coverage), and it takes work again.
+Then the run is stopped as a user stops it (SIGINT: after a checkpoint), with no step lost.
 """
 
 from __future__ import annotations
@@ -28,25 +31,35 @@ from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_mod
 
 pytestmark = pytest.mark.slow
 
-#: More than r1 needs to fail, sit out, and rejoin while the run goes on (~3 steps a second here):
-#: the test stops the run once r1 is back at work.
-STEPS = 300
+#: More than the five faults need (each: fail, sit out, rejoin, while the run goes on): the test stops
+#: the run once r1 is back at work after the last.
+STEPS = 2000
+
+#: fault -> (its faults-file keys, the phase that catches it on the transformers engine, on vLLM).
+FAULTS = {
+    "a": ({"corrupt_readable": True}, "VERIFY", "VERIFY"),
+    "b": ({"scale_linear": 1.01}, "VERIFY", "VERIFY"),
+    "c": ({"swap_same_shaped": True}, "VERIFY", "VERIFY"),
+    "d": ({"skip_one": True}, "VERIFY", "APPLY"),
+    "e": ({"raise_halfway": True}, "APPLY", "APPLY"),
+}
 
 
 def updates_of(events: list[dict], replica: str) -> list[dict]:
     return [e["update"] for e in events if e["kind"] == "UPDATE_REPORTED" and e["update"]["id"] == replica]
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("fault", ["corrupt", "hang"])
-def test_a_faulty_replica_is_quarantined_gets_no_work_and_rejoins_once_an_update_verifies(
-    tmp_path: Path, fault: str,
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_every_load_fault_is_caught_quarantined_and_the_replica_rejoins_once_an_update_verifies(
+    tmp_path: Path, engine: str,
 ) -> None:
+    if engine == "vllm":
+        pytest.importorskip("vllm")
     model = prepare_tiny_model()
     cluster = Cluster(tmp_path)
     run_dir = tmp_path / "run"
     faults = tmp_path / "r1-faults.json"
-    faults.write_text(json.dumps({"corrupt_after_apply": True} if fault == "corrupt" else {"apply_delay_seconds": 20}))
 
     def ledger() -> list[dict]:
         return jsonl(run_dir / "trained_tasks.jsonl")
@@ -57,29 +70,40 @@ def test_a_faulty_replica_is_quarantined_gets_no_work_and_rejoins_once_an_update
     try:
         sync = cluster.synchronizer(lease_seconds=5.0, sweep_interval_seconds=0.2)
         trainer = cluster.trainer(model, sync)
-        cluster.rollout("r0", model, sync)
-        cluster.rollout("r1", model, sync, updates={"faults_file": str(faults), "apply_timeout_seconds": 2.0})
+        cluster.rollout("r0", model, sync, engine=engine)
+        cluster.rollout("r1", model, sync, engine=engine,
+                        updates={"faults_file": str(faults), "apply_timeout_seconds": 30.0})
         for name in ("trainer", "r0", "r1"):
             cluster[name].wait_ready(300)
         run = tiny_run("fleet", STEPS, sync, trainer.grpc_address, mode="fully-async")
         run["worker"]["max_retries"] = 10
         controller = cluster.controller(run, run_dir)
+        windows: list[tuple[str, int, int]] = []  # (fault, failed version, version r1 rejoined with)
         try:
-            failed = wait_for(lambda: [u for u in updates_of(events(), "r1") if u["outcome"] == "FAILED"], 300,
-                              "r1's update failing", controller)[0]
-            assert failed["failed_phase"] == ("VERIFY" if fault == "corrupt" else "APPLY"), failed
-            assert wait_for(lambda: [e for e in events() if e.get("id") == "r1" and e.get("quarantined")], 60,
-                            "r1 quarantined", controller)
-            quarantined_at = len(ledger())
-            # The run goes on without r1.
-            wait_for(lambda: len(ledger()) >= quarantined_at + 3, 300, "3 steps on r0 alone", controller)
-            faults.unlink()  # the fault is cleared: r1's next update verifies
-            rejoined = wait_for(
-                lambda: [u for u in updates_of(events(), "r1") if u["outcome"] == "VERIFIED"
-                         and u["version"] >= failed["version"]], 300, "r1's update verifying", controller)[0]
-            back = wait_for(lambda: [s for s in samples_of(ledger(), "r1") if s[1] >= rejoined["version"]], 300,
-                            "work on r1 after it rejoined", controller)
-            assert back
+            wait_for(lambda: [u for u in updates_of(events(), "r1") if u["outcome"] == "VERIFIED"], 300,
+                     "r1's first verified update", controller)
+            for name, (keys, caught_by_transformers, caught_by_vllm) in FAULTS.items():
+                since = len(updates_of(events(), "r1"))
+                faults.write_text(json.dumps(keys))
+                failed = wait_for(lambda: [u for u in updates_of(events(), "r1")[since:] if u["outcome"] == "FAILED"],
+                                  300, f"r1's update failing on fault {name}", controller)[0]
+                phase = caught_by_vllm if engine == "vllm" else caught_by_transformers
+                assert failed["failed_phase"] == phase, (name, failed)
+                assert wait_for(lambda: [e for e in events() if e.get("id") == "r1" and e.get("quarantined")], 60,
+                                "r1 quarantined", controller)
+                quarantined_at = len(ledger())
+                wait_for(lambda: len(ledger()) >= quarantined_at + 2, 300, "2 steps on r0 alone", controller)
+                faults.unlink()  # the fault is cleared: r1's next update verifies
+                rejoined = wait_for(
+                    lambda: [u for u in updates_of(events(), "r1")[since:] if u["outcome"] == "VERIFIED"
+                             and u["version"] >= failed["version"]], 300, "r1's update verifying", controller)[0]
+                coverage = rejoined["coverage"]
+                assert coverage["resident_tensors"] + coverage["received_tensors"] == coverage["tensors"] > 0
+                if engine == "vllm":  # its repacked layers are covered by RECEIVED and the probe
+                    assert coverage["received_tensors"] > 0 and coverage["probe"]["passed"], coverage
+                wait_for(lambda: [s for s in samples_of(ledger(), "r1") if s[1] >= rejoined["version"]], 300,
+                         "work on r1 after it rejoined", controller)
+                windows.append((name, failed["version"], rejoined["version"]))
             cluster.stop_the_run(controller)
         finally:
             if controller.poll() is None:
@@ -87,9 +111,10 @@ def test_a_faulty_replica_is_quarantined_gets_no_work_and_rejoins_once_an_update
         rows = ledger()
         assert len(rows) < STEPS, "the run was to be stopped, not finish"
         assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
-        # No trained sample made by r1 on weights from its failed version until the one it rejoined with.
-        bad = [s for s in samples_of(rows, "r1") if failed["version"] <= s[2] < rejoined["version"]]
-        assert not bad, f"r1 generated while quarantined: {bad[:5]}"
+        for name, failed_version, rejoined_version in windows:
+            # No trained sample made by r1 on weights from its failed version until the one it rejoined with.
+            bad = [s for s in samples_of(rows, "r1") if failed_version <= s[2] < rejoined_version]
+            assert not bad, f"fault {name}: r1 generated while quarantined: {bad[:5]}"
         assert samples_of(rows, "r0"), "r0 carried the run"
         timed = [u for u in updates_of(events(), "r0") if u["outcome"] == "VERIFIED"]
         assert timed and all(u["verify_seconds"] > 0 and u["pause_seconds"] > 0 for u in timed)

@@ -84,30 +84,12 @@ def judge(specs: Mapping[str, TensorSpec], expected: VersionIdentity | None, mea
     return Verdict(coverage, sorted(wrong), identity)
 
 
-async def run_probe(engine: Engine, probe: ProbeBatch | None, tokens: int, tolerance: float) -> ProbeCheck:
-    """Scores the first `tokens` tokens of the probe batch on the engine's resident weights (a causal
-    model's log-probs of a prefix do not depend on what follows it) and compares them with the
-    trainer's. Not run (ran=False) without a probe, with `tokens` 0, or on an engine that cannot score."""
-    if probe is None or tokens < 2 or not engine.supports_prompt_logprobs:
+async def run_probe(engine: Engine, probe: ProbeBatch | None, tolerance: float) -> ProbeCheck:
+    """Scores the probe batch on the engine's resident weights and compares with the trainer's. Not run
+    (ran=False) without a probe, or on an engine that cannot score."""
+    if probe is None or not engine.supports_prompt_logprobs:
         return ProbeCheck()
-    prefix = _prefix(probe, tokens)
-    measured = await engine.score(prefix.token_ids)
-    return check(prefix, measured, tolerance)
-
-
-def _prefix(probe: ProbeBatch, tokens: int) -> ProbeBatch:
-    """The first sequences of the batch, cut so that about `tokens` tokens are scored in all."""
-    ids: list[tuple[int, ...]] = []
-    lps: list[tuple[float, ...]] = []
-    left = tokens
-    for seq, logprobs in zip(probe.token_ids, probe.logprobs):
-        if left < 2:
-            break
-        take = min(len(seq), left)
-        ids.append(seq[:take])
-        lps.append(logprobs[: take - 1])
-        left -= take
-    return ProbeBatch(tuple(ids), tuple(lps))
+    return check(probe, await engine.score(probe.token_ids), tolerance)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

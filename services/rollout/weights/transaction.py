@@ -323,11 +323,10 @@ class WeightUpdates:
             measured = await engine.measure(list(specs))
             probe = ProbeCheck()
             updates = self.config.updates
-            if staged.probe is not None and updates.probe_tokens >= 2 and engine.supports_prompt_logprobs:
+            if staged.probe is not None and updates.probe and engine.supports_prompt_logprobs:
                 await engine.resume()
                 timings.probed = True
-                probe = await run_probe(engine, staged.probe, updates.probe_tokens,
-                                        updates.probe_tolerance or engine.probe_tolerance)
+                probe = await run_probe(engine, staged.probe, updates.probe_tolerance or engine.probe_tolerance)
             verdict = judge(specs, staged.identity, measured, probe)
             timings.resident_identity, timings.coverage = verdict.resident_identity, verdict.coverage
             return verdict
