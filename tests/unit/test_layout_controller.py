@@ -17,6 +17,7 @@ business. Checked on the source (ast).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.unit.layout_checks import top_level_strays as strays
@@ -188,3 +189,125 @@ def test_no_trainer_or_rollout_request_names_a_synchronizer() -> None:
     names = [name for module in (trainer_pb2, rollout_pb2) for message in module.DESCRIPTOR.message_types_by_name.values()
              for name in fields(message)]
     assert names and not [n for n in names if "synchronizer" in n.rsplit(".", 1)[1]]
+
+
+# -- one holder of the newest committed version ---------------------------------
+
+#: The one holder (its own attributes are the fact), and the one place that makes it.
+NEWEST_HOLDER = "services/controller/weights/newest.py"
+NEWEST_WRITER = "services/controller/weights/fleet.py"
+#: Simulations of other services: the simulated synchronizer's newest version is the synchronizer's own.
+NOT_THE_CONTROLLERS = ("services/controller/testing/",)
+_VERSION_NAME = re.compile(r"^(latest|newest)$|(latest|newest).*version|version.*(latest|newest)", re.IGNORECASE)
+
+
+class _Holders(ast.NodeVisitor):
+    """Stores that keep a copy of the synchronizer's newest version, and constructions of NewestVersion."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[int, str]] = []
+        self.made: list[int] = []
+        self._params: list[dict[str, str]] = [{}]
+
+    def _visit_function(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+        self._params.append({a.arg: ast.unparse(a.annotation) if a.annotation else "" for a in args})
+        self.generic_visit(node)
+        self._params.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = _visit_function
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        for item in node.body:  # class fields (dataclasses): `latest_version: int = 0`
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                self._check(item.lineno, item.target.id, item.value, ast.unparse(item.target))
+        self.generic_visit(node)
+
+    def _holds_the_holder(self, value: ast.expr | None) -> bool:
+        """`self.newest = newest` with `newest: NewestVersion` passed in: a reference, read."""
+        return isinstance(value, ast.Name) and "NewestVersion" in self._params[-1].get(value.id, "")
+
+    def _check(self, line: int, name: str, value: ast.expr | None, text: str) -> None:
+        if isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] == "NewestVersion":
+            return  # counted by visit_Call
+        reads_the_wire = value is not None and any(
+            isinstance(n, ast.Attribute) and n.attr == "latest_version" for n in ast.walk(value))
+        if (_VERSION_NAME.search(name) and not self._holds_the_holder(value)) or reads_the_wire:
+            self.found.append((line, text))
+
+    def _store(self, line: int, target: ast.expr, value: ast.expr | None) -> None:
+        if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+            for t, v in zip(target.elts, value.elts):  # `self.a, self.b = x, y`: each its own value
+                self._store(line, t, v)
+            return
+        for t in ast.walk(target):
+            if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store):
+                self._check(line, t.attr, value, ast.unparse(t))
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        for target in node.targets:
+            self._store(node.lineno, target, node.value)
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        self._store(node.lineno, node.target, node.value)
+        self.generic_visit(node)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self._store(node.lineno, node.target, node.value)
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if ast.unparse(node.func).split(".")[-1] == "NewestVersion":
+            self.made.append(node.lineno)
+        self.generic_visit(node)
+
+
+def newest_version_holders(source: str) -> tuple[list[tuple[int, str]], list[int]]:
+    """(copies of the newest committed version kept in `source`, lines that make a NewestVersion).
+    A copy: an attribute or class field named like one (latest, newest, latest_version, ...), unless
+    it is the holder passed in, or any attribute set from a `latest_version` (an event's, Status's)."""
+    visitor = _Holders()
+    visitor.visit(ast.parse(source))
+    return sorted(visitor.found), visitor.made
+
+
+def test_the_newest_committed_version_has_one_holder_in_the_controller() -> None:
+    copies, makers = [], []
+    for path in sorted(CONTROLLER.rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        if name == NEWEST_HOLDER or name.startswith(NOT_THE_CONTROLLERS):
+            continue
+        found, made = newest_version_holders(path.read_text())
+        copies += [f"{name}:{line} {what}" for line, what in found]
+        makers += [name] * len(made)
+    assert copies == [], "read weights/newest.py's holder (the fleet's) instead of keeping a copy"
+    assert makers == [NEWEST_WRITER]
+
+
+def test_the_holder_check_sees_copies() -> None:
+    source = (
+        "class Observer:\n"
+        "    latest_version: int = 0\n"  # a field of its own
+        "    def __init__(self, newest: NewestVersion | None, ask_newest, events):\n"
+        "        self.newest = newest\n"  # the holder, passed in: fine
+        "        self.ask_newest = ask_newest\n"  # what asks the synchronizer: no copy
+        "        self.latest = 0\n"
+        "    def observe(self, event, status):\n"
+        "        self.newest_version = max(self.newest_version, event.latest_version)\n"
+        "        self.committed = event.latest_version\n"  # a copy under another name
+        "        self.seen, self.top = status.epoch, status.latest_version\n"
+        "        self.newest.heard(event.latest_version)\n"  # telling the holder: fine
+        "        newest = event.latest_version\n"  # a local: gone at the return
+        "        self.newest = newest\n"  # ... kept: a copy
+        "class Fleet:\n"
+        "    def __init__(self):\n"
+        "        self.newest = NewestVersion()\n"
+        "        self.other = versions.NewestVersion()\n"
+    )
+    copies, made = newest_version_holders(source)
+    assert copies == [
+        (2, "latest_version"), (6, "self.latest"), (8, "self.newest_version"), (9, "self.committed"),
+        (10, "self.top"), (13, "self.newest"),
+    ]
+    assert made == [16, 17]

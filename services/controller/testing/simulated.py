@@ -251,13 +251,12 @@ class SimulatedSynchronizer:
         c = self.registered[record.component_id]
         self.results.append(record)
         c.weight_version = record.served_version
-        if record.verified:
+        if record.verified or (record.outcome == UpdateOutcome.UNVERIFIED and self.accept_unverified):
             c.quarantined, c.quarantine_reason = False, ""
             if c.awaited_version and c.weight_version >= c.awaited_version:
                 c.last_sync_step, c.state = max(c.last_sync_step, c.request_step), State.RUNNING
         elif record.outcome == UpdateOutcome.UNVERIFIED:
-            c.quarantined = not self.accept_unverified
-            c.quarantine_reason = f"version {record.version} unverified: {record.reason}" if c.quarantined else ""
+            c.quarantined, c.quarantine_reason = True, f"version {record.version} unverified: {record.reason}"
         else:
             phase = record.failed_phase.name.lower() if record.failed_phase else "update"
             c.quarantined = True
