@@ -25,7 +25,7 @@ import random
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flywheel.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from services.rollout import metrics
@@ -88,6 +88,8 @@ class _Flight:
     request_id: str
     done: asyncio.Event = field(default_factory=asyncio.Event)
     aborted: bool = False
+    #: It made tokens on weights that then failed verification: they are withheld, and it ends aborted.
+    tainted: bool = False
 
 
 class RolloutCore:
@@ -110,6 +112,13 @@ class RolloutCore:
         self.weights_gate: Callable[[int, int], Awaitable[None]] | None = None
         #: Why the replica takes no traffic (its last update failed or did not verify); "" when it serves.
         self.quarantine_reason = ""
+        #: Set while results flow to callers. Cleared while an update's verification runs the engine (its
+        #: probe) before the verdict: tokens in-flight requests make then (keep) are on weights not yet
+        #: proven, and wait for it (`hold_deliveries`).
+        self._deliveries = asyncio.Event()
+        self._deliveries.set()
+        self._hold = 0  # holds so far
+        self._rejected_hold = -1  # the last hold whose weights failed
         metrics.WEIGHT_VERSION.set_function(lambda: self.engine.version if self.engine else 0)
         metrics.REQUESTS_RUNNING.set_function(lambda: self.engine.load().running if self.engine else 0)
         metrics.REQUESTS_WAITING.set_function(lambda: (self.engine.load().waiting if self.engine else 0) + self._at_gate)
@@ -172,6 +181,17 @@ class RolloutCore:
         try:
             engine_id = f"{prompt.request_id}#{uuid.uuid4().hex[:12]}"
             async for deltas in engine.generate(engine_id, prompt.ids, spec, stream=stream):
+                if not self._deliveries.is_set():
+                    hold = self._hold
+                    await self._deliveries.wait()
+                    flight.tainted |= self._rejected_hold == hold
+                if flight.tainted:
+                    # Made on weights that failed verification: nothing of it reaches the caller but its end,
+                    # as an abort (the caller retries the work elsewhere).
+                    deltas = [Delta(index=d.index, final=replace(d.final, finish_reason="abort"))
+                              for d in deltas if d.final is not None]
+                    if not deltas:
+                        continue
                 for d in deltas:
                     if d.final is not None:
                         metrics.GENERATED_TOKENS.inc(len(d.final.token_ids))
@@ -327,5 +347,18 @@ class RolloutCore:
 
     def lift_quarantine(self) -> None:
         self.quarantine_reason = ""
+
+    def hold_deliveries(self) -> None:
+        """Holds what in-flight requests produce until `release_deliveries` (an update verifying its
+        weights with the engine running)."""
+        self._hold += 1
+        self._deliveries.clear()
+
+    def release_deliveries(self, proven: bool) -> None:
+        """Lets held results go on; `proven` False: the weights they came from failed, and the requests
+        that made tokens meanwhile end aborted, their tokens withheld."""
+        if not proven:
+            self._rejected_hold = self._hold
+        self._deliveries.set()
 
 

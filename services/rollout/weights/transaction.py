@@ -264,11 +264,17 @@ class WeightUpdates:
                 except BaseException as exc:
                     # Whatever failed here, the engine may hold weights that are no version: quarantined
                     # before the gate can reopen, so that no request waiting there goes on with them, and
-                    # requests frozen in place (keep) end ABORTed, to be retried elsewhere.
+                    # requests frozen in place (keep) end ABORTed, to be retried elsewhere, with nothing
+                    # they made during the verification (the probe runs the engine) delivered.
                     core.quarantine(f"update to version {staged.version}: {exc}")
+                    if timings.probed:
+                        core.release_deliveries(proven=False)
                     with contextlib.suppress(Exception):
                         aborted += await core.pause_engine("abort")
                     raise
+                else:
+                    if timings.probed:
+                        core.release_deliveries(proven=True)
                 finally:
                     reopened = time.monotonic()
                     if not core.paused:
@@ -324,8 +330,11 @@ class WeightUpdates:
             probe = ProbeCheck()
             updates = self.config.updates
             if staged.probe is not None and updates.probe and engine.supports_prompt_logprobs:
-                await engine.resume()
+                # The probe runs through the engine: requests frozen in place (keep) go on meanwhile, and
+                # what they make is held back until the verdict.
+                self.core.hold_deliveries()
                 timings.probed = True
+                await engine.resume()
                 probe = await run_probe(engine, staged.probe, updates.probe_tolerance or engine.probe_tolerance)
             verdict = judge(specs, staged.identity, measured, probe)
             timings.resident_identity, timings.coverage = verdict.resident_identity, verdict.coverage

@@ -243,3 +243,45 @@ async def test_the_synchronizers_record_is_what_the_update_is_verified_against(t
 
     outcome = await updates.run(1, stage, "wait", 10, proof=right)
     assert outcome.identity == identity.digest and outcome.coverage.complete
+
+
+@pytest.mark.parametrize("faulty", [False, True])
+async def test_what_frozen_requests_make_during_the_probe_waits_for_the_verdict(tmp_path: Path, faulty: bool) -> None:
+    """keep: the probe runs the engine, so requests frozen in place go on meanwhile, on weights not yet
+    proven. Their output is held until the verdict; if the weights fail, they end aborted."""
+    engine = FakeEngine(0.01, tensors=("w", "v"), readable=("w",))
+    engine.supports_prompt_logprobs = True  # type: ignore[misc]
+    score = engine.score
+
+    async def slow_score(sequences):
+        await asyncio.sleep(0.1)  # some steps of the frozen request run meanwhile
+        return await score(sequences)
+
+    engine.score = slow_score  # type: ignore[method-assign]
+    updates, engine, faults, _ = make(tmp_path, engine=engine, probe_tolerance=1e-6)
+    streamed: list[int] = []
+
+    async def stream() -> str:
+        async for deltas in updates.core.generate_stream(prompt("long"), SamplingSpec(max_tokens=40)):
+            for d in deltas:
+                streamed.extend(d.token_ids)
+                if d.final is not None:
+                    return d.final.finish_reason
+        return "none"
+
+    running = asyncio.ensure_future(stream())
+    while not engine.running:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)
+    if faulty:
+        faults.write_text(json.dumps({"scale_linear": 1.01}))
+    stage, _ = version(1, 1.5, names=("w", "v"), probe_of=engine)
+    if faulty:
+        with pytest.raises(UpdateFailed, match="probe"):
+            await updates.run(1, stage, "keep", 10)
+        assert await running == "abort"
+        assert 101 not in streamed, "tokens of the failed weights reached the caller"
+    else:
+        await updates.run(1, stage, "keep", 10)
+        assert await running == "length"
+        assert streamed[0] == 100 and streamed[-1] == 101 and len(streamed) == 40
