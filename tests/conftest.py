@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 
 from flywheel.launcher.processes import ServiceProcess, start_service
+from flywheel.runtime.triton_gate import keep_triton_out
+
+# As in every service (flywheel/runtime/entry.py): tests that run engines in this process would
+# otherwise end the session with triton's nanobind leak report.
+keep_triton_out()
 
 TEST_TOKEN = "test-token-123"
 

@@ -19,8 +19,13 @@ from pydantic import BaseModel
 from flywheel.launcher.processes import die_with_launcher
 from flywheel.runtime.config import ConfigError, load_config, redacted
 from flywheel.runtime.logging import configure_logging
+from flywheel.runtime.triton_gate import keep_triton_out
 
 log = logging.getLogger("flywheel.entry")
+
+# At import, not in run_main: the processes multiprocessing spawns for a service (vLLM's engine core
+# and workers) import the service's __main__, and so this module, but never call run_main.
+keep_triton_out()
 
 
 def env_prefix(service: str) -> str:
