@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 from flywheel.common.v1 import common_pb2
 
-#: Sequences of the probe batch, and tokens each: 2 x 15 = 30 compared. A replica scores all of them
-#: inside its update's pause (about a forward of 32 tokens), and that is enough to see every fault
-#: class the tests inject: a linear layer scaled by 1.01 moves the tiny test model's log-probs by
-#: 1.7e-3 nats and SmolLM2's by 0.15, against 1e-6 and 6e-5 between a correct replica and the
-#: trainer (float32, vLLM on CPU; docs/verification.md).
-PROBE_SEQUENCES = 2
+#: Sequences of the probe batch, and tokens each: 16 tokens, 15 compared. A replica scores them inside
+#: its update's pause (a forward of 16 tokens: most of the pause of a 0.5B model on one CPU core), and
+#: that is enough to see every fault class the tests inject: a linear layer scaled by 1.01 moves the
+#: tiny test model's log-probs by about 1e-3 nats and SmolLM2's by 0.1, against 1e-6 and 6e-5 between a
+#: correct replica and the trainer (float32, vLLM on CPU; docs/verification.md).
+PROBE_SEQUENCES = 1
 PROBE_LENGTH = 16
 #: The seed the token ids are drawn with (fixed: every version of a model gets the same batch).
 PROBE_SEED = 0x5EED

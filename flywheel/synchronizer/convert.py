@@ -151,12 +151,13 @@ def timings_to_pb(t: UpdateTimings) -> pb.UpdateTimings:
     return pb.UpdateTimings(
         admit_seconds=t.admit_seconds, transfer_seconds=t.transfer_seconds, apply_seconds=t.apply_seconds,
         verify_seconds=t.verify_seconds, reopen_seconds=t.reopen_seconds, pause_seconds=t.pause_seconds,
+        prepare_seconds=t.prepare_seconds,
     )
 
 
 def timings_from_pb(msg: pb.UpdateTimings) -> UpdateTimings:
     values = (msg.admit_seconds, msg.transfer_seconds, msg.apply_seconds, msg.verify_seconds, msg.reopen_seconds,
-              msg.pause_seconds)
+              msg.pause_seconds, msg.prepare_seconds)
     if not all(v >= 0 for v in values):  # NaN included
         raise InvalidArgument(f"timings: every duration must be >= 0 seconds, got {list(values)}")
     return UpdateTimings(*values)

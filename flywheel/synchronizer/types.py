@@ -194,6 +194,8 @@ class UpdateTimings:
     reopen_seconds: float = 0.0
     #: Generation stopped (from the gate closing, or with keep from the freeze, to the reopen): the cost users feel.
     pause_seconds: float = 0.0
+    #: Of transfer_seconds: loading into a copy of the engine's weights before the pause (0: loaded inside it).
+    prepare_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,12 @@ class UpdatesConfig(StrictModel):
         120.0, gt=0, description="deadline of loading a staged version into the engine (generation is paused "
         "meanwhile); past it the update fails and the replica is quarantined, in seconds"
     )
+    prepare_outside_pause: bool = Field(
+        True, description="vLLM: load (and on CPU repack for its kernels) each MEMORY or NCCL version into a "
+        "second copy of the model's weights while generation goes on, so that generation's pause only swaps "
+        "the copies (pointers); costs one more model's worth of memory while an update is prepared. Off: vLLM "
+        "reloads in place inside the pause (CHECKPOINT versions always do)"
+    )
     probe: bool = Field(
         True, description="score the version's probe batch (flywheel.probe: the trainer's float32 log-probs of "
         "fixed token sequences, 30 tokens) on the resident weights before generation reopens: the behavioural "

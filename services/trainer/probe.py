@@ -17,14 +17,14 @@ How it is computed, so that it describes the published bytes and nothing else:
     merged tensor for the call), not on base + adapters, which differ from
     the merge by its rounding.
 
-Cost: one forward of PROBE_SEQUENCES x PROBE_LENGTH tokens (2 x 16) per
+Cost: one forward of PROBE_SEQUENCES x PROBE_LENGTH tokens (1 x 16) per
 published version, no backward; a step trains on far more tokens, forward and
 backward. Measured 1.4 s on one (shared) core of the 2-core EPYC for a
-SmolLM2-135M-shaped model in float32 with the earlier 4 x 64 batch (about 2 %
+SmolLM2-135M-shaped model in float32 with an earlier 4 x 64 batch (about 2 %
 of a quickstart step), and it costs less now; the
 export runs it beside the encoding or the broadcast (`export._snapshot`), so
 with a core or a GPU to spare it hides behind them. Its logits are
-[2, 16, vocab] float32 (6 MB for a 49k vocabulary), freed when it ends.
+[1, 16, vocab] float32 (3 MB for a 49k vocabulary), freed when it ends.
 """
 
 from __future__ import annotations

@@ -568,20 +568,22 @@ class ProbeCheck(_message.Message):
     def __init__(self, ran: _Optional[bool] = ..., tokens: _Optional[int] = ..., max_abs_diff: _Optional[float] = ..., mean_abs_diff: _Optional[float] = ..., tolerance: _Optional[float] = ..., passed: _Optional[bool] = ...) -> None: ...
 
 class UpdateTimings(_message.Message):
-    __slots__ = ("admit_seconds", "transfer_seconds", "apply_seconds", "verify_seconds", "reopen_seconds", "pause_seconds")
+    __slots__ = ("admit_seconds", "transfer_seconds", "apply_seconds", "verify_seconds", "reopen_seconds", "pause_seconds", "prepare_seconds")
     ADMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REOPEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     admit_seconds: float
     transfer_seconds: float
     apply_seconds: float
     verify_seconds: float
     reopen_seconds: float
     pause_seconds: float
-    def __init__(self, admit_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., reopen_seconds: _Optional[float] = ..., pause_seconds: _Optional[float] = ...) -> None: ...
+    prepare_seconds: float
+    def __init__(self, admit_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., reopen_seconds: _Optional[float] = ..., pause_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ...) -> None: ...
 
 class UpdateRecord(_message.Message):
     __slots__ = ("component_id", "version", "expected_identity", "resident_identity", "outcome", "failed_phase", "reason", "timings", "unix_ms", "epoch", "served_version", "coverage")

@@ -38,7 +38,8 @@ def create_engine(config: RolloutConfig, codec: TextCodec) -> Engine:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         made: Engine = VllmEngine(Path(engine.model_path), engine.args, codec, engine.initial_version,
-                                  config.updates.reuse_staging, logprobs_mode=engine.logprobs)
+                                  config.updates.reuse_staging, logprobs_mode=engine.logprobs,
+                                  prepare_outside_pause=config.updates.prepare_outside_pause)
         return made
     from services.rollout.engine.transformers_engine import TransformersEngine
 

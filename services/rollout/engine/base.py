@@ -127,6 +127,9 @@ class StagedWeights:
     identity: VersionIdentity | None = None
     #: The trainer's probe of the version, where its manifest carried one.
     probe: ProbeBatch | None = None
+    #: Of its staging, the seconds spent loading it into a copy of the engine's weights before the pause
+    #: (`Engine.prepare_weights`; 0: the engine loads inside the pause).
+    prepare_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -267,8 +270,9 @@ class Engine(abc.ABC):
     def weight_specs(self) -> Mapping[str, TensorSpec]:
         """Names, dtypes and shapes an update must provide (the checkpoint's)."""
 
-    async def prepare_weights(self, staged: StagedWeights) -> StagedWeights:
-        """Work done before generation pauses (e.g. pulling a `source`, sharing tensors with a worker).
+    async def prepare_weights(self, staged: StagedWeights, faults: LoadFaults = NO_FAULTS) -> StagedWeights:
+        """Work done before generation pauses (e.g. pulling a `source`, sharing tensors with a worker,
+        loading it into a copy of the model). `faults`: tests only (LoadFaults).
 
         May return `staged` itself or new StagedWeights; in the latter case
         nothing may read `staged.tensors` once this returns."""

@@ -248,7 +248,7 @@ class TransformersEngine(Engine):
         self._paused = False
         self._wake.set()
 
-    async def prepare_weights(self, staged: StagedWeights) -> StagedWeights:
+    async def prepare_weights(self, staged: StagedWeights, faults: LoadFaults = NO_FAULTS) -> StagedWeights:
         if staged.tensors is not None:
             return staged
         # Read before generation pauses, so the pause covers only the copy.

@@ -27,6 +27,7 @@ import json
 import logging
 import mmap
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
@@ -151,7 +152,7 @@ class VllmEngine(Engine):
 
     def __init__(
         self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0,
-        reuse_staging: bool = True, logprobs_mode: str = "processed",
+        reuse_staging: bool = True, logprobs_mode: str = "processed", prepare_outside_pause: bool = True,
     ) -> None:
         for name in ("worker_extension_cls", "weight_transfer_config", "logprobs_mode"):
             if name in args:
@@ -162,6 +163,8 @@ class VllmEngine(Engine):
         self._codec = codec
         self._version = initial_version
         self._reuse_staging = reuse_staging
+        #: Load each version into a twin of the model before the pause (vllm_load.prepare_twin).
+        self._prepare = prepare_outside_pause
         self._stats: Any = None
         self._llm: Any = None
         self._active = 0  # requests between submission and their last output
@@ -350,11 +353,13 @@ class VllmEngine(Engine):
                                               f"transfer {spec.group_id}")
         return StagedWeights(version=spec.version, source=source, nbytes=nbytes)
 
-    async def prepare_weights(self, staged: StagedWeights) -> StagedWeights:
+    async def prepare_weights(self, staged: StagedWeights, faults: LoadFaults = NO_FAULTS) -> StagedWeights:
         if isinstance(staged.source, GroupSource):
-            return staged  # the worker already holds it
+            # The worker already holds it.
+            return await self._prepared_in_worker(staged, faults) if self._prepare else staged
         if staged.source is not None:
-            return await self._stage_in_worker(staged.source)
+            pulled = await self._stage_in_worker(staged.source)
+            return await self._prepared_in_worker(pulled, faults) if self._prepare else pulled
         if staged.tensors is not None:
             # Before generation pauses: the copy into shared memory is the slow part.
             return await asyncio.to_thread(_share, staged)
@@ -375,6 +380,30 @@ class VllmEngine(Engine):
         }
         nbytes = await self._staged_in_worker(source.ticket, info, lambda: False, f"version {source.version}")
         return StagedWeights(version=source.version, source=source, nbytes=nbytes)
+
+    async def _prepared_in_worker(self, staged: StagedWeights, faults: LoadFaults) -> StagedWeights:
+        """The worker loads (and on CPU repacks) the staged version into a twin of its model while
+        generation goes on; the swap then only commits it (engine.args: updates.prepare_outside_pause)."""
+        assert staged.source is not None
+        ticket = staged.source.ticket
+        started = time.monotonic()
+        try:
+            await self._llm.collective_rpc("flywheel_prepare", args=(ticket, asdict(faults)))
+            while True:
+                states = await self._llm.collective_rpc("flywheel_staged", args=(ticket,))
+                for state in states:
+                    if state["state"] == "failed":
+                        raise error_of(state["code"], state["message"])
+                if all(state["state"] == "ready" for state in states):
+                    staged.prepare_seconds = time.monotonic() - started
+                    return staged
+                await asyncio.sleep(_POLL_SECONDS)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._llm.collective_rpc("flywheel_drop", args=(ticket,)))
+            if isinstance(exc, Exception) and (found := _worker_error(exc)) is not None:
+                raise found from exc
+            raise
 
     async def _staged_in_worker(self, ticket: str, info: dict[str, Any], should_abort: Callable[[], bool],
                                 what: str) -> int:

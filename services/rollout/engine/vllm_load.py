@@ -21,14 +21,27 @@ What neither can see is the repacking of linear layers for vLLM's CPU
 kernels (oneDNN or its own packed format: the weight is dropped after
 packing): the update's probe covers that (flywheel.probe).
 
+Two ways to load (`updates.prepare_outside_pause`):
+- in place (`load_in_place`): vLLM's reload into the live model, all of it
+  inside generation's pause (on CPU the repacking of every linear layer is
+  most of the pause);
+- prepared (`prepare_twin`, then `commit`): the version is loaded, and
+  repacked, into a twin of the model's modules while generation goes on
+  (each module a shallow copy with tensors of its own, built from vLLM's
+  own reload metadata and loaders), and the pause only moves each module's
+  tensors and kernel handles over (`commit`: pointer swaps). It costs one
+  more copy of the weights in memory while an update is prepared.
+
 FAULT INJECTION (tests only, `LoadFaults`): the loader's output is made
 wrong on purpose after the RECEIVED hash, where a loading bug would be.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -135,6 +148,170 @@ def _layers_left_short(model: torch.nn.Module) -> list[str]:
         if 0 < info.load_numel < total:
             short.append(f"{name} ({info.load_numel} of {total} elements)")
     return short
+
+
+@dataclass
+class PreparedLoad:
+    """A version loaded and processed into a twin of the model, ready to be committed."""
+
+    #: (live module, its twin), for every module the version was loaded into.
+    pairs: list[tuple[torch.nn.Module, torch.nn.Module]]
+    #: RECEIVED digests of the load (checkpoint names).
+    received: dict[str, bytes] = field(default_factory=dict)
+
+
+#: A module's own machinery, never moved by a commit (the twin has copies of its own).
+_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+
+
+def _twin(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, torch.nn.Module]]:
+    """id(live module) -> (live, twin) for every module: shallow copies with dicts of their own
+    (a module shared by two parents, like a tied output head, stays one twin)."""
+    pairs: dict[int, tuple[torch.nn.Module, torch.nn.Module]] = {}
+
+    def clone(module: torch.nn.Module) -> torch.nn.Module:
+        found = pairs.get(id(module))
+        if found is not None:
+            return found[1]
+        twin = copy.copy(module)
+        pairs[id(module)] = (module, twin)
+        twin._parameters = dict(module._parameters)
+        twin._buffers = dict(module._buffers)
+        twin._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+        twin._modules = {name: clone(child) if child is not None else None for name, child in module._modules.items()}
+        return twin
+
+    clone(model)
+    return pairs
+
+
+def _rebound(tensor: torch.Tensor, live: torch.nn.Module, twin: torch.nn.Module) -> torch.Tensor:
+    """A copy of `tensor` (a meta tensor, or a parameter vLLM never puts on meta) whose loader methods
+    are bound to `twin` where they were bound to `live` or to vLLM's placeholder."""
+    from types import MethodType
+
+    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+
+    if tensor.is_meta:
+        made = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="meta")
+    else:
+        made = torch.nn.Parameter(tensor.data.clone(), requires_grad=False) if isinstance(
+            tensor, torch.nn.Parameter) else tensor.data.clone()
+    made.__class__ = tensor.__class__
+    made.__dict__ = tensor.__dict__.copy()
+    for key, value in made.__dict__.items():
+        if isinstance(value, MethodType) and value.__self__ in (live, layer_ref_sentinel):
+            made.__dict__[key] = value.__func__.__get__(twin)
+    return made
+
+
+def prepare_twin(vllm_config: Any, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 specs: Mapping[str, TensorSpec], faults: LoadFaults) -> PreparedLoad:
+    """Loads a version into a twin of `model` (see the module docstring), with vLLM's own loaders and
+    processing (repacking) layer by layer, while the live model serves on. Checked as `load_in_place`
+    checks; on failure the twin is dropped and the live model is untouched."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO, _layerwise_process, get_layerwise_info, initialize_online_processing,
+    )
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS, restore_layer_on_meta
+
+    pairs = _twin(model)
+    twin_model = pairs[id(model)][1]
+    ready: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+    for live, twin in pairs.values():
+        info = LAYERWISE_INFO.get(live)
+        params, buffers = info.restore_metadata if info is not None else ({}, {})
+        if info is None or is_deferred_attention_layer(live) or not (params or buffers):
+            # Nothing of a checkpoint is loaded into it on this path (an attention layer holds no weights
+            # unquantized); should a loader write into one of its parameters all the same, it writes a copy.
+            twin._parameters = {n: _rebound(t, live, twin) if t is not None else None
+                                for n, t in twin._parameters.items()}
+            continue
+        mine = get_layerwise_info(twin)
+        mine.restore_metadata = ({n: _rebound(t, live, twin) for n, t in params.items()},
+                                 {n: _rebound(t, live, twin) for n, t in buffers.items()})
+        mine.restore_device = info.restore_device
+        mine.kernel_tensors = None  # the twin keeps what it processes: nothing is copied into live tensors
+        # Tensors vLLM never puts on meta (a bias) get copies of their own: a load into the live one would
+        # change the served model before the pause.
+        for name in SKIP_TENSORS:
+            if twin._parameters.get(name) is not None:
+                twin._parameters[name] = _rebound(twin._parameters[name], live, twin)
+        restore_layer_on_meta(twin, mine)
+        initialize_online_processing(twin)
+        ready.append((live, twin))
+    received = ReceivedDigests()
+    stream: Iterator[tuple[str, torch.Tensor]] = received.hashing(weights)
+    wrong = replace(faults, raise_halfway=False)  # that one fails the commit, inside the pause
+    if wrong.any:
+        stream = faulty(stream, wrong, specs)
+    twin_model.load_weights(stream)
+    loaded: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+    short: list[str] = []
+    names = {id(m): n for n, m in twin_model.named_modules()}
+    for live, twin in ready:
+        info = LAYERWISE_INFO[twin]
+        if not info.can_load():
+            loaded.append((live, twin))  # loaded whole, and processed as it completed
+        elif info.load_numel > 0:
+            kind = type(twin).__name__
+            if "Embedding" not in kind and "LMHead" not in kind:
+                short.append(f"{names.get(id(twin), kind)} ({info.load_numel} of {info.load_numel_total} elements)")
+            _layerwise_process(twin, info)  # padded past the checkpoint (a vocabulary): processed as vLLM does
+            loaded.append((live, twin))
+        # else: no checkpoint tensor for it (rotary caches, a tied head): the live one stays
+    if short:
+        shown = ", ".join(short[:3]) + (f" and {len(short) - 3} more" if len(short) > 3 else "")
+        raise DataLoss(f"the loader left {len(short)} layer(s) short of their weights ({shown}): "
+                       "a checkpoint tensor was not loaded")
+    loaded += _retie_head(twin_model, pairs)
+    return PreparedLoad(loaded, received.digests)
+
+
+def _retie_head(twin_model: torch.nn.Module,
+                pairs: dict[int, tuple[torch.nn.Module, torch.nn.Module]]) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
+    """An output head tied to the token embedding loads nothing of its own: the twin's is tied to the
+    twin's embedding and its CPU GEMM packed from it (`refresh_kept_cpu_gemms`, on the twin)."""
+    from vllm.platforms import current_platform
+
+    config = getattr(twin_model, "config", None)
+    head, body = getattr(twin_model, "lm_head", None), getattr(twin_model, "model", None)
+    embedding = getattr(body, "embed_tokens", None)
+    if not (getattr(config, "tie_word_embeddings", False) and head is not None and embedding is not None) \
+            or head is embedding:
+        return []
+    head.weight = embedding.weight
+    if current_platform.is_cpu() and hasattr(head, "cpu_linear"):
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    live = next(live for live, twin in pairs.values() if twin is head)
+    return [(live, head)]
+
+
+def commit(prepared: PreparedLoad, faults: LoadFaults) -> None:
+    """Moves the prepared tensors and kernel handles into the live modules (generation paused): each
+    live parameter and buffer takes its twin's storage (the objects stay, so whatever holds them sees
+    the version), and whatever processing set on the twin (kernel handles such as `cpu_linear`) is set
+    on the live module."""
+    for i, (live, twin) in enumerate(prepared.pairs):
+        if faults.raise_halfway and i == len(prepared.pairs) // 2:
+            log.warning("FAULT INJECTION: the load raises halfway", extra={"committed": i})
+            raise RuntimeError(f"FAULT INJECTION: the load failed after {i} of {len(prepared.pairs)} layers")
+        for kind in ("_parameters", "_buffers"):
+            mine, theirs = getattr(live, kind), getattr(twin, kind)
+            for name, tensor in theirs.items():
+                held = mine.get(name)
+                if tensor is None or held is tensor:
+                    continue
+                if held is None:
+                    mine[name] = tensor
+                else:
+                    held.data = tensor.data
+        for key, value in twin.__dict__.items():
+            if key not in _MODULE_INTERNALS and live.__dict__.get(key) is not value:
+                live.__dict__[key] = value
 
 
 def resident_digests(model: torch.nn.Module, specs: Mapping[str, TensorSpec]) -> dict[str, bytes]:

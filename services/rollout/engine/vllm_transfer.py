@@ -67,7 +67,7 @@ from flywheel.errors import Aborted, DeadlineExceeded, FailedPrecondition, Flywh
 from flywheel.transfer.broadcast import GroupSpec
 from services.rollout.engine.base import LoadFaults
 from services.rollout.engine.vllm_load import (
-    ReceivedDigests, corrupt_readable, faulty, load_in_place, resident_digests,
+    PreparedLoad, ReceivedDigests, commit, corrupt_readable, faulty, load_in_place, prepare_twin, resident_digests,
 )
 
 #: The backend name in vLLM's factory (`weight_transfer_config.backend`).
@@ -202,9 +202,12 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
                     raise NotFound(f"no version staged under ticket {update_info.ticket}")
             else:
                 future, reuse = self._start_pull(update_info), update_info.reuse_staging
-            _, tensors = _result(future)
+            _, tensors, *prepared = _result(future)
             self._aborts.pop(update_info.ticket, None)
-            self._load(tensors.items(), faults)
+            if prepared:
+                self._commit(prepared[0], faults)
+            else:
+                self._load(tensors.items(), faults)
             # Kept only if the model took copies: a staging tensor it still held would change under it.
             self._free = tensors if reuse and not _shares_storage(self.model, tensors) else None
 
@@ -238,12 +241,35 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
         if not future.done():
             return {"state": "pending"}
         try:
-            nbytes, _ = _result(future)
+            nbytes, *_ = _result(future)
         except FlywheelError as exc:
             del self._staged[ticket]
             self._aborts.pop(ticket, None)
             return {"state": "failed", "code": exc.code, "message": str(exc)}
         return {"state": "ready", "bytes": nbytes}
+
+    def prepare(self, ticket: str, faults: dict[str, Any]) -> None:
+        """Loads (and on CPU repacks) the version staged under `ticket` into a twin of the model in the
+        background (`vllm_load.prepare_twin`), so that the update itself only commits it; the ticket is
+        ready again once it is prepared. Failures are the ticket's (`staged`)."""
+        future, reuse = self._staged.get(ticket, (None, False))
+        if future is None:
+            raise NotFound(f"no version staged under ticket {ticket}")
+        chained: concurrent.futures.Future = concurrent.futures.Future()
+        specs, wrong = self._served_specs(), LoadFaults(**(faults or {}))
+
+        def run() -> None:
+            if not chained.set_running_or_notify_cancel():
+                return
+            try:
+                nbytes, tensors = _result(future)
+                prepared = prepare_twin(self.vllm_config, self.model, tensors.items(), specs, wrong)
+                chained.set_result((nbytes, tensors, prepared))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever asks for the result
+                chained.set_exception(exc)
+
+        self._staged[ticket] = (chained, reuse)
+        threading.Thread(target=run, name=f"flywheel-prepare-{ticket[:8]}", daemon=True).start()
 
     def drop(self, ticket: str) -> None:
         """Cancels or forgets a staged version (nothing if unknown); a receive in a transfer group
@@ -334,6 +360,14 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
 
             self._specs = checkpoint_specs(Path(self.model_config.model))
         return self._specs
+
+    def _commit(self, prepared: PreparedLoad, faults: LoadFaults) -> None:
+        """Commits a prepared version (inside generation's pause: pointer swaps)."""
+        self._received = {}
+        commit(prepared, faults)
+        self._received = prepared.received
+        if faults.corrupt_readable:
+            corrupt_readable(self.model, self._served_specs())
 
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]], faults: LoadFaults) -> None:
         """Loads a version, hashing each tensor as the loader takes it (RECEIVED). The digests of

@@ -40,6 +40,14 @@ class FlywheelWorkerExtension:
         except FlywheelError as exc:
             raise RuntimeError(coded(exc.code, str(exc))) from exc  # vLLM's RPC keeps only the text
 
+    def flywheel_prepare(self, ticket: str, faults: dict[str, Any]) -> None:
+        """Starts loading the version staged under `ticket` into a twin of the model (see
+        FlywheelWeightTransferEngine.prepare); `flywheel_staged` says when it is ready."""
+        try:
+            self._flywheel_engine().prepare(ticket, faults)
+        except FlywheelError as exc:
+            raise RuntimeError(coded(exc.code, str(exc))) from exc
+
     def flywheel_staged(self, ticket: str) -> dict[str, Any]:
         """Where the staging under `ticket` stands (see FlywheelWeightTransferEngine.staged)."""
         return self._flywheel_engine().staged(ticket)

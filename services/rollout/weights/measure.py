@@ -35,6 +35,8 @@ class Verdict:
     wrong: list[str]
     #: The version digest of the measured tensor digests, when every tensor was measured (b"" otherwise).
     resident_identity: bytes
+    #: What the engine measured (to judge again with a probe).
+    measured: Measured
 
     @property
     def failed(self) -> bool:
@@ -81,7 +83,7 @@ def judge(specs: Mapping[str, TensorSpec], expected: VersionIdentity | None, mea
                               resident_bytes=resident_b, received_tensors=received_n, received_bytes=received_b,
                               probe=probe)
     identity = version_digest(digests) if len(digests) == len(specs) and specs else b""
-    return Verdict(coverage, sorted(wrong), identity)
+    return Verdict(coverage, sorted(wrong), identity, measured)
 
 
 async def run_probe(engine: Engine, probe: ProbeBatch | None, tolerance: float) -> ProbeCheck:

@@ -147,10 +147,11 @@ class WeightUpdates:
             if version <= engine.version and not rewind and not self.core.quarantine_reason:
                 raise FailedPrecondition(f"version {version} is not newer than the served version {engine.version}")
             timings = _Timings()
+            faults, delay = read_faults(self.config.updates.faults_file)
             try:
                 started = time.monotonic()
                 try:
-                    staged = await asyncio.wait_for(self._transfer(engine, stage, version, proof), timeout)
+                    staged = await asyncio.wait_for(self._transfer(engine, stage, version, proof, faults, timings), timeout)
                 except asyncio.TimeoutError:
                     raise DeadlineExceeded(
                         f"update to version {version} not staged within {timeout:g} s; still serving {engine.version}"
@@ -158,7 +159,7 @@ class WeightUpdates:
                 finally:
                     timings.transfer = time.monotonic() - started
                 try:
-                    result = await self._swap(engine, staged, mode, timings)
+                    result = await self._swap(engine, staged, mode, timings, faults, delay)
                 finally:
                     await self._dispose(engine, staged)
             except BaseException as exc:
@@ -192,14 +193,16 @@ class WeightUpdates:
 
     # -- transfer ----------------------------------------------------------------
 
-    async def _transfer(self, engine: Engine, stage: Stage, version: int, proof: ProofSource | None) -> StagedWeights:
+    async def _transfer(self, engine: Engine, stage: Stage, version: int, proof: ProofSource | None,
+                        faults: LoadFaults, timings: _Timings) -> StagedWeights:
         engine_pulls_memory.set(engine.pulls_memory)  # this task's context only
         staged = await stage()
         try:
-            prepared = await engine.prepare_weights(staged)
+            prepared = await engine.prepare_weights(staged, faults)
         except BaseException:
             await self._discard(engine, staged)
             raise
+        timings.prepare = prepared.prepare_seconds
         if prepared is not staged:
             prepared.identity = prepared.identity or staged.identity
             prepared.probe = prepared.probe or staged.probe
@@ -231,8 +234,15 @@ class WeightUpdates:
 
     # -- admit, apply, verify, reopen ----------------------------------------------
 
-    async def _swap(self, engine: Engine, staged: StagedWeights, mode: PauseMode, timings: _Timings) -> UpdateResult:
+    async def _swap(self, engine: Engine, staged: StagedWeights, mode: PauseMode, timings: _Timings,
+                    faults: LoadFaults, delay: float) -> UpdateResult:
+        """Admit, apply and measure under the gate; then the probe, if the version has one, with
+        generation going on and what it delivers held until the verdict (`RolloutCore.hold_deliveries`):
+        the engine does not idle through a forward pass, and nothing made on unproven weights reaches
+        a caller. Any failure quarantines the replica before a result of the new weights goes out."""
         core = self.core
+        probing = staged.probe is not None and self.config.updates.probe and engine.supports_prompt_logprobs
+        aborted: list[str] = []
         async with core.control:
             started = time.monotonic()
             core.updating = True
@@ -241,7 +251,6 @@ class WeightUpdates:
             # and abort: the gate closes first (a drain would never end otherwise).
             if mode != "keep":
                 core.close_gate()
-            aborted: list[str] = []
             stopped = started
             try:
                 try:
@@ -251,45 +260,79 @@ class WeightUpdates:
                     timings.admit = time.monotonic() - started
                     if mode == "keep":
                         stopped = time.monotonic()
-                    await self._apply(engine, staged, timings)
-                    verdict = await self._verify(engine, staged, timings)
-                    if verdict.failed:
-                        raise UpdateFailed(verdict.describe_failure(staged.version), UpdatePhase.VERIFY,
-                                           verdict.coverage)
-                    if not verdict.coverage.complete:
-                        raise UpdateUnverified(
-                            f"version {staged.version} applied but not proven: {verdict.coverage.describe()}"
-                            f"{'' if staged.identity and staged.identity.tensors else ' (the version has no per-tensor identity)'}",
-                            UpdatePhase.VERIFY, verdict.coverage)
+                    await self._apply(engine, staged, timings, faults, delay)
+                    verdict = await self._measure(engine, staged, timings)
+                    if not probing:
+                        self._judged(staged, verdict)
+                    else:
+                        core.hold_deliveries()
                 except BaseException as exc:
                     # Whatever failed here, the engine may hold weights that are no version: quarantined
                     # before the gate can reopen, so that no request waiting there goes on with them, and
-                    # requests frozen in place (keep) end ABORTed, to be retried elsewhere, with nothing
-                    # they made during the verification (the probe runs the engine) delivered.
+                    # requests frozen in place (keep) end ABORTed, to be retried elsewhere.
+                    probing = False
                     core.quarantine(f"update to version {staged.version}: {exc}")
-                    if timings.probed:
-                        core.release_deliveries(proven=False)
                     with contextlib.suppress(Exception):
                         aborted += await core.pause_engine("abort")
                     raise
-                else:
-                    if timings.probed:
-                        core.release_deliveries(proven=True)
                 finally:
                     reopened = time.monotonic()
                     if not core.paused:
                         await engine.resume()
-                    elif timings.probed:
-                        await engine.pause("keep")  # an operator's Pause holds on after the probe
                     timings.reopen = time.monotonic() - reopened
             finally:
                 core.updating = False
                 core.open_gate()
                 timings.pause = time.monotonic() - stopped
-            return UpdateResult(engine.version, timings.pause, staged.nbytes, aborted, timings.freeze(),
-                                verdict.resident_identity, verdict.coverage)
+        if probing:
+            verdict = await self._probed(engine, staged, timings, verdict)
+        return UpdateResult(engine.version, timings.pause, staged.nbytes, aborted, timings.freeze(),
+                            verdict.resident_identity, verdict.coverage)
 
-    async def _apply(self, engine: Engine, staged: StagedWeights, timings: _Timings) -> None:
+    async def _probed(self, engine: Engine, staged: StagedWeights, timings: _Timings, measured: Verdict) -> Verdict:
+        """Scores the version's probe on the resident weights, generation going on and its results held;
+        releases them on a verdict that proves the version, else quarantines and ends every request that
+        made tokens meanwhile aborted, none of them delivered."""
+        core, started = self.core, time.monotonic()
+        try:
+            if core.paused:  # an operator's Pause: the probe alone runs, and the engine pauses again after
+                await engine.resume()
+            try:
+                probe = await run_probe(engine, staged.probe,
+                                        self.config.updates.probe_tolerance or engine.probe_tolerance)
+            finally:
+                if core.paused:
+                    await engine.pause("keep")
+            verdict = judge(engine.weight_specs(), staged.identity, measured.measured, probe)
+            timings.resident_identity, timings.coverage = verdict.resident_identity, verdict.coverage
+            self._judged(staged, verdict)
+        except BaseException as exc:
+            core.quarantine(f"update to version {staged.version}: {exc}")
+            core.release_deliveries(proven=False)
+            async with core.control:
+                with contextlib.suppress(Exception):
+                    await core.pause_engine("abort")
+                    if not core.paused:
+                        await engine.resume()
+            raise
+        finally:
+            timings.verify += time.monotonic() - started
+        core.release_deliveries(proven=True)
+        return verdict
+
+    @staticmethod
+    def _judged(staged: StagedWeights, verdict: Verdict) -> None:
+        """Raises unless `verdict` proves the version."""
+        if verdict.failed:
+            raise UpdateFailed(verdict.describe_failure(staged.version), UpdatePhase.VERIFY, verdict.coverage)
+        if not verdict.coverage.complete:
+            raise UpdateUnverified(
+                f"version {staged.version} applied but not proven: {verdict.coverage.describe()}"
+                f"{'' if staged.identity and staged.identity.tensors else ' (the version has no per-tensor identity)'}",
+                UpdatePhase.VERIFY, verdict.coverage)
+
+    async def _apply(self, engine: Engine, staged: StagedWeights, timings: _Timings, faults: LoadFaults,
+                     delay: float) -> None:
         """Loads the staged version, within `updates.apply_timeout_seconds`. An apply that outlives it
         fails the update (the replica is quarantined) and is waited for before the next one: two
         loads never run at once."""
@@ -301,7 +344,6 @@ class WeightUpdates:
                 if not self._hung[0].done():
                     raise UpdateFailed(f"an earlier apply is still running after {limit:g} s more",
                                        UpdatePhase.APPLY)
-            faults, delay = read_faults(self.config.updates.faults_file)
             apply = asyncio.ensure_future(self._load(engine, staged, faults, delay))
             try:
                 await asyncio.wait_for(asyncio.shield(apply), limit)
@@ -319,25 +361,15 @@ class WeightUpdates:
             await asyncio.sleep(delay)
         await engine.swap_weights(staged, faults)
 
-    async def _verify(self, engine: Engine, staged: StagedWeights, timings: _Timings) -> Verdict:
-        """Measures the resident weights and, when the version has a probe, scores it with the engine
-        running again behind the still-closed gate (keep: frozen requests go on meanwhile, and are
-        aborted if it fails)."""
+    async def _measure(self, engine: Engine, staged: StagedWeights, timings: _Timings) -> Verdict:
+        """What the engine measured of its resident weights (RESIDENT, RECEIVED), judged without a probe."""
         started = time.monotonic()
         try:
-            specs = engine.weight_specs()
-            measured = await engine.measure(list(specs))
-            probe = ProbeCheck()
-            updates = self.config.updates
-            if staged.probe is not None and updates.probe and engine.supports_prompt_logprobs:
-                # The probe runs through the engine: requests frozen in place (keep) go on meanwhile, and
-                # what they make is held back until the verdict.
-                self.core.hold_deliveries()
-                timings.probed = True
-                await engine.resume()
-                probe = await run_probe(engine, staged.probe, updates.probe_tolerance or engine.probe_tolerance)
-            verdict = judge(specs, staged.identity, measured, probe)
+            measured = await engine.measure(list(engine.weight_specs()))
+            verdict = judge(engine.weight_specs(), staged.identity, measured, ProbeCheck())
             timings.resident_identity, timings.coverage = verdict.resident_identity, verdict.coverage
+            if verdict.wrong:  # a digest already contradicts the version: no probe needed to say so
+                raise UpdateFailed(verdict.describe_failure(staged.version), UpdatePhase.VERIFY, verdict.coverage)
             return verdict
         finally:
             timings.verify = time.monotonic() - started
@@ -368,19 +400,19 @@ class _Timings:
     """An update's phase durations as they are measured (None: not reached), and what verify found."""
 
     transfer: float = 0.0
+    prepare: float = 0.0
     admit: float | None = None
     apply: float = 0.0
     verify: float = 0.0
     reopen: float = 0.0
     pause: float = 0.0
-    probed: bool = False
     resident_identity: bytes = b""
     coverage: UpdateCoverage = field(default_factory=UpdateCoverage)
 
     def freeze(self) -> UpdateTimings:
         return UpdateTimings(admit_seconds=self.admit or 0.0, transfer_seconds=self.transfer,
                              apply_seconds=self.apply, verify_seconds=self.verify, reopen_seconds=self.reopen,
-                             pause_seconds=self.pause)
+                             pause_seconds=self.pause, prepare_seconds=self.prepare)
 
 
 #: The faults file's keys -> LoadFaults fields ("corrupt_after_apply": the key's earlier name).

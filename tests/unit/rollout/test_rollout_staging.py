@@ -70,7 +70,7 @@ async def test_a_copy_made_by_prepare_frees_the_staged_tensors_before_the_pause(
     updates, engine = make_core()
     events: list[str] = []
 
-    async def prepare(staged: StagedWeights) -> StagedWeights:
+    async def prepare(staged: StagedWeights, faults=NO_FAULTS) -> StagedWeights:
         events.append("prepare")
         return StagedWeights(staged.version, {"w": staged.tensors["w"].clone()}, nbytes=staged.nbytes,
                              identity=staged.identity)

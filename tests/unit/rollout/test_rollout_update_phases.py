@@ -285,3 +285,44 @@ async def test_what_frozen_requests_make_during_the_probe_waits_for_the_verdict(
         await updates.run(1, stage, "keep", 10)
         assert await running == "length"
         assert streamed[0] == 100 and streamed[-1] == 101 and len(streamed) == 40
+
+
+async def test_generation_goes_on_during_the_probe_and_nothing_it_makes_goes_out_before_the_verdict(
+    tmp_path: Path,
+) -> None:
+    """The probe runs after generation reopens (the engine is not idle through a forward pass), and a
+    request admitted meanwhile is held until the verdict: delivered once the version is proven, or
+    ended aborted, nothing delivered, when the probe fails."""
+    engine = FakeEngine(0.005, tensors=("w", "v"), readable=("w",))
+    engine.supports_prompt_logprobs = True  # type: ignore[misc]
+    score = engine.score
+    probing = asyncio.Event()
+
+    async def slow_score(sequences):
+        probing.set()
+        await asyncio.sleep(0.2)
+        return await score(sequences)
+
+    engine.score = slow_score  # type: ignore[method-assign]
+    updates, engine, faults, _ = make(tmp_path, engine=engine, probe_tolerance=1e-6)
+    for n, faulty in ((1, False), (2, True)):
+        probing.clear()
+        if faulty:
+            faults.write_text(json.dumps({"scale_linear": 1.01}))
+        stage, _ = version(n, 1.5 + n, names=("w", "v"), probe_of=engine)
+        update = asyncio.ensure_future(updates.run(n, stage, "wait", 10, rewind=True))
+        await probing.wait()
+        started = time.monotonic()
+        request = asyncio.ensure_future(updates.core.generate([prompt(f"during-{n}")], SamplingSpec(max_tokens=4)))
+        await asyncio.sleep(0.1)
+        assert not request.done() and engine.running, "generation must go on during the probe, its result held"
+        if faulty:
+            with pytest.raises(UpdateFailed, match="probe"):
+                await update
+            (out,) = await request
+            assert out.samples[0].finish_reason == "abort"
+        else:
+            await update
+            (out,) = await request
+            assert out.samples[0].finish_reason == "length" and out.samples[0].token_ids == [101] * 4
+            assert time.monotonic() - started >= 0.1  # delivered only after the verdict
