@@ -25,11 +25,10 @@ from google.protobuf.message import DecodeError
 
 from flywheel.codec.errors import ChunkCorrupted
 from flywheel.common.v1 import common_pb2
-from flywheel.varint import VarintError, encode_varint, read_varint
+from flywheel.varint import LEN, WireError, encode_varint, iter_fields
 
 _DATA_FIELD = 7  # WeightChunk.data
-_LEN = 2
-_DATA_TAG = bytes([(_DATA_FIELD << 3) | _LEN])
+_DATA_TAG = bytes([(_DATA_FIELD << 3) | LEN])
 
 
 def serialize_chunk(header: common_pb2.WeightChunk, payload: memoryview | bytes) -> bytes:
@@ -50,33 +49,15 @@ def parse_chunk(buf: bytes | bytearray | memoryview) -> tuple[common_pb2.WeightC
     view = memoryview(buf).cast("B")
     header_parts: list[memoryview] = []
     payload = view[:0]
-    i, start, size = 0, 0, len(view)
+    start = 0
     try:
-        while i < size:
-            field_start = i
-            key, i = read_varint(view, i)
-            field, wire_type = key >> 3, key & 7
-            if wire_type == 0:
-                _, i = read_varint(view, i)
-            elif wire_type == 1:
-                i += 8
-            elif wire_type == 5:
-                i += 4
-            elif wire_type == _LEN:
-                length, i = read_varint(view, i)
-                if field == _DATA_FIELD:
-                    if i + length > size:
-                        break  # reported below
-                    # Protobuf semantics: the last occurrence of a bytes field wins.
-                    header_parts.append(view[start:field_start])
-                    payload, start = view[i : i + length], i + length
-                i += length
-            else:
-                raise ChunkCorrupted(f"chunk is not a valid serialized WeightChunk: wire type {wire_type}")
-    except VarintError:
-        raise ChunkCorrupted("chunk is not a valid serialized WeightChunk: truncated varint") from None
-    if i != size:
-        raise ChunkCorrupted("chunk is not a valid serialized WeightChunk: a field runs past the end")
+        for field, wire_type, field_start, value_start, end in iter_fields(view):
+            if field == _DATA_FIELD and wire_type == LEN:
+                # Protobuf semantics: the last occurrence of a bytes field wins.
+                header_parts.append(view[start:field_start])
+                payload, start = view[value_start:end], end
+    except WireError as exc:
+        raise ChunkCorrupted(f"chunk is not a valid serialized WeightChunk: {exc}") from None
     header_parts.append(view[start:])
     try:
         header = common_pb2.WeightChunk.FromString(b"".join(header_parts))

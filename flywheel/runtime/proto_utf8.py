@@ -10,45 +10,29 @@ from __future__ import annotations
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from flywheel.varint import VarintError, read_varint
+from flywheel.varint import LEN, WireError, iter_fields
 
 
 def find_invalid_utf8(descriptor: Descriptor, data: bytes, prefix: str = "") -> str | None:
     """The path of the first string field that is not UTF-8, or None."""
     counts: dict[int, int] = {}
-    pos = 0
     try:
-        while pos < len(data):
-            key, pos = read_varint(data, pos)
-            number, wire_type = key >> 3, key & 7
-            if wire_type == 0:
-                _, pos = read_varint(data, pos)
-            elif wire_type == 1:
-                pos += 8
-            elif wire_type == 5:
-                pos += 4
-            elif wire_type == 2:
-                length, pos = read_varint(data, pos)
-                payload = data[pos : pos + length]
-                pos += length
-                field = descriptor.fields_by_number.get(number)
-                if field is None:
-                    continue
-                index = counts.get(number, 0)
-                counts[number] = index + 1
-                is_repeated = field.is_repeated
-                name = f"{prefix}{field.name}" + (f"[{index}]" if is_repeated else "")
-                if field.type == FieldDescriptor.TYPE_STRING:
-                    try:
-                        payload.decode("utf-8")
-                    except UnicodeDecodeError:
-                        return name
-                elif field.type == FieldDescriptor.TYPE_MESSAGE:
-                    found = find_invalid_utf8(field.message_type, payload, name + ".")
-                    if found:
-                        return found
-            else:
-                return None
-    except VarintError:
+        for number, wire_type, _, start, end in iter_fields(data):
+            field = descriptor.fields_by_number.get(number)
+            if wire_type != LEN or field is None:
+                continue
+            index = counts.get(number, 0)
+            counts[number] = index + 1
+            name = f"{prefix}{field.name}" + (f"[{index}]" if field.is_repeated else "")
+            if field.type == FieldDescriptor.TYPE_STRING:
+                try:
+                    data[start:end].decode("utf-8")
+                except UnicodeDecodeError:
+                    return name
+            elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                found = find_invalid_utf8(field.message_type, data[start:end], name + ".")
+                if found:
+                    return found
+    except WireError:
         return None
     return None
