@@ -39,9 +39,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
+from flywheel.codec.checkpoint_dir import read_tensors, safetensors_files
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from services.trainer.distributed import Ranks, gather_state
 from services.trainer.files import replace_directory
@@ -120,15 +120,21 @@ def _read_rng(directory: Path) -> dict:
     }
 
 
+def _fresh_tmp(parent: Path, step: int) -> Path:
+    """A new temporary directory under `parent` for step `step`'s checkpoint, once the ones
+    a crash mid-save left there are removed."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for stale in parent.glob(".tmp-global_step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{step}-", dir=parent))
+
+
 def save(
     policy: Policy, parent: Path, *, client_state: bytes = b"", keep_last: int = 0, remove_previous: bool = False
 ) -> tuple[Path, int]:
     """Writes global_step_<step> under `parent` atomically; returns (path, size in bytes)."""
-    parent.mkdir(parents=True, exist_ok=True)
-    for stale in parent.glob(".tmp-global_step_*"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-save
     final = parent / f"global_step_{policy.step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{policy.step}-", dir=parent))
+    tmp = _fresh_tmp(parent, policy.step)
     try:
         _write(policy, tmp, client_state)
         replace_directory(tmp, final)
@@ -151,17 +157,14 @@ def _prune(parent: Path, keep: Path, step: int, keep_last: int, remove_previous:
         log.info("checkpoint removed", extra={"path": str(path)})
 
 
-def _read_safetensors(directory: Path) -> dict[str, Tensor]:
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise DataLoss(f"checkpoint: no safetensors files in {directory}")
-    tensors: dict[str, Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(load_file(str(file)))
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            raise DataLoss(f"checkpoint: cannot read {file}: {exc}") from None
-    return tensors
+def _read_weights(directory: Path) -> dict[str, Tensor]:
+    """The tensors of a checkpoint's model/ or adapter/ directory; a missing one is DATA_LOSS
+    (the checkpoint says it is complete)."""
+    try:
+        files = safetensors_files(directory)
+    except NotFound as exc:
+        raise DataLoss(f"checkpoint: {exc}") from None
+    return read_tensors(files)
 
 
 def _check_model_weights(policy: Policy, weights: dict[str, Tensor]) -> None:
@@ -205,10 +208,9 @@ def load(policy: Policy, path: Path) -> tuple[int, int, bytes]:
             )
     try:
         state = json.loads((path / STATE_FILE).read_text())
-        rng_json = json.loads((path / "rng.json").read_text())
         optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         scheduler = torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)
-        rng_tensors = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
+        rng = _read_rng(path)
         client_state = (path / "client_state.bin").read_bytes()
     except (OSError, ValueError, RuntimeError) as exc:
         raise DataLoss(f"checkpoint {path}: unreadable: {exc}") from None
@@ -220,9 +222,9 @@ def load(policy: Policy, path: Path) -> tuple[int, int, bytes]:
         )
     _check_optimizer(policy, optimizer)
     if policy.lora:
-        weights = _read_safetensors(path / "adapter")
+        weights = _read_weights(path / "adapter")
     else:
-        weights = _read_safetensors(path / "model")
+        weights = _read_weights(path / "model")
         _check_model_weights(policy, weights)
 
     # Everything is read and checked: apply.
@@ -234,16 +236,7 @@ def load(policy: Policy, path: Path) -> tuple[int, int, bytes]:
     policy.optimizer.load_state_dict(optimizer)
     restore_optimizer_kernels(policy.optimizer)
     policy.scheduler.load_state_dict(scheduler)
-    py = rng_json["python"]
-    npy = rng_json["numpy"]
-    import numpy as np
-
-    set_rng_state({
-        "python": (py[0], tuple(py[1]), py[2]),
-        "numpy": (npy[0], np.asarray(npy[1], dtype=np.uint32), npy[2], npy[3], npy[4]),
-        "torch": rng_tensors["torch"],
-        **({"cuda": rng_tensors["cuda"]} if rng_tensors.get("cuda") else {}),
-    })
+    set_rng_state(rng)
     policy.zero_grad()
     policy.step = int(state["step"])
     policy.weight_version = int(state["weight_version"])
@@ -283,10 +276,7 @@ def save_sharded(
     final = parent / f"global_step_{policy.step}"
     box: list = [None]
     if first:
-        parent.mkdir(parents=True, exist_ok=True)
-        for stale in parent.glob(".tmp-global_step_*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-save
-        box[0] = tempfile.mkdtemp(prefix=f".tmp-global_step_{policy.step}-", dir=parent)
+        box[0] = str(_fresh_tmp(parent, policy.step))
     dist.broadcast_object_list(box, src=0, group=ranks.control)
     tmp = Path(box[0])
     error: BaseException | None = None
