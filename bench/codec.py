@@ -50,7 +50,6 @@ Ends with one JSON line of the figures (GB/s = 1e9 bytes/s).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -66,6 +65,7 @@ import torch
 from flywheel.codec import WeightAssembler, encode_state_dict
 from flywheel.codec.encoder import GRPC_DEFAULT_MAX_MESSAGE_BYTES
 from flywheel.common.v1 import common_pb2
+from flywheel.testing.records import record
 
 MiB = 1 << 20
 _SOCK_SLICE = MiB
@@ -452,7 +452,8 @@ def main() -> None:
         "decode_wire_gbps": gbps["decode_wire"],
         "host_load_1m": max(load),
     }
-    print(json.dumps({k: v if isinstance(v, int) else round(v, 3) for k, v in figures.items()}))
+    record("codec", {k: v if isinstance(v, int) else round(v, 3) for k, v in figures.items()}, args=args,
+           smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ JSON line, with the CPU named.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flywheel.testing.machine import cpu  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
 from flywheel.testing.run_versions import load, make_run, versions  # noqa: E402
 
 
@@ -124,14 +124,14 @@ def main() -> None:
             print(f"  {s['from']:>4} {s['to']:>3} {s['delta_fraction']:>8.2%} {s['changed_elements']:>17.2%} "
                   f"{s['encode_seconds']:>9.2f} {s['apply_verify_seconds']:>15.2f}  {s['kinds']}")
     fp32, bf16 = report["fp32"], report["bf16"]
-    print(json.dumps({
+    record("deltas", {
         **cpu(), "smoke": args.smoke, "versions": report["versions"][-1], "run_seconds": round(run_seconds, 1),
         "full_mib": round(fp32["full_bytes"] / 2**20, 1),
         "delta_fraction_fp32": fp32["mean_step_fraction"], "delta_fraction_bf16": bf16["mean_step_fraction"],
         "zstd_full_fraction_fp32": fp32["zstd_full_fraction"], "zstd_full_fraction_bf16": bf16["zstd_full_fraction"],
         "delta_vs_full_fp32": fp32["delta_vs_full"], "delta_vs_full_bf16": bf16["delta_vs_full"],
         "delta_vs_zstd_full_fp32": fp32["delta_vs_zstd_full"], "delta_vs_zstd_full_bf16": bf16["delta_vs_zstd_full"],
-    }))
+    }, args=args, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flywheel.testing.machine import cpu  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
 
 SYNC_PORT, PROXY_PORT, TCP_PORT, RELAY_PORT = 50151, 50152, 50153, 50154
 #: Far replicas behind the relay.
@@ -381,7 +382,7 @@ def main() -> None:
     print(f"  pull cut at 50 %, resumed {r['resume_seconds']:8.2f} s   {r['resume_wire_bytes'] / full:.3f} copies sent")
     print(f"  one replica alone         {r['one_alone_seconds']:8.2f} s")
     print(f"  {REPLICAS} behind a relay, first  {r['relay_first_seconds']:8.2f} s, last {r['relay_last_seconds']:.2f} s")
-    print(json.dumps({
+    record("far_sync", {
         **cpu(), "smoke": args.smoke, "full_mib": round(full / 2**20, 1),
         "delta_fraction": round(r["delta_pull_stream_bytes"] / full, 4),
         "full_tcp_seconds": r["full_tcp_seconds"], "full_pull_seconds": r["full_pull_seconds"],
@@ -394,7 +395,7 @@ def main() -> None:
         "resume_bytes_vs_one_copy": round(r["resume_wire_bytes"] / full, 3),
         "relay_last_vs_one": round(r["relay_last_seconds"] / r["one_alone_seconds"], 3),
         "same_host_vs_tcp": r["same_host_vs_tcp"],
-    }))
+    }, args=args, smoke=args.smoke)
 
 
 if __name__ == "__main__":

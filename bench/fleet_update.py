@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import statistics
@@ -61,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flywheel.launcher.processes import ServiceProcess, start_service  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
 
 PHASES = ("transfer", "prepare", "admit", "apply", "verify", "reopen", "pause")
 #: The Qwen2.5-0.5B body, as flywheel.models.tiny builds it (head_dim 64).
@@ -227,7 +227,7 @@ def main() -> None:
         out[f"{key}_pause_vs_stop_the_world"] = round(m["pause"] / max(m["transfer"] + m["pause"], 1e-9), 3)
     main_shape = "0_5b" if "0.5b" in results else shapes[0].replace(".", "_")
     out["pause_vs_transfer"] = out[f"{main_shape}_pause_vs_transfer"]
-    print(json.dumps(out))
+    record("fleet_update", out, args=args, smoke=args.smoke)
 
 
 if __name__ == "__main__":

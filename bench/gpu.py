@@ -82,6 +82,8 @@ from pathlib import Path
 
 import torch
 
+from flywheel.testing.records import record
+
 QWEN2_05B = dict(
     vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
     num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -356,7 +358,7 @@ def main() -> int:
         if not device.startswith("cuda"):
             print("bench/gpu.py --only ipc: the ipc handoff needs CUDA; nothing to measure")
             return 0
-        print(json.dumps({"device": torch.cuda.get_device_name(0), **ipc_figures(args)}))
+        record("gpu", {"device": torch.cuda.get_device_name(0), **ipc_figures(args)}, args=args)
         return 0
 
     from services.trainer.config import TrainerConfig
@@ -471,7 +473,7 @@ def main() -> int:
         **ipc,
         **peaks,
     }
-    print(json.dumps(figures))
+    record("gpu", figures, args=args, smoke=args.cpu_smoke)
     return 0
 
 

@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flywheel.testing.machine import cpu  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
 from flywheel.launcher.processes import start_service  # noqa: E402
 from flywheel.rollout.client import RolloutClient  # noqa: E402
 from services.controller.launcher.prepare import prepare_data, prepare_model  # noqa: E402
@@ -325,7 +326,7 @@ def main() -> None:
             print({k: v for k, v in figures.items() if "valid" in k or "all_at_once" in k}, flush=True)
         if "job" in parts:
             figures.update(bench_job(work, args.seed, args.target, args.max_steps))
-    print(json.dumps(figures))
+    record("learning", figures, args=args, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.rollout import TOKEN, engine_args, http_port_of, prepare_model, start_rollout  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
 
 #: (path, stream) of client i is KINDS[i % 4].
 KINDS = (("/v1/completions", False), ("/v1/completions", True), ("/v1/chat/completions", False),
@@ -341,7 +342,7 @@ def main() -> None:
     failed = failures(figures)
     for reason in failed:
         print(f"FAILED: {reason}", file=sys.stderr)
-    print(json.dumps(figures))
+    record("load", figures, args=opts, smoke=opts.smoke)
     sys.exit(1 if failed else 0)
 
 

@@ -42,6 +42,7 @@ from services.controller.launcher.prepare import prepare_model  # noqa: E402
 from flywheel.launcher.processes import ServiceProcess, start_service  # noqa: E402
 from services.controller.launcher.spec import ModelSource  # noqa: E402
 from flywheel.testing.engines import with_transformers_engine  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -148,7 +149,7 @@ def main() -> None:
         print(f"{mode:<12} {r['samples_per_second']:>10.2f} {r['trainer_idle_fraction']:>13.2f} "
               f"{r['staleness_mean']:>10.2f} {r['wall_seconds']:>8.1f}")
     sync, fully = results["sync"], results["fully-async"]
-    print(json.dumps({
+    record("modes", {
         "bench": "modes", "steps": args.steps, "pinned": pin,
         "sync_samples_per_second": round(sync["samples_per_second"], 3),
         "fully_async_samples_per_second": round(fully["samples_per_second"], 3),
@@ -156,7 +157,7 @@ def main() -> None:
         "fully_async_trainer_idle_fraction": round(fully["trainer_idle_fraction"], 3),
         "fully_async_vs_sync": round(fully["samples_per_second"] / sync["samples_per_second"], 3),
         "fully_async_idle_vs_sync": round(fully["trainer_idle_fraction"] / max(sync["trainer_idle_fraction"], 1e-9), 3),
-    }))
+    }, args=args, smoke=args.smoke)
 
 
 if __name__ == "__main__":

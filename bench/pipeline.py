@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import random
 import statistics
@@ -42,6 +41,7 @@ import time
 from services.controller.assemble import Services, build_pipeline
 from services.controller.loop import run
 from services.controller.run_config import parse_run_config
+from flywheel.testing.records import record
 from services.controller.testing.simulated import (
     SimulatedRolloutEngine,
     SimulatedTrainer,
@@ -126,7 +126,7 @@ def main() -> None:
         **results,
         **{f"{name}_vs_sync": round(results[name]["samples_per_s"] / base, 3) for name in results if name != "sync"},
     }
-    print(json.dumps(figures))
+    record("pipeline", figures, args=args, smoke=args.smoke)
 
 
 if __name__ == "__main__":

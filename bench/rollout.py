@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flywheel.testing.records import record
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 TOKEN = "bench-token"
@@ -306,7 +308,7 @@ def main() -> None:
         if sync is not None:
             sync.stop()
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(figures))
+    record("rollout", figures, args=opts, smoke=opts.smoke)
 
 
 if __name__ == "__main__":

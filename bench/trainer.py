@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import statistics
 import sys
@@ -49,6 +48,7 @@ from flywheel.models.tiny import build_tiny_model
 from flywheel.trainer.client import TrainerClient, make_loss_spec, make_train_batch
 from services.trainer.config import TrainerConfig
 from services.trainer.training import LossRequest, TrainingEngine
+from flywheel.testing.records import record
 
 LOSS_KIND, IS_CAP = "grpo", 2.0
 
@@ -198,7 +198,7 @@ def main() -> None:
               f"{rate / figures['inprocess_tokens_per_s']:>14.3f}x")
     print(f"RPC overhead per step (round trip minus the engine's own time, same steps): "
           f"{figures['rpc_overhead_ms']:.1f} ms; engine share of the round trip {figures['engine_share_of_rpc']:.3f}")
-    print(json.dumps({
+    record("trainer", {
         "device": args.device,
         "parameters": figures["parameters"],
         "batch_size": args.batch_size,
@@ -215,7 +215,7 @@ def main() -> None:
         "service_overhead_pct": round((1 - ratio) * 100, 2),
         "rpc_overhead_ms": round(figures["rpc_overhead_ms"], 2),
         "engine_time_vs_round_trip": round(figures["engine_share_of_rpc"], 4),
-    }))
+    }, args=args, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from flywheel.testing.engines import with_transformers_engine  # noqa: E402
 from flywheel.testing.machine import cpu  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
 from services.controller.tasks.answers import answers_match, final_answer  # noqa: E402
 
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -183,7 +184,7 @@ def main() -> None:
         "trl_reward_first": trl["reward_first"], "trl_reward_last": trl["reward_last"],
         "flywheel_step_vs_trl_step": round(trl_step / ours_step, 3),
     }
-    print(json.dumps(figures))
+    record("trl_grpo", figures, args=args, smoke=args.smoke)
 
 
 if __name__ == "__main__":

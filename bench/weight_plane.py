@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import secrets
@@ -72,6 +71,7 @@ import xxhash
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from flywheel.codec import MAX_CHUNK_BYTES  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
 
 MiB = 1 << 20
 
@@ -331,7 +331,7 @@ def main() -> None:
           f"{figures['cut_through_applied_vs_push']:.2f}x applied into live tensors, "
           f"{figures['cut_through_stream_vs_push']:.2f}x with the payloads in the stream; "
           f"cpu s = user+system seconds of every process on the path")
-    print(json.dumps(figures))
+    record("weight_plane", figures, args=args, smoke=args.smoke)
 
 
 if __name__ == "__main__":

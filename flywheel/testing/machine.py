@@ -11,9 +11,12 @@ from pathlib import Path
 #: Instruction-set features that change our CPU figures, best first.
 _ISA_LADDER = (("amx_bf16", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"), ("avx2", "avx2"))
 
+#: The /proc/cpuinfo flags a bench record keeps (the ones that move our figures).
+RECORDED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
-def cpu() -> dict[str, object]:
-    """cpu_model, cpu_isa (amx | avx512_bf16 | avx512 | avx2 | other), torch's kernel capability, cores."""
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """(model name, flags) from /proc/cpuinfo; the platform's name and no flags elsewhere."""
     model, flags = platform.processor() or platform.machine(), set()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
@@ -23,6 +26,18 @@ def cpu() -> dict[str, object]:
                 model = value.strip()
             elif key.strip() == "flags":
                 flags = set(value.split())
+    return model, flags
+
+
+def isa_flags() -> list[str]:
+    """The flags of RECORDED_FLAGS this CPU has, in that order."""
+    flags = _cpuinfo()[1]
+    return [flag for flag in RECORDED_FLAGS if flag in flags]
+
+
+def cpu() -> dict[str, object]:
+    """cpu_model, cpu_isa (amx | avx512_bf16 | avx512 | avx2 | other), torch's kernel capability, cores."""
+    model, flags = _cpuinfo()
     isa = next((name for flag, name in _ISA_LADDER if flag in flags), "other")
     try:
         import torch
