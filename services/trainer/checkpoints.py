@@ -36,6 +36,7 @@ import logging
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -129,22 +130,30 @@ def _fresh_tmp(parent: Path, step: int) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{step}-", dir=parent))
 
 
+def _publish(
+    tmp: Path, final: Path, step: int, write: Callable[[], object], keep_last: int, remove_previous: bool, **extra
+) -> int:
+    """Runs `write` (the last files into `tmp`), renames `tmp` to `final` atomically (removing
+    `tmp` if either fails) and prunes older checkpoints; returns the size of `final` in bytes."""
+    try:
+        write()
+        replace_directory(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(final.parent, final, step, keep_last, remove_previous)
+    size = _tree_size(final)
+    log.info("checkpoint saved", extra={"path": str(final), "step": step, "bytes": size, **extra})
+    return size
+
+
 def save(
     policy: Policy, parent: Path, *, client_state: bytes = b"", keep_last: int = 0, remove_previous: bool = False
 ) -> tuple[Path, int]:
     """Writes global_step_<step> under `parent` atomically; returns (path, size in bytes)."""
     final = parent / f"global_step_{policy.step}"
     tmp = _fresh_tmp(parent, policy.step)
-    try:
-        _write(policy, tmp, client_state)
-        replace_directory(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _prune(parent, final, policy.step, keep_last, remove_previous)
-    size = _tree_size(final)
-    log.info("checkpoint saved", extra={"path": str(final), "step": policy.step, "bytes": size})
-    return final, size
+    return final, _publish(tmp, final, policy.step, lambda: _write(policy, tmp, client_state), keep_last, remove_previous)
 
 
 def _prune(parent: Path, keep: Path, step: int, keep_last: int, remove_previous: bool) -> None:
@@ -304,18 +313,10 @@ def save_sharded(
         raise FailedPrecondition(f"checkpoint {final}: another rank failed to write its shards; nothing saved")
     size = 0
     if first:
-        try:
-            state = {"format_version": FORMAT_VERSION, "step": policy.step, "weight_version": policy.weight_version,
-                     "model": policy.name, "lora": policy.lora, "world_size": ranks.world_size}
-            (tmp / STATE_FILE).write_text(json.dumps(state))
-            replace_directory(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        _prune(parent, final, policy.step, keep_last, remove_previous)
-        size = _tree_size(final)
-        log.info("checkpoint saved", extra={"path": str(final), "step": policy.step, "bytes": size,
-                                            "world_size": ranks.world_size})
+        state = {"format_version": FORMAT_VERSION, "step": policy.step, "weight_version": policy.weight_version,
+                 "model": policy.name, "lora": policy.lora, "world_size": ranks.world_size}
+        size = _publish(tmp, final, policy.step, lambda: (tmp / STATE_FILE).write_text(json.dumps(state)),
+                        keep_last, remove_previous, world_size=ranks.world_size)
     return final, size
 
 
