@@ -1,9 +1,10 @@
 """Errors of the weight codec: one hierarchy under `CodecError`.
 
 Each class also derives from the shared `flywheel.errors` class of its status
-(`DataLoss`, `InvalidArgument`, `FailedPrecondition`), so the runtime's error
-interceptor maps it to the right gRPC status without knowing the codec, and
-callers can catch either "any codec error" or "any data loss".
+(`DataLoss`, `InvalidArgument`, `FailedPrecondition`), which gives it its
+`code` (CodecError sets none): the runtime's error interceptor maps it to the
+right gRPC status without knowing the codec, and callers can catch either
+"any codec error" or "any data loss".
 
 Status codes:
   DATA_LOSS        the stream as received is not the version that was sent:
@@ -26,66 +27,44 @@ class CodecError(FlywheelError):
 class UnsupportedDType(CodecError, InvalidArgument):
     """A torch dtype or wire DType the codec cannot carry."""
 
-    code = "INVALID_ARGUMENT"
-
 
 class InvalidTensor(CodecError, InvalidArgument):
     """A single `Tensor` message whose shape, dtype and byte length disagree."""
 
-    code = "INVALID_ARGUMENT"
-
 
 class InvalidManifest(CodecError, InvalidArgument):
     """A manifest that contradicts itself (sizes, counts, names, algorithm)."""
-
-    code = "INVALID_ARGUMENT"
 
 
 class ManifestMismatch(CodecError, InvalidArgument):
     """A chunk or a destination that does not match the manifest: wrong name,
     dtype, shape, version, bucket, range (out of bounds or overlapping)."""
 
-    code = "INVALID_ARGUMENT"
-
 
 class ChunkCorrupted(CodecError, DataLoss):
     """A chunk's bytes do not hash to its checksum."""
-
-    code = "DATA_LOSS"
 
 
 class ChunkMissing(CodecError, DataLoss):
     """Commit was asked for while some chunks never arrived (a hole)."""
 
-    code = "DATA_LOSS"
-
 
 class StreamTruncated(ChunkMissing):
     """The stream ended before the final chunk of the version arrived."""
-
-    code = "DATA_LOSS"
 
 
 class ChunkDuplicated(CodecError, DataLoss):
     """A chunk sequence number arrived twice."""
 
-    code = "DATA_LOSS"
-
 
 class ChunkOutOfOrder(CodecError, DataLoss):
     """A chunk of a later bucket arrived before the current bucket completed."""
-
-    code = "DATA_LOSS"
 
 
 class DigestMismatch(CodecError, DataLoss):
     """Every chunk arrived and matched its checksum, but the whole-version
     digest differs from the manifest's (tampered manifest or checksums)."""
 
-    code = "DATA_LOSS"
-
 
 class AssemblerClosed(CodecError, FailedPrecondition):
     """The assembler already failed or committed; start a new one."""
-
-    code = "FAILED_PRECONDITION"
