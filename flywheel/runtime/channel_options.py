@@ -18,13 +18,20 @@ RECONNECT_INITIAL_BACKOFF_MS = 250
 RECONNECT_MAX_BACKOFF_MS = 1_000
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def _shared_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """What both sides set alike: message size limits and keepalive pings."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        *_shared_options(max_message_bytes),
         # Accept client pings as often as clients send them (plus slack).
         ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),
@@ -33,11 +40,7 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 def client_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
+        *_shared_options(max_message_bytes),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 1),
         ("grpc.initial_reconnect_backoff_ms", RECONNECT_INITIAL_BACKOFF_MS),

@@ -14,6 +14,7 @@ know about status codes, and nothing is logged-and-swallowed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -100,24 +101,31 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         code = context.code()
         return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
 
+    @contextlib.asynccontextmanager
+    async def _outcome(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Around one call: records its status and latency, and turns an exception into its status."""
+        started = time.perf_counter()
+        try:
+            yield
+        except grpc.aio.AbortError:
+            self._record(method, started, self._code_of(context))
+            raise
+        except asyncio.CancelledError:
+            self._record(method, started, "CANCELLED")
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            self._record(method, started, status_for(exc)[0].name)
+            await self._fail(exc, context, method)
+        else:
+            self._record(method, started, "OK")
+
     def _unary(self, behaviour: Callable[..., Any], method: str, admit: Callable[[Any], Any]
                ) -> Callable[..., Awaitable[Any]]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            started = time.perf_counter()
-            try:
+            async with self._outcome(method, context):
                 result = behaviour(admit(request), context)
                 if inspect.isawaitable(result):
                     result = await result
-            except grpc.aio.AbortError:
-                self._record(method, started, self._code_of(context))
-                raise
-            except asyncio.CancelledError:
-                self._record(method, started, "CANCELLED")
-                raise
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-                self._record(method, started, status_for(exc)[0].name)
-                await self._fail(exc, context, method)
-            self._record(method, started, "OK")
             return result
 
         return wrapper
@@ -125,8 +133,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def _streaming(self, behaviour: Callable[..., Any], method: str, admit: Callable[[Any], Any]
                    ) -> Callable[..., AsyncIterator[Any]]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            started = time.perf_counter()
-            try:
+            async with self._outcome(method, context):
                 result = behaviour(admit(request), context)
                 if inspect.isasyncgen(result):
                     async for item in result:
@@ -136,16 +143,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     result = await result if inspect.isawaitable(result) else result
                     for item in result or ():
                         yield item
-            except grpc.aio.AbortError:
-                self._record(method, started, self._code_of(context))
-                raise
-            except asyncio.CancelledError:
-                self._record(method, started, "CANCELLED")
-                raise
-            except Exception as exc:  # noqa: BLE001
-                self._record(method, started, status_for(exc)[0].name)
-                await self._fail(exc, context, method)
-            self._record(method, started, "OK")
 
         return wrapper
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from flywheel.controller.v1 import controller_pb2 as pb
 from flywheel.controller.v1 import controller_pb2_grpc as pb_grpc
@@ -105,6 +106,24 @@ async def test_error_inside_a_stream_ends_it_with_the_mapped_status(server: str)
     assert received == [1]
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "after_step" in err.value.details()
+
+
+async def test_every_call_is_counted_once_under_its_status(server: str) -> None:
+    def count(method: str, code: str) -> float:
+        labels = {"service": "test", "method": method, "code": code}
+        return REGISTRY.get_sample_value("flywheel_rpc_requests_total", labels) or 0.0
+
+    calls = [("Stop", "OK"), ("Start", "INVALID_ARGUMENT"), ("StreamMetrics", "INVALID_ARGUMENT")]
+    before = {call: count(*call) for call in calls}
+    async with open_channel(server, max_attempts=1) as channel:
+        stub = pb_grpc.ControllerServiceStub(channel)
+        await stub.Stop(pb.StopRequest())
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.Start(pb.StartRequest(run_id="invalid"))
+        with pytest.raises(grpc.aio.AioRpcError):
+            async for _ in stub.StreamMetrics(pb.StreamMetricsRequest()):
+                pass
+    assert {call: count(*call) - before[call] for call in calls} == dict.fromkeys(calls, 1.0)
 
 
 @pytest.mark.parametrize("method", ["Start", "StreamMetrics"])
