@@ -109,6 +109,11 @@ class UpdatePhase(enum.IntEnum):
     REOPEN = 5
 
 
+#: The phases an update's timings and metrics name (`UpdateTimings.<phase>_seconds`): UpdatePhase's
+#: in order, then the pause they add up to.
+TIMED_PHASES: tuple[str, ...] = (*(phase.name.lower() for phase in UpdatePhase), "pause")
+
+
 def parse_enum(kind: type[enum.IntEnum], value: object, what: str) -> enum.IntEnum:
     """An enum member from a member, its number or its (case-insensitive) name."""
     try:
@@ -196,6 +201,10 @@ class UpdateTimings:
     pause_seconds: float = 0.0
     #: Of transfer_seconds: loading into a copy of the engine's weights before the pause (0: loaded inside it).
     prepare_seconds: float = 0.0
+
+    def by_phase(self) -> dict[str, float]:
+        """{phase: seconds} over TIMED_PHASES."""
+        return {phase: getattr(self, f"{phase}_seconds") for phase in TIMED_PHASES}
 
 
 @dataclass(frozen=True)

@@ -434,10 +434,7 @@ class Synchronizer:
                     "only against a version this synchronizer recorded")
             record = judge(report, version, self.epoch)
         self.updates.record(record)
-        t = record.timings
-        for phase, seconds in (("admit", t.admit_seconds), ("transfer", t.transfer_seconds),
-                               ("apply", t.apply_seconds), ("verify", t.verify_seconds),
-                               ("reopen", t.reopen_seconds), ("pause", t.pause_seconds)):
+        for phase, seconds in record.timings.by_phase().items():
             if seconds:
                 metrics.UPDATE_PHASE_SECONDS.labels(phase).observe(seconds)
         metrics.UPDATES.labels(record.outcome.name.lower()).inc()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from flywheel.synchronizer.types import Method
+from flywheel.synchronizer.types import TIMED_PHASES, Method
 
 # Lower-case names of the proto enums ComponentRole, ComponentState and SyncMethod.
 ROLES = ("trainer", "rollout", "controller", "synchronizer")
@@ -79,8 +79,6 @@ LEASE_EXPIRATIONS = Counter(
     "Components marked STOPPED because their lease ran out.",
 )
 
-#: The phases of a replica's weight update, and the pause they add up to.
-UPDATE_PHASES = ("admit", "transfer", "apply", "verify", "reopen", "pause")
 UPDATE_PHASE_SECONDS = Histogram(
     "flywheel_update_phase_seconds",
     "Duration of each phase of the rollouts' weight updates, as they report them (pause: admit to reopen), "
@@ -99,7 +97,7 @@ QUARANTINED = Gauge(
     "Live rollouts quarantined (no traffic) since a weight update of theirs failed or was not verified.",
 )
 
-for _phase in UPDATE_PHASES:
+for _phase in TIMED_PHASES:
     UPDATE_PHASE_SECONDS.labels(_phase)
 for _outcome in ("verified", "unverified", "failed"):
     UPDATES.labels(_outcome)

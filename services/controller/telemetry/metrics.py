@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from flywheel.synchronizer.types import TIMED_PHASES
+
 POOLS = ("trajectory", "train_batch")
 
 SAMPLES = Counter(
@@ -70,7 +72,6 @@ DROPPED_GROUPS = Gauge(
     "Groups the algorithm processor dropped in the current run, by reason.",
     ["reason"],
 )
-UPDATE_PHASES = ("admit", "transfer", "apply", "verify", "reopen", "pause")
 UPDATE_PHASE_SECONDS = Gauge(
     "flywheel_controller_update_phase_seconds",
     "The slowest replica's duration of each phase of the weight updates verified during the last step "
@@ -81,7 +82,7 @@ QUARANTINED = Gauge(
     "flywheel_controller_quarantined_replicas",
     "Rollout replicas out of service because their last weight update failed (transfer, apply or verification).",
 )
-for _phase in UPDATE_PHASES:
+for _phase in TIMED_PHASES:
     UPDATE_PHASE_SECONDS.labels(_phase)
 
 #: The outcomes of a replica's weight update (flywheel.synchronizer.types.UpdateOutcome).
@@ -145,7 +146,7 @@ def update_from_step(metrics: dict[str, float]) -> None:
     POOL_SIZE.labels("train_batch").set(get("pool/train_batch", 0.0))
     IN_FLIGHT.set(get("rollout/in_flight", 0.0))
     QUARANTINED.set(get("fleet/quarantined", 0.0))
-    for phase in UPDATE_PHASES:
+    for phase in TIMED_PHASES:
         if f"update/{phase}_seconds_max" in metrics:
             UPDATE_PHASE_SECONDS.labels(phase).set(metrics[f"update/{phase}_seconds_max"])
     _update_verdict(metrics)

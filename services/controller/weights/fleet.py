@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from flywheel.synchronizer.client_types import WatchEvent
-from flywheel.synchronizer.types import EventKind, Role, State, UpdateOutcome, UpdateRecord
+from flywheel.synchronizer.types import TIMED_PHASES, EventKind, Role, State, UpdateOutcome, UpdateRecord
 from services.controller.rollouts.balancer import EnginePool
 from services.controller.domain import TrainResult
 from services.controller.protocols import Synchronizer
@@ -62,8 +62,6 @@ from services.controller.weights.verdict import FleetVerdict, judge, verdict_jso
 
 log = logging.getLogger(__name__)
 
-#: The phases of a replica's update, as the step metrics name them (update/<phase>_seconds_*).
-PHASES = ("admit", "transfer", "apply", "verify", "reopen", "pause")
 #: The mode -> what a replica waits for before it generates for a run step (the policy's rollout_wait).
 ROLLOUT_WAIT = {"sync": "due_version", "batch-async": "staleness", "fully-async": "none"}
 
@@ -263,8 +261,8 @@ class Fleet:
         self._waited_since_step = 0.0
         if self.judged:
             m.update(verdict_metrics(self.verdict(self.judged[-1])))
-        for phase in PHASES:
-            values = [getattr(r.timings, f"{phase}_seconds") for r in records if r.verified]
+        for phase in TIMED_PHASES:
+            values = [r.timings.by_phase()[phase] for r in records if r.verified]
             if values:
                 m[f"update/{phase}_seconds_max"] = max(values)
                 m[f"update/{phase}_seconds_mean"] = statistics.fmean(values)
