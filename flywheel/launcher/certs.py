@@ -18,7 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_HOSTS = ("127.0.0.1", "localhost", "::1")
+from flywheel.runtime.addresses import LOOPBACK_HOSTS
+
+#: The names a certificate is good for unless told: this machine's loopback.
+DEFAULT_HOSTS = LOOPBACK_HOSTS
 
 
 @dataclass(frozen=True)

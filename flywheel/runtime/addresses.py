@@ -9,6 +9,8 @@ import re
 
 from flywheel.errors import InvalidArgument
 
+#: The names of this machine's loopback interface.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # A DNS name (labels of letters, digits, hyphens, underscores as Kubernetes/compose names allow).
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 

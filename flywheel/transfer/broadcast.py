@@ -46,6 +46,7 @@ import xxhash
 from flywheel.codec import DEFAULT_BUCKET_BYTES
 from flywheel.codec.layout import assign_buckets
 from flywheel.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from flywheel.runtime.addresses import LOOPBACK_HOSTS
 from flywheel.transfer.cuda_ipc import open_shared, require_cuda, share
 
 ALIGN = 64
@@ -54,7 +55,6 @@ _POLL_SECONDS = 0.02
 #: network: every wait of an ipc transfer polls this often (a 20 ms poll was most of a 47 ms handoff).
 _IPC_POLL_SECONDS = 0.0005
 BACKENDS = ("nccl", "gloo", "ipc")
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ class _Session:
         elif self.spec.backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
-            local = self.spec.host in _LOOPBACK
+            local = self.spec.host in LOOPBACK_HOSTS
             device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if local else (
                 dist.ProcessGroupGloo.create_default_device()
             )
