@@ -1,9 +1,23 @@
-"""Checks the layout tests share: what may stand at the top of a service package."""
+"""Checks the layout tests share: what may stand at the top of a service package, and what a
+module imports."""
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Collection
 from pathlib import Path
+
+
+def absolute_imports(tree: ast.AST) -> list[tuple[int, str, tuple[str, ...]]]:
+    """Every absolute import in `tree`, lazy ones inside functions too: (line, module, the names
+    imported from it), the names empty for `import module`."""
+    found: list[tuple[int, str, tuple[str, ...]]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module, tuple(alias.name for alias in node.names)))
+    return found
 
 
 def top_level_strays(package: Path, files: Collection[str], subpackages: Collection[str]) -> list[str]:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.layout_checks import absolute_imports
+
 ROOT = Path(__file__).resolve().parents[2]
 #: Front doors, not shared code: the `flywheel` command dispatches `flywheel run` to the controller's launcher.
 ENTRY_POINTS = {"flywheel/cli.py"}
@@ -19,16 +21,12 @@ SERVICES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init_
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text(), filename=str(path))
     found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
-            # `from services import rollout` imports a service package too.
-            if node.module == "services":
-                found += [(node.lineno, f"services.{alias.name}") for alias in node.names]
+    for line, module, names in absolute_imports(ast.parse(path.read_text(), filename=str(path))):
+        found.append((line, module))
+        # `from services import rollout` imports a service package too.
+        if module == "services":
+            found += [(line, f"services.{name}") for name in names]
     return found
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.unit.layout_checks import absolute_imports
 from tests.unit.layout_checks import top_level_strays as strays
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,13 +58,10 @@ def top_level_strays(package: Path) -> list[str]:
 
 def _imports(tree: ast.AST) -> list[tuple[int, str]]:
     found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
-            # `from flywheel.synchronizer import client` imports a module too.
-            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    for line, module, names in absolute_imports(tree):
+        found.append((line, module))
+        # `from flywheel.synchronizer import client` imports a module too.
+        found += [(line, f"{module}.{name}") for name in names]
     return found
 
 
