@@ -9,7 +9,7 @@ is given each fault class of `LoadFaults` in turn through its faults file, and e
 - (b) a linear layer's weight scaled by 1.01 after loading (on vLLM only the probe can see it);
 - (c) two same-shaped linear weights swapped by the loader (RESIDENT; on vLLM the probe);
 - (d) one tensor left at the previous version (RESIDENT; on vLLM the loader's own per-layer count
-  of what it copied, which fails the apply);
+  of what it copied, which fails the version as it is prepared, before anything live is touched);
 - (e) the load raising RuntimeError halfway (an exception in apply).
 For each, from the run's own records (the synchronizer's events as the controller watched them, and
 the ledger of trained samples with the replica that made each):
@@ -40,7 +40,7 @@ FAULTS = {
     "a": ({"corrupt_readable": True}, "VERIFY", "VERIFY"),
     "b": ({"scale_linear": 1.01}, "VERIFY", "VERIFY"),
     "c": ({"swap_same_shaped": True}, "VERIFY", "VERIFY"),
-    "d": ({"skip_one": True}, "VERIFY", "APPLY"),
+    "d": ({"skip_one": True}, "VERIFY", "TRANSFER"),
     "e": ({"raise_halfway": True}, "APPLY", "APPLY"),
 }
 

@@ -339,6 +339,6 @@ class TransformersEngine(Engine):
 
     @property
     def probe_tolerance(self) -> float:
-        # The trainer's own model code and kernels: float32 scores agree to about 1e-5 nats (measured,
+        # The trainer's own model code and kernels: float32 scores agree to about 1e-6 nats, bfloat16 to 2e-3 (measured,
         # docs/verification.md); reduced precision moves every logit by its rounding.
-        return 2e-4 if self.model.dtype == torch.float32 else 0.15
+        return 2e-4 if self.model.dtype == torch.float32 else 0.02
