@@ -30,8 +30,7 @@ from services.controller.batches.processor import AlgorithmProcessor, TrainBatch
 from services.controller.batches.sample_age import SampleAgeReport, bucket_of, percentile
 from services.controller.testing.simulated import SimulatedRolloutEngine, run_virtual
 from services.controller.batches.staleness import StalenessGate
-from tests.unit.controller.test_controller_staleness import RUN as STALENESS_RUN
-from tests.unit.controller.controller_helpers import config, items, simulated_pipeline
+from tests.unit.controller.controller_helpers import STALENESS_RUN, config, items, simulated_pipeline, staleness_run
 
 # -- a skewed length mix ------------------------------------------------------------
 _GROUP_TOKENS: contextvars.ContextVar[int] = contextvars.ContextVar("group_tokens", default=16)
@@ -158,27 +157,14 @@ RUN = dict(STALENESS_RUN, dapo=st.booleans())
 def test_pacing_keeps_the_bound_without_dropping_a_finished_group(
     threshold, group, groups_per_batch, in_flight, gen_sigma, train_mean, pause_mode, replicas, abort, dapo, seed,
 ) -> None:
-    steps = 6
-    cfg = config(
-        mode="batch-async",
-        staleness={"threshold": threshold, "policy": "pace"},
-        worker={"group_size": group, "max_in_flight": in_flight, "max_retries": 50},
-        algorithm={"name": "dapo" if dapo else "grpo", "train_batch_size": group * groups_per_batch},
-        data={"train": {"items": items(400)}},
-        sync={"pause_mode": pause_mode},
-        run={"max_steps": steps, "seed": seed},
+    p, trainer = staleness_run(
+        "batch-async", threshold, group, groups_per_batch, in_flight, gen_sigma, train_mean, pause_mode, replicas,
+        abort, seed, policy="pace", algorithm="dapo" if dapo else "grpo",
     )
-    p, trainer, _ = simulated_pipeline(
-        cfg, seed=seed, gen_sigma=gen_sigma, train_mean=train_mean, replicas=replicas, abort_probability=abort
-    )
-    summary = run_virtual(run(p))
-    assert summary.steps == steps, summary.stop_reason
     assert p.processor.dropped["stale"] == 0 and p.processor.dropped["lost weights"] == 0
     assert p.rollouts.stats["requeued"] == 0
     for version, sample_versions in trainer.trained:
         assert all(0 <= version - v <= threshold for v in sample_versions), (version, sample_versions)
-    trained = [t for record in p.train_worker.history for t in record.task_ids]
-    assert len(trained) == len(set(trained)) * group
 
 
 # -- the processor's choice, step by step ---------------------------------------------
@@ -199,16 +185,22 @@ def _paced(gate: StalenessGate, limit: int = 1) -> tuple[PoolInstance, TrainBatc
     return pool, out, processor
 
 
+async def _admit_one_each(gate: StalenessGate, rollout_versions: tuple[int, ...]) -> list:
+    """One group admitted and planned with the rollouts on each of `rollout_versions` in turn: the plans."""
+    planned = []
+    for rollout_version in rollout_versions:
+        gate.set_rollout_version(rollout_version)
+        assert await gate.admit(1)
+        planned.append(gate.plan(1))
+    return planned
+
+
 async def test_a_batch_waits_for_a_straggler_due_in_it_and_defers_a_group_with_slack() -> None:
     # The trainer is at version 1 and the rollouts on version 0: batch 1 is the last they may fill.
     gate = StalenessGate(batch_size=2, limit=1, base_version=1, rollout_version=0)
     pool, out, processor = _paced(gate)
     runner = asyncio.ensure_future(processor.run())
-    planned = []
-    for rollout_version in (0, 0, 1, 1):
-        gate.set_rollout_version(rollout_version)
-        assert await gate.admit(1)
-        planned.append(gate.plan(1))
+    planned = await _admit_one_each(gate, (0, 0, 1, 1))
     assert [p.version for p in planned] == [1, 1, 2, 2]
 
     def land(i: int, start: int) -> None:
@@ -232,11 +224,7 @@ async def test_a_straggler_given_up_lets_the_batch_close_with_what_finished() ->
     gate = StalenessGate(batch_size=2, limit=1, base_version=1, rollout_version=0)
     pool, out, processor = _paced(gate)
     runner = asyncio.ensure_future(processor.run())
-    planned = []
-    for rollout_version in (0, 0, 1):
-        gate.set_rollout_version(rollout_version)
-        assert await gate.admit(1)
-        planned.append(gate.plan(1))
+    planned = await _admit_one_each(gate, (0, 0, 1))
     gate.landed(planned[2])
     pool.put(_sample(2, 1), reserved=0)
     gate.landed(planned[0])
@@ -258,11 +246,7 @@ async def test_with_slack_a_batch_does_not_wait_for_a_group_that_may_still_go_la
     gate = StalenessGate(batch_size=2, limit=1, base_version=1, rollout_version=0)
     pool, out, processor = _paced(gate, limit=2)
     runner = asyncio.ensure_future(processor.run())
-    planned = []
-    for rollout_version in (0, 0, 1):
-        gate.set_rollout_version(rollout_version)
-        assert await gate.admit(1)
-        planned.append(gate.plan(1))
+    planned = await _admit_one_each(gate, (0, 0, 1))
     for i, start in ((0, 0), (2, 1)):
         gate.landed(planned[i])
         pool.put(_sample(i, start), reserved=0)

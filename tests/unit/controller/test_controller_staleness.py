@@ -10,12 +10,11 @@ import asyncio
 import re
 
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from services.controller.loop import run
 from services.controller.testing.simulated import run_virtual
 from services.controller.batches.staleness import StalenessGate, is_stale
-from tests.unit.controller.controller_helpers import config, items, simulated_pipeline
+from tests.unit.controller.controller_helpers import STALENESS_RUN, config, items, simulated_pipeline, staleness_run
 
 
 async def test_the_gate_counts_samples_in_flight_against_the_bound() -> None:
@@ -70,53 +69,18 @@ def test_a_failed_batch_shifts_later_batches_one_version_back() -> None:
     assert gate.next_batch_version == 6
 
 
-RUN = dict(
-    threshold=st.integers(0, 3),
-    group=st.sampled_from([1, 2, 4]),
-    groups_per_batch=st.integers(1, 4),
-    in_flight=st.integers(1, 12),
-    gen_sigma=st.sampled_from([0.0, 0.5, 1.0, 1.5]),
-    train_mean=st.sampled_from([0.01, 0.05, 0.2]),
-    pause_mode=st.sampled_from(["keep", "wait", "abort"]),
-    replicas=st.integers(1, 3),
-    abort=st.sampled_from([0.0, 0.05]),
-    seed=st.integers(0, 10_000),
-)
-
-
-def _run(mode: str, threshold: int, group: int, groups_per_batch: int, in_flight: int, gen_sigma: float,
-         train_mean: float, pause_mode: str, replicas: int, abort: float, seed: int, steps: int = 6):
-    cfg = config(
-        mode=mode,
-        staleness={"threshold": threshold},
-        worker={"group_size": group, "max_in_flight": in_flight, "max_retries": 50},
-        algorithm={"train_batch_size": group * groups_per_batch},
-        data={"train": {"items": items(400)}},
-        sync={"pause_mode": pause_mode},
-        run={"max_steps": steps, "seed": seed},
-    )
-    p, trainer, _ = simulated_pipeline(
-        cfg, seed=seed, gen_sigma=gen_sigma, train_mean=train_mean, replicas=replicas, abort_probability=abort
-    )
-    summary = run_virtual(run(p))
-    assert summary.steps == steps, summary.stop_reason
-    trained_tasks = [t for record in p.train_worker.history for t in record.task_ids]
-    assert len(trained_tasks) == len(set(trained_tasks)) * group  # no task trained twice
-    return p, trainer
-
-
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(**RUN)
+@given(**STALENESS_RUN)
 def test_batch_async_never_trains_a_sample_over_the_threshold(**kw) -> None:
-    p, trainer = _run("batch-async", **kw)
+    p, trainer = staleness_run("batch-async", **kw)
     for version, sample_versions in trainer.trained:
         assert all(0 <= version - v <= kw["threshold"] for v in sample_versions), (version, sample_versions)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(**{k: v for k, v in RUN.items() if k != "threshold"})
+@given(**{k: v for k, v in STALENESS_RUN.items() if k != "threshold"})
 def test_sync_mode_trains_only_on_policy_samples(**kw) -> None:
-    p, trainer = _run("sync", threshold=0, **kw)
+    p, trainer = staleness_run("sync", threshold=0, **kw)
     for record in p.train_worker.history:
         assert set(record.sample_versions) == {record.trainer_version}
         assert set(record.sample_end_versions) == {record.trainer_version}  # no weight change mid-generation
@@ -124,7 +88,7 @@ def test_sync_mode_trains_only_on_policy_samples(**kw) -> None:
 
 
 def test_fully_async_never_blocks_on_staleness_and_correct_policy_keeps_stale_samples() -> None:
-    p, trainer = _run("fully-async", 0, 2, 2, 12, 1.5, 0.05, "keep", 1, 0.0, seed=3, steps=10)
+    p, trainer = staleness_run("fully-async", 0, 2, 2, 12, 1.5, 0.05, "keep", 1, 0.0, seed=3, steps=10)
     assert max(v - s for v, vs in trainer.trained for s in vs) >= 2  # ran ahead
     assert p.processor.dropped["stale"] == 0
 
