@@ -44,6 +44,33 @@ def first_weight(core: RolloutCore) -> torch.Tensor:
     return next(iter(core.engine.model.state_dict().values())).detach().float().clone()
 
 
+async def _rewind_from_3_to_2(client: SynchronizerClient, core: RolloutCore, link) -> asyncio.Future:
+    """Rewinds the run from version 3 (the replica's) to 2; the replica hears of it and holds back a
+    generation asked for now, still on 3. Returns that generation."""
+    rewound = await client.rewind(2, "the trainer resumed from step 2")
+    assert (rewound.epoch, rewound.dropped, rewound.rewinding) == (1, [3], [CID])
+    await eventually(lambda: link.follower.rewind_to == 2, what="the replica heard of the rewind")
+    held = asyncio.ensure_future(generate(core, 0))
+    await asyncio.sleep(0.5)
+    assert not held.done(), "a generation must not run on the lost lineage's weights"
+    assert core.status().version == 3
+    return held
+
+
+async def _back_on_2(client: SynchronizerClient, core: RolloutCore, link, held: asyncio.Future,
+                     lineage: dict[str, torch.Tensor], reports: list[UpdateReport]) -> None:
+    """The rewind's end: the held generation ran on version 2 of the new lineage (`lineage`'s weights),
+    the replica reported it once and the synchronizer verified it, and the replica takes work."""
+    assert (await asyncio.wait_for(held, 30)).version_start == 2
+    assert core.status().version == 2 and link.follower.rewind_to is None
+    assert torch.allclose(first_weight(core), next(iter(lineage.values())).float())
+    await eventually(lambda: _at_version(client, 2), what="version 2 reported back")
+    assert [(r.version, r.error) for r in reports] == [(2, None)]
+    judged = await eventually(lambda: _update_of(client, 2, 1), what="the update to version 2 recorded")
+    assert judged.verified, judged.reason  # the new lineage's version 2 is what was published again
+    assert not (await component(client)).quarantined
+
+
 async def test_the_core_installs_an_older_version_only_for_a_rewind(rollout_model, codec, base_state, tmp_path) -> None:
     config = rollout_config(rollout_model, "transformers")
     engine = TransformersEngine(rollout_model, dict(config.engine.args), codec)
@@ -83,24 +110,11 @@ async def test_a_replica_on_a_lost_version_goes_back_to_the_rewound_one(rollout_
             reports: list[UpdateReport] = []
             link.arrival.updates.observers.append(reports.append)
 
-            rewound = await client.rewind(2, "the trainer resumed from step 2")
-            assert (rewound.epoch, rewound.dropped, rewound.rewinding) == (1, [3], ["rollout-under-test"])
-            await eventually(lambda: link.follower.rewind_to == 2, what="the replica heard of the rewind")
-            held = asyncio.ensure_future(generate(core, 0))
-            await asyncio.sleep(0.5)
-            assert not held.done(), "a generation must not run on the lost lineage's weights"
-            assert core.status().version == 3
+            held = await _rewind_from_3_to_2(client, core, link)
 
             lineage = shifted(base_state, 0.5)  # the checkpoint's weights, published again as version 2
             await client.push_weights(lineage, 2)
-            assert (await asyncio.wait_for(held, 30)).version_start == 2
-            assert core.status().version == 2 and link.follower.rewind_to is None
-            assert torch.allclose(first_weight(core), next(iter(lineage.values())).float())
-            await eventually(lambda: _at_version(client, 2), what="version 2 reported back")
-            assert [(r.version, r.error) for r in reports] == [(2, None)]
-            judged = await eventually(lambda: _update_of(client, 2, 1), what="the update to version 2 recorded")
-            assert judged.verified, judged.reason  # the new lineage's version 2 is what was published again
-            assert not (await component(client)).quarantined
+            await _back_on_2(client, core, link, held, lineage, reports)
 
             await client.push_weights(shifted(base_state, 0.6), 3)  # the new lineage goes on: an ordinary update
             await link.follower.reach(3, 30)
@@ -156,26 +170,14 @@ async def test_a_replica_on_a_lost_nccl_version_is_broadcast_the_rewound_one(rol
             reports: list[UpdateReport] = []
             link.arrival.updates.observers.append(reports.append)
 
-            rewound = await client.rewind(2, "the trainer resumed from step 2")
-            assert (rewound.epoch, rewound.dropped, rewound.rewinding) == (1, [3], [CID])
-            await eventually(lambda: link.follower.rewind_to == 2, what="the replica heard of the rewind")
-            held = asyncio.ensure_future(generate(core, 0))
-            await asyncio.sleep(0.5)
-            assert not held.done(), "a generation must not run on the lost lineage's weights"
-            assert core.status().version == 3 and link.follower.rewind_to == 2  # nothing to pull: it waits
+            held = await _rewind_from_3_to_2(client, core, link)
+            assert link.follower.rewind_to == 2  # nothing to pull: it waits
 
             lineage = shifted(base_state, 0.5)  # the checkpoint's weights, broadcast again as version 2
             sent = await broadcast_version(client, "trainer-0", 2, lineage, timeout_seconds=30)
             assert sent.state == TransferState.COMMITTED, sent.error
             assert sent.group is not None and sent.group.ranks == {"trainer-0": 0, CID: 1}
-            assert (await asyncio.wait_for(held, 30)).version_start == 2
-            assert core.status().version == 2 and link.follower.rewind_to is None
-            assert torch.allclose(first_weight(core), next(iter(lineage.values())).float())
-            await eventually(lambda: _at_version(client, 2), what="version 2 reported back")
-            assert [(r.version, r.error) for r in reports] == [(2, None)]
-            judged = await eventually(lambda: _update_of(client, 2, 1), what="the update to version 2 recorded")
-            assert judged.verified, judged.reason  # the new lineage's version 2 is what was published again
-            assert not (await component(client)).quarantined
+            await _back_on_2(client, core, link, held, lineage, reports)
             status = await client.status()
             assert (status.epoch, status.rewound_to, status.latest_version) == (1, 2, 2)
 
