@@ -29,20 +29,22 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return model, flags
 
 
-def isa_flags() -> list[str]:
-    """The flags of RECORDED_FLAGS this CPU has, in that order."""
-    flags = _cpuinfo()[1]
-    return [flag for flag in RECORDED_FLAGS if flag in flags]
+def describe() -> dict[str, object]:
+    """cpu_model, cpu_isa (amx | avx512_bf16 | avx512 | avx2 | other), cpu_flags (those of
+    RECORDED_FLAGS it has), cpu_cores; without importing torch."""
+    model, flags = _cpuinfo()
+    return {"cpu_model": model, "cpu_isa": next((name for flag, name in _ISA_LADDER if flag in flags), "other"),
+            "cpu_flags": [flag for flag in RECORDED_FLAGS if flag in flags], "cpu_cores": os.cpu_count()}
 
 
 def cpu() -> dict[str, object]:
     """cpu_model, cpu_isa (amx | avx512_bf16 | avx512 | avx2 | other), torch's kernel capability, cores."""
-    model, flags = _cpuinfo()
-    isa = next((name for flag, name in _ISA_LADDER if flag in flags), "other")
+    here = describe()
     try:
         import torch
 
         capability = torch.backends.cpu.get_cpu_capability()
     except Exception:  # noqa: BLE001 - a figure, never a failure
         capability = "unknown"
-    return {"cpu_model": model, "cpu_isa": isa, "torch_cpu_capability": capability, "cpu_cores": os.cpu_count()}
+    return {"cpu_model": here["cpu_model"], "cpu_isa": here["cpu_isa"], "torch_cpu_capability": capability,
+            "cpu_cores": here["cpu_cores"]}

@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flywheel.testing.machine import cpu, isa_flags
+from flywheel.testing.machine import describe
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Where records are kept, one file per bench.
@@ -64,9 +64,7 @@ def commit(root: Path = ROOT) -> str:
 
 def machine() -> dict[str, Any]:
     """The CPU fields of a record."""
-    here = cpu()
-    return {"cpu_model": here["cpu_model"], "cpu_isa": here["cpu_isa"], "cpu_flags": isa_flags(),
-            "cpu_cores": here["cpu_cores"]}
+    return dict(describe())
 
 
 def _arguments(args: argparse.Namespace | dict[str, Any] | None) -> dict[str, Any]:
@@ -117,7 +115,7 @@ def record(
 ) -> dict[str, Any]:
     """A bench's last words: prints `figures` as its one closing JSON line and keeps the record
     (smoke runs only where FLYWHEEL_BENCH_RESULTS says). Returns the record."""
-    print(json.dumps(figures), flush=True)
+    print(json.dumps(figures, default=str), flush=True)
     rec = make_record(bench, figures, args=args, smoke=smoke, note=note)
     directory = destination(smoke)
     if directory is not None:
