@@ -83,11 +83,15 @@ def notes(r: Record) -> str:
     return "; ".join(parts).replace("|", "/") or "-"
 
 
-def validation_at(step: int) -> Cell:
+def validation_at(step: int, when: bool = False) -> Cell:
+    """The held-out accuracy at `step`; `when`: with the run time it came at, where recorded."""
+
     def cell(r: Record) -> str:
         f = r["figures"]
         value = f.get("validation", {}).get(str(step))
-        return accuracy(f.get("val_before") if value is None and step == 0 else value)
+        text = accuracy(f.get("val_before") if value is None and step == 0 else value)
+        minutes = f.get("val_minutes", {}).get(str(step))
+        return f"{text} ({number(minutes)} min)" if when and minutes is not None else text
 
     return cell
 
@@ -143,8 +147,8 @@ TABLES = [
           "samples, held-out accuracy (greedy, 200 questions) before training, every 5 steps and at the end. "
           "Run time from the services being ready to the summary (setup and the model's one-time conversion "
           "excluded). Recorded from a run directory by `scripts/record_quickstart.py`.",
-          LEAD + [("seed", fig("seed")), ("before", validation_at(0)), ("step 5", validation_at(5)),
-                  ("step 10", validation_at(10)), ("step 20", validation_at(20)), ("final", final),
+          LEAD + [("seed", fig("seed")), ("before", validation_at(0)), ("step 5", validation_at(5, when=True)),
+                  ("step 10", validation_at(10, when=True)), ("step 20", validation_at(20)), ("final", final),
                   ("run time", run_time), ("step (s)", step_time),
                   ("setup (s)", fig("setup_seconds")), ("notes", notes)]),
     Table("trl_grpo", "Against TRL's GRPOTrainer (`bench/trl_grpo.py`)",
