@@ -24,7 +24,7 @@ from flywheel.common.types import pause_mode_to_pb
 from flywheel.common.v1 import common_pb2
 from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
-from flywheel.runtime.client import domain_error, open_channel, translated
+from flywheel.runtime.client import ChannelClient, domain_error, open_channel, translated
 from flywheel.runtime.server_config import MIB
 
 PromptLike = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -51,24 +51,15 @@ def to_prompt(prompt: PromptLike, request_id: str = "") -> pb.Prompt:
     return pb.Prompt(token_ids=pb.TokenIds(ids=items), request_id=request_id)  # type: ignore[arg-type]
 
 
-class RolloutClient:
+class RolloutClient(ChannelClient):
     def __init__(self, address: str, *, token: str | None = None, timeout: float = 600.0,
                  max_message_bytes: int = 64 * MIB, max_attempts: int = 5) -> None:
         """`max_attempts`: transport retries of UNAVAILABLE (a caller that fails over to another
         replica wants few)."""
         self.address = address
-        self._channel = open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes,
-                                     max_attempts=max_attempts)
-        self._stub = pb_grpc.RolloutServiceStub(self._channel)
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> RolloutClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        self.channel = open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes,
+                                    max_attempts=max_attempts)
+        self._stub = pb_grpc.RolloutServiceStub(self.channel)
 
     async def _call(self, what: str, rpc: Any, request: Any, timeout: float | None = None) -> Any:
         with translated(f"rollout {self.address} {what}"):

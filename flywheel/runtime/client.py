@@ -15,6 +15,9 @@
 `flywheel.errors` exception of its status code (the one mapping every client
 uses), so no domain code needs to know grpc.
 
+`ChannelClient` is the typed clients' base: their channel's lifetime (`close`,
+`async with`).
+
 `client_streaming_call(...)` makes a client-streaming call and gives back the
 server's status, not the one grpc's asyncio client puts in its place when the
 server ends the call while a write is in flight (`lost_status`).
@@ -27,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -191,3 +194,22 @@ def open_channel(
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+
+
+_Client = TypeVar("_Client", bound="ChannelClient")
+
+
+class ChannelClient:
+    """A typed client over one channel (`self.channel`, from `open_channel`): `close()` closes it,
+    and `async with client:` closes it on the way out."""
+
+    channel: grpc.aio.Channel
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self: _Client) -> _Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

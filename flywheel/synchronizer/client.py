@@ -37,7 +37,7 @@ from flywheel.common.types import pause_mode_to_pb
 from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.probe import ProbeBatch
-from flywheel.runtime.client import client_streaming_call, domain_error, open_channel
+from flywheel.runtime.client import ChannelClient, client_streaming_call, domain_error, open_channel
 from flywheel.runtime.tls import TlsFiles
 from flywheel.transfer.frames import encoded_frames
 from flywheel.runtime.server_config import MIB
@@ -70,7 +70,7 @@ from flywheel.synchronizer.types import (
 _SERVICE = "/flywheel.synchronizer.v1.SynchronizerService/"
 
 
-class SynchronizerClient:
+class SynchronizerClient(ChannelClient):
     def __init__(
         self,
         address: str,
@@ -105,15 +105,6 @@ class SynchronizerClient:
         #: Identities registered through this client (for re-registration) and their leases.
         self.identities: dict[str, Identity] = {}
         self.leases: dict[str, float] = {}
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    async def __aenter__(self) -> SynchronizerClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def _call(self, what: str, rpc, request, timeout: float | None = None):
         try:

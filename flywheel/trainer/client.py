@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flywheel.codec.dtypes import tensor_from_proto, tensor_to_proto
-from flywheel.runtime.client import open_channel
+from flywheel.runtime.client import ChannelClient, open_channel
 from flywheel.runtime.server_config import MIB
 from flywheel.synchronizer.types import Method
 from flywheel.trainer.types import AGGREGATIONS, LOSS_KINDS, AdamStep, aggregation_to_pb, loss_kind_to_pb
@@ -118,22 +118,13 @@ def _metrics(items) -> dict[str, float]:
     return {m.name: m.value for m in items}
 
 
-class TrainerClient:
+class TrainerClient(ChannelClient):
     def __init__(
         self, address: str, *, token: str | None = None, timeout: float = DEFAULT_TRAIN_TIMEOUT_SECONDS,
         max_message_bytes: int = 64 * MIB,
     ) -> None:
         self.channel = open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes)
         self.stub = pb_grpc.TrainerServiceStub(self.channel)
-
-    async def __aenter__(self) -> TrainerClient:  # noqa: PYI034 - typing.Self needs Python 3.11
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        await self.channel.close()
 
     async def get_info(self, *, timeout: float | None = 10.0) -> pb.GetInfoResponse:
         return await self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout)
