@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,7 +43,7 @@ from flywheel.launcher.processes import start_service  # noqa: E402
 from flywheel.models.tiny import HEAD_DIM, build_tiny_model  # noqa: E402
 from flywheel.runtime.http_server import http_ready_file  # noqa: E402
 from flywheel.testing.machine import cpu  # noqa: E402
-from flywheel.testing.records import record  # noqa: E402
+from flywheel.testing.records import commit, record  # noqa: E402
 from flywheel.trainer.client import TrainerClient  # noqa: E402
 from flywheel.trainer.types import AdamStep  # noqa: E402
 from services.tinker.wire import trainer_call  # noqa: E402
@@ -163,9 +162,8 @@ def main() -> None:
     print(f"{'SDK -> gateway -> trainer':<44}{gateway_s * 1000:>10.1f}")
     print(f"{'TrainerClient -> trainer (direct)':<44}{direct_s * 1000:>10.1f}")
     print(f"gateway_vs_direct {ratio:.3f} (time: lower is better; goal 1.1 or less)")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     record("tinker_gateway", {
-        **cpu(), "commit": commit.stdout.strip(), "layers": args.layers, "hidden": args.hidden,
+        **cpu(), "commit": commit(), "layers": args.layers, "hidden": args.hidden,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "lora_rank": args.rank, "rounds": args.rounds,
         "gateway_round_ms": round(gateway_s * 1000, 2), "direct_round_ms": round(direct_s * 1000, 2),
         "gateway_vs_direct": round(ratio, 4),

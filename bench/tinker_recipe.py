@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from flywheel.cli import TINKER_LORA_MODULES  # noqa: E402
 from flywheel.testing.machine import cpu  # noqa: E402
-from flywheel.testing.records import record  # noqa: E402
+from flywheel.testing.records import commit, record  # noqa: E402
 
 #: The line `flywheel up --with tinker` prints once the gateway answers.
 _READY = re.compile(r"TINKER_BASE_URL=(?P<url>\S+) \(base_model (?P<model>[^)]+)\)")
@@ -202,7 +202,7 @@ def main() -> None:
     print(f"gateway_recipe_step_vs_controller_step {ratio:.3f} (time: lower is better)")
     rewards = [round(r["env/all/reward/total"], 4) for r in rows]
     record("tinker_recipe", {
-        **cpu(), "commit": _commit(), "model": args.model, "steps": len(rows), "groups": args.groups,
+        **cpu(), "commit": commit(), "model": args.model, "steps": len(rows), "groups": args.groups,
         "group_size": args.group_size, "max_tokens": args.max_tokens, "learning_rate": args.learning_rate,
         "temperature": args.temperature, "renderer": args.renderer,
         "lora_rank": args.lora_rank, "reward_per_step": rewards,
@@ -210,11 +210,6 @@ def main() -> None:
         "recipe_step_seconds": round(recipe_step, 3), "controller_step_seconds": round(controller_step, 3),
         "recipe_train_seconds": round(recipe_train, 3), "controller_train_seconds": round(controller_train, 3),
         "gateway_recipe_step_vs_controller_step": round(ratio, 4)}, args=args, smoke=args.smoke)
-
-
-def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":
