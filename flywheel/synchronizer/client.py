@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import grpc
 import torch
@@ -153,17 +154,10 @@ class SynchronizerClient(ChannelClient):
         r = await self._call("Heartbeat", self.stub.Heartbeat, request)
         return Beat(State(r.state), r.latest_version, r.push_requested)
 
-    def keep_alive(
-        self,
-        component_id: str,
-        progress: Callable[[], tuple[int, int]] | None = None,
-        *,
-        interval: float | None = None,
-        on_beat: Callable[[Beat], None] | None = None,
-        identity: Callable[[], bytes] = lambda: b"",
-    ) -> Heartbeats:
-        """A background heartbeat loop (an async context manager; or .start()/.stop())."""
-        return Heartbeats(self, component_id, progress, interval=interval, on_beat=on_beat, identity=identity)
+    def keep_alive(self, component_id: str, *args: Any, **kwargs: Any) -> Heartbeats:
+        """A background heartbeat loop (an async context manager; or .start()/.stop()):
+        `Heartbeats(self, component_id, ...)`, whose arguments and defaults the rest are."""
+        return Heartbeats(self, component_id, *args, **kwargs)
 
     async def deregister(self, component_id: str, *, timeout: float | None = None) -> None:
         """`timeout`: the deadline over every attempt (default: the client's)."""
