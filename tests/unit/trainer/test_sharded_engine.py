@@ -23,7 +23,7 @@ from flywheel.probe import ProbeBatch
 from services.trainer.export import MANIFEST_FILE, WeightExporter, export_state
 from services.trainer.probe import published_probe
 from services.trainer.training import LossRequest, TrainingEngine
-from tests.unit.trainer.trainer_helpers import make_batch
+from tests.unit.trainer.trainer_helpers import loaded_engine, make_batch
 
 LOSS = LossRequest(kind="dapo", is_cap=2.0, entropy_coef=0.001)
 # eps well above rounding noise: AdamW divides each gradient by its own running magnitude, so an
@@ -50,14 +50,8 @@ def _config(model: Path, ckpt: Path, world_size: int) -> TrainerConfig:
     })
 
 
-@contextlib.contextmanager
-def ranks(model: Path, ckpt: Path, world_size: int = 2) -> Iterator[TrainingEngine]:
-    engine = TrainingEngine(_config(model, ckpt, world_size))
-    engine.load()
-    try:
-        yield engine
-    finally:
-        engine.close()
+def ranks(model: Path, ckpt: Path, world_size: int = 2) -> contextlib.AbstractContextManager[TrainingEngine]:
+    return loaded_engine(_config(model, ckpt, world_size))
 
 
 def _state(engine: TrainingEngine) -> dict[str, torch.Tensor]:

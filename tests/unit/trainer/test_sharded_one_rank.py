@@ -7,8 +7,6 @@ machine has two GPUs.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.distributed import gather_buckets
 from services.trainer.export import export_state
 from services.trainer.training import LossRequest, TrainingEngine
-from tests.unit.trainer.trainer_helpers import make_batch
+from tests.unit.trainer.trainer_helpers import loaded_engine, make_batch
 
 LOSS = LossRequest(kind="dapo", is_cap=2.0, entropy_coef=0.001)
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -35,16 +33,6 @@ def _config(model: Path, ckpt: Path, device: str, **parallel) -> TrainerConfig:
     })
 
 
-@contextlib.contextmanager
-def engine(config: TrainerConfig) -> Iterator[TrainingEngine]:
-    e = TrainingEngine(config)
-    e.load()
-    try:
-        yield e
-    finally:
-        e.close()
-
-
 def _plain_state(e: TrainingEngine) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in export_state(e.policy, False).items()}
 
@@ -52,8 +40,8 @@ def _plain_state(e: TrainingEngine) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_rank_fsdp_step_equals_plain_step(device: str, tiny_model: Path, tmp_path: Path) -> None:
     batches = [make_batch(batch_size=4, seed=s) for s in range(3)]
-    with engine(_config(tiny_model, tmp_path / "plain", device)) as plain, \
-            engine(_config(tiny_model, tmp_path / "fsdp", device, shard=True)) as fsdp:
+    with loaded_engine(_config(tiny_model, tmp_path / "plain", device)) as plain, \
+            loaded_engine(_config(tiny_model, tmp_path / "fsdp", device, shard=True)) as fsdp:
         assert fsdp.sharded and fsdp.policy.sharded and not plain.sharded
         with fsdp.lock:
             gathered = fsdp.gathered_state(1 << 16)
@@ -76,12 +64,12 @@ def test_one_rank_fsdp_step_equals_plain_step(device: str, tiny_model: Path, tmp
 def test_one_rank_sharded_checkpoint_resumes_exactly(device: str, tiny_model: Path, tmp_path: Path) -> None:
     batches = [make_batch(batch_size=4, seed=s) for s in range(4)]
     config = _config(tiny_model, tmp_path / "ckpt", device, shard=True)
-    with engine(config) as first:
+    with loaded_engine(config) as first:
         for batch in batches[:2]:
             first.train_step(batch, LOSS)
         path, _, _ = first.save_checkpoint()
         uninterrupted = [first.train_step(b, LOSS).metrics["loss"] for b in batches[2:]]
-    with engine(config) as second:
+    with loaded_engine(config) as second:
         assert second.load_checkpoint(path)[1:3] == (2, 2)
         assert [second.train_step(b, LOSS).metrics["loss"] for b in batches[2:]] == uninterrupted
 
@@ -91,7 +79,7 @@ def test_one_rank_sharded_checkpoint_resumes_exactly(device: str, tiny_model: Pa
 def test_export_gathers_one_parameter_at_a_time_on_the_gpu(tmp_path: Path) -> None:
     """No second copy of the model on the GPU: the export's peak is about one parameter."""
     deeper = build_tiny_model(tmp_path / "model", num_layers=6)  # the embedding is a tenth of the model
-    with engine(_config(deeper, tmp_path / "ckpt", "cuda:0", shard=True)) as fsdp:
+    with loaded_engine(_config(deeper, tmp_path / "ckpt", "cuda:0", shard=True)) as fsdp:
         fsdp.train_step(make_batch(batch_size=4), LOSS)
         model = fsdp.policy.model
         largest = max(p.numel() * p.element_size() for p in model.parameters())
@@ -108,8 +96,8 @@ def test_export_gathers_one_parameter_at_a_time_on_the_gpu(tmp_path: Path) -> No
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_cuda_ranks_step_like_one(tiny_model: Path, tmp_path: Path) -> None:
     batch = make_batch(batch_size=5)
-    with engine(_config(tiny_model, tmp_path / "one", "cuda:0")) as one:
+    with loaded_engine(_config(tiny_model, tmp_path / "one", "cuda:0")) as one:
         a = one.train_step(batch, LOSS, micro_batch_size=2)
-    with engine(_config(tiny_model, tmp_path / "two", "cuda", world_size=2)) as two:
+    with loaded_engine(_config(tiny_model, tmp_path / "two", "cuda", world_size=2)) as two:
         b = two.train_step(batch, LOSS, micro_batch_size=2)
     assert b.metrics["loss"] == pytest.approx(a.metrics["loss"], rel=1e-4, abs=1e-6)

@@ -1,10 +1,25 @@
-"""Helpers of the trainer's unit tests: a batch, and snapshots of the engine's state."""
+"""Helpers of the trainer's unit tests: a batch, an engine for a block, and snapshots of the engine's state."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
+from services.trainer.config import TrainerConfig
 from services.trainer.training import TrainingEngine
+
+
+@contextlib.contextmanager
+def loaded_engine(config: TrainerConfig) -> Iterator[TrainingEngine]:
+    """An engine on `config`, loaded, and closed (its ranks too) when the block ends."""
+    engine = TrainingEngine(config)
+    engine.load()
+    try:
+        yield engine
+    finally:
+        engine.close()
 
 
 def make_batch(batch_size: int = 4, seq_len: int = 12, prompt_len: int = 5, seed: int = 0) -> dict:
