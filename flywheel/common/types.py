@@ -4,14 +4,16 @@ requests while weights change.
 
 Plain Python types, so domain modules of any service use them; their wire
 conversions are derived here from the `common.v1` enums they are named after
-(`FINISH_REASON_<NAME>`, `PAUSE_MODE_<NAME>`), the one table of each.
+(`FINISH_REASON_<NAME>`, `PAUSE_MODE_<NAME>`; `proto_enum_names`), the one
+table of each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal, get_args
+from collections.abc import Callable
+from typing import Any, Literal, get_args
 
 from flywheel.common.v1 import common_pb2 as pb
 
@@ -44,13 +46,21 @@ PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 
 
-def pause_mode_to_pb(mode: str | None) -> int:
-    return pb.PauseMode.Value(f"PAUSE_MODE_{mode.upper()}") if mode else pb.PAUSE_MODE_UNSPECIFIED
+def proto_enum_names(enum: Any, prefix: str) -> tuple[Callable[[str | None], int], Callable[[int], str | None]]:
+    """(to_pb, from_pb) between the lower-case names of a proto enum's values, `<prefix><NAME>`,
+    and their numbers: None is UNSPECIFIED (0) both ways; a name or number the proto does not
+    define is a ValueError."""
+
+    def to_pb(name: str | None) -> int:
+        return enum.Value(f"{prefix}{name.upper()}") if name else 0
+
+    def from_pb(value: int) -> str | None:
+        return enum.Name(value).removeprefix(prefix).lower() if value else None
+
+    return to_pb, from_pb
 
 
-def pause_mode_from_pb(value: int) -> str | None:
-    """The mode's name; None for UNSPECIFIED; ValueError for a number the proto does not define."""
-    return pb.PauseMode.Name(value).removeprefix("PAUSE_MODE_").lower() if value else None
+pause_mode_to_pb, pause_mode_from_pb = proto_enum_names(pb.PauseMode, "PAUSE_MODE_")
 
 
 #: Which distribution a sample's log-probs are of (vLLM's logprobs_mode): processed, the one
@@ -60,13 +70,7 @@ LogprobsMode = Literal["processed", "raw"]
 LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 
 
-def logprobs_mode_to_pb(mode: str | None) -> int:
-    return pb.LogprobsMode.Value(f"LOGPROBS_MODE_{mode.upper()}") if mode else pb.LOGPROBS_MODE_UNSPECIFIED
-
-
-def logprobs_mode_from_pb(value: int) -> str | None:
-    """The mode's name; None for UNSPECIFIED; ValueError for a number the proto does not define."""
-    return pb.LogprobsMode.Name(value).removeprefix("LOGPROBS_MODE_").lower() if value else None
+logprobs_mode_to_pb, logprobs_mode_from_pb = proto_enum_names(pb.LogprobsMode, "LOGPROBS_MODE_")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
+from flywheel.common.types import proto_enum_names
 from flywheel.errors import InvalidArgument
 
 from flywheel.trainer.v1 import trainer_pb2 as pb
@@ -62,21 +63,8 @@ def default_aggregation(kind: str) -> str:
     return "seq_mean_token_mean" if kind == "grpo" else "sum" if kind in SUM_KINDS else "token_mean"
 
 
-def loss_kind_to_pb(name: str | None) -> int:
-    return pb.LossKind.Value(f"LOSS_KIND_{name.upper()}") if name else pb.LOSS_KIND_UNSPECIFIED
-
-
-def loss_kind_from_pb(value: int) -> str | None:
-    """The kind's name; None for UNSPECIFIED; ValueError for a number the proto does not define."""
-    return pb.LossKind.Name(value).removeprefix("LOSS_KIND_").lower() if value else None
-
-
-def aggregation_to_pb(name: str | None) -> int:
-    return pb.LossAggregation.Value(f"LOSS_AGGREGATION_{name.upper()}") if name else pb.LOSS_AGGREGATION_UNSPECIFIED
-
-
-def aggregation_from_pb(value: int) -> str | None:
-    return pb.LossAggregation.Name(value).removeprefix("LOSS_AGGREGATION_").lower() if value else None
+loss_kind_to_pb, loss_kind_from_pb = proto_enum_names(pb.LossKind, "LOSS_KIND_")
+aggregation_to_pb, aggregation_from_pb = proto_enum_names(pb.LossAggregation, "LOSS_AGGREGATION_")
 
 
 @dataclass(frozen=True)
