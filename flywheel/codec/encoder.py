@@ -16,6 +16,7 @@ and receivers would reject the version as corrupt (never accept it silently).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -247,12 +248,8 @@ def encode_state_dict(
 
 
 def build_manifest(
-    state: Mapping[str, torch.Tensor],
-    version: int,
-    base_version: int = 0,
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    state: Mapping[str, torch.Tensor], version: int, *args: Any, **kwargs: Any
 ) -> common_pb2.WeightManifest:
-    """Just the manifest (with digest) of `state`; costs one checksum pass."""
-    return encode_state_dict(state, version, base_version, chunk_bytes=chunk_bytes, bucket_bytes=bucket_bytes).manifest
+    """Just the manifest (with digest) of `state`; costs one checksum pass. The other arguments
+    and their defaults are `encode_state_dict`'s."""
+    return encode_state_dict(state, version, *args, **kwargs).manifest
