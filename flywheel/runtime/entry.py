@@ -23,8 +23,7 @@ from flywheel.runtime.triton_gate import keep_triton_out
 
 log = logging.getLogger("flywheel.entry")
 
-# At import, not in run_main: the processes multiprocessing spawns for a service (vLLM's engine core
-# and workers) import the service's __main__, and so this module, but never call run_main.
+# At import: before the service's build imports torch (a service's __main__ imports this module first).
 keep_triton_out()
 
 

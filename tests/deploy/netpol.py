@@ -49,8 +49,10 @@ from __future__ import annotations
 import http.client
 import ipaddress
 import subprocess
+from collections.abc import Hashable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tests.deploy.cluster import connect_from
 from tests.deploy.fields import check_network_policy
@@ -203,6 +205,17 @@ def reach(netns: str | None, address: str, port: int, timeout: float = 1.5) -> s
         return "timed out"
     except OSError as exc:
         return type(exc).__name__
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def reach_all(probes: Mapping[K, tuple[str | None, str, int]], timeout: float = 1.5) -> dict[K, str]:
+    """reach() for every (netns, address, port) at once: a dropped connection answers only when its
+    timeout runs out, so one probe after another waited that out once per refused target."""
+    with ThreadPoolExecutor(max_workers=max(1, len(probes))) as pool:
+        futures = {key: pool.submit(reach, netns, address, port, timeout) for key, (netns, address, port) in probes.items()}
+    return {key: future.result() for key, future in futures.items()}
 
 
 def http_get_from(netns: str | None, address: str, path: str, headers: dict[str, str], timeout: float

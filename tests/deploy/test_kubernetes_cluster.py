@@ -56,7 +56,7 @@ from tests.deploy.cluster import NamespaceCluster, available, process_identity, 
 from tests.deploy.kube import Kube, Pod
 from tests.deploy.manifests import ROOT, readme_cert_hosts, user_overlay
 from tests.deploy.manifests import render as render_dir
-from tests.deploy.netpol import http_get_from, reach
+from tests.deploy.netpol import http_get_from, reach_all
 from tests.deploy.observe import (
     LIVE_JOB_ENV, LIVE_STEPS, check_dashboard, check_page_in_browser, check_secure_defaults, http_get, live_status, replica_versions, replica_work, scrape,
 )
@@ -145,11 +145,14 @@ def check_network_policy(kube: Kube, token: str) -> None:
     targets = {f"{p.name}:{name}": (p.ip, kube.container_port(p, name)) for p in flywheel_pods(kube) if p is not controller
                for c in p.spec["containers"] for name in [port["name"] for port in c.get("ports", [])]}
     assert len(targets) == 2 + 2 + 3 * ROLLOUTS, targets  # synchronizer, trainer: grpc, metrics; rollouts: grpc, http, metrics
-    inside = {target: reach(controller.host.netns, *address) for target, address in targets.items()}
-    outside = {target: reach(outsider.host.netns, *address) for target, address in targets.items()}
+    seen = reach_all({**{("inside", target): (controller.host.netns, *address) for target, address in targets.items()},
+                      **{("outside", target): (outsider.host.netns, *address) for target, address in targets.items()},
+                      ("outside", "bystander"): (outsider.host.netns, bystander.ip, 8080)})
+    inside = {target: seen["inside", target] for target in targets}
+    outside = {target: seen["outside", target] for target in targets}
     assert inside == {target: "served" for target in targets}, inside
     assert outside == {target: "timed out" for target in targets}, outside
-    assert reach(outsider.host.netns, bystander.ip, 8080) == "served"
+    assert seen["outside", "bystander"] == "served"
     status, _ = http_get_from(outsider.host.netns, f"{bystander.ip}:8080", "/", {}, timeout=10)
     assert status == 200
     # Through the Service: kube-proxy keeps the client's address, so the policy judges the client pod.

@@ -15,7 +15,7 @@ import pytest
 from tests.deploy.cluster import NamespaceCluster, available, socket_in
 from tests.deploy.kube import Kube
 from tests.deploy.manifests import render_overlay, workloads
-from tests.deploy.netpol import Member, apply_ruleset, ingress_ruleset, ingress_rulesets, reach
+from tests.deploy.netpol import Member, apply_ruleset, ingress_ruleset, ingress_rulesets, reach_all
 
 NODE = "10.9.0.1"
 OUTSIDER = {"app": "outsider"}
@@ -147,9 +147,10 @@ def test_the_kernel_enforces_the_shipped_policies_between_namespaces(tmp_path, c
         listeners = [listen_in(trainer.netns, trainer.address, p) for p in ports.values()]
         listeners.append(listen_in(bystander.netns, bystander.address, 8080))
         try:
-            seen = {(source, port): reach(hosts[source].netns if source != "node" else None, trainer.address, number)
-                    for source in ("controller", "rollout", "outsider", "node") for port, number in ports.items()}
-            seen[("outsider", "bystander")] = reach(outsider.netns, bystander.address, 8080)
+            seen = reach_all({
+                **{(source, port): (hosts[source].netns if source != "node" else None, trainer.address, number)
+                   for source in ("controller", "rollout", "outsider", "node") for port, number in ports.items()},
+                ("outsider", "bystander"): (outsider.netns, bystander.address, 8080)})
         finally:
             for listener in listeners:
                 listener.close()
