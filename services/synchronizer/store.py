@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from flywheel.common.v1 import common_pb2
 from flywheel.probe import ProbeBatch
@@ -73,6 +74,20 @@ class Store:
             self._db.close()
             self._db = None
 
+    def _run(self, sql: str, params: Sequence[object] = ()) -> list[tuple]:
+        """The rows of `sql` (none for a write); nothing is run when the store keeps nothing."""
+        if self._db is None:
+            return []
+        return self._db.execute(sql, params).fetchall()
+
+    def _put_setting(self, key: str, value: object) -> None:
+        self._run("INSERT OR REPLACE INTO settings VALUES (?, ?)", (key, json.dumps(value)))
+
+    def _setting(self, key: str) -> Any:
+        """The JSON value saved under `key` in the settings table; None if there is none."""
+        rows = self._run("SELECT value FROM settings WHERE key = ?", (key,))
+        return json.loads(rows[0][0]) if rows else None
+
     # -- writes --------------------------------------------------------------
 
     def save_component(self, c: Component) -> None:
@@ -103,21 +118,16 @@ class Store:
         )
 
     def save_policy(self, policy: Policy) -> None:
-        if self._db is None:
-            return
-        value = {**asdict(policy), "style": policy.style.name, "method": policy.method.name,
-                 "rollout_wait": policy.rollout_wait.name}  # pause_mode is a name already
-        self._db.execute("INSERT OR REPLACE INTO settings VALUES ('policy', ?)", (json.dumps(value),))
+        self._put_setting("policy", {**asdict(policy), "style": policy.style.name, "method": policy.method.name,
+                                     "rollout_wait": policy.rollout_wait.name})  # pause_mode is a name already
 
     # -- reads ---------------------------------------------------------------
 
     def load_components(self) -> list[Component]:
-        if self._db is None:
-            return []
-        rows = self._db.execute(
+        rows = self._run(
             "SELECT id, role, address, capabilities, labels, state, step, weight_version, last_heartbeat_ms,"
             " last_sync_step, awaited_version, weight_identity, quarantine_reason FROM components ORDER BY id"
-        ).fetchall()
+        )
         out = []
         for cid, role, address, caps, labels, state, step, version, hb, last_sync, awaited, held, why in rows:
             identity = Identity(
@@ -132,12 +142,10 @@ class Store:
         return out
 
     def load_versions(self) -> list[VersionRecord]:
-        if self._db is None:
-            return []
-        rows = self._db.execute(
+        rows = self._run(
             "SELECT version, method, nbytes, path, committed_unix_ms, identity, epoch, tensors, probe FROM versions"
             " ORDER BY version"
-        ).fetchall()
+        )
         return [
             VersionRecord(v, Method(m), n, p, t, bytes(i), e,
                           tensors={name: bytes.fromhex(d) for name, d in json.loads(digests).items()},
@@ -146,35 +154,25 @@ class Store:
         ]
 
     def load_policy(self) -> Policy | None:
-        if self._db is None:
+        data = self._setting("policy")
+        if data is None:
             return None
-        row = self._db.execute("SELECT value FROM settings WHERE key = 'policy'").fetchone()
-        if row is None:
-            return None
-        data = json.loads(row[0])
         wait = RolloutWait[data.get("rollout_wait", "NONE")]  # absent in stores written before it existed
         return Policy(**{**data, "style": Style[data["style"]], "method": Method[data["method"]], "rollout_wait": wait})
 
     def drop_versions_above(self, version: int) -> None:
-        if self._db is not None:
-            self._db.execute("DELETE FROM versions WHERE version > ?", (version,))
+        self._run("DELETE FROM versions WHERE version > ?", (version,))
 
     def save_lineage(self, epoch: int, rewound_to: int, dropped: Iterable[int] = ()) -> None:
-        if self._db is not None:
-            value = json.dumps({"epoch": epoch, "rewound_to": rewound_to, "dropped": sorted(dropped)})
-            self._db.execute("INSERT OR REPLACE INTO settings VALUES ('lineage', ?)", (value,))
+        self._put_setting("lineage", {"epoch": epoch, "rewound_to": rewound_to, "dropped": sorted(dropped)})
 
     def load_lineage(self) -> tuple[int, int, set[int]]:
         """(epoch, rewound_to, the versions rewinds dropped) as of the last rewind; (0, 0, {}) before any."""
-        if self._db is None:
+        data = self._setting("lineage")
+        if data is None:
             return 0, 0, set()
-        row = self._db.execute("SELECT value FROM settings WHERE key = 'lineage'").fetchone()
-        if row is None:
-            return 0, 0, set()
-        data = json.loads(row[0])
         # "dropped" is absent in stores written before it existed.
         return int(data["epoch"]), int(data["rewound_to"]), {int(v) for v in data.get("dropped", ())}
 
     def trim_versions(self, keep_from: int) -> None:
-        if self._db is not None:
-            self._db.execute("DELETE FROM versions WHERE version < ?", (keep_from,))
+        self._run("DELETE FROM versions WHERE version < ?", (keep_from,))

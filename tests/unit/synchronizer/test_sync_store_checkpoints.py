@@ -43,6 +43,10 @@ def test_store_round_trip(tmp_path: Path) -> None:
     again.trim_versions(11)
     assert [r.version for r in again.load_versions()] == [11]
     assert Store(None).load_components() == [] and not Store(None).enabled
+    nothing = Store(None)  # keeps nothing, refuses nothing
+    nothing.save_policy(Policy(Style.FIXED, Method.MEMORY, 1, 0, 1.0))
+    nothing.save_lineage(1, 2, [3])
+    assert nothing.load_policy() is None and nothing.load_lineage() == (0, 0, set())
 
 
 def write_checkpoint(directory: Path, version: int, *, manifest: bool = True, shards: int = 1) -> dict:
