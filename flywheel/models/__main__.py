@@ -31,16 +31,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    tiny = sub.add_parser("tiny", help="write a tiny random-initialised checkpoint")
+    # The options' defaults are build_tiny_model's: one given is passed on, one left out is not.
+    tiny = sub.add_parser("tiny", help="write a tiny random-initialised checkpoint",
+                          description="The options default to flywheel.models.tiny.build_tiny_model's.",
+                          argument_default=argparse.SUPPRESS)
     tiny.add_argument("out_dir", help="directory to write the checkpoint into")
-    tiny.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
-    tiny.add_argument("--num-layers", type=int, default=2)
-    tiny.add_argument("--num-heads", type=int, default=2, help="hidden size is 64 * heads")
-    tiny.add_argument("--num-kv-heads", type=int, default=1)
-    tiny.add_argument("--intermediate-size", type=int, default=256)
-    tiny.add_argument("--max-position-embeddings", type=int, default=2048)
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    tiny.add_argument("--arch", choices=("qwen2", "llama"))
+    tiny.add_argument("--num-layers", type=int)
+    tiny.add_argument("--num-heads", type=int, help="hidden size is 64 * heads")
+    tiny.add_argument("--num-kv-heads", type=int)
+    tiny.add_argument("--intermediate-size", type=int)
+    tiny.add_argument("--max-position-embeddings", type=int)
+    tiny.add_argument("--seed", type=int)
+    tiny.add_argument("--dtype", choices=("float32", "bfloat16"))
 
     smol = sub.add_parser("smollm2", help="convert SmolLM2-135M-Instruct from GGUF")
     smol.add_argument("out_dir", nargs="?", default=None, help="default: the model cache")
@@ -95,19 +98,10 @@ def _run_init(args: argparse.Namespace) -> int:
 def _run_tiny(args: argparse.Namespace) -> None:
     from flywheel.models.tiny import HEAD_DIM, build_tiny_model
 
-    out = build_tiny_model(
-        args.out_dir,
-        arch=args.arch,
-        num_layers=args.num_layers,
-        hidden_size=args.num_heads * HEAD_DIM,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        intermediate_size=args.intermediate_size,
-        max_position_embeddings=args.max_position_embeddings,
-        seed=args.seed,
-        dtype=args.dtype,
-    )
-    print(out)
+    options = {name: value for name, value in vars(args).items() if name not in ("command", "out_dir")}
+    if "num_heads" in options:
+        options["hidden_size"] = options["num_heads"] * HEAD_DIM
+    print(build_tiny_model(args.out_dir, **options))
 
 
 def _run_smollm2(args: argparse.Namespace) -> None:
