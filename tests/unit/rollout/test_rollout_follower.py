@@ -85,6 +85,19 @@ async def linked_rollout(model: Path, codec, address: str, **link: object) -> As
         await engine.stop()
 
 
+@contextlib.asynccontextmanager
+async def linked_under_policy(
+    model: Path, codec, *policy: object, synchronizer: dict | None = None, **policy_fields: object
+) -> AsyncIterator[tuple[SynchronizerClient, RolloutCore, SynchronizerLink]]:
+    """A synchronizer (`synchronizer`: its settings) whose policy is `configure_policy(*policy,
+    **policy_fields)`, a client of it, and a rollout linked to it and ready: (client, core, link)."""
+    async with embedded_synchronizer(**(synchronizer or {})) as sync, SynchronizerClient(sync.address) as client:
+        await client.configure_policy(*policy, **policy_fields)
+        async with linked_rollout(model, codec, sync.address) as (core, link):
+            await link.ready(5.0)
+            yield client, core, link
+
+
 async def component(client: SynchronizerClient, cid: str = CID):
     return (await client.status()).component(cid)
 
@@ -185,76 +198,70 @@ def states(events: list[WatchEvent]) -> list[str]:
 
 async def test_fixed_sync_points_hold_generation_for_the_due_version(rollout_model, codec, base_state) -> None:
     """FIXED(2, 1), sync mode: steps 3, 5 are sync points, due versions 2 and 4; nothing moves in between."""
-    async with embedded_synchronizer(keep_versions=4) as sync, SynchronizerClient(sync.address) as client:
-        await client.configure_policy("fixed", "memory", 2, 1, 30.0, rollout_wait="due_version")
-        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
-            await link.ready(5.0)
-            async with watching(client) as events:
-                for version in (1, 2):
-                    await client.push_weights(shifted(base_state, 0.01 * version), version)
-                # Steps 1 and 2 completed (run steps 2, 3): no sync point yet, even with newer versions around.
-                for run_step in (1, 2, 3):
-                    assert (await generate(core, run_step)).version_start == 0
-                assert core.status().version == 0 and link.follower.step == 2
-                # Run step 4: step 3 is a sync point; it waits for version 2 and serves it.
-                push3 = asyncio.ensure_future(client.push_weights(shifted(base_state, 0.03), 3))
-                assert (await generate(core, 4)).version_start == 2
-                await push3
-                assert (await generate(core, 5)).version_start == 2  # step 4: not a sync point
-                # Step 5 is due version 4, not pushed yet: the generation waits for it.
-                waiting = asyncio.ensure_future(generate(core, 6))
-                await asyncio.sleep(0.5)
-                assert not waiting.done()
-                await client.push_weights(shifted(base_state, 0.04), 4)
-                assert (await asyncio.wait_for(waiting, 30)).version_start == 4
-                # The engine serves the pushed bytes, not just a new number.
-                served = core.engine.model.state_dict()
-                name = next(n for n, t in base_state.items() if t.is_floating_point() and n in served)
-                assert torch.equal(served[name].to(base_state[name].dtype), shifted(base_state, 0.04)[name])
-                await eventually(lambda: _at_version(client, 4), what="version 4 reported")
-                # The seed table for MEMORY: RUNNING -> REQUIRE_SYNC -> RUNNING at each sync point.
-                assert states(events) == ["REQUIRE_SYNC", "RUNNING", "REQUIRE_SYNC", "RUNNING"]
-                assert (await component(client)).step == 5
+    async with linked_under_policy(rollout_model, codec, "fixed", "memory", 2, 1, 30.0, rollout_wait="due_version",
+                                   synchronizer={"keep_versions": 4}) as (client, core, link):
+        async with watching(client) as events:
+            for version in (1, 2):
+                await client.push_weights(shifted(base_state, 0.01 * version), version)
+            # Steps 1 and 2 completed (run steps 2, 3): no sync point yet, even with newer versions around.
+            for run_step in (1, 2, 3):
+                assert (await generate(core, run_step)).version_start == 0
+            assert core.status().version == 0 and link.follower.step == 2
+            # Run step 4: step 3 is a sync point; it waits for version 2 and serves it.
+            push3 = asyncio.ensure_future(client.push_weights(shifted(base_state, 0.03), 3))
+            assert (await generate(core, 4)).version_start == 2
+            await push3
+            assert (await generate(core, 5)).version_start == 2  # step 4: not a sync point
+            # Step 5 is due version 4, not pushed yet: the generation waits for it.
+            waiting = asyncio.ensure_future(generate(core, 6))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+            await client.push_weights(shifted(base_state, 0.04), 4)
+            assert (await asyncio.wait_for(waiting, 30)).version_start == 4
+            # The engine serves the pushed bytes, not just a new number.
+            served = core.engine.model.state_dict()
+            name = next(n for n, t in base_state.items() if t.is_floating_point() and n in served)
+            assert torch.equal(served[name].to(base_state[name].dtype), shifted(base_state, 0.04)[name])
+            await eventually(lambda: _at_version(client, 4), what="version 4 reported")
+            # The seed table for MEMORY: RUNNING -> REQUIRE_SYNC -> RUNNING at each sync point.
+            assert states(events) == ["REQUIRE_SYNC", "RUNNING", "REQUIRE_SYNC", "RUNNING"]
+            assert (await component(client)).step == 5
 
 
 async def test_a_staleness_bound_waits_only_while_too_far_behind(rollout_model, codec, base_state) -> None:
-    async with embedded_synchronizer(keep_versions=4) as sync, SynchronizerClient(sync.address) as client:
-        await client.configure_policy("fixed", "memory", 1, 0, 2.0, rollout_wait="staleness", max_staleness=1)
-        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
-            await link.ready(5.0)
-            assert (await generate(core, 2)).version_start == 0  # trained against 1: 1 behind is allowed
-            # Run step 3 needs version >= 1; FIXED(1, 0) asks for version 2 at step 2, and it is not out yet:
-            # the generation is refused at the policy's timeout rather than run 2 behind.
-            with pytest.raises(Aborted, match="needs version 1"):
-                await generate(core, 3)
-            await client.push_weights(shifted(base_state, 0.01), 1)
-            assert (await generate(core, 3)).version_start == 1
-            # Step 3 is due version 3, not out yet; version 2 is, and is all run step 4 needs:
-            # a step towards the due version is progress, and the generation runs on it.
-            await client.push_weights(shifted(base_state, 0.02), 2)
-            assert (await generate(core, 4)).version_start == 2
+    async with linked_under_policy(rollout_model, codec, "fixed", "memory", 1, 0, 2.0, rollout_wait="staleness",
+                                   max_staleness=1, synchronizer={"keep_versions": 4}) as (client, core, link):
+        assert (await generate(core, 2)).version_start == 0  # trained against 1: 1 behind is allowed
+        # Run step 3 needs version >= 1; FIXED(1, 0) asks for version 2 at step 2, and it is not out yet:
+        # the generation is refused at the policy's timeout rather than run 2 behind.
+        with pytest.raises(Aborted, match="needs version 1"):
+            await generate(core, 3)
+        await client.push_weights(shifted(base_state, 0.01), 1)
+        assert (await generate(core, 3)).version_start == 1
+        # Step 3 is due version 3, not out yet; version 2 is, and is all run step 4 needs:
+        # a step towards the due version is progress, and the generation runs on it.
+        await client.push_weights(shifted(base_state, 0.02), 2)
+        assert (await generate(core, 4)).version_start == 2
 
 
 async def test_a_dynamic_request_that_lapses_is_asked_again_at_the_next_step(rollout_model, codec, base_state) -> None:
-    async with embedded_synchronizer(sweep_interval_seconds=0.05) as sync, SynchronizerClient(sync.address) as client:
-        await client.configure_policy("dynamic_by_explorer", "memory", 2, 0, 0.5, rollout_wait="none")
-        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
-            await link.ready(5.0)
-            async with watching(client) as events:
-                await generate(core, 2)  # step 1: not yet
-                await generate(core, 3)  # step 2: asks for a version newer than 0
-                assert (await component(client)).state == State.REQUIRE_SYNC
-                requested = await eventually(lambda: [e for e in events if e.kind == EventKind.SYNC_REQUESTED],
-                                             what="the request on Watch")
-                assert requested[0].version == 1  # anything newer than the served version 0
-                await eventually(lambda: states(events)[-1:] == ["RUNNING"], what="the request to lapse")
-                assert any("timed out" in e.message for e in events)
-                await generate(core, 4)  # step 3: asks again
-                assert (await component(client)).state == State.REQUIRE_SYNC
-                await client.push_weights(shifted(base_state, 0.01), 1)
-                await eventually(lambda: _at_version(client, 1), what="version 1 applied and reported")
-                assert (await component(client)).state == State.RUNNING
-                assert states(events) == ["REQUIRE_SYNC", "RUNNING", "REQUIRE_SYNC", "RUNNING"]
+    async with linked_under_policy(rollout_model, codec, "dynamic_by_explorer", "memory", 2, 0, 0.5, rollout_wait="none",
+                                   synchronizer={"sweep_interval_seconds": 0.05}) as (client, core, link):
+        async with watching(client) as events:
+            await generate(core, 2)  # step 1: not yet
+            await generate(core, 3)  # step 2: asks for a version newer than 0
+            assert (await component(client)).state == State.REQUIRE_SYNC
+            requested = await eventually(lambda: [e for e in events if e.kind == EventKind.SYNC_REQUESTED],
+                                         what="the request on Watch")
+            assert requested[0].version == 1  # anything newer than the served version 0
+            await eventually(lambda: states(events)[-1:] == ["RUNNING"], what="the request to lapse")
+            assert any("timed out" in e.message for e in events)
+            await generate(core, 4)  # step 3: asks again
+            assert (await component(client)).state == State.REQUIRE_SYNC
+            await client.push_weights(shifted(base_state, 0.01), 1)
+            await eventually(lambda: _at_version(client, 1), what="version 1 applied and reported")
+            assert (await component(client)).state == State.RUNNING
+            assert states(events) == ["REQUIRE_SYNC", "RUNNING", "REQUIRE_SYNC", "RUNNING"]
 
 
 async def test_a_replica_that_joins_catches_up_to_the_newest_version_first(rollout_model, codec, base_state) -> None:
@@ -274,27 +281,25 @@ async def test_a_failed_update_is_reported_with_its_reason_and_the_old_version_k
     name = next(n for n, t in base_state.items() if t.dim() == 2)
     wrong = dict(base_state)
     wrong[name] = torch.zeros(wrong[name].shape[0] + 1, wrong[name].shape[1], dtype=wrong[name].dtype)
-    async with embedded_synchronizer() as sync, SynchronizerClient(sync.address) as client:
-        await client.configure_policy("fixed", "memory", 1, 0, 1.0, rollout_wait="due_version")
-        async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
-            await link.ready(5.0)
-            async with watching(client) as events:
-                await client.push_weights(wrong, 1)
-                with pytest.raises(Aborted):
-                    await generate(core, 2)  # due version 1 cannot be applied: refused, never served half-updated
+    async with linked_under_policy(rollout_model, codec, "fixed", "memory", 1, 0, 1.0,
+                                   rollout_wait="due_version") as (client, core, link):
+        async with watching(client) as events:
+            await client.push_weights(wrong, 1)
+            with pytest.raises(Aborted):
+                await generate(core, 2)  # due version 1 cannot be applied: refused, never served half-updated
 
-                def failure() -> WatchEvent | None:
-                    return next((e for e in events if e.kind == EventKind.STATE_CHANGED and "failed" in e.message), None)
+            def failure() -> WatchEvent | None:
+                return next((e for e in events if e.kind == EventKind.STATE_CHANGED and "failed" in e.message), None)
 
-                event = await eventually(failure, what="the failure on Watch")
-                assert "version 1" in event.message and "still serving version 0" in event.message
-                assert "INVALID_ARGUMENT" in event.message and name in event.message
-                assert event.component.weight_version == 0
-                assert core.status().version == 0
-                # The next good version is applied: one bad push does not stop following.
-                await client.push_weights(shifted(base_state, 0.02), 2)
-                assert (await generate(core, 3)).version_start == 2
-                await eventually(lambda: _at_version(client, 2), what="version 2 reported")
+            event = await eventually(failure, what="the failure on Watch")
+            assert "version 1" in event.message and "still serving version 0" in event.message
+            assert "INVALID_ARGUMENT" in event.message and name in event.message
+            assert event.component.weight_version == 0
+            assert core.status().version == 0
+            # The next good version is applied: one bad push does not stop following.
+            await client.push_weights(shifted(base_state, 0.02), 2)
+            assert (await generate(core, 3)).version_start == 2
+            await eventually(lambda: _at_version(client, 2), what="version 2 reported")
 
 
 async def test_a_version_evicted_before_it_was_pulled_is_passed_over_for_the_newest(
