@@ -31,6 +31,11 @@ def encode_varint(n: int) -> bytes:
     return bytes(out)
 
 
+def field_key(number: int, wire_type: int) -> bytes:
+    """The key bytes that start field `number` of wire type `wire_type`."""
+    return encode_varint((number << 3) | wire_type)
+
+
 def read_varint(buf: bytes | bytearray | memoryview, i: int) -> tuple[int, int]:
     """(value, index after it) of the varint that starts at `buf[i]`; `buf` indexes to ints."""
     value, shift = 0, 0

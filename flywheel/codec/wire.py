@@ -25,10 +25,11 @@ from google.protobuf.message import DecodeError
 
 from flywheel.codec.errors import ChunkCorrupted
 from flywheel.common.v1 import common_pb2
-from flywheel.varint import LEN, WireError, encode_varint, iter_fields
+from flywheel.varint import LEN, WireError, encode_varint, field_key, iter_fields
 
 _DATA_FIELD = 7  # WeightChunk.data
-_DATA_TAG = bytes([(_DATA_FIELD << 3) | LEN])
+#: The key of a serialized WeightChunk's data field.
+DATA_TAG = field_key(_DATA_FIELD, LEN)
 
 
 def serialize_chunk(header: common_pb2.WeightChunk, payload: memoryview | bytes) -> bytes:
@@ -37,7 +38,7 @@ def serialize_chunk(header: common_pb2.WeightChunk, payload: memoryview | bytes)
         raise ValueError("serialize_chunk: the header's data field must be empty")
     if not len(payload):
         return header.SerializeToString()
-    return b"".join((header.SerializeToString(), _DATA_TAG, encode_varint(len(payload)), payload))
+    return b"".join((header.SerializeToString(), DATA_TAG, encode_varint(len(payload)), payload))
 
 
 def parse_chunk(buf: bytes | bytearray | memoryview) -> tuple[common_pb2.WeightChunk, memoryview]:

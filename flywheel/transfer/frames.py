@@ -15,19 +15,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from flywheel.codec import EncodedVersion
+from flywheel.codec.wire import DATA_TAG
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import DataLoss
-from flywheel.varint import VarintError, encode_varint, read_varint
+from flywheel.varint import LEN, VarintError, encode_varint, field_key, read_varint
 
 #: Field numbers of the `payload` oneof (the same in push requests and pull responses).
 MANIFEST_FIELD = 1
 CHUNK_FIELD = 2
 SEGMENT_FIELD = 3  # shared memory: where the payloads are
 SHARED_CHUNK_FIELD = 4  # shared memory: a chunk's header and its payload's place
-_LEN = 2  # wire type of length-delimited fields
-_DATA_TAG = bytes([(7 << 3) | _LEN])  # WeightChunk.data
-_CHUNK_TAG = bytes([(CHUNK_FIELD << 3) | _LEN])
-_MANIFEST_TAG = bytes([(MANIFEST_FIELD << 3) | _LEN])
+_CHUNK_TAG = field_key(CHUNK_FIELD, LEN)
+_MANIFEST_TAG = field_key(MANIFEST_FIELD, LEN)
 
 
 def split_frame(frame: bytes | memoryview) -> tuple[int, memoryview]:
@@ -38,7 +37,7 @@ def split_frame(frame: bytes | memoryview) -> tuple[int, memoryview]:
     try:
         key, pos = read_varint(buf, 0)
         field, wire = key >> 3, key & 7
-        if field not in (MANIFEST_FIELD, CHUNK_FIELD) or wire != _LEN:
+        if field not in (MANIFEST_FIELD, CHUNK_FIELD) or wire != LEN:
             raise DataLoss(f"weight frame starts with field {field} (wire type {wire}), not a manifest or a chunk")
         n, pos = read_varint(buf, pos)
     except VarintError:
@@ -68,8 +67,8 @@ def chunk_frame(header: common_pb2.WeightChunk, payload: memoryview | bytes) -> 
     if not len(payload):
         return b"".join((_CHUNK_TAG, encode_varint(len(head)), head))
     size = encode_varint(len(payload))
-    inner = len(head) + len(_DATA_TAG) + len(size) + len(payload)
-    return b"".join((_CHUNK_TAG, encode_varint(inner), head, _DATA_TAG, size, payload))
+    inner = len(head) + len(DATA_TAG) + len(size) + len(payload)
+    return b"".join((_CHUNK_TAG, encode_varint(inner), head, DATA_TAG, size, payload))
 
 
 def wrap_chunk(serialized: bytes) -> bytes:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from flywheel.codec import ChunkCorrupted, CodecError, WeightAssembler, encode_state_dict
 from flywheel.codec.wire import parse_chunk, serialize_chunk
 from flywheel.common.v1 import common_pb2
-from flywheel.varint import LEN, VarintError, WireError, encode_varint, iter_fields, read_varint
+from flywheel.varint import LEN, VarintError, WireError, encode_varint, field_key, iter_fields, read_varint
 from tests.unit.codec.codec_helpers import bits, random_tensor, same_bits, state_dicts
 
 STATE = {
@@ -114,6 +114,6 @@ def test_iter_fields_walks_a_message_and_refuses_what_is_not_one() -> None:
     raw = common_pb2.WeightChunk(tensor_name="w", offset=300, data=b"xyz").SerializeToString()
     fields = {number: (wire_type, bytes(raw[value:end])) for number, wire_type, _, value, end in iter_fields(raw)}
     assert fields[7] == (LEN, b"xyz") and fields[3] == (LEN, b"w") and fields[6] == (0, encode_varint(300))
-    for bad in (raw[:-1], bytes([(1 << 3) | 3]), bytes([0x08, 0x80])):
+    for bad in (raw[:-1], field_key(1, 3), bytes([0x08, 0x80])):
         with pytest.raises(WireError):
             list(iter_fields(bad))
