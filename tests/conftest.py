@@ -16,6 +16,9 @@ from flywheel.runtime.triton_gate import keep_triton_out
 # otherwise end the session with triton's nanobind leak report.
 keep_triton_out()
 
+#: FLYWHEEL_TEST_CPU_REPORT=cpu.tsv: each module's wall and CPU time (tests/cpu_share.py).
+pytest_plugins = ["tests.cpu_share"]
+
 TEST_TOKEN = "test-token-123"
 
 # The tests run several torch processes (trainer, replicas, controller) on two cores. libgomp's OpenMP
