@@ -115,7 +115,9 @@ def test_the_status_page_follows_a_live_run(tmp_path: Path) -> None:
         first = chromium(url, "--dump-dom")
         assert 'data-id="trainer-0"' in first and 'data-id="rollout-0"' in first, first[-3000:]
         points = lambda dom: int(re.search(r'id="reward-chart"[^>]*data-points="(\d+)"', dom).group(1))  # noqa: E731
-        time.sleep(4)
+        # The run goes on: once the API has a point the first render did not draw, a second render shows it.
+        wait_for("a reward point after the first render", lambda: len(
+            get_json(api, tokens[Scope.VIEWER])["curves"]["reward"]) > points(first), proc)
         second = chromium(url, "--dump-dom")
         assert points(second) > points(first) >= 3
         assert re.search(r'<span id="connection" class="">live, updated', second), "the page polled successfully"
