@@ -11,9 +11,9 @@ setup:
 quickstart: setup
 	$(PY) -m services.controller run examples/quickstart.yaml $(if $(SEED),--seed $(SEED))
 
-## Every test CI runs (including real vLLM-on-CPU tests).
+## Every test CI runs (including real vLLM-on-CPU tests), on two workers (docs/testing.md).
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 protos: setup
 	$(PY) scripts/gen_protos.py

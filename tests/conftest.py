@@ -19,6 +19,52 @@ keep_triton_out()
 #: FLYWHEEL_TEST_CPU_REPORT=cpu.tsv: each module's wall and CPU time (tests/cpu_share.py).
 pytest_plugins = ["tests.cpu_share"]
 
+#: `make test` runs the suite on two pytest-xdist workers (`-n 2`): a vLLM replica starting, a launcher
+#: waiting on its services or a test waiting out a deadline leaves a core idle that a test beside it
+#: uses. Each module is one unit of work, on one worker (its module-scoped services start once), the
+#: slowest first (their seconds alone: a serial run on the 2-core EPYC at 026384c), so that none of them
+#: is left running alone at the end.
+SLOWEST_FIRST = (
+    "tests/deploy/test_kubernetes_cluster.py",  # 165, and the compose cluster (125): one unit
+    "tests/integration/test_quickstart_tiny.py",  # 211
+    "tests/integration/test_bench_smokes.py",  # 205
+    "tests/integration/test_modes_with_real_services.py",  # 181
+    "tests/integration/test_sampling_contract.py",  # 117
+    "tests/integration/test_deployed_healing.py",  # 66
+    "tests/integration/test_services_start.py",  # 62
+    "tests/integration/test_tinker_gateway.py",  # 55
+    "tests/integration/test_fleet_updates.py",  # 54
+    "tests/integration/test_tinker_cookbook.py",  # 52
+    "tests/deploy/test_live.py",  # 49
+)
+#: Each starts a whole cluster (two vLLM replicas, trainer, synchronizer, controller): one at a time.
+CLUSTERS = ("tests/deploy/test_kubernetes_cluster.py", "tests/deploy/test_compose_cluster.py")
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of work a test belongs to under `-n`: its module, the cluster modules one unit."""
+    module = nodeid.split("::")[0]
+    return CLUSTERS[0] if module in CLUSTERS else module
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: in the controlling process, under -n
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False  # the units in collection order: the slowest first (below)
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: its collection is the order units are handed out
+        first = {unit: rank for rank, unit in enumerate(SLOWEST_FIRST)}
+        items.sort(key=lambda item: first.get(_unit(item.nodeid), len(first)))  # stable: the rest keep theirs
+
+
 TEST_TOKEN = "test-token-123"
 
 # The tests run several torch processes (trainer, replicas, controller) on two cores. libgomp's OpenMP
