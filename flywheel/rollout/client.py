@@ -5,6 +5,7 @@
         for sample in results[0]:
             sample.completion_token_ids, sample.completion_logprobs, sample.weight_version_start
         await rollout.update_weights(7, checkpoint="/ckpt/global_step_7/model")
+        (scores,) = await rollout.score([[318, 268, 33, 41]], top_logprobs=5)  # teacher log-probs of given ids
 
 A prompt is token ids (list of ints), text (str) or chat messages (list of
 OpenAI-style dicts). Every call has a deadline; failures raise
@@ -94,6 +95,18 @@ class RolloutClient(ChannelClient):
             raise domain_error(exc, f"rollout {self.address} GenerateStream") from None
         finally:
             call.cancel()
+
+    async def score(self, sequences: Sequence[Sequence[int]], *, top_logprobs: int = 0, min_weight_version: int = 0,
+                    timeout: float | None = None) -> list[pb.SequenceScore]:
+        """Log-probs of given token ids under the served weights (a prefill; nothing is sampled): per
+        sequence, `logprobs` (len(ids) - 1 of them: log p(ids[i + 1] | ids[:i + 1])), the `top_logprobs`
+        most likely tokens per position and the `weight_version` that computed them."""
+        request = pb.ScoreRequest(sequences=[pb.TokenIds(ids=list(ids)) for ids in sequences],
+                                  top_logprobs=top_logprobs, min_weight_version=min_weight_version)
+        response = await self._call("Score", self._stub.Score, request, timeout)
+        if len(response.scores) != len(sequences):
+            raise errors.DataLoss(f"rollout {self.address}: {len(response.scores)} scores for {len(sequences)} sequences")
+        return list(response.scores)
 
     async def tokenize(self, prompt: str | Sequence[dict[str, Any]], *, add_special_tokens: bool = False,
                        add_generation_prompt: bool | None = None) -> list[int]:

@@ -36,10 +36,11 @@ from services.rollout.weights.transaction import WeightUpdates
 log = logging.getLogger(__name__)
 
 PROTO_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-#: Agents may generate and tokenize; pausing, status and weight updates are the services'.
+#: Agents may generate, score and tokenize; pausing, status and weight updates are the services'.
 #: The HTTP API's routes are all the agent's (services.rollout.openai_api.http_api).
 METHOD_SCOPES = {
     "Generate": Scope.AGENT, "GenerateStream": Scope.AGENT, "Tokenize": Scope.AGENT, "Detokenize": Scope.AGENT,
+    "Score": Scope.AGENT,
     "GetStatus": Scope.SERVICE, "Pause": Scope.SERVICE, "Resume": Scope.SERVICE, "UpdateWeights": Scope.SERVICE,
 }
 

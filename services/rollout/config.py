@@ -88,6 +88,13 @@ class LimitsConfig(StrictModel):
     )
     max_prompts_per_request: int = Field(1024, ge=1, description="most prompts one Generate call may carry")
     max_top_logprobs: int = Field(20, ge=0, description="largest top_logprobs a request may ask for, in tokens")
+    max_score_sequences: int = Field(
+        256, ge=1, description="most sequences one Score call may carry; past it RESOURCE_EXHAUSTED"
+    )
+    max_score_tokens: int = Field(
+        65536, ge=1, description="most tokens one Score call may carry, all its sequences together (a prefill of "
+        "them all); past it RESOURCE_EXHAUSTED"
+    )
 
 
 class UpdatesConfig(StrictModel):

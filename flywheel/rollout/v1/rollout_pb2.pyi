@@ -224,3 +224,29 @@ class UpdateWeightsResponse(_message.Message):
     bytes: int
     aborted_request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, weight_version: _Optional[int] = ..., pause_seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., aborted_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("sequences", "top_logprobs", "min_weight_version")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    top_logprobs: int
+    min_weight_version: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., top_logprobs: _Optional[int] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
+
+class SequenceScore(_message.Message):
+    __slots__ = ("logprobs", "top_logprobs", "weight_version")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    weight_version: int
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores",)
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[SequenceScore]
+    def __init__(self, scores: _Optional[_Iterable[_Union[SequenceScore, _Mapping]]] = ...) -> None: ...

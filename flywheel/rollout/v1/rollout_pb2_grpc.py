@@ -75,6 +75,11 @@ class RolloutServiceStub:
                 request_serializer=flywheel_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=flywheel_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/flywheel.rollout.v1.RolloutService/Score',
+                request_serializer=flywheel_dot_rollout_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=flywheel_dot_rollout_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -137,6 +142,14 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Log-probs of given token ids under the served weights: a prefill, nothing
+        is sampled (a teacher scoring a student's tokens, Tinker's compute_logprobs).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +192,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=flywheel_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=flywheel_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=flywheel_dot_rollout_dot_v1_dot_rollout__pb2.ScoreRequest.FromString,
+                    response_serializer=flywheel_dot_rollout_dot_v1_dot_rollout__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +416,33 @@ class RolloutService:
             '/flywheel.rollout.v1.RolloutService/UpdateWeights',
             flywheel_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
             flywheel_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.rollout.v1.RolloutService/Score',
+            flywheel_dot_rollout_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
+            flywheel_dot_rollout_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

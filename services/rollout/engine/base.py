@@ -52,6 +52,18 @@ class SampleOutput:
 
 
 @dataclass
+class SequenceScores:
+    """What the Score RPC returns for one given sequence (`Engine.score_tokens`)."""
+
+    #: log p(ids[i + 1] | ids[:i + 1]) for each i, len(ids) - 1 of them, of the model's raw distribution.
+    logprobs: list[float]
+    #: Per scored position, (token id, log-prob) of the most likely tokens, most likely first; [] when not asked.
+    top_logprobs: list[list[tuple[int, float]]]
+    #: Weight version whose weights computed them.
+    version: int
+
+
+@dataclass
 class Delta:
     """New tokens of one sample since its previous delta; `final` set on its last."""
 
@@ -312,18 +324,33 @@ class Engine(abc.ABC):
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """log p(ids[i + 1] | ids[:i + 1]) of each sequence under the resident weights, from the
         model's raw distribution (the probe). The engine must be running (not paused)."""
+        return [list(final.prompt_logprobs) for final in await self._prefills(sequences)]
+
+    async def score_tokens(self, sequences: Sequence[Sequence[int]], top_logprobs: int = 0) -> list[SequenceScores]:
+        """The Score RPC's scores of given sequences (checked by the caller: ids in the vocabulary, each at
+        least 2 tokens and within max_model_len), with the `top_logprobs` most likely tokens per position.
+        By default a prefill through `generate` (no top tokens); an engine that returns them overrides this."""
+        if top_logprobs:
+            raise InvalidArgument(f"top_logprobs: the {self.kind} engine does not return the most likely tokens of "
+                                  "given sequences; ask for 0")
+        # The prefill's weights are those of its first (only) token's.
+        return [SequenceScores(list(final.prompt_logprobs), [], final.version_start)
+                for final in await self._prefills(sequences)]
+
+    async def _prefills(self, sequences: Sequence[Sequence[int]]) -> list[SampleOutput]:
+        """One greedy token after each sequence, its prompt scored: the final samples, in order."""
         if not self.supports_prompt_logprobs:
             raise FailedPrecondition(f"the {self.kind} engine does not score prompts")
         spec = SamplingSpec(max_tokens=1, temperature=0.0, prompt_logprobs=True)
 
-        async def one(ids: Sequence[int]) -> list[float]:
+        async def one(ids: Sequence[int]) -> SampleOutput:
             final = None
             async for deltas in self.generate(f"probe-{uuid.uuid4().hex[:12]}", list(ids), spec, stream=False):
                 final = next((d.final for d in deltas if d.final is not None), final)
             if final is None or final.finish_reason not in ("stop", "length"):
                 raise FailedPrecondition(f"the {self.kind} engine did not finish scoring a probe sequence "
                                          f"({final.finish_reason if final else 'no output'})")
-            return list(final.prompt_logprobs)
+            return final
 
         # Together: an engine that batches (vLLM) scores them in one prefill.
         return list(await asyncio.gather(*(one(ids) for ids in sequences)))

@@ -29,10 +29,12 @@ from flywheel.codec.checkpoint_dir import read_tensors
 from flywheel.codec.identity import identify
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from services.rollout.engine.base import (
-    NO_FAULTS, Delta, Engine, EngineLoad, LoadFaults, Measured, PauseMode, SamplingSpec, StagedWeights, TensorSpec,
+    NO_FAULTS, Delta, Engine, EngineLoad, LoadFaults, Measured, PauseMode, SamplingSpec, SequenceScores, StagedWeights,
+    TensorSpec,
 )
 from services.rollout.engine.checkpoint import checkpoint_specs
 from services.rollout.engine.faults import fault_targets
+from services.rollout.engine.hf_scoring import score_sequence
 from services.rollout.engine.hf_sequence import Sequence
 from services.rollout.engine.text import TextCodec
 
@@ -226,6 +228,18 @@ class TransformersEngine(Engine):
         for seq in batch:
             if seq.finish is not None:
                 seq.cache = None  # frees the KV cache now, not when the caller lets go
+
+    async def score_tokens(self, sequences: list[list[int]], top_logprobs: int = 0) -> list[SequenceScores]:
+        # On the model's thread and between steps (the step lock): a swap cannot land midway, so
+        # every score is of the one version read there.
+        loop = asyncio.get_running_loop()
+        async with self._step_lock:
+            return await loop.run_in_executor(self._executor, self._score, sequences, top_logprobs)
+
+    def _score(self, sequences: list[list[int]], top_logprobs: int) -> list[SequenceScores]:
+        with torch.inference_mode():
+            return [SequenceScores(*score_sequence(self.model, ids, self._device, top_logprobs), self._version)
+                    for ids in sequences]
 
     # -- pause and weights -----------------------------------------------------
 

@@ -23,16 +23,17 @@ import asyncio
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
-from flywheel.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from flywheel.errors import Aborted, FailedPrecondition, ResourceExhausted, Unavailable
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
-from services.rollout.engine.base import Delta, Engine, PauseMode, SampleOutput, SamplingSpec
+from services.rollout.engine.base import Delta, Engine, PauseMode, SampleOutput, SamplingSpec, SequenceScores
 from services.rollout.engine.text import TextCodec
 from services.rollout.serving.prompts import PromptInput, ResolvedPrompt, resolve
+from services.rollout.serving.scoring import check_score_request
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,26 @@ class RolloutCore:
         async with self._admitted(spec.n, reservation):
             async for deltas in self._run_one(prompt, spec, stream=True):
                 yield deltas
+
+    async def score(self, sequences: Sequence[Sequence[int]], top_logprobs: int = 0, *,
+                    min_version: int = 0) -> list[SequenceScores]:
+        """The Score call: log-probs of given token ids under the served weights (a prefill), admitted and
+        gated like a generation (one sample per sequence); InvalidArgument / ResourceExhausted for bad or
+        too much input (services.rollout.serving.scoring)."""
+        engine, _ = self.require_engine()
+        checked = check_score_request(sequences, top_logprobs, self.config.limits, vocab_size=engine.vocab_size,
+                                      max_model_len=engine.max_model_len)
+        await self._weights_ready(0, min_version)
+        async with self._admitted(len(checked), None):
+            scores = await engine.score_tokens(checked, top_logprobs)
+            if not self._deliveries.is_set():
+                # Scored while an update verifies the weights: they count only once they are proven.
+                hold = self._hold
+                await self._deliveries.wait()
+                if self._rejected_hold == hold:
+                    raise Aborted("the weights these scores came from failed verification; score again")
+            metrics.PROMPT_TOKENS.inc(sum(len(ids) for ids in checked))
+            return scores
 
     # -- pause, resume, status -------------------------------------------------
 
