@@ -18,6 +18,7 @@ from typing import Any
 from flywheel.runtime.config import ConfigError
 from services.controller.telemetry.activity import ActivityTracker
 from services.controller.batches.algorithms import make_algorithm
+from services.controller.batches.batching import TokenBound
 from services.controller.rollouts.balancer import EnginePool
 from services.controller.tasks.loader import DataLoader, loader_from_config
 from services.controller.domain import SamplingSpec
@@ -139,6 +140,7 @@ def build_pipeline(
         instance, algorithm, gate, batches,
         batch_size=batch, group_size=group, staleness_limit=cfg.staleness_limit,
         stale_policy=cfg.staleness.policy, in_flight_slack=cfg.pace_slack, drop_last=cfg.data.drop_last,
+        token_bound=TokenBound(cfg.token_staleness_bound, correct=cfg.corrects_stale_tokens),
         requeue=rollouts.requeue, finish=rollouts.finish,
     )
     train_worker = TrainWorker(

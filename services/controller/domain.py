@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 # Shared words (defined in flywheel.common.types); the controller's modules import them from here too.
+from flywheel.common.provenance import VersionSpan
 from flywheel.common.types import RAW, FinishReason, SampledDistribution, SamplingSpec  # noqa: F401
 
 #: A chat message as an OpenAI-style dict: {"role": ..., "content": ..., ...}.
@@ -69,6 +70,9 @@ class Generation:
     engine: str = ""
     #: The distribution `completion_logprobs` are of (the sampling contract).
     distribution: SampledDistribution = RAW
+    #: The version that produced each completion token, as spans over `completion_token_ids`
+    #: (flywheel.common.provenance); empty when the engine could not tell.
+    version_spans: list[VersionSpan] = field(default_factory=list)
 
 
 class TrajectoryStatus(str, Enum):
@@ -113,11 +117,25 @@ class Trajectory:
     error: str | None = None
     #: Set by the algorithm processor.
     advantage: float | None = None
+    #: The version that produced each model token, as spans over `response_ids` in order; tool and
+    #: environment tokens fall between them. Tokens no span covers (an engine or an older rollout that
+    #: could not tell) are attributed to `version`, the oldest policy that contributed.
+    version_spans: list[VersionSpan] = field(default_factory=list)
 
     @property
     def version(self) -> int:
         """The version staleness is measured from: the oldest policy that contributed."""
         return min([self.version_start, *(start for start, _ in self.turn_versions)])
+
+    def token_versions(self) -> list[int]:
+        """The version of each response token (`version_spans`; `version` where none covers it)."""
+        out = [self.version] * len(self.response_ids)
+        for span in self.version_spans:
+            if not 0 <= span.start < span.end <= len(out):
+                raise ValueError(f"trajectory of task {self.task.id}: version span {tuple(span)} lies outside its "
+                                 f"{len(out)} response tokens")
+            out[span.start:span.end] = [span.version] * (span.end - span.start)
+        return out
 
     @property
     def num_tokens(self) -> int:

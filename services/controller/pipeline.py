@@ -34,7 +34,7 @@ from services.controller.batches.processor import AlgorithmProcessor, TrainBatch
 from services.controller.protocols import Trainer
 from services.controller.rollouts.manager import RolloutManager
 from services.controller.run_config import RunConfig
-from services.controller.batches.sample_age import SampleAgeReport
+from services.controller.batches.sample_age import SampleAgeReport, token_age_metrics
 from services.controller.batches.staleness import StalenessGate
 from services.controller.batches.train_worker import TrainWorker
 from services.controller.rollouts.validation import Validator
@@ -79,6 +79,8 @@ class RunState:
     milestones: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=500))
     #: Age of the trained samples by completion length (staleness/age_*/<bucket>).
     sample_ages: SampleAgeReport = field(default_factory=SampleAgeReport)
+    #: Tokens past the staleness bound in the batches trained so far (masked, or corrected).
+    stale_tokens_trained: int = 0
     #: When the first batch arrived, and the trainer's busy seconds then (idle time counts from it).
     first_batch_at: float | None = None
     busy_at_first_batch: float = 0.0
@@ -402,6 +404,8 @@ class Pipeline:
         m["staleness/mean"], m["staleness/min"], m["staleness/max"] = statistics.fmean(stale), float(min(stale)), float(max(stale))
         self.state.sample_ages.observe(batch.target_version, batch.trajectories)
         m.update(self.state.sample_ages.metrics())
+        self.state.stale_tokens_trained += batch.stale_tokens
+        m.update(token_age_metrics(batch, self.state.stale_tokens_trained))
         # Samples whose weights changed while they were generated (partial rollouts).
         m["batch/mixed_version_samples"] = float(sum(tr.version_end != tr.version_start for tr in batch.trajectories))
         m["batch/samples"], m["batch/tokens"] = float(batch.size), float(batch.tokens)

@@ -11,7 +11,7 @@
     reward: {name: math}
     algorithm: {name: dapo, train_batch_size: 64}
     mode: batch-async
-    staleness: {threshold: 1, policy: drop}
+    staleness: {threshold: 1}
     sync: {method: memory, interval: 1}
     validation: {interval: 10, before_training: true}
     checkpoint: {interval: 50}
@@ -217,20 +217,27 @@ class PoolConfig(StrictModel):
 
 
 class StalenessConfig(StrictModel):
-    """How the bound on a trained sample's staleness (batch-async: `threshold`; sync: the schedule's lag) is kept.
+    """How the bound on a trained token's staleness (batch-async: `threshold`; fully-async:
+    `fully_async_bound`; sync: the schedule's lag) is kept.
 
-    `drop` batches finished groups in completion order and drops a group that finished too late for the
-    bound, retrying its task: its rollout compute is lost, and since the groups that finish late are the
-    long answers, training leans towards short ones (and a prompt whose answers are always long may be
-    retried again and again). `pace` orders finished groups into batches by deadline (the last version
-    each may be trained at) and closes a batch only when every group still in flight can meet its own,
-    waiting for a straggler when it could not: no finished group goes over the bound, none is thrown
-    away, and the lengths trained are the lengths generated (services/controller/batches/processor.py). The
-    price is trainer idle time while it waits: with a long-tailed generation time and threshold 1 it
-    may double (tests/unit/controller/test_controller_pacing.py measures both), so pace is not strictly
-    better and `drop` stays the default; sync mode neither drops nor waits under either. `correct`
-    trains late groups with the trainer's truncated importance-sampling correction instead
-    (algorithm.loss.is_cap).
+    `pace`, the default, orders finished groups into batches by deadline (the last version each may be
+    trained at) and closes a batch only when every group still in flight can meet its own, waiting for
+    a straggler when it could not: no finished group goes over the bound, none is thrown away, and the
+    lengths trained are the lengths generated (services/controller/batches/processor.py). The price is
+    trainer idle time while it waits (docs/performance.md, "Pacing by default", measures it against
+    drop on the tiny quickstart). `drop` batches finished groups in completion order and drops a group
+    that finished too late for the bound, retrying its task: its rollout compute is lost, and since the
+    groups that finish late are the long answers, training leans towards short ones (and a prompt whose
+    answers are always long may be retried again and again). Sync mode neither drops nor waits under
+    either. `correct` trains late groups with the trainer's truncated importance-sampling correction
+    instead (algorithm.loss.is_cap).
+
+    Whatever the mode and policy, the bound is enforced per token where samples are consumed (the batch
+    a group joins): a generation that ran across weight updates carries the version of each token, and a
+    token older than the bound is masked out of the loss (drop, pace) or trained with the correction
+    (correct), while its younger neighbours in the same sample train as they are
+    (services/controller/batches/batching.py). metrics.jsonl has the age of every trained token
+    (staleness/token_age_*) and the tokens masked (staleness/masked_tokens*).
 
     `lookahead` below `threshold` buys pace its slack: rollouts start at most `lookahead` versions
     ahead (so samples are about as fresh as with threshold = lookahead), and a group that runs long
@@ -246,10 +253,15 @@ class StalenessConfig(StrictModel):
         "which policy pace uses before it waits for a late group"
     )
     policy: Literal["drop", "pace", "correct"] = Field(
-        "drop", description="keeping the bound: drop (batch groups in completion order; a group over the bound is "
-        "dropped and its task retried), pace (batch groups by deadline and wait for a late group rather than drop "
-        "it: nothing is lost, no length bias, some trainer idle time) or correct (train late groups with IS "
-        "correction)"
+        "pace", description="keeping the bound: pace (batch groups by deadline and wait for a late group rather than "
+        "drop it: nothing is lost, no length bias, some trainer idle time), drop (batch groups in completion order; "
+        "a group over the bound is dropped and its task retried) or correct (train late groups with IS correction). "
+        "Tokens past the bound are masked out of the loss (pace, drop) or corrected (correct)"
+    )
+    fully_async_bound: int = Field(
+        4, ge=0, description="fully-async: most versions a trained token may lag the trainer's version; older "
+        "tokens are masked out of the loss (policy pace or drop) or trained with the IS correction (correct). "
+        "Nothing waits for it: rollouts are never held back in fully-async"
     )
 
 
@@ -448,6 +460,19 @@ class RunConfig(StrictModel):
         if self.mode == "batch-async":
             return self.staleness.threshold
         return None
+
+    @property
+    def token_staleness_bound(self) -> int:
+        """The most versions a trained token may lag the batch it is trained in, in every mode: sync the
+        schedule's lag, batch-async staleness.threshold, fully-async staleness.fully_async_bound."""
+        limit = self.staleness_limit
+        return self.staleness.fully_async_bound if limit is None else limit
+
+    @property
+    def corrects_stale_tokens(self) -> bool:
+        """Whether tokens past `token_staleness_bound` are trained with the IS correction (policy correct with a
+        cap in force) rather than masked out of the loss."""
+        return self.staleness.policy == "correct" and self.loss.is_cap > 0
 
     @property
     def dispatch_lookahead(self) -> int | None:

@@ -99,8 +99,9 @@ class LimitsConfig(StrictModel):
 
 class UpdatesConfig(StrictModel):
     default_pause_mode: PauseMode = Field(
-        "wait", description="in-flight policy of an update that names none (the synchronizer's policy names one "
-        "for the updates it makes due): abort, wait (drain) or keep (freeze)"
+        "keep", description="in-flight policy of an update that names none (the synchronizer's policy names one "
+        "for the updates it makes due): keep (freeze: in-flight requests go on with the new weights, none is "
+        "aborted, and each token records the version that produced it), wait (drain) or abort"
     )
     timeout_seconds: float = Field(
         300.0, gt=0, description="default deadline of fetching and staging one weight update, in seconds"

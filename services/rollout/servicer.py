@@ -83,6 +83,8 @@ def sample_to_proto(sample: SampleOutput, prompt_ids: list[int]) -> common_pb2.S
         index=sample.index,
         logprobs_distribution=sample.distribution.to_pb(),
         prompt_logprobs=sample.prompt_logprobs,
+        weight_version_spans=[common_pb2.VersionSpan(version=s.version, start=s.start, end=s.end)
+                              for s in sample.version_spans],
     )
 
 

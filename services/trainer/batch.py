@@ -54,7 +54,7 @@ class Batch:
     loss_mask: Tensor | None = None  # float32
     advantages: Tensor | None = None  # float32, per token
     behaviour_logprobs: Tensor | None = None  # float32, 0 outside the loss mask
-    weight_versions: Tensor | None = None  # int64 [B]
+    weight_versions: Tensor | None = None  # int64 [B] per sample, or [B, T] per token (read where loss_mask > 0)
     old_logprobs: Tensor | None = None  # float32
     ref_logprobs: Tensor | None = None  # float32
     #: The distribution each sample was drawn from (the sampling contract), [B] each; None: raw
@@ -327,13 +327,16 @@ def training_batch(
     versions = tensors.get("weight_versions")
     if versions is not None:
         _check_dtype("weight_versions", versions, _INTS, "an integer type")
-        _check_shape("weight_versions", versions, (batch.size,), "the batch size")
+        if tuple(versions.shape) not in ((batch.size,), shape):
+            raise InvalidArgument(f"batch.weight_versions: shape {list(versions.shape)} is neither [B] = "
+                                  f"[{batch.size}] (per sample) nor [B, T] = {list(shape)} (per token)")
         versions = versions.to(torch.int64)
-        if (versions < 0).any():
+        read = versions if versions.dim() == 1 else versions[loss_mask > 0]
+        if (read < 0).any():
             raise InvalidArgument("batch.weight_versions: must be >= 0")
-        if (versions > weight_version).any():
+        if (read > weight_version).any():
             raise FailedPrecondition(
-                f"batch.weight_versions: samples from version {int(versions.max())} but the trainer is at "
+                f"batch.weight_versions: tokens from version {int(read.max())} but the trainer is at "
                 f"weight version {weight_version}"
             )
     return batch.with_(

@@ -480,9 +480,14 @@ class TrainingEngine:
     def _staleness(policy: Policy, batch: Batch, before_step: bool = False) -> dict[str, float]:
         if batch.weight_versions is None:
             return {}
-        # Staleness of the samples against the weights that computed the gradient.
+        # Staleness against the weights that computed the gradient: of each sample, or of each token the
+        # loss reads when the batch says which version produced each token.
         current = policy.weight_version - (1 if before_step else 0)
-        lag = (current - batch.weight_versions).float()
+        versions = batch.weight_versions
+        if versions.dim() == 2:
+            assert batch.loss_mask is not None
+            versions = versions[batch.loss_mask > 0]
+        lag = (current - versions).float()
         return {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
 
     # ------------------------------------------------------------ inference

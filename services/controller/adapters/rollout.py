@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from flywheel.common.provenance import VersionSpan, check_spans
 from flywheel.common.types import SampledDistribution, finish_reason_from_pb, logprobs_mode_to_pb
 from flywheel.common.v1 import common_pb2 as cpb
-from flywheel.errors import FailedPrecondition
+from flywheel.errors import DataLoss, FailedPrecondition
 from flywheel.rollout.client import RolloutClient
 from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.runtime.tls import process_tls, scheme as tls_scheme
@@ -66,6 +67,12 @@ def http_host(address: str) -> str:
 
 
 def generation(sample: cpb.Sample) -> Generation:
+    spans = [VersionSpan(s.version, s.start, s.end) for s in sample.weight_version_spans]
+    if spans:
+        try:
+            check_spans(spans, len(sample.completion_token_ids))
+        except ValueError as exc:
+            raise DataLoss(f"the rollout returned a sample whose {exc}") from None
     return Generation(
         prompt_token_ids=list(sample.prompt_token_ids),
         completion_token_ids=list(sample.completion_token_ids),
@@ -75,6 +82,7 @@ def generation(sample: cpb.Sample) -> Generation:
         version_end=sample.weight_version_end,
         text=sample.text,
         distribution=SampledDistribution.from_pb(sample.logprobs_distribution),
+        version_spans=spans,
     )
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from flywheel.common.provenance import VersionSpan
 from flywheel.errors import (
     DeadlineExceeded,
     FlywheelError,
@@ -109,6 +110,8 @@ def session_call(data: Mapping[str, Any]) -> Generation:
         text=str(data.get("text", "")),
         engine=str(data.get("replica", "")),
         distribution=_distribution(data.get("logprobs_distribution")),
+        # An older rollout's records have none: every token is then attributed to version_start.
+        version_spans=[VersionSpan(int(v), int(a), int(b)) for v, a, b in data.get("version_spans") or ()],
     )
 
 

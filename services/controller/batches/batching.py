@@ -8,13 +8,23 @@ Tensors follow the trainer's contract (trainer.proto `TrainBatch`):
 - behaviour_logprobs: float32 [B, T], the sampling engine's log-prob of the
   token *at* each position (0 elsewhere);
 - advantages: float32 [B] (one per sequence);
-- weight_versions: int64 [B], the version each sample started with;
+- weight_versions: int64 [B, T], the version that produced the token at each
+  response position (0 elsewhere), from the trajectories' version spans: a
+  sample made across weight updates is not trained as if one policy made it;
 - sampling_temperature / sampling_top_k / sampling_top_p: [B], the distribution
   each sample was drawn from (the sampling contract), sent when any is not raw.
+
+The token staleness bound (`TokenBound`) is enforced here, where samples are
+consumed: a policy token whose age (the batch's version minus its own) is
+over the bound is masked out of the loss, or, when the run corrects, kept for
+the trainer's truncated importance-sampling correction; its neighbours in the
+same sample train either way. The batch says what it did (`token_ages`,
+`stale_tokens`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +32,19 @@ import numpy as np
 import torch
 
 from services.controller.domain import Trajectory
+
+
+@dataclass(frozen=True)
+class TokenBound:
+    """The most versions a trained token may lag the batch it is trained in, and what happens to one
+    that lags more: masked out of the loss, or (`correct`) trained with the trainer's IS correction."""
+
+    #: In versions; None: no bound (batches built outside a run).
+    limit: int | None = None
+    correct: bool = False
+
+
+UNBOUNDED = TokenBound()
 
 
 @dataclass
@@ -32,6 +55,11 @@ class TrainBatch:
     target_version: int
     #: Per-group notes from the processor (staleness etc.), for metrics.
     info: dict[str, float] = field(default_factory=dict)
+    #: Age (target_version - the token's version) -> policy tokens of that age the loss reads.
+    token_ages: Counter[int] = field(default_factory=Counter)
+    #: Policy tokens past the bound: masked out of the loss, or (`stale_corrected`) trained corrected.
+    stale_tokens: int = 0
+    stale_corrected: bool = False
 
     @property
     def size(self) -> int:
@@ -45,7 +73,8 @@ class TrainBatch:
         return [self.target_version - t.version for t in self.trajectories]
 
 
-def build_train_batch(trajectories: Sequence[Trajectory], target_version: int, pad_id: int = 0) -> TrainBatch:
+def build_train_batch(trajectories: Sequence[Trajectory], target_version: int, pad_id: int = 0,
+                      bound: TokenBound = UNBOUNDED) -> TrainBatch:
     if not trajectories:
         raise ValueError("cannot build an empty batch")
     b = len(trajectories)
@@ -56,6 +85,7 @@ def build_train_batch(trajectories: Sequence[Trajectory], target_version: int, p
     attention = np.zeros((b, t_max), dtype=np.int64)
     loss_mask = np.zeros((b, t_max), dtype=np.float32)
     logprobs = np.zeros((b, t_max), dtype=np.float32)
+    versions = np.zeros((b, t_max), dtype=np.int64)
     for row, t in enumerate(trajectories):
         p, r = len(t.prompt_ids), len(t.response_ids)
         if p == 0:
@@ -67,17 +97,41 @@ def build_train_batch(trajectories: Sequence[Trajectory], target_version: int, p
         attention[row, : p + r] = 1
         loss_mask[row, p : p + r] = t.response_mask
         logprobs[row, p : p + r] = t.response_logprobs
+        versions[row, p : p + r] = t.token_versions()
+    policy_tokens = loss_mask > 0
+    ages = np.where(policy_tokens, target_version - versions, 0)
+    stale = policy_tokens & (ages > bound.limit) if bound.limit is not None else np.zeros_like(policy_tokens)
+    if not bound.correct:
+        loss_mask[stale] = 0.0
     logprobs *= loss_mask  # behaviour log-probs only where the loss reads them
+    trained = loss_mask > 0
     tensors = {
         "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(attention),
         "loss_mask": torch.from_numpy(loss_mask),
         "advantages": torch.tensor([t.advantage or 0.0 for t in trajectories], dtype=torch.float32),
         "behaviour_logprobs": torch.from_numpy(logprobs),
-        "weight_versions": torch.tensor([t.version for t in trajectories], dtype=torch.int64),
+        "weight_versions": torch.from_numpy(np.where(policy_tokens, versions, 0)),
     }
     tensors.update(sampling_tensors(trajectories))
-    return TrainBatch(tensors=tensors, trajectories=list(trajectories), target_version=target_version)
+    ages_trained = Counter({int(age): int(n) for age, n in zip(*np.unique(ages[trained], return_counts=True))})
+    return TrainBatch(tensors=tensors, trajectories=list(trajectories), target_version=target_version,
+                      token_ages=ages_trained, stale_tokens=int(stale.sum()), stale_corrected=bound.correct)
+
+
+def stale_everywhere(group: Sequence[Trajectory], batch_version: int, bound: TokenBound) -> bool:
+    """Whether every policy token of `group` is past the bound at `batch_version` and would be masked:
+    such a group would train nothing (and a batch of nothing else is one the trainer refuses)."""
+    if bound.limit is None or bound.correct:
+        return False
+    policy_tokens = 0
+    for t in group:
+        for version, mask in zip(t.token_versions(), t.response_mask):
+            if mask:
+                policy_tokens += 1
+                if batch_version - version <= bound.limit:
+                    return False
+    return policy_tokens > 0
 
 
 def sampling_tensors(trajectories: Sequence[Trajectory]) -> dict[str, torch.Tensor]:

@@ -8,12 +8,16 @@ and for each:
    lineage lost with a trainer, see the rewind in docs/architecture.md): it
    is dropped and its task re-queued; a group over the staleness limit is
    dropped (its task re-queued: retried on fresher weights) or, with policy
-   "correct", kept for the trainer's importance-sampling correction;
+   "correct", kept for the trainer's importance-sampling correction; a group
+   every policy token of which is past the per-token bound (`TokenBound`,
+   every mode's, fully-async's too) and would be masked is dropped and retried
+   as well: it would train nothing;
 2. runs the algorithm (reward shaping, advantages, dynamic-sampling
    filter); a dropped group frees its slots at the gate so rollouts refill
    the batch with effective groups;
 3. adds it to the batch being assembled; a full batch becomes tensors and
-   goes to the train batch pool.
+   goes to the train batch pool, its tokens past the per-token bound masked
+   out of the loss or, with "correct", left for the correction (batching.py).
 
 How groups are ordered into batches depends on `staleness.policy`:
 
@@ -54,7 +58,7 @@ from dataclasses import dataclass
 
 from services.controller.telemetry.activity import now
 from services.controller.batches.algorithms import Algorithm
-from services.controller.batches.batching import TrainBatch, build_train_batch
+from services.controller.batches.batching import UNBOUNDED, TokenBound, TrainBatch, build_train_batch, stale_everywhere
 from services.controller.domain import Task, Trajectory
 from services.controller.batches.pool import PoolInstance
 from services.controller.batches.sample_age import bucket_of, completion_length
@@ -114,7 +118,8 @@ class AlgorithmProcessor:
         batch_size: int,
         group_size: int,
         staleness_limit: int | None,
-        stale_policy: str = "drop",
+        stale_policy: str = "pace",
+        token_bound: TokenBound = UNBOUNDED,
         in_flight_slack: int = 0,
         drop_last: bool = True,
         requeue: Callable[[Task], None],
@@ -126,6 +131,8 @@ class AlgorithmProcessor:
         self.limit, self.stale_policy, self.drop_last = staleness_limit, stale_policy, drop_last
         self.requeue, self.finish = requeue, finish
         self.pad_id = pad_id
+        #: The per-token bound each batch enforces (batching.py).
+        self.token_bound = token_bound
         #: Groups dropped, by reason ("stale", "equal_rewards", ...).
         self.dropped: Counter[str] = Counter()
         #: Samples dropped as stale, by completion-length bucket (sample_age.py): the length bias of `drop`.
@@ -154,6 +161,9 @@ class AlgorithmProcessor:
             for task_id in {t.task.id for t in group}:
                 self.finish(task_id)
 
+    def _batch(self, trajectories: list[Trajectory], version: int) -> TrainBatch:
+        return build_train_batch(trajectories, version, self.pad_id, self.token_bound)
+
     async def run(self) -> None:
         if self.paced:
             await self._run_paced()
@@ -170,6 +180,9 @@ class AlgorithmProcessor:
             if is_stale(min(t.version for t in group), version, self.limit) and self.stale_policy != "correct":
                 self._drop(group, "stale", retry=True)
                 continue
+            if stale_everywhere(group, version, self.token_bound):
+                self._drop(group, "stale", retry=True)  # every token would be masked: it would train nothing
+                continue
             reason = self.algorithm(group)
             if reason is not None:
                 self._drop(group, reason, retry=False)
@@ -179,9 +192,9 @@ class AlgorithmProcessor:
             batch.extend(group)
             if len(batch) >= self.batch_size:
                 ready, batch = batch[: self.batch_size], batch[self.batch_size :]
-                await self.out.put(build_train_batch(ready, version, self.pad_id))
+                await self.out.put(self._batch(ready, version))
         if batch and not self.drop_last:
-            await self.out.put(build_train_batch(batch, self.gate.next_batch_version, self.pad_id))
+            await self.out.put(self._batch(batch, self.gate.next_batch_version))
         elif batch:
             for task_id in {t.task.id for t in batch}:
                 self.finish(task_id)
@@ -228,7 +241,7 @@ class AlgorithmProcessor:
         if rest and not self.drop_last:
             version = self.gate.next_batch_version
             self.gate.accept(len(rest))
-            await self.out.put(build_train_batch(rest, version, self.pad_id))
+            await self.out.put(self._batch(rest, version))
         else:
             for task_id in {t.task.id for t in rest}:
                 self.finish(task_id)
@@ -300,7 +313,7 @@ class AlgorithmProcessor:
                 ready.extend(h.group)
                 self.groups_accepted += 1
         self.gate.accept(len(ready))
-        await self.out.put(build_train_batch(ready, version, self.pad_id))
+        await self.out.put(self._batch(ready, version))
         # Groups left that can no longer make any batch within the bound (only after
         # an anomaly: see the module docstring).
         for h in [h for h in held if h.deadline < self.gate.next_batch_version]:

@@ -29,6 +29,14 @@ written by the pipeline from the processor's `stale_by_length`).
 
 Ages are small integers, kept as counts per age, so the memory is bounded
 by buckets x distinct ages whatever the run's length.
+
+A sample made across weight updates has tokens of several ages; the tokens
+the loss reads are measured one by one (`token_age_metrics`, per step):
+
+    staleness/token_age_mean, staleness/token_age_max     over the step's trained tokens
+    staleness/token_age/<age>                             trained tokens of that age
+    staleness/masked_tokens[_total]                       tokens past the bound, masked out of the loss
+    staleness/corrected_tokens[_total]                    ... or trained with the IS correction
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from services.controller.batches.batching import TrainBatch
 from services.controller.domain import Trajectory
 
 #: Upper bounds (inclusive, tokens) of the length buckets; longer is the last bucket.
@@ -92,3 +101,22 @@ class SampleAgeReport:
     def _order(self) -> list[str]:
         names = [bucket_of(b, self.bounds) for b in self.bounds] + [f"len_gt_{self.bounds[-1]}"]
         return [n for n in names if n in self.ages]
+
+
+def token_age_metrics(batch: TrainBatch, stale_tokens_total: int) -> dict[str, float]:
+    """The ages of the tokens a batch trains, and the tokens past the bound (this step's, and in every batch
+    trained so far this session: `stale_tokens_total`), masked or corrected. Written every step, so a run
+    that masks none says so."""
+    ages = batch.token_ages
+    trained = sum(ages.values())
+    out = {
+        "staleness/token_age_mean": sum(age * n for age, n in ages.items()) / trained if trained else 0.0,
+        "staleness/token_age_max": float(max(ages, default=0)),
+    }
+    out.update({f"staleness/token_age/{age}": float(n) for age, n in sorted(ages.items())})
+    # One of the two happens to the tokens past the bound, by the run's policy; the other counts none.
+    done, other = ("corrected", "masked") if batch.stale_corrected else ("masked", "corrected")
+    out[f"staleness/{done}_tokens"] = float(batch.stale_tokens)
+    out[f"staleness/{done}_tokens_total"] = float(stale_tokens_total)
+    out[f"staleness/{other}_tokens"] = out[f"staleness/{other}_tokens_total"] = 0.0
+    return out

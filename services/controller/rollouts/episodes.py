@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from flywheel.common.provenance import VersionSpan, check_spans, merged, shifted
 from flywheel.errors import Aborted
 from services.controller.domain import RAW, FinishReason, Generation, SampledDistribution, Task, Trajectory
 
@@ -87,6 +88,9 @@ class Segment:
     final_text: str = ""
     #: The distribution its calls sampled from (one for all: the trainer replays one per sequence).
     distribution: SampledDistribution | None = None
+    #: The version of each model token, as spans over `response_ids` (the calls' own, moved to where
+    #: their completions lie; a call without spans leaves its tokens uncovered).
+    version_spans: list[VersionSpan] = field(default_factory=list)
 
     @property
     def context(self) -> list[int]:
@@ -110,6 +114,9 @@ class Segment:
             raise ValueError(f"a call sampled from {call.distribution} continues one sampled from {self.distribution}; "
                              "the trainer replays one distribution per sequence")
         self.distribution = call.distribution
+        if call.version_spans:
+            check_spans(call.version_spans, len(call.completion_token_ids), "version_spans")
+            self.version_spans += shifted(call.version_spans, len(self.response_ids))
         self.response_ids += call.completion_token_ids
         self.response_logprobs += [float(lp) for lp in call.completion_logprobs]
         self.response_mask += [1] * len(call.completion_token_ids)
@@ -184,4 +191,5 @@ def trajectory(segment: Segment, task: Task, *, sample_index: int, model_tag: st
         keys={"turns": len(segment.turn_versions)},
         engine=engine,
         distribution=segment.distribution or RAW,
+        version_spans=merged(segment.version_spans),
     )

@@ -38,7 +38,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from flywheel.errors import Aborted, FailedPrecondition, Unavailable
+from flywheel.common.provenance import VersionSpan, spans_of
+from flywheel.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from flywheel.synchronizer.client_types import WatchEvent
 from flywheel.synchronizer.policy import decide, required_version
 from flywheel.synchronizer.types import (
@@ -291,8 +292,10 @@ class SimulatedTrainer:
     export_time: Draw = field(default_factory=lambda: constant(0.0))
     step: int = 0
     version: int = 0
-    #: (trainer version at training, start version of each sample) per step.
+    #: (trainer version at training, the oldest version of the tokens each sample trains) per step.
     trained: list[tuple[int, list[int]]] = field(default_factory=list)
+    #: (trainer version at training, the version of every token trained) per step.
+    trained_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
     checkpoints: dict[str, tuple[int, int, bytes]] = field(default_factory=dict)
     #: Versions published, in order.
     published: list[int] = field(default_factory=list)
@@ -313,15 +316,22 @@ class SimulatedTrainer:
             raise FailedPrecondition("a train step is already running")
         if expected_step is not None and expected_step != self.step:
             raise FailedPrecondition(f"expected step {expected_step}, trainer is at {self.step}")
-        versions = batch.tensors["weight_versions"].tolist()
-        if max(versions) > self.version:
-            raise FailedPrecondition(f"samples from version {max(versions)} but the trainer is at {self.version}")
+        versions, mask = batch.tensors["weight_versions"], batch.tensors["loss_mask"] > 0
+        if versions.dim() == 1:  # per sample
+            versions = versions[:, None].expand(mask.shape)
+        tokens = versions[mask].tolist()
+        if not tokens:
+            raise InvalidArgument("batch.loss_mask: selects no tokens")
+        if max(tokens) > self.version:
+            raise FailedPrecondition(f"tokens from version {max(tokens)} but the trainer is at {self.version}")
+        oldest = [int(versions[row][mask[row]].min()) for row in range(mask.shape[0]) if mask[row].any()]
         self._busy = True
         try:
             await asyncio.sleep(self.train_time())
         finally:
             self._busy = False
-        self.trained.append((self.version, versions))
+        self.trained.append((self.version, oldest))
+        self.trained_tokens.append((self.version, tokens))
         self.step += 1
         self.version += 1
         await self.publish_if_due()  # before the step answers, as the real trainer does
@@ -400,6 +410,8 @@ class SimulatedRolloutEngine:
     _updating: asyncio.Event | None = None
     _aborts: set[asyncio.Event] = field(default_factory=set)
     _in_flight: int = 0
+    #: (loop time, version) of each version it served, in order: what spans its generations' tokens.
+    _served: list[tuple[float, int]] = field(default_factory=list)
 
     def attach(self, synchronizer: SimulatedSynchronizer) -> None:
         self.synchronizer = synchronizer
@@ -487,6 +499,7 @@ class SimulatedRolloutEngine:
                     await asyncio.sleep(0.001)
             admitted = loop.time()
             self.version = version
+            self._served.append((admitted, version))
         finally:
             event, self._updating = self._updating, None
             event.set()
@@ -522,6 +535,7 @@ class SimulatedRolloutEngine:
         self._aborts.add(aborted)
         self._in_flight += 1
         start = self.version
+        began = asyncio.get_running_loop().time()
         try:
             sleeper = asyncio.ensure_future(asyncio.sleep(self.gen_time()))
             waiter = asyncio.ensure_future(aborted.wait())
@@ -540,20 +554,32 @@ class SimulatedRolloutEngine:
                 finish = FinishReason.ABORT if aborted.is_set() or self.rng.random() < self.abort_probability else (
                     FinishReason.LENGTH if n_tokens >= sampling.max_tokens else FinishReason.STOP
                 )
+                spans = self._spans(start, began, n_tokens)
                 g = Generation(
                     prompt_token_ids=list(prompt_ids),
                     completion_token_ids=[1 + self.rng.randrange(997) for _ in range(n_tokens)],
                     completion_logprobs=[-self.rng.random() for _ in range(n_tokens)],
                     finish_reason=finish,
-                    version_start=start,
-                    version_end=self.version,
+                    version_start=spans[0].version if spans else start,
+                    version_end=spans[-1].version if spans else self.version,
                     text=self.text(p, self.rng),
                     engine=self.name,
+                    version_spans=spans,
                 )
                 samples.append(g)
                 self.generated.append(g)
             out.append(samples)
         return out
+
+    def _spans(self, start: int, began: float, n_tokens: int) -> list[VersionSpan]:
+        """The version of each of `n_tokens` made evenly over the generation that began at `began` on version
+        `start` and ends now: a token made after an update landed is the new version's (pause mode keep)."""
+        now = asyncio.get_running_loop().time()
+        versions = []
+        for i in range(n_tokens):
+            at = began + (now - began) * (i + 1) / n_tokens
+            versions.append(max([start, *(v for t, v in self._served if began < t <= at)]))
+        return spans_of(versions)
 
     async def sessions(self) -> Any:
         raise FailedPrecondition(

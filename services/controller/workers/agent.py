@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+from flywheel.common.provenance import VersionSpan, shifted
 from services.controller.domain import (
     FinishReason,
     PromptInput,
@@ -78,6 +79,7 @@ class AgentRolloutWorker(RolloutWorker):
         mask: list[int] = []
         texts: list[str] = []
         starts, ends = [], []
+        spans: list[VersionSpan] = []
         finish = FinishReason.STOP
         for turn in range(self.ctx.max_turns):
             request = PromptInput(request_id=f"{key}@{turn}", token_ids=prompt_ids + ids)
@@ -88,6 +90,7 @@ class AgentRolloutWorker(RolloutWorker):
                 raise _Stop(RolloutOutcome(RolloutStatus.FAIL, error="the engine reported an error for a generation"))
             starts.append(g.version_start)
             ends.append(g.version_end)
+            spans += shifted(g.version_spans, len(ids))
             ids += g.completion_token_ids
             logprobs += g.completion_logprobs
             mask += [1] * len(g.completion_token_ids)
@@ -119,4 +122,5 @@ class AgentRolloutWorker(RolloutWorker):
             keys={"turns": len(starts)},
             engine=g.engine,
             distribution=g.distribution,
+            version_spans=spans,
         )

@@ -110,6 +110,7 @@ class RolloutWorker(ABC):
             sample_index=index,
             model_tag=self.ctx.model_tag,
             distribution=g.distribution,
+            version_spans=list(g.version_spans),
         )
 
     async def score_all(self, task: Task, trajectories: list[Trajectory]) -> RolloutOutcome:

@@ -2,7 +2,7 @@
 
 An engine generates from token ids (prompts are tokenized before they reach
 it, so every engine sees exactly the ids the caller is told about), reports
-per sample the weight version of its first and last token, pauses in one of
+the weight version that produced each token (as spans), pauses in one of
 three modes, and swaps in verified weights while paused. The service core
 (`services.rollout.serving.core`) owns admission, the update gate and versions; an
 engine only does what it is told.
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from flywheel.codec.identity import VersionIdentity
+from flywheel.common.provenance import VersionSpan
 from flywheel.common.types import RAW, FinishReason, PauseMode, SampledDistribution, SamplingSpec
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.probe import ProbeBatch
@@ -44,6 +45,9 @@ class SampleOutput:
     version_start: int
     #: Weight version that produced the last token.
     version_end: int
+    #: The version that produced each token, as spans over `token_ids` (flywheel.common.provenance);
+    #: empty when the engine could not tell (consumers then attribute every token to `version_start`).
+    version_spans: list[VersionSpan] = field(default_factory=list)
     #: The distribution `logprobs` and `top_logprobs` are of.
     distribution: SampledDistribution = RAW
     #: When the spec asked (`SamplingSpec.prompt_logprobs`): log p(prompt[i + 1] | prompt[:i + 1]) for each i,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from flywheel.common.provenance import spans_of
 from services.rollout.engine.base import Delta, FinishReason, SampleOutput, SamplingSpec
 
 # U+FFFD at the end of decoded text means a multi-byte character is still incomplete.
@@ -73,7 +74,8 @@ class Sequence:
     text: str = ""
     emitted_text: int = 0
     emitted_tokens: int = 0
-    version_start: int | None = None
+    #: The weight version that produced each token of `out_ids`.
+    versions: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
     stop_reason: str = ""
     #: log p(prompt[i + 1] | prompt[:i + 1]) when the spec asks (`score_prompt`).
@@ -106,8 +108,7 @@ class Sequence:
         processed = process_logits(logits.float(), self.spec, self.prompt_ids + self.out_ids, len(self.out_ids), self.stop_ids)
         token = choose(processed, self.spec, self.generator)
         reported = torch.log_softmax(logits.float() if self.spec.logprobs_mode == "raw" else processed, dim=-1)
-        if self.version_start is None:
-            self.version_start = version
+        self.versions.append(version)
         self.out_ids.append(token)
         self.logprobs.append(float(reported[token]))
         if self.spec.top_logprobs:
@@ -154,8 +155,9 @@ class Sequence:
                 text=self.text,
                 finish_reason=self.finish,
                 stop_reason=self.stop_reason,
-                version_start=self.version_start if self.version_start is not None else version,
-                version_end=version,
+                version_start=self.versions[0] if self.versions else version,
+                version_end=self.versions[-1] if self.versions else version,
+                version_spans=spans_of(self.versions),
                 distribution=self.spec.distribution(self.spec.logprobs_mode or "processed"),
                 prompt_logprobs=list(self.prompt_logprobs),
             )

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from flywheel import errors
+from flywheel.common.provenance import VersionSpan, check_spans
 from flywheel.common.types import SampledDistribution
 from flywheel.errors import Aborted, FailedPrecondition, InvalidArgument
 from flywheel.runtime.tls import process_tls
@@ -116,6 +117,19 @@ class _Sample:
         #: vLLM's prompt log-probs as they come (a long prompt's prefill chunks each add theirs when streamed):
         #: None first (the first token's), then {token id: Logprob} per prompt position.
         self.prompt: list[Any] = []
+
+
+def _version_spans(spans: list[Any], length: int) -> list[VersionSpan]:
+    """vLLM's weight-version spans of a finished completion (the engine core stamps each step with the
+    version we set after a swap) as ours. Spans that do not cover the completion exactly are not
+    passed on as if they did: none are, and consumers attribute every token to the sample's start."""
+    ours = [VersionSpan(int(s.version), int(s.start), int(s.end)) for s in spans]
+    try:
+        check_spans(ours, length)
+    except ValueError as exc:
+        log.warning("vLLM's weight-version spans left out: %s", exc)
+        return []
+    return ours
 
 
 def _prompt_logprobs(entries: list[Any], prompt_ids: list[int], finished: bool) -> list[float]:
@@ -318,15 +332,16 @@ class VllmEngine(Engine):
         delta = Delta(index=sample.index, token_ids=ids, logprobs=logprobs, top_logprobs=top, text=completion.text)
         if completion.finish_reason is not None:
             sample.done = True
-            spans = completion.weight_versions or []
-            start = int(spans[0].version) if spans else self._version
-            end = int(spans[-1].version) if spans else self._version
+            marked = completion.weight_versions or []
+            start = int(marked[0].version) if marked else self._version
+            end = int(marked[-1].version) if marked else self._version
+            spans = _version_spans(marked, len(sample.ids))
             reason = completion.finish_reason if completion.finish_reason in ("stop", "length", "abort") else "error"
             stop = completion.stop_reason
             delta.final = SampleOutput(
                 index=sample.index, token_ids=sample.ids, logprobs=sample.logprobs, top_logprobs=sample.top,
                 text=sample.text, finish_reason=reason, stop_reason="" if stop is None else str(stop),
-                version_start=start, version_end=end, distribution=distribution,
+                version_start=start, version_end=end, version_spans=spans, distribution=distribution,
                 prompt_logprobs=_prompt_logprobs(sample.prompt, prompt_ids, reason in ("stop", "length")),
             )
         return delta

@@ -37,7 +37,7 @@ from services.rollout.openai_api.http_responses import responses_route
 from services.rollout.openai_api.http_stream import chat_stream, completion_stream
 from services.rollout.openai_api.openapi import openapi_document
 from services.rollout.openai_api.openai_protocol import (
-    ChatRequest, CompletionRequest, FinishSessionRequest, OpenSessionRequest, chat_logprobs, completion_logprobs, envelope, new_id, usage, version_of,
+    ChatRequest, CompletionRequest, FinishSessionRequest, OpenSessionRequest, chat_logprobs, completion_logprobs, envelope, new_id, sample_version, usage, version_of,
 )
 from services.rollout.serving.prompts import PromptInput, TextPrompt, TokenPrompt
 from services.rollout.openai_api.sessions import Session, SessionStore, pace
@@ -222,7 +222,7 @@ def _completion_body(core: RolloutCore, body: CompletionRequest, outputs: list[P
                 "stop_reason": s.stop_reason or None,
                 "prompt_token_ids": output.prompt_ids,
                 "token_ids": s.token_ids,
-                "weight_version": {"start": s.version_start, "end": s.version_end},
+                "weight_version": sample_version(s),
             })
     prompt_tokens = sum(len(o.prompt_ids) for o in outputs)
     return {
@@ -247,7 +247,7 @@ def _chat_body(core: RolloutCore, body: ChatRequest, turn: ChatTurn, output: Pro
             "finish_reason": finish,
             "stop_reason": s.stop_reason or None,
             "token_ids": s.token_ids,
-            "weight_version": {"start": s.version_start, "end": s.version_end},
+            "weight_version": sample_version(s),
         })
     return {
         **envelope("chat.completion", new_id("chatcmpl"), core.model_name),

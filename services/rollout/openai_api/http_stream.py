@@ -21,7 +21,7 @@ from services.rollout.openai_api.chat import ChatTurn, reply_of
 from services.rollout.serving.core import Reservation, RolloutCore
 from services.rollout.engine.base import Delta, SampleOutput, SamplingSpec
 from services.rollout.openai_api.openai_protocol import (
-    ChatRequest, CompletionRequest, chat_logprobs, completion_logprobs, envelope, new_id, usage,
+    ChatRequest, CompletionRequest, chat_logprobs, completion_logprobs, envelope, new_id, sample_version, usage,
 )
 from services.rollout.serving.prompts import ResolvedPrompt
 
@@ -108,7 +108,7 @@ async def completion_stream(core: RolloutCore, body: CompletionRequest, prompts:
                     choice["finish_reason"] = f.finish_reason
                     choice["stop_reason"] = f.stop_reason or None
                     choice["prompt_token_ids"] = prompts[p].ids
-                    choice["weight_version"] = chunk["weight_version"] = {"start": f.version_start, "end": f.version_end}
+                    choice["weight_version"] = chunk["weight_version"] = sample_version(f)
                 yield sse(chunk)
         if body.stream_options and body.stream_options.include_usage:
             yield sse({**base, "choices": [], "usage": usage(sum(len(p.ids) for p in prompts), completion_tokens)})
@@ -155,7 +155,7 @@ async def chat_stream(core: RolloutCore, body: ChatRequest, turn: ChatTurn, spec
                 if d.final is not None:
                     f = d.final
                     choice["stop_reason"] = f.stop_reason or None
-                    choice["weight_version"] = chunk["weight_version"] = {"start": f.version_start, "end": f.version_end}
+                    choice["weight_version"] = chunk["weight_version"] = sample_version(f)
                 yield sse(chunk)
         if body.stream_options and body.stream_options.include_usage:
             yield sse({**base, "choices": [], "usage": usage(len(prompt.ids), completion_tokens)})

@@ -3,8 +3,10 @@
 Requests: unknown parameters and values of the wrong JSON type are refused
 (400 naming them), so a typo never silently changes sampling. Responses are what the official SDK parses, plus
 extra fields it ignores: `prompt_token_ids`, each choice's `token_ids` and
-`weight_version` {start, end}, and the response's `weight_version` (the
-lowest start and highest end over its choices).
+`weight_version` {start, end, spans} (spans: [version, start, end] triples over
+its token_ids, the version that produced each token: flywheel.common.provenance),
+and the response's `weight_version` (the lowest start and highest end over its
+choices).
 """
 
 from __future__ import annotations
@@ -143,6 +145,12 @@ class FinishSessionRequest(_Strict):
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sample_version(sample: SampleOutput) -> dict[str, Any]:
+    """A choice's `weight_version` extension: its first and last token's versions and the spans between."""
+    return {"start": sample.version_start, "end": sample.version_end,
+            "spans": [[s.version, s.start, s.end] for s in sample.version_spans]}
 
 
 def version_of(samples: list[SampleOutput]) -> dict[str, int]:

@@ -77,8 +77,13 @@ _REQUEST_FIELDS = {
     },
 }
 
-_WEIGHT_VERSION = {"type": "object", "required": ["start", "end"], "properties": {"start": _INT, "end": _INT},
-                   "description": "Flywheel: the weight versions of the first and last generated token"}
+_SPANS = {"type": "array", "items": {"type": "array", "items": _INT, "minItems": 3, "maxItems": 3},
+          "description": "Flywheel: [version, start, end] triples, in order over the choice's token_ids (end "
+                         "exclusive): the weight version that produced each token"}
+_WEIGHT_VERSION = {"type": "object", "required": ["start", "end"],
+                   "properties": {"start": _INT, "end": _INT, "spans": _SPANS},
+                   "description": "Flywheel: the weight versions of the first and last generated token; a choice's "
+                                  "also the version of each token (spans)"}
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
           "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}
 _FINISH = _nullable(_STR)
@@ -169,7 +174,8 @@ _ANSWERS: dict[str, dict[str, Any]] = {
                              "version_end", "finish_reason", "replica", "text"],
                 "properties": {"api": _STR, "prompt_token_ids": _IDS, "completion_token_ids": _IDS,
                                "logprobs": {"type": "array", "items": _NUM}, "version_start": _INT,
-                               "version_end": _INT, "finish_reason": _STR, "replica": _STR, "text": _STR,
+                               "version_end": _INT, "version_spans": _SPANS, "finish_reason": _STR, "replica": _STR,
+                               "text": _STR,
                                "logprobs_distribution": {
                                    "type": "object", "required": ["temperature", "top_k", "top_p", "penalised"],
                                    "properties": {"temperature": _NUM, "top_k": _INT, "top_p": _NUM,

@@ -19,7 +19,7 @@ from typing import Any
 
 from flywheel.errors import InvalidArgument
 from services.rollout.engine.base import SampleOutput
-from services.rollout.openai_api.openai_protocol import ResponsesRequest, new_id
+from services.rollout.openai_api.openai_protocol import ResponsesRequest, new_id, sample_version
 from services.rollout.openai_api.sessions import Session
 
 _ROLES = ("user", "system", "developer", "assistant")
@@ -159,7 +159,7 @@ def response_object(body: ResponsesRequest, response_id: str, model: str, *, sta
         # Flywheel's extensions, as in chat completions.
         out["prompt_token_ids"] = prompt_ids
         out["token_ids"] = sample.token_ids
-        out["weight_version"] = {"start": sample.version_start, "end": sample.version_end}
+        out["weight_version"] = sample_version(sample)
     return out
 
 

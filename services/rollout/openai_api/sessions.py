@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.common.provenance import VersionSpan
 from flywheel.common.types import RAW, SampledDistribution
 from flywheel.errors import InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
 
@@ -70,11 +71,14 @@ class CallRecord:
     reply: dict[str, Any] | None = None
     #: Responses API: the response's id (`previous_response_id` resolves to it).
     response_id: str = ""
+    #: The version that produced each completion token, as spans (flywheel.common.provenance).
+    version_spans: list[VersionSpan] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "api": self.api, "prompt_token_ids": self.prompt_ids, "completion_token_ids": self.completion_ids,
             "logprobs": self.logprobs, "version_start": self.version_start, "version_end": self.version_end,
+            "version_spans": [list(span) for span in self.version_spans],
             "finish_reason": self.finish_reason, "replica": self.replica, "text": self.text,
             "logprobs_distribution": {"temperature": self.distribution.temperature, "top_k": self.distribution.top_k,
                                       "top_p": self.distribution.top_p, "penalised": self.distribution.penalised},

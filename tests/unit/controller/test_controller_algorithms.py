@@ -96,7 +96,9 @@ def test_batch_tensors_follow_the_trainer_contract() -> None:
     assert t["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 0, 0, 1]]
     lp = t["behaviour_logprobs"]
     assert lp.dtype == torch.float32 and lp[1].tolist() == pytest.approx([0, 0, 0, -0.1, 0, 0, -0.4])
-    assert t["advantages"].tolist() == [0.5, -1.0] and t["weight_versions"].tolist() == [0, 3]
+    assert t["advantages"].tolist() == [0.5, -1.0]
+    # Per token, where the policy made one (tool tokens and the prompt: 0).
+    assert t["weight_versions"].tolist() == [[0] * 7, [0, 0, 0, 3, 0, 0, 3]]
     assert batch.staleness() == [4, 1] and batch.tokens == 12
     assert math.isclose(float(t["loss_mask"].sum()), 4.0)
     # Raw log-probs everywhere: nothing for the trainer to replay, no sampling fields.

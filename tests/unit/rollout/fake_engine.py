@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Mapping
 import torch
 
 from flywheel.codec.identity import VersionIdentity, identify
+from flywheel.common.provenance import spans_of
 from services.rollout.engine.base import (
     NO_FAULTS, Delta, Engine, EngineLoad, LoadFaults, Measured, PauseMode, SampleOutput, SamplingSpec, StagedWeights,
     TensorSpec,
@@ -63,7 +64,9 @@ class FakeEngine(Engine):
                     yield [Delta(index=0, token_ids=ids[-1:], logprobs=[-1.0], text=self.reply[step] if self.reply else "x")]
             reason = "abort" if request_id in self._aborted else "stop" if self.reply is not None else "length"
             text = self.reply if self.reply is not None else "x" * len(ids)
-            final = SampleOutput(0, ids, [-1.0] * len(ids), [], text, reason, "", start, self._version)
+            # Each token's version, as a real engine records it (the token says it too: 100 + version).
+            final = SampleOutput(0, ids, [-1.0] * len(ids), [], text, reason, "", start, self._version,
+                                 version_spans=spans_of(token - 100 for token in ids))
             yield [Delta(index=0, final=final)]
         finally:
             self.running.pop(request_id, None)

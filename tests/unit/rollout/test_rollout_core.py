@@ -68,6 +68,27 @@ async def test_update_bumps_version_and_new_requests_use_new_weights() -> None:
     assert (out.samples[0].version_start, out.samples[0].version_end) == (3, 3)
 
 
+async def test_an_update_that_names_no_mode_keeps_requests_going_and_each_token_says_its_version() -> None:
+    core, engine = make_core(step_seconds=0.002)
+    assert core.config.updates.default_pause_mode == "keep"
+    updates = WeightUpdates(core, core.config)
+    running = asyncio.create_task(core.generate([prompt("long")], SamplingSpec(max_tokens=60)))
+    for version in (1, 2, 3):
+        await asyncio.sleep(0.02)
+
+        async def stage(version: int = version) -> StagedWeights:
+            return staged(version, float(version))
+
+        outcome = await updates.run(version, stage, None, 10)
+        assert outcome.aborted_request_ids == []  # keep aborts nothing
+    (out,) = await running
+    (sample,) = out.samples
+    assert sample.finish_reason == "length" and len(sample.token_ids) == 60
+    assert [s.version for s in sample.version_spans] == [0, 1, 2, 3]
+    assert [100 + v for s in sample.version_spans for v in [s.version] * (s.end - s.start)] == sample.token_ids
+    assert (sample.version_start, sample.version_end) == (0, 3)
+
+
 async def test_failed_or_late_staging_leaves_weights_and_version() -> None:
     core, engine = make_core()
     updates = WeightUpdates(core, core.config)

@@ -47,6 +47,8 @@ async def test_completion_carries_ids_and_versions(client) -> None:
     assert body["prompt_token_ids"] == [5, 6, 7] and body["weight_version"] == {"start": 0, "end": 0}
     (choice,) = body["choices"]
     assert choice["token_ids"] == [100, 100, 100] and choice["finish_reason"] == "length"
+    # The version of each token, as [version, start, end] spans over token_ids.
+    assert choice["weight_version"] == {"start": 0, "end": 0, "spans": [[0, 0, 3]]}
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
 
@@ -107,7 +109,7 @@ async def test_streams_are_sse_with_a_final_version_and_done(client) -> None:
     tokens = sum((c["choices"][0]["token_ids"] for c in chunks[1:] if c["choices"]), [])
     assert tokens == [100, 100, 100]
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert finals[0]["weight_version"] == {"start": 0, "end": 0}
+    assert finals[0]["weight_version"] == {"start": 0, "end": 0, "spans": [[0, 0, 3]]}
     assert chunks[-1]["usage"]["completion_tokens"] == 3
 
 

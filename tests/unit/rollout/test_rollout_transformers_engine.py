@@ -76,6 +76,9 @@ async def test_pause_keep_then_swap_continues_on_new_weights(engine, rollout_mod
     (sample,), _ = await task
     assert (sample.version_start, sample.version_end) == (0, 1)
     assert engine.version == 1
+    # Which token each version made: the ones before the swap are 0's, the rest 1's, in two spans.
+    (old, fresh) = sample.version_spans
+    assert (old.version, old.start, fresh.version, fresh.end) == (0, 0, 1, 40) and 0 < old.end == fresh.start < 40
 
 
 async def test_pause_abort_ends_in_flight_samples(engine) -> None:

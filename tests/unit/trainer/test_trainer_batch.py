@@ -84,7 +84,11 @@ def test_values_outside_the_loss_mask_are_zeroed() -> None:
         ({"old_logprobs": torch.full((2, 4), float("-inf"))}, "batch.old_logprobs: NaN or inf", InvalidArgument),
         ({"weight_versions": torch.tensor([1, 2, 3])}, "batch.weight_versions: shape", InvalidArgument),
         ({"weight_versions": torch.tensor([-1, 2])}, "batch.weight_versions: must be >= 0", InvalidArgument),
-        ({"weight_versions": torch.tensor([4, 5])}, "batch.weight_versions: samples from version 5", FailedPrecondition),
+        ({"weight_versions": torch.tensor([4, 5])}, "batch.weight_versions: tokens from version 5", FailedPrecondition),
+        ({"weight_versions": torch.tensor([[0, 0, 4, 5], [0, 4, 4, 0]])}, "batch.weight_versions: tokens from version 5",
+         FailedPrecondition),
+        ({"weight_versions": torch.zeros(2, 3, dtype=torch.int64)}, "batch.weight_versions: shape [2, 3] is neither",
+         InvalidArgument),
     ],
 )
 def test_bad_fields_are_named(overrides, field: str, error: type) -> None:
@@ -92,6 +96,12 @@ def test_bad_fields_are_named(overrides, field: str, error: type) -> None:
         build(**overrides)
     assert str(info.value).startswith(field), str(info.value)
     assert type(info.value) is error
+
+
+def test_per_token_versions_are_read_where_the_loss_reads() -> None:
+    # A version newer than the trainer's outside the loss mask (a prompt or padding position) is never read.
+    batch = build(weight_versions=torch.tensor([[9, 9, 2, 4], [9, 3, 4, 9]]))
+    assert batch.weight_versions.shape == (2, 4)
 
 
 def test_size_limits() -> None:
