@@ -6,11 +6,13 @@ bodies are in `http_stream`.
     POST /v1/completions       text or token-id prompts; SSE when stream=true
     POST /v1/chat/completions  chat messages, tools, structured output; SSE when stream=true
     POST /v1/responses         the Responses API (services.rollout.openai_api.http_responses)
+    POST /v1/messages          the Anthropic Messages dialect, and /v1/messages/count_tokens
+                               (services.rollout.openai_api.http_messages; errors in that API's shape)
     GET  /health               200 once a model is served (no auth)
     GET  /openapi.json         the OpenAPI document of every route here (no auth; services.rollout.openai_api.openapi)
     GET  /metrics              Prometheus text (a token of any scope with server.metrics_auth, like the metrics port)
 
-Agent sessions (services.rollout.openai_api.sessions): the same four API routes under
+Agent sessions (services.rollout.openai_api.sessions): the same API routes under
 `/sessions/{id}/v1/`, authorized by that session's key and recorded
 token-exact, plus `POST /sessions/{id}/v1/finish` ({"reward": x}) for the
 agent; `POST /v1/sessions`, `GET` and `DELETE /v1/sessions/{id}` for the
@@ -33,6 +35,7 @@ from services.rollout.openai_api.chat import ChatTurn, prepare_turn, record, rep
 from services.rollout.config import RolloutConfig
 from services.rollout.serving.core import PromptOutput, RolloutCore
 from services.rollout.openai_api.http_common import install_error_handlers, json_response, parse
+from services.rollout.openai_api.http_messages import messages_routes
 from services.rollout.openai_api.http_responses import responses_route
 from services.rollout.openai_api.http_stream import chat_stream, completion_stream
 from services.rollout.openai_api.openapi import openapi_document
@@ -70,10 +73,13 @@ def create_app(core: RolloutCore, config: RolloutConfig, tokens: TokenScopes, se
     def authorize(request: Request) -> Session | None:
         """The session of a session-scoped route (its key checked), else the bearer token's scope checked."""
         session_id = request.path_params.get("session_id")
+        # The Anthropic SDK sends its key as x-api-key (its auth_token option as a bearer token).
+        bearer = request.headers.get("authorization") or (
+            f"Bearer {request.headers['x-api-key']}" if "x-api-key" in request.headers else None)
         if session_id is not None:
-            return sessions.authorize(session_id, request.headers.get("authorization", ""))
+            return sessions.authorize(session_id, bearer or "")
         if tokens:
-            tokens.admit(request.headers.get("authorization"), API_SCOPE, f"{request.method} {request.url.path}")
+            tokens.admit(bearer, API_SCOPE, f"{request.method} {request.url.path}")
         return None
 
     install_error_handlers(app)
@@ -196,11 +202,14 @@ def create_app(core: RolloutCore, config: RolloutConfig, tokens: TokenScopes, se
         return json_response(sessions.finish(session.id, body.reward).to_json())
 
     responses = responses_route(core, config, authorize, check_model, tools_format, replica)
+    messages, count_tokens = messages_routes(core, config, authorize, check_model, tools_format, replica)
     for prefix in ("/v1", "/sessions/{session_id}/v1"):
         app.add_route(f"{prefix}/models", models, methods=["GET"])
         app.add_route(f"{prefix}/completions", completions, methods=["POST"])
         app.add_route(f"{prefix}/chat/completions", chat, methods=["POST"])
         app.add_route(f"{prefix}/responses", responses, methods=["POST"])
+        app.add_route(f"{prefix}/messages", messages, methods=["POST"])
+        app.add_route(f"{prefix}/messages/count_tokens", count_tokens, methods=["POST"])
     app.add_route("/sessions/{session_id}/v1/finish", finish_session, methods=["POST"])
     app.add_route("/v1/sessions", open_session, methods=["POST"])
     app.add_route("/v1/sessions/{id}", get_session, methods=["GET"])

@@ -23,7 +23,8 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": None, "code": status}}
 
 
-def error_response(exc: Exception) -> JSONResponse:
+def error_status(exc: Exception) -> tuple[int, dict[str, str]]:
+    """The HTTP status of a domain error, and the headers that go with it (every dialect's)."""
     code = getattr(exc, "code", "INTERNAL")
     status = getattr(exc, "http_status", None) or HTTP_STATUS.get(code, 500)
     headers = {}
@@ -31,6 +32,11 @@ def error_response(exc: Exception) -> JSONResponse:
         # Whole seconds (RFC 9110), rounded, not ceiled: the hint is spread over [hint, 2 x hint]
         # (RolloutCore.reserve), and a ceiling would turn a 1 s hint into 2 s for everyone.
         headers["Retry-After"] = str(max(1, round(exc.retry_after_seconds)))
+    return status, headers
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    status, headers = error_status(exc)
     return JSONResponse(error_body(status, str(exc)), status_code=status, headers=headers)
 
 
