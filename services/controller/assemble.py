@@ -31,6 +31,7 @@ from services.controller.pipeline import Pipeline
 from services.controller.batches.pool import TrajectoryPool
 from services.controller.batches.processor import AlgorithmProcessor, TrainBatchPool
 from services.controller.protocols import HealthProbe, RolloutEngine, Synchronizer, Trainer
+from services.controller.tasks.judge import Post, RemoteJudge
 from services.controller.tasks.rewards import get_reward, import_object
 from services.controller.rollouts.manager import RolloutManager
 from services.controller.run_config import RunConfig, SamplingConfig
@@ -62,6 +63,9 @@ class Services:
     rollout_filter: Sequence[str] = ()
     #: Closes connections when the run ends.
     close: Callable[[], Any] | None = None
+    #: How a remote judge's bodies are sent (reward.judge; tasks.judge.Post): None posts them over HTTP to
+    #: reward.judge.url (adapters.judge_http); tests and benches pass a simulated judge.
+    judge: Post | None = None
 
 
 def _resolve(field_name: str, make: Callable[[], Any]) -> Any:
@@ -100,7 +104,17 @@ def build_pipeline(
     retry_backoff_seconds: float = 0.5,
 ) -> Pipeline:
     worker_cls = _resolve("worker.type", lambda: worker_class(cfg.worker.type))
-    reward = _resolve("reward.name", lambda: get_reward(cfg.reward.name))
+    tracker, errors = ActivityTracker(), ErrorReporter(cfg.errors.policy, cfg.errors.max_recorded)
+    judge, close_judge = None, None
+    if cfg.reward.judge is not None:
+        post = services.judge
+        if post is None:
+            from services.controller.adapters.judge_http import HttpJudge
+
+            http = HttpJudge(cfg.reward.judge)
+            post, close_judge = http.post, http.close
+        judge = RemoteJudge(cfg.reward.judge, post, errors)
+    reward = judge or _resolve("reward.name", lambda: get_reward(cfg.reward.name))
     algorithm = _resolve("algorithm.name", lambda: make_algorithm(cfg))
     tools = build_tools(cfg) if cfg.worker.tools else None
     agent = _resolve("worker.agent", lambda: load_agent(cfg.worker.agent)) if cfg.worker.agent else None
@@ -113,7 +127,6 @@ def build_pipeline(
             "data.validation", lambda: loader_from_config(cfg.data.validation, seed=cfg.run.seed, epochs=1, split="val")
         )
 
-    tracker, errors = ActivityTracker(), ErrorReporter(cfg.errors.policy, cfg.errors.max_recorded)
     engines = EnginePool(services.rollouts, dynamic=services.connect_rollout is not None)
     group, batch = cfg.worker.group_size, cfg.algorithm.train_batch_size
     pool = TrajectoryPool(cfg.pool_store, cfg.pool.keys, group, cfg.buffer_size_limit, cfg.pool.count_in_flight)
@@ -134,6 +147,7 @@ def build_pipeline(
         group_size=group, sampling=sampling_spec(cfg.worker.sampling), max_in_flight=cfg.worker.max_in_flight,
         max_retries=cfg.worker.max_retries, timeout_seconds=cfg.worker.timeout_seconds,
         retry_backoff_seconds=retry_backoff_seconds, until_a_replica_serves=engines.until_one_serves,
+        scoring_slots=_scoring_slots(cfg),
     )
     batches = TrainBatchPool(maxsize=1)
     processor = AlgorithmProcessor(
@@ -206,4 +220,15 @@ def build_pipeline(
         rollouts=rollouts, processor=processor, batches=batches, train_worker=train_worker,
         fleet=fleet, tracker=tracker, errors=errors, metrics=metrics, memory=memory,
         validator=validator, liveness=liveness, observer=observer, run_dir=Path(run_dir) if run_dir else None,
+        judge=judge, close_judge=close_judge,
     )
+
+
+def _scoring_slots(cfg: RunConfig) -> int:
+    """Rollout slots for groups awaiting a remote judge's scores while others generate (none without one)."""
+    judge = cfg.reward.judge
+    if judge is None:
+        return 0
+    if judge.groups_in_flight is not None:
+        return judge.groups_in_flight
+    return max(1, judge.max_concurrency // cfg.worker.group_size)

@@ -7,7 +7,7 @@ stores and algorithms can be written and tested without any service running.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import Enum
@@ -199,3 +199,7 @@ RUN_STEP: ContextVar[int] = ContextVar("run_step", default=0)
 #: The least weight version generations requested in this context must be
 #: made with (validation names the version it measures; 0: any).
 MIN_WEIGHT_VERSION: ContextVar[int] = ContextVar("min_weight_version", default=0)
+#: Frees the generation slot of the rollout running in this context (set per rollout by the rollout
+#: manager; None elsewhere): a worker calls it once its generation is done and only scoring is left
+#: (`RolloutWorker.score_all`), so that the next task generates while a remote judge scores this one.
+GENERATION_DONE: ContextVar[Callable[[], None] | None] = ContextVar("generation_done", default=None)

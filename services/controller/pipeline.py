@@ -37,6 +37,7 @@ from services.controller.run_config import RunConfig
 from services.controller.batches.sample_age import SampleAgeReport, token_age_metrics
 from services.controller.batches.staleness import StalenessGate
 from services.controller.batches.train_worker import TrainWorker
+from services.controller.tasks.judge import RemoteJudge
 from services.controller.rollouts.validation import Validator
 from services.controller.weights.fleet import Fleet
 
@@ -132,6 +133,9 @@ class Pipeline:
     liveness: LivenessMonitor | None = None
     observer: SynchronizerObserver | None = None
     run_dir: Path | None = None
+    #: The remote judge the reward is (reward.judge), and what closes its connections.
+    judge: RemoteJudge | None = None
+    close_judge: Callable[[], Awaitable[None]] | None = None
     state: RunState = field(default_factory=RunState)
     hooks: PipelineHooks = field(default_factory=PipelineHooks)
     _background: list[asyncio.Task] = field(default_factory=list)
@@ -425,8 +429,10 @@ class Pipeline:
         m["rollout/in_flight"] = float(self.tracker.in_flight("rollout"))
         pooled = self.rollouts.stats["success"] * self.config.worker.group_size
         m["rollout/new_samples"], self.state.pooled_before = float(pooled - self.state.pooled_before), pooled
-        for key in ("success", "fail", "re-rollout", "requeued"):
+        for key in ("success", "fail", "re-rollout", "requeued", "failed_trajectories"):
             m[f"rollout/{key.replace('-', '_')}_total"] = float(self.rollouts.stats[key])
+        if self.judge is not None:
+            m.update(self.judge.metrics())
         for key, count in getattr(self.rollouts.worker, "stats", {}).items():  # a user's worker may keep none
             m[f"worker/{key}_total"] = float(count)
         m["dropped/stale"] = 0.0  # written every step, so a run that drops none says so
@@ -455,6 +461,8 @@ class Pipeline:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         self._background.clear()
+        if self.close_judge is not None:
+            await self.close_judge()
         self.metrics.close()
 
     def summary(self) -> RunSummary:

@@ -165,9 +165,48 @@ class WorkerConfig(StrictModel):
     timeout_seconds: float = Field(600.0, gt=0, description="limit of one rollout step, in seconds")
 
 
+class JudgeConfig(StrictModel):
+    """A remote judge: the reward is what an HTTP scoring service answers for each completion
+    (services/controller/tasks/judge.py; the bodies in docs/remote-judge.md)."""
+
+    url: str = Field(description="http(s) URL the judgement is POSTed to")
+    format: Literal["flywheel", "slime", "nemo_gym"] = Field(
+        "flywheel", description="the body sent and the answer read: flywheel ({prompt, completion, metadata} -> "
+        "{reward, scores}), slime (remote_rm: {prompt, response, label} -> a number) or nemo_gym (/verify: "
+        "{responses_create_params, response, row fields} -> {reward}, mask_sample a failure)"
+    )
+    timeout_seconds: float = Field(30.0, gt=0, description="deadline of one call, in seconds; past it the call failed")
+    max_attempts: int = Field(3, ge=1, description="calls per judgement, the first included (a failed or late call is "
+                              "retried after retry_backoff_seconds, doubling)")
+    retry_backoff_seconds: float = Field(0.5, ge=0, description="wait before the first retry, in seconds")
+    max_concurrency: int = Field(64, ge=1, description="calls in flight at once (connections to the judge)")
+    max_consecutive_failures: int = Field(
+        20, ge=1, description="judgements in a row that failed (after their retries) before the run is told, as a "
+        "critical error: errors.policy then decides (stop_on_critical, the default, and stop_on_error stop the run; "
+        "continue records it). A failed judgement fails its trajectory, whose group is given up and counted "
+        "(rollout/failed_trajectories_total, judge/failed_total); it is never trained as a reward of 0"
+    )
+    groups_in_flight: int | None = Field(
+        None, ge=0, description="groups being judged while generation goes on (rollout slots beyond "
+        "worker.max_in_flight, which stays the number of tasks generating); default as many as max_concurrency "
+        "calls can judge at once (max_concurrency / worker.group_size, at least 1). Too few and generation waits "
+        "for scores: keep it above worker.max_in_flight x (a judgement's time, retries included) / (a group's "
+        "generation time). 0 judges inside the generation slot: generation waits for every score"
+    )
+
+
 class RewardConfig(StrictModel):
     name: str = Field("math", description="registered reward name or 'module:function'")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments of the reward")
+    judge: JudgeConfig | None = Field(None, description="a remote judge instead of a reward function (not with name)")
+
+    @model_validator(mode="after")
+    def _one_reward(self) -> RewardConfig:
+        if self.judge is not None and {"name", "kwargs"} & self.model_fields_set:
+            raise ValueError("give reward.name (and kwargs) or reward.judge, not both")
+        if self.judge is not None and not self.judge.url.startswith(("http://", "https://")):
+            raise ValueError(f"judge.url: must be an http(s) URL, got {self.judge.url!r}")
+        return self
 
 
 class OverlongConfig(StrictModel):

@@ -1,13 +1,16 @@
 """The rollout manager: keeps many rollouts in flight and routes their outcomes.
 
-Each of `max_in_flight` slots loops:
+Each of `max_in_flight` + `scoring_slots` slots loops, holding one of
+`max_in_flight` generation permits while it generates:
 
+    take a generation permit                (handed back once only scoring is left)
     admit n samples at the staleness gate   (batch-async / sync may block here)
     plan them into a batch                  (the run step replicas see; the group's deadline)
     reserve room for them in the pool       (producers wait when it is full)
     wait while no rollout replica serves     (one restarting: tasks' retries are not used up)
     take the next task from the loader
-    worker.rollout(task)                    (tracked as in-flight activity)
+    worker.rollout(task)                    (tracked as in-flight activity; a remote judge's
+                                             scores are awaited without the permit)
     SUCCESS    -> trajectories into the pool
     RE_ROLLOUT -> task back at the front of the loader (retried, not lost)
     FAIL       -> error recorded, task given up
@@ -28,7 +31,9 @@ from collections.abc import Awaitable, Callable
 
 from services.controller.telemetry.activity import ActivityTracker
 from services.controller.tasks.loader import DataLoader
-from services.controller.domain import RUN_STEP, RolloutOutcome, RolloutStatus, SamplingSpec, Task, TrajectoryStatus
+from services.controller.domain import (
+    GENERATION_DONE, RUN_STEP, RolloutOutcome, RolloutStatus, SamplingSpec, Task, TrajectoryStatus,
+)
 from services.controller.telemetry.errors_report import ErrorReporter
 from services.controller.batches.pool import PoolInstance
 from services.controller.batches.staleness import Planned, StalenessGate
@@ -57,6 +62,7 @@ class RolloutManager:
         timeout_seconds: float = 600.0,
         retry_backoff_seconds: float = 0.5,
         until_a_replica_serves: Callable[[], Awaitable[object]] | None = None,
+        scoring_slots: int = 0,
     ) -> None:
         self.worker, self.loader, self.pool, self.gate = worker, loader, pool, gate
         self.tracker, self.errors = tracker, errors
@@ -65,6 +71,10 @@ class RolloutManager:
         self.timeout_seconds, self.retry_backoff_seconds = timeout_seconds, retry_backoff_seconds
         #: Waits while no replica serves (the pipeline stops the run if that lasts too long).
         self.until_a_replica_serves = until_a_replica_serves
+        #: Slots beyond max_in_flight, for groups whose generation is done and whose scores are awaited (a
+        #: remote judge): max_in_flight stays the number generating, held as `_generating` permits.
+        self.scoring_slots = scoring_slots
+        self._generating = asyncio.Semaphore(max_in_flight)
         self.retries: Counter[str] = Counter()
         self.stats: Counter[str] = Counter()
         self.data_done = False
@@ -79,7 +89,7 @@ class RolloutManager:
 
     # -- control -------------------------------------------------------------
     def start(self) -> None:
-        self._slots = [asyncio.ensure_future(self._slot()) for _ in range(self.max_in_flight)]
+        self._slots = [asyncio.ensure_future(self._slot()) for _ in range(self.max_in_flight + self.scoring_slots)]
 
     def pause(self) -> None:
         self._running.clear()
@@ -111,31 +121,47 @@ class RolloutManager:
 
     # -- the slots ------------------------------------------------------------
     async def _slot(self) -> None:
-        n = self.group_size
         while True:
             await self._running.wait()
-            if not await self.gate.admit(n):
-                return  # the gate closed: the run is ending
-            # The batch these samples are planned into; replicas count their steps by it,
-            # and the processor paces assembly by it while the group is in flight.
-            planned = self.gate.plan(n)
-            RUN_STEP.set(planned.run_step)
-            await self.pool.reserve(n)
-            # Checked last, right before a task is taken: the wait at the gate may be long.
-            if self.until_a_replica_serves is not None:
-                await self.until_a_replica_serves()
-            task = self.loader.next() if self._running.is_set() else None
-            if task is None:
-                self.gate.landed(planned)
-                self.gate.drop(n)
-                self.pool.release(n)
-                if self._running.is_set() and not await self._wait_for_work():
-                    return
-                continue
-            with self.tracker.track("rollout", task.id):
-                outcome = await self._run(task)
-            if self._handle(task, outcome, planned):
+            # A slot takes a task only with a generation permit; its worker hands it back once only
+            # scoring is left (GENERATION_DONE), and a slot of scoring_slots takes the next task meanwhile.
+            await self._generating.acquire()
+            permit = _Permit(self._generating)
+            try:
+                turn = await self._turn(permit)
+            finally:
+                permit.release()
+            if turn == "end":
+                return
+            if turn == "backoff":
                 await asyncio.sleep(self.retry_backoff_seconds)
+
+    async def _turn(self, permit: _Permit) -> str:
+        """One task through a slot: "next", "backoff" (before the next), or "end" (the run is ending)."""
+        n = self.group_size
+        if not await self.gate.admit(n):
+            return "end"  # the gate closed: the run is ending
+        # The batch these samples are planned into; replicas count their steps by it,
+        # and the processor paces assembly by it while the group is in flight.
+        planned = self.gate.plan(n)
+        RUN_STEP.set(planned.run_step)
+        await self.pool.reserve(n)
+        # Checked last, right before a task is taken: the wait at the gate may be long.
+        if self.until_a_replica_serves is not None:
+            await self.until_a_replica_serves()
+        task = self.loader.next() if self._running.is_set() else None
+        if task is None:
+            self.gate.landed(planned)
+            self.gate.drop(n)
+            self.pool.release(n)
+            permit.release()  # nothing generates while this slot waits for work
+            if self._running.is_set() and not await self._wait_for_work():
+                return "end"
+            return "next"
+        GENERATION_DONE.set(permit.release)
+        with self.tracker.track("rollout", task.id):
+            outcome = await self._run(task)
+        return "backoff" if self._handle(task, outcome, planned) else "next"
 
     async def _wait_for_work(self) -> bool:
         """With the loader empty: False once the data is done, True when a task may be back."""
@@ -182,6 +208,7 @@ class RolloutManager:
                 status = RolloutStatus.FAIL
                 outcome.error = f"gave up after {self.max_retries} retries: {outcome.error}"
         self.stats[status.value] += 1
+        self.stats["failed_trajectories"] += sum(t.status == TrajectoryStatus.FAILED for t in outcome.trajectories)
         backoff = False
         if status == RolloutStatus.SUCCESS:
             self.retries.pop(task.id, None)
@@ -201,3 +228,15 @@ class RolloutManager:
                 self.loader.finish(task.id)
         self._notify()
         return backoff
+
+
+class _Permit:
+    """A slot's generation permit, handed back once (by the worker when only scoring is left, or by the slot)."""
+
+    def __init__(self, semaphore: asyncio.Semaphore) -> None:
+        self._semaphore: asyncio.Semaphore | None = semaphore
+
+    def release(self) -> None:
+        if self._semaphore is not None:
+            self._semaphore.release()
+            self._semaphore = None

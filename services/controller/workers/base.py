@@ -17,6 +17,7 @@ flight.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 from flywheel.errors import Aborted, DeadlineExceeded, Unavailable
 from services.controller.rollouts.balancer import EnginePool
 from services.controller.domain import (
+    GENERATION_DONE,
     FinishReason,
     Generation,
     PromptInput,
@@ -114,14 +116,20 @@ class RolloutWorker(ABC):
         )
 
     async def score_all(self, task: Task, trajectories: list[Trajectory]) -> RolloutOutcome:
-        """Scores every trajectory; a reward that raises fails only its trajectory."""
-        errors = []
-        for t in trajectories:
+        """Scores every trajectory, together (a remote judge's calls overlap); a reward that raises fails
+        only its trajectory. Generation is over by now: the task's generation slot goes to the next task."""
+        if (generation_done := GENERATION_DONE.get()) is not None:
+            generation_done()
+
+        async def one(t: Trajectory) -> str | None:
             try:
                 t.reward, t.scores = await score(self.ctx.reward, task, t.text, **self.ctx.reward_kwargs)
             except RewardError as exc:
                 t.status, t.error = TrajectoryStatus.FAILED, f"reward: {exc}"
-                errors.append(f"sample {t.sample_index}: {t.error}")
+                return f"sample {t.sample_index}: {t.error}"
+            return None
+
+        errors = [e for e in await asyncio.gather(*(one(t) for t in trajectories)) if e is not None]
         if errors:
             return RolloutOutcome(RolloutStatus.FAIL, trajectories, error="; ".join(errors))
         return RolloutOutcome(RolloutStatus.SUCCESS, trajectories)
