@@ -46,7 +46,7 @@ from flywheel.synchronizer.types import GroupInfo, State, TransferState
 from tests.conftest import TEST_TOKEN
 from tests.net import free_port_range
 from tests.unit.rollout.rollout_helpers import (
-    ServerThread, need_engine, reference_greedy, rollout_config, synchronizer_thread,
+    ServerThread, need_engine, probe_of, reference_greedy, rollout_config, synchronizer_thread,
 )
 
 ENGINES = ["transformers", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])]
@@ -177,7 +177,7 @@ async def test_gloo_broadcast_moves_the_rollout_to_the_new_version(server, monke
         assert list(before.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS)
         group = await c.client.allocate_group(1, TRAINER, [ROLLOUT], timeout_seconds=60, backend="gloo")
         sent, response = await asyncio.gather(
-            send_in_group(c.client, TRAINER, group, new, bucket_bytes=BUCKET_BYTES),
+            send_in_group(c.client, TRAINER, group, new, bucket_bytes=BUCKET_BYTES, probe=probe_of(server.track.model, new)),
             update(rollout, 1, nccl_source(group)),
         )
         # The sender's own report is listed too when it lands before the commit.
@@ -307,7 +307,7 @@ async def test_caller_giving_up_stops_the_receive_and_reports_it(server) -> None
         async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
             rollout = pb_grpc.RolloutServiceStub(channel)
             sent, response = await asyncio.gather(
-                send_in_group(c.client, TRAINER, group, new, bucket_bytes=BUCKET_BYTES),
+                send_in_group(c.client, TRAINER, group, new, bucket_bytes=BUCKET_BYTES, probe=probe_of(server.track.model, new)),
                 update(rollout, 2, nccl_source(group)),
             )
             assert sent.state == TransferState.COMMITTED and response.weight_version == 2

@@ -34,6 +34,8 @@ from tests.unit.rollout.rollout_helpers import (
     ServerThread,
     engine_args,
     need_engine,
+    probe_of,
+    write_checkpoint,
     reference_greedy,
     reference_logprobs,
     rollout_config,
@@ -63,9 +65,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fake_sync() -> Iterator[FakeSynchronizer]:
-    """The module's synchronizer test double, up before the servers configured with its address."""
+def fake_sync(model_dir: Path) -> Iterator[FakeSynchronizer]:
+    """The module's synchronizer test double, up before the servers configured with its address; each
+    version it is given carries the probe a trainer would publish with it."""
     with running_in_thread() as fake:
+        fake.model_dir = model_dir
         yield fake
 
 
@@ -137,7 +141,7 @@ async def test_memory_update_changes_outputs_and_bumps_the_version(server, sync:
 async def test_checkpoint_update_changes_outputs_and_bumps_the_version(server, tmp_path: Path) -> None:
     track: Track = server.track
     new = track.scaled(0.7)
-    save_file(new, str(tmp_path / "model.safetensors"))
+    write_checkpoint(tmp_path, new, 2, track.model)
     async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)
         response = await update(rollout, 2, checkpoint=pb.CheckpointSource(path=str(tmp_path)))
@@ -233,7 +237,7 @@ async def test_update_racing_50_requests_tags_each_answer_with_one_version(serve
 async def test_keep_mode_update_continues_requests_across_versions(server, tmp_path: Path) -> None:
     track: Track = server.track
     new = track.scaled(0.9)
-    save_file(new, str(tmp_path / "model.safetensors"))
+    write_checkpoint(tmp_path, new, 4, track.model)
     long = common_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)
@@ -264,7 +268,7 @@ async def test_memory_update_from_the_real_synchronizer(server, run_service) -> 
     own = ServerThread(config).start()  # registered with the synchronizer once it serves
     try:
         async with SynchronizerClient(synchronizer.grpc_address, token=TEST_TOKEN) as sync:
-            await sync.push_weights(new, 5)  # after the rollout started: it pulls only when asked
+            await sync.push_weights(new, 5, probe=probe_of(track.model, new))  # after the rollout started
             async with open_channel(own.address, token=TEST_TOKEN, default_timeout=120) as channel:
                 rollout = pb_grpc.RolloutServiceStub(channel)
                 assert (await rollout.GetStatus(pb.GetStatusRequest())).weight_version == 0
@@ -310,10 +314,10 @@ async def test_an_update_of_the_tied_embedding_alone_reaches_the_output_head(ser
     torch.manual_seed(1)
     new = dict(track.state)
     new[name] = track.state[name] + 0.05 * torch.randn_like(track.state[name])
-    save_file(new, str(tmp_path / "model.safetensors"))
+    version = track.version + 1
+    write_checkpoint(tmp_path, new, version, track.model)
     async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)
-        version = track.version + 1
         await update(rollout, version, checkpoint=pb.CheckpointSource(path=str(tmp_path)))
         sample = await greedy(rollout)
     served = list(sample.completion_logprobs)
@@ -335,12 +339,12 @@ async def test_no_prefix_cached_under_old_weights_is_reused_after_an_update(serv
     sampling = common_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     request = pb.GenerateRequest(prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=prompt))], sampling=sampling)
     new = track.scaled(1.3)
-    save_file(new, str(tmp_path / "model.safetensors"))
+    version = track.version + 1
+    write_checkpoint(tmp_path, new, version, track.model)
     async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)
         for _ in range(2):  # the second one is served from the prefix cache, where there is one
             await rollout.Generate(request)
-        version = track.version + 1
         await update(rollout, version, checkpoint=pb.CheckpointSource(path=str(tmp_path)),
                      pause_mode=common_pb2.PAUSE_MODE_KEEP)
         sample = (await rollout.Generate(request)).results[0].samples[0]

@@ -44,7 +44,7 @@ from flywheel.launcher.processes import ServiceProcess, start_service
 from tests.conftest import TEST_TOKEN
 from tests.unit.rollout.fake_synchronizer import FakeSynchronizer, running_in_thread
 from tests.unit.rollout.rollout_helpers import (
-    ServerThread, need_engine, reference_greedy, reference_logprobs, rollout_config,
+    ServerThread, need_engine, probe_of, reference_greedy, reference_logprobs, rollout_config,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -185,11 +185,12 @@ def scaled(model_dir: Path, factor: float) -> dict[str, torch.Tensor]:
     return {k: (v * factor + 0.02 * torch.randn_like(v)).contiguous() for k, v in base.items()}
 
 
-async def push(address: str, state: dict[str, torch.Tensor], version: int) -> None:
+async def push(address: str, state: dict[str, torch.Tensor], version: int, model_dir: Path) -> None:
+    """Publishes `state` as a trainer does: with its probe (vLLM on CPU proves its linear layers by it)."""
     from flywheel.synchronizer.client import SynchronizerClient
 
     async with SynchronizerClient(address, token=TEST_TOKEN) as sync:
-        await sync.push_weights(state, version)
+        await sync.push_weights(state, version, probe=probe_of(model_dir, state))
 
 
 async def segment_of(address: str, version: int) -> Path:
@@ -214,7 +215,7 @@ async def test_memory_update_from_segments_goes_through_the_registered_engine_an
     server: ServerThread, synchronizer: ServiceProcess, segment_dir: Path, spy_log: Path, model_dir: Path,
 ) -> None:
     new = scaled(model_dir, 1.2)
-    await push(synchronizer.grpc_address, new, 1)
+    await push(synchronizer.grpc_address, new, 1, model_dir)
     assert any(name.startswith(SEGMENT_PREFIX) for name in listing(segment_dir)), "the version must be in a segment"
     shm_before, tmp_before = listing(Path("/dev/shm")), listing(Path(tempfile.gettempdir()))
     logged = len(events(spy_log))
@@ -270,7 +271,7 @@ async def test_a_corrupt_byte_in_a_segment_rejects_the_update_whole(
     server: ServerThread, synchronizer: ServiceProcess, segment_dir: Path, spy_log: Path, model_dir: Path,
 ) -> None:
     version = server.version + 1
-    await push(synchronizer.grpc_address, scaled(model_dir, 0.8), version)
+    await push(synchronizer.grpc_address, scaled(model_dir, 0.8), version, model_dir)
     segment = await segment_of(synchronizer.grpc_address, version)
     assert segment.parent == segment_dir and segment.name.startswith(SEGMENT_PREFIX)
     with open(segment, "r+b") as fh:  # the synchronizer maps it shared: it serves the flipped byte
@@ -288,6 +289,7 @@ async def test_a_corrupt_byte_in_the_stream_rejects_the_update_whole(spy_log: Pa
     """A rollout of its own, configured with a synchronizer test double that flips a byte of
     one chunk (the double serves no shared memory: the bytes travel in the stream)."""
     with running_in_thread() as sync:
+        sync.model_dir = model_dir
         own = start_server(model_dir, sync.address)
         try:
             version = own.version + 1

@@ -398,35 +398,26 @@ class VllmEngine(Engine):
 
     async def _prepared_in_worker(self, staged: StagedWeights, faults: LoadFaults) -> StagedWeights:
         """The worker loads (and on CPU repacks) the staged version into a twin of its model while
-        generation goes on; the swap then only commits it (engine.args: updates.prepare_outside_pause)."""
+        generation goes on; the swap then only commits it (updates.prepare_outside_pause)."""
         assert staged.source is not None
-        ticket = staged.source.ticket
         started = time.monotonic()
-        try:
-            await self._llm.collective_rpc("flywheel_prepare", args=(ticket, asdict(faults)))
-            while True:
-                states = await self._llm.collective_rpc("flywheel_staged", args=(ticket,))
-                for state in states:
-                    if state["state"] == "failed":
-                        raise error_of(state["code"], state["message"])
-                if all(state["state"] == "ready" for state in states):
-                    staged.prepare_seconds = time.monotonic() - started
-                    return staged
-                await asyncio.sleep(_POLL_SECONDS)
-        except BaseException as exc:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._llm.collective_rpc("flywheel_drop", args=(ticket,)))
-            if isinstance(exc, Exception) and (found := _worker_error(exc)) is not None:
-                raise found from exc
-            raise
+        await self._in_worker("flywheel_prepare", staged.source.ticket, asdict(faults), lambda: False,
+                              f"version {staged.version}")
+        staged.prepare_seconds = time.monotonic() - started
+        return staged
 
     async def _staged_in_worker(self, ticket: str, info: dict[str, Any], should_abort: Callable[[], bool],
                                 what: str) -> int:
-        """Has every worker stage `info` under `ticket` and polls until all hold it; returns its bytes.
-        A failure, an abort or a cancellation drops the ticket: the worker stops pulling or receiving
-        (a receive's peers with it, through the group's store)."""
+        """Has every worker stage `info` under `ticket` and waits until all hold it; returns its bytes."""
+        return await self._in_worker("flywheel_stage", ticket, info, should_abort, what)
+
+    async def _in_worker(self, method: str, ticket: str, argument: Any, should_abort: Callable[[], bool],
+                         what: str) -> int:
+        """Starts `method` on every worker for `ticket` and polls until all of them hold it ready; returns
+        its bytes. A failure, an abort or a cancellation drops the ticket: the worker stops pulling,
+        receiving or preparing (a receive's peers with it, through the group's store)."""
         try:
-            await self._llm.collective_rpc("flywheel_stage", args=(ticket, info))
+            await self._llm.collective_rpc(method, args=(ticket, argument))
             while True:
                 if should_abort():
                     raise Aborted(f"{what} was aborted (while the worker staged it)")

@@ -200,8 +200,13 @@ def _rebound(tensor: torch.Tensor, live: torch.nn.Module, twin: torch.nn.Module)
     made.__class__ = tensor.__class__
     made.__dict__ = tensor.__dict__.copy()
     for key, value in made.__dict__.items():
+        # An in-place reload leaves its buffering wrapper on the metadata it restored (bound to the live
+        # layer's reload state): the twin's loads would be buffered into the live layer. The loader under it.
+        while callable(value) and getattr(value, "__name__", "") == "online_process_loader":
+            value = value.__wrapped__
         if isinstance(value, MethodType) and value.__self__ in (live, layer_ref_sentinel):
-            made.__dict__[key] = value.__func__.__get__(twin)
+            value = value.__func__.__get__(twin)
+        made.__dict__[key] = value
     return made
 
 

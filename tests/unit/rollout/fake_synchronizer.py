@@ -19,7 +19,9 @@ synchronizer runs its link to it (services/rollout/weights/link.py):
   components, the newest version held, the default policy, no versions
   listed);
 - ReportUpdate (recorded, answered with the record as claimed), ListUpdates,
-  RequestVersion (the newest version held).
+  RequestVersion (the newest version held), GetVersion (a held version's
+  identity and tensor digests, from its manifest, and, when `model_dir` is
+  set, the probe a trainer would publish with it).
 It announces no version (no Watch event, none listed in Status, never a
 NeedSync that says sync), so the rollout never pulls on its own: only its
 UpdateWeights moves it.
@@ -37,6 +39,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import grpc
 import torch
@@ -56,6 +59,9 @@ class FakeSynchronizer(pb_grpc.SynchronizerServiceServicer):
     def __init__(self, lease_seconds: float = 60.0) -> None:
         self.lease_seconds = lease_seconds
         self.versions: dict[int, object] = {}
+        #: The model the versions are of: set, each version gets the trainer's probe (GetVersion serves it).
+        self.model_dir: Path | None = None
+        self.probes: dict[int, object] = {}
         #: version -> chunk sequence whose payload gets one byte flipped.
         self.corrupt: dict[int, int] = {}
         #: version -> number of chunks sent before the stream just ends.
@@ -77,11 +83,19 @@ class FakeSynchronizer(pb_grpc.SynchronizerServiceServicer):
     # -- what tests set ---------------------------------------------------------
 
     def add(self, version: int, state: Mapping[str, torch.Tensor], chunk_bytes: int = 64 * 1024) -> None:
+        """Holds `state` as `version`; with `model_dir` set, with the trainer's probe of it as well."""
         self.versions[version] = encode_state_dict(dict(state), version, chunk_bytes=chunk_bytes)
+        if self.model_dir is not None:
+            from tests.unit.rollout.rollout_helpers import probe_of
+
+            try:
+                self.probes[version] = probe_of(self.model_dir, dict(state))
+            except RuntimeError:  # weights the model cannot take (a test's wrong shape): no probe
+                self.probes.pop(version, None)
 
     def reset(self) -> None:
         """Forgets versions, knobs and records (not the registered components): a test starts clean."""
-        for held in (self.versions, self.corrupt, self.truncate, self.stall):
+        for held in (self.versions, self.probes, self.corrupt, self.truncate, self.stall):
             held.clear()
         for recorded in (self.pulls, self.state_changes, self.updates, self.version_requests):
             recorded.clear()
@@ -111,6 +125,15 @@ class FakeSynchronizer(pb_grpc.SynchronizerServiceServicer):
                 data[len(data) // 2] ^= 0x01
                 chunk.data = bytes(data)
             yield pb.PullWeightsResponse(chunk=chunk)
+
+    async def GetVersion(self, request: pb.GetVersionRequest, context: grpc.aio.ServicerContext) -> pb.GetVersionResponse:
+        encoded = self.versions.get(request.version)
+        if encoded is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"version {request.version} not held")
+        manifest, probe = encoded.manifest, self.probes.get(request.version)
+        return pb.GetVersionResponse(version=request.version, identity=manifest.identity,
+                                     tensors=[pb.TensorDigest(name=t.name, digest=t.digest) for t in manifest.tensors],
+                                     probe=probe.to_pb() if probe is not None else None)
 
     # -- presence ---------------------------------------------------------------
 

@@ -173,3 +173,37 @@ def reference_greedy(model_dir: Path, prompt: Sequence[int], steps: int,
         for _ in range(steps):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def probe_of(model_dir: Path, state: dict[str, torch.Tensor] | None = None) -> Any:
+    """The trainer's probe (flywheel.probe) of `state` (default: the model directory's own weights): what a
+    trainer publishes with a version, for tests that publish versions by hand. An engine that cannot read
+    every tensor back (vLLM on CPU) proves a version only with it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flywheel.probe import ProbeBatch, probe_sequences
+    from services.trainer.probe import probe_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+    model.eval()
+    vocab = min(model.get_input_embeddings().weight.shape[0], len(AutoTokenizer.from_pretrained(str(model_dir))))
+    ids = probe_sequences(vocab)
+    return ProbeBatch.of(ids, probe_logprobs(model, ids, torch.device("cpu")))
+
+
+def write_checkpoint(directory: Path, state: dict[str, torch.Tensor], version: int, model_dir: Path) -> Path:
+    """A CHECKPOINT version as a trainer writes one: the safetensors file and its weight manifest, with the
+    trainer's probe of `state` (an engine that cannot read every tensor back proves the version by it)."""
+    from safetensors.torch import save_file
+
+    from flywheel.codec import build_manifest
+    from services.rollout.weights.verify import MANIFEST_FILE
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(directory / "model.safetensors"))
+    manifest = build_manifest(state, version)
+    manifest.probe.CopyFrom(probe_of(model_dir, state).to_pb())
+    (directory / MANIFEST_FILE).write_bytes(manifest.SerializeToString())
+    return directory
