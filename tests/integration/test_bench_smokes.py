@@ -27,7 +27,7 @@ def _numbers(value):
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("bench", ["codec", "weight_plane", "pipeline", "trainer", "modes", "rollout", "load", "gpu",
-                                   "tinker_gateway", "tinker_recipe"])
+                                   "tinker_gateway", "tinker_recipe", "long_generations"])
 def test_a_bench_smoke_ends_with_its_ratios(bench: str) -> None:
     proc = subprocess.run([sys.executable, f"bench/{bench}.py", "--smoke"], cwd=ROOT, capture_output=True,
                           text=True, timeout=400, stdin=subprocess.DEVNULL)
