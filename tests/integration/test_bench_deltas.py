@@ -3,24 +3,17 @@ carries of each version, in float32 and bfloat16: a bench that CI runs does not 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.integration.bench_smoke import run_smoke
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(900)
 def test_the_delta_bench_smoke_measures_real_consecutive_versions() -> None:
-    proc = subprocess.run([sys.executable, "bench/deltas.py", "--smoke"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=850, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_smoke("deltas", 850)
     assert result["versions"] == 3 and result["cpu_model"]
     for dtype in ("fp32", "bf16"):
         # Every step changed the model (a delta of nothing would be a bench of nothing), and the delta

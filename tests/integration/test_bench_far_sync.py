@@ -5,27 +5,17 @@ ratios."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from flywheel.testing.link_emulator import available
+from tests.integration.bench_smoke import run_smoke
 
 WHY_NOT = available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")]
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 @pytest.mark.timeout(600)
 def test_far_sync_smoke_measures_every_road_and_ends_with_its_ratios() -> None:
-    proc = subprocess.run([sys.executable, "bench/far_sync.py", "--smoke"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=580, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_smoke("far_sync", 580)
     for ratio in ("delta_vs_full_tcp", "resume_bytes_vs_one_copy", "relay_last_vs_one", "same_host_vs_tcp"):
         assert result[ratio] > 0, result
     assert 0 < result["delta_fraction"] < 0.5, result  # a delta of a training step is a fraction of the version

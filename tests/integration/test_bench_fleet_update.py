@@ -3,24 +3,17 @@ of an update: a bench that CI runs does not rot unseen."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.integration.bench_smoke import run_smoke
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(900)
 def test_the_fleet_update_bench_smoke_reports_every_phase() -> None:
-    proc = subprocess.run([sys.executable, "bench/fleet_update.py", "--smoke"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=850, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_smoke("fleet_update", 850)
     assert result["bench"] == "fleet_update"
     for phase in ("transfer", "admit", "apply", "verify", "reopen", "pause"):
         assert result[f"tiny_{phase}_seconds"] >= 0

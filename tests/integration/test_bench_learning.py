@@ -3,24 +3,17 @@ model) and names the machine its figures come from: a bench that CI runs does no
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.integration.bench_smoke import run_smoke
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(600)
 def test_the_learning_bench_smoke_reports_the_trainer_against_its_floor_and_the_cpu() -> None:
-    proc = subprocess.run([sys.executable, "bench/learning.py", "--smoke"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=550, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_smoke("learning", 550)
     assert result["trainer_step_seconds"] > 0 and result["torch_floor_step_seconds"] > 0
     assert result["trainer_step_vs_torch_floor"] == pytest.approx(
         result["trainer_step_seconds"] / result["torch_floor_step_seconds"], abs=0.01)

@@ -4,17 +4,13 @@ tests (test_bench_<name>.py), which also check what their figures mean."""
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.integration.bench_smoke import run_smoke
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
 def _numbers(value):
@@ -29,10 +25,7 @@ def _numbers(value):
 @pytest.mark.parametrize("bench", ["codec", "weight_plane", "pipeline", "trainer", "modes", "rollout", "load", "gpu",
                                    "tinker_gateway", "tinker_recipe", "long_generations"])
 def test_a_bench_smoke_ends_with_its_ratios(bench: str) -> None:
-    proc = subprocess.run([sys.executable, f"bench/{bench}.py", "--smoke"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=400, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_smoke(f"{bench}", 400)
     ratios = {k: v for k, v in result.items() if "_vs_" in k}
     assert ratios, f"{bench}: no <ours>_vs_<baseline> ratio in {sorted(result)}"
     assert all(math.isfinite(x) for x in _numbers(result))

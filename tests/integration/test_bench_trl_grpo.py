@@ -4,24 +4,17 @@ baseline we publish against does not rot unseen."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.integration.bench_smoke import run_smoke
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(900)
 def test_the_trl_bench_smoke_reports_both_sides() -> None:
-    proc = subprocess.run([sys.executable, "bench/trl_grpo.py", "--smoke"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=850, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_smoke("trl_grpo", 850)
     assert result["bench"] == "trl_grpo" and result["steps"] == 2
     assert result["flywheel_seconds_per_step"] > 0 and result["trl_seconds_per_step"] > 0
     assert result["flywheel_step_vs_trl_step"] == pytest.approx(

@@ -192,7 +192,7 @@ class Measured:
 #: True while an update is staged for an engine that pulls MEMORY versions
 #: itself: the MEMORY source then hands over `StagedWeights.source` instead of
 #: pulling the bytes into this process (set by the service core, read by
-#: `services.rollout.weights.memory`).
+#: `services.rollout.weights.sources`).
 engine_pulls_memory: ContextVar[bool] = ContextVar("engine_pulls_memory", default=False)
 
 

@@ -1,6 +1,6 @@
 """A MEMORY version pulled from the synchronizer into CPU tensors, refused
 before any chunk arrives if the engine cannot serve it. It runs in the
-rollout service (`services.rollout.weights.memory`) and, for an engine that
+rollout service (`services.rollout.weights.sources`) and, for an engine that
 pulls versions itself, in that engine's worker process (vLLM's), which is
 why it lives with the engines: the one module of `engine/` that reaches the
 synchronizer, through its typed client."""

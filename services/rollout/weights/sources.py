@@ -2,17 +2,21 @@
 transaction runs (`services.rollout.weights.transaction`): a CHECKPOINT
 directory (verified in a thread), the engine's own model directory for
 version 0 (the base model, when a run starts over), or the synchronizer's
-MEMORY stream (pulled and verified as it arrives, read in place from shared
-memory on the synchronizer's host). Each checks names, dtypes and shapes
-against the served model before anything live is touched
-(`services.rollout.weights.verify`)."""
+MEMORY stream (pulled through its typed client and verified as it arrives,
+read in place from shared memory on the synchronizer's host; an engine that
+pulls versions itself, vLLM in its worker, is handed where the version is
+instead). Each checks names, dtypes and shapes against the served model
+before anything live is touched (`services.rollout.weights.verify`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+import torch
 
 from flywheel.runtime.paths import confine
 
@@ -21,8 +25,8 @@ from flywheel.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondit
 from flywheel.codec.identity import VersionIdentity
 from flywheel.synchronizer.client_types import DeltaBase, PullStats
 from services.rollout.config import EngineConfig
-from services.rollout.engine.base import StagedWeights, TensorSpec
-from services.rollout.weights.memory import pull_staged
+from services.rollout.engine.base import MemorySource, StagedWeights, TensorSpec, engine_pulls_memory
+from services.rollout.engine.pull import pull_tensors
 from services.rollout.weights.staging import StagingBuffers
 from services.rollout.weights.transaction import Stage
 from services.rollout.weights.verify import stage_checkpoint
@@ -83,20 +87,29 @@ def memory_stage(
     version is pulled again in full. `on_pulled` is told what a pull cost.
     `compress`: ask for compressed chunks (None: when the link proved slow)."""
 
+    async def pulled(staging: dict[str, torch.Tensor] | None, delta_base: DeltaBase | None) -> StagedWeights:
+        if engine_pulls_memory.get():
+            # The engine pulls it itself, in its own process (vLLM's worker): only where it is goes there.
+            source = MemorySource(address, version, token, timeout, max_message_bytes, ticket=uuid.uuid4().hex)
+            return StagedWeights(version=version, source=source)
+        got = await pull_tensors(address, version, specs, token=token, timeout=timeout,
+                                 max_message_bytes=max_message_bytes, staging=staging, base=delta_base,
+                                 compress=compress)
+        if on_pulled is not None:
+            on_pulled(got.stats)
+        return StagedWeights(version=version, tensors=got.tensors, nbytes=got.nbytes, identity=got.identity)
+
     async def stage() -> StagedWeights:
         # Cancelling this (an abandoned update) cancels the pull.
         staging = buffers.take(specs) if buffers is not None else None
         try:
-            staged = await pull_staged(address, version, specs, token=token, timeout=timeout,
-                                       max_message_bytes=max_message_bytes, staging=staging,
-                                       base=base, on_pulled=on_pulled, compress=compress)
+            staged = await pulled(staging, base)
         except DigestMismatch as exc:
             if base is None:
                 raise
             log.warning("a delta from the served weights did not rebuild the version; pulling it in full",
                         extra={"version": version, "base_version": base.version, "error": str(exc)})
-            staged = await pull_staged(address, version, specs, token=token, timeout=timeout,
-                                       max_message_bytes=max_message_bytes, on_pulled=on_pulled, compress=compress)
+            staged = await pulled(None, None)
         if staged.identity is None:
             staged.identity = identity
         elif identity is not None and staged.identity.digest != identity.digest:
