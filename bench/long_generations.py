@@ -102,6 +102,10 @@ def start_rollout(kind: str, model_dir: Path, run_dir: Path, checkpoint_root: Pa
             str(checkpoint_root), "--limits.max-pending-requests", "4096", "--server.log-level", "WARNING"]
     if kind == "vllm":
         args += ["--engine.args", json.dumps({**engine_args("tiny"), "max_model_len": 1024})]
+    else:
+        # Room beside the generations for each update's probe, which the transformers engine admits like a
+        # request: at its default (64) it would wait for them all to end, holding back what they deliver.
+        args += ["--engine.args", json.dumps({"max_num_seqs": 128})]
     child = start_service("rollout", run_dir, args, service_env())
     child.wait_ready(1800)
     return child
