@@ -246,3 +246,19 @@ async def test_a_whole_run_over_grpc(cluster, tmp_path) -> None:
     assert all(fakes[name].run_steps and min(fakes[name].run_steps) >= 1 for name in ("r0", "r1"))
     assert fakes["sync"].policy.pause_mode == cpb.PAUSE_MODE_WAIT and fakes["sync"].policy.sync_interval == 2
     assert fakes["sync"].requested == [], "version 0 is the base model: nothing to ask for at the start"
+
+
+def test_a_samples_version_spans_reach_the_generation_and_spans_that_do_not_cover_it_are_data_loss() -> None:
+    from flywheel.common.provenance import VersionSpan
+    from flywheel.errors import DataLoss
+    from services.controller.adapters.rollout import generation
+
+    sample = cpb.Sample(prompt_token_ids=[1], completion_token_ids=[5, 6, 7], completion_logprobs=[-1.0] * 3,
+                        finish_reason=finish_reason_to_pb("length"),
+                        weight_version_start=2, weight_version_end=3,
+                        weight_version_spans=[cpb.VersionSpan(version=2, start=0, end=1),
+                                              cpb.VersionSpan(version=3, start=1, end=3)])
+    assert generation(sample).version_spans == [VersionSpan(2, 0, 1), VersionSpan(3, 1, 3)]
+    del sample.weight_version_spans[1]
+    with pytest.raises(DataLoss, match="cover 1 tokens, the completion has 3"):
+        generation(sample)

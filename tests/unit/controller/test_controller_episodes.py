@@ -107,3 +107,25 @@ def test_a_segment_keeps_the_distribution_its_calls_sampled_from() -> None:
     # Penalties are not replayed: refused, not trained with mismatched log-probs.
     with pytest.raises(ValueError, match="repetition penalty"):
         rebuild([replace(first, distribution=SampledDistribution(temperature=0.7, penalised=True))])
+
+
+def test_each_calls_token_versions_land_where_its_completion_lies_in_the_trajectory() -> None:
+    from flywheel.common.provenance import VersionSpan
+    from services.controller.adapters.sessions import session_call
+
+    # A session record as the rollout writes it (its version_spans: [version, start, end]), then a second turn
+    # made across an update from 3 to 4; the first turn's record predates spans (an older rollout).
+    first = session_call({"prompt_token_ids": [1, 2], "completion_token_ids": [10, 11], "logprobs": [-1.0, -1.0],
+                          "version_start": 2, "version_end": 2, "finish_reason": "stop", "version_spans": [[2, 0, 2]]})
+    assert first.version_spans == [VersionSpan(2, 0, 2)]
+    second = call([1, 2, 10, 11, 20], [12, 13, 14], versions=(3, 4))
+    second.version_spans = [VersionSpan(3, 0, 1), VersionSpan(4, 1, 3)]
+    t = trajectory(rebuild([first, second]).trained, task(), sample_index=0, model_tag="m", engine="r0")
+    assert t.response_ids == [10, 11, 20, 12, 13, 14]
+    assert t.version_spans == [VersionSpan(2, 0, 2), VersionSpan(3, 3, 4), VersionSpan(4, 4, 6)]
+    assert t.token_versions() == [2, 2, 2, 3, 4, 4]  # the tool token (no span) counts as the oldest version
+
+    bad = call([1, 2, 10, 11, 20], [12, 13, 14])
+    bad.version_spans = [VersionSpan(3, 0, 2)]  # covers 2 of its 3 tokens
+    with pytest.raises(ValueError, match="version_spans"):
+        rebuild([first, bad])
