@@ -2,6 +2,9 @@
 
 Four scopes, each allowed what the one below it is, and more:
 
+- (`tenant`, below them all: a Tinker tenant's key. It opens no RPC and no
+  HTTP route of any service but the Tinker gateway's API, which knows whose
+  it is: `TokenScopes.tenant_of`. services/tinker, docs/tinker.md);
 - `viewer`: read-only: the controller's status page and its JSON, /metrics;
 - `agent`: generation, tokenize and the rollout's session endpoints;
 - `service`: what the services call on each other (register, heartbeats,
@@ -16,7 +19,8 @@ Where tokens come from:
 
 - `server.tokens_file` (else env FLYWHEEL_TOKENS_FILE): YAML mapping each
   scope to a token or a list of tokens (a list lets a token be rotated), e.g.
-  `{agent: [a1, a2], service: s1, operator: o1}`; in Kubernetes, a Secret key
+  `{agent: [a1, a2], service: s1, operator: o1}`, and tenant keys by tenant
+  under `tenants` (`tenants: {alice: [k1, k2]}`); in Kubernetes, a Secret key
   mounted as a file. `python -m flywheel.runtime.tokens init FILE` writes one
   with a fresh token per scope (what the shipped deployments run on);
 - the single token of earlier releases, `server.auth_token` /
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
@@ -54,6 +59,8 @@ TOKENS_FILE_ENV = "FLYWHEEL_TOKENS_FILE"
 class Scope(IntEnum):
     """A token's scope; a larger one may do everything a smaller one may."""
 
+    #: A Tinker tenant's key: below every method's scope (PERMISSION_DENIED everywhere but the Tinker API).
+    TENANT = 0
     VIEWER = 1
     AGENT = 2
     SERVICE = 3
@@ -67,6 +74,13 @@ class Scope(IntEnum):
         return " or ".join(str(s) for s in Scope if s >= self)
 
 
+#: The scopes a tokens file lists tokens under; tenant keys are listed by tenant, under `tenants`.
+TOKEN_SCOPES = (Scope.VIEWER, Scope.AGENT, Scope.SERVICE, Scope.OPERATOR)
+#: The key of a tokens file's tenant keys, and what a tenant's name may be (a path component, a label value).
+TENANTS_KEY = "tenants"
+TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
 def refusal(method: str, needed: Scope, held: Scope) -> str:
     """The PERMISSION_DENIED message (gRPC) or 403 body (HTTP) for a token of scope `held`."""
     return f"{method} needs scope {needed.sufficient()}; this token has scope {held}"
@@ -78,17 +92,30 @@ class TokenScopes:
 
     #: (b"Bearer <token>", scope): the header value a client sends, ready to compare.
     headers: tuple[tuple[bytes, Scope], ...] = ()
+    #: (b"Bearer <key>", tenant): the tenant keys (scope `tenant`), each its tenant's.
+    tenant_headers: tuple[tuple[bytes, str], ...] = ()
 
     @classmethod
-    def of(cls, tokens: Mapping[Scope, list[str]]) -> TokenScopes:
-        return cls(tuple((f"Bearer {token}".encode(), scope) for scope, listed in tokens.items() for token in listed))
+    def of(cls, tokens: Mapping[Scope, list[str]], tenants: Mapping[str, list[str]] | None = None) -> TokenScopes:
+        return cls(tuple((f"Bearer {token}".encode(), scope) for scope, listed in tokens.items() for token in listed),
+                   tuple((f"Bearer {key}".encode(), name) for name, keys in (tenants or {}).items() for key in keys))
 
     def __bool__(self) -> bool:
-        return bool(self.headers)
+        return bool(self.headers or self.tenant_headers)
 
     def __repr__(self) -> str:
-        counts = {str(s): sum(1 for _, held in self.headers if held == s) for s in Scope}
-        return f"TokenScopes({counts})"
+        counts = {str(s): sum(1 for _, held in self.headers if held == s) for s in TOKEN_SCOPES}
+        return f"TokenScopes({counts}, tenants={len({name for _, name in self.tenant_headers})})"
+
+    def tenant_of(self, authorization: str | bytes | None) -> str | None:
+        """The tenant whose key `authorization` carries; None for any other token or none
+        (compared in constant time each, every key, as `scope_of` does)."""
+        given = authorization.encode() if isinstance(authorization, str) else (authorization or b"")
+        found: str | None = None
+        for header, name in self.tenant_headers:
+            if hmac.compare_digest(given, header) and found is None:
+                found = name
+        return found
 
     def scope_of(self, authorization: str | bytes | None) -> Scope | None:
         """The scope of an `authorization` header's token, None if it is none of ours.
@@ -100,7 +127,8 @@ class TokenScopes:
         for header, scope in self.headers:
             if hmac.compare_digest(given, header) and found is None:
                 found = scope
-        return found
+        tenant = self.tenant_of(given)
+        return found if found is not None else (Scope.TENANT if tenant is not None else None)
 
     def admit(self, authorization: str | bytes | None, needed: Scope, what: str) -> Scope:
         """The scope of `authorization`'s token if it may do `what` (which needs `needed`).
@@ -124,17 +152,37 @@ def _read_token_file(path: Path) -> str:
     return token
 
 
-def read_tokens_file(path: Path) -> dict[Scope, list[str]]:
-    """A tokens file's tokens by scope. Errors name the file and the entry, never a token."""
+def _read(path: Path) -> str:
     try:
-        text = Path(path).read_text()
+        return Path(path).read_text()
     except OSError as exc:
         raise InvalidArgument(f"tokens file {path}: {exc.strerror}") from None
-    return parse_tokens(text, path)
+
+
+def read_tokens_file(path: Path) -> dict[Scope, list[str]]:
+    """A tokens file's tokens by scope. Errors name the file and the entry, never a token."""
+    return parse_tokens(_read(path), path)
+
+
+def read_tenant_keys(path: Path) -> dict[str, list[str]]:
+    """A tokens file's tenant keys by tenant (empty: none)."""
+    return parse_tokens_file(_read(path), path)[1]
 
 
 def parse_tokens(text: str, path: Path | str) -> dict[Scope, list[str]]:
     """A tokens file's text (from `path`, which errors name) as tokens by scope."""
+    return parse_tokens_file(text, path)[0]
+
+
+def _token_list(value: object, path: Path | str, entry: str) -> list[str]:
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, str) and v.strip() for v in values):
+        raise InvalidArgument(f"tokens file {path}: {entry}: each token must be a non-empty string")
+    return [v.strip() for v in values]
+
+
+def parse_tokens_file(text: str, path: Path | str) -> tuple[dict[Scope, list[str]], dict[str, list[str]]]:
+    """A tokens file's text as tokens by scope and tenant keys by tenant."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -142,18 +190,25 @@ def parse_tokens(text: str, path: Path | str) -> dict[Scope, list[str]]:
     if not isinstance(data, Mapping) or not data:
         raise InvalidArgument(f"tokens file {path}: expected a mapping of scope to token(s), e.g. 'agent: <token>'")
     tokens: dict[Scope, list[str]] = {}
+    tenants: dict[str, list[str]] = {}
     for name, value in data.items():
-        try:
-            scope = Scope[str(name).upper()]
-        except KeyError:
+        if name == TENANTS_KEY:
+            if not isinstance(value, Mapping):
+                raise InvalidArgument(f"tokens file {path}: {TENANTS_KEY}: expected a mapping of tenant to key(s)")
+            for tenant, keys in value.items():
+                if not isinstance(tenant, str) or not TENANT_NAME.match(tenant):
+                    raise InvalidArgument(f"tokens file {path}: {TENANTS_KEY}: tenant {tenant!r} must be lowercase "
+                                          "letters, digits, '_' or '-' (at most 63)")
+                tenants[tenant] = _token_list(keys, path, f"{TENANTS_KEY}.{tenant}")
+            continue
+        scope = next((s for s in TOKEN_SCOPES if str(s) == str(name)), None)
+        if scope is None:
             raise InvalidArgument(
-                f"tokens file {path}: unknown scope {name!r}; scopes are {', '.join(str(s) for s in Scope)}"
-            ) from None
-        values = value if isinstance(value, list) else [value]
-        if not values or not all(isinstance(v, str) and v.strip() for v in values):
-            raise InvalidArgument(f"tokens file {path}: {name}: each token must be a non-empty string")
-        tokens[scope] = [v.strip() for v in values]
-    return tokens
+                f"tokens file {path}: unknown scope {name!r}; scopes are {', '.join(str(s) for s in TOKEN_SCOPES)} "
+                f"(tenant keys go under '{TENANTS_KEY}: {{NAME: KEY}}')"
+            )
+        tokens[scope] = _token_list(value, path, str(name))
+    return tokens, tenants
 
 
 def resolve_token(
@@ -190,19 +245,27 @@ def _legacy_token(server: ServerConfig, env: Mapping[str, str]) -> str | None:
     return None
 
 
+def tokens_file_path(server: ServerConfig, env: Mapping[str, str] | None = None) -> Path | None:
+    """The tokens file a server with this config reads (`server.tokens_file`, else the env's), if any."""
+    env = os.environ if env is None else env
+    return server.tokens_file or (Path(env[TOKENS_FILE_ENV]) if env.get(TOKENS_FILE_ENV) else None)
+
+
 def _scoped_tokens(server: ServerConfig, env: Mapping[str, str]) -> dict[Scope, list[str]]:
-    path = server.tokens_file or (Path(env[TOKENS_FILE_ENV]) if env.get(TOKENS_FILE_ENV) else None)
+    path = tokens_file_path(server, env)
     return read_tokens_file(path) if path is not None else {}
 
 
 def accepted_tokens(server: ServerConfig, env: Mapping[str, str] | None = None) -> TokenScopes:
-    """Every token a server with this config accepts, with its scope (empty: auth off)."""
+    """Every token a server with this config accepts, with its scope (empty: auth off); tenant
+    keys too (scope `tenant`: refused by every method, known so as to say PERMISSION_DENIED)."""
     env = os.environ if env is None else env
-    scoped = _scoped_tokens(server, env)
+    path = tokens_file_path(server, env)
+    scoped, tenants = parse_tokens_file(_read(path), path) if path is not None else ({}, {})
     legacy = _legacy_token(server, env)
     if legacy:
         scoped.setdefault(Scope.OPERATOR, []).append(legacy)
-    return TokenScopes.of(scoped)
+    return TokenScopes.of(scoped, tenants)
 
 
 def viewer_token(server: ServerConfig, env: Mapping[str, str] | None = None) -> str | None:

@@ -14,7 +14,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from flywheel.runtime.auth import TokenScopes
+from flywheel.runtime.auth import Scope, TokenScopes, refusal
 from flywheel.runtime.tls import TlsFiles, server_ssl_context
 
 RPC_REQUESTS = Counter(
@@ -46,12 +46,17 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def _requiring_token(app: Callable, tokens: TokenScopes) -> Callable:
-    """A WSGI app that answers 401 unless the request carries one of `tokens` (any scope)."""
+    """A WSGI app that answers 401 unless the request carries one of `tokens` (any scope but a
+    Tinker tenant's key, which opens nothing but the Tinker API: 403)."""
 
     def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
-        if tokens.scope_of(environ.get("HTTP_AUTHORIZATION")) is None:
+        held = tokens.scope_of(environ.get("HTTP_AUTHORIZATION"))
+        if held is None:
             start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
             return [b"missing or wrong bearer token\n"]
+        if held < Scope.VIEWER:
+            start_response("403 Forbidden", [("Content-Type", "text/plain")])
+            return [f"{refusal('/metrics', Scope.VIEWER, held)}\n".encode()]
         return app(environ, start_response)
 
     return guarded
