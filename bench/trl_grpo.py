@@ -1,26 +1,38 @@
 """The quickstart against TRL's GRPOTrainer: the same job on the same machine, one process each.
 
 Run manual (~25 minutes on 2 cores):
-    python bench/trl_grpo.py                  # 10 steps each, held-out accuracy at steps 0 and 10
+    python bench/trl_grpo.py                  # 10 steps each, seed 0, held-out accuracy at steps 0 and 10
+    python bench/trl_grpo.py --seed 1         # another seed on both sides (run 0, 1, 2 for the published rows)
     python bench/trl_grpo.py --steps 20
     python bench/trl_grpo.py --smoke          # 2 steps each on the tiny model, our side on the transformers engine (CI)
+Experiments (one variable at a time, same seeds; keep their records apart from the published ones):
+    FLYWHEEL_BENCH_RESULTS=bench/results/experiments python bench/trl_grpo.py --side flywheel \
+        --set algorithm.loss.aggregation=token_mean --note "ours with TRL's token-level aggregation"
+    FLYWHEEL_BENCH_RESULTS=bench/results/experiments python bench/trl_grpo.py --trl loss_type=grpo
 
-Ours: `python -m services.controller run examples/quickstart.yaml --max-steps N` in a fresh
-run directory (services started, vLLM on CPU, the quickstart's mode and learning-rate
+Ours: `python -m services.controller run examples/quickstart.yaml --max-steps N --seed S` in a
+fresh run directory (services started, vLLM on CPU, the quickstart's mode and learning-rate
 schedule decaying over the N steps as TRL's does, greedy validation of the 200 held-out
-questions before training and at the end). Baseline: TRL 1.16's GRPOTrainer on the
-same job, as a single-machine TRL user without a GPU runs it (generation through transformers'
-`generate`, `use_cpu`): the same model file, the same training questions (the run directory's
-data), system prompt and chat template, 8 questions x 8 samples per step (per-device batch 16
-x 4 accumulation steps = one generation of 64), learning rate 1e-5, temperature 0.7, 64
-completion tokens, the same reward (our math scorer), TRL's defaults otherwise; its held-out
-accuracy is measured the same way (greedy, 64 tokens, our scorer) before training and at the
-end, through transformers' `generate` in batches of 50, inside its timed run.
+questions before training and at the end). Baseline: TRL 1.16's GRPOTrainer on the same job, as
+a single-machine TRL user without a GPU runs it (generation through transformers' `generate`,
+`use_cpu`, TRL's defaults otherwise: loss_type "dapo", beta 0, scale_rewards "group", bf16
+autocast): the same model file, system prompt and chat template, the same questions in the same
+order (the ones our run trained, step by step, from its trained_tasks.jsonl; TRL's shuffling off),
+8 questions x 8 samples per step (per-device batch 16 x 4 accumulation steps = one generation
+of 64), learning rate 1e-5 decaying linearly over the N steps, temperature 0.7, the run file's
+completion length (48 tokens), the same reward (our math scorer), seed S. TRL's held-out accuracy
+is measured with our scorer before training and at the end (greedy, 64 tokens) through
+transformers' `generate` in batches of 50; our final checkpoint is also measured that way
+(`flywheel_val_after_hf`), so the two sides' final accuracies can be read with one evaluator.
 
-Both wall times run from process start to end: model loading, the first step and every
-validation pass included. Reported: seconds per step of each (wall / steps), held-out
-accuracy before and after of each, and `flywheel_step_vs_trl_step` (TRL's seconds per step
-over ours; the goal is >= 2), with the CPU (flywheel/testing/machine.py). One JSON line at the end.
+Times, each side from its process start to end: `*_train_seconds` the training steps alone
+(ours: the steps' wall time, validation passes between them taken out; TRL's: `trainer.train()`),
+`*_validation_seconds` the validation passes (before and after training), `*_setup_seconds` the
+rest (imports, services starting, model loading, our final checkpoint, stopping). Ratios (TRL's
+time over ours, above 1 is faster): `flywheel_train_step_vs_trl_train_step` (training alone),
+`flywheel_validation_vs_trl_validation` and `flywheel_step_vs_trl_step` (wall / steps: the goal
+is >= 2). The machine is named (flywheel/testing/machine.py); wall times are noisy on a shared
+machine, accuracies are not. One JSON line at the end.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -48,11 +61,24 @@ QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 VALIDATION_BATCH = 50
 
 
-def job_config(smoke: bool, work: Path, steps: int) -> Path:
+def override(tree: dict[str, Any], assignment: str) -> None:
+    """Sets `a.b.c=VALUE` (VALUE read as YAML) in `tree`, making the sections on the way."""
+    key, sep, value = assignment.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set/--trl takes KEY=VALUE, not {assignment!r}")
+    *path, last = key.split(".")
+    for part in path:
+        tree = tree.setdefault(part, {})
+    tree[last] = yaml.safe_load(value)
+
+
+def job_config(smoke: bool, work: Path, steps: int, seed: int, sets: list[str]) -> Path:
     """The quickstart (or, for --smoke, the quickstart on the tiny model with 16 held-out questions)."""
     config = yaml.safe_load(QUICKSTART.read_text())
     config["run"]["max_steps"] = steps
-    config["checkpoint"] = {"interval": 0, "at_end": False}
+    config["run"]["seed"] = seed
+    # The final weights are kept, so that TRL's evaluator can read them too (flywheel_val_after_hf).
+    config["checkpoint"] = {"interval": 0, "at_end": True}
     config["validation"]["interval"] = steps
     if smoke:
         config["launch"]["model"] = {"source": "tiny", "dtype": "float32"}
@@ -61,6 +87,8 @@ def job_config(smoke: bool, work: Path, steps: int) -> Path:
         config["worker"]["sampling"]["max_tokens"] = 16
         config["validation"]["sampling"]["max_tokens"] = 16
         with_transformers_engine(config)  # it checks the bench runs: vLLM's start would be half its time
+    for assignment in sets:
+        override(config, assignment)
     path = work / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -75,116 +103,218 @@ def run_ours(config: Path, run_dir: Path) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"our job failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    validations = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-    steps = sum(1 for r in rows if "rollout/reward_mean" in r)
-    return {"wall_seconds": round(wall, 1), "steps": steps, "val_before": validations[0], "val_after": validations[-1]}
+    steps = [r for r in rows if "rollout/reward_mean" in r]
+    validations = [r for r in rows if "val/accuracy" in r]
+    last = max(int(r["step"]) for r in steps)
+    validation = sum(r["val/seconds"] for r in validations)
+    # A step's time runs from the record before it: a validation pass between two steps is in it.
+    train = sum(r["time/step_seconds"] for r in steps) - sum(r["val/seconds"] for r in validations
+                                                             if int(r["step"]) < last)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"wall_seconds": wall, "train_seconds": train, "validation_seconds": validation,
+            "steps": len(steps), "val_before": validations[0]["val/accuracy"],
+            "val_after": validations[-1]["val/accuracy"],
+            "rewards": [r["rollout/reward_mean"] for r in steps],
+            "lengths": [r["rollout/response_length_mean"] for r in steps],
+            "model": summary.get("model") or ""}
 
 
-def run_trl(config_path: Path, run_dir: Path, steps: int, work: Path) -> dict:
-    """TRL's GRPOTrainer on the job `config_path` describes, with the data our run generated."""
+def trained_order(run_dir: Path) -> list[int]:
+    """The training questions our run trained, step by step (indices into train.jsonl)."""
+    order: list[int] = []
+    lines = (run_dir / "trained_tasks.jsonl").read_text().splitlines()
+    by_step: dict[int, list[str]] = {}
+    for line in lines:
+        row = json.loads(line)
+        by_step[int(row["step"])] = row["tasks"]  # a redone step's later line is the one trained on
+    for step in sorted(by_step):
+        order += [int(task.rsplit(":", 1)[1]) for task in by_step[step]]
+    return order
+
+
+class Evaluator:
+    """Greedy held-out accuracy through transformers' `generate` (our scorer, batches of 50)."""
+
+    def __init__(self, run: dict, run_dir: Path, tokenizer: Any) -> None:
+        worker = run["worker"]
+        self.system, self.instruction = worker.get("system_prompt"), worker.get("instruction")
+        self.max_tokens = int(run["validation"]["sampling"]["max_tokens"])
+        self.tokenizer = tokenizer
+        self.held_out = rows(run_dir, "validation")
+
+    def messages(self, question: str) -> list[dict]:
+        user = f"{question}\n{self.instruction}" if self.instruction else question
+        return ([{"role": "system", "content": self.system}] if self.system else []) + [{"role": "user", "content": user}]
+
+    def accuracy(self, model: Any) -> float:
+        import torch
+
+        tok = self.tokenizer
+        was_training = model.training
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for start in range(0, len(self.held_out), VALIDATION_BATCH):
+                part = self.held_out[start:start + VALIDATION_BATCH]
+                prompts = [tok.apply_chat_template(self.messages(r["question"]), add_generation_prompt=True,
+                                                   tokenize=False) for r in part]
+                enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+                out = model.generate(**enc, do_sample=False, max_new_tokens=self.max_tokens,
+                                     pad_token_id=tok.pad_token_id or tok.eos_token_id)
+                for r, ids in zip(part, out[:, enc["input_ids"].shape[1]:]):
+                    text = tok.decode(ids, skip_special_tokens=True)
+                    correct += answers_match(final_answer(text)[0], r["answer"])
+        model.train(was_training)
+        return correct / len(self.held_out)
+
+
+def rows(run_dir: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "data" / f"{name}.jsonl").read_text().splitlines()]
+
+
+def load_job(config_path: Path) -> tuple[Any, dict, Path]:
+    from services.controller.launcher.prepare import prepare_model
+    from services.controller.launcher.spec import split_run_file
+
+    spec, run = split_run_file(yaml.safe_load(config_path.read_text()), f"file {config_path}")
+    return spec, run, prepare_model(spec.model)  # type: ignore[attr-defined]
+
+
+def evaluate_checkpoint(config_path: Path, run_dir: Path, model_path: str) -> float | None:
+    """Our final weights' held-out accuracy through TRL's side's evaluator."""
+    if not model_path or not Path(model_path).is_dir():
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, run, model_dir = load_job(config_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return Evaluator(run, run_dir, tokenizer).accuracy(model)
+
+
+def run_trl(config_path: Path, run_dir: Path, steps: int, seed: int, work: Path, trl_sets: list[str]) -> dict:
+    """TRL's GRPOTrainer on the job `config_path` describes, with the data (and question order) our run had."""
     started = time.monotonic()
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from services.controller.launcher.prepare import prepare_model
-    from services.controller.launcher.spec import split_run_file
-
-    raw = yaml.safe_load(config_path.read_text())
-    spec, run = split_run_file(raw, f"file {config_path}")
-    model_dir = prepare_model(spec.model)  # type: ignore[attr-defined]
+    spec, run, model_dir = load_job(config_path)
     worker = run["worker"]
-    system = worker.get("system_prompt")
-    instruction = worker.get("instruction")
     group, batch = int(worker["group_size"]), int(run["algorithm"]["train_batch_size"])
     sampling = worker["sampling"]
-
-    def messages(question: str) -> list[dict]:
-        user = f"{question}\n{instruction}" if instruction else question
-        return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-
-    def rows(name: str) -> list[dict]:
-        return [json.loads(line) for line in (run_dir / "data" / f"{name}.jsonl").read_text().splitlines()]
-
-    train = Dataset.from_list([{"prompt": messages(r["question"]), "answer": r["answer"]} for r in rows("train")])
-    held_out = rows("validation")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
+    evaluator = Evaluator(run, run_dir, tokenizer)
+    train_rows = rows(run_dir, "train")
+    order = trained_order(run_dir) if (run_dir / "trained_tasks.jsonl").exists() else []
+    order = order[: steps * (batch // group)] or list(range(len(train_rows)))
+    train = Dataset.from_list([{"prompt": evaluator.messages(train_rows[i]["question"]),
+                                "answer": train_rows[i]["answer"]} for i in order])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
     def accuracy_reward(completions: list, answer: list, **_: object) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [float(answers_match(final_answer(t)[0], a)) for t, a in zip(texts, answer)]
 
-    def held_out_accuracy() -> float:
-        model.eval()
-        correct = 0
-        with torch.no_grad():
-            for start in range(0, len(held_out), VALIDATION_BATCH):
-                part = held_out[start:start + VALIDATION_BATCH]
-                prompts = [tokenizer.apply_chat_template(messages(r["question"]), add_generation_prompt=True,
-                                                         tokenize=False) for r in part]
-                enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-                out = model.generate(**enc, do_sample=False,
-                                     max_new_tokens=int(run["validation"]["sampling"]["max_tokens"]),
-                                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-                for r, ids in zip(part, out[:, enc["input_ids"].shape[1]:]):
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                    correct += answers_match(final_answer(text)[0], r["answer"])
-        model.train()
-        return correct / len(held_out)
-
-    before = held_out_accuracy()
+    setup = time.monotonic() - started
+    t0 = time.monotonic()
+    before = evaluator.accuracy(model)
+    validation = time.monotonic() - t0
     micro = min(16, batch)
-    args = GRPOConfig(
+    settings: dict[str, Any] = dict(
         output_dir=str(work / "trl"), max_steps=steps, per_device_train_batch_size=micro,
         gradient_accumulation_steps=batch // micro, num_generations=group,
         max_completion_length=int(sampling["max_tokens"]), temperature=float(sampling.get("temperature", 1.0)),
         learning_rate=float(spec.trainer["optimizer"]["lr"]),  # type: ignore[attr-defined]
-        use_cpu=True, logging_steps=1, save_strategy="no", report_to="none", seed=int(run["run"].get("seed", 0)),
+        use_cpu=True, logging_steps=1, save_strategy="no", report_to="none", seed=seed,
+        shuffle_dataset=False,  # the questions in our run's order
     )
+    for assignment in trl_sets:
+        override(settings, assignment)
+    args = GRPOConfig(**settings)
 
-    class Rewards(TrainerCallback):
+    class Logs(TrainerCallback):
         rewards: list[float] = []
+        lengths: list[float] = []
 
         def on_log(self, _args, _state, _control, logs=None, **_):
             if logs and "reward" in logs:
                 self.rewards.append(float(logs["reward"]))
+                self.lengths.append(float(logs.get("completions/mean_length", float("nan"))))
 
     trainer = GRPOTrainer(model=model, reward_funcs=accuracy_reward, args=args, train_dataset=train,
-                          processing_class=tokenizer, callbacks=[Rewards()])
+                          processing_class=tokenizer, callbacks=[Logs()])
+    t0 = time.monotonic()
     trainer.train()
-    after = held_out_accuracy()
-    return {"wall_seconds": round(time.monotonic() - started, 1), "steps": steps, "val_before": before,
-            "val_after": after, "reward_first": Rewards.rewards[0] if Rewards.rewards else None,
-            "reward_last": Rewards.rewards[-1] if Rewards.rewards else None}
+    train_seconds = time.monotonic() - t0
+    t0 = time.monotonic()
+    after = evaluator.accuracy(model)
+    validation += time.monotonic() - t0
+    wall = time.monotonic() - started
+    return {"wall_seconds": wall, "train_seconds": train_seconds, "validation_seconds": validation,
+            "setup_seconds": setup, "steps": steps, "val_before": before, "val_after": after,
+            "rewards": Logs.rewards, "lengths": Logs.lengths}
+
+
+def side_figures(name: str, side: dict) -> dict[str, Any]:
+    steps = side["steps"]
+    other = side["wall_seconds"] - side["train_seconds"] - side["validation_seconds"]
+    return {
+        f"{name}_seconds_per_step": round(side["wall_seconds"] / steps, 2),
+        f"{name}_train_seconds": round(side["train_seconds"], 1),
+        f"{name}_train_seconds_per_step": round(side["train_seconds"] / steps, 2),
+        f"{name}_validation_seconds": round(side["validation_seconds"], 1),
+        f"{name}_setup_seconds": round(other, 1),
+        f"{name}_val_before": round(side["val_before"], 4), f"{name}_val_after": round(side["val_after"], 4),
+        f"{name}_reward_first": round(side["rewards"][0], 4) if side["rewards"] else None,
+        f"{name}_reward_last": round(side["rewards"][-1], 4) if side["rewards"] else None,
+        f"{name}_rewards": [round(r, 3) for r in side["rewards"]],
+        f"{name}_lengths": [round(n, 1) for n in side["lengths"]],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0, help="run.seed on our side, GRPOConfig.seed on TRL's")
     parser.add_argument("--smoke", action="store_true", help="2 steps each on the tiny model")
+    parser.add_argument("--side", choices=("both", "flywheel", "trl"), default="both",
+                        help="run one side only (experiments; TRL's side still needs our run's data: ours runs "
+                        "first, untimed)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override our run file (dotted key, YAML value), e.g. algorithm.loss.aggregation=token_mean")
+    parser.add_argument("--trl", dest="trl_sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a GRPOConfig field, e.g. loss_type=grpo")
+    parser.add_argument("--note", default=None, help="what a reader needs to read the record right")
     args = parser.parse_args()
     steps = 2 if args.smoke else args.steps
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    figures: dict[str, Any] = {"bench": "trl_grpo", **cpu(), "steps": steps, "seed": args.seed,
+                               "model": "tiny" if args.smoke else "smollm2"}
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         work = Path(tmp)
-        config = job_config(args.smoke, work, steps)
+        config = job_config(args.smoke, work, steps, args.seed, args.sets)
         ours = run_ours(config, work / "ours")
         print({"flywheel": ours}, flush=True)
-        trl = run_trl(config, work / "ours", steps, work)
-        print({"trl": trl}, flush=True)
-    ours_step, trl_step = ours["wall_seconds"] / ours["steps"], trl["wall_seconds"] / trl["steps"]
-    figures = {
-        "bench": "trl_grpo", **cpu(), "steps": steps, "model": "tiny" if args.smoke else "smollm2",
-        "flywheel_seconds_per_step": round(ours_step, 2), "trl_seconds_per_step": round(trl_step, 2),
-        "flywheel_val_before": ours["val_before"], "flywheel_val_after": ours["val_after"],
-        "trl_val_before": round(trl["val_before"], 4), "trl_val_after": round(trl["val_after"], 4),
-        "trl_reward_first": trl["reward_first"], "trl_reward_last": trl["reward_last"],
-        "flywheel_step_vs_trl_step": round(trl_step / ours_step, 3),
-    }
-    record("trl_grpo", figures, args=args, smoke=args.smoke)
+        if args.side in ("both", "flywheel"):
+            figures.update(side_figures("flywheel", ours))
+            after_hf = evaluate_checkpoint(config, work / "ours", ours["model"])
+            figures["flywheel_val_after_hf"] = None if after_hf is None else round(after_hf, 4)
+        if args.side in ("both", "trl"):
+            trl = run_trl(config, work / "ours", steps, args.seed, work, args.trl_sets)
+            print({"trl": trl}, flush=True)
+            figures.update(side_figures("trl", trl))
+    if args.side == "both":
+        figures["flywheel_step_vs_trl_step"] = round(figures["trl_seconds_per_step"] /
+                                                     figures["flywheel_seconds_per_step"], 3)
+        figures["flywheel_train_step_vs_trl_train_step"] = round(trl["train_seconds"] / ours["train_seconds"], 3)
+        figures["flywheel_validation_vs_trl_validation"] = round(trl["validation_seconds"] /
+                                                                 ours["validation_seconds"], 3)
+    record("trl_grpo", figures, args=args, smoke=args.smoke, note=args.note)
 
 
 if __name__ == "__main__":
