@@ -31,8 +31,9 @@ Times, each side from its process start to end: `*_train_seconds` the training s
 rest (imports, services starting, model loading, our final checkpoint, stopping). Ratios (TRL's
 time over ours, above 1 is faster): `flywheel_train_step_vs_trl_train_step` (training alone),
 `flywheel_validation_vs_trl_validation` and `flywheel_step_vs_trl_step` (wall / steps: the goal
-is >= 2). The machine is named (flywheel/testing/machine.py); wall times are noisy on a shared
-machine, accuracies are not. One JSON line at the end.
+is >= 2). The machine is named (flywheel/testing/machine.py), with its 1-minute load average at
+the start and the end (`load_average`): wall times are noisy on a shared machine, accuracies are
+not. One JSON line at the end.
 """
 
 from __future__ import annotations
@@ -295,6 +296,8 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     figures: dict[str, Any] = {"bench": "trl_grpo", **cpu(), "steps": steps, "seed": args.seed,
                                "model": "tiny" if args.smoke else "smollm2"}
+    # The machine's 1-minute load average at the start and the end: other work on it moves the times.
+    load = [round(os.getloadavg()[0], 2)]
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         work = Path(tmp)
         config = job_config(args.smoke, work, steps, args.seed, args.sets)
@@ -308,6 +311,7 @@ def main() -> None:
             trl = run_trl(config, work / "ours", steps, args.seed, work, args.trl_sets)
             print({"trl": trl}, flush=True)
             figures.update(side_figures("trl", trl))
+    figures["load_average"] = load + [round(os.getloadavg()[0], 2)]
     if args.side == "both":
         figures["flywheel_step_vs_trl_step"] = round(figures["trl_seconds_per_step"] /
                                                      figures["flywheel_seconds_per_step"], 3)
