@@ -263,9 +263,9 @@ class StalenessConfig(StrictModel):
     trained at) and closes a batch only when every group still in flight can meet its own, waiting for
     a straggler when it could not: no finished group goes over the bound, none is thrown away, and the
     lengths trained are the lengths generated (services/controller/batches/processor.py). The price is
-    trainer idle time while it waits (docs/performance.md, "Pacing by default", measures it against
-    drop on the tiny quickstart). `drop` batches finished groups in completion order and drops a group
-    that finished too late for the bound, retrying its task: its rollout compute is lost, and since the
+    trainer idle time while it waits for a straggler (below: the default's slack keeps it within
+    drop's). `drop` batches finished groups in completion order and drops a group that finished too
+    late for the bound, retrying its task: its rollout compute is lost, and since the
     groups that finish late are the long answers, training leans towards short ones (and a prompt whose
     answers are always long may be retried again and again). Sync mode neither drops nor waits under
     either. `correct` trains late groups with the trainer's truncated importance-sampling correction
@@ -280,16 +280,19 @@ class StalenessConfig(StrictModel):
 
     `lookahead` below `threshold` buys pace its slack: rollouts start at most `lookahead` versions
     ahead (so samples are about as fresh as with threshold = lookahead), and a group that runs long
-    may still be trained up to `threshold` versions late before the trainer waits for it. On the
-    skewed mix above, pace with lookahead 1 and threshold 2 keeps the mean age near 1, drops nothing
-    and idles about as much as drop with threshold 1 (0.19 vs 0.17).
+    may still be trained up to `threshold` versions late before the trainer waits for it. That is the
+    default: threshold 2 and, under pace, lookahead threshold - 1. On a long-tailed mix
+    (tests/unit/controller/test_controller_pacing.py, simulated) it keeps the mean age near 1, drops
+    nothing and idles within drop's (threshold 1) + 0.05, the stated margin (0.185 vs 0.165), where
+    pace with threshold 1 and no slack idles twice as much (0.33).
     """
 
-    threshold: int = Field(1, ge=0, description="batch-async: most versions a trained sample may lag the trainer")
+    threshold: int = Field(2, ge=0, description="batch-async: most versions a trained sample may lag the trainer")
     lookahead: int | None = Field(
         None, ge=0, description="batch-async: most versions ahead of the trainer a rollout may be started for (how "
-        "far replicas may lag); default threshold. Below it, groups keep threshold - lookahead versions of slack, "
-        "which policy pace uses before it waits for a late group"
+        "far replicas may lag); default threshold - 1 under policy pace with a threshold of 2 or more (one version "
+        "of slack, no less than the sync schedule's lag), else threshold. Below the threshold, groups keep "
+        "threshold - lookahead versions of slack, which policy pace uses before it waits for a late group"
     )
     policy: Literal["drop", "pace", "correct"] = Field(
         "pace", description="keeping the bound: pace (batch groups by deadline and wait for a late group rather than "
@@ -449,10 +452,7 @@ class RunConfig(StrictModel):
             raise ValueError(
                 f"staleness.lookahead ({lookahead}) must be <= staleness.threshold ({self.staleness.threshold})"
             )
-        if s.style == "fixed":
-            lag, why = s.offset + s.interval - 1, "sync.offset + sync.interval - 1"
-        else:
-            lag, why = s.interval + 1, "sync.interval + 1"
+        lag, why = self._schedule_lag
         name, bound = ("staleness.lookahead", lookahead) if lookahead is not None else (
             "staleness.threshold", self.staleness.threshold)
         if bound < lag:
@@ -460,6 +460,14 @@ class RunConfig(StrictModel):
                 f"{name} ({bound}) must be >= {why} ({lag}): rollouts cannot be fresher than the schedule moves "
                 "their weights"
             )
+
+    @property
+    def _schedule_lag(self) -> tuple[int, str]:
+        """How many versions behind the trainer the sync schedule may leave a replica, and why."""
+        s = self.sync
+        if s.style == "fixed":
+            return s.offset + s.interval - 1, "sync.offset + sync.interval - 1"
+        return s.interval + 1, "sync.interval + 1"
 
     # Resolved defaults, so every component reads the same value.
     @property
@@ -517,11 +525,18 @@ class RunConfig(StrictModel):
     def dispatch_lookahead(self) -> int | None:
         """How many batches past the trainer's version rollouts may be started for (the
         staleness gate's limit, and how far a replica may lag): sync mode none (lockstep),
-        batch-async staleness.lookahead, by default the threshold."""
+        batch-async staleness.lookahead (its default: see below), fully-async none."""
         if self.mode == "sync":
             return 0
         if self.mode == "batch-async" and self.staleness.lookahead is not None:
             return self.staleness.lookahead
+        threshold = self.staleness.threshold
+        if self.mode == "batch-async" and self.staleness.policy == "pace" and threshold >= 2:
+            # Pacing's default slack: rollouts start one version less far ahead than the bound, so a long
+            # group may finish a version late before the trainer waits for it (docs/architecture.md, "Versions
+            # and staleness": on a long-tailed mix it idles as drop does, where with no slack it idled twice as
+            # much), while samples stay about as fresh as with threshold - 1.
+            return max(threshold - 1, self._schedule_lag[0])
         return self.staleness_limit
 
     @property
