@@ -291,6 +291,8 @@ def main() -> None:
     parser.add_argument("--trl", dest="trl_sets", action="append", default=[], metavar="KEY=VALUE",
                         help="override a GRPOConfig field, e.g. loss_type=grpo")
     parser.add_argument("--note", default=None, help="what a reader needs to read the record right")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="work in DIR and keep it (our run directory, TRL's output), instead of a temporary one")
     args = parser.parse_args()
     steps = 2 if args.smoke else args.steps
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -298,8 +300,10 @@ def main() -> None:
                                "model": "tiny" if args.smoke else "smollm2"}
     # The machine's 1-minute load average at the start and the end: other work on it moves the times.
     load = [round(os.getloadavg()[0], 2)]
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
-        work = Path(tmp)
+        work = args.keep or Path(tmp)
         config = job_config(args.smoke, work, steps, args.seed, args.sets)
         ours = run_ours(config, work / "ours")
         print({"flywheel": ours}, flush=True)
