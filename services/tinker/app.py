@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import services.tinker.metrics  # noqa: F401  (registers the service's metric families)
 from flywheel.rollout.client import RolloutClient
-from flywheel.runtime.auth import accepted_tokens
+from flywheel.runtime.auth import accepted_tokens, tokens_file_path
 from flywheel.runtime.http_server import HttpServer, report_http_port
 from flywheel.runtime.server import ServiceSpec
 from flywheel.trainer.client import TrainerClient
 from services.tinker.config import TinkerConfig
 from services.tinker.gateway import Gateway
 from services.tinker.http_api import create_app
+from services.tinker.tenants import TenantKeys
 
 
 def build(config: TinkerConfig) -> ServiceSpec:
@@ -26,8 +27,9 @@ def build(config: TinkerConfig) -> ServiceSpec:
             if config.rollout_address else None
         gateway = state["gateway"] = Gateway(config, trainer, rollout)
         await gateway.start()
-        http = state["http"] = HttpServer(create_app(gateway, accepted_tokens(config.server)), config.server.host,
-                                          config.http_port, name="tinker api")
+        keys = TenantKeys(accepted_tokens(config.server), tokens_file_path(config.server))
+        http = state["http"] = HttpServer(create_app(gateway, keys), config.server.host, config.http_port,
+                                          name="tinker api")
         report_http_port(config.server.ready_file, await http.start())
 
     async def shutdown() -> None:

@@ -47,3 +47,20 @@ class TinkerConfig(StrictModel):
         1800.0, gt=0, description="how long the gateway waits at start for its trainer and rollout to answer, "
         "their models loaded"
     )
+    sampler_keep_unnamed: int = Field(
+        3, ge=1, description="how many unnamed saves for the sampler (save_weights_and_get_sampling_client's, one per "
+        "RL step) a model keeps on disk: older ones are removed at its next save (named ones stay until deleted or "
+        "expired)"
+    )
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="the largest request body, in bytes, as sent and once decompressed "
+        "(zstd): larger is refused with 413 (the SDK's forward_backward chunks are 5 MB at most)"
+    )
+    forget_seconds: float = Field(
+        3600.0, gt=0, description="how long after a session ends the gateway forgets it, with its models' and "
+        "samplers' state (their saves on disk stay)"
+    )
+    prune_seconds: float = Field(
+        30.0, gt=0, description="how often ended sessions are retired and forgotten and expired saves removed, in "
+        "seconds"
+    )

@@ -29,3 +29,23 @@ SESSIONS = Gauge("flywheel_tinker_sessions", "Client sessions running (heartbeat
 SAMPLER_VERSION = Gauge(
     "flywheel_tinker_sampler_weight_version", "Weight version the gateway's rollout replica serves for sampling."
 )
+TENANT_REQUESTS = Counter(
+    "flywheel_tinker_tenant_requests_total",
+    "Tinker API calls admitted, by the tenant whose key made them (the tenants of the tokens file).",
+    ["tenant"],
+)
+TENANT_DISK = Gauge(
+    "flywheel_tinker_tenant_disk_bytes",
+    "Bytes on disk of a tenant's checkpoints and weights saved for the sampler, as of the last save or removal.",
+    ["tenant"],
+)
+SAMPLER_SAVES_REMOVED = Counter(
+    "flywheel_tinker_sampler_saves_removed_total",
+    "Weights saved for the sampler removed from disk, by why (unnamed past the last K of a model, expired, deleted).",
+    ["reason"],
+)
+BODIES_REFUSED = Counter(
+    "flywheel_tinker_bodies_refused_total",
+    "Request bodies refused with 413 before they were read or decompressed whole, by which side was too large.",
+    ["side"],
+)

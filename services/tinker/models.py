@@ -13,9 +13,16 @@ step). Models' requests take turns on the trainer, one request at a time,
 and each turn first selects its model there, so two clients training at once
 never touch each other's weights. Selecting on every turn (a call of about a
 millisecond) rather than remembering the selection means a trainer that
-restarted and lost a model is found at that model's next request (it would
-be created anew: refused as lost) instead of training another model's
-adapters. A model whose session ended is dropped from the trainer.
+restarted and lost a model is found at that model's next request instead of
+training another model's adapters: the empty model the trainer made in its
+place is dropped at once, and the model is lost for good, every request of
+it (those waiting, and every one after) refused until the client loads a save
+into a new model. A model whose session ended is dropped from the trainer.
+
+Sessions and models belong to the tenant whose key made them (services/tinker/
+tenants.py): another tenant's are not found (404), by id. A session that
+ended is forgotten `forget_seconds` later, with its models and what the
+gateway kept for them (`Sessions.forgettable`).
 """
 
 from __future__ import annotations
@@ -45,52 +52,89 @@ LORA_MODULES = {
 @dataclass
 class Session:
     session_id: str
+    tenant: str
     created: float
     last_heartbeat: float
     #: How it ended ("success", "errored", "interrupted"); None while it runs. The first reason stays.
     ended: str | None = None
     detail: str | None = None
+    #: When it ended (time.monotonic()); None while it runs.
+    ended_at: float | None = None
+    user_metadata: dict = field(default_factory=dict)
 
 
 class Sessions:
-    def __init__(self, timeout_seconds: float) -> None:
+    def __init__(self, timeout_seconds: float, forget_seconds: float = 3600.0) -> None:
         self.timeout_seconds = timeout_seconds
+        self.forget_seconds = forget_seconds
         self._sessions: dict[str, Session] = {}
 
-    def create(self) -> Session:
+    def create(self, tenant: str, user_metadata: dict | None = None) -> Session:
         now = time.monotonic()
-        session = Session(f"session-{uuid.uuid4().hex[:12]}", now, now)
+        session = Session(f"session-{uuid.uuid4().hex[:12]}", tenant, now, now, user_metadata=user_metadata or {})
         self._sessions[session.session_id] = session
         return session
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str, tenant: str) -> Session:
+        """The session, if it is `tenant`'s (another tenant's is not found, as an unknown one)."""
         session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or session.tenant != tenant:
             raise NotFound(f"session {session_id!r} is not known here")
+        self._expire(session)
         return session
 
-    def live(self, session_id: str) -> Session:
-        """The session, if it runs: finished or silent past the timeout, FailedPrecondition."""
-        session = self.get(session_id)
+    def _expire(self, session: Session) -> None:
         if session.ended is None and time.monotonic() - session.last_heartbeat > self.timeout_seconds:
-            session.ended, session.detail = "expired", f"no heartbeat for {self.timeout_seconds:g} s"
+            self._end(session, "expired", f"no heartbeat for {self.timeout_seconds:g} s")
+
+    @staticmethod
+    def _end(session: Session, reason: str, detail: str | None) -> None:
+        session.ended, session.detail, session.ended_at = reason, detail, time.monotonic()
+
+    def live(self, session_id: str, tenant: str) -> Session:
+        """The session, if it runs: finished or silent past the timeout, FailedPrecondition."""
+        session = self.get(session_id, tenant)
         if session.ended is not None:
             raise FailedPrecondition(f"session {session_id} has finished ({session.ended})")
         return session
+
+    def runs(self, session_id: str) -> bool:
+        session = self._sessions.get(session_id)
+        if session is None:
+            return False
+        self._expire(session)
+        return session.ended is None
 
     def running(self) -> int:
         """Sessions neither finished nor silent past the timeout."""
         cutoff = time.monotonic() - self.timeout_seconds
         return sum(1 for s in self._sessions.values() if s.ended is None and s.last_heartbeat >= cutoff)
 
-    def heartbeat(self, session_id: str) -> None:
-        self.live(session_id).last_heartbeat = time.monotonic()
+    def of_tenant(self, tenant: str) -> list[Session]:
+        return [s for s in self._sessions.values() if s.tenant == tenant]
 
-    def finish(self, session_id: str, reason: str, detail: str | None) -> Session:
-        session = self.get(session_id)
+    def heartbeat(self, session_id: str, tenant: str) -> None:
+        self.live(session_id, tenant).last_heartbeat = time.monotonic()
+
+    def finish(self, session_id: str, tenant: str, reason: str, detail: str | None) -> Session:
+        session = self.get(session_id, tenant)
         if session.ended is None:
-            session.ended, session.detail = reason, detail
+            self._end(session, reason, detail)
         return session
+
+    def ended(self) -> list[Session]:
+        """The sessions that ended (finished, or silent past the timeout)."""
+        for session in self._sessions.values():
+            self._expire(session)
+        return [s for s in self._sessions.values() if s.ended is not None]
+
+    def forgettable(self) -> list[str]:
+        """Forgets the sessions that ended `forget_seconds` ago or more; their ids."""
+        cutoff = time.monotonic() - self.forget_seconds
+        gone = [s.session_id for s in self.ended() if s.ended_at is not None and s.ended_at <= cutoff]
+        for session_id in gone:
+            del self._sessions[session_id]
+        return gone
 
 
 @dataclass
@@ -105,6 +149,7 @@ class Request:
 class TrainingModel:
     model_id: str
     session_id: str
+    tenant: str
     base_model: str
     lora_rank: int
     user_metadata: dict = field(default_factory=dict)
@@ -115,7 +160,7 @@ class TrainingModel:
     waiting: dict[int, Request] = field(default_factory=dict)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     runner: asyncio.Task | None = None
-    #: Why it takes no more requests (its session ended); None while it trains.
+    #: Why it takes no more requests (its session ended, the trainer lost it); None while it trains.
     retired: str | None = None
 
 
@@ -137,16 +182,41 @@ class TrainingModels:
     @contextlib.asynccontextmanager
     async def turn(self, model_id: str, *, new: bool = False) -> AsyncIterator[None]:
         """The trainer, with `model_id` selected on it, until the block ends. `new`: the model is being
-        created (the trainer must not hold it yet); otherwise the trainer must hold it already."""
+        created (the trainer must not hold it yet); otherwise the trainer must hold it already: one it
+        lost is lost for good (see the module doc)."""
         async with self._turns:
             created = await self._select(model_id)
             if created != new:
                 if new:
                     raise AlreadyExists(f"the trainer holds a model {model_id!r} already")
-                raise FailedPrecondition(f"the trainer no longer holds model {model_id} (did it restart?): its "
-                                         "adapters and optimizer state are gone; load a saved checkpoint into a "
-                                         "new model")
+                await self._lose(model_id)
             yield
+
+    async def _lose(self, model_id: str) -> None:
+        """The trainer made `model_id` anew (it had lost it): drops that empty model, refuses the lost one's
+        requests from now on, and raises. Called holding the turn."""
+        reason = (f"the trainer no longer holds model {model_id} (it restarted?): its adapters and optimizer state "
+                  "are gone; load a saved checkpoint into a new model (create_training_client_from_state_with_"
+                  "optimizer)")
+        try:
+            await self._select("")
+            await self._drop(model_id)
+        except FlywheelError as exc:
+            log.warning("the lost model's empty stand-in was not dropped", extra={"model_id": model_id,
+                                                                                 "error": str(exc)})
+        model = self._models.get(model_id)
+        if model is not None and model.retired is None:
+            self._stop(model, reason)
+        log.warning("model lost on the trainer", extra={"model_id": model_id})
+        raise FailedPrecondition(reason)
+
+    def _stop(self, model: TrainingModel, reason: str) -> None:
+        """No more requests of `model`: those waiting answer `reason`."""
+        model.retired = reason
+        for request in model.waiting.values():
+            self.futures.finish(request.request_id, failure(FailedPrecondition(f"model {model.model_id}: {reason}")))
+        model.waiting.clear()
+        model.wakeup.set()  # its runner stops once the request it may be running has answered
 
     def add(self, model: TrainingModel) -> TrainingModel:
         """Starts running `model`'s requests (it was created on the trainer)."""
@@ -154,9 +224,10 @@ class TrainingModels:
         model.runner = asyncio.create_task(self._run(model), name=f"tinker model {model.model_id}")
         return model
 
-    def get(self, model_id: str) -> TrainingModel:
+    def get(self, model_id: str, tenant: str) -> TrainingModel:
+        """`tenant`'s model `model_id`, if it takes requests (another tenant's is not found)."""
         model = self._models.get(model_id)
-        if model is None:
+        if model is None or model.tenant != tenant:
             raise NotFound(f"model {model_id!r} is not known here")
         if model.retired is not None:
             raise FailedPrecondition(f"model {model_id} takes no more requests: {model.retired}")
@@ -165,6 +236,15 @@ class TrainingModels:
     def known(self, model_id: str) -> TrainingModel | None:
         """A model this gateway made, training or retired."""
         return self._models.get(model_id)
+
+    def of_tenant(self, tenant: str) -> list[TrainingModel]:
+        return [m for m in self._models.values() if m.tenant == tenant]
+
+    def forget(self, session_ids: set[str]) -> None:
+        """Forgets the (retired) models of `session_ids`."""
+        for model_id in [m.model_id for m in self._models.values()
+                         if m.session_id in session_ids and m.retired is not None]:
+            del self._models[model_id]
 
     def of_session(self, session_id: str) -> list[TrainingModel]:
         return [m for m in self._models.values() if m.session_id == session_id and m.retired is None]
@@ -176,11 +256,7 @@ class TrainingModels:
         """Stops `model` (its waiting requests answer `reason`) and drops it from the trainer."""
         if model.retired is not None:
             return
-        model.retired = reason
-        for request in model.waiting.values():
-            self.futures.finish(request.request_id, failure(FailedPrecondition(f"model {model.model_id}: {reason}")))
-        model.waiting.clear()
-        model.wakeup.set()  # its runner stops once the request it may be running has answered
+        self._stop(model, reason)
         try:
             async with self._turns:
                 await self._select("")  # the trainer's own model: a model is dropped while parked
@@ -189,11 +265,11 @@ class TrainingModels:
             log.warning("model not dropped from the trainer", extra={"model_id": model.model_id, "error": str(exc)})
         log.info("model retired", extra={"model_id": model.model_id, "reason": reason})
 
-    def submit(self, model_id: str, seq_id: int | None, label: str,
+    def submit(self, model_id: str, tenant: str, seq_id: int | None, label: str,
                work: Callable[[], Awaitable[Outcome]]) -> str:
         """The request id of `model_id`'s request `seq_id`, which runs once every earlier one has,
         in a turn of the trainer with the model selected."""
-        model = self.get(model_id)
+        model = self.get(model_id, tenant)
         if seq_id is None or seq_id < 1:
             raise InvalidArgument(f"{label}: seq_id must be 1 or more (create_model is 0), got {seq_id}")
         known = model.seen.get(seq_id)
@@ -201,7 +277,7 @@ class TrainingModels:
             return known  # sent again: the first one's answer
         if seq_id < model.next_seq:
             raise InvalidArgument(f"{label}: seq_id {seq_id} of model {model_id} is older than the requests run")
-        request_id = self.futures.new(label)
+        request_id = self.futures.new(label, tenant)
         model.seen[seq_id] = request_id
         model.waiting[seq_id] = Request(request_id, work)
         model.wakeup.set()

@@ -1,21 +1,6 @@
-"""The gateway's sampler: one rollout replica that serves the models' weights
-as saved for sampling, and Tinker's sample requests translated to its Generate.
-
-A save for the sampler exports the trainer's merged weights as a checkpoint
-version (`sampler_dir/<model id>/version_N`: N is the trainer's weight
-version, which names one set of weights whichever model made it) and
-installs it on the replica at once. A sampling session is pinned to the
-version it was made for: a `snapshot` session samples exactly that version,
-an `inflight` one that version or its model's newer one. The replica holds
-one version at a time: a sample of another version waits for the samples
-running to finish, then the replica loads that version from its checkpoint
-(going back to the base model first when the version is older than the one
-it serves). Two clients sampling their own models in turn therefore reload
-the replica at each turn: correct, and as slow as a load (serving several
-adapters at once, vLLM's multi-LoRA, is not built). The served weights are
-known by their checkpoint, not their number alone: a trainer that restarted
-numbers new weights from 1 again. Every sample comes from one version, which
-is checked on the samples the replica returns.
+"""Tinker's sample requests translated to the rollout's Generate, and its samples
+back to the SDK's SampleResponse (the replica and the versions it serves:
+services/tinker/sampler.py).
 
 Log-probs are of the distribution each token was drawn from (the rollout's
 default: temperature, top-k and top-p applied); at temperature 1 without
@@ -31,9 +16,7 @@ cannot draw are left out, their cells the SDK's empty ones.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +26,6 @@ from tinker.types.topk_logprobs import MASK_LOGPROB
 
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import FailedPrecondition, InvalidArgument
-from flywheel.rollout.client import RolloutClient
-from services.tinker import metrics
 
 #: SampleRequest fields asking for what this sampler does not compute, with what "not asked" looks like.
 _NOT_SERVED = {"topk_prompt_logprobs": (0,), "target_prompt_logprobs": (None,), "prompt_alt_tokens_k": (0,),
@@ -193,102 +174,3 @@ def sample_response(samples: list[common_pb2.Sample], plan: SamplePlan) -> bytes
         if plan.topk_sample_logprobs:
             sequence.topk_sampled_logprobs.CopyFrom(_topk(sample, plan.topk_sample_logprobs))
     return out.SerializeToString()
-
-
-@dataclass(frozen=True)
-class SavedWeights:
-    """Weights saved for sampling: their version and where the replica loads them from (None: the base)."""
-
-    version: int
-    checkpoint: str | None
-
-
-BASE = SavedWeights(0, None)
-
-
-class Sampler:
-    """The replica and the weights it serves; loads and samples take turns (see the module doc)."""
-
-    def __init__(self, rollout: RolloutClient, timeout: float) -> None:
-        self.rollout = rollout
-        self.timeout = timeout
-        #: What the replica serves; None until known (a gateway that restarted does not know what it loaded).
-        self.serving: SavedWeights | None = None
-        self._saved: dict[int, SavedWeights] = {0: BASE}
-        self._newest: dict[str, int] = {}  # model id -> its newest version saved for sampling
-        self._running = 0  # samples in flight
-        self._loading = False
-        self._turns = asyncio.Condition()
-
-    async def start(self) -> int:
-        """The version the replica serves (a replica that answers is loaded: it serves after loading)."""
-        version = int((await self.rollout.status()).weight_version)
-        self.serving = BASE if version == 0 else None
-        metrics.SAMPLER_VERSION.set(version)
-        return version
-
-    async def install(self, model_id: str, version: int, checkpoint: str) -> None:
-        """Records `model_id`'s weights `version` (exported to `checkpoint`) and serves them from now on,
-        once the samples running finish."""
-        weights = SavedWeights(version, checkpoint)
-        self._saved[version] = weights
-        self._newest[model_id] = max(version, self._newest.get(model_id, 0))
-        async with self._turns:
-            await self._serve(weights)
-
-    async def _serve(self, weights: SavedWeights) -> None:
-        """Makes the replica serve `weights` (call it holding `_turns`); returns holding it again."""
-        await self._turns.wait_for(lambda: not self._loading)
-        if self.serving == weights:
-            return
-        self._loading = True
-        await self._turns.wait_for(lambda: self._running == 0)
-        self._turns.release()  # samples of other versions queue on `_loading` meanwhile
-        try:
-            if weights.version == 0 or self.serving is None or weights.version <= self.serving.version:
-                await self.rollout.update_weights(0, start_over=True, timeout_seconds=self.timeout)
-                self.serving = BASE
-            if weights.version:
-                if weights.checkpoint is None:
-                    raise FailedPrecondition(f"version {weights.version} was not saved for sampling here")
-                await self.rollout.update_weights(weights.version, checkpoint=weights.checkpoint,
-                                                  timeout_seconds=self.timeout)
-                self.serving = weights
-            metrics.SAMPLER_VERSION.set(weights.version)
-        except BaseException:
-            self.serving = None  # unknown: the next sample loads what it needs from the start
-            raise
-        finally:
-            await self._turns.acquire()
-            self._loading = False
-            self._turns.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def _serving(self, weights: SavedWeights) -> AsyncIterator[None]:
-        async with self._turns:
-            while self.serving != weights or self._loading:
-                await self._serve(weights)
-            self._running += 1
-        try:
-            yield
-        finally:
-            async with self._turns:
-                self._running -= 1
-                self._turns.notify_all()
-
-    async def sample(self, plan: SamplePlan, model_id: str | None, version: int,
-                     exact: bool) -> list[common_pb2.Sample]:
-        """Samples `version` (exact), or `model_id`'s newest version from `version` on."""
-        if not exact and model_id is not None:
-            version = max(version, self._newest.get(model_id, 0))
-        weights = self._saved.get(version)
-        if weights is None:
-            raise FailedPrecondition(f"version {version} is not saved for sampling on this gateway (it restarted "
-                                     "since?): save the weights for the sampler again")
-        async with self._serving(weights):
-            [samples] = await self.rollout.generate([plan.prompt], timeout=self.timeout, **plan.params)
-        served = {(s.weight_version_start, s.weight_version_end) for s in samples}
-        if served != {(version, version)}:
-            raise FailedPrecondition(f"the sampler answered with weight versions {sorted(served)}, "
-                                     f"not {version} throughout")
-        return list(samples)

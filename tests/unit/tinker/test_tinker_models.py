@@ -1,5 +1,6 @@
 """A model's requests run in seq_id order, each once, and models take turns on the trainer, each turn with
-its own model selected there; sessions end once."""
+its own model selected there; a model the trainer lost is refused for good; sessions and models are their
+tenant's; sessions end once and are forgotten later."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 from flywheel.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.tinker.futures import Futures, Outcome
 from services.tinker.models import Sessions, TrainingModel, TrainingModels, check_lora
+
+T = "alice"  # the tenant of every session and model here, unless a test says otherwise
 
 
 class FakeTrainer:
@@ -41,7 +44,7 @@ def make_models(futures: Futures, trainer: FakeTrainer | None = None) -> Trainin
 async def test_requests_run_in_seq_order_whatever_order_they_arrive_in_and_a_resend_runs_once() -> None:
     futures = Futures()
     models = make_models(futures)
-    models.add(TrainingModel("m", "s", "base", 4))
+    models.add(TrainingModel("m", "s", T, "base", 4))
     ran: list[int] = []
 
     def work(seq: int):
@@ -51,28 +54,28 @@ async def test_requests_run_in_seq_order_whatever_order_they_arrive_in_and_a_res
             return Outcome(json={"seq": seq})
         return run
 
-    third = models.submit("m", 3, "forward_backward", work(3))
-    second = models.submit("m", 2, "forward_backward", work(2))
+    third = models.submit("m", T, 3, "forward_backward", work(3))
+    second = models.submit("m", T, 2, "forward_backward", work(2))
     await asyncio.sleep(0.05)
     assert ran == []  # seq 1 has not come
-    assert await futures.wait(third, 0.01) is None
-    first = models.submit("m", 1, "forward_backward", work(1))
-    assert models.submit("m", 2, "forward_backward", work(2)) == second  # the SDK's retry: the same request
-    assert (await futures.wait(third, 5)).json == {"seq": 3}
+    assert await futures.wait(third, T, 0.01) is None
+    first = models.submit("m", T, 1, "forward_backward", work(1))
+    assert models.submit("m", T, 2, "forward_backward", work(2)) == second  # the SDK's retry: the same request
+    assert (await futures.wait(third, T, 5)).json == {"seq": 3}
     assert ran == [1, 2, 3]
-    assert (await futures.wait(first, 1)).json == {"seq": 1} and (await futures.wait(second, 1)).json == {"seq": 2}
-    assert models.submit("m", 1, "optim_step", work(1)) == first and ran == [1, 2, 3]
+    assert (await futures.wait(first, T, 1)).json == {"seq": 1} and (await futures.wait(second, T, 1)).json == {"seq": 2}
+    assert models.submit("m", T, 1, "optim_step", work(1)) == first and ran == [1, 2, 3]
     with pytest.raises(InvalidArgument, match="seq_id must be 1 or more"):
-        models.submit("m", 0, "optim_step", work(0))
+        models.submit("m", T, 0, "optim_step", work(0))
     with pytest.raises(NotFound, match="model 'other'"):
-        models.submit("other", 4, "optim_step", work(4))
+        models.submit("other", T, 4, "optim_step", work(4))
     await models.close()
 
 
 async def test_a_failed_request_answers_its_error_and_the_next_one_still_runs() -> None:
     futures = Futures()
     models = make_models(futures)
-    models.add(TrainingModel("m", "s", "base", 4))
+    models.add(TrainingModel("m", "s", T, "base", 4))
 
     async def refused() -> Outcome:
         raise InvalidArgument("loss_fn 'ppo' is not served")
@@ -83,8 +86,9 @@ async def test_a_failed_request_answers_its_error_and_the_next_one_still_runs() 
     async def fine() -> Outcome:
         return Outcome(json={"ok": True})
 
-    ids = [models.submit("m", 1, "a", refused), models.submit("m", 2, "b", broken), models.submit("m", 3, "c", fine)]
-    outcomes = [await futures.wait(i, 5) for i in ids]
+    ids = [models.submit("m", T, 1, "a", refused), models.submit("m", T, 2, "b", broken),
+           models.submit("m", T, 3, "c", fine)]
+    outcomes = [await futures.wait(i, T, 5) for i in ids]
     assert outcomes[0].reply() == {"error": "loss_fn 'ppo' is not served", "category": "user"}
     assert outcomes[1].reply()["category"] == "server" and "boom" in outcomes[1].reply()["error"]
     assert outcomes[2].reply() == {"ok": True}
@@ -96,7 +100,7 @@ async def test_two_models_take_turns_each_with_itself_selected_and_a_retired_one
     models = TrainingModels(futures, trainer.select, trainer.drop)
     for name in ("a", "b"):
         async with models.turn(name, new=True):
-            models.add(TrainingModel(name, f"session-{name}", "base", 4))
+            models.add(TrainingModel(name, f"session-{name}", T, "base", 4))
     seen: list[tuple[str, str]] = []
 
     def work(name: str, seq: int):
@@ -107,43 +111,87 @@ async def test_two_models_take_turns_each_with_itself_selected_and_a_retired_one
             return Outcome(json={"seq": seq})
         return run
 
-    ids = [models.submit(name, seq, "forward_backward", work(name, seq)) for seq in (1, 2) for name in ("a", "b")]
-    assert [(await futures.wait(i, 5)).json for i in ids] == [{"seq": 1}, {"seq": 1}, {"seq": 2}, {"seq": 2}]
+    ids = [models.submit(name, T, seq, "forward_backward", work(name, seq)) for seq in (1, 2) for name in ("a", "b")]
+    assert [(await futures.wait(i, T, 5)).json for i in ids] == [{"seq": 1}, {"seq": 1}, {"seq": 2}, {"seq": 2}]
     assert all(name == selected for name, selected in seen)  # never another model's turn
 
     async def never() -> Outcome:
         raise AssertionError("a request of a retired model ran")
 
-    waiting = models.submit("a", 4, "optim_step", never)  # seq 3 never came
-    await models.retire(models.get("a"), "its session finished (success)")
-    assert "its session finished" in (await futures.wait(waiting, 1)).reply()["error"]
+    waiting = models.submit("a", T, 4, "optim_step", never)  # seq 3 never came
+    await models.retire(models.get("a", T), "its session finished (success)")
+    assert "its session finished" in (await futures.wait(waiting, T, 1)).reply()["error"]
     assert trainer.held == {"", "b"} and trainer.calls[-2:] == [("select", ""), ("drop", "a")]
     with pytest.raises(FailedPrecondition, match="takes no more requests"):
-        models.submit("a", 3, "optim_step", never)
+        models.submit("a", T, 3, "optim_step", never)
     assert models.known("a") is not None and [m.model_id for m in models.training()] == ["b"]
 
     trainer.held.remove("b")  # the trainer restarted: it would create b afresh, from the initial adapters
-    lost = models.submit("b", 3, "optim_step", never)
-    assert "no longer holds model b" in (await futures.wait(lost, 5)).reply()["error"]
+    behind = models.submit("b", T, 4, "optim_step", never)  # pipelined behind the request that finds it lost
+    lost = models.submit("b", T, 3, "forward_backward", never)
+    assert "no longer holds model b" in (await futures.wait(lost, T, 5)).reply()["error"]
+    assert "no longer holds model b" in (await futures.wait(behind, T, 5)).reply()["error"]
+    assert "b" not in trainer.held  # the empty stand-in the trainer made was dropped at once
+    with pytest.raises(FailedPrecondition, match="no longer holds model b"):  # and every later request refused
+        models.submit("b", T, 5, "optim_step", never)
+    trainer.held.add("c")
     with pytest.raises(AlreadyExists):
-        async with models.turn("b", new=True):
+        async with models.turn("c", new=True):
             pass
     await models.close()
 
 
-def test_a_session_ends_once_and_a_silent_one_expires(monkeypatch) -> None:
-    sessions = Sessions(timeout_seconds=60)
-    session = sessions.create()
-    sessions.heartbeat(session.session_id)
-    sessions.finish(session.session_id, "success", None)
-    sessions.finish(session.session_id, "errored", "late")
+async def test_a_model_is_its_tenants_and_another_tenant_does_not_find_it() -> None:
+    futures = Futures()
+    models = make_models(futures)
+    models.add(TrainingModel("m", "s", T, "base", 4))
+
+    async def fine() -> Outcome:
+        return Outcome(json={"ok": True})
+
+    with pytest.raises(NotFound, match="model 'm' is not known"):
+        models.submit("m", "bob", 1, "optim_step", fine)
+    request = models.submit("m", T, 1, "optim_step", fine)
+    with pytest.raises(NotFound, match="is not known here"):
+        await futures.wait(request, "bob", 1)
+    with pytest.raises(NotFound):
+        futures.cancel(request, "bob")
+    with pytest.raises(InvalidArgument, match="optim_step request is not cancelled"):
+        futures.cancel(request, T)
+    assert (await futures.wait(request, T, 5)).json == {"ok": True}
+    await models.close()
+
+
+async def test_a_sample_is_cancelled_and_answers_so() -> None:
+    futures = Futures()
+    request = futures.new("sample", T)
+    futures.run(request, lambda: asyncio.sleep(30))
+    await asyncio.sleep(0)
+    futures.cancel(request, T)
+    assert (await futures.wait(request, T, 5)).reply() == {
+        "error": f"request {request} was cancelled by the client", "category": "user"}
+
+
+def test_a_session_ends_once_a_silent_one_expires_and_ended_ones_are_forgotten_later() -> None:
+    sessions = Sessions(timeout_seconds=60, forget_seconds=100)
+    session = sessions.create(T)
+    sessions.heartbeat(session.session_id, T)
+    with pytest.raises(NotFound):  # another tenant's session is not found
+        sessions.heartbeat(session.session_id, "bob")
+    sessions.finish(session.session_id, T, "success", None)
+    sessions.finish(session.session_id, T, "errored", "late")
     assert (session.ended, session.detail) == ("success", None)  # the first reason stays
     with pytest.raises(FailedPrecondition, match="has finished"):
-        sessions.heartbeat(session.session_id)
-    silent = sessions.create()
+        sessions.heartbeat(session.session_id, T)
+    silent = sessions.create(T)
     silent.last_heartbeat -= 61
     with pytest.raises(FailedPrecondition, match=r"has finished \(expired\)"):
-        sessions.live(silent.session_id)
+        sessions.live(silent.session_id, T)
+    assert sessions.forgettable() == []  # ended, not long enough ago
+    session.ended_at -= 101
+    assert sessions.forgettable() == [session.session_id]
+    with pytest.raises(NotFound):
+        sessions.get(session.session_id, T)
 
 
 @pytest.mark.parametrize("rank, flags, modules, message", [
