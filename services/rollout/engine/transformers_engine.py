@@ -351,6 +351,22 @@ class TransformersEngine(Engine):
         why = f"{len(missing)} tensor(s) held in another dtype or shape than the checkpoint's" if missing else ""
         return Measured(resident=dict(identify(readable).tensors), unreadable=why)
 
+    async def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The probe, on the model's own thread between two decode steps (not queued behind max_num_seqs
+        requests like a generation: an update's verification must not wait for the batch to drain)."""
+
+        def run() -> list[list[float]]:
+            scores = []
+            with torch.no_grad():
+                for seq in sequences:
+                    ids = torch.tensor([list(seq)], dtype=torch.long, device=self._device)
+                    logits = self.model(input_ids=ids).logits[0, :-1].float()
+                    chosen = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+                    scores.append(chosen.cpu().tolist())
+            return scores
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+
     @property
     def probe_tolerance(self) -> float:
         # The trainer's own model code and kernels: float32 scores agree to about 1e-6 nats, bfloat16 to 2e-3 (measured,
