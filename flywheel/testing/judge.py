@@ -7,8 +7,8 @@ HTTP server, and a clock of how long generation sat idle.
   probability `late`, and otherwise answers after `latency()` seconds with
   the completion's own reward, `reward_of(completion)` (never 0, so a failed
   judgement that turned into a 0 would show).
-- `judge_server` serves a FlakyJudge's answers over HTTP (POST, any path),
-  as a judge service would: failures as HTTP 500.
+- `judge_server` serves a FlakyJudge's answers over HTTP (POST, any path)
+  from a process of its own, as a judge service would: failures as HTTP 500.
 - `GenerationClock` wraps a rollout engine's `generate` and measures the
   share of the time between the first generation's start and the last one's
   end during which none ran.
@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
+import socket
 import time
 import zlib
 from collections import Counter
@@ -64,16 +66,17 @@ class FlakyJudge:
         return reward if self.fmt == "slime" else {"reward": reward}
 
 
-@contextmanager
-def judge_server(judge: FlakyJudge) -> Iterator[str]:
-    """A FlakyJudge served over HTTP on 127.0.0.1 (uvicorn on a thread of its own): its URL."""
-    import threading
-
+def _serve(port_out: Any, fail: float, late: float, latency_seconds: float, seed: int) -> None:
+    """The judge server's process: a FlakyJudge behind uvicorn, its port sent to the parent."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
+
+    rng = random.Random(seed)
+    judge = FlakyJudge(fail=fail, late=late, seed=seed,
+                       latency=lambda: rng.lognormvariate(math.log(latency_seconds) - 0.125, 0.5) if latency_seconds else 0)
 
     async def verify(request: Request) -> JSONResponse:
         try:
@@ -82,20 +85,39 @@ def judge_server(judge: FlakyJudge) -> Iterator[str]:
             return JSONResponse({"error": str(exc)}, status_code=500)
 
     app = Starlette(routes=[Route("/{path:path}", verify, methods=["POST"])])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off"))
-    thread = threading.Thread(target=server.run, name="judge-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the simulated judge server did not start")
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port_out.put(sock.getsockname()[1])
+    uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off")).run(sockets=[sock])
+
+
+@contextmanager
+def judge_server(*, fail: float = 0.0, late: float = 0.0, latency_seconds: float = 0.0, seed: int = 0) -> Iterator[str]:
+    """A FlakyJudge served over HTTP on 127.0.0.1, in a process of its own (the caller's event loop and
+    GIL stay the caller's): its URL. Its latency is lognormal (log-std 0.5) with the given mean."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    port_out = context.Queue()
+    process = context.Process(target=_serve, args=(port_out, fail, late, latency_seconds, seed), daemon=True,
+                              name="judge-server")
+    process.start()
     try:
+        port = port_out.get(timeout=60)
+        deadline = time.monotonic() + 30
+        while True:  # listening once it accepts a connection
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or not process.is_alive():
+                    raise RuntimeError("the simulated judge server did not start") from None
+                time.sleep(0.02)
         yield f"http://127.0.0.1:{port}/verify"
     finally:
-        server.should_exit = True
-        thread.join(30)
+        # Killed, not terminated: uvicorn's graceful stop would wait for the calls that hang on purpose.
+        process.kill()
+        process.join(10)
 
 
 class GenerationClock:
