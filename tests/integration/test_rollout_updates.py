@@ -304,6 +304,31 @@ async def test_memory_update_without_a_synchronizer_is_refused_and_old_weights_k
         standalone.stop()
 
 
+async def test_a_keep_update_with_a_seeded_request_in_flight_leaves_the_engine_serving(server, tmp_path: Path) -> None:
+    """vLLM on CPU cannot preempt a request that carries its own seed across a weight swap (its engine
+    core died on it): such a request ends aborted, to be retried, and the replica serves on. The
+    transformers engine freezes it like any other."""
+    track: Track = server.track
+    new = track.scaled(1.05)
+    version = track.version + 1
+    write_checkpoint(tmp_path, new, version, track.model)
+    seeded = common_pb2.SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, seed=7)
+    async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
+        rollout = pb_grpc.RolloutServiceStub(channel)
+        generation = asyncio.ensure_future(rollout.Generate(pb.GenerateRequest(
+            prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=PROMPT), request_id="seeded")], sampling=seeded)))
+        while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
+            await asyncio.sleep(0.005)
+        await update(rollout, version, checkpoint=pb.CheckpointSource(path=str(tmp_path)),
+                     pause_mode=common_pb2.PAUSE_MODE_KEEP)
+        sample = (await generation).results[0].samples[0]
+        after = await greedy(rollout)  # the engine still serves
+    expected = common_pb2.FINISH_REASON_ABORT if server.engine_kind == "vllm" else common_pb2.FINISH_REASON_LENGTH
+    assert sample.finish_reason == expected
+    assert list(after.completion_token_ids) == reference_greedy(track.model, PROMPT, STEPS, new)
+    track.version, track.state = version, new
+
+
 async def test_an_update_of_the_tied_embedding_alone_reaches_the_output_head(server, tmp_path: Path) -> None:
     """The tiny models (like SmolLM2) tie their LM head to the token embedding. An update that changes
     only that matrix must move the served log-probs exactly as transformers' do: vLLM on CPU keeps a

@@ -182,6 +182,9 @@ class VllmEngine(Engine):
         self._stats: Any = None
         self._llm: Any = None
         self._active = 0  # requests between submission and their last output
+        #: Requests in flight that carry their own seed (see _swap).
+        self._seeded: set[str] = set()
+        self._on_cpu = False
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -219,6 +222,9 @@ class VllmEngine(Engine):
         # Built off the event loop: it blocks until the engine core is up
         # (tens of seconds) and health must keep answering meanwhile.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=[StatsTap])
+        from vllm.platforms import current_platform
+
+        self._on_cpu = current_platform.is_cpu()
         model_config = self._llm.vllm_config.model_config
         self.max_model_len = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
@@ -285,6 +291,8 @@ class VllmEngine(Engine):
                 raise InvalidArgument(f"sampling: {exc}") from None
             raise
         self._active += 1
+        if sampling.seed is not None:
+            self._seeded.add(request_id)
         try:
             # aclosing: an abandoned request reaches vLLM's abort at once, not at garbage collection.
             distribution = sampling.distribution(self.logprobs_mode)
@@ -294,6 +302,7 @@ class VllmEngine(Engine):
                     yield deltas
         finally:
             self._active -= 1
+            self._seeded.discard(request_id)
 
     async def _outputs(self, request_id: str, prompt_ids: list[int], params: Any, top_k: int,
                        distribution: SampledDistribution) -> AsyncIterator[list[Delta]]:
@@ -468,6 +477,11 @@ class VllmEngine(Engine):
             self._version = staged.version
             raise _worker_error(exc) or exc from exc
         await self._llm.finish_weight_update()
+        if self._seeded and self._on_cpu:
+            # vLLM on CPU cannot preempt a request that carries its own seed (its CPU generator has no
+            # offset to rewind: the engine core dies), so a frozen seeded request ends aborted instead, to
+            # be retried; the others go on.
+            await self._llm.abort(sorted(self._seeded))
         # KV computed with the old weights must not be reused: frozen requests
         # are preempted (they recompute on resume) and the prefix cache emptied.
         await self._llm.reset_prefix_cache(reset_running_requests=True)
