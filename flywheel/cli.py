@@ -82,10 +82,11 @@ def _up(args: argparse.Namespace) -> int:
             print(f"  {child.name:<13} grpc {child.grpc_address:<18} metrics {child.metrics_url:<32} {status}")
         if tinker:
             port = json.loads(http_ready_file(children[-1].ready_path).read_text())["http_port"]
-            from flywheel.runtime.auth import TOKEN_ENV, TOKEN_FILE_ENV
+            from flywheel.runtime.auth import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_FILE_ENV
 
-            keys = ("the services' token (FLYWHEEL_AUTH_TOKEN[_FILE]) is the key; it must start with tml-"
-                    if os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV) else
+            keys = ("a tenant's key is the key (python -m flywheel.runtime.tokens tenant add NAME "
+                    f"{os.environ.get(TOKENS_FILE_ENV) or 'TOKENS_FILE'}); the services' own token is refused"
+                    if any(os.environ.get(v) for v in (TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_FILE_ENV)) else
                     "no tokens are configured here, so any TINKER_API_KEY starting with tml- is accepted")
             print(f"Tinker API: TINKER_BASE_URL=http://127.0.0.1:{port} (base_model {model}); {keys}")
         if args.check:

@@ -240,6 +240,10 @@ class Gateway:
             raise InvalidArgument("load_weights: weights_access_token is not served (weights are loaded from this "
                                   "gateway's own saves only)")
 
+        # The path is the caller's tenant's, parsed strictly, before the request is accepted: 400 or 404 at once.
+        path = self.checkpoints.resolve(tenant, body.get("path"), "load_weights: path", ("weights",))
+        self.checkpoints.training_record(tenant, path)
+
         def checkpoint() -> tuple[TinkerPath, str, dict[str, Any]]:
             if not body.get("optimizer"):
                 raise InvalidArgument("load_weights: weights without their optimizer state are not served yet "
@@ -247,7 +251,6 @@ class Gateway:
                                       "(create_training_client_from_state_with_optimizer, load_state_with_optimizer)")
             if body.get("optimizer_config") not in (None, {"type": "adamw"}):
                 raise InvalidArgument(f"load_weights: only adamw is served, got {body['optimizer_config']!r}")
-            path = self.checkpoints.resolve(tenant, body.get("path"), "load_weights: path", ("weights",))
             record = self.checkpoints.training_record(tenant, path)
             return path, record["trainer_path"], self.checkpoints.read_run(tenant, path.model_id)
 

@@ -120,6 +120,15 @@ def create_app(gateway: Gateway, keys: TenantKeys) -> FastAPI:
             raise InvalidArgument(f"{request.url.path}: the body must be a JSON object")
         return body
 
+    def _owned(request: Request) -> str:
+        """The caller's tenant, refusing the listing options that would reach beyond its own."""
+        scope, project = request.query_params.get("access_scope"), request.query_params.get("project_id")
+        if scope not in (None, "owned"):
+            raise InvalidArgument(f"access_scope={scope!r} is not served: a tenant sees its own runs and sessions only")
+        if project is not None:
+            raise InvalidArgument("project_id is not served: this gateway has no projects")
+        return request.state.tenant
+
     def _null() -> Response:
         return Response(status_code=200, content=b"null", media_type="application/json")
 
@@ -168,11 +177,11 @@ def create_app(gateway: Gateway, keys: TenantKeys) -> FastAPI:
 
     @app.get("/api/v1/sessions/{session_id}")
     async def get_session(session_id: str, request: Request) -> dict:
-        return rest.session(request.state.tenant, session_id)
+        return rest.session(_owned(request), session_id)
 
     @app.get("/api/v1/sessions")
     async def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
-        return rest.sessions(request.state.tenant, limit, offset)
+        return rest.sessions(_owned(request), limit, offset)
 
     @app.post("/api/v1/telemetry")
     async def telemetry(request: Request) -> dict:
@@ -204,11 +213,11 @@ def create_app(gateway: Gateway, keys: TenantKeys) -> FastAPI:
 
     @app.get("/api/v1/training_runs")
     async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
-        return rest.training_runs(request.state.tenant, limit, offset)
+        return rest.training_runs(_owned(request), limit, offset)
 
     @app.get("/api/v1/training_runs/{model_id}")
     async def training_run(model_id: str, request: Request) -> dict:
-        return rest.training_run(request.state.tenant, model_id)
+        return rest.training_run(_owned(request), model_id)
 
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     async def checkpoints(model_id: str, request: Request) -> dict:

@@ -4,7 +4,10 @@ create_model, forward / forward_backward (protobuf both ways; cross_entropy,
 importance_sampling, ppo and cispo with clip thresholds), optim_step with
 per-step Adam parameters, the futures protocol, named saves, saves for the
 sampler installed on the rollout, sampling on an exact version, and refusals
-the SDK surfaces as user errors."""
+the SDK surfaces as user errors. Tenants: a tenant key opens the Tinker API
+alone (PERMISSION_DENIED on every trainer and synchronizer RPC) and sees
+nothing of another tenant's (404, by id and by path); a model the trainer
+lost in a restart is refused until a save is loaded into a new one."""
 
 from __future__ import annotations
 
@@ -21,16 +24,21 @@ from tinker import types
 
 from flywheel.rollout.client import RolloutClient
 from flywheel.runtime.auth import Scope, TokenScopes
+from flywheel.runtime.tokens import add_tenant_key
 from flywheel.runtime.http_server import HttpServer
 from flywheel.trainer.client import TrainerClient
 from services.tinker.config import TinkerConfig
 from services.tinker.gateway import Gateway
 from services.tinker.http_api import create_app
+from services.tinker.tenants import TenantKeys
 from tests.conftest import TEST_TOKEN
 
 pytestmark = pytest.mark.slow
 
-KEY, AGENT_KEY = "tml-test-service-key", "tml-test-agent-key"
+#: Tenant alice's and bob's keys; the services' own token and an agent's (neither opens the Tinker API).
+KEY, BOB_KEY = "tml-test-alice-key", "tml-test-bob-key"
+SERVICE_KEY, AGENT_KEY = "tml-test-service-key", "tml-test-agent-key"
+TENANTS = {"alice": [KEY], "bob": [BOB_KEY]}
 ADAPTED = '["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj","lm_head"]'
 
 
@@ -42,8 +50,8 @@ async def gateway_on(trainer_address: str, checkpoints: Path, rollout_address: s
     rollout = RolloutClient(rollout_address, token=TEST_TOKEN, timeout=120) if rollout_address else None
     gateway = Gateway(config, trainer, rollout)
     await gateway.start()
-    tokens = TokenScopes.of({Scope.SERVICE: [KEY], Scope.AGENT: [AGENT_KEY]})
-    http = HttpServer(create_app(gateway, tokens), "127.0.0.1", 0, name="tinker api")
+    tokens = TokenScopes.of({Scope.SERVICE: [SERVICE_KEY], Scope.AGENT: [AGENT_KEY]}, TENANTS)
+    http = HttpServer(create_app(gateway, TenantKeys(tokens)), "127.0.0.1", 0, name="tinker api")
     await http.start()
     try:
         yield gateway, f"http://127.0.0.1:{http.port}"
@@ -55,9 +63,10 @@ async def gateway_on(trainer_address: str, checkpoints: Path, rollout_address: s
             await rollout.close()
 
 
-def start_lora_trainer(run_service, model: Path, checkpoints: Path, modules: str):
+def start_lora_trainer(run_service, model: Path, checkpoints: Path, modules: str, *extra: str, env=None):
     process = run_service("trainer", "--model.path", str(model), "--checkpoint.dir", str(checkpoints),
-                          "--model.lora.enabled", "true", "--model.lora.rank", "4", "--model.lora.target-modules", modules)
+                          "--model.lora.enabled", "true", "--model.lora.rank", "4", "--model.lora.target-modules", modules,
+                          *extra, env=env)
     return process.grpc_address, checkpoints
 
 
@@ -164,7 +173,7 @@ async def test_the_sdk_trains_a_lora_model_through_the_gateway(lora_trainer, ser
         losses = out["losses"]
         assert losses[-1] < 0.8 * losses[0], losses  # five steps on a fixed batch learn it
         assert out["saved"].path == f"tinker://{out['model_id']}/weights/after-five"
-        assert (checkpoints / "tinker" / out["model_id"] / "after-five" / "tinker.json").is_file()
+        assert (checkpoints / "tinker" / "alice" / out["model_id"] / "after-five" / "tinker.json").is_file()
         assert out["again"] is not None and out["again"].category == types.RequestErrorCategory.User
         assert "exists" in str(out["again"])
         # Tinker's ppo and cispo, on the log-probs of their own pass: p/q is RATIOS (to float32's precision).
@@ -199,7 +208,9 @@ async def test_keys_are_checked_and_a_forward_backward_sent_again_is_the_same_re
             assert (await http.get("/api/v1/healthz")).json() == {"status": "ok"}  # no key needed
             assert (await http.post("/api/v1/create_session", json={})).status_code == 401
             refused = await http.post("/api/v1/create_session", json={}, headers={"X-API-Key": AGENT_KEY})
-            assert refused.status_code == 403 and "needs scope service or operator" in refused.text
+            assert refused.status_code == 403 and "takes a tenant's key" in refused.text
+            staff = await http.post("/api/v1/create_session", json={}, headers={"X-API-Key": SERVICE_KEY})
+            assert staff.status_code == 403 and "this is a service token" in staff.text
             headers = {"X-API-Key": KEY}
             session = (await http.post("/api/v1/create_session", json={"tags": []}, headers=headers)).json()
             created = (await http.post("/api/v1/create_model", headers=headers, json={
@@ -305,7 +316,7 @@ async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
         # The client of version 0 sampled the base model again after version 2 was installed: the same samples.
         assert [s.tokens for s in out["older"].sequences] == [s.tokens for s in base.sequences]
         assert out["named"] == f"tinker://{out['model_id']}/sampler_weights/named"
-        (record,) = [json.loads(p.read_text()) for p in (checkpoints / "sampler").glob("*/version_*/tinker.json")
+        (record,) = [json.loads(p.read_text()) for p in (checkpoints / "sampler").glob("*/*/save-*/version_*/tinker.json")
                      if json.loads(p.read_text())["name"] == "named"]
         assert record["version"] == 2 and record["user_metadata"] == {"step": "2"}
         assert record["expires"] - record["created"] == 3600  # removed at a save after that
@@ -389,9 +400,9 @@ async def test_a_new_session_resumes_from_a_save_with_its_optimizer_state(lora_t
     assert out["weights_only"] is not None and "without their optimizer state" in str(out["weights_only"])
 
 
-def train_and_sample(url: str, base_model: str, data: list, learning_rate: float, both_created) -> dict:
+def train_and_sample(url: str, base_model: str, data: list, learning_rate: float, both_created, key: str = KEY) -> dict:
     """One client's run: three steps on its own data, then samples of its weights scored by its forward()."""
-    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    service = tinker.ServiceClient(base_url=url, api_key=key)
     training = service.create_lora_training_client(base_model=base_model, rank=4).result()
     if both_created is not None:
         both_created.wait(timeout=60)  # the two clients train at once from here
@@ -415,7 +426,7 @@ def train_and_sample(url: str, base_model: str, data: list, learning_rate: float
     return {"losses": losses, "sampled": sampled, "scored": scored, "model_id": training.model_id}
 
 
-async def test_two_clients_train_and_sample_at_once_without_touching_each_others_weights(
+async def test_two_tenants_train_and_sample_at_once_without_touching_each_others_weights(
     lora_trainer_for_sampling, rollout, untied_model: Path
 ) -> None:
     import threading
@@ -426,9 +437,9 @@ async def test_two_clients_train_and_sample_at_once_without_touching_each_others
         gateway, url
     ):
         barrier = threading.Barrier(2)
-        together = await asyncio.gather(
-            asyncio.to_thread(train_and_sample, url, str(untied_model), data_a, 2e-2, barrier),
-            asyncio.to_thread(train_and_sample, url, str(untied_model), data_b, 5e-2, barrier))
+        together = await asyncio.gather(  # two tenants, each on its own key
+            asyncio.to_thread(train_and_sample, url, str(untied_model), data_a, 2e-2, barrier, KEY),
+            asyncio.to_thread(train_and_sample, url, str(untied_model), data_b, 5e-2, barrier, BOB_KEY))
         alone = [await asyncio.to_thread(train_and_sample, url, str(untied_model), data, lr, None)
                  for data, lr in ((data_a, 2e-2), (data_b, 5e-2))]
         for run in together:
@@ -446,3 +457,169 @@ async def test_two_clients_train_and_sample_at_once_without_touching_each_others
         for sampled, scored in zip(concurrent["sampled"], concurrent["scored"]):
             assert sampled == pytest.approx(scored, abs=1e-5)
     assert together[0]["losses"][-1] != pytest.approx(together[1]["losses"][-1], rel=1e-2)  # two different models
+
+
+def alice_trains_and_saves(url: str, base_model: str) -> dict:
+    """Tenant alice: a model with one step, a named save, named sampler weights and a sampler of them."""
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    training = service.create_lora_training_client(base_model=base_model, rank=4).result()
+    training.forward_backward(fixed_data(), "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    state = training.save_state("a1").result().path
+    weights = training.save_weights_for_sampler("s1").result().path
+    sampler = service.create_sampling_client(model_path=weights).result()
+    sample = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, SEEDED).result().sequences[0]
+    return {"service": service, "training": training, "state": state, "weights": weights,
+            "sampler_id": sampler._sampling_session_id, "sample": (sample.tokens, sample.logprobs)}
+
+
+SEEDED = types.SamplingParams(max_tokens=4, temperature=1.0, seed=5)
+
+
+def bob_saves_the_same_number(url: str, base_model: str) -> dict:
+    """Tenant bob, on a trainer that restarted (its versions count from 1 again): one step, saved for the
+    sampler, sampled, and scored by its own forward()."""
+    service = tinker.ServiceClient(base_url=url, api_key=BOB_KEY)
+    training = service.create_lora_training_client(base_model=base_model, rank=4).result()
+    training.forward_backward(fixed_data()[1:], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    sequence = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, SEEDED).result().sequences[0]
+    tokens = PROMPT + sequence.tokens
+    scored = training.forward([types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+        "target_tokens": tokens[1:], "weights": [0.0] * (len(tokens) - 1)})], "cross_entropy").result()
+    service.close("success").result()
+    return {"model_id": training.model_id, "sampled": list(sequence.logprobs),
+            "scored": scored.loss_fn_outputs[0]["logprobs"].tolist()[-len(sequence.tokens):]}
+
+
+def alice_samples_her_named_weights(url: str, path: str) -> tuple[list[int], list[float]]:
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    sequence = service.create_sampling_client(model_path=path).result().sample(
+        types.ModelInput.from_ints(PROMPT), 1, SEEDED).result().sequences[0]
+    service.close("success").result()
+    return sequence.tokens, sequence.logprobs
+
+
+def after_the_trainer_restarted(alice: dict) -> dict:
+    """Every request of alice's lost model is refused; a save loaded into a new model trains."""
+    training, refused = alice["training"], []
+    for call in (lambda: training.forward_backward(fixed_data(), "cross_entropy").result(),
+                 lambda: training.optim_step(types.AdamParams(learning_rate=2e-2)).result(),
+                 lambda: training.save_state("after").result()):
+        try:
+            call()
+            refused.append(None)
+        except Exception as exc:  # noqa: BLE001 - a RequestFailedError (in the future) or a 400 (at once)
+            refused.append(str(exc))
+    resumed = alice["service"].create_training_client_from_state_with_optimizer(alice["state"]).result()
+    loss = resumed.forward_backward(fixed_data(), "cross_entropy").result().metrics["loss:sum"]
+    alice["service"].close("success").result()
+    return {"refused": refused, "loss": loss, "resumed": resumed.model_id}
+
+
+async def every_rpc_refused(address: str, descriptor, key: str) -> dict[str, str]:
+    """Each RPC of `descriptor` called with `key`: method -> status code name."""
+    import grpc
+
+    codes = {}
+    async with grpc.aio.insecure_channel(address) as channel:
+        for method in descriptor.methods:
+            path, raw = f"/{descriptor.full_name}/{method.name}", lambda b: b
+            kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+                    (True, False): channel.stream_unary, (True, True): channel.stream_stream}
+            call = kind[(method.client_streaming, method.server_streaming)](path, request_serializer=raw,
+                                                                            response_deserializer=raw)
+            request = iter([b""]) if method.client_streaming else b""
+            try:
+                answer = call(request, metadata=(("authorization", f"Bearer {key}"),), timeout=10)
+                if method.server_streaming:
+                    async for _ in answer:
+                        pass
+                else:
+                    await answer
+                codes[method.name] = "OK"
+            except grpc.aio.AioRpcError as exc:
+                codes[method.name] = exc.code().name
+    return codes
+
+
+async def test_a_tenant_opens_only_the_tinker_api_sees_only_its_own_and_a_lost_model_stays_lost(
+    run_service, service_env, rollout, untied_model: Path, tmp_path: Path
+) -> None:
+    from flywheel.synchronizer.v1 import synchronizer_pb2
+    from flywheel.trainer.v1 import trainer_pb2
+    from services.tinker import metrics
+    from tests.net import free_port
+
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(f"service: {SERVICE_KEY}\ntenants: {{alice: [{KEY}], bob: [{BOB_KEY}]}}\n")
+    add_tenant_key(tokens, "carol")  # the tokens tool adds a key and keeps the others
+    env = {**service_env, "FLYWHEEL_TOKENS_FILE": str(tokens)}
+    checkpoints = tmp_path / "trainer-checkpoints"
+    lora = ("--model.path", str(untied_model), "--checkpoint.dir", str(checkpoints), "--model.lora.enabled", "true",
+            "--model.lora.rank", "4", "--model.lora.target-modules", ADAPTED, "--server.port", str(free_port()))
+    trainer = run_service("trainer", *lora, env=env)
+    address = trainer.grpc_address
+    synchronizer = run_service("synchronizer", env=env).grpc_address
+    # A tenant key opens no RPC of the trainer or the synchronizer: each knows it, and refuses it.
+    for where, service in ((address, trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]),
+                           (synchronizer, synchronizer_pb2.DESCRIPTOR.services_by_name["SynchronizerService"])):
+        codes = await every_rpc_refused(where, service, KEY)
+        assert set(codes.values()) == {"PERMISSION_DENIED"}, codes
+        assert len(codes) == len(service.methods)
+
+    async with gateway_on(address, checkpoints / "tinker", rollout, sampler_dir=checkpoints / "sampler") as (
+        gateway, url
+    ):
+        alice = await asyncio.to_thread(alice_trains_and_saves, url, str(untied_model))
+        model = alice["training"].model_id
+        bob = {"X-API-Key": BOB_KEY}
+        async with httpx.AsyncClient(base_url=url, timeout=30, headers=bob) as http:
+            session = (await http.post("/api/v1/create_session", json={})).json()["session_id"]
+            # Bob finds nothing of alice's: her model, run, checkpoints, samplers, requests; by id and by path.
+            not_found = [
+                await http.post("/api/v1/get_info", json={"model_id": model}),
+                await http.post("/api/v1/optim_step", json={"model_id": model, "seq_id": 9, "adam_params": {}}),
+                await http.get(f"/api/v1/training_runs/{model}"),
+                await http.get(f"/api/v1/training_runs/{model}/checkpoints"),
+                await http.post("/api/v1/weights_info", json={"tinker_path": alice["state"]}),
+                await http.post("/api/v1/load_weights", json={"session_id": session, "model_seq_id": 0,
+                                                              "path": alice["state"], "optimizer": True}),
+                await http.post("/api/v1/create_sampling_session", json={
+                    "session_id": session, "sampling_session_seq_id": 0, "model_path": alice["weights"]}),
+                await http.get(f"/api/v1/samplers/{alice['sampler_id']}"),
+                await http.post("/api/v1/asample", json={"sampling_session_id": alice["sampler_id"], "seq_id": 0,
+                                                         "prompt": {"chunks": []}, "sampling_params": {}}),
+                await http.post("/api/v1/retrieve_future", json={"request_id": "create_model-1"}),
+                await http.delete(f"/api/v1/training_runs/{model}/checkpoints/weights/a1"),
+            ]
+            assert [r.status_code for r in not_found] == [404] * len(not_found), [r.text for r in not_found]
+            assert (await http.get("/api/v1/training_runs")).json()["training_runs"] == []
+            assert (await http.get("/api/v1/checkpoints")).json()["checkpoints"] == []
+            # Paths are parsed strictly: '..', absolute and extra components are refused, whoever asks.
+            for path in ("tinker://../weights/a1", "tinker:///etc/passwd", f"tinker://{model}/weights/../../x",
+                         f"tinker://{model}/weights/a1/more"):
+                answer = await http.post("/api/v1/weights_info", json={"tinker_path": path})
+                assert answer.status_code == 400 and "tinker://" in answer.text, (path, answer.text)
+        listed = await asyncio.to_thread(lambda: tinker.RestClient(base_url=url, api_key=KEY).list_user_checkpoints()
+                                         .result())
+        assert {c.tinker_path for c in listed.checkpoints} == {alice["state"], alice["weights"]}
+        assert metrics.TENANT_REQUESTS.labels("bob")._value.get() >= len(not_found)
+        assert metrics.TENANT_DISK.labels("alice")._value.get() > 0
+
+        # The trainer restarts (a crash): alice's model is gone with it, and stays gone.
+        trainer.process.kill()
+        trainer.process.wait()
+        assert run_service("trainer", *lora, env=env).grpc_address == address
+        # Bob's model saves weights under the number alice's named ones have: each samples its own weights.
+        bob_run = await asyncio.to_thread(bob_saves_the_same_number, url, str(untied_model))
+        numbered = {w.model_id: w for w in gateway.sampler._saved if w.model_id in (model, bob_run["model_id"])}
+        assert numbered[model].version == numbered[bob_run["model_id"]].version  # the same number ...
+        assert numbered[model].identity != numbered[bob_run["model_id"]].identity  # ... two identities
+        assert bob_run["sampled"] == pytest.approx(bob_run["scored"], abs=1e-5)  # bob's samples: his weights
+        again = await asyncio.to_thread(alice_samples_her_named_weights, url, alice["weights"])
+        assert again[0] == alice["sample"][0] and again[1] == pytest.approx(alice["sample"][1], abs=1e-6)
+        after = await asyncio.to_thread(after_the_trainer_restarted, alice)
+        assert all(r is not None and "no longer holds model" in r for r in after["refused"]), after["refused"]
+        assert math.isfinite(after["loss"]) and after["resumed"] != model
