@@ -214,7 +214,7 @@ async def test_openai_sdk_completes_chats_and_streams(server, model_dir: Path) -
     (choice,) = chat.choices
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
     assert len(choice.logprobs.content) == 5 and len(choice.logprobs.content[0].top_logprobs) == 3
-    assert choice.model_extra["weight_version"] == {"start": 0, "end": 0}
+    assert choice.model_extra["weight_version"] == {"start": 0, "end": 0, "spans": [[0, 0, 5]]}  # every token of version 0
     assert chat.model_extra["prompt_token_ids"] and len(choice.model_extra["token_ids"]) == 5
 
     stream = await client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "hi"}],
