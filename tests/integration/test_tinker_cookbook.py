@@ -2,7 +2,10 @@
 requirements/tinker-cookbook.txt) runs its recipes against `flywheel up --with tinker` on the tiny
 model, as a user runs them (docs/tinker.md, "The cookbook"):
 
-- math_rl (env=arithmetic, importance_sampling, role_colon) samples and trains a few steps and exits 0;
+- math_rl (env=arithmetic, importance_sampling, role_colon) runs for two tenants at once, each on its own
+  key (made with `python -m flywheel.runtime.tokens tenant add`): each samples and trains a few steps and
+  exits 0, its runs and saves under its own tenant, and each model leaves at most K unnamed saves for the
+  sampler on disk (the gateway's sampler_keep_unnamed, 2 here);
 - chat_sl on the cookbook's example conversations, saving every 2 steps, is cut (SIGKILL) once its
   first periodic save is on record; run again with behavior_if_log_dir_exists=resume it goes on from
   that save with the optimizer state, while the cut run's session is still live (nothing finished
@@ -26,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,8 +43,10 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = Path(__file__).resolve().parent / "loopback_only"
-#: The key the recipes send (the SDK sends only keys starting with tml-): the services' token.
-KEY = "tml-cookbook-test-key"
+#: The services' own token (the recipes never see it: they send their tenant's key).
+SERVICE_KEY = "tml-cookbook-service-token"
+#: Unnamed saves for the sampler a model keeps (math_rl makes one a step).
+KEEP_UNNAMED = 2
 #: The one destination off loopback a recipe may try, and is refused: the pricing file it fetches at start.
 PRICING_HOST = "tinker-docs.thinkingmachines.ai"
 
@@ -86,29 +92,41 @@ class Deployment:
     env: dict[str, str]
     prefix: list[str]  # runs a command in the namespace (empty: none could be made)
     refused_log: Path
+    keys: dict[str, str]  # tenant -> its key
 
-    def recipe(self, name: str, log_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
-        """Starts `python -m tinker_cookbook.recipes.<name>.train` against the gateway; its output file."""
+    def tinker_dir(self, tenant: str) -> Path:
+        return self.run_dir / "checkpoints" / "tinker" / tenant
+
+    def recipe(self, name: str, log_path: Path, *args: str, tenant: str = "alice") -> tuple[subprocess.Popen, Path]:
+        """Starts `python -m tinker_cookbook.recipes.<name>.train` against the gateway, on `tenant`'s key;
+        its output file."""
         output = self.work / f"{log_path.name}-{sum(1 for _ in self.work.glob(log_path.name + '-*.out'))}.out"
         command = [*self.prefix, sys.executable, "-m", f"tinker_cookbook.recipes.{name}.train",
                    f"model_name={self.base_model}", f"base_url={self.url}", "renderer_name=role_colon",
                    f"log_path={log_path}", *args]
         with open(output, "wb") as out:
-            process = subprocess.Popen(command, cwd=self.work, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(command, cwd=self.work, env={**self.env, "TINKER_API_KEY": self.keys[tenant]},
+                                       stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return process, output
 
     def run_recipe(self, name: str, log_path: Path, *args: str, timeout: float = 240) -> str:
         """Runs a recipe to its end; its output, once it exited 0."""
-        process, output = self.recipe(name, log_path, *args)
-        try:
-            code = process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise AssertionError(f"{name} did not finish in {timeout:.0f} s{log_tail(output)}") from None
-        assert code == 0, f"{name} exited {code}{log_tail(output, 60)}"
-        return output.read_text(errors="replace")
+        return self.run_recipes(name, {"alice": log_path}, *args, timeout=timeout)["alice"]
+
+    def run_recipes(self, name: str, log_paths: dict[str, Path], *args: str, timeout: float = 240) -> dict[str, str]:
+        """Runs the recipe for each tenant at once, each on its own key; their outputs, once all exited 0."""
+        started = {tenant: self.recipe(name, path, *args, tenant=tenant) for tenant, path in log_paths.items()}
+        deadline = time.monotonic() + timeout
+        for tenant, (process, output) in started.items():
+            try:
+                code = process.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for other, _ in started.values():
+                    other.kill()
+                    other.wait()
+                raise AssertionError(f"{name} ({tenant}) did not finish in {timeout:.0f} s{log_tail(output)}") from None
+            assert code == 0, f"{name} ({tenant}) exited {code}{log_tail(output, 60)}"
+        return {tenant: output.read_text(errors="replace") for tenant, (_, output) in started.items()}
 
     def retired(self) -> dict[str, str]:
         """The gateway's "model retired" log lines: model id -> why (a model ends with its session)."""
@@ -147,10 +165,18 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                       "and services on loopback, and sockets made by C code (gRPC's core) go unchecked", stacklevel=1)
     prefix = ["ip", "netns", "exec", namespace] if namespace else []
     refused_log = work / "refused.jsonl"
+    # The services' token and two tenants' keys, made as an operator makes them.
+    tokens = work / "tokens.yaml"
+    tokens.write_text(f"service: {SERVICE_KEY}\n")
+    keys = {}
+    for tenant in ("alice", "bob"):
+        made = subprocess.run([sys.executable, "-m", "flywheel.runtime.tokens", "tenant", "add", tenant, str(tokens)],
+                              capture_output=True, text=True, timeout=60, check=True)
+        keys[tenant] = made.stdout.strip()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLYWHEEL_", "TINKER_"))}
     env.update(
-        FLYWHEEL_AUTH_TOKEN=KEY,  # every service's token; the gateway admits it as a Tinker key
-        TINKER_API_KEY=KEY,
+        FLYWHEEL_TOKENS_FILE=str(tokens),  # every service's token; the gateway admits the tenants' keys
+        FLYWHEEL_TINKER__SAMPLER_KEEP_UNNAMED=str(KEEP_UNNAMED),
         FLYWHEEL_MODEL_CACHE=str(work / "models"),  # the tiny model and its untied copy, made here
         FLYWHEEL_LOOPBACK_LOG=str(refused_log),
         PYTHONPATH=os.pathsep.join(filter(None, [str(GUARD), os.environ.get("PYTHONPATH")])),
@@ -166,7 +192,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             300, "the Tinker API", up, up_output)
         run_dir = Path(re.search(r"\(logs in (\S+)\)", up_output.read_text()).group(1))
         yield Deployment(url=line.group(1), base_model=line.group(2), run_dir=run_dir, work=work, env=env,
-                         prefix=prefix, refused_log=refused_log)
+                         prefix=prefix, refused_log=refused_log, keys=keys)
     finally:
         if up.poll() is None:
             up.send_signal(signal.SIGINT)  # flywheel up stops its services and exits
@@ -200,22 +226,34 @@ def assert_only_the_pricing_file_was_refused(deployment: Deployment, output: str
     assert f"Could not fetch model pricing from https://{PRICING_HOST}" in output
 
 
-def test_math_rl_samples_and_trains_through_the_gateway(deployment: Deployment) -> None:
-    log_path = deployment.work / "math_rl"
-    output = deployment.run_recipe(
-        "math_rl", log_path, "env=arithmetic", "loss_fn=importance_sampling", "groups_per_batch=2",
+def test_math_rl_of_two_tenants_at_once_samples_and_trains_each_on_its_own(deployment: Deployment) -> None:
+    log_paths = {tenant: deployment.work / f"math_rl-{tenant}" for tenant in ("alice", "bob")}
+    outputs = deployment.run_recipes(
+        "math_rl", log_paths, "env=arithmetic", "loss_fn=importance_sampling", "groups_per_batch=2",
         "group_size=2", "max_tokens=4", "max_steps=3", "eval_every=0", "save_every=0")
-    assert "Training completed successfully" in output
-    trained = [row for row in jsonl(log_path / "metrics.jsonl") if "step:max" in row]
-    # Each step sampled its groups on the gateway's sampler (2 groups of 2) and took one optimizer step.
-    assert [row["step"] for row in trained] == [0, 1, 2]
-    assert all(row["env/all/total_episodes"] == 4 for row in trained), trained
-    steps = [row["step:max"] for row in trained]
-    assert steps == [steps[0], steps[0] + 1, steps[0] + 2], steps
-    (final,) = jsonl(log_path / "checkpoints.jsonl")
-    assert final["name"] == "final"
-    deployment.assert_closed_with_success(model_of(final["state_path"]))
-    assert_only_the_pricing_file_was_refused(deployment, output)
+    models = {}
+    for tenant, log_path in log_paths.items():
+        assert "Training completed successfully" in outputs[tenant]
+        trained = [row for row in jsonl(log_path / "metrics.jsonl") if "step:max" in row]
+        # Each step sampled its groups on the gateway's sampler (2 groups of 2) and took one optimizer step.
+        assert [row["step"] for row in trained] == [0, 1, 2]
+        assert all(row["env/all/total_episodes"] == 4 for row in trained), trained
+        steps = [row["step:max"] for row in trained]
+        assert steps == [steps[0], steps[0] + 1, steps[0] + 2], steps
+        (final,) = jsonl(log_path / "checkpoints.jsonl")
+        assert final["name"] == "final"
+        models[tenant] = model_of(final["state_path"])
+        deployment.assert_closed_with_success(models[tenant])
+        assert_only_the_pricing_file_was_refused(deployment, outputs[tenant])
+    for tenant, model in models.items():
+        # Each tenant's run and saves are under its own directory, none under the other's.
+        other = next(t for t in models if t != tenant)
+        assert (deployment.tinker_dir(tenant) / model / "run.json").is_file()
+        assert not (deployment.tinker_dir(other) / model).exists()
+        # One unnamed save for the sampler a step (3), at most KEEP_UNNAMED of them left on disk.
+        sampler = deployment.run_dir / "checkpoints" / "sampler" / tenant / model
+        unnamed = [p for p in sampler.glob("save-*/version_*/tinker.json") if json.loads(p.read_text())["name"] is None]
+        assert 1 <= len(unnamed) <= KEEP_UNNAMED, unnamed
 
 
 def test_chat_sl_cut_after_a_save_resumes_from_it_with_the_optimizer_state(deployment: Deployment) -> None:
@@ -244,8 +282,7 @@ def test_chat_sl_cut_after_a_save_resumes_from_it_with_the_optimizer_state(deplo
     # ... went on at the save's step, the cut run's rows from there on dropped ...
     assert [row["step"] for row in trained] == list(range(steps)), trained
     # ... and the trainer's optimizer went on from the save's step (a fresh optimizer counts from 1 again).
-    record = json.loads((deployment.run_dir / "checkpoints" / "tinker" / cut_model / cut["name"] / "tinker.json")
-                        .read_text())
+    record = json.loads((deployment.tinker_dir("alice") / cut_model / cut["name"] / "tinker.json").read_text())
     assert [row["step:max"] for row in trained[cut["batch"]:]] == \
         [record["step"] + k for k in range(1, steps - cut["batch"] + 1)], (record, trained)
     # It saved periodically again, and at the end, as a model of its own.
