@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -26,9 +26,10 @@ from starlette.background import BackgroundTask
 
 from flywheel.errors import FlywheelError
 from services.rollout.config import RolloutConfig
-from services.rollout.engine.base import SampleOutput, SamplingSpec
+from services.rollout.engine.base import SampleOutput
 from services.rollout.openai_api.chat import ChatTurn, prepare_turn, record, reply_of, response_format_constraint
 from services.rollout.openai_api.http_common import error_status, json_response, parse
+from services.rollout.openai_api.http_stream import turn_stream
 from services.rollout.openai_api.messages_api import (
     CountTokensRequest, MessagesRequest, chat_messages, chat_tool_choice, chat_tools, content_blocks, error_body,
     message_object, stop_of,
@@ -37,7 +38,7 @@ from services.rollout.openai_api.openai_protocol import sample_version
 from services.rollout.openai_api.sessions import Session, pace
 from services.rollout.openai_api.tool_calls import HermesFormat
 from services.rollout.serving import sampling
-from services.rollout.serving.core import Reservation, RolloutCore
+from services.rollout.serving.core import RolloutCore
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def messages_routes(
 
         if body.stream:
             events = MessageEvents(message_id, core.model_name, body.stop_sequences)
-            return StreamingResponse(_stream(core, turn, spec, reservation, events, finished, pace(session)),
+            return StreamingResponse(turn_stream(core, turn, spec, reservation, events, finished, pace(session)),
                                      media_type="text/event-stream", background=BackgroundTask(reservation.release))
         (output,) = await core.generate([turn.prompt], spec, reservation, **pace(session))
         sample = output.samples[0]
@@ -159,7 +160,7 @@ class MessageEvents:
                                   delta={"type": "text_delta", "text": delta}))
         return events
 
-    def finish(self, reply: dict[str, Any], sample: SampleOutput) -> list[str]:
+    def finish(self, reply: dict[str, Any], sample: SampleOutput, prompt_ids: list[int]) -> list[str]:
         events = []
         blocks = content_blocks(reply)
         if self._text_open:
@@ -195,29 +196,3 @@ class MessageEvents:
             log.error("messages stream failed", exc_info=exc)
             status, message = 500, f"internal error: {type(exc).__name__}"
         return [self._event("error", error=error_body(status, message)["error"])]
-
-
-async def _stream(core: RolloutCore, turn: ChatTurn, spec: SamplingSpec, reservation: Reservation,
-                  events: MessageEvents, finished: Callable[[SampleOutput], dict[str, Any]],
-                  paced: dict[str, int]) -> AsyncIterator[str]:
-    for event in events.start(turn.prompt.ids):
-        yield event
-    text, sent = "", 0
-    try:
-        async for deltas in core.generate_stream(turn.prompt, spec, reservation, **paced):
-            for d in deltas:
-                if d.final is None:
-                    text += d.text
-                    end = turn.tool_format.streamable_prefix(text) if turn.parses_calls else len(text)
-                    for event in events.text(text[sent:end]):
-                        yield event
-                    sent = max(sent, end)
-                    continue
-                reply = finished(d.final)
-                for event in events.text((reply.get("content") or "")[sent:]):
-                    yield event
-                for event in events.finish(reply, d.final):
-                    yield event
-    except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
-        for event in events.error(exc):
-            yield event

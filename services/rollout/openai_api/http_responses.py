@@ -4,7 +4,7 @@ completion, answered as a response object or its event stream."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -12,11 +12,11 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from services.rollout.serving import sampling
-from services.rollout.openai_api.chat import ChatTurn, prepare_turn, record, reply_of, response_format_constraint
+from services.rollout.openai_api.chat import prepare_turn, record, reply_of, response_format_constraint
 from services.rollout.config import RolloutConfig
-from services.rollout.serving.core import Reservation, RolloutCore
-from services.rollout.engine.base import SamplingSpec
+from services.rollout.serving.core import RolloutCore
 from services.rollout.openai_api.http_common import json_response, parse
+from services.rollout.openai_api.http_stream import turn_stream
 from services.rollout.openai_api.openai_protocol import ResponsesRequest, new_id
 from services.rollout.openai_api.responses_api import ResponseEvents, chat_tools, conversation, output_items, response_object
 from services.rollout.openai_api.sessions import Session, pace
@@ -57,7 +57,7 @@ def responses_route(
 
         if body.stream:
             events = ResponseEvents(body, response_id, core.model_name)
-            return StreamingResponse(_stream(core, turn, spec, reservation, events, finished, pace(session)),
+            return StreamingResponse(turn_stream(core, turn, spec, reservation, events, finished, pace(session)),
                                      media_type="text/event-stream", background=BackgroundTask(reservation.release))
         (output,) = await core.generate([turn.prompt], spec, reservation, **pace(session))
         sample = output.samples[0]
@@ -67,30 +67,3 @@ def responses_route(
         ))
 
     return responses
-
-
-async def _stream(core: RolloutCore, turn: ChatTurn, spec: SamplingSpec, reservation: Reservation,
-                  events: ResponseEvents, finished: Callable[[Any], dict[str, Any]],
-                  paced: dict[str, int]) -> AsyncIterator[str]:
-    for event in events.start():
-        yield event
-    text, sent = "", 0
-    try:
-        async for deltas in core.generate_stream(turn.prompt, spec, reservation, **paced):
-            for d in deltas:
-                if d.final is None:
-                    text += d.text
-                    # Text from a tool-call marker on is held back until the call is parsed.
-                    end = turn.tool_format.streamable_prefix(text) if turn.parses_calls else len(text)
-                    for event in events.text(text[sent:end]):
-                        yield event
-                    sent = max(sent, end)
-                    continue
-                reply = finished(d.final)
-                for event in events.text((reply.get("content") or "")[sent:]):
-                    yield event
-                for event in events.finish(reply, d.final, turn.prompt.ids):
-                    yield event
-    except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
-        for event in events.error(exc):
-            yield event

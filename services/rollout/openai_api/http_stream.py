@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from flywheel.errors import FlywheelError
 from services.rollout.openai_api.chat import ChatTurn, reply_of
@@ -162,3 +162,45 @@ async def chat_stream(core: RolloutCore, body: ChatRequest, turn: ChatTurn, spec
     except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
         yield _error_event(exc)
     yield "data: [DONE]\n\n"
+
+
+class TurnEvents(Protocol):
+    """A dialect's stream of one chat turn's events (the Responses API's, the Messages API's)."""
+
+    def start(self, prompt_ids: list[int]) -> list[str]: ...
+
+    def text(self, delta: str) -> list[str]: ...
+
+    def finish(self, reply: dict[str, Any], sample: SampleOutput, prompt_ids: list[int]) -> list[str]: ...
+
+    def error(self, exc: BaseException) -> list[str]: ...
+
+
+async def turn_stream(core: RolloutCore, turn: ChatTurn, spec: SamplingSpec, reservation: Reservation,
+                      events: TurnEvents, finished: Callable[[SampleOutput], dict[str, Any]],
+                      paced: dict[str, int]) -> AsyncIterator[str]:
+    """One chat turn streamed in a dialect's events: text as it comes (from a tool-call marker on, held
+    back until the call is parsed), then the reply `finished` makes of the sample; an error mid-stream
+    is reported in-band (the status line is already sent)."""
+    for event in events.start(turn.prompt.ids):
+        yield event
+    text, sent = "", 0
+    try:
+        async for deltas in core.generate_stream(turn.prompt, spec, reservation, **paced):
+            for d in deltas:
+                if d.final is None:
+                    text += d.text
+                    end = turn.tool_format.streamable_prefix(text) if turn.parses_calls else len(text)
+                    for event in events.text(text[sent:end]):
+                        yield event
+                    sent = max(sent, end)
+                    continue
+                reply = finished(d.final)
+                for event in events.text((reply.get("content") or "")[sent:]):
+                    yield event
+                for event in events.finish(reply, d.final, turn.prompt.ids):
+                    yield event
+    except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
+        for event in events.error(exc):
+            yield event
+

@@ -177,7 +177,7 @@ class ResponseEvents:
         self._sequence += 1
         return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
-    def start(self) -> list[str]:
+    def start(self, prompt_ids: list[int]) -> list[str]:
         shell = response_object(self.body, self.response_id, self.model, status="in_progress", output=[])
         return [self._event("response.created", response=shell), self._event("response.in_progress", response=shell)]
 
