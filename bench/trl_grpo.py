@@ -95,7 +95,7 @@ def job_config(smoke: bool, work: Path, steps: int, seed: int, sets: list[str]) 
     return path
 
 
-def run_ours(config: Path, run_dir: Path) -> dict:
+def run_ours(config: Path, run_dir: Path, expected_steps: int) -> dict:
     command = [sys.executable, "-m", "services.controller", "run", str(config), "--run-dir", str(run_dir),
                "--resume", "disable"]
     started = time.monotonic()
@@ -103,10 +103,21 @@ def run_ours(config: Path, run_dir: Path) -> dict:
     wall = time.monotonic() - started
     if proc.returncode != 0:
         raise SystemExit(f"our job failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return read_ours(run_dir, expected_steps, wall)
+
+
+def read_ours(run_dir: Path, expected_steps: int, wall: float) -> dict:
+    """Our run's figures from its run directory; an error when it did not run every step and validation."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "rollout/reward_mean" in r]
     validations = [r for r in rows if "val/accuracy" in r]
-    last = max(int(r["step"]) for r in steps)
+    last = max((int(r["step"]) for r in steps), default=0)
+    failed = [r for r in rows if r.get("val/failed")]
+    # A run that ends early (a rollout engine that died fails every task, and the data runs out) still exits 0.
+    if last != expected_steps or not validations or int(validations[-1]["step"]) != last or failed:
+        raise SystemExit(f"our job did not run as asked: {last} of {expected_steps} steps, validations at steps "
+                         f"{[int(r['step']) for r in validations]}, failed validation rows {failed}; see "
+                         f"{run_dir}/controller.log and rollout.log (--keep DIR keeps them)")
     validation = sum(r["val/seconds"] for r in validations)
     # A step's time runs from the record before it: a validation pass between two steps is in it.
     train = sum(r["time/step_seconds"] for r in steps) - sum(r["val/seconds"] for r in validations
@@ -305,7 +316,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         work = args.keep or Path(tmp)
         config = job_config(args.smoke, work, steps, args.seed, args.sets)
-        ours = run_ours(config, work / "ours")
+        ours = run_ours(config, work / "ours", steps)
         print({"flywheel": ours}, flush=True)
         if args.side in ("both", "flywheel"):
             figures.update(side_figures("flywheel", ours))
