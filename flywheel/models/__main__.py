@@ -1,6 +1,6 @@
 """Build or convert models offline.
 
-    python -m flywheel.models tiny OUT_DIR [--arch qwen2|llama] [--num-layers 2] ...
+    python -m flywheel.models tiny OUT_DIR [--arch qwen2|llama|qwen3_moe] [--num-layers 2] ...
     python -m flywheel.models smollm2 [OUT_DIR] [--dtype float32|bfloat16] [--force] [--check]
     python -m flywheel.models init smollm2|tiny|path OUT_DIR   # a container's first start
     python -m flywheel.models untie SRC_DIR OUT_DIR    # its output head untied, once (flywheel/models/untie.py)
@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
                           description="The options default to flywheel.models.tiny.build_tiny_model's.",
                           argument_default=argparse.SUPPRESS)
     tiny.add_argument("out_dir", help="directory to write the checkpoint into")
-    tiny.add_argument("--arch", choices=("qwen2", "llama"))
+    tiny.add_argument("--arch", choices=("qwen2", "llama", "qwen3_moe"), help="qwen3_moe: a mixture of experts")
     tiny.add_argument("--num-layers", type=int)
     tiny.add_argument("--num-heads", type=int, help="hidden size is 64 * heads")
     tiny.add_argument("--num-kv-heads", type=int)
@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--max-position-embeddings", type=int)
     tiny.add_argument("--seed", type=int)
     tiny.add_argument("--dtype", choices=("float32", "bfloat16"))
+    tiny.add_argument("--num-experts", type=int, help="qwen3_moe: experts per layer")
+    tiny.add_argument("--num-experts-per-tok", type=int, help="qwen3_moe: experts routed per token")
 
     smol = sub.add_parser("smollm2", help="convert SmolLM2-135M-Instruct from GGUF")
     smol.add_argument("out_dir", nargs="?", default=None, help="default: the model cache")

@@ -3,8 +3,19 @@
 `build_tiny_model()` writes a complete Hugging Face checkpoint directory
 (config.json, model.safetensors, generation_config.json, tokenizer files with a
 chat template) for a Qwen2- or Llama-architecture model of a few hundred
-thousand parameters. transformers and vLLM (CPU included) both load it, so
-tests and the local demo exercise the real code paths without a hub download.
+thousand parameters, or a Qwen3-MoE one (`arch="qwen3_moe"`: every MLP a
+mixture of `num_experts` experts, `num_experts_per_tok` routed per token).
+transformers and vLLM (CPU included) both load it, so tests and the local
+demo exercise the real code paths without a hub download.
+
+Qwen3-MoE is the mixture-of-experts family: vLLM 0.32's CPU build runs it
+(its fused-MoE CPU path) and so does transformers, its router is a plain
+softmax top-k (`flywheel.models.moe` replays it), and it is the family the
+routing-replay literature measures on (Qwen3-30B-A3B). Its experts are
+written as transformers holds them (one `experts.gate_up_proj` and one
+`experts.down_proj` tensor per layer, not one tensor per expert): the
+trainer's state dict, which is what it publishes, then has the checkpoint's
+names, and a rollout checks a version against its checkpoint's names.
 
 The same arguments always give bit-identical files: weights are drawn from an
 explicitly seeded generator rather than from transformers' initialisers, whose
@@ -17,25 +28,27 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
     PretrainedConfig,
     Qwen2Config,
+    Qwen3MoeConfig,
 )
 
 from flywheel.models.smollm2 import apply_umask
 from flywheel.models.tokenizer import ENDOFTEXT, IM_END, save_tokenizer
 
-Arch = Literal["qwen2", "llama"]
+Arch = Literal["qwen2", "llama", "qwen3_moe"]
 
 # vLLM's CPU attention supports only listed head sizes (16 is not one; 0.32
 # lists 32, 64, 80, ...). 64 is supported by every backend, CPU and GPU alike.
 HEAD_DIM = 64
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_CONFIGS: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+_CONFIGS: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
 
 
 def tiny_config(
@@ -52,6 +65,9 @@ def tiny_config(
     pad_token_id: int,
     dtype: str,
     tie_word_embeddings: bool,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
 ) -> PretrainedConfig:
     """The transformers config for a tiny model; validates the shape arguments."""
     _check_args(
@@ -76,6 +92,10 @@ def tiny_config(
         tie_word_embeddings=tie_word_embeddings,
         dtype=dtype,
     )
+    if arch == "qwen3_moe":
+        common.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                      moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[])
     return _CONFIGS[arch](**common)
 
 
@@ -126,6 +146,9 @@ def build_tiny_model(
     dtype: str = "float32",
     init_std: float = 0.02,
     tie_word_embeddings: bool = True,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
 ) -> Path:
     """Write a random-initialised causal LM checkpoint into `out_dir` and return it.
 
@@ -133,7 +156,8 @@ def build_tiny_model(
     `flywheel.models.tokenizer`). `hidden_size` must be `num_heads * 64`.
     `dtype` is "float32" or "bfloat16". `seed` drives the weights only; the
     tokenizer is the same for every seed. Existing files in `out_dir` are
-    overwritten.
+    overwritten. `num_experts`, `num_experts_per_tok` and `moe_intermediate_size`
+    shape the experts of arch "qwen3_moe" (ignored otherwise).
     """
     # Checked before the tokenizer is trained, so bad arguments fail at once.
     _check_args(
@@ -161,6 +185,9 @@ def build_tiny_model(
         pad_token_id=eos_id,
         dtype=dtype,
         tie_word_embeddings=tie_word_embeddings,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Drawn in float32 and then cast, so a bfloat16 model is the rounded
@@ -172,5 +199,15 @@ def build_tiny_model(
         eos_token_id=[eos_id, im_end_id], pad_token_id=eos_id
     )
     model.save_pretrained(out)
+    if arch == "qwen3_moe":
+        _save_as_held(model, out)
     apply_umask(out / "model.safetensors")
     return out
+
+
+def _save_as_held(model: torch.nn.Module, out: Path) -> None:
+    """Rewrites model.safetensors with the tensors as the model holds them (save_pretrained splits fused
+    MoE experts into one tensor per expert; transformers and vLLM load either layout)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+             if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

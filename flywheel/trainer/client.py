@@ -40,13 +40,18 @@ def make_train_batch(
     sampling_temperature: torch.Tensor | None = None,
     sampling_top_k: torch.Tensor | None = None,
     sampling_top_p: torch.Tensor | None = None,
+    sampler_kept_size: torch.Tensor | None = None,
+    sampler_kept_ids: torch.Tensor | None = None,
+    routed_experts: torch.Tensor | None = None,
 ) -> pb.TrainBatch:
-    """A TrainBatch message from torch tensors ([B, T] unless [B]); None fields stay unset."""
+    """A TrainBatch message from torch tensors ([B, T] unless [B]; sampler_kept_ids [B, T, M], routed_experts
+    [B, T, L, K]); None fields stay unset."""
     given = {
         "input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "advantages": advantages,
         "behaviour_logprobs": behaviour_logprobs, "weight_versions": weight_versions, "old_logprobs": old_logprobs,
         "ref_logprobs": ref_logprobs, "sampling_temperature": sampling_temperature, "sampling_top_k": sampling_top_k,
-        "sampling_top_p": sampling_top_p,
+        "sampling_top_p": sampling_top_p, "sampler_kept_size": sampler_kept_size, "sampler_kept_ids": sampler_kept_ids,
+        "routed_experts": routed_experts,
     }
     return pb.TrainBatch(**{k: tensor_to_proto(v) for k, v in given.items() if v is not None})
 

@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 # Shared words (defined in flywheel.common.types); the controller's modules import them from here too.
+from flywheel.common.kept import KeptSet
 from flywheel.common.provenance import VersionSpan
 from flywheel.common.types import RAW, FinishReason, SampledDistribution, SamplingSpec  # noqa: F401
 
@@ -73,6 +74,11 @@ class Generation:
     #: The version that produced each completion token, as spans over `completion_token_ids`
     #: (flywheel.common.provenance); empty when the engine could not tell.
     version_spans: list[VersionSpan] = field(default_factory=list)
+    #: The sampler's kept set where a cut or a grammar applied, per completion position (flywheel.common.kept).
+    kept_sets: list[KeptSet] = field(default_factory=list)
+    #: Mixture-of-experts routing of every token fed to the model (prompt, then completion but its last),
+    #: a numpy int array [P + C - 1, L, K] (flywheel.models.moe's compact dtypes); None: not recorded.
+    routed_experts: Any = None
 
 
 class TrajectoryStatus(str, Enum):
@@ -121,6 +127,11 @@ class Trajectory:
     #: environment tokens fall between them. Tokens no span covers (an engine or an older rollout that
     #: could not tell) are attributed to `version`, the oldest policy that contributed.
     version_spans: list[VersionSpan] = field(default_factory=list)
+    #: The sampler's kept set per response position where one was recorded (flywheel.common.kept).
+    kept_sets: list[KeptSet] = field(default_factory=list)
+    #: Mixture-of-experts routing per position of prompt + response (numpy int [N, L, K], N <= num_tokens;
+    #: flywheel.models.moe's compact dtypes); None: not recorded (a dense model, or an engine that cannot).
+    routed_experts: Any = None
 
     @property
     def version(self) -> int:

@@ -14,7 +14,7 @@ import json
 import logging
 import statistics
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +82,8 @@ class RunState:
     sample_ages: SampleAgeReport = field(default_factory=SampleAgeReport)
     #: Tokens past the staleness bound in the batches trained so far (masked, or corrected).
     stale_tokens_trained: int = 0
+    #: Kept sets and constrained tokens of the batches trained so far (TrainBatch.sampler_counts).
+    sampler_counts: Counter[str] = field(default_factory=Counter)
     #: When the first batch arrived, and the trainer's busy seconds then (idle time counts from it).
     first_batch_at: float | None = None
     busy_at_first_batch: float = 0.0
@@ -410,6 +412,12 @@ class Pipeline:
         m.update(self.state.sample_ages.metrics())
         self.state.stale_tokens_trained += batch.stale_tokens
         m.update(token_age_metrics(batch, self.state.stale_tokens_trained))
+        # The sampler's kept sets the batch carried, and constrained tokens left out of the loss (their allowed
+        # set too big to carry): per step and in every batch so far.
+        self.state.sampler_counts.update(batch.sampler_counts)
+        for name in ("kept_ids", "kept_size_only", "constrained", "constrained_excluded"):
+            m[f"sampler/{name}_tokens"] = float(batch.sampler_counts[name])
+            m[f"sampler/{name}_tokens_total"] = float(self.state.sampler_counts[name])
         # Samples whose weights changed while they were generated (partial rollouts).
         m["batch/mixed_version_samples"] = float(sum(tr.version_end != tr.version_start for tr in batch.trajectories))
         m["batch/samples"], m["batch/tokens"] = float(batch.size), float(batch.tokens)

@@ -37,6 +37,11 @@ class EngineConfig(StrictModel):
         "the model's own distribution (vLLM's default). A request may ask for the other kind "
         "(SamplingParams.logprobs_mode): the transformers engine serves it, vLLM refuses it where the two differ"
     )
+    max_kept_ids: int = Field(
+        64, ge=0, description="where top-k, top-p or a grammar cut the vocabulary before a token was drawn, its "
+        "sample records the kept set for the trainer (common.Sample kept_sets): its ids when it has at most this "
+        "many tokens, else its size alone (transformers engine; vLLM records none)"
+    )
     cpu_cores: str = Field(
         "", description="on a CPU, the cores the engine computes on: all, or a list of cores and ranges "
         "(0-3,6); vLLM binds one OpenMP thread to each (VLLM_CPU_OMP_THREADS_BIND, none reserved), the "

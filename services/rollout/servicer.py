@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from flywheel.codec.dtypes import tensor_to_proto
 from flywheel.common.types import finish_reason_to_pb, pause_mode_from_pb
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import InvalidArgument
@@ -85,6 +86,9 @@ def sample_to_proto(sample: SampleOutput, prompt_ids: list[int]) -> common_pb2.S
         prompt_logprobs=sample.prompt_logprobs,
         weight_version_spans=[common_pb2.VersionSpan(version=s.version, start=s.start, end=s.end)
                               for s in sample.version_spans],
+        kept_sets=[common_pb2.KeptSet(position=k.position, size=k.size, token_ids=k.token_ids,
+                                      constrained=k.constrained) for k in sample.kept_sets],
+        routed_experts=None if sample.routed_experts is None else tensor_to_proto(sample.routed_experts),
     )
 
 

@@ -62,6 +62,12 @@ class Batch:
     sampling_temperature: Tensor | None = None  # float32 > 0
     sampling_top_k: Tensor | None = None  # int64 >= 0
     sampling_top_p: Tensor | None = None  # float32 in (0, 1]
+    #: The sampler's own kept set per position (TrainBatch sampler_kept_*): its size, 0 where not
+    #: recorded, int64 [B, T]; its ids, int64 [B, T, M], -1 padded (none given: too big to carry).
+    sampler_kept_size: Tensor | None = None
+    sampler_kept_ids: Tensor | None = None
+    #: The rollout's routing, int64 [B, T, L, K], NO_EXPERT (-1) where not recorded (flywheel.models.moe).
+    routed_experts: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -156,8 +162,8 @@ def _take(t: Tensor | None, order: Tensor) -> Tensor | None:
 
 
 def _columns(t: Tensor | None, width: int, seq_len: int) -> Tensor | None:
-    """The first `width` positions of a [B, T] tensor; [B] tensors as they are."""
-    return t[:, :width] if t is not None and t.dim() == 2 and t.shape[1] == seq_len else t
+    """The first `width` positions of a [B, T, ...] tensor; [B] tensors as they are."""
+    return t[:, :width] if t is not None and t.dim() >= 2 and t.shape[1] == seq_len else t
 
 
 def _to(t: Tensor | None, device: torch.device | str) -> Tensor | None:
@@ -181,7 +187,8 @@ def _check_shape(name: str, t: Tensor, shape: tuple[int, ...], ref: str) -> None
 
 
 def input_batch(tensors: Mapping[str, Tensor | None], limits: BatchLimits) -> Batch:
-    """Validates input_ids and attention_mask (all ComputeLogprobs reads)."""
+    """Validates input_ids and attention_mask, the sampling_* fields and routed_experts (all ComputeLogprobs
+    reads)."""
     ids = tensors.get("input_ids")
     if ids is None:
         raise InvalidArgument("batch.input_ids: missing")
@@ -220,7 +227,8 @@ def input_batch(tensors: Mapping[str, Tensor | None], limits: BatchLimits) -> Ba
             raise InvalidArgument(f"batch.attention_mask: must be right-padded (1s then 0s); rows {rows[:8]} are not")
         if (mask[:, 0] == 0).any():
             raise InvalidArgument("batch.attention_mask: a sample has no real tokens")
-    return Batch(input_ids=ids, attention_mask=mask, **_sampling(tensors, b))
+    return Batch(input_ids=ids, attention_mask=mask, routed_experts=_routed_experts(tensors, (b, t)),
+                 **_sampling(tensors, b))
 
 
 def _sampling(tensors: Mapping[str, Tensor | None], b: int) -> dict[str, Tensor | None]:
@@ -340,6 +348,7 @@ def training_batch(
                 f"weight version {weight_version}"
             )
     return batch.with_(
+        **_sampler_kept(tensors, batch, loss_mask, limits),
         loss_mask=loss_mask,
         advantages=adv.contiguous(),
         behaviour_logprobs=behaviour,
@@ -347,3 +356,59 @@ def training_batch(
         ref_logprobs=ref,
         weight_versions=versions,
     )
+
+
+def _sampler_kept(tensors: Mapping[str, Tensor | None], batch: Batch, loss_mask: Tensor, limits: BatchLimits
+                  ) -> dict[str, Tensor | None]:
+    """sampler_kept_size / sampler_kept_ids, checked where the loss reads them: a kept set holds the token
+    drawn from it, and its ids number its size."""
+    size, ids = tensors.get("sampler_kept_size"), tensors.get("sampler_kept_ids")
+    if size is None:
+        if ids is not None:
+            raise InvalidArgument("batch.sampler_kept_ids: given without sampler_kept_size")
+        return {}
+    shape = (batch.size, batch.seq_len)
+    _check_dtype("sampler_kept_size", size, _INTS, "an integer type")
+    _check_shape("sampler_kept_size", size, shape, "input_ids")
+    read = loss_mask > 0
+    size = torch.where(read, size.to(torch.int64), 0)
+    if (size < 0).any() or (size > limits.vocab_size).any():
+        raise InvalidArgument(f"batch.sampler_kept_size: must lie in [0, {limits.vocab_size}]")
+    if ids is not None:
+        _check_dtype("sampler_kept_ids", ids, _INTS, "an integer type")
+        if ids.dim() != 3 or tuple(ids.shape[:2]) != shape:
+            raise InvalidArgument(f"batch.sampler_kept_ids: shape {list(ids.shape)} is not [B, T, M] with [B, T] = "
+                                  f"{list(shape)}")
+        ids = ids.to(torch.int64)
+        given = (ids >= 0) & read[..., None]
+        if (ids >= limits.vocab_size).any():
+            raise InvalidArgument(f"batch.sampler_kept_ids: ids outside [-1, {limits.vocab_size})")
+        count = given.sum(-1)
+        bad = (count > 0) & (count != size)
+        if bad.any():
+            raise InvalidArgument(f"batch.sampler_kept_ids: a position's ids do not number its sampler_kept_size: "
+                                  f"{_where(bad)}")
+        has_token = (ids == batch.input_ids[..., None]).any(-1)
+        bad = (count > 0) & ~has_token
+        if bad.any():
+            raise InvalidArgument(f"batch.sampler_kept_ids: the token at a position is not in its kept set: "
+                                  f"{_where(bad)}")
+        ids = torch.where(given, ids, -1)
+        if not bool(given.any()):
+            ids = None
+    if not bool(size.any()):
+        return {}
+    return {"sampler_kept_size": size, "sampler_kept_ids": ids}
+
+
+def _routed_experts(tensors: Mapping[str, Tensor | None], shape: tuple[int, int]) -> Tensor | None:
+    from flywheel.models.moe import widen
+
+    routed = tensors.get("routed_experts")
+    if routed is None:
+        return None
+    _check_dtype("routed_experts", routed, _INTS, "an integer type")
+    if routed.dim() != 4 or tuple(routed.shape[:2]) != shape:
+        raise InvalidArgument(f"batch.routed_experts: shape {list(routed.shape)} is not [B, T, L, K] with [B, T] = "
+                              f"{list(shape)}")
+    return widen(routed)

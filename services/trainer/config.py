@@ -39,6 +39,10 @@ class ModelConfig(StrictModel):
         "on CPUs without AVX-512; auto: bfloat16 where the device has it natively, else none"
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    routing_replay: bool = Field(
+        True, description="mixture-of-experts models: replay the experts the rollout's routers chose (TrainBatch "
+        "routed_experts) in the policy's and the reference's forward, the gate weights still from the trainer's own "
+        "router logits; off: route anew (the flip fraction is reported either way, routing_flip_fraction)")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="attention kernel of transformers")
     cpu_threads: int = Field(
         0, ge=0, description="torch intra-op threads; 0 keeps torch's default (one per core); set it when "

@@ -24,6 +24,17 @@ token is always kept, so a token the sampler drew never gets log-prob -inf
 (after an update it may fall outside the new set; its probability then counts
 as it would at the boundary). The set is a threshold per position (every
 scaled logit >= it is kept), so backward recomputes it from one float.
+
+Where the rollout recorded the sampler's own kept set (`kept`: TrainBatch
+sampler_kept_*), that set is used instead of one rebuilt from the trainer's
+logits, which for a stale sample (its weights a few versions old) is another
+set: with the kept ids, exactly the sampler's support (a grammar's allowed
+tokens included); with only its size (a set too big to carry), the trainer's
+own most likely `size` tokens, as many as the sampler kept.
+
+Mixture-of-experts models (`routing`): the rollout's recorded experts are
+replayed in the routers (flywheel.models.moe), and the decisions the
+trainer's own routers would have made otherwise are counted.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from flywheel.models.moe import RoutingStats, replayed
 from services.trainer.losses import entropy_from_logits
 
 _CHUNK_ROWS = 256  # positions upcast to float32 at once (256 x 49k x 4 bytes = 50 MB)
@@ -45,23 +57,29 @@ class Sampling:
     temperature: Tensor | None  # float32 [N] > 0
     top_k: Tensor | None  # int64 [N], 0: none
     top_p: Tensor | None  # float32 [N], 1: none
+    #: The sampler's recorded kept set: its size, int64 [N] (0: not recorded), and ids, int64 [N, M]
+    #: (-1 padded; a row without any: too big to carry, the trainer's own `size` most likely kept).
+    kept_size: Tensor | None = None
+    kept_ids: Tensor | None = None
 
     @classmethod
     def of_rows(cls, temperature: Tensor | None, top_k: Tensor | None, top_p: Tensor | None,
-                rows: Tensor) -> Sampling | None:
-        """Per-sample [B] settings spread to positions whose sample index is `rows`; None when raw."""
-        if temperature is None and top_k is None and top_p is None:
+                rows: Tensor, kept_size: Tensor | None = None, kept_ids: Tensor | None = None) -> Sampling | None:
+        """Per-sample [B] settings spread to positions whose sample index is `rows` (kept sets already
+        per position); None when raw."""
+        if temperature is None and top_k is None and top_p is None and kept_size is None:
             return None
         pick = lambda t: None if t is None else t.to(rows.device)[rows]  # noqa: E731
-        return cls(pick(temperature), pick(top_k), pick(top_p))
+        return cls(pick(temperature), pick(top_k), pick(top_p), kept_size, kept_ids)
 
     def chunk(self, rows: slice) -> Sampling:
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
-        return Sampling(pick(self.temperature), pick(self.top_k), pick(self.top_p))
+        return Sampling(pick(self.temperature), pick(self.top_k), pick(self.top_p), pick(self.kept_size),
+                        pick(self.kept_ids))
 
     @property
     def truncates(self) -> bool:
-        return self.top_k is not None or self.top_p is not None
+        return self.top_k is not None or self.top_p is not None or self.kept_size is not None
 
     def scale(self, logits: Tensor) -> Tensor:
         """float32 logits / temperature."""
@@ -87,12 +105,33 @@ class Sampling:
                 above = probs.cumsum(-1) - probs
                 kept = (above < self.top_p[:, None]).sum(-1).clamp_min(1)
                 floor = torch.maximum(floor, ordered.gather(-1, (kept - 1)[:, None]).squeeze(-1))
+            if self.kept_size is not None:
+                # A recorded set overrides the rebuilt one: its ids (`cut`), or as many of the trainer's own
+                # most likely tokens as the sampler kept.
+                recorded = self.kept_size > 0
+                size = self.kept_size.clamp(1, vocab)
+                top = torch.topk(scaled, int(size.max()), dim=-1).values.gather(-1, (size - 1)[:, None]).squeeze(-1)
+                by_ids = self.id_rows()
+                floor = torch.where(recorded, torch.where(by_ids, -float("inf"), top), floor)
             return floor
 
-    @staticmethod
-    def cut(scaled: Tensor, floor: Tensor, targets: Tensor | None) -> Tensor:
+    def id_rows(self) -> Tensor:
+        """Rows whose kept set is given by its ids, bool [N]."""
+        assert self.kept_size is not None
+        if self.kept_ids is None:
+            return torch.zeros_like(self.kept_size, dtype=torch.bool)
+        return (self.kept_size > 0) & (self.kept_ids >= 0).any(-1)
+
+    def cut(self, scaled: Tensor, floor: Tensor, targets: Tensor | None) -> Tensor:
         """`scaled` with what the sampler drops set to -inf (the target, if given, always kept)."""
         drop = scaled < floor[:, None]
+        if self.kept_ids is not None:
+            by_ids = self.id_rows()
+            if bool(by_ids.any()):
+                # Padding (-1) points at the row's first id, kept anyway (rows with ids have one first).
+                ids = torch.where(self.kept_ids >= 0, self.kept_ids, self.kept_ids[:, :1].clamp_min(0))
+                outside = torch.ones_like(drop).scatter_(-1, ids, False)
+                drop = torch.where(by_ids[:, None], outside, drop)
         if targets is not None:
             drop.scatter_(-1, targets[:, None], False)
         return scaled.masked_fill(drop, -float("inf"))
@@ -174,7 +213,7 @@ def _processed(logits: Tensor, targets: Tensor | None, sampling: Sampling | None
         return scaled, None
     if floor is None:
         floor = part.thresholds(scaled)
-    return Sampling.cut(scaled, floor, targets), floor
+    return part.cut(scaled, floor, targets), floor
 
 
 def _plain_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
@@ -195,7 +234,8 @@ def token_logprobs(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, select: Tensor | None = None,
     entropy: bool = False, entropy_grad: bool = False, autocast: torch.dtype | None = None,
     sampling: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
-    shared_prefix: int = 0,
+    shared_prefix: int = 0, kept: tuple[Tensor | None, Tensor | None] = (None, None),
+    routing: Tensor | None = None, replay: bool = True, routing_stats: RoutingStats | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """log p(token t | tokens < t) as float32 [B, T] (position 0 and padding are 0).
 
@@ -216,12 +256,22 @@ def token_logprobs(
     states there do not depend on what follows, and autograd sums the rows'
     gradients through them. Ignored on the full-logits path and on a sharded
     model (FSDP's hooks expect one forward per layer and backward).
+
+    `kept` is (sampler_kept_size [B, T], sampler_kept_ids [B, T, M] or None):
+    the sampler's recorded kept set of the token at each position, used in
+    place of the rebuilt one where its size is > 0. `routing` ([B, T, L, K],
+    -1 where not recorded) is a mixture-of-experts model's recorded routing:
+    replayed when `replay`, and counted into `routing_stats` either way; the
+    positions then go through the model together (no shared prefix).
     """
+    if routing is not None:
+        shared_prefix = 0
     wanted = attention_mask[:, 1:] > 0
     if select is not None:
         wanted = wanted & (select[:, 1:] > 0)
     parts = _plain_head(model)
-    with torch.autocast(input_ids.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+    with torch.autocast(input_ids.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None), \
+            replayed(model, routing, replay=replay, stats=routing_stats):
         if parts is None:
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1][wanted]
         else:
@@ -236,7 +286,13 @@ def token_logprobs(
 
             logits = _as_forward(model, selected_logits, input_ids) if _sharded(model) else selected_logits()
     targets = input_ids[:, 1:][wanted]
-    per_position = Sampling.of_rows(*sampling, rows=wanted.nonzero()[:, 0])
+    kept_size, kept_ids = kept
+    if kept_size is not None:
+        kept_ids = None if kept_ids is None else kept_ids[:, 1:][wanted]
+        kept_size = kept_size[:, 1:][wanted]
+        if not bool(kept_size.any()):
+            kept_size = kept_ids = None
+    per_position = Sampling.of_rows(*sampling, rows=wanted.nonzero()[:, 0], kept_size=kept_size, kept_ids=kept_ids)
     picked = _TargetLogprob.apply(logits, targets, per_position)
     logprobs = nn.functional.pad(_scatter(picked, wanted), (1, 0))
     ent = None
@@ -277,7 +333,7 @@ def _differentiable_processed(logits: Tensor, sampling: Sampling | None) -> Tens
     scaled = sampling.scale(logits)
     if not sampling.truncates:
         return scaled
-    return Sampling.cut(scaled, sampling.thresholds(scaled.detach()), None)
+    return sampling.cut(scaled, sampling.thresholds(scaled.detach()), None)
 
 
 def _scatter(values: Tensor, where: Tensor) -> Tensor:

@@ -49,6 +49,7 @@ from services.trainer.distributed import (
 )
 from services.trainer.distributed import full as full_tensor
 from services.trainer.files import request_roots
+from flywheel.models.moe import RoutingStats
 from services.trainer.forward import token_logprobs
 from flywheel.trainer.types import UNCLIPPED_KINDS, AGGREGATIONS, AdamStep, default_aggregation, default_clip_high
 from flywheel.trainer.types import CISPO_CLIP_LOW
@@ -77,6 +78,21 @@ class LossRequest:
 def _sampling(batch: Batch) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The batch's sampling contract, as token_logprobs takes it."""
     return batch.sampling_temperature, batch.sampling_top_k, batch.sampling_top_p
+
+
+def _replayed(batch: Batch, replay: bool) -> dict:
+    """What token_logprobs takes of the sampler beyond the distribution: its recorded kept sets and, for a
+    mixture-of-experts model, its routing (replayed when the trainer's model.routing_replay is on)."""
+    return {"kept": (batch.sampler_kept_size, batch.sampler_kept_ids), "routing": batch.routed_experts,
+            "replay": replay}
+
+
+def _routing_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """routing_flip_fraction: of the rollout's recorded routing decisions, those the trainer's own routers
+    make otherwise (whether or not they were replayed)."""
+    if metrics.get("routing_decisions"):
+        metrics["routing_flip_fraction"] = metrics["routing_flips"] / metrics["routing_decisions"]
+    return metrics
 
 
 def _per_rank(micro: int, rows: int, world: int) -> int:
@@ -171,6 +187,8 @@ class TrainingEngine:
         self.ranks: Ranks | None = None
         self._lock = threading.Lock()
         self._autocast = autocast_dtype(config.model.autocast, config.model.device)
+        #: Replay the rollout's recorded MoE routing in the policy's and the reference's forward.
+        self._replay = config.model.routing_replay
         # Every step runs on this one thread. glibc gives each thread that allocates its own heap and keeps
         # what is freed there: steps spread over a pool's threads left one step's activations (GBs) resident
         # per thread, and a 64-sample SmolLM2 run grew past 18 GB until the kernel killed it.
@@ -337,19 +355,22 @@ class TrainingEngine:
                 with torch.no_grad(), policy.reference_context() as reference:
                     ref, _ = token_logprobs(
                         reference, mb.input_ids, mb.attention_mask, select=mb.loss_mask, autocast=self._autocast,
-                        sampling=_sampling(mb), shared_prefix=shared,
+                        sampling=_sampling(mb), shared_prefix=shared, **_replayed(mb, self._replay),
                     )
             # Only the loss mask's positions: the loss reads nothing else, and the output head is the costly part.
+            routing = RoutingStats()
             logprobs, entropy = token_logprobs(
                 policy.model, mb.input_ids, mb.attention_mask, select=mb.loss_mask, entropy=True,
                 entropy_grad=loss.entropy_coef > 0, autocast=self._autocast, sampling=_sampling(mb),
-                shared_prefix=shared,
+                shared_prefix=shared, **_replayed(mb, self._replay), routing_stats=routing,
             )
             out = policy_loss(
                 loss, logprobs=logprobs, mask=mb.loss_mask, advantages=mb.advantages,
                 behaviour_logprobs=mb.behaviour_logprobs, old_logprobs=mb.old_logprobs, ref_logprobs=ref,
                 entropy=entropy, num_tokens=num_tokens, num_seqs=num_seqs,
             )
+            if routing.decisions:
+                out.parts.update(routing_decisions=float(routing.decisions), routing_flips=float(routing.flips))
             finite = bool(torch.isfinite(out.loss))
             # Every rank learns of a bad loss before any raises: one rank leaving alone would leave the
             # others waiting in a collective that never comes.
@@ -401,7 +422,7 @@ class TrainingEngine:
             micro = self._micro_size(batch, 0)
             out = self._spmd("forward" if forward_only else "accumulate", batch, loss, micro)
             return StepResult(policy.step, policy.weight_version, tokens=batch.real_tokens, loss_tokens=int(out.tokens),
-                              metrics={**out.metrics(), **self._staleness(policy, batch)},
+                              metrics=_routing_metrics({**out.metrics(), **self._staleness(policy, batch)}),
                               logprobs=out.logprobs(batch.size, batch.seq_len))
 
     def _do_accumulate(self, batch: Batch, loss: LossSettings, micro: int) -> LossOutput | None:
@@ -465,7 +486,7 @@ class TrainingEngine:
                        # Validation + compute, without the wire: callers can tell RPC overhead apart.
                        "step_seconds": time.perf_counter() - started}
             return StepResult(policy.step, policy.weight_version, tokens=batch.real_tokens, loss_tokens=int(out.tokens),
-                              grad_norm=grad_norm, learning_rate=lr, metrics=metrics)
+                              grad_norm=grad_norm, learning_rate=lr, metrics=_routing_metrics(metrics))
 
     def _do_train(self, batch: Batch, loss: LossSettings, micro: int) -> tuple[LossOutput | None, float, float]:
         policy = self._ready(None)
@@ -516,10 +537,12 @@ class TrainingEngine:
                     if reference:
                         with policy.reference_context() as model:
                             logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, autocast=self._autocast,
-                                                         sampling=_sampling(mb), shared_prefix=shared)
+                                                         sampling=_sampling(mb), shared_prefix=shared,
+                                                         routing=mb.routed_experts, replay=self._replay)
                     else:
                         logprobs, _ = token_logprobs(policy.model, mb.input_ids, mb.attention_mask, autocast=self._autocast,
-                                                     sampling=_sampling(mb), shared_prefix=shared)
+                                                     sampling=_sampling(mb), shared_prefix=shared,
+                                                     routing=mb.routed_experts, replay=self._replay)
                     if plan is not None:
                         pieces.append(logprobs.cpu())
         finally:

@@ -314,7 +314,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "finish_reason", "stop_reason", "weight_version_start", "weight_version_end", "text", "top_logprobs", "index", "logprobs_distribution", "prompt_logprobs", "weight_version_spans")
+    __slots__ = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "finish_reason", "stop_reason", "weight_version_start", "weight_version_end", "text", "top_logprobs", "index", "logprobs_distribution", "prompt_logprobs", "weight_version_spans", "kept_sets", "routed_experts")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,8 @@ class Sample(_message.Message):
     LOGPROBS_DISTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_SETS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -341,7 +343,21 @@ class Sample(_message.Message):
     logprobs_distribution: SampledDistribution
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     weight_version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., weight_version_start: _Optional[int] = ..., weight_version_end: _Optional[int] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., logprobs_distribution: _Optional[_Union[SampledDistribution, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., weight_version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ...) -> None: ...
+    kept_sets: _containers.RepeatedCompositeFieldContainer[KeptSet]
+    routed_experts: Tensor
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., weight_version_start: _Optional[int] = ..., weight_version_end: _Optional[int] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., logprobs_distribution: _Optional[_Union[SampledDistribution, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., weight_version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., kept_sets: _Optional[_Iterable[_Union[KeptSet, _Mapping]]] = ..., routed_experts: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class KeptSet(_message.Message):
+    __slots__ = ("position", "size", "token_ids", "constrained")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    size: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    constrained: bool
+    def __init__(self, position: _Optional[int] = ..., size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., constrained: _Optional[bool] = ...) -> None: ...
 
 class VersionSpan(_message.Message):
     __slots__ = ("version", "start", "end")

@@ -70,7 +70,7 @@ class LossSpec(_message.Message):
     def __init__(self, kind: _Optional[_Union[LossKind, str]] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., aggregation: _Optional[_Union[LossAggregation, str]] = ..., is_cap: _Optional[float] = ..., max_response_length: _Optional[int] = ...) -> None: ...
 
 class TrainBatch(_message.Message):
-    __slots__ = ("input_ids", "attention_mask", "loss_mask", "advantages", "behaviour_logprobs", "weight_versions", "old_logprobs", "ref_logprobs", "sampling_temperature", "sampling_top_k", "sampling_top_p")
+    __slots__ = ("input_ids", "attention_mask", "loss_mask", "advantages", "behaviour_logprobs", "weight_versions", "old_logprobs", "ref_logprobs", "sampling_temperature", "sampling_top_k", "sampling_top_p", "sampler_kept_size", "sampler_kept_ids", "routed_experts")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,9 @@ class TrainBatch(_message.Message):
     SAMPLING_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_TOP_K_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_KEPT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_KEPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     input_ids: _common_pb2.Tensor
     attention_mask: _common_pb2.Tensor
     loss_mask: _common_pb2.Tensor
@@ -93,7 +96,10 @@ class TrainBatch(_message.Message):
     sampling_temperature: _common_pb2.Tensor
     sampling_top_k: _common_pb2.Tensor
     sampling_top_p: _common_pb2.Tensor
-    def __init__(self, input_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., loss_mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., behaviour_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weight_versions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling_temperature: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling_top_k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling_top_p: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    sampler_kept_size: _common_pb2.Tensor
+    sampler_kept_ids: _common_pb2.Tensor
+    routed_experts: _common_pb2.Tensor
+    def __init__(self, input_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., loss_mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., behaviour_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weight_versions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling_temperature: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling_top_k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling_top_p: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampler_kept_size: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampler_kept_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_experts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from flywheel.codec.dtypes import tensor_from_proto
+from flywheel.common.kept import KeptSet, check_kept
 from flywheel.common.provenance import VersionSpan, check_spans
 from flywheel.common.types import SampledDistribution, finish_reason_from_pb, logprobs_mode_to_pb
 from flywheel.common.v1 import common_pb2 as cpb
@@ -73,6 +75,16 @@ def generation(sample: cpb.Sample) -> Generation:
             check_spans(spans, len(sample.completion_token_ids))
         except ValueError as exc:
             raise DataLoss(f"the rollout returned a sample whose {exc}") from None
+    kept = [KeptSet(k.position, k.size, tuple(k.token_ids), k.constrained) for k in sample.kept_sets]
+    routed = tensor_from_proto(sample.routed_experts).numpy() if sample.HasField("routed_experts") else None
+    try:
+        check_kept(kept, sample.completion_token_ids)
+        if routed is not None and (routed.ndim != 3 or routed.shape[0] != max(
+                len(sample.prompt_token_ids) + len(sample.completion_token_ids) - 1, 0)):
+            raise ValueError(f"routed_experts of shape {list(routed.shape)} do not cover the "
+                             f"{len(sample.prompt_token_ids)} + {len(sample.completion_token_ids)} - 1 tokens fed")
+    except ValueError as exc:
+        raise DataLoss(f"the rollout returned a sample whose {exc}") from None
     return Generation(
         prompt_token_ids=list(sample.prompt_token_ids),
         completion_token_ids=list(sample.completion_token_ids),
@@ -83,6 +95,8 @@ def generation(sample: cpb.Sample) -> Generation:
         text=sample.text,
         distribution=SampledDistribution.from_pb(sample.logprobs_distribution),
         version_spans=spans,
+        kept_sets=kept,
+        routed_experts=routed,
     )
 
 

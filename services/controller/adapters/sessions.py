@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from flywheel.common.kept import KeptSet
 from flywheel.common.provenance import VersionSpan
 from flywheel.errors import (
     DeadlineExceeded,
@@ -112,6 +113,8 @@ def session_call(data: Mapping[str, Any]) -> Generation:
         distribution=_distribution(data.get("logprobs_distribution")),
         # An older rollout's records have none: every token is then attributed to version_start.
         version_spans=[VersionSpan(int(v), int(a), int(b)) for v, a, b in data.get("version_spans") or ()],
+        kept_sets=[KeptSet(int(k["position"]), int(k["size"]), tuple(int(i) for i in k.get("token_ids") or ()),
+                           bool(k.get("constrained", False))) for k in data.get("kept_sets") or ()],
     )
 
 

@@ -12,7 +12,16 @@ Tensors follow the trainer's contract (trainer.proto `TrainBatch`):
   response position (0 elsewhere), from the trajectories' version spans: a
   sample made across weight updates is not trained as if one policy made it;
 - sampling_temperature / sampling_top_k / sampling_top_p: [B], the distribution
-  each sample was drawn from (the sampling contract), sent when any is not raw.
+  each sample was drawn from (the sampling contract), sent when any is not raw;
+- sampler_kept_size int32 [B, T] / sampler_kept_ids int32 [B, T, M]: the
+  sampler's own kept set at each position where the rollout recorded one
+  (flywheel.common.kept), sent when any was; a *constrained* position whose
+  allowed set was too big to carry is masked out of the loss instead (its
+  ratio cannot be taken over the right support) and counted
+  (`sampler_counts`);
+- routed_experts [B, T, L, K]: a mixture-of-experts model's recorded routing
+  (flywheel.models.moe's compact dtype, "none" where a row has no record),
+  sent when any trajectory has one.
 
 The token staleness bound (`TokenBound`) is enforced here, where samples are
 consumed: a policy token whose age (the batch's version minus its own) is
@@ -60,6 +69,10 @@ class TrainBatch:
     #: Policy tokens past the bound: masked out of the loss, or (`stale_corrected`) trained corrected.
     stale_tokens: int = 0
     stale_corrected: bool = False
+    #: The sampler's kept sets in the batch's policy tokens: "kept_ids" (carried as ids), "kept_size_only"
+    #: (too big: its size alone), "constrained" (a grammar's), "constrained_excluded" (a grammar's, too big to
+    #: carry: masked out of the loss).
+    sampler_counts: Counter[str] = field(default_factory=Counter)
 
     @property
     def size(self) -> int:
@@ -98,6 +111,7 @@ def build_train_batch(trajectories: Sequence[Trajectory], target_version: int, p
         loss_mask[row, p : p + r] = t.response_mask
         logprobs[row, p : p + r] = t.response_logprobs
         versions[row, p : p + r] = t.token_versions()
+    kept, counts = kept_set_tensors(trajectories, loss_mask)
     policy_tokens = loss_mask > 0
     ages = np.where(policy_tokens, target_version - versions, 0)
     stale = policy_tokens & (ages > bound.limit) if bound.limit is not None else np.zeros_like(policy_tokens)
@@ -114,9 +128,13 @@ def build_train_batch(trajectories: Sequence[Trajectory], target_version: int, p
         "weight_versions": torch.from_numpy(np.where(policy_tokens, versions, 0)),
     }
     tensors.update(sampling_tensors(trajectories))
+    tensors.update(kept)
+    if (routed := routing_tensor(trajectories, t_max)) is not None:
+        tensors["routed_experts"] = routed
     ages_trained = Counter({int(age): int(n) for age, n in zip(*np.unique(ages[trained], return_counts=True))})
     return TrainBatch(tensors=tensors, trajectories=list(trajectories), target_version=target_version,
-                      token_ages=ages_trained, stale_tokens=int(stale.sum()), stale_corrected=bound.correct)
+                      token_ages=ages_trained, stale_tokens=int(stale.sum()), stale_corrected=bound.correct,
+                      sampler_counts=counts)
 
 
 def stale_everywhere(group: Sequence[Trajectory], batch_version: int, bound: TokenBound) -> bool:
@@ -147,3 +165,57 @@ def sampling_tensors(trajectories: Sequence[Trajectory]) -> dict[str, torch.Tens
         "sampling_top_k": torch.tensor([t.distribution.top_k for t in trajectories], dtype=torch.int64),
         "sampling_top_p": torch.tensor([t.distribution.top_p for t in trajectories], dtype=torch.float32),
     }
+
+
+def kept_set_tensors(trajectories: Sequence[Trajectory], loss_mask: np.ndarray
+                     ) -> tuple[dict[str, torch.Tensor], Counter[str]]:
+    """sampler_kept_size / sampler_kept_ids of the policy tokens (none when no trajectory recorded a set),
+    and what they hold. Masks out of `loss_mask`, in place, the constrained tokens whose allowed set was too
+    big to carry."""
+    counts: Counter[str] = Counter()
+    if not any(t.kept_sets for t in trajectories):
+        return {}, counts
+    b, t_max = loss_mask.shape
+    width = max((len(k.token_ids) for t in trajectories for k in t.kept_sets), default=0)
+    size = np.zeros((b, t_max), dtype=np.int32)
+    ids = np.full((b, t_max, max(width, 1)), -1, dtype=np.int32)
+    for row, t in enumerate(trajectories):
+        p = len(t.prompt_ids)
+        for k in t.kept_sets:
+            at = p + k.position
+            if not 0 <= k.position < len(t.response_ids) or loss_mask[row, at] <= 0:
+                continue  # not a policy token (or already masked): the loss does not read it
+            if k.constrained and not k.carried:
+                loss_mask[row, at] = 0.0
+                counts["constrained_excluded"] += 1
+                continue
+            counts["constrained"] += k.constrained
+            counts["kept_ids" if k.carried else "kept_size_only"] += 1
+            size[row, at] = k.size
+            ids[row, at, :len(k.token_ids)] = k.token_ids
+    out = {"sampler_kept_size": torch.from_numpy(size)}
+    if width:
+        out["sampler_kept_ids"] = torch.from_numpy(ids)
+    return out, counts
+
+
+def routing_tensor(trajectories: Sequence[Trajectory], t_max: int) -> torch.Tensor | None:
+    """routed_experts [B, T, L, K] when any trajectory recorded its routing; rows or positions without a
+    record hold "none" (255 as uint8, -1 as int16): the trainer routes those itself."""
+    recorded = [t.routed_experts for t in trajectories if t.routed_experts is not None]
+    if not recorded:
+        return None
+    shape = recorded[0].shape[1:]
+    if any(r.shape[1:] != shape for r in recorded):
+        raise ValueError(f"trajectories record routing of different shapes: {sorted({r.shape[1:] for r in recorded})}")
+    dtype = np.uint8 if all(r.dtype == np.uint8 for r in recorded) else np.int16
+    out = np.full((len(trajectories), t_max, *shape), 255 if dtype == np.uint8 else -1, dtype=dtype)
+    for row, t in enumerate(trajectories):
+        if t.routed_experts is None:
+            continue
+        r = t.routed_experts
+        if r.shape[0] > t.num_tokens:
+            raise ValueError(f"trajectory of task {t.task.id}: routing of {r.shape[0]} positions for "
+                             f"{t.num_tokens} tokens")
+        out[row, :r.shape[0]] = r if dtype == np.uint8 else np.where(r == 255, -1, r) if r.dtype == np.uint8 else r
+    return torch.from_numpy(out)

@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from flywheel.common.kept import KeptSet, shifted as shifted_kept
 from flywheel.common.provenance import VersionSpan, check_spans, merged, shifted
 from flywheel.errors import Aborted
 from services.controller.domain import RAW, FinishReason, Generation, SampledDistribution, Task, Trajectory
@@ -91,6 +92,8 @@ class Segment:
     #: The version of each model token, as spans over `response_ids` (the calls' own, moved to where
     #: their completions lie; a call without spans leaves its tokens uncovered).
     version_spans: list[VersionSpan] = field(default_factory=list)
+    #: The calls' kept sets, moved to where their completions lie (flywheel.common.kept).
+    kept_sets: list[KeptSet] = field(default_factory=list)
 
     @property
     def context(self) -> list[int]:
@@ -117,6 +120,7 @@ class Segment:
         if call.version_spans:
             check_spans(call.version_spans, len(call.completion_token_ids), "version_spans")
             self.version_spans += shifted(call.version_spans, len(self.response_ids))
+        self.kept_sets += shifted_kept(call.kept_sets, len(self.response_ids))
         self.response_ids += call.completion_token_ids
         self.response_logprobs += [float(lp) for lp in call.completion_logprobs]
         self.response_mask += [1] * len(call.completion_token_ids)
@@ -192,4 +196,5 @@ def trajectory(segment: Segment, task: Task, *, sample_index: int, model_tag: st
         engine=engine,
         distribution=segment.distribution or RAW,
         version_spans=merged(segment.version_spans),
+        kept_sets=list(segment.kept_sets),
     )

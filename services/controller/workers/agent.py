@@ -24,7 +24,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+from typing import Any
+
+from flywheel.common.kept import KeptSet, shifted as shifted_kept
 from flywheel.common.provenance import VersionSpan, shifted
+from services.controller.rollouts.routing import episode_routing
 from services.controller.domain import (
     FinishReason,
     PromptInput,
@@ -80,6 +84,8 @@ class AgentRolloutWorker(RolloutWorker):
         texts: list[str] = []
         starts, ends = [], []
         spans: list[VersionSpan] = []
+        kept: list[KeptSet] = []
+        routing: list[tuple[int, Any]] = []
         finish = FinishReason.STOP
         for turn in range(self.ctx.max_turns):
             request = PromptInput(request_id=f"{key}@{turn}", token_ids=prompt_ids + ids)
@@ -91,6 +97,8 @@ class AgentRolloutWorker(RolloutWorker):
             starts.append(g.version_start)
             ends.append(g.version_end)
             spans += shifted(g.version_spans, len(ids))
+            kept += shifted_kept(g.kept_sets, len(ids))
+            routing.append((len(g.prompt_token_ids), g.routed_experts))
             ids += g.completion_token_ids
             logprobs += g.completion_logprobs
             mask += [1] * len(g.completion_token_ids)
@@ -123,4 +131,6 @@ class AgentRolloutWorker(RolloutWorker):
             engine=g.engine,
             distribution=g.distribution,
             version_spans=spans,
+            kept_sets=kept,
+            routed_experts=episode_routing(routing),
         )

@@ -113,6 +113,8 @@ class RolloutWorker(ABC):
             model_tag=self.ctx.model_tag,
             distribution=g.distribution,
             version_spans=list(g.version_spans),
+            kept_sets=list(g.kept_sets),
+            routed_experts=g.routed_experts,
         )
 
     async def score_all(self, task: Task, trajectories: list[Trajectory]) -> RolloutOutcome:

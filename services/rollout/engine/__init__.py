@@ -49,4 +49,5 @@ def create_engine(config: RolloutConfig, codec: TextCodec) -> Engine:
         torch.set_num_threads(len(cores))
     made = TransformersEngine(Path(engine.model_path), engine.args, codec, engine.initial_version)
     made.logprobs_mode = engine.logprobs
+    made.max_kept_ids = engine.max_kept_ids
     return made

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from flywheel.codec.identity import VersionIdentity
+from flywheel.common.kept import KeptSet
 from flywheel.common.provenance import VersionSpan
 from flywheel.common.types import RAW, FinishReason, PauseMode, SampledDistribution, SamplingSpec
 from flywheel.errors import FailedPrecondition, InvalidArgument
@@ -53,6 +54,12 @@ class SampleOutput:
     #: When the spec asked (`SamplingSpec.prompt_logprobs`): log p(prompt[i + 1] | prompt[:i + 1]) for each i,
     #: len(prompt) - 1 of them, of the model's raw distribution, with the weights of `version_start`.
     prompt_logprobs: list[float] = field(default_factory=list)
+    #: Where a cut (top-k, top-p, a grammar) applied, the sampler's kept set per completion position
+    #: (flywheel.common.kept); empty when nothing was cut, or in raw log-probs mode.
+    kept_sets: list[KeptSet] = field(default_factory=list)
+    #: Mixture-of-experts models: the experts each router chose for every token fed to the model,
+    #: [len(prompt) + len(tokens) - 1, L, K] in flywheel.models.moe's compact dtype; None: dense, or not recorded.
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass

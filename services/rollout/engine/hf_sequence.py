@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from flywheel.common.kept import DEFAULT_MAX_IDS, KeptSet, kept_set
 from flywheel.common.provenance import spans_of
 from services.rollout.engine.base import Delta, FinishReason, SampleOutput, SamplingSpec
 
@@ -80,6 +81,28 @@ class Sequence:
     stop_reason: str = ""
     #: log p(prompt[i + 1] | prompt[:i + 1]) when the spec asks (`score_prompt`).
     prompt_logprobs: list[float] = field(default_factory=list)
+    #: Kept sets of at most this many tokens are recorded with their ids.
+    max_kept_ids: int = DEFAULT_MAX_IDS
+    #: The sampler's kept set where a cut applied (processed log-probs only).
+    kept: list[KeptSet] = field(default_factory=list)
+    #: MoE routing of the tokens fed so far, [fed, L, K] per forward (`record_routing`).
+    routing: list[torch.Tensor] = field(default_factory=list)
+    #: The structured-output grammar the sample must match (hf_grammar), None: free text.
+    grammar: Any = None
+
+    @property
+    def cuts(self) -> bool:
+        """Whether the processed distribution is a cut of the vocabulary the trainer must be told about."""
+        spec = self.spec
+        return (spec.logprobs_mode != "raw" and spec.temperature != 0
+                and (0 < spec.top_k or spec.top_p < 1.0))
+
+    def record_routing(self, picked: torch.Tensor, recomputed: bool) -> None:
+        """The experts chosen for the tokens the last forward fed (all of them again after a swap dropped the
+        cache: the newest computation of a position is the one kept)."""
+        if recomputed:
+            self.routing.clear()
+        self.routing.append(picked)
 
     @property
     def stop_ids(self) -> set[int]:
@@ -105,9 +128,19 @@ class Sequence:
 
     def step(self, logits: torch.Tensor, codec: Any, version: int) -> None:
         """Samples one token from the last position's logits and updates the state."""
-        processed = process_logits(logits.float(), self.spec, self.prompt_ids + self.out_ids, len(self.out_ids), self.stop_ids)
+        logits = logits.float()
+        constrained = self.grammar is not None and not self.grammar.terminated
+        if constrained:
+            # As vLLM applies a grammar: masked out of the logits before anything else.
+            logits = logits.masked_fill(~self.grammar.allowed(), -float("inf"))
+        processed = process_logits(logits, self.spec, self.prompt_ids + self.out_ids, len(self.out_ids), self.stop_ids)
         token = choose(processed, self.spec, self.generator)
-        reported = torch.log_softmax(logits.float() if self.spec.logprobs_mode == "raw" else processed, dim=-1)
+        if constrained:
+            self.grammar.accept(token)
+        reported = torch.log_softmax(logits if self.spec.logprobs_mode == "raw" else processed, dim=-1)
+        if (self.cuts or (constrained and self.spec.logprobs_mode != "raw")) and (
+                kept := kept_set(processed, len(self.out_ids), self.max_kept_ids, constrained)) is not None:
+            self.kept.append(kept)
         self.versions.append(version)
         self.out_ids.append(token)
         self.logprobs.append(float(reported[token]))
@@ -142,6 +175,14 @@ class Sequence:
         if self.finish is None:
             self.finish = reason
 
+    def _routed_experts(self) -> torch.Tensor | None:
+        if not self.routing:
+            return None
+        fed = torch.cat(self.routing)
+        # The last token is never fed; a sample that ended before its prefill has nothing to give.
+        want = len(self.prompt_ids) + len(self.out_ids) - 1
+        return fed[:want] if fed.shape[0] >= want else None
+
     def delta(self, version: int, *, stream: bool) -> Delta | None:
         """What is new since the last delta (None if nothing); with the final sample once finished."""
         final = None
@@ -160,6 +201,8 @@ class Sequence:
                 version_spans=spans_of(self.versions),
                 distribution=self.spec.distribution(self.spec.logprobs_mode or "processed"),
                 prompt_logprobs=list(self.prompt_logprobs),
+                kept_sets=list(self.kept),
+                routed_experts=self._routed_experts(),
             )
         elif not stream:
             return None

@@ -9,6 +9,12 @@ Sequences are stepped round-robin, one token each per round, up to
 It runs on CPU unless `engine.args.device` names another torch device
 (e.g. "cuda:0"); sampling then reads each step's last-position logits on
 the host (one vocabulary-sized copy per token).
+
+Structured output (OpenAI response_format, forced tool calls) is enforced
+with xgrammar, the backend vLLM uses (`hf_grammar`). Each sample records the
+sampler's kept set where top-k/top-p or a grammar cut the vocabulary, and a
+mixture-of-experts model's routing (flywheel.models.moe.Recorder): the
+experts chosen for every token fed, for the trainer to replay.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import torch
 
 from flywheel.codec.checkpoint_dir import read_tensors
 from flywheel.codec.identity import identify
+from flywheel.common.kept import DEFAULT_MAX_IDS
+from flywheel.models.moe import Recorder, RoutingShape, compact, routing_shape
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from services.rollout.engine.base import (
     NO_FAULTS, Delta, Engine, EngineLoad, LoadFaults, Measured, PauseMode, SamplingSpec, SequenceScores, StagedWeights,
@@ -35,6 +43,7 @@ from services.rollout.engine.base import (
 from services.rollout.engine.checkpoint import checkpoint_specs
 from services.rollout.engine.faults import fault_targets
 from services.rollout.engine.hf_scoring import score_sequence
+from services.rollout.engine.hf_grammar import GrammarCompiler
 from services.rollout.engine.hf_sequence import Sequence
 from services.rollout.engine.text import TextCodec
 
@@ -57,6 +66,8 @@ class _Request:
 
 class TransformersEngine(Engine):
     kind = "transformers"
+    #: Structured output through xgrammar, as vLLM's (hf_grammar).
+    supports_constraints = True
     #: Its sampler computes both kinds of log-probs at every step.
     logprobs_mode_per_request = True
     #: A sample's prefill computes the logits at every prompt position.
@@ -90,6 +101,13 @@ class TransformersEngine(Engine):
         self._drained = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.model: Any = None
+        #: Kept sets of at most this many tokens are recorded with their ids (engine.max_kept_ids).
+        self.max_kept_ids = DEFAULT_MAX_IDS
+        #: Records the experts a mixture-of-experts model's routers choose; None for a dense model.
+        self._routing: Recorder | None = None
+        self._routing_shape: RoutingShape | None = None
+        #: Compiles structured-output constraints (made at the first constrained request).
+        self._grammars: GrammarCompiler | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -106,6 +124,9 @@ class TransformersEngine(Engine):
             eos_ids.add(codec_eos)
         self._eos_ids = eos_ids
         self._specs = checkpoint_specs(self._path)
+        self._routing_shape = routing_shape(self.model)
+        if self._routing_shape is not None:
+            self._routing = Recorder(self.model).__enter__()
         state = self.model.state_dict()
         missing = [n for n in self._specs if n not in state]
         if missing:
@@ -145,15 +166,19 @@ class TransformersEngine(Engine):
     ) -> AsyncIterator[list[Delta]]:
         if request_id in self._requests:
             raise FailedPrecondition(f"request id {request_id!r} is already running")
+        grammars: list[Any] = [None] * sampling.n
         if sampling.constraint is not None:
-            raise InvalidArgument("structured output: the transformers engine cannot constrain what it samples; "
-                                  "serve with engine.kind vllm")
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self._codec.tokenizer, self.vocab_size, self._eos_ids)
+            compiler, constraint = self._grammars, sampling.constraint
+            grammars = await asyncio.to_thread(lambda: [compiler.matcher(constraint) for _ in range(sampling.n)])
         seqs = []
         for index in range(sampling.n):
             generator = torch.Generator()
             seed = sampling.seed * 1_000_003 + index if sampling.seed is not None else self._seed * 7919 + next(self._seed_counter)
             generator.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
-            seqs.append(Sequence(request_id, index, list(prompt_ids), sampling, generator, self._eos_ids, self.max_model_len))
+            seqs.append(Sequence(request_id, index, list(prompt_ids), sampling, generator, self._eos_ids, self.max_model_len,
+                                 max_kept_ids=self.max_kept_ids, grammar=grammars[index]))
         request = _Request(request_id, stream, seqs, left=len(seqs))
         self._requests[request_id] = request
         self._waiting.extend(seqs)
@@ -206,9 +231,12 @@ class TransformersEngine(Engine):
                 if seq.finish is not None:
                     continue
                 prefill = seq.cache is None and not seq.out_ids  # the first; not a recompute after a swap
+                recomputed = seq.cache is None
                 ids = torch.tensor([seq.next_input()], dtype=torch.long, device=self._device)
                 out = self.model(input_ids=ids, past_key_values=seq.cache, use_cache=True)
                 seq.cache = out.past_key_values
+                if self._routing is not None:
+                    seq.record_routing(compact(self._routing.take(), self._routing_shape), recomputed)
                 if prefill and seq.spec.prompt_logprobs:
                     seq.score_prompt(out.logits[0, :-1])
                 seq.step(out.logits[0, -1].cpu(), self._codec, version)

@@ -109,5 +109,5 @@ def record(session: Session | None, api: str, turn: ChatTurn | None, prompt_ids:
         version_start=sample.version_start, version_end=sample.version_end, finish_reason=sample.finish_reason,
         text=sample.text, replica=replica, distribution=sample.distribution, messages=turn.messages if turn else None,
         tools=turn.tools if turn else None, reply=reply, response_id=response_id,
-        version_spans=list(sample.version_spans),
+        version_spans=list(sample.version_spans), kept_sets=list(sample.kept_sets),
     ))

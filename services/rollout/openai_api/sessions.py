@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.common.kept import KeptSet
 from flywheel.common.provenance import VersionSpan
 from flywheel.common.types import RAW, SampledDistribution
 from flywheel.errors import InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
@@ -73,12 +74,16 @@ class CallRecord:
     response_id: str = ""
     #: The version that produced each completion token, as spans (flywheel.common.provenance).
     version_spans: list[VersionSpan] = field(default_factory=list)
+    #: The sampler's kept set where a cut or a grammar applied (flywheel.common.kept).
+    kept_sets: list[KeptSet] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "api": self.api, "prompt_token_ids": self.prompt_ids, "completion_token_ids": self.completion_ids,
             "logprobs": self.logprobs, "version_start": self.version_start, "version_end": self.version_end,
             "version_spans": [list(span) for span in self.version_spans],
+            "kept_sets": [{"position": k.position, "size": k.size, "token_ids": list(k.token_ids),
+                           "constrained": k.constrained} for k in self.kept_sets],
             "finish_reason": self.finish_reason, "replica": self.replica, "text": self.text,
             "logprobs_distribution": {"temperature": self.distribution.temperature, "top_k": self.distribution.top_k,
                                       "top_p": self.distribution.top_p, "penalised": self.distribution.penalised},

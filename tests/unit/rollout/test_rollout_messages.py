@@ -97,9 +97,6 @@ async def test_bad_requests_get_the_messages_error_shape(tiny) -> None:
          anthropic.BadRequestError, "invalid_request_error", "messages[0].content[0].type: 'image'"),
         ({"max_tokens": 4, "messages": ASK, "model": "tiny", "tools": [{"type": "web_search_20250305", "name": "w"}]},
          anthropic.BadRequestError, "invalid_request_error", "tools[0].type"),
-        # The transformers engine cannot force a call: refused, not sampled freely.
-        ({"max_tokens": 4, "messages": ASK, "model": "tiny", "tools": TOOLS, "tool_choice": {"type": "any"}},
-         anthropic.BadRequestError, "invalid_request_error", "tool_choice: the transformers engine cannot constrain"),
         ({"max_tokens": 4, "messages": ASK, "model": "tiny", "thinking": {"type": "enabled", "budget_tokens": 1024}},
          anthropic.BadRequestError, "invalid_request_error", "thinking: not supported"),
     ]
