@@ -234,6 +234,16 @@ async def test_update_racing_50_requests_tags_each_answer_with_one_version(serve
     track.version, track.state = 3, new
 
 
+async def running(rollout: pb_grpc.RolloutServiceStub, request_id: str,
+                  sampling: common_pb2.SamplingParams) -> asyncio.Future:
+    """A generation of PROMPT, once the rollout has it running."""
+    generation = asyncio.ensure_future(rollout.Generate(pb.GenerateRequest(
+        prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=PROMPT), request_id=request_id)], sampling=sampling)))
+    while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
+        await asyncio.sleep(0.005)
+    return generation
+
+
 async def test_keep_mode_update_continues_requests_across_versions(server, tmp_path: Path) -> None:
     track: Track = server.track
     new = track.scaled(0.9)
@@ -241,10 +251,7 @@ async def test_keep_mode_update_continues_requests_across_versions(server, tmp_p
     long = common_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)
-        generation = asyncio.ensure_future(rollout.Generate(pb.GenerateRequest(
-            prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=PROMPT), request_id="long")], sampling=long)))
-        while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
-            await asyncio.sleep(0.005)
+        generation = await running(rollout, "long", long)
         response = await update(rollout, 4, checkpoint=pb.CheckpointSource(path=str(tmp_path)), pause_mode=common_pb2.PAUSE_MODE_KEEP)
         assert response.weight_version == 4 and not response.aborted_request_ids
         sample = (await generation).results[0].samples[0]
@@ -315,10 +322,7 @@ async def test_a_keep_update_with_a_seeded_request_in_flight_leaves_the_engine_s
     seeded = common_pb2.SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, seed=7)
     async with open_channel(server.address, token=TEST_TOKEN, default_timeout=120) as channel:
         rollout = pb_grpc.RolloutServiceStub(channel)
-        generation = asyncio.ensure_future(rollout.Generate(pb.GenerateRequest(
-            prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=PROMPT), request_id="seeded")], sampling=seeded)))
-        while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
-            await asyncio.sleep(0.005)
+        generation = await running(rollout, "seeded", seeded)
         await update(rollout, version, checkpoint=pb.CheckpointSource(path=str(tmp_path)),
                      pause_mode=common_pb2.PAUSE_MODE_KEEP)
         sample = (await generation).results[0].samples[0]
