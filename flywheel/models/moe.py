@@ -53,7 +53,7 @@ class RoutingShape:
     @property
     def dtype(self) -> torch.dtype:
         """The compact dtype of recorded ids: uint8 up to 255 experts (255 is `NO_EXPERT`), else int16."""
-        return torch.uint8 if self.num_experts < 255 else torch.int16
+        return torch.uint8 if self.num_experts <= 255 else torch.int16
 
 
 def routing_shape(model: nn.Module) -> RoutingShape | None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from flywheel.common.kept import KeptSet, shifted as shifted_kept
+from flywheel.common.kept import KeptSet, check_kept, shifted as shifted_kept
 from flywheel.common.provenance import VersionSpan, check_spans, merged, shifted
 from flywheel.errors import Aborted
 from services.controller.domain import RAW, FinishReason, Generation, SampledDistribution, Task, Trajectory
@@ -120,6 +120,7 @@ class Segment:
         if call.version_spans:
             check_spans(call.version_spans, len(call.completion_token_ids), "version_spans")
             self.version_spans += shifted(call.version_spans, len(self.response_ids))
+        check_kept(call.kept_sets, call.completion_token_ids)
         self.kept_sets += shifted_kept(call.kept_sets, len(self.response_ids))
         self.response_ids += call.completion_token_ids
         self.response_logprobs += [float(lp) for lp in call.completion_logprobs]
