@@ -36,7 +36,8 @@ class KeptSet(NamedTuple):
 
     #: Index of the completion token, from 0.
     position: int
-    #: How many tokens were kept (>= 1).
+    #: How many tokens were kept (>= 1); for a constrained set too big to carry, vLLM knows a lower bound only
+    #: (the controller leaves such a token out of the loss whatever its size).
     size: int
     #: The kept ids, ascending, when `size` <= the limit; () when too big to carry.
     token_ids: tuple[int, ...] = ()

@@ -40,7 +40,8 @@ class EngineConfig(StrictModel):
     max_kept_ids: int = Field(
         64, ge=0, description="where top-k, top-p or a grammar cut the vocabulary before a token was drawn, its "
         "sample records the kept set for the trainer (common.Sample kept_sets): its ids when it has at most this "
-        "many tokens, else its size alone (transformers engine; vLLM records none)"
+        "many tokens, else its size alone (the transformers engine; vLLM records the sets it sees whole in its processed "
+        "top log-probs, asking for max_kept_ids + 1 of them where a cut applies, and only those)"
     )
     cpu_cores: str = Field(
         "", description="on a CPU, the cores the engine computes on: all, or a list of cores and ranges "

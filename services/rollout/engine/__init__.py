@@ -40,6 +40,7 @@ def create_engine(config: RolloutConfig, codec: TextCodec) -> Engine:
         made: Engine = VllmEngine(Path(engine.model_path), engine.args, codec, engine.initial_version,
                                   config.updates.reuse_staging, logprobs_mode=engine.logprobs,
                                   prepare_outside_pause=config.updates.prepare_outside_pause)
+        made.max_kept_ids = engine.max_kept_ids
         return made
     from services.rollout.engine.transformers_engine import TransformersEngine
 

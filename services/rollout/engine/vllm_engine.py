@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from flywheel import errors
+from flywheel.common.kept import DEFAULT_MAX_IDS, KeptSet
 from flywheel.common.provenance import VersionSpan, check_spans
 from flywheel.common.types import SampledDistribution
 from flywheel.errors import Aborted, FailedPrecondition, InvalidArgument
@@ -114,6 +115,8 @@ class _Sample:
         self.top: list[list[tuple[int, float]]] = []
         self.text = ""
         self.done = False
+        #: The sampler's kept set where a cut applied and vLLM's top log-probs showed all of it.
+        self.kept: list[KeptSet] = []
         #: vLLM's prompt log-probs as they come (a long prompt's prefill chunks each add theirs when streamed):
         #: None first (the first token's), then {token id: Logprob} per prompt position.
         self.prompt: list[Any] = []
@@ -185,6 +188,10 @@ class VllmEngine(Engine):
         #: Requests in flight that carry their own seed (see _swap).
         self._seeded: set[str] = set()
         self._on_cpu = False
+        #: Kept sets of at most this many tokens are recorded (engine.max_kept_ids), read from vLLM's
+        #: processed top log-probs: asked for one more than that, a set is whole when fewer are finite.
+        self.max_kept_ids = DEFAULT_MAX_IDS
+        self._kept_probe = 0
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -211,6 +218,9 @@ class VllmEngine(Engine):
         # log-probs then disagree with the trainer's: serve the checkpoint's dtype
         # unless engine.args names one.
         args.setdefault("dtype", _checkpoint_dtype(self._path))
+        if self.logprobs_mode == "processed" and self.max_kept_ids:
+            args.setdefault("max_logprobs", max(20, self.max_kept_ids + 1))
+            self._kept_probe = min(self.max_kept_ids + 1, int(args["max_logprobs"]))
         try:
             # vLLM's processed_logprobs: after penalties, temperature, top-k and top-p (its sampler, on every
             # platform), the distribution each token was drawn from; engine-wide, so requests cannot switch.
@@ -258,6 +268,13 @@ class VllmEngine(Engine):
 
     # -- generation ------------------------------------------------------------
 
+    def _probe(self, spec: SamplingSpec) -> int:
+        """How many processed top log-probs to ask for to see the kept set: 0 where nothing is cut."""
+        if spec.temperature == 0 and spec.constraint is None:
+            return 0
+        cuts = 0 < spec.top_k or spec.top_p < 1.0 or spec.constraint is not None
+        return self._kept_probe if cuts else 0
+
     def _params(self, spec: SamplingSpec, stream: bool) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -268,7 +285,7 @@ class VllmEngine(Engine):
         return SamplingParams(
             n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
             max_tokens=spec.max_tokens, stop=list(spec.stop) or None, stop_token_ids=list(spec.stop_token_ids) or None,
-            seed=spec.seed, logprobs=spec.top_logprobs, min_tokens=spec.min_tokens,
+            seed=spec.seed, logprobs=max(spec.top_logprobs, self._probe(spec)), min_tokens=spec.min_tokens,
             repetition_penalty=spec.repetition_penalty, ignore_eos=spec.ignore_eos,
             skip_special_tokens=spec.skip_special_tokens, structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
@@ -296,8 +313,9 @@ class VllmEngine(Engine):
         try:
             # aclosing: an abandoned request reaches vLLM's abort at once, not at garbage collection.
             distribution = sampling.distribution(self.logprobs_mode)
+            kept = (self._probe(sampling), sampling.constraint is not None)
             async with contextlib.aclosing(self._outputs(request_id, prompt_ids, params, sampling.top_logprobs,
-                                                         distribution)) as outputs:
+                                                         distribution, kept)) as outputs:
                 async for deltas in outputs:
                     yield deltas
         finally:
@@ -305,7 +323,8 @@ class VllmEngine(Engine):
             self._seeded.discard(request_id)
 
     async def _outputs(self, request_id: str, prompt_ids: list[int], params: Any, top_k: int,
-                       distribution: SampledDistribution) -> AsyncIterator[list[Delta]]:
+                       distribution: SampledDistribution, kept: tuple[int, bool] = (0, False)
+                       ) -> AsyncIterator[list[Delta]]:
         samples: dict[int, _Sample] = {}
         async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id):
             deltas = []
@@ -316,19 +335,30 @@ class VllmEngine(Engine):
                 # Streamed, an output carries one sample's and only what is new; otherwise the one final output
                 # carries all n samples and the whole prompt's (those of the sample that finished last).
                 sample.prompt += output.prompt_logprobs or ()
-                delta = self._delta(sample, completion, top_k, distribution, prompt_ids)
+                delta = self._delta(sample, completion, top_k, distribution, prompt_ids, kept)
                 if delta.token_ids or delta.text or delta.final is not None:
                     deltas.append(delta)
             if deltas:
                 yield deltas
 
     def _delta(self, sample: _Sample, completion: Any, top_k: int, distribution: SampledDistribution,
-               prompt_ids: list[int]) -> Delta:
+               prompt_ids: list[int], kept: tuple[int, bool] = (0, False)) -> Delta:
         ids = list(completion.token_ids)
         logprobs: list[float] = []
         top: list[list[tuple[int, float]]] = []
+        probe, constrained = kept
         for token, entry in zip(ids, completion.logprobs or ()):
             logprobs.append(float(entry[token].logprob))
+            if probe:
+                # Processed log-probs are -inf outside the kept set: fewer finite than asked is the whole set.
+                finite = sorted(tid for tid, lp in entry.items()
+                                if lp.rank and lp.rank <= probe and lp.logprob != -float("inf"))
+                at = len(sample.ids) + len(logprobs) - 1
+                if len(finite) < probe:
+                    sample.kept.append(KeptSet(at, len(finite), tuple(finite), constrained))
+                elif constrained:
+                    # Too big to carry (its size at least this): flagged, for the controller to leave it out.
+                    sample.kept.append(KeptSet(at, len(finite), (), True))
             if top_k:
                 # Processed log-probs are -inf outside the kept set (tokens that could not be drawn): left out.
                 ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items()
@@ -352,6 +382,7 @@ class VllmEngine(Engine):
                 text=sample.text, finish_reason=reason, stop_reason="" if stop is None else str(stop),
                 version_start=start, version_end=end, version_spans=spans, distribution=distribution,
                 prompt_logprobs=_prompt_logprobs(sample.prompt, prompt_ids, reason in ("stop", "length")),
+                kept_sets=list(sample.kept),
             )
         return delta
 
