@@ -90,7 +90,9 @@ def _trained(model: Path, tmp_path: Path, calls: list[dict], *, drop_sets: bool 
     engine = TrainingEngine(TrainerConfig.model_validate({"model": {"path": str(model)},
                                                           "checkpoint": {"dir": str(tmp_path / "ckpt")}}))
     engine.load()
-    out = engine.forward_backward(batch.tensors, LossRequest(kind="importance_sampling"), forward_only=True)
+    # A training step: the gradients of the constrained tokens are those of their log-probs over the allowed sets.
+    out = engine.forward_backward(batch.tensors, LossRequest(kind="importance_sampling"))
+    assert engine.optim_step().step == 1
     return traj, batch, out
 
 
