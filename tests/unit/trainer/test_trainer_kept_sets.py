@@ -135,3 +135,25 @@ def test_a_kept_set_without_its_token_is_refused() -> None:
     wrong = first._replace(token_ids=tuple(i for i in range(VOCAB) if i != tokens[first.position])[: first.size])
     with pytest.raises(InvalidArgument, match="not in its kept set"):
         _trained(new, tokens, logprobs, [wrong if k is first else k for k in kept], with_kept=True)
+
+
+def test_the_gradient_is_that_of_the_log_prob_over_the_recorded_set(monkeypatch) -> None:
+    monkeypatch.setattr(forward, "_CHUNK_ROWS", 7)  # several chunks, the last one short
+    old, new = _saved()
+    tokens, _, kept = _sampled(old, max_ids=VOCAB)
+    width = max(len(k.token_ids) for k in kept)
+    ids = torch.full((TOKENS, width), -1)
+    for i, k in enumerate(kept):
+        ids[i, :len(k.token_ids)] = torch.tensor(k.token_ids)
+    sampling = Sampling(None, None, torch.full((TOKENS,), TOP_P), torch.tensor([k.size for k in kept]), ids)
+    logits = new.clone().requires_grad_()
+    ours = forward._TargetLogprob.apply(logits, torch.tensor(tokens), sampling)
+    weights = torch.randn(TOKENS, generator=torch.Generator().manual_seed(4))
+    (ours * weights).sum().backward()
+    ours_grad, logits.grad = logits.grad.clone(), None
+    support = torch.zeros(TOKENS, VOCAB, dtype=torch.bool)
+    for i, k in enumerate(kept):
+        support[i, list(k.token_ids)] = True
+    theirs = torch.stack([logits[i, t] - torch.logsumexp(logits[i][support[i]], -1) for i, t in enumerate(tokens)])
+    (theirs * weights).sum().backward()
+    assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(ours_grad, logits.grad, atol=1e-5)
