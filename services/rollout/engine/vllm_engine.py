@@ -135,6 +135,20 @@ def _version_spans(spans: list[Any], length: int) -> list[VersionSpan]:
     return ours
 
 
+def _routed_experts(routed: Any, tokens: int) -> torch.Tensor | None:
+    """vLLM's routed experts of a finished sample (numpy [positions, layers, k], uint8 or uint16), which it
+    returns only from its Model Runner V2 with the engine arg enable_return_routed_experts (a GPU build:
+    the CPU build's V1 runner cannot), as ours: the positions fed, prompt + completion - 1 (a last row for
+    the final token, never fed, dropped). Anything else is left out, with a warning: None."""
+    if routed is None:
+        return None
+    ids = torch.from_numpy(routed.astype("int16") if routed.dtype.itemsize > 1 else routed)
+    if ids.dim() != 3 or ids.shape[0] not in (tokens - 1, tokens):
+        log.warning("vLLM's routed experts left out: shape %s for %d tokens", list(ids.shape), tokens)
+        return None
+    return ids[: tokens - 1].contiguous()
+
+
 def _prompt_logprobs(entries: list[Any], prompt_ids: list[int], finished: bool) -> list[float]:
     """log p(prompt[i + 1] | prompt[:i + 1]) from vLLM's prompt log-probs (None for the first token, then
     each position's {token id: Logprob}, the prompt's own token among them); [] when none came (not asked).
@@ -383,6 +397,8 @@ class VllmEngine(Engine):
                 version_start=start, version_end=end, version_spans=spans, distribution=distribution,
                 prompt_logprobs=_prompt_logprobs(sample.prompt, prompt_ids, reason in ("stop", "length")),
                 kept_sets=list(sample.kept),
+                routed_experts=_routed_experts(getattr(completion, "routed_experts", None),
+                                               len(prompt_ids) + len(sample.ids)),
             )
         return delta
 

@@ -74,3 +74,18 @@ async def test_a_grammars_positions_are_flagged_with_their_allowed_tokens(engine
 async def test_nothing_is_recorded_where_nothing_was_cut(engine) -> None:
     sample = await _sample(engine, SamplingSpec(temperature=1.0, max_tokens=6, ignore_eos=True, seed=2))
     assert sample.kept_sets == []
+
+
+def test_vllms_routed_experts_become_the_positions_fed() -> None:
+    # What a GPU build's Model Runner V2 returns with enable_return_routed_experts (numpy [positions, L, K]);
+    # the CPU build cannot return any, so only the conversion is checked here.
+    import numpy as np
+
+    from services.rollout.engine.vllm_engine import _routed_experts
+
+    routed = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2) % 8
+    assert _routed_experts(routed, 6).tolist() == routed.tolist()  # prompt + completion - 1 rows
+    assert _routed_experts(routed, 5).tolist() == routed[:4].tolist()  # a row for the last token: dropped
+    assert _routed_experts(routed, 9) is None  # does not cover the sample: left out
+    assert _routed_experts(routed.astype(np.uint16), 6).dtype == torch.int16
+    assert _routed_experts(None, 6) is None
