@@ -79,6 +79,26 @@ def widen(ids: Tensor) -> Tensor:
     return ids.to(torch.int64)
 
 
+def routing_json(ids: Tensor) -> dict[str, Any]:
+    """Compact ids as JSON (a session record's `routed_experts`): dtype, shape and the row-major bytes in base64."""
+    import base64
+
+    return {"dtype": str(ids.dtype).removeprefix("torch."), "shape": list(ids.shape),
+            "data": base64.b64encode(ids.contiguous().numpy().tobytes()).decode()}
+
+
+def routing_from_json(data: dict[str, Any]) -> Any:
+    """`routing_json`'s inverse, as a numpy array (ValueError when it does not hold together)."""
+    import base64
+
+    import numpy as np
+
+    if data.get("dtype") not in ("uint8", "int16"):
+        raise ValueError(f"routed_experts: dtype {data.get('dtype')!r} is neither uint8 nor int16")
+    flat = np.frombuffer(base64.b64decode(data["data"]), dtype=data["dtype"])
+    return flat.reshape([int(n) for n in data["shape"]]).copy()
+
+
 class Recorder:
     """Records, for every forward of the model while installed, the experts each router chose: after a
     forward of N tokens (one sequence, flattened as the routers see them), `take()` returns them as

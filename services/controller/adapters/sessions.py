@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from flywheel.common.kept import KeptSet
+from flywheel.models.moe import routing_from_json
 from flywheel.common.provenance import VersionSpan
 from flywheel.errors import (
     DeadlineExceeded,
@@ -115,6 +116,7 @@ def session_call(data: Mapping[str, Any]) -> Generation:
         version_spans=[VersionSpan(int(v), int(a), int(b)) for v, a, b in data.get("version_spans") or ()],
         kept_sets=[KeptSet(int(k["position"]), int(k["size"]), tuple(int(i) for i in k.get("token_ids") or ()),
                            bool(k.get("constrained", False))) for k in data.get("kept_sets") or ()],
+        routed_experts=routing_from_json(data["routed_experts"]) if data.get("routed_experts") else None,
     )
 
 

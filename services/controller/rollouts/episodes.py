@@ -35,10 +35,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from flywheel.common.kept import KeptSet, check_kept, shifted as shifted_kept
 from flywheel.common.provenance import VersionSpan, check_spans, merged, shifted
 from flywheel.errors import Aborted
+from services.controller.rollouts.routing import episode_routing
 from services.controller.domain import RAW, FinishReason, Generation, SampledDistribution, Task, Trajectory
 
 
@@ -94,6 +96,8 @@ class Segment:
     version_spans: list[VersionSpan] = field(default_factory=list)
     #: The calls' kept sets, moved to where their completions lie (flywheel.common.kept).
     kept_sets: list[KeptSet] = field(default_factory=list)
+    #: Each call's prompt length and routing record, for the segment's routing (rollouts/routing.py).
+    routing: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def context(self) -> list[int]:
@@ -122,6 +126,7 @@ class Segment:
             self.version_spans += shifted(call.version_spans, len(self.response_ids))
         check_kept(call.kept_sets, call.completion_token_ids)
         self.kept_sets += shifted_kept(call.kept_sets, len(self.response_ids))
+        self.routing.append((len(call.prompt_token_ids), call.routed_experts))
         self.response_ids += call.completion_token_ids
         self.response_logprobs += [float(lp) for lp in call.completion_logprobs]
         self.response_mask += [1] * len(call.completion_token_ids)
@@ -198,4 +203,5 @@ def trajectory(segment: Segment, task: Task, *, sample_index: int, model_tag: st
         distribution=segment.distribution or RAW,
         version_spans=merged(segment.version_spans),
         kept_sets=list(segment.kept_sets),
+        routed_experts=episode_routing(segment.routing),
     )

@@ -110,4 +110,5 @@ def record(session: Session | None, api: str, turn: ChatTurn | None, prompt_ids:
         text=sample.text, replica=replica, distribution=sample.distribution, messages=turn.messages if turn else None,
         tools=turn.tools if turn else None, reply=reply, response_id=response_id,
         version_spans=list(sample.version_spans), kept_sets=list(sample.kept_sets),
+        routed_experts=sample.routed_experts,
     ))

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.common.kept import KeptSet
+from flywheel.models.moe import routing_json
 from flywheel.common.provenance import VersionSpan
 from flywheel.common.types import RAW, SampledDistribution
 from flywheel.errors import InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
@@ -76,6 +77,8 @@ class CallRecord:
     version_spans: list[VersionSpan] = field(default_factory=list)
     #: The sampler's kept set where a cut or a grammar applied (flywheel.common.kept).
     kept_sets: list[KeptSet] = field(default_factory=list)
+    #: A mixture-of-experts model's routing of every token fed ([prompt + completion - 1, L, K]; flywheel.models.moe).
+    routed_experts: Any = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -84,6 +87,7 @@ class CallRecord:
             "version_spans": [list(span) for span in self.version_spans],
             "kept_sets": [{"position": k.position, "size": k.size, "token_ids": list(k.token_ids),
                            "constrained": k.constrained} for k in self.kept_sets],
+            **({} if self.routed_experts is None else {"routed_experts": routing_json(self.routed_experts)}),
             "finish_reason": self.finish_reason, "replica": self.replica, "text": self.text,
             "logprobs_distribution": {"temperature": self.distribution.temperature, "top_k": self.distribution.top_k,
                                       "top_p": self.distribution.top_p, "penalised": self.distribution.penalised},

@@ -74,3 +74,24 @@ def test_a_sample_whose_records_do_not_fit_is_data_loss() -> None:
     wrong.kept_sets[0].token_ids[:] = [5, 9]
     with pytest.raises(DataLoss, match="not in its own kept set"):
         generation(wrong)
+
+
+def test_a_session_records_routing_and_the_rebuilt_episode_carries_it() -> None:
+    from flywheel.models.moe import routing_json
+    from services.controller.adapters.sessions import session_call
+    from services.controller.rollouts.episodes import rebuild, trajectory
+
+    first = torch.tensor(np.arange(2 + 3 - 1, dtype=np.uint8).repeat(2).reshape(4, 1, 2))
+    second = torch.full((2 + 3 + 1 + 2 - 1, 1, 2), 7, dtype=torch.uint8)
+
+    def record(prompt, completion, routed):
+        return {"prompt_token_ids": prompt, "completion_token_ids": completion, "logprobs": [-1.0] * len(completion),
+                "version_start": 0, "version_end": 0, "finish_reason": "stop", "routed_experts": routing_json(routed)}
+
+    calls = [session_call(record([1, 2], [3, 4, 5], first)), session_call(record([1, 2, 3, 4, 5, 6], [8, 9], second))]
+    (segment,) = rebuild(calls).segments
+    traj = trajectory(segment, Task(id="t", prompt="p", index=0, epoch=0), sample_index=0, model_tag="default",
+                      engine="r")
+    assert traj.routed_experts.shape == (7, 1, 2)
+    assert traj.routed_experts[2:4].tolist() == first[2:4].tolist()  # the first call's own, over its completion
+    assert (traj.routed_experts[4:] == 7).all() and (traj.routed_experts[:2] == 7).all()
