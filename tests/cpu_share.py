@@ -4,6 +4,7 @@ module that mostly waits can be told from one that is bound by the CPU (what dec
 it beside another is faster on two cores). Processes other sessions run are not counted.
 
     FLYWHEEL_TEST_CPU_REPORT=cpu.tsv .venv/bin/python -m pytest   # one line per module, slowest first
+    FLYWHEEL_TEST_CPU_REPORT=cpu.tsv make test                    # cpu.tsv.gw0, cpu.tsv.gw1: one per worker
 
 Off (nothing measured) unless the variable names a file.
 """
@@ -46,6 +47,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     path = os.environ.get(REPORT_ENV)
     if not path or not _wall:
         return
+    worker = getattr(session.config, "workerinput", {}).get("workerid")
+    if worker:  # under pytest-xdist (make test) each worker counts its own processes: one file each
+        path = f"{path}.{worker}"
     lines = ["module\ttests\twall_s\tcpu_s\tcpu_per_wall"]
     for module in sorted(_wall, key=_wall.get, reverse=True):
         lines.append(f"{module}\t{_tests[module]}\t{_wall[module]:.1f}\t{_cpu[module]:.1f}\t"
