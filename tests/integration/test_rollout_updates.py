@@ -210,7 +210,9 @@ async def test_update_racing_50_requests_tags_each_answer_with_one_version(serve
         requests = [asyncio.ensure_future(greedy(rollout)) for _ in range(25)]
         while (await rollout.GetStatus(pb.GetStatusRequest())).running_requests == 0:
             await asyncio.sleep(0.005)
-        updating = asyncio.ensure_future(update(rollout, 3, memory=pb.MemorySource()))
+        # Pause mode "wait" named: the rollout's default (keep) lets a request span both versions.
+        updating = asyncio.ensure_future(update(rollout, 3, memory=pb.MemorySource(),
+                                                pause_mode=common_pb2.PAUSE_MODE_WAIT))
         # Requests keep arriving for as long as the update takes (the engine may stage the new
         # version for a while before it pauses; on a loaded machine 25 requests 5 ms apart all
         # arrived before the pause), and a few after it.
