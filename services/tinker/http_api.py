@@ -83,6 +83,11 @@ def create_app(gateway: Gateway, keys: TenantKeys) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def routing_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if request.method == "POST":  # a model's numbered request on a route not served (save_weights_external)
+            try:
+                _pass_over(request.state.tenant, json.loads(await _body(request) or b"{}"))
+            except (AttributeError, ValueError, FlywheelError):
+                pass  # no tenant, no JSON object, or a body past the limit: no model's number to skip
         if exc.status_code in (404, 405):
             why = _refused(request.url.path)
             what = f"is not served by this gateway: {why}" if why else "is not served by this gateway"
@@ -188,10 +193,21 @@ def create_app(gateway: Gateway, keys: TenantKeys) -> FastAPI:
         await _body(request)
         return {"status": "accepted"}  # the SDK's client-side events: not collected here
 
+    def _pass_over(tenant: str, body: object) -> None:
+        """The SDK numbers a model's requests (seq_id) and the gateway runs them in that order: one refused
+        before it was queued must not leave the model's later requests waiting for it forever."""
+        if isinstance(body, dict) and "model_id" in body and "seq_id" in body:
+            gateway.models.pass_over(body["model_id"], tenant, body["seq_id"])
+
     # The calls whose body is a JSON object, answered by the gateway's method of the same name.
     def json_call(call):
         async def route(request: Request) -> dict:
-            return call(request.state.tenant, await _json(request))
+            body = await _json(request)
+            try:
+                return call(request.state.tenant, body)
+            except FlywheelError:
+                _pass_over(request.state.tenant, body)
+                raise
         return route
 
     for name, call in (("create_model", gateway.create_model), ("get_info", gateway.get_info),
@@ -209,7 +225,12 @@ def create_app(gateway: Gateway, keys: TenantKeys) -> FastAPI:
         body = await _body(request)
         if request.headers.get("content-encoding") == "zstd":
             body = decompressed(body, limit, "forward_backward")
-        return gateway.forward_backward(request.state.tenant, parse_forward_backward(body))
+        parsed = parse_forward_backward(body)
+        try:
+            return gateway.forward_backward(request.state.tenant, parsed)
+        except FlywheelError:
+            _pass_over(request.state.tenant, {"model_id": parsed.model_id, "seq_id": parsed.seq_id})
+            raise
 
     @app.get("/api/v1/training_runs")
     async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:

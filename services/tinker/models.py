@@ -158,6 +158,8 @@ class TrainingModel:
     #: Every seq_id seen -> its request id (a retried request gets the same).
     seen: dict[int, str] = field(default_factory=dict)
     waiting: dict[int, Request] = field(default_factory=dict)
+    #: seq_ids of requests refused before they were queued: the SDK numbered them, nothing runs for them.
+    passed_over: set[int] = field(default_factory=set)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     runner: asyncio.Task | None = None
     #: Why it takes no more requests (its session ended, the trainer lost it); None while it trains.
@@ -283,8 +285,23 @@ class TrainingModels:
         model.wakeup.set()
         return request_id
 
+    def pass_over(self, model_id: object, tenant: str, seq_id: object) -> None:
+        """A request numbered `seq_id` for `model_id` was refused before it was queued (a route not served,
+        a bad body): the model's later requests must not wait for it. Nothing for a model or number that is
+        not the caller's to skip (unknown, another tenant's, or one already queued or run)."""
+        model = self._models.get(str(model_id))
+        if model is None or model.tenant != tenant or not isinstance(seq_id, int) or isinstance(seq_id, bool):
+            return
+        if seq_id >= model.next_seq and seq_id not in model.seen:
+            model.passed_over.add(seq_id)
+            model.wakeup.set()
+
     async def _run(self, model: TrainingModel) -> None:
         while model.retired is None:
+            if model.next_seq in model.passed_over:
+                model.passed_over.discard(model.next_seq)
+                model.next_seq += 1
+                continue
             request = model.waiting.pop(model.next_seq, None)
             if request is None:
                 model.wakeup.clear()

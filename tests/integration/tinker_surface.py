@@ -12,7 +12,8 @@ SURFACE: dict[str, dict[str, tuple[str, str]]] = {
     "ServiceClient": {
         "close": ("served", "POST sessions/{id}/finish"),
         "copy_weights": ("refused", "copying weights between runs"),
-        "create_custom_loss": ("refused", "server-side custom losses"),
+        "create_custom_loss": ("client", "traced and kept by the SDK: the client config turns server-side custom "
+                                         "losses off, so forward_backward_custom runs it client-side"),
         "create_lora_training_client": ("served", "POST create_model"),
         "create_rest_client": ("client", "makes a RestClient"),
         "create_sampling_client": ("served", "POST create_sampling_session"),

@@ -72,6 +72,27 @@ async def test_requests_run_in_seq_order_whatever_order_they_arrive_in_and_a_res
     await models.close()
 
 
+async def test_a_request_refused_before_it_was_queued_does_not_hold_up_the_next_ones() -> None:
+    futures = Futures()
+    models = make_models(futures)
+    models.add(TrainingModel("m", "s", T, "base", 4))
+
+    async def done() -> Outcome:
+        return Outcome(json={})
+
+    models.submit("m", T, 1, "forward_backward", done)
+    third = models.submit("m", T, 3, "save_weights_for_sampler", done)
+    await asyncio.sleep(0.05)
+    assert await futures.wait(third, T, 0.01) is None  # seq 2 has not come...
+    models.pass_over("m", "mallory", 2)  # ...and only the model's tenant may skip it
+    models.pass_over("m", T, 1)  # nor is a number already queued skipped
+    await asyncio.sleep(0.05)
+    assert await futures.wait(third, T, 0.01) is None
+    models.pass_over("m", T, 2)  # refused at the door (save_weights_external): the SDK numbered it all the same
+    assert (await futures.wait(third, T, 5)).json == {}
+    await models.close()
+
+
 async def test_a_failed_request_answers_its_error_and_the_next_one_still_runs() -> None:
     futures = Futures()
     models = make_models(futures)
