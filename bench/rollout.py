@@ -40,7 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from flywheel.testing.records import record
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository: its tests' helper writes a version as a trainer does
+
+from flywheel.testing.records import record  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -174,7 +177,9 @@ class Ours:
 
 async def bench_updates(address: str, sync_address: str, model_dir: Path, work: Path, reps: int) -> dict:
     """`work`: the rollout's updates.checkpoint_root; `sync_address`: its synchronizer."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from tests.unit.rollout.rollout_helpers import probe_of, write_checkpoint
 
     from flywheel.rollout.v1 import rollout_pb2 as pb
     from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
@@ -193,14 +198,17 @@ async def bench_updates(address: str, sync_address: str, model_dir: Path, work: 
             version += 1
             directory = work / f"ckpt-{version}"
             directory.mkdir()
-            save_file({k: v * (1 + 0.01 * version) for k, v in base.items()}, str(directory / "model.safetensors"))
+            # As a trainer writes a version: with its manifest and probe, which a replica that cannot read
+            # every tensor back (vLLM on CPU) needs to prove the version (else the update is refused, unproven).
+            write_checkpoint(directory, {k: v * (1 + 0.01 * version) for k, v in base.items()}, version, model_dir)
             start = time.perf_counter()
             r = await stub.UpdateWeights(pb.UpdateWeightsRequest(version=version, checkpoint=pb.CheckpointSource(path=str(directory))))
             results["checkpoint_total"].append(time.perf_counter() - start)
             results["checkpoint_pause"].append(r.pause_seconds)
 
             version += 1
-            await sync.push_weights({k: v * (1 + 0.01 * version) for k, v in base.items()}, version)
+            state = {k: v * (1 + 0.01 * version) for k, v in base.items()}
+            await sync.push_weights(state, version, probe=probe_of(model_dir, state))
             start = time.perf_counter()
             r = await stub.UpdateWeights(pb.UpdateWeightsRequest(version=version, memory=pb.MemorySource()))
             results["memory_total"].append(time.perf_counter() - start)
