@@ -26,7 +26,9 @@ def test_the_trl_bench_smoke_reports_both_sides() -> None:
         assert train > 0 and validation > 0
         assert train + validation <= result[f"{side}_seconds_per_step"] * result["steps"] + 0.5
         assert len(result[f"{side}_rewards"]) == 2
-    assert result["flywheel_train_step_vs_trl_train_step"] == pytest.approx(
-        result["trl_train_seconds"] / result["flywheel_train_seconds"], rel=0.02)
+    # The ratio of the unrounded times; the times are printed to 0.1 s (a smoke's are a few seconds).
+    trl, ours = result["trl_train_seconds"], result["flywheel_train_seconds"]
+    assert (trl - 0.05) / (ours + 0.05) - 0.001 <= result["flywheel_train_step_vs_trl_train_step"] \
+        <= (trl + 0.05) / (ours - 0.05) + 0.001
     assert 0 <= result["flywheel_val_after_hf"] <= 1  # our final weights through TRL's side's evaluator
     assert result["cpu_model"] and result["cpu_isa"]
