@@ -33,6 +33,7 @@ host changes.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import ipaddress
 import os
 import secrets
@@ -52,6 +53,10 @@ from typing import Callable
 from tests.deploy.image import Identity
 
 NETNS_ETC = Path("/etc/netns")
+#: Mount points made on the host for containers' volumes (/opt/flywheel/...), shared by every cluster alive on
+#: this machine: each live cluster holds a shared lock, and the last to end removes the paths listed.
+MOUNT_POINTS_LOCK = Path("/tmp/flywheel-test-mount-points.lock")
+MOUNT_POINTS_MADE = Path("/tmp/flywheel-test-mount-points.made")
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -155,7 +160,7 @@ class NamespaceCluster:
         self.gateway = str(self.subnet.network_address + 1)
         self.hosts: list[Host] = []
         self.processes: list[subprocess.Popen] = []
-        self._created_paths: list[Path] = []
+        self._mount_points_held = None
         self._addresses: list[str] = []
         self._lock = threading.Lock()
         self._dns: DnsServer | None = None
@@ -218,13 +223,41 @@ class NamespaceCluster:
     # -- processes ------------------------------------------------------------
     def _mount_point(self, target: Path, is_file: bool) -> None:
         with self._lock:  # containers may start from several threads
+            if self._mount_points_held is None:  # one share of the host's mount points while this cluster lives
+                self._mount_points_held = open(MOUNT_POINTS_LOCK, "a")
+                fcntl.flock(self._mount_points_held, fcntl.LOCK_SH)
             missing = [p for p in [target, *target.parents] if not p.exists()]
             for path in reversed(missing):
                 if path == target and is_file:
                     path.touch()
                 else:
                     path.mkdir()
-                self._created_paths.append(path)
+            if missing:
+                with open(MOUNT_POINTS_MADE, "a") as made:
+                    made.writelines(f"{path}\n" for path in reversed(missing))
+
+    def _remove_mount_points(self) -> None:
+        """The host's mount points go with the last cluster that uses them: clusters in other processes
+        (make test's two workers) may be starting containers on the same paths (/opt/flywheel/...), and a
+        mount point removed under one fails its mount ("mount point is busy")."""
+        held, self._mount_points_held = self._mount_points_held, None
+        if held is None:
+            return
+        with held:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # from shared: no other cluster holds a share
+            except BlockingIOError:
+                return  # the last one removes them
+            try:
+                made = [Path(line) for line in MOUNT_POINTS_MADE.read_text().splitlines() if line]
+            except FileNotFoundError:
+                made = []
+            for path in reversed(list(dict.fromkeys(made))):
+                try:
+                    path.unlink() if path.is_file() else path.rmdir()
+                except OSError:
+                    pass
+            MOUNT_POINTS_MADE.unlink(missing_ok=True)
 
     def _reachable_steps(self) -> list[str]:
         """Mount steps that let any user reach the interpreter, the virtualenv and the repository
@@ -313,11 +346,7 @@ class NamespaceCluster:
             subprocess.run(["ip", "netns", "del", h.netns], capture_output=True)
             shutil.rmtree(NETNS_ETC / h.netns, ignore_errors=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
-        for path in reversed(self._created_paths):
-            try:
-                path.unlink() if path.is_file() else path.rmdir()
-            except OSError:
-                pass
+        self._remove_mount_points()
 
 
 class DnsServer:
