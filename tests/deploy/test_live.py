@@ -30,6 +30,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from flywheel.runtime.auth import TOKENS_FILE_ENV, Scope, read_tokens_file
+from flywheel.runtime.tokens import add_tenant_key
 from flywheel.runtime.config import resolve
 from flywheel.runtime.tokens import init as init_tokens
 from tests.conftest import MODEL_FLAGS
@@ -317,12 +318,18 @@ def start_from_manifest(containers: list[Container], tmp: Path, model: Path) -> 
             port = config.server.port
             _wait(c.source, lambda p=port: _health(p) == health_pb2.HealthCheckResponse.SERVING, child, log)
             assert "flywheel_service_ready" in _scrape(config.server.metrics_port), c.source
-            if c.service == "tinker":  # the Tinker API: the SDK's X-API-Key, the service scope to train
-                http = config.http_port
+            if c.service == "tinker":  # the Tinker API: the SDK's X-API-Key, a tenant's key (the gateway re-reads
+                http = config.http_port  # the tokens file: an operator adds a tenant to a running deployment)
+                tenant_key = add_tenant_key(Path(env[TOKENS_FILE_ENV]), "alice")
                 assert _tinker_code(http, "POST", "/api/v1/create_session", None) == 401, c.source
-                assert _tinker_code(http, "POST", "/api/v1/create_session", _token(env, Scope.AGENT)) == 403, c.source
-                assert _tinker_code(http, "POST", "/api/v1/create_session", _token(env, Scope.SERVICE)) == 200, \
-                    c.source
+                for services_only in (Scope.AGENT, Scope.SERVICE):  # tokens the services use open no Tinker API
+                    assert _tinker_code(http, "POST", "/api/v1/create_session", _token(env, services_only)) == 403, \
+                        c.source
+                deadline = time.monotonic() + 10  # the gateway looks at the file at most once a second
+                while (code := _tinker_code(http, "POST", "/api/v1/create_session", tenant_key)) != 200 \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert code == 200, c.source
                 continue
             token, method = _token(env, Scope.OPERATOR), _unary_method(c.service)
             assert token, f"{c.source}: no auth token"
