@@ -137,7 +137,10 @@ class Cluster:
 def tiny_run(name: str, steps: int, synchronizer: str, trainer: str, **sections: Any) -> dict:
     """The tiny quickstart's run file against `services:` (no rollout list: the registry's replicas)."""
     run = {k: v for k, v in quickstart_tiny().items() if k != "launch"}
-    run["launch"] = {"dataset": {"generator": "arithmetic", "train_size": 4 * steps, "validation_size": 4}}
+    run["launch"] = {"dataset": {"generator": "arithmetic", "train_size": 4 * steps, "validation_size": 4},
+                     # With `services:` the controller keeps its configured ports (50054, 9094, 8080): free ones
+                     # here, or two tests on make test's two workers collide.
+                     "controller": {"status_port": 0, "server": {"port": 0, "metrics_port": 0}}}
     run["run"].update(name=name, max_steps=steps)
     run.update(resume="disable", validation={"before_training": False, "interval": 0},
                checkpoint={"interval": 0, "at_end": False},

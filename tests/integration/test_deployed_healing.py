@@ -97,9 +97,7 @@ class Deployment:
     def run_file(self, name: str, checkpoint_interval: int = 2) -> dict:
         run = tiny_run(name, STEPS, self.sync_address, f"127.0.0.1:{self.ports['trainer']}")
         run.update(resume="auto", checkpoint={"interval": checkpoint_interval, "at_end": True})
-        run["launch"].update(ready_timeout_seconds=300, restarts={"backoff_seconds": 1.0},
-                             # Free ports: other runs on this machine may hold the defaults.
-                             controller={"status_port": 0, "server": {"port": 0, "metrics_port": 0}})
+        run["launch"].update(ready_timeout_seconds=300, restarts={"backoff_seconds": 1.0})  # tiny_run: free ports
         return run
 
     def stop(self) -> None:
