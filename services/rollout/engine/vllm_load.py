@@ -215,13 +215,29 @@ def prepare_twin(vllm_config: Any, model: torch.nn.Module, weights: Iterable[tup
     """Loads a version into a twin of `model` (see the module docstring), with vLLM's own loaders and
     processing (repacking) layer by layer, while the live model serves on. Checked as `load_in_place`
     checks; on failure the twin is dropped and the live model is untouched."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    pairs = _twin(model)
+    try:
+        return _load_twin(vllm_config, model, pairs, weights, specs, faults)
+    finally:
+        # vLLM keeps each layer's reload state in a WeakKeyDictionary, but a twin's state holds tensors whose
+        # loader methods are bound to the twin: the value keeps its key, and every twin (with the version it
+        # was loaded with) stayed alive. The quickstart's vLLM worker grew about 870 MB an update, reached
+        # 17 GB and was killed by the kernel at its 17th update. A twin's state is not needed past its load.
+        for _, twin in pairs.values():
+            LAYERWISE_INFO.pop(twin, None)
+
+
+def _load_twin(vllm_config: Any, model: torch.nn.Module, pairs: dict[int, tuple[torch.nn.Module, torch.nn.Module]],
+               weights: Iterable[tuple[str, torch.Tensor]], specs: Mapping[str, TensorSpec],
+               faults: LoadFaults) -> PreparedLoad:
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader.reload.layerwise import (
         LAYERWISE_INFO, _layerwise_process, get_layerwise_info, initialize_online_processing,
     )
     from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS, restore_layer_on_meta
 
-    pairs = _twin(model)
     twin_model = pairs[id(model)][1]
     ready: list[tuple[torch.nn.Module, torch.nn.Module]] = []
     for live, twin in pairs.values():
@@ -311,12 +327,26 @@ def commit(prepared: PreparedLoad, faults: LoadFaults) -> None:
                 if tensor is None or held is tensor:
                     continue
                 if held is None:
+                    _bind_to(tensor.__dict__, twin, live)
                     mine[name] = tensor
                 else:
                     held.data = tensor.data
-        for key, value in twin.__dict__.items():
-            if key not in _MODULE_INTERNALS and live.__dict__.get(key) is not value:
-                live.__dict__[key] = value
+        moved = {key: value for key, value in twin.__dict__.items()
+                 if key not in _MODULE_INTERNALS and live.__dict__.get(key) is not value}
+        _bind_to(moved, twin, live)
+        live.__dict__.update(moved)
+
+
+def _bind_to(attributes: dict[str, Any], twin: torch.nn.Module, live: torch.nn.Module) -> None:
+    """Rebinds, in place, the methods in `attributes` bound to `twin` to `live`: a live module that kept a
+    method of its twin would keep the twin, whose parameters hold the version before (each twin is a copy of
+    the live module, so the next twin would keep it too): every update leaked a copy of the model, and the
+    quickstart's vLLM worker reached 17 GB and was killed by the kernel at its 17th update."""
+    from types import MethodType
+
+    for key, value in attributes.items():
+        if isinstance(value, MethodType) and value.__self__ is twin:
+            attributes[key] = value.__func__.__get__(live)
 
 
 def resident_digests(model: torch.nn.Module, specs: Mapping[str, TensorSpec]) -> dict[str, bytes]:
