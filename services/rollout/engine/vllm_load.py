@@ -222,9 +222,9 @@ def prepare_twin(vllm_config: Any, model: torch.nn.Module, weights: Iterable[tup
         return _load_twin(vllm_config, model, pairs, weights, specs, faults)
     finally:
         # vLLM keeps each layer's reload state in a WeakKeyDictionary, but a twin's state holds tensors whose
-        # loader methods are bound to the twin: the value keeps its key, and every twin (with the version it
-        # was loaded with) stayed alive. The quickstart's vLLM worker grew about 870 MB an update, reached
-        # 17 GB and was killed by the kernel at its 17th update. A twin's state is not needed past its load.
+        # loader methods are bound to the twin: the value keeps its key, and with it the twin (and the version
+        # it was loaded with). A twin's state is not needed past its load. (This alone did not stop the
+        # quickstart's worker from growing with the twin on: docs/verification.md.)
         for _, twin in pairs.values():
             LAYERWISE_INFO.pop(twin, None)
 
@@ -340,8 +340,7 @@ def commit(prepared: PreparedLoad, faults: LoadFaults) -> None:
 def _bind_to(attributes: dict[str, Any], twin: torch.nn.Module, live: torch.nn.Module) -> None:
     """Rebinds, in place, the methods in `attributes` bound to `twin` to `live`: a live module that kept a
     method of its twin would keep the twin, whose parameters hold the version before (each twin is a copy of
-    the live module, so the next twin would keep it too): every update leaked a copy of the model, and the
-    quickstart's vLLM worker reached 17 GB and was killed by the kernel at its 17th update."""
+    the live module, so the next twin would keep it too), a chain of every version loaded."""
     from types import MethodType
 
     for key, value in attributes.items():
