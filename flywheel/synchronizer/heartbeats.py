@@ -5,7 +5,9 @@ and weight version `progress()` reports (0 leaves a recorded value as it is). Wh
 knows the component (it restarted without a store) or has marked it STOPPED
 (its lease ran out during a long pause), the loop registers it again with
 the identity it last registered through the same client, so the run
-continues. A synchronizer that is down is retried on the next tick; the loop
+continues, and tells `on_reregistered` (what the old synchronizer was told
+and the new one was not, such as a rollout's proof of the weights it
+serves, is the component's to tell again). A synchronizer that is down is retried on the next tick; the loop
 never dies of a failed call.
 """
 
@@ -36,6 +38,7 @@ class Heartbeats:
         interval: float | None = None,
         on_beat: Callable[[Beat], None] | None = None,
         identity: Callable[[], bytes] = lambda: b"",
+        on_reregistered: Callable[[], None] | None = None,
     ) -> None:
         self.client, self.component_id = client, component_id
         self.progress = progress or (lambda: (0, 0))
@@ -43,6 +46,7 @@ class Heartbeats:
         self.identity = identity
         self.interval = interval
         self.on_beat = on_beat
+        self.on_reregistered = on_reregistered
         self.task: asyncio.Task | None = None
         #: Times the loop registered the component again.
         self.reregistrations = 0
@@ -80,6 +84,8 @@ class Heartbeats:
             await self.client.reregister(self.component_id, step, version, self.identity())
             self.reregistrations += 1
             log.info("registered again with the synchronizer", extra={"id": self.component_id})
+            if self.on_reregistered is not None:
+                self.on_reregistered()
             return
         if self.on_beat is not None:
             self.on_beat(beat)

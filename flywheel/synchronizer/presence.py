@@ -105,6 +105,10 @@ class Presence:
                 # Its lease runs out on its own: the synchronizer marks it STOPPED then.
                 log.warning("deregistration failed", extra={"id": self.component_id, "error": str(exc)})
 
+    def registered_again(self) -> None:
+        """Called after the synchronizer forgot this component (a restart without a store) and it
+        registered again: a subclass tells the new synchronizer what only the old one knew."""
+
     async def _register(self) -> None:
         backoff = Backoff(self.config.retry_initial_seconds, self.config.retry_max_seconds)
         while True:
@@ -128,5 +132,5 @@ class Presence:
         self.registered.set()
         interval = self.config.heartbeat_interval_seconds or None
         self.heartbeats = self.client.keep_alive(self.component_id, self.progress, interval=interval,
-                                                 identity=self.identity)
+                                                 identity=self.identity, on_reregistered=self.registered_again)
         self.heartbeats.start()

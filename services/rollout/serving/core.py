@@ -89,8 +89,17 @@ class _Flight:
     request_id: str
     done: asyncio.Event = field(default_factory=asyncio.Event)
     aborted: bool = False
+    #: It ran while an update's probe held deliveries: it may have made tokens on weights not yet proven.
+    held: bool = False
     #: It made tokens on weights that then failed verification: they are withheld, and it ends aborted.
     tainted: bool = False
+
+
+def _withheld(final: SampleOutput) -> SampleOutput:
+    """`final` ended aborted with nothing it made: its tokens came from weights that failed verification."""
+    return replace(final, token_ids=[], logprobs=[], top_logprobs=[], text="", finish_reason="abort", stop_reason="",
+                   version_end=final.version_start, version_spans=[], prompt_logprobs=[], kept_sets=[],
+                   routed_experts=None)
 
 
 class RolloutCore:
@@ -118,8 +127,6 @@ class RolloutCore:
         #: proven, and wait for it (`hold_deliveries`).
         self._deliveries = asyncio.Event()
         self._deliveries.set()
-        self._hold = 0  # holds so far
-        self._rejected_hold = -1  # the last hold whose weights failed
         metrics.WEIGHT_VERSION.set_function(lambda: self.engine.version if self.engine else 0)
         metrics.REQUESTS_RUNNING.set_function(lambda: self.engine.load().running if self.engine else 0)
         metrics.REQUESTS_WAITING.set_function(lambda: (self.engine.load().waiting if self.engine else 0) + self._at_gate)
@@ -176,21 +183,19 @@ class RolloutCore:
     async def _run_one(self, prompt: ResolvedPrompt, spec: SamplingSpec, stream: bool) -> AsyncIterator[list[Delta]]:
         engine = self.engine
         assert engine is not None
-        flight = _Flight(prompt.request_id)
+        flight = _Flight(prompt.request_id, held=not self._deliveries.is_set())
         self._flights.add(flight)
         metrics.PROMPT_TOKENS.inc(len(prompt.ids))
         try:
             engine_id = f"{prompt.request_id}#{uuid.uuid4().hex[:12]}"
             async for deltas in engine.generate(engine_id, prompt.ids, spec, stream=stream):
-                if not self._deliveries.is_set():
-                    hold = self._hold
-                    await self._deliveries.wait()
-                    flight.tainted |= self._rejected_hold == hold
+                # The verdict taints every request that ran during the hold (`release_deliveries`), also
+                # one whose tokens, made then, come out only after it: what counts is when they were made.
+                await self._deliveries.wait()
                 if flight.tainted:
                     # Made on weights that failed verification: nothing of it reaches the caller but its end,
                     # as an abort (the caller retries the work elsewhere).
-                    deltas = [Delta(index=d.index, final=replace(d.final, finish_reason="abort"))
-                              for d in deltas if d.final is not None]
+                    deltas = [Delta(index=d.index, final=_withheld(d.final)) for d in deltas if d.final is not None]
                     if not deltas:
                         continue
                 for d in deltas:
@@ -268,13 +273,17 @@ class RolloutCore:
                                       max_model_len=engine.max_model_len)
         await self._weights_ready(0, min_version)
         async with self._admitted(len(checked), None):
-            scores = await engine.score_tokens(checked, top_logprobs)
-            if not self._deliveries.is_set():
+            flight = _Flight(f"score-{uuid.uuid4().hex[:12]}", held=not self._deliveries.is_set())
+            self._flights.add(flight)
+            try:
+                scores = await engine.score_tokens(checked, top_logprobs)
                 # Scored while an update verifies the weights: they count only once they are proven.
-                hold = self._hold
                 await self._deliveries.wait()
-                if self._rejected_hold == hold:
-                    raise Aborted("the weights these scores came from failed verification; score again")
+            finally:
+                self._flights.discard(flight)
+                flight.done.set()
+            if flight.tainted:
+                raise Aborted("the weights these scores came from failed verification; score again")
             metrics.PROMPT_TOKENS.inc(sum(len(ids) for ids in checked))
             return scores
 
@@ -372,14 +381,16 @@ class RolloutCore:
     def hold_deliveries(self) -> None:
         """Holds what in-flight requests produce until `release_deliveries` (an update verifying its
         weights with the engine running)."""
-        self._hold += 1
+        for flight in self._flights:
+            flight.held = True
         self._deliveries.clear()
 
     def release_deliveries(self, proven: bool) -> None:
         """Lets held results go on; `proven` False: the weights they came from failed, and the requests
         that made tokens meanwhile end aborted, their tokens withheld."""
-        if not proven:
-            self._rejected_hold = self._hold
+        for flight in self._flights:
+            flight.tainted |= flight.held and not proven
+            flight.held = False
         self._deliveries.set()
 
 

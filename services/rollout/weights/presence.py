@@ -19,6 +19,14 @@ operator's UpdateWeights, or the follower), is reported twice:
   was measured, and how) and the outcome (VERIFIED, UNVERIFIED or FAILED).
   The synchronizer judges it against the identity it recorded and
   quarantines the rollout unless it verified, until one does.
+
+A report the synchronizer could not take (it is down, or restarting and has
+not recorded the version yet) is sent again with backoff until it is taken or
+a newer report supersedes it, for at most REPORT_RETRY_SECONDS. And the proof
+of the version served (its last VERIFIED report) is sent again whenever the
+synchronizer forgot this replica and it registered again: the restarted
+synchronizer's ledger is empty, and a train step waits for a replica's proof
+of the versions its tokens came from (the controller's `Fleet.until_usable`).
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 
-from flywheel.errors import FlywheelError, NotFound
+from flywheel.errors import Aborted, DeadlineExceeded, FailedPrecondition, FlywheelError, NotFound, Unavailable
+from flywheel.runtime.backoff import Backoff
 from flywheel.synchronizer.client import SynchronizerClient
 from services.rollout.config import SynchronizerLinkConfig
 from services.rollout.weights.transaction import UpdateReport, WeightUpdates
@@ -38,6 +47,16 @@ log = logging.getLogger(__name__)
 
 #: Ways this rollout can receive a version (UpdateWeights: memory, checkpoint, nccl/gloo groups).
 CAPABILITIES = (Method.MEMORY, Method.CHECKPOINT, Method.NCCL)
+
+#: Refusals a report outlives by being sent again: the synchronizer is down or slow, or it restarted and
+#: has not recorded the version yet (the controller has the trainer publish it again).
+TRANSIENT = (Unavailable, DeadlineExceeded, Aborted, FailedPrecondition)
+
+#: How long a report is sent again before it is given up (a version that is never recorded again).
+REPORT_RETRY_SECONDS = 300.0
+
+#: The longest wait between two sends of a report: a train step may be waiting for it.
+REPORT_RETRY_MAX_SECONDS = 5.0
 
 
 def describe_failure(report: UpdateReport) -> str:
@@ -74,6 +93,9 @@ class RolloutPresence(Presence):
         self.core = updates.core
         self._reports: asyncio.Queue[UpdateReport] = asyncio.Queue()
         self._observer = self._reports.put_nowait
+        #: The last update that verified: the proof of the version served, told again to a synchronizer
+        #: that forgot this replica (`registered_again`).
+        self._proof: UpdateReport | None = None
 
     def served(self) -> int:
         return self.core.status().version
@@ -89,6 +111,13 @@ class RolloutPresence(Presence):
             self.updates.observers.remove(self._observer)
         await super().stop()
 
+    def registered_again(self) -> None:
+        proof = self._proof
+        if proof is not None and proof.version == self.served() and not self.core.quarantine_reason:
+            log.info("telling the synchronizer again which version this replica proved",
+                     extra={"id": self.component_id, "version": proof.version})
+            self._reports.put_nowait(proof)
+
     async def _report_loop(self) -> None:
         while True:
             report = await self._reports.get()
@@ -96,12 +125,27 @@ class RolloutPresence(Presence):
             # registration carries whatever version is served by then.
             if not self.registered.is_set():
                 continue
+            await self._deliver(report)
+
+    async def _deliver(self, report: UpdateReport) -> None:
+        """Sends `report` until the synchronizer takes it, a newer report waits, or REPORT_RETRY_SECONDS pass."""
+        backoff = Backoff(self.config.retry_initial_seconds, min(self.config.retry_max_seconds, REPORT_RETRY_MAX_SECONDS))
+        give_up = asyncio.get_running_loop().time() + REPORT_RETRY_SECONDS
+        while True:
             try:
                 await self.report(report)
+                if report.error is None:
+                    self._proof = report
+                return
             except FlywheelError as exc:
-                # The next heartbeat still carries the served version.
-                log.warning("could not report a weight update to the synchronizer",
+                again = (isinstance(exc, TRANSIENT) and self._reports.empty()
+                         and asyncio.get_running_loop().time() + backoff.delay < give_up)
+                # Given up, the next heartbeat still carries the served version.
+                log.warning("could not report a weight update to the synchronizer" + ("; sending it again" if again else ""),
                             extra={"id": self.component_id, "version": report.version, "error": str(exc)})
+                if not again:
+                    return
+                await backoff.wait()
 
     async def report(self, report: UpdateReport) -> None:
         state = await self._current_state(report.served)
@@ -135,4 +179,5 @@ class RolloutPresence(Presence):
         except NotFound:
             pass
         await self.client.reregister(self.component_id, weight_version=served)
+        self.registered_again()
         return State.RUNNING

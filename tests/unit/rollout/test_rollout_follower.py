@@ -160,6 +160,46 @@ async def test_a_restarted_synchronizer_gets_the_rollout_registered_again(rollou
             await first.__aexit__(None, None, None)
 
 
+async def test_a_restarted_synchronizer_is_told_again_which_version_the_rollout_proved(
+    rollout_model, codec, base_state,
+) -> None:
+    """The proof of the version served went to the synchronizer that died (its ledger is memory only).
+    Registered again, the rollout sends it again, and the new synchronizer judges it once the version
+    is recorded there again (the controller has the trainer publish it): a train step waiting for that
+    proof gets it, and the rollout installs nothing a second time."""
+    port = free_port()
+    first = embedded_synchronizer(server={"port": port}, lease_seconds=0.6)  # no store: it forgets everything
+    sync = await first.__aenter__()
+    try:
+        async with SynchronizerClient(sync.address) as client:
+            await client.configure_policy("fixed", "memory", 1, 0, 30.0, rollout_wait="due_version")
+            async with linked_rollout(rollout_model, codec, sync.address) as (core, link):
+                await link.ready(5.0)
+                await client.push_weights(shifted(base_state, 0.01), 1)
+                assert (await generate(core, 2)).version_start == 1
+                [proved] = await eventually(lambda: client.list_updates(1), what="version 1's report")
+                assert proved.verified
+                installs: list[UpdateReport] = []
+                link.arrival.updates.observers.append(installs.append)
+                await first.__aexit__(None, None, None)
+                first = None
+                await eventually(lambda: link.presence.heartbeats.last_error is not None, what="a failed heartbeat")
+                async with embedded_synchronizer(server={"port": port}, lease_seconds=0.6) as again, \
+                        SynchronizerClient(again.address) as client2:
+                    await eventually(lambda: component(client2), what="registration after the restart")
+                    await asyncio.sleep(1.0)  # its proof is refused meanwhile: version 1 is not recorded here yet
+                    assert await client2.list_updates(1) == []
+                    await client2.push_weights(shifted(base_state, 0.01), 1)  # as the trainer publishes it again
+                    [told] = await eventually(lambda: client2.list_updates(1), 15.0, what="the proof told again")
+                    assert told.component_id == CID and told.verified, told
+                    assert told.resident_identity == proved.resident_identity
+                    assert core.status().version == 1 and not core.quarantine_reason
+                    assert installs == [], "nothing is installed again"
+    finally:
+        if first is not None:
+            await first.__aexit__(None, None, None)
+
+
 async def test_an_update_anyone_triggers_is_reported(rollout_model, codec, base_state, tmp_path: Path) -> None:
     ckpt = tmp_path / "v1"
     ckpt.mkdir()

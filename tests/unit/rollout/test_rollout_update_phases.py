@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flywheel.codec.identity import VersionIdentity, identify
-from flywheel.errors import DataLoss, FailedPrecondition, Unavailable
+from flywheel.errors import Aborted, DataLoss, FailedPrecondition, Unavailable
 from flywheel.probe import ProbeBatch
 from flywheel.synchronizer.client_types import VersionProof
 from flywheel.synchronizer.types import UpdatePhase
@@ -326,3 +326,51 @@ async def test_generation_goes_on_during_the_probe_and_nothing_it_makes_goes_out
             (out,) = await request
             assert out.samples[0].finish_reason == "length" and out.samples[0].token_ids == [101] * 4
             assert time.monotonic() - started >= 0.1  # delivered only after the verdict
+
+
+@pytest.mark.parametrize("call", ["generate", "score"])
+async def test_what_was_made_during_a_failed_probe_is_withheld_even_if_it_comes_out_after_the_verdict(
+    tmp_path: Path, call: str,
+) -> None:
+    """A request whose tokens (or scores) were made on the unproven weights but that comes out only
+    after the verdict, before the abort reaches it (the control lock was busy: an operator, the next
+    update), ends aborted all the same: what counts is when its work was made, not delivered."""
+    engine = FakeEngine(0.005, tensors=("w", "v"), readable=("w",))
+    engine.supports_prompt_logprobs = True  # type: ignore[misc]
+    score = engine.score
+    started = asyncio.Event()
+    updates, engine, faults, _ = make(tmp_path, engine=engine, probe_tolerance=1e-6)
+    core = updates.core
+
+    async def slow_score(sequences):
+        if len(sequences) == 2:  # the probe (its two sequences)
+            started.set()
+            await asyncio.sleep(0.05)
+            await core.control.acquire()  # busy as the verdict comes: the abort waits
+            asyncio.get_running_loop().call_later(0.5, core.control.release)
+        return await score(sequences)
+
+    score_tokens = engine.score_tokens
+
+    async def slow_score_tokens(sequences, top_logprobs=0):
+        await asyncio.sleep(0.15)  # the caller's scoring ends past the verdict
+        return await score_tokens(sequences, top_logprobs)
+
+    engine.score = slow_score  # type: ignore[method-assign]
+    engine.score_tokens = slow_score_tokens  # type: ignore[method-assign]
+    faults.write_text(json.dumps({"scale_linear": 1.01}))
+    stage, _ = version(1, 2.5, names=("w", "v"), probe_of=engine)
+    update = asyncio.ensure_future(updates.run(1, stage, "wait", 10))
+    await started.wait()
+    if call == "generate":  # 30 tokens: it runs on past the probe's verdict and ends within the busy half second
+        request = asyncio.ensure_future(core.generate([prompt("during")], SamplingSpec(max_tokens=30)))
+    else:
+        request = asyncio.ensure_future(core.score([[1, 2, 3]]))
+    with pytest.raises(UpdateFailed, match="probe"):
+        await update
+    if call == "generate":
+        (out,) = await request
+        assert out.samples[0].finish_reason == "abort" and out.samples[0].token_ids == [], out.samples[0]
+    else:
+        with pytest.raises(Aborted, match="failed verification"):
+            await request
