@@ -32,6 +32,7 @@ from services.controller.batches.pool import TrajectoryPool
 from services.controller.batches.processor import AlgorithmProcessor, TrainBatchPool
 from services.controller.protocols import HealthProbe, RolloutEngine, Synchronizer, Trainer
 from services.controller.tasks.judge import Post, RemoteJudge
+from services.controller.tasks.teacher import Score, Teacher
 from services.controller.tasks.rewards import get_reward, import_object
 from services.controller.rollouts.manager import RolloutManager
 from services.controller.run_config import RunConfig, SamplingConfig
@@ -66,6 +67,9 @@ class Services:
     #: How a remote judge's bodies are sent (reward.judge; tasks.judge.Post): None posts them over HTTP to
     #: reward.judge.url (adapters.judge_http); tests and benches pass a simulated judge.
     judge: Post | None = None
+    #: How the teacher's Score calls are made (algorithm.teacher; tasks.teacher.Score): over gRPC to its
+    #: addresses (adapters.teacher_grpc, made by adapters.connect); tests and benches pass a simulated one.
+    teacher: Score | None = None
 
 
 def _resolve(field_name: str, make: Callable[[], Any]) -> Any:
@@ -115,6 +119,12 @@ def build_pipeline(
             post, close_judge = http.post, http.close
         judge = RemoteJudge(cfg.reward.judge, post, errors)
     reward = judge or _resolve("reward.name", lambda: get_reward(cfg.reward.name))
+    teacher = None
+    if cfg.algorithm.teacher is not None:
+        if services.teacher is None:
+            raise ConfigError("algorithm.teacher: these services have no teacher to call (adapters.connect makes one "
+                              "of algorithm.teacher.addresses)")
+        teacher = Teacher(cfg.algorithm.teacher, services.teacher, errors)
     algorithm = _resolve("algorithm.name", lambda: make_algorithm(cfg))
     tools = build_tools(cfg) if cfg.worker.tools else None
     agent = _resolve("worker.agent", lambda: load_agent(cfg.worker.agent)) if cfg.worker.agent else None
@@ -147,7 +157,7 @@ def build_pipeline(
         group_size=group, sampling=sampling_spec(cfg.worker.sampling), max_in_flight=cfg.worker.max_in_flight,
         max_retries=cfg.worker.max_retries, timeout_seconds=cfg.worker.timeout_seconds,
         retry_backoff_seconds=retry_backoff_seconds, until_a_replica_serves=engines.until_one_serves,
-        scoring_slots=_scoring_slots(cfg),
+        scoring_slots=_scoring_slots(cfg), teacher=teacher,
     )
     batches = TrainBatchPool(maxsize=1)
     processor = AlgorithmProcessor(
@@ -220,15 +230,16 @@ def build_pipeline(
         rollouts=rollouts, processor=processor, batches=batches, train_worker=train_worker,
         fleet=fleet, tracker=tracker, errors=errors, metrics=metrics, memory=memory,
         validator=validator, liveness=liveness, observer=observer, run_dir=Path(run_dir) if run_dir else None,
-        judge=judge, close_judge=close_judge,
+        judge=judge, close_judge=close_judge, teacher=teacher,
     )
 
 
 def _scoring_slots(cfg: RunConfig) -> int:
-    """Rollout slots for groups awaiting a remote judge's scores while others generate (none without one)."""
-    judge = cfg.reward.judge
-    if judge is None:
-        return 0
-    if judge.groups_in_flight is not None:
-        return judge.groups_in_flight
-    return max(1, judge.max_concurrency // cfg.worker.group_size)
+    """Rollout slots for groups awaiting a remote judge's or a teacher's scores while others generate (none
+    without either)."""
+    judge, teacher = cfg.reward.judge, cfg.algorithm.teacher
+    slots = teacher.groups_in_flight if teacher is not None else 0
+    if judge is not None:
+        slots += judge.groups_in_flight if judge.groups_in_flight is not None else \
+            max(1, judge.max_concurrency // cfg.worker.group_size)
+    return slots

@@ -123,6 +123,12 @@ class Trajectory:
     error: str | None = None
     #: Set by the algorithm processor.
     advantage: float | None = None
+    #: On-policy distillation (algorithm.teacher): the teacher's log-prob of each response token (0 where
+    #: response_mask is 0), set once the group is generated (services/controller/tasks/teacher.py).
+    teacher_logprobs: list[float] | None = None
+    #: Per response token, the advantage the trainer weighs it by, where one sequence-wide `advantage`
+    #: does not say it (distillation: `batches.algorithms.distilled`); None: `advantage` for every token.
+    token_advantages: list[float] | None = None
     #: The version that produced each model token, as spans over `response_ids` in order; tool and
     #: environment tokens fall between them. Tokens no span covers (an engine or an older rollout that
     #: could not tell) are attributed to `version`, the oldest policy that contributed.

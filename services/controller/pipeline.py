@@ -38,6 +38,7 @@ from services.controller.batches.sample_age import SampleAgeReport, token_age_me
 from services.controller.batches.staleness import StalenessGate
 from services.controller.batches.train_worker import TrainWorker
 from services.controller.tasks.judge import RemoteJudge
+from services.controller.tasks.teacher import Teacher
 from services.controller.rollouts.validation import Validator
 from services.controller.weights.fleet import Fleet
 
@@ -138,6 +139,8 @@ class Pipeline:
     #: The remote judge the reward is (reward.judge), and what closes its connections.
     judge: RemoteJudge | None = None
     close_judge: Callable[[], Awaitable[None]] | None = None
+    #: The teacher of on-policy distillation (algorithm.teacher); Services.close closes its connections.
+    teacher: Teacher | None = None
     state: RunState = field(default_factory=RunState)
     hooks: PipelineHooks = field(default_factory=PipelineHooks)
     _background: list[asyncio.Task] = field(default_factory=list)
@@ -441,6 +444,8 @@ class Pipeline:
             m[f"rollout/{key.replace('-', '_')}_total"] = float(self.rollouts.stats[key])
         if self.judge is not None:
             m.update(self.judge.metrics())
+        if self.teacher is not None:
+            m.update(self.teacher.metrics())
         for key, count in getattr(self.rollouts.worker, "stats", {}).items():  # a user's worker may keep none
             m[f"worker/{key}_total"] = float(count)
         m["dropped/stale"] = 0.0  # written every step, so a run that drops none says so

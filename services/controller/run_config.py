@@ -232,6 +232,37 @@ class LossConfig(StrictModel):
     is_cap: float = Field(0.0, ge=0, description="truncated importance-sampling cap; 0 disables (staleness.policy=correct sets 2)")
 
 
+class TeacherConfig(StrictModel):
+    """On-policy distillation: a teacher model scores the tokens the student sampled, and each token's
+    advantage is kl_coef x (the teacher's log-prob - the student's sampling log-prob), the per-token
+    reverse KL's negative, plus reward_coef x the group advantage of the task reward
+    (services/controller/tasks/teacher.py)."""
+
+    addresses: list[str] = Field(
+        min_length=1, description="gRPC host:port of rollout replicas serving the teacher model, started without "
+        "synchronizer.address (registered with the run's synchronizer they would be sampled from as the student); "
+        "their Score RPC is called, a group at a time, each call on the next address"
+    )
+    kl_coef: float = Field(1.0, gt=0, description="weight of the per-token reverse KL to the teacher in the advantage")
+    reward_coef: float = Field(
+        0.0, ge=0, description="weight of the task reward's group advantage (the algorithm's) added to every token; "
+        "0: distillation alone (the reward is still computed and recorded)"
+    )
+    timeout_seconds: float = Field(60.0, gt=0, description="deadline of one Score call, in seconds")
+    max_attempts: int = Field(3, ge=1, description="Score calls per group, the first included (each on the next "
+                              "address, after retry_backoff_seconds, doubling)")
+    retry_backoff_seconds: float = Field(0.5, ge=0, description="wait before the first retry, in seconds")
+    max_consecutive_failures: int = Field(
+        5, ge=1, description="groups in a row the teacher could not score before the run is told, as a critical "
+        "error (errors.policy decides). A group it could not score is given up and counted "
+        "(teacher/failed_total); it is never trained without the teacher's log-probs"
+    )
+    groups_in_flight: int = Field(
+        4, ge=0, description="groups awaiting the teacher's scores while generation goes on (rollout slots beyond "
+        "worker.max_in_flight); 0 scores inside the generation slot"
+    )
+
+
 class AlgorithmConfig(StrictModel):
     name: str = Field("grpo", description="grpo | dapo | 'module:function' of your own processor")
     normalize_std: bool = Field(True, description="divide group-centred rewards by the group's std")
@@ -240,6 +271,10 @@ class AlgorithmConfig(StrictModel):
     train_batch_size: int = Field(32, ge=1, description="samples per TrainStep (a multiple of worker.group_size)")
     micro_batch_size: int = Field(0, ge=0, description="samples per micro-batch on the trainer; 0 for all")
     loss: LossConfig = Field(default_factory=LossConfig, description="loss sent with each TrainStep")
+    teacher: TeacherConfig | None = Field(
+        None, description="on-policy distillation: per-token advantages from a teacher's log-probs of the sampled "
+        "tokens (docs/distillation.md)"
+    )
 
 
 class PoolConfig(StrictModel):
@@ -408,6 +443,10 @@ class RunConfig(StrictModel):
         if self.buffer_size_limit < b:
             raise ValueError(f"pool.buffer_size_limit ({self.buffer_size_limit}) must be >= algorithm.train_batch_size ({b})")
         self._check_schedule()
+        if self.algorithm.teacher is not None and self.dynamic_sampling:
+            raise ValueError("algorithm.teacher: dynamic sampling drops groups whose rewards are all equal, and under "
+                             "distillation they still teach (the teacher's log-probs); set algorithm.dynamic_sampling "
+                             "false")
         if self.worker.type == "agent" and not self.worker.tools:
             raise ValueError("worker.tools: the agent worker needs at least one tool")
         self._check_external_agent()

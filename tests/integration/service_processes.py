@@ -112,6 +112,15 @@ class Cluster:
             "updates": {"checkpoint_root": str(self.root), **(updates or {})},
         }, port)
 
+    def teacher(self, name: str, model: Path) -> ServiceProcess:
+        """A replica serving `model` as a distillation teacher: standalone (no synchronizer), so the run
+        scores on it and never samples from it."""
+        return self.start(name, "rollout", {
+            "http_port": 0,
+            "engine": {"kind": "transformers", "model_path": str(model),
+                       "args": {"dtype": "float32", "max_model_len": 256, "seed": 0}},
+        })
+
     def controller(self, run: dict, run_dir: Path, python: str = sys.executable) -> subprocess.Popen:
         run_file = self.root / "run.yaml"
         run_file.write_text(yaml.safe_dump(run))

@@ -11,6 +11,7 @@ from flywheel.runtime.auth import resolve_token
 from services.controller.adapters.health import GrpcHealthProbe
 from services.controller.adapters.rollout import GrpcRolloutEngine
 from services.controller.adapters.synchronizer import GrpcSynchronizer
+from services.controller.adapters.teacher_grpc import GrpcTeacher
 from services.controller.adapters.trainer import GrpcTrainer
 from services.controller.assemble import TRAINER_PROBE, Services
 from services.controller.run_config import RunConfig
@@ -44,15 +45,17 @@ def connect(cfg: RunConfig, token: str | None = None) -> Services:
     rollouts: list[GrpcRolloutEngine] = []
     connect_rollout = _registry_replicas(cfg, token, rollouts)
     probes = [GrpcHealthProbe(TRAINER_PROBE, s.trainer.address), GrpcHealthProbe("synchronizer", s.synchronizer.address)]
+    teacher = GrpcTeacher(cfg.algorithm.teacher, token=token) if cfg.algorithm.teacher is not None else None
 
     async def close() -> None:
-        for client in (trainer, *rollouts, synchronizer):
+        for client in (trainer, *rollouts, synchronizer, *([teacher] if teacher else [])):
             await client.close()
 
     return Services(
         trainer=trainer, rollouts=[], synchronizer=synchronizer, probes=probes, close=close,
         connect_rollout=connect_rollout, rollout_filter=[e.id or e.address for e in s.rollout],
+        teacher=teacher.score if teacher is not None else None,
     )
 
 
-__all__ = ["GrpcHealthProbe", "GrpcRolloutEngine", "GrpcSynchronizer", "GrpcTrainer", "connect"]
+__all__ = ["GrpcHealthProbe", "GrpcRolloutEngine", "GrpcSynchronizer", "GrpcTeacher", "GrpcTrainer", "connect"]

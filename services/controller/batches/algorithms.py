@@ -16,6 +16,11 @@ batch: DAPO's dynamic sampling).
 - overlong filter: truncated completions stay in the group (their rewards
   count for the baseline) but leave the loss (response mask zeroed).
 
+- distillation (`distilled`, with algorithm.teacher): every token's advantage
+  is kl_coef x (teacher log-prob - sampling log-prob), the negative of the
+  per-token reverse KL to the teacher (its expectation under the student's
+  samples is -KL(student || teacher)), plus reward_coef x the group's advantage.
+
 Plug your own in with `algorithm.name: "module:function"`: the function gets
 the group and follows the same contract.
 """
@@ -94,8 +99,39 @@ class GroupAlgorithm:
         return None
 
 
+def distill_advantages(t: Trajectory, kl_coef: float, reward_coef: float) -> list[float]:
+    """Per response token: kl_coef x (teacher - sampling log-prob) + reward_coef x the sequence's advantage;
+    0 where the token is not the policy's (tool or environment output)."""
+    if t.teacher_logprobs is None or len(t.teacher_logprobs) != len(t.response_ids):
+        raise ValueError(f"trajectory of task {t.task.id}: no teacher log-prob for each of its {len(t.response_ids)} "
+                         "response tokens")
+    shared = reward_coef * (t.advantage or 0.0)
+    return [kl_coef * (teacher - sampled) + shared if mask else 0.0
+            for teacher, sampled, mask in zip(t.teacher_logprobs, t.response_logprobs, t.response_mask)]
+
+
+def distilled(algorithm: Algorithm, kl_coef: float, reward_coef: float) -> Algorithm:
+    """`algorithm` (its group advantage of the task reward, its filters), then each kept trajectory's
+    per-token advantages against the teacher (`distill_advantages`)."""
+
+    def process(group: list[Trajectory]) -> str | None:
+        reason = algorithm(group)
+        if reason is None:
+            for t in group:
+                t.token_advantages = distill_advantages(t, kl_coef, reward_coef)
+        return reason
+
+    return process
+
+
 def make_algorithm(cfg) -> Algorithm:
-    """The algorithm of a `RunConfig`."""
+    """The algorithm of a `RunConfig` (distilled against its teacher when it names one)."""
+    algorithm = _group_algorithm(cfg)
+    teacher = cfg.algorithm.teacher
+    return algorithm if teacher is None else distilled(algorithm, teacher.kl_coef, teacher.reward_coef)
+
+
+def _group_algorithm(cfg) -> Algorithm:
     name = cfg.algorithm.name
     if name in ("grpo", "dapo"):
         overlong = cfg.algorithm.overlong

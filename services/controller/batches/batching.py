@@ -7,7 +7,8 @@ Tensors follow the trainer's contract (trainer.proto `TrainBatch`):
   (tool/environment tokens and the prompt are 0);
 - behaviour_logprobs: float32 [B, T], the sampling engine's log-prob of the
   token *at* each position (0 elsewhere);
-- advantages: float32 [B] (one per sequence);
+- advantages: float32 [B] (one per sequence), or [B, T] when a trajectory carries
+  its own per token (on-policy distillation: `advantages_tensor`);
 - weight_versions: int64 [B, T], the version that produced the token at each
   response position (0 elsewhere), from the trajectories' version spans: a
   sample made across weight updates is not trained as if one policy made it;
@@ -123,7 +124,7 @@ def build_train_batch(trajectories: Sequence[Trajectory], target_version: int, p
         "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(attention),
         "loss_mask": torch.from_numpy(loss_mask),
-        "advantages": torch.tensor([t.advantage or 0.0 for t in trajectories], dtype=torch.float32),
+        "advantages": advantages_tensor(trajectories, t_max),
         "behaviour_logprobs": torch.from_numpy(logprobs),
         "weight_versions": torch.from_numpy(np.where(policy_tokens, versions, 0)),
     }
@@ -135,6 +136,24 @@ def build_train_batch(trajectories: Sequence[Trajectory], target_version: int, p
     return TrainBatch(tensors=tensors, trajectories=list(trajectories), target_version=target_version,
                       token_ages=ages_trained, stale_tokens=int(stale.sum()), stale_corrected=bound.correct,
                       sampler_counts=counts)
+
+
+def advantages_tensor(trajectories: Sequence[Trajectory], t_max: int) -> torch.Tensor:
+    """[B] one advantage per sequence; [B, T] when a trajectory has its own per token (distillation), the
+    others' broadcast over their response tokens."""
+    if all(t.token_advantages is None for t in trajectories):
+        return torch.tensor([t.advantage or 0.0 for t in trajectories], dtype=torch.float32)
+    out = np.zeros((len(trajectories), t_max), dtype=np.float32)
+    for row, t in enumerate(trajectories):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        if t.token_advantages is None:
+            out[row, p:p + r] = t.advantage or 0.0
+        elif len(t.token_advantages) != r:
+            raise ValueError(f"trajectory of task {t.task.id}: {len(t.token_advantages)} token advantages for "
+                             f"{r} response tokens")
+        else:
+            out[row, p:p + r] = t.token_advantages
+    return torch.from_numpy(out)
 
 
 def stale_everywhere(group: Sequence[Trajectory], batch_version: int, bound: TokenBound) -> bool:

@@ -11,6 +11,8 @@ Each of `max_in_flight` + `scoring_slots` slots loops, holding one of
     take the next task from the loader
     worker.rollout(task)                    (tracked as in-flight activity; a remote judge's
                                              scores are awaited without the permit)
+    the teacher's log-probs                 (on-policy distillation: tasks/teacher.py; without
+                                             the permit too)
     SUCCESS    -> trajectories into the pool
     RE_ROLLOUT -> task back at the front of the loader (retried, not lost)
     FAIL       -> error recorded, task given up
@@ -37,6 +39,7 @@ from services.controller.domain import (
 from services.controller.telemetry.errors_report import ErrorReporter
 from services.controller.batches.pool import PoolInstance
 from services.controller.batches.staleness import Planned, StalenessGate
+from services.controller.tasks.teacher import Teacher
 from services.controller.workers.base import RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,7 @@ class RolloutManager:
         retry_backoff_seconds: float = 0.5,
         until_a_replica_serves: Callable[[], Awaitable[object]] | None = None,
         scoring_slots: int = 0,
+        teacher: Teacher | None = None,
     ) -> None:
         self.worker, self.loader, self.pool, self.gate = worker, loader, pool, gate
         self.tracker, self.errors = tracker, errors
@@ -74,6 +78,8 @@ class RolloutManager:
         #: Slots beyond max_in_flight, for groups whose generation is done and whose scores are awaited (a
         #: remote judge): max_in_flight stays the number generating, held as `_generating` permits.
         self.scoring_slots = scoring_slots
+        #: On-policy distillation: scores each generated group's tokens before it is pooled.
+        self.teacher = teacher
         self._generating = asyncio.Semaphore(max_in_flight)
         self.retries: Counter[str] = Counter()
         self.stats: Counter[str] = Counter()
@@ -185,11 +191,19 @@ class RolloutManager:
 
     async def _run(self, task: Task) -> RolloutOutcome:
         try:
-            return await asyncio.wait_for(self.worker.rollout(task, self.group_size, self.sampling), self.timeout_seconds)
+            outcome = await asyncio.wait_for(self.worker.rollout(task, self.group_size, self.sampling),
+                                             self.timeout_seconds)
         except TimeoutError:
             return RolloutOutcome(RolloutStatus.RE_ROLLOUT, error=f"rollout timed out after {self.timeout_seconds:g}s")
         except Exception as exc:  # a bug in a (user) worker must not take the run down
             return RolloutOutcome(RolloutStatus.FAIL, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        if self.teacher is not None and outcome.status == RolloutStatus.SUCCESS and outcome.trajectories:
+            if (generation_done := GENERATION_DONE.get()) is not None:
+                generation_done()  # the teacher's call holds no generation permit
+            error = await self.teacher.score_group(outcome.trajectories)
+            if error is not None:
+                return RolloutOutcome(RolloutStatus.FAIL, outcome.trajectories, error=error)
+        return outcome
 
     def _handle(self, task: Task, outcome: RolloutOutcome, planned: Planned | None = None) -> bool:
         """Routes an outcome; True when the slot should back off before its next task."""
