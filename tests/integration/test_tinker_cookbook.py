@@ -10,6 +10,11 @@ model, as a user runs them (docs/tinker.md, "The cookbook"):
   first periodic save is on record; run again with behavior_if_log_dir_exists=resume it goes on from
   that save with the optimizer state, while the cut run's session is still live (nothing finished
   it), saves periodically again and exits 0;
+- DPO (`tinker_cookbook.preference.train_dpo.main`, driven by tests/integration/tinker_dpo.py on a local
+  comparisons file through the cookbook's JSONL comparisons builder): its reference is the model's
+  weights at the start, saved for the sampler and scored there (compute_logprobs), its loss a custom
+  one (forward_backward_custom: a forward, the loss's gradient in the client, a weighted backward);
+  it trains its steps and exits 0;
 - every run that ended closed its session with reason "success": the gateway retired its model for
   that reason (its log's "model retired");
 - nothing but loopback is contacted. The services and the recipes run in a network namespace with
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import secrets
@@ -97,13 +103,14 @@ class Deployment:
     def tinker_dir(self, tenant: str) -> Path:
         return self.run_dir / "checkpoints" / "tinker" / tenant
 
-    def recipe(self, name: str, log_path: Path, *args: str, tenant: str = "alice") -> tuple[subprocess.Popen, Path]:
-        """Starts `python -m tinker_cookbook.recipes.<name>.train` against the gateway, on `tenant`'s key;
-        its output file."""
+    def recipe(self, name: str, log_path: Path, *args: str, tenant: str = "alice",
+               command: list[str] | None = None) -> tuple[subprocess.Popen, Path]:
+        """Starts `python -m tinker_cookbook.recipes.<name>.train` (or `command`) against the gateway, on
+        `tenant`'s key; its output file."""
         output = self.work / f"{log_path.name}-{sum(1 for _ in self.work.glob(log_path.name + '-*.out'))}.out"
-        command = [*self.prefix, sys.executable, "-m", f"tinker_cookbook.recipes.{name}.train",
-                   f"model_name={self.base_model}", f"base_url={self.url}", "renderer_name=role_colon",
-                   f"log_path={log_path}", *args]
+        command = [*self.prefix, sys.executable, *(command or [
+            "-m", f"tinker_cookbook.recipes.{name}.train", f"model_name={self.base_model}", f"base_url={self.url}",
+            "renderer_name=role_colon", f"log_path={log_path}", *args])]
         with open(output, "wb") as out:
             process = subprocess.Popen(command, cwd=self.work, env={**self.env, "TINKER_API_KEY": self.keys[tenant]},
                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -293,4 +300,39 @@ def test_chat_sl_cut_after_a_save_resumes_from_it_with_the_optimizer_state(deplo
     deployment.assert_closed_with_success(resumed_model)
     # The cut run never said goodbye: its model stays until its session times out (and then not for "success").
     assert deployment.retired().get(cut_model) != "its session finished (success)"
+    assert_only_the_pricing_file_was_refused(deployment, output)
+
+
+def comparisons_file(path: Path, n: int = 16) -> Path:
+    """Sums, each with its right answer preferred to a wrong one (the cookbook's LabeledComparison rows)."""
+    rows = []
+    for i in range(n):
+        a, b = i % 7 + 1, i % 5 + 2
+        right, wrong = {"role": "assistant", "content": str(a + b)}, {"role": "assistant", "content": str(a + b + 3)}
+        rows.append({"comparison": {"prompt_conversation": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                                    "completion_A": [right] if i % 2 else [wrong],
+                                    "completion_B": [wrong] if i % 2 else [right]},
+                     "label": "A" if i % 2 else "B"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_cookbooks_dpo_trainer_runs_on_a_local_comparisons_file(deployment: Deployment) -> None:
+    log_path = deployment.work / "dpo"
+    comparisons = comparisons_file(deployment.work / "comparisons.jsonl")
+    steps = 3
+    process, output_file = deployment.recipe("dpo", log_path, command=[
+        str(Path(__file__).resolve().parent / "tinker_dpo.py"), deployment.url, deployment.base_model,
+        str(log_path), str(comparisons), str(steps)])
+    try:
+        code = process.wait(300)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise AssertionError(f"DPO did not finish in 300 s{log_tail(output_file)}") from None
+    output = output_file.read_text(errors="replace")
+    assert code == 0, f"DPO exited {code}{log_tail(output_file, 60)}"
+    trained = [row for row in jsonl(log_path / "metrics.jsonl") if "dpo_loss" in row or "loss" in row]
+    assert len(trained) == steps, trained
+    assert all(math.isfinite(row.get("dpo_loss", row.get("loss"))) for row in trained), trained
     assert_only_the_pricing_file_was_refused(deployment, output)

@@ -12,7 +12,6 @@ lost in a restart is refused until a save is loaded into a new one."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 from pathlib import Path
@@ -22,85 +21,15 @@ import pytest
 import tinker
 from tinker import types
 
-from flywheel.rollout.client import RolloutClient
-from flywheel.runtime.auth import Scope, TokenScopes
 from flywheel.runtime.tokens import add_tenant_key
-from flywheel.runtime.http_server import HttpServer
-from flywheel.trainer.client import TrainerClient
-from services.tinker.config import TinkerConfig
-from services.tinker.gateway import Gateway
-from services.tinker.http_api import create_app
-from services.tinker.tenants import TenantKeys
-from tests.conftest import TEST_TOKEN
+from tests.integration.tinker_gateway_helpers import (  # noqa: F401 - the fixtures among them
+    ADAPTED, AGENT_KEY, BOB_KEY, KEY, PROMPT, SERVICE_KEY, fixed_data, gateway_on, lora_trainer,
+    lora_trainer_for_sampling, rollout, untied_model,
+)
 
 pytestmark = pytest.mark.slow
 
-#: Tenant alice's and bob's keys; the services' own token and an agent's (neither opens the Tinker API).
-KEY, BOB_KEY = "tml-test-alice-key", "tml-test-bob-key"
-SERVICE_KEY, AGENT_KEY = "tml-test-service-key", "tml-test-agent-key"
-TENANTS = {"alice": [KEY], "bob": [BOB_KEY]}
-ADAPTED = '["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj","lm_head"]'
 
-
-@contextlib.asynccontextmanager
-async def gateway_on(trainer_address: str, checkpoints: Path, rollout_address: str = "", **settings):
-    config = TinkerConfig(trainer_address=trainer_address, http_port=0, checkpoint_dir=checkpoints,
-                          rollout_address=rollout_address, **settings)
-    trainer = TrainerClient(trainer_address, token=TEST_TOKEN, timeout=120)
-    rollout = RolloutClient(rollout_address, token=TEST_TOKEN, timeout=120) if rollout_address else None
-    gateway = Gateway(config, trainer, rollout)
-    await gateway.start()
-    tokens = TokenScopes.of({Scope.SERVICE: [SERVICE_KEY], Scope.AGENT: [AGENT_KEY]}, TENANTS)
-    http = HttpServer(create_app(gateway, TenantKeys(tokens)), "127.0.0.1", 0, name="tinker api")
-    await http.start()
-    try:
-        yield gateway, f"http://127.0.0.1:{http.port}"
-    finally:
-        await http.stop()
-        await gateway.close()
-        await trainer.close()
-        if rollout is not None:
-            await rollout.close()
-
-
-def start_lora_trainer(run_service, model: Path, checkpoints: Path, modules: str, *extra: str, env=None):
-    process = run_service("trainer", "--model.path", str(model), "--checkpoint.dir", str(checkpoints),
-                          "--model.lora.enabled", "true", "--model.lora.rank", "4", "--model.lora.target-modules", modules,
-                          *extra, env=env)
-    return process.grpc_address, checkpoints
-
-
-@pytest.fixture
-def lora_trainer(run_service, service_model: Path, tmp_path: Path):
-    """Adapters where Tinker's defaults put them: attention, MLP and the output head."""
-    return start_lora_trainer(run_service, service_model, tmp_path / "trainer-checkpoints", ADAPTED)
-
-
-@pytest.fixture(scope="module")
-def untied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model ties its output head to its input embeddings, as SmolLM2 does: an adapter on the head
-    (Tinker's default) merges into a head of its own, which only an untied copy can serve (docs/tinker.md)."""
-    from flywheel.models.tiny import build_tiny_model
-    from flywheel.models.untie import untie_embeddings
-
-    root = tmp_path_factory.mktemp("untied")
-    return untie_embeddings(build_tiny_model(root / "tied", max_position_embeddings=512), root / "model")
-
-
-@pytest.fixture
-def lora_trainer_for_sampling(run_service, untied_model: Path, tmp_path: Path):
-    return start_lora_trainer(run_service, untied_model, tmp_path / "trainer-checkpoints", ADAPTED)
-
-
-def fixed_data() -> list[types.Datum]:
-    """Two short supervised examples, their first target weighted 0 (a prompt token)."""
-    out = []
-    for tokens in ([11, 42, 77, 23, 56, 9], [101, 7, 88, 64]):
-        targets = tokens[1:] + [5]
-        weights = [0.0] + [1.0] * (len(tokens) - 1)
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens),
-                               loss_fn_inputs={"target_tokens": targets, "weights": weights}))
-    return out
 
 
 def train_with_the_sdk(url: str, base_model: str) -> dict:
@@ -235,7 +164,6 @@ async def test_keys_are_checked_and_a_forward_backward_sent_again_is_the_same_re
             assert unknown.status_code == 404 and "is not served by this gateway" in unknown.text
 
 
-PROMPT = [11, 42, 77, 23]
 
 
 def sample_with_the_sdk(url: str, base_model: str) -> dict:
@@ -288,11 +216,6 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
             "stopped": stopped, "prompt_logprobs": prompt_logprobs, "last_two": last_two, "topk": topk, "refused": refused,
             "model_id": training.model_id}
 
-
-@pytest.fixture
-def rollout(run_service, untied_model: Path):
-    return run_service("rollout", "--engine.model-path", str(untied_model), "--engine.kind", "transformers",
-                       "--http-port", "0").grpc_address
 
 
 async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
@@ -625,130 +548,3 @@ async def test_a_tenant_opens_only_the_tinker_api_sees_only_its_own_and_a_lost_m
         assert math.isfinite(after["loss"]) and after["resumed"] != model
 
 
-#: Each SDK call of the walk waits at most this long: a call that never answers fails by name, not by the
-#: suite's timeout (whose teardown then waits on the SDK's thread forever).
-CALL_SECONDS = 60.0
-
-
-def walk_the_surface(url: str, base_model: str) -> dict[str, str]:
-    """Calls every public method of the SDK's four clients (tests/integration/tinker_surface.py) on the gateway:
-    "Class.method" -> "served", "refused: <message>" or "client" (no server call made)."""
-    service = tinker.ServiceClient(base_url=url, api_key=KEY)
-    rest = tinker.RestClient(base_url=url, api_key=KEY)
-    training = service.create_lora_training_client(base_model=base_model, rank=4).result(CALL_SECONDS)
-    data, prompt = fixed_data(), types.ModelInput.from_ints(PROMPT)
-    training.forward_backward(data, "cross_entropy").result(CALL_SECONDS)
-    training.optim_step(types.AdamParams(learning_rate=1e-2)).result(CALL_SECONDS)
-    state = training.save_state("walk").result(CALL_SECONDS).path
-    weights = training.save_weights_for_sampler("walked").result(CALL_SECONDS).path
-    sampler = training.save_weights_and_get_sampling_client().result(CALL_SECONDS)
-    model, session = training.model_id, service.holder.get_session_id()
-    external = f"tinker://{model}/external_weights/x"
-
-    def custom_loss(data, logprobs):
-        loss = sum(-lp.sum() for lp in logprobs)
-        return loss, {"custom": float(loss)}
-
-    def server_loss(logprobs):  # the shape create_custom_loss traces: log-probs first, then its inputs
-        loss = -logprobs.sum()
-        return loss, {"custom/neg_ll:sum": loss}
-
-    calls = {
-        "ServiceClient.copy_weights": lambda: service.copy_weights(state).result(CALL_SECONDS),
-        "ServiceClient.create_custom_loss": lambda: service.create_custom_loss(server_loss, {"logprobs": 1}).result(CALL_SECONDS),
-        "ServiceClient.create_lora_training_client": lambda: service.create_lora_training_client(
-            base_model=base_model, rank=4).result(CALL_SECONDS),
-        "ServiceClient.create_sampling_client": lambda: service.create_sampling_client(model_path=weights).result(CALL_SECONDS),
-        "ServiceClient.create_training_client_from_state": lambda: service.create_training_client_from_state(
-            state).result(CALL_SECONDS),
-        "ServiceClient.create_training_client_from_state_with_optimizer":
-            lambda: service.create_training_client_from_state_with_optimizer(state).result(CALL_SECONDS),
-        "ServiceClient.get_server_capabilities": lambda: service.get_server_capabilities(),
-        "TrainingClient.create_sampling_client": lambda: training.create_sampling_client(weights).result(CALL_SECONDS),
-        "TrainingClient.forward": lambda: training.forward(data, "cross_entropy").result(CALL_SECONDS),
-        "TrainingClient.forward_backward": lambda: training.forward_backward(data, "cross_entropy").result(CALL_SECONDS),
-        "TrainingClient.forward_backward_custom": lambda: training.forward_backward_custom(data, custom_loss).result(CALL_SECONDS),
-        "TrainingClient.optim_step": lambda: training.optim_step(types.AdamParams(learning_rate=1e-3)).result(CALL_SECONDS),
-        "TrainingClient.get_info": lambda: training.get_info(),
-        "TrainingClient.load_state": lambda: training.load_state(state).result(CALL_SECONDS),
-        "TrainingClient.load_state_with_optimizer": lambda: training.load_state_with_optimizer(state).result(CALL_SECONDS),
-        "TrainingClient.save_state": lambda: training.save_state("walk-2").result(CALL_SECONDS),
-        "TrainingClient.save_weights_and_get_sampling_client":
-            lambda: training.save_weights_and_get_sampling_client().result(CALL_SECONDS),
-        "TrainingClient.save_weights_external": lambda: training.save_weights_external("x").result(CALL_SECONDS),
-        "TrainingClient.save_weights_for_sampler": lambda: training.save_weights_for_sampler("walked-2").result(CALL_SECONDS),
-        "SamplingClient.compute_logprobs": lambda: sampler.compute_logprobs(prompt).result(CALL_SECONDS),
-        "SamplingClient.get_base_model": lambda: sampler.get_base_model(),
-        "SamplingClient.sample": lambda: sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result(CALL_SECONDS),
-        "RestClient.assign_session_project": lambda: rest.assign_session_project(session, "p").result(CALL_SECONDS),
-        "RestClient.copy_weights": lambda: rest.copy_weights(state).result(CALL_SECONDS),
-        "RestClient.export_session_trace": lambda: rest.export_session_trace(session).result(CALL_SECONDS),
-        "RestClient.get_audit_log": lambda: rest.get_audit_log().result(CALL_SECONDS),
-        "RestClient.get_billing_usage": lambda: rest.get_billing_usage("2026-01-01", "2026-02-01").result(CALL_SECONDS),
-        "RestClient.get_current_checkpoint_storage_usage": lambda: rest.get_current_checkpoint_storage_usage().result(CALL_SECONDS),
-        "RestClient.get_external_weights_urls": lambda: rest.get_external_weights_urls(external).result(CALL_SECONDS),
-        "RestClient.get_sampler": lambda: rest.get_sampler(sampler._sampling_session_id).result(CALL_SECONDS),
-        "RestClient.get_server_capabilities": lambda: rest.get_server_capabilities().result(CALL_SECONDS),
-        "RestClient.get_session": lambda: rest.get_session(session).result(CALL_SECONDS),
-        "RestClient.get_training_run": lambda: rest.get_training_run(model).result(CALL_SECONDS),
-        "RestClient.get_training_run_by_tinker_path": lambda: rest.get_training_run_by_tinker_path(state).result(CALL_SECONDS),
-        "RestClient.get_weights_info_by_tinker_path": lambda: rest.get_weights_info_by_tinker_path(state).result(CALL_SECONDS),
-        "RestClient.list_checkpoints": lambda: rest.list_checkpoints(model).result(CALL_SECONDS),
-        "RestClient.list_sessions": lambda: rest.list_sessions().result(CALL_SECONDS),
-        "RestClient.list_training_runs": lambda: rest.list_training_runs().result(CALL_SECONDS),
-        "RestClient.list_user_checkpoints": lambda: rest.list_user_checkpoints().result(CALL_SECONDS),
-        "RestClient.publish_checkpoint_from_tinker_path": lambda: rest.publish_checkpoint_from_tinker_path(
-            state).result(CALL_SECONDS),
-        "RestClient.search_sessions": lambda: rest.search_sessions(types.SessionSearchRequest()).result(CALL_SECONDS),
-        "RestClient.set_checkpoint_ttl_from_tinker_path": lambda: rest.set_checkpoint_ttl_from_tinker_path(
-            state, 7200).result(CALL_SECONDS),
-        "RestClient.unpublish_checkpoint_from_tinker_path": lambda: rest.unpublish_checkpoint_from_tinker_path(
-            state).result(CALL_SECONDS),
-        "RestClient.whoami": lambda: rest.whoami().result(CALL_SECONDS),
-        # Deletions last: what they delete is used above.
-        "RestClient.delete_checkpoint": lambda: rest.delete_checkpoint(model, "weights/walk-2").result(CALL_SECONDS),
-        "RestClient.delete_checkpoint_from_tinker_path": lambda: rest.delete_checkpoint_from_tinker_path(
-            weights).result(CALL_SECONDS),
-        "ServiceClient.close": lambda: service.close("success").result(CALL_SECONDS),
-    }
-    seen = {}
-    for name, call in calls.items():
-        try:
-            call()
-            seen[name] = "served"
-        except TimeoutError:
-            seen[name] = f"no answer in {CALL_SECONDS:.0f} s"
-        except Exception as exc:  # noqa: BLE001 - whatever the SDK raises for a refusal
-            seen[name] = f"refused: {exc}"
-    return seen
-
-
-async def test_every_public_method_of_the_sdk_is_served_or_refused_by_name(
-    lora_trainer_for_sampling, rollout, untied_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # copy_weights names the project it copies into (else the SDK refuses before any call).
-    monkeypatch.setenv("TINKER_PROJECT_ID", "walk")
-    from tests.integration.tinker_surface import SURFACE, public_methods, render, sdk_classes
-
-    # The table covers every public method of the SDK's four clients (an `_async` twin goes with its method).
-    for cls, methods in SURFACE.items():
-        public = public_methods(sdk_classes()[cls])
-        assert sorted({m.removesuffix("_async") if m.removesuffix("_async") in public else m for m in public}) \
-            == sorted(methods), cls
-    documented = (Path(__file__).resolve().parents[2] / "docs" / "tinker.md").read_text()
-    assert render() in documented, "docs/tinker.md's surface table differs: python -m tests.integration.tinker_surface"
-    address, checkpoints = lora_trainer_for_sampling
-    async with gateway_on(address, checkpoints / "tinker", rollout, sampler_dir=checkpoints / "sampler") as (_, url):
-        seen = await asyncio.to_thread(walk_the_surface, url, str(untied_model))
-    wrong = {}
-    for cls, methods in SURFACE.items():
-        for name, (verdict, note) in methods.items():
-            got = seen.get(f"{cls}.{name}")
-            if verdict == "client":
-                assert got in (None, "served"), (name, got)  # done in the SDK: nothing refused
-            elif verdict == "served" and got != "served":
-                wrong[f"{cls}.{name}"] = got
-            elif verdict == "refused" and not (got or "").startswith("refused") or verdict == "refused" and \
-                    note not in (got or ""):
-                wrong[f"{cls}.{name}"] = got
-    assert not wrong, "\n".join(f"{k}: {SURFACE[k.split('.')[0]][k.split('.')[1]][0]} expected, got {v}" for k, v in wrong.items())
