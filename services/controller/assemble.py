@@ -33,6 +33,7 @@ from services.controller.batches.processor import AlgorithmProcessor, TrainBatch
 from services.controller.protocols import HealthProbe, RolloutEngine, Synchronizer, Trainer
 from services.controller.tasks.judge import Post, RemoteJudge
 from services.controller.tasks.teacher import Score, Teacher
+from services.controller.workers.environment import OpenSession
 from services.controller.tasks.rewards import get_reward, import_object
 from services.controller.rollouts.manager import RolloutManager
 from services.controller.run_config import RunConfig, SamplingConfig
@@ -70,6 +71,9 @@ class Services:
     #: How the teacher's Score calls are made (algorithm.teacher; tasks.teacher.Score): over gRPC to its
     #: addresses (adapters.teacher_grpc, made by adapters.connect); tests and benches pass a simulated one.
     teacher: Score | None = None
+    #: How a session on the environment server is opened (worker.env; workers.environment.OpenSession):
+    #: None opens one over its WebSocket path (adapters.environment_ws); tests pass a simulated environment.
+    environment: OpenSession | None = None
 
 
 def _resolve(field_name: str, make: Callable[[], Any]) -> Any:
@@ -149,6 +153,7 @@ def build_pipeline(
         tools=tools, tool_result_template=cfg.worker.tool_result_template,
         agent=agent, agent_timeout_seconds=cfg.worker.agent_timeout_seconds,
         session_ttl_seconds=cfg.worker.session_ttl_seconds, errors=errors,
+        environment=_environment(cfg, services), environment_config=cfg.worker.env,
     )
     worker = worker_cls(ctx)
 
@@ -232,6 +237,17 @@ def build_pipeline(
         validator=validator, liveness=liveness, observer=observer, run_dir=Path(run_dir) if run_dir else None,
         judge=judge, close_judge=close_judge, teacher=teacher,
     )
+
+
+def _environment(cfg: RunConfig, services: Services) -> OpenSession | None:
+    """How the openenv worker opens a session on its environment server (None without one)."""
+    if cfg.worker.env is None:
+        return None
+    if services.environment is not None:
+        return services.environment
+    from services.controller.adapters.environment_ws import websocket_sessions
+
+    return websocket_sessions(cfg.worker.env)
 
 
 def _scoring_slots(cfg: RunConfig) -> int:

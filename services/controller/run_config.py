@@ -128,10 +128,35 @@ class ToolConfig(StrictModel):
     )
 
 
+class EnvironmentConfig(StrictModel):
+    """An OpenEnv environment server (worker.type openenv, services/controller/workers/environment.py):
+    one session an episode over its WebSocket path (/ws): reset, then a step per model turn, the
+    model's text as the action, until the environment says done."""
+
+    url: str = Field(description="http(s):// (or ws(s)://) root of the environment server; its sessions are at /ws")
+    prompt_field: str = Field(
+        "prompt", description="the observation's field shown to the model: the first user message after reset, "
+        "and each later observation as the next user turn"
+    )
+    action_field: str = Field("message", description="the action's field the model's reply goes into")
+    reset_fields: list[str] = Field(
+        default_factory=list, description="fields of the task's row passed to reset, besides seed (the row's "
+        "`seed`, else its index: every episode of a group gets the same) and episode_id"
+    )
+    observation_template: str = Field(
+        "\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n",
+        description="text a later observation is rendered as, with {observation} (ChatML's user turn by default); "
+        "never trained"
+    )
+    timeout_seconds: float = Field(60.0, gt=0, description="deadline of one reset or step, in seconds")
+    connect_timeout_seconds: float = Field(10.0, gt=0, description="deadline of opening a session, in seconds")
+    max_concurrency: int = Field(64, ge=1, description="sessions open at once")
+
+
 class WorkerConfig(StrictModel):
     type: str = Field(
         "simple", description="simple | math | agent | external (your own openai-SDK agent, see worker.agent) | "
-        "'module:Class' of your own worker"
+        "openenv (an OpenEnv environment server, see worker.env) | 'module:Class' of your own worker"
     )
     group_size: int = Field(4, ge=1, description="completions per task (the GRPO group)")
     max_in_flight: int = Field(32, ge=1, description="tasks rolled out concurrently")
@@ -143,7 +168,8 @@ class WorkerConfig(StrictModel):
         description="math: text appended to every question; default the worker's own (asks for step-by-step "
         "reasoning and a \\boxed{} answer), '' for none",
     )
-    max_turns: int = Field(4, ge=1, description="agent: assistant turns per episode")
+    max_turns: int = Field(4, ge=1, description="agent, openenv: assistant turns per episode")
+    env: EnvironmentConfig | None = Field(None, description="openenv: the environment server the episodes run in")
     tools: list[ToolConfig] = Field(default_factory=list, description="agent: tools the model may call")
     tool_result_template: str | None = Field(
         None, description="agent: text a tool result is rendered as, with {result}; default ChatML tool turn"
@@ -447,6 +473,13 @@ class RunConfig(StrictModel):
             raise ValueError("algorithm.teacher: dynamic sampling drops groups whose rewards are all equal, and under "
                              "distillation they still teach (the teacher's log-probs); set algorithm.dynamic_sampling "
                              "false")
+        if (self.worker.type == "openenv") != (self.worker.env is not None):
+            raise ValueError("worker.env: the openenv worker needs its environment server (worker.env.url), and only "
+                             "it takes one")
+        if self.worker.type == "openenv" and "reward" in self.model_fields_set:
+            raise ValueError("reward: the openenv worker trains on the environment's reward; leave reward out")
+        if self.worker.env is not None and not self.worker.env.url.startswith(("http://", "https://", "ws://", "wss://")):
+            raise ValueError(f"worker.env.url: must be an http(s) or ws(s) URL, got {self.worker.env.url!r}")
         if self.worker.type == "agent" and not self.worker.tools:
             raise ValueError("worker.tools: the agent worker needs at least one tool")
         self._check_external_agent()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from services.controller.workers.agent import AgentRolloutWorker
 from services.controller.workers.base import RolloutWorker, WorkerContext
+from services.controller.workers.environment import EnvironmentWorker
 from services.controller.workers.external import ExternalAgentWorker
 from services.controller.workers.math import SingleTurnMathWorker
 from services.controller.workers.simple import SimpleRolloutWorker
@@ -14,6 +15,7 @@ BUILTIN_WORKERS: dict[str, type[RolloutWorker]] = {
     "math": SingleTurnMathWorker,
     "agent": AgentRolloutWorker,
     "external": ExternalAgentWorker,
+    "openenv": EnvironmentWorker,
 }
 
 
@@ -31,6 +33,7 @@ def worker_class(name: str) -> type[RolloutWorker]:
 __all__ = [
     "AgentRolloutWorker",
     "BUILTIN_WORKERS",
+    "EnvironmentWorker",
     "ExternalAgentWorker",
     "RolloutWorker",
     "SimpleRolloutWorker",

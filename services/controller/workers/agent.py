@@ -24,11 +24,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from typing import Any
-
-from flywheel.common.kept import KeptSet, shifted as shifted_kept
-from flywheel.common.provenance import VersionSpan, shifted
-from services.controller.rollouts.routing import episode_routing
 from services.controller.domain import (
     FinishReason,
     PromptInput,
@@ -40,15 +35,11 @@ from services.controller.domain import (
 )
 from services.controller.workers.base import RETRYABLE, RolloutWorker
 from services.controller.workers.tools import ToolRegistry, parse_tool_calls
+from services.controller.workers.transcript import EpisodeStopped, Transcript
 
 #: ChatML, the format of Qwen and SmolLM2 chat templates; the completion
 #: before it ended with the end-of-turn token.
 DEFAULT_TOOL_RESULT_TEMPLATE = "\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n"
-
-
-class _Stop(Exception):
-    def __init__(self, outcome: RolloutOutcome) -> None:
-        self.outcome = outcome
 
 
 class AgentRolloutWorker(RolloutWorker):
@@ -68,7 +59,7 @@ class AgentRolloutWorker(RolloutWorker):
     async def rollout(self, task: Task, n: int, sampling: SamplingSpec) -> RolloutOutcome:
         try:
             trajectories = await asyncio.gather(*(self.episode(task, i, sampling) for i in range(n)))
-        except _Stop as stop:
+        except EpisodeStopped as stop:
             return stop.outcome
         except RETRYABLE as exc:
             return RolloutOutcome(RolloutStatus.RE_ROLLOUT, error=f"{type(exc).__name__}: {exc}")
@@ -78,59 +69,15 @@ class AgentRolloutWorker(RolloutWorker):
         engines, key = self.ctx.engines, f"{task.id}#{index}"
         template = self.ctx.tool_result_template or DEFAULT_TOOL_RESULT_TEMPLATE
         prompt_ids = await engines.tokenize(messages=self.messages_for(task), add_generation_prompt=True, sticky=key)
-        ids: list[int] = []
-        logprobs: list[float] = []
-        mask: list[int] = []
-        texts: list[str] = []
-        starts, ends = [], []
-        spans: list[VersionSpan] = []
-        kept: list[KeptSet] = []
-        routing: list[tuple[int, Any]] = []
-        finish = FinishReason.STOP
+        episode = Transcript(prompt_ids)
         for turn in range(self.ctx.max_turns):
-            request = PromptInput(request_id=f"{key}@{turn}", token_ids=prompt_ids + ids)
+            request = PromptInput(request_id=f"{key}@{turn}", token_ids=episode.context)
             g = (await engines.generate([request], replace(sampling, n=1), sticky=key))[0][0]
-            if g.finish_reason == FinishReason.ABORT:
-                raise _Stop(RolloutOutcome(RolloutStatus.RE_ROLLOUT, error="generation aborted"))
-            if g.finish_reason == FinishReason.ERROR:
-                raise _Stop(RolloutOutcome(RolloutStatus.FAIL, error="the engine reported an error for a generation"))
-            starts.append(g.version_start)
-            ends.append(g.version_end)
-            spans += shifted(g.version_spans, len(ids))
-            kept += shifted_kept(g.kept_sets, len(ids))
-            routing.append((len(g.prompt_token_ids), g.routed_experts))
-            ids += g.completion_token_ids
-            logprobs += g.completion_logprobs
-            mask += [1] * len(g.completion_token_ids)
-            texts.append(g.text)
-            finish = g.finish_reason
+            episode.model_turn(g)
             calls = parse_tool_calls(g.text)
-            if not calls or finish == FinishReason.LENGTH or turn == self.ctx.max_turns - 1:
+            if not calls or g.finish_reason == FinishReason.LENGTH or turn == self.ctx.max_turns - 1:
                 break
             results = [await self.tools.call(c) for c in calls]
             rendered = "".join(template.format(result=r) for r in results)
-            tool_ids = await engines.tokenize(text=rendered, add_generation_prompt=False, sticky=key)
-            ids += tool_ids
-            logprobs += [0.0] * len(tool_ids)
-            mask += [0] * len(tool_ids)
-            texts.append(rendered)
-        return Trajectory(
-            task=task,
-            prompt_ids=prompt_ids,
-            response_ids=ids,
-            response_logprobs=logprobs,
-            response_mask=mask,
-            version_start=min(starts),
-            version_end=max(ends),
-            turn_versions=list(zip(starts, ends)),
-            finish_reason=finish,
-            text="".join(texts),
-            sample_index=index,
-            model_tag=self.ctx.model_tag,
-            keys={"turns": len(starts)},
-            engine=g.engine,
-            distribution=g.distribution,
-            version_spans=spans,
-            kept_sets=kept,
-            routed_experts=episode_routing(routing),
-        )
+            episode.world_turn(await engines.tokenize(text=rendered, add_generation_prompt=False, sticky=key), rendered)
+        return episode.trajectory(task, index, self.ctx.model_tag)

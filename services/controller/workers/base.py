@@ -66,6 +66,10 @@ class WorkerContext:
     session_ttl_seconds: float | None = None
     #: Where a worker records what its outcome does not carry (e.g. a retried episode's cause).
     errors: ErrorReporter | None = None
+    #: Environment worker: how a session on the environment server is opened (workers/environment.py's
+    #: OpenSession), and the server's settings (worker.env).
+    environment: Any = None
+    environment_config: Any = None
 
 
 class RolloutWorker(ABC):
