@@ -141,7 +141,7 @@ class EnvironmentConfig(StrictModel):
     action_field: str = Field("message", description="the action's field the model's reply goes into")
     reset_fields: list[str] = Field(
         default_factory=list, description="fields of the task's row passed to reset, besides seed (the row's "
-        "`seed`, else its index: every episode of a group gets the same) and episode_id"
+        "`seed`, else one drawn from its split and index: every episode of a group gets the same) and episode_id"
     )
     observation_template: str = Field(
         "\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n",

@@ -3,8 +3,8 @@
 Each episode is one session of the environment (worker.env: its URL; the WebSocket transport is
 services/controller/adapters/environment_ws.py):
 
-1. reset, with the task row's `seed` (else its index: every episode of a group plays the same
-   task), an episode id, and the row fields named in `reset_fields`; the observation's
+1. reset, with the task row's `seed` (else one drawn from its split and index: every episode of
+   a group plays the same task), an episode id, and the row fields named in `reset_fields`; the observation's
    `prompt_field` is the user's message (after `worker.system_prompt`), tokenized once by the
    engine's chat template;
 2. each turn generates from the prompt + everything so far, as token ids (trained: mask 1, the
@@ -24,6 +24,7 @@ an error the environment answers fails it with the environment's message.
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
@@ -86,8 +87,10 @@ class EnvironmentWorker(RolloutWorker):
         missing = [name for name in self.config.reset_fields if name not in data]
         if missing:
             raise EnvironmentRefused(f"task {task.id} has no {', '.join(missing)} (worker.env.reset_fields)")
-        return {"seed": int(data.get("seed", task.index)), "episode_id": f"{task.id}#{index}",
-                **{name: data[name] for name in self.config.reset_fields}}
+        # The row's index is not enough: a validation row and a training row of the same index would play the
+        # same task. Every episode of a group gets the same seed (one task, n samples).
+        seed = int(data["seed"]) if "seed" in data else zlib.crc32(f"{task.split}:{task.index}".encode())
+        return {"seed": seed, "episode_id": f"{task.id}#{index}", **{name: data[name] for name in self.config.reset_fields}}
 
     async def episode(self, task: Task, index: int, sampling: SamplingSpec) -> Trajectory:
         cfg, engines, key = self.config, self.ctx.engines, f"{task.id}#{index}"

@@ -80,7 +80,7 @@ async def test_an_episode_plays_the_environment_and_trains_only_the_models_token
     assert t.reward == pytest.approx(0.8) and t.scores["reward"] == pytest.approx(0.8)
     assert t.scores["env_turns"] == 3 and t.scores["env_done"] == 1.0 and t.scores["accuracy"] == 1.0
     assert "hint" not in t.scores  # numbers only
-    assert log[0] == ("reset", {"seed": 7, "episode_id": "train:0:7#0", "level": "easy"})
+    assert log[0] == ("reset", {"seed": 7, "episode_id": "train:0:7#0", "level": "easy"})  # the row's own seed
     assert [entry for kind, entry in log if kind == "step"] == [{"message": "3"}, {"message": "9"}, {"message": "7"}]
     # Three model turns (mask 1, their log-probs) with the observations between them (mask 0, log-prob 0).
     runs = [(m, len(list(g))) for m, g in itertools.groupby(t.response_mask)]
@@ -144,3 +144,12 @@ def test_the_openenv_worker_needs_its_environment_and_takes_no_reward_function()
         config(worker={"type": "openenv", "group_size": 4, "env": env}, reward={"name": "math"})
     with pytest.raises(ValueError, match="http"):
         config(worker={"type": "openenv", "group_size": 4, "env": {"url": "env.test:80"}})
+
+
+def test_a_row_without_a_seed_gets_one_of_its_split_and_index() -> None:
+    w = worker(ScriptedEngine("e", []), [])
+    train = Task(id="train:0:3", index=3, epoch=0, prompt="", split="train")
+    val = Task(id="val:0:3", index=3, epoch=0, prompt="", split="val")
+    seeds = {t.split: w.reset_arguments(t, i)["seed"] for t in (train, val) for i in range(2)}
+    assert seeds["train"] != seeds["val"], "a validation row would replay a training row's task"
+    assert w.reset_arguments(train, 0)["seed"] == w.reset_arguments(train, 1)["seed"]  # one task a group

@@ -1,6 +1,7 @@
 """An OpenEnv environment as an author builds one (`openenv init`'s layout): arithmetic questions, the
 quickstart's task, played in a session. reset(seed) asks "What is a + b?" or "a * b" (operands 1-20,
-drawn from the seed); each step grades the reply (reward 1 if its final answer is right, else 0). A wrong
+drawn from the seed), or reset(question=...) asks that question (a data set's, so that held-out
+questions stay held out); each step grades the reply (reward 1 if its final answer is right, else 0). A wrong
 answer gets "Not quite. Try again." while attempts are left (ARITHMETIC_ATTEMPTS, default 1: one answer
 an episode, as the quickstart). Its metadata's `accuracy` says whether the episode ended right."""
 
@@ -18,6 +19,7 @@ try:
 except ImportError:
     from models import ArithmeticAction, ArithmeticObservation
 
+QUESTION = re.compile(r"What is (\d+) ([+*]) (\d+)\?")
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -37,10 +39,16 @@ class ArithmeticEnvironment(Environment):
         self._answer = 0
         self._attempts_left = 0
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None,
+    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, question: Optional[str] = None,
               **kwargs: Any) -> ArithmeticObservation:
-        rng = random.Random(seed)
-        a, b, op = rng.randint(1, 20), rng.randint(1, 20), rng.choice("+*")
+        asked = QUESTION.fullmatch(question.strip()) if question else None
+        if question and asked is None:
+            raise ValueError(f"not a question of this environment: {question!r} (\"What is <a> <+ or *> <b>?\")")
+        if asked:
+            a, op, b = int(asked.group(1)), asked.group(2), int(asked.group(3))
+        else:
+            rng = random.Random(seed)
+            a, b, op = rng.randint(1, 20), rng.randint(1, 20), rng.choice("+*")
         self._answer = a + b if op == "+" else a * b
         self._attempts_left = int(os.environ.get("ARITHMETIC_ATTEMPTS", "1"))
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
