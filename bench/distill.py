@@ -27,23 +27,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.quickstart_job import QUICKSTART, QUICKSTART_TINY, curve, first_step, run_job, section  # noqa: E402
 from flywheel.launcher.processes import start_service  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
-
-QUICKSTART = ROOT / "examples" / "quickstart.yaml"
-QUICKSTART_TINY = ROOT / "examples" / "quickstart-tiny.yaml"
 
 
 def parse_args() -> argparse.Namespace:
@@ -65,37 +61,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def job(base: Path, work: Path, name: str, steps: int, val_interval: int, edit: dict[str, Any] | None = None) -> Path:
-    """Runs the quickstart job `base` (edited) for `steps` steps; returns its run directory."""
-    config = yaml.safe_load(base.read_text())
-    config["run"]["max_steps"] = steps
-    config["validation"] = {**config.get("validation", {}), "before_training": True, "interval": val_interval}
-    config["checkpoint"] = {"interval": 0, "at_end": True}
-    for section, values in (edit or {}).items():
-        config[section] = {**config.get(section, {}), **values}
-    run_dir = work / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir.parent / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "services.controller", "run", str(path), "--run-dir", str(run_dir),
-               "--resume", "disable"]
-    print(f"{name}: {' '.join(command)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(command, cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return run_dir
-
-
-def curve(run_dir: Path) -> dict[int, float]:
-    """The run's held-out accuracy by step (step 0: before training)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {int(v["step"]): float(v["value"]) for v in summary["validation"]["history"]}
-
-
-def first_step(points: dict[int, float], goal: float) -> int | None:
-    return next((step for step, value in sorted(points.items()) if value >= goal - 1e-9), None)
-
-
 def teacher_replica(model: Path, work: Path, max_model_len: int):
     """A standalone rollout replica serving the teacher's checkpoint (Score only is asked of it)."""
     directory = work / "teacher"
@@ -113,7 +78,7 @@ def main() -> None:
     base = QUICKSTART_TINY if args.smoke else QUICKSTART
     work = args.work or Path(tempfile.mkdtemp(prefix="flywheel-distill-"))
     started = time.monotonic()
-    teacher_run = args.teacher_run or job(base, work, "grpo", args.grpo_steps, args.val_interval)
+    teacher_run = args.teacher_run or run_job(base, work, "grpo", args.grpo_steps, args.val_interval)
     grpo_seconds = time.monotonic() - started
     grpo = curve(teacher_run)
     teacher_model = Path(json.loads((teacher_run / "summary.json").read_text())["model"])
@@ -122,12 +87,11 @@ def main() -> None:
     teacher = teacher_replica(teacher_model, work, max_model_len)
     try:
         started = time.monotonic()
-        distill_dir = job(base, work, "distill", args.steps, args.val_interval, {
-            "algorithm": {**yaml.safe_load(base.read_text())["algorithm"],
+        worker = section(base, "worker")
+        distill_dir = run_job(base, work, "distill", args.steps, args.val_interval, {
+            "algorithm": {**section(base, "algorithm"),
                           "teacher": {"addresses": [teacher.grpc_address], "kl_coef": args.kl_coef}},
-            "worker": {**yaml.safe_load(base.read_text())["worker"],
-                       "sampling": {**yaml.safe_load(base.read_text())["worker"]["sampling"],
-                                    "temperature": args.temperature}},
+            "worker": {**worker, "sampling": {**worker["sampling"], "temperature": args.temperature}},
         })
         distill_seconds = time.monotonic() - started
     finally:

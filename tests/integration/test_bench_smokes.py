@@ -24,7 +24,7 @@ def _numbers(value):
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("bench", ["codec", "weight_plane", "pipeline", "trainer", "modes", "rollout", "load", "gpu",
                                    "remote_judge", "tinker_gateway", "tinker_recipe", "long_generations",
-                                   "routing_replay", "distill", "staleness_policies"])
+                                   "routing_replay", "distill", "staleness_policies", "environments"])
 def test_a_bench_smoke_ends_with_its_ratios(bench: str) -> None:
     result = run_smoke(f"{bench}", 400)
     ratios = {k: v for k, v in result.items() if "_vs_" in k}

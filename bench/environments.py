@@ -1,0 +1,121 @@
+"""The quickstart's job played in an OpenEnv environment server, beside the same job with the reward
+computed in the controller: does the model learn as well, and what does the environment cost a step?
+
+Run manual:
+    python bench/environments.py                      # ~20 min on 2 cores: both jobs, 20 steps each
+    python bench/environments.py --baseline-run DIR   # reuse a finished quickstart run as the baseline
+    python bench/environments.py --smoke              # a minute: the tiny job, checks it runs (CI)
+
+What runs, all real services started by the local launcher (`services.controller run`):
+1. the baseline: the quickstart (examples/quickstart.yaml), its reward the controller's math reward;
+2. the environment's: examples/openenv/arithmetic.yaml, the same job (model, questions, sampling,
+   steps, validation) whose episodes are sessions of the example environment server
+   (examples/openenv/arithmetic, started here from .venv-openenv on a free port): the environment
+   asks each question (the data set's, passed to its reset) and grades the answer, its reward the
+   one trained, its `accuracy` the validation's.
+
+Reported: both validation curves (held-out accuracy every `--val-interval` steps), the environment
+run's rise over its first validation, and the mean seconds a training step took on each side. Ends
+with one JSON line; `openenv_step_vs_inprocess` is the ratio of step seconds (the environment's cost).
+In --smoke the tiny random model learns nothing: only that the machinery runs is checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.quickstart_job import QUICKSTART, QUICKSTART_TINY, curve, run_job, section, step_seconds  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
+
+RUN_FILE = ROOT / "examples" / "openenv" / "arithmetic.yaml"
+EXAMPLE = ROOT / "examples" / "openenv" / "arithmetic"
+ENV_PYTHON = ROOT / ".venv-openenv" / "bin" / "python"
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20, help="steps of each job")
+    ap.add_argument("--val-interval", type=int, default=5, help="validation every N steps, on both sides")
+    ap.add_argument("--baseline-run", type=Path, default=None,
+                    help="a finished quickstart run directory to take the baseline from instead of running it")
+    ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
+    ap.add_argument("--smoke", action="store_true", help="the tiny job, 2 steps a side")
+    args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.val_interval = 2, 1
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environment_server(work: Path) -> tuple[subprocess.Popen, str]:
+    if not ENV_PYTHON.exists():
+        raise SystemExit(f"{ENV_PYTHON} is missing: `make setup` makes it (requirements/openenv.txt)")
+    port = free_port()
+    log = open(work / "environment.log", "w")  # noqa: SIM115 - closed with the process
+    server = subprocess.Popen([str(ENV_PYTHON), "-m", "uvicorn", "server.app:app", "--app-dir", str(EXAMPLE),
+                               "--host", "127.0.0.1", "--port", str(port)], cwd=EXAMPLE, env=dict(os.environ),
+                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the environment server exited:\n{(work / 'environment.log').read_text()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.2)
+    server.kill()
+    raise SystemExit("the environment server did not listen in 60 s")
+
+
+def main() -> None:
+    args = parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="flywheel-environments-"))
+    work.mkdir(parents=True, exist_ok=True)
+    base = QUICKSTART_TINY if args.smoke else QUICKSTART
+    baseline = args.baseline_run or run_job(base, work, "inprocess", args.steps, args.val_interval)
+    server, url = environment_server(work)
+    try:
+        # The environment's run file is the quickstart's with the worker swapped; on --smoke the tiny job's,
+        # swapped the same way.
+        worker = {**section(base, "worker"), **section(RUN_FILE, "worker"),
+                  "group_size": section(base, "worker")["group_size"],
+                  "max_in_flight": section(base, "worker")["max_in_flight"]}
+        worker["env"] = {**worker["env"], "url": url}
+        played = run_job(base, work, "openenv", args.steps, args.val_interval, {"worker": worker}, drop=("reward",))
+    finally:
+        server.terminate()
+        server.wait(30)
+    inprocess, openenv = curve(baseline), curve(played)
+    inprocess = {step: value for step, value in inprocess.items() if step <= args.steps}
+    figures = {
+        "steps": args.steps,
+        "inprocess_curve": {str(k): v for k, v in sorted(inprocess.items())},
+        "openenv_curve": {str(k): v for k, v in sorted(openenv.items())},
+        "openenv_rise": round(openenv[max(openenv)] - openenv[0], 4),
+        "inprocess_rise": round(inprocess[max(inprocess)] - inprocess[0], 4),
+        "inprocess_step_seconds": round(step_seconds(baseline), 2),
+        "openenv_step_seconds": round(step_seconds(played), 2),
+        "baseline_from": "this run" if args.baseline_run is None else str(args.baseline_run),
+        "openenv_step_vs_inprocess": round(step_seconds(played) / step_seconds(baseline), 3),
+    }
+    record("environments", figures, args=vars(args), smoke=args.smoke)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The quickstart's job as the benches that compare training recipes on it run it (bench/distill.py,
+bench/environments.py): the run file edited, the local launcher started on it from scratch, its
+validation curve read back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+QUICKSTART_TINY = ROOT / "examples" / "quickstart-tiny.yaml"
+
+
+def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int,
+            edit: dict[str, Any] | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """Runs the job of run file `base` for `steps` steps, validating every `val_interval`, its sections
+    merged with `edit` and those in `drop` left out; returns its run directory."""
+    config = yaml.safe_load(base.read_text())
+    config["run"]["max_steps"] = steps
+    config["validation"] = {**config.get("validation", {}), "before_training": True, "interval": val_interval}
+    config["checkpoint"] = {"interval": 0, "at_end": True}
+    for section, values in (edit or {}).items():
+        config[section] = {**config.get(section, {}), **values}
+    for section in drop:
+        config.pop(section, None)
+    run_dir = work / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "services.controller", "run", str(path), "--run-dir", str(run_dir),
+               "--resume", "disable"]
+    print(f"{name}: {' '.join(command)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(command, cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return run_dir
+
+
+def curve(run_dir: Path) -> dict[int, float]:
+    """The run's held-out accuracy by step (step 0: before training)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {int(v["step"]): float(v["value"]) for v in summary["validation"]["history"]}
+
+
+def first_step(points: dict[int, float], goal: float) -> int | None:
+    """The first step at which the curve reached `goal` (None: never)."""
+    return next((step for step, value in sorted(points.items()) if value >= goal - 1e-9), None)
+
+
+def step_seconds(run_dir: Path) -> float:
+    """The mean wall seconds of a training step (validations left out)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["time/step_seconds"] for r in rows if "time/step_seconds" in r and "rollout/reward_mean" in r]
+    return sum(steps) / len(steps)
+
+
+def section(base: Path, name: str) -> dict[str, Any]:
+    """A section of run file `base`, to edit and merge back."""
+    return dict(yaml.safe_load(base.read_text()).get(name) or {})
