@@ -144,6 +144,8 @@ def test_the_openenv_worker_needs_its_environment_and_takes_no_reward_function()
         config(worker={"type": "openenv", "group_size": 4, "env": env}, reward={"name": "math"})
     with pytest.raises(ValueError, match="http"):
         config(worker={"type": "openenv", "group_size": 4, "env": {"url": "env.test:80"}})
+    with pytest.raises(ValueError, match="instruction, chat false"):
+        config(worker={"type": "openenv", "group_size": 4, "env": env, "instruction": "Think."})
 
 
 def test_a_row_without_a_seed_gets_one_of_its_split_and_index() -> None:
