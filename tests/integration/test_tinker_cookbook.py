@@ -15,6 +15,11 @@ model, as a user runs them (docs/tinker.md, "The cookbook"):
   weights at the start, saved for the sampler and scored there (compute_logprobs), its loss a custom
   one (forward_backward_custom: a forward, the loss's gradient in the client, a weighted backward);
   it trains its steps and exits 0;
+- on-policy distillation (`tinker_cookbook.distillation.train_on_policy.main`, driven by
+  tests/integration/tinker_distillation.py on a local prompts file through the cookbook's own
+  PromptOnlyDataset): the student samples, a teacher (a checkpoint saved for the sampler, its own
+  sampling client) scores the student's tokens with compute_logprobs, and the student trains on the
+  per-token reverse KL; it trains its steps and exits 0;
 - every run that ended closed its session with reason "success": the gateway retired its model for
   that reason (its log's "model retired");
 - nothing but loopback is contacted. The services and the recipes run in a network namespace with
@@ -335,4 +340,45 @@ def test_the_cookbooks_dpo_trainer_runs_on_a_local_comparisons_file(deployment: 
     trained = [row for row in jsonl(log_path / "metrics.jsonl") if "dpo_loss" in row or "loss" in row]
     assert len(trained) == steps, trained
     assert all(math.isfinite(row.get("dpo_loss", row.get("loss"))) for row in trained), trained
+    assert_only_the_pricing_file_was_refused(deployment, output)
+
+
+def teacher_checkpoint(deployment: Deployment) -> str:
+    """A `tinker://` path of weights saved for the sampler: the teacher (a few supervised steps of its own)."""
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=deployment.url, api_key=deployment.keys["alice"])
+    training = service.create_lora_training_client(base_model=deployment.base_model, rank=32).result(120)
+    data = [types.Datum(model_input=types.ModelInput.from_ints([11, 42, 77, 23]),
+                        loss_fn_inputs={"target_tokens": [42, 77, 23, 5], "weights": [0.0, 1.0, 1.0, 1.0]})]
+    for _ in range(2):
+        training.forward_backward(data, "cross_entropy").result(120)
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result(120)
+    path = training.save_weights_for_sampler("teacher").result(120).path
+    service.close("success").result(60)
+    return path
+
+
+def test_the_cookbooks_on_policy_distillation_learns_from_a_teacher_checkpoint(deployment: Deployment) -> None:
+    log_path = deployment.work / "distillation"
+    prompts = deployment.work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {i} + {i + 1}?"}) + "\n" for i in range(8)))
+    teacher = teacher_checkpoint(deployment)
+    steps = 2
+    process, output_file = deployment.recipe("distillation", log_path, command=[
+        str(Path(__file__).resolve().parent / "tinker_distillation.py"), deployment.url, deployment.base_model,
+        str(log_path), str(prompts), teacher, str(steps)])
+    try:
+        code = process.wait(300)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise AssertionError(f"distillation did not finish in 300 s{log_tail(output_file)}") from None
+    output = output_file.read_text(errors="replace")
+    assert code == 0, f"distillation exited {code}{log_tail(output_file, 60)}"
+    trained = [row for row in jsonl(log_path / "metrics.jsonl") if "step" in row and any("kl" in k for k in row)]
+    assert len(trained) == steps, jsonl(log_path / "metrics.jsonl")
+    kls = [v for row in trained for k, v in row.items() if "teacher_kl" in k or k.endswith("/kl")]
+    assert kls and all(math.isfinite(v) for v in kls), trained
     assert_only_the_pricing_file_was_refused(deployment, output)
