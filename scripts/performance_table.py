@@ -130,6 +130,12 @@ def shape(r: Record) -> str:
     return f"{f.get('layers')} layers, hidden {f.get('hidden')}; {f.get('batch_size')} x {f.get('seq_len')} tokens"
 
 
+def curve_cell(r: Record, key: str) -> str:
+    """A validation curve, "step: accuracy" every point."""
+    points = r["figures"].get(key) or {}
+    return ", ".join(f"{step}: {accuracy(value)}" for step, value in sorted(points.items(), key=lambda p: int(p[0])))
+
+
 # -- the tables ----------------------------------------------------------------------------------------
 @dataclass
 class Table:
@@ -250,6 +256,41 @@ TABLES = [
                   ("controller (s/step)", fig("controller_step_seconds")),
                   ("`gateway_recipe_step_vs_controller_step`", fig("gateway_recipe_step_vs_controller_step", bold=True)),
                   ("notes", notes)]),
+    Table("distill", "On-policy distillation against GRPO (`bench/distill.py`)",
+          "The quickstart's GRPO run trains the teacher (its final checkpoint; its held-out accuracy at the end "
+          "is the teacher's); the base model is then distilled from it on the same job (the teacher's per-token "
+          "log-probs alone, reward_coef 0). Steps: the first validation (every 5 steps, greedy, 200 questions) "
+          "within 5 points of the teacher; none: not in the run. docs/distillation.md reads them.",
+          LEAD + [("teacher", lambda r: accuracy(r["figures"].get("teacher_accuracy"))),
+                  ("temperature", fig("temperature")),
+                  ("GRPO curve", lambda r: curve_cell(r, "grpo_curve")),
+                  ("distilled curve", lambda r: curve_cell(r, "distill_curve")),
+                  ("GRPO steps", fig("grpo_steps")), ("distilled steps", fig("distill_steps")),
+                  ("reverse KL first -> last", lambda r: f"{number(r['figures'].get('reverse_kl_first'))} -> "
+                                                         f"{number(r['figures'].get('reverse_kl_last'))}"),
+                  ("`distill_steps_vs_grpo_steps`", fig("distill_steps_vs_grpo_steps", bold=True)),
+                  ("notes", notes)]),
+    Table("environments", "The quickstart's job in an OpenEnv environment server (`bench/environments.py`)",
+          "The same job (model, questions, sampling, steps) with the reward computed in the controller, and "
+          "played in the example OpenEnv server (examples/openenv/arithmetic), which asks and grades: held-out "
+          "accuracy every 5 steps, and seconds a training step took. docs/environments.md reads them.",
+          LEAD + [("in-process curve", lambda r: curve_cell(r, "inprocess_curve")),
+                  ("OpenEnv curve", lambda r: curve_cell(r, "openenv_curve")),
+                  ("OpenEnv rise", fig("openenv_rise")),
+                  ("in-process (s/step)", fig("inprocess_step_seconds")), ("OpenEnv (s/step)", fig("openenv_step_seconds")),
+                  ("`openenv_step_vs_inprocess`", fig("openenv_step_vs_inprocess", bold=True)), ("notes", notes)]),
+    Table("staleness_policies", "Batch-async's staleness policies, real services (`bench/staleness_policies.py`)",
+          "The tiny quickstart (batch-async, threshold 1) with pace (the default) and with drop, runs alternating: "
+          "finished groups dropped, the job's seconds and the trainer's idle fraction (means over the runs). The "
+          "stated margin: pace's idle within drop's + 0.05.",
+          LEAD + [("runs x steps", lambda r: f"{r['figures'].get('runs')} x {r['figures'].get('steps')}"),
+                  ("pace: dropped", lambda r: number(r["figures"].get("pace", {}).get("dropped"))),
+                  ("drop: dropped", lambda r: number(r["figures"].get("drop", {}).get("dropped"))),
+                  ("pace: idle", lambda r: number(r["figures"].get("pace", {}).get("trainer_idle_fraction"))),
+                  ("drop: idle", lambda r: number(r["figures"].get("drop", {}).get("trainer_idle_fraction"))),
+                  ("within the margin", fig("pace_idle_within_margin")),
+                  ("`pace_vs_drop`", fig("pace_vs_drop", bold=True)), ("`pace_idle_vs_drop`", fig("pace_idle_vs_drop")),
+                  ("notes", notes)]),
     Table("gpu", "On a GPU (`bench/gpu.py`)",
           "The Qwen2.5-0.5B architecture with random weights, batch 8 x 512 tokens: the trainer's step (one-rank "
           "FSDP2, and without FSDP) against a plain torch step, the export against a raw device-to-host copy, "
@@ -278,6 +319,9 @@ COMMANDS = [
     "sudo .venv/bin/python bench/far_sync.py # a version reaching a far replica over an emulated slow, lossy link",
     ".venv/bin/python bench/tinker_gateway.py  # forward_backward + optim_step through the Tinker gateway vs direct",
     ".venv/bin/python bench/tinker_recipe.py   # the cookbook's math_rl recipe through the gateway vs our controller",
+    ".venv/bin/python bench/distill.py       # on-policy distillation from the quickstart's GRPO checkpoint vs GRPO",
+    ".venv/bin/python bench/environments.py  # the quickstart's job in the example OpenEnv server vs the in-process reward",
+    ".venv/bin/python bench/staleness_policies.py  # batch-async's pace vs drop on the tiny quickstart's real services",
     ".venv/bin/python bench/gpu.py           # on a CUDA machine: trainer step, export, generation, IPC handoff",
     ".venv/bin/python scripts/record_quickstart.py runs/quickstart   # after make quickstart",
 ]
