@@ -131,9 +131,9 @@ def shape(r: Record) -> str:
 
 
 def curve_cell(r: Record, key: str) -> str:
-    """A validation curve, "step: accuracy" every point."""
+    """A validation curve: the accuracies in step order (before training first; the table says how often)."""
     points = r["figures"].get(key) or {}
-    return ", ".join(f"{step}: {accuracy(value)}" for step, value in sorted(points.items(), key=lambda p: int(p[0])))
+    return " -> ".join(accuracy(value) for _, value in sorted(points.items(), key=lambda p: int(p[0])))
 
 
 # -- the tables ----------------------------------------------------------------------------------------
@@ -259,8 +259,9 @@ TABLES = [
     Table("distill", "On-policy distillation against GRPO (`bench/distill.py`)",
           "The quickstart's GRPO run trains the teacher (its final checkpoint; its held-out accuracy at the end "
           "is the teacher's); the base model is then distilled from it on the same job (the teacher's per-token "
-          "log-probs alone, reward_coef 0). Steps: the first validation (every 5 steps, greedy, 200 questions) "
-          "within 5 points of the teacher; none: not in the run. docs/distillation.md reads them.",
+          "log-probs alone, reward_coef 0). Curves: held-out accuracy (greedy, 200 questions) before training and "
+          "every 5 steps. Steps: the first validation "
+          "within 5 points of the teacher; -: not in the run. docs/distillation.md reads them.",
           LEAD + [("teacher", lambda r: accuracy(r["figures"].get("teacher_accuracy"))),
                   ("temperature", fig("temperature")),
                   ("GRPO curve", lambda r: curve_cell(r, "grpo_curve")),
@@ -273,7 +274,8 @@ TABLES = [
     Table("environments", "The quickstart's job in an OpenEnv environment server (`bench/environments.py`)",
           "The same job (model, questions, sampling, steps) with the reward computed in the controller, and "
           "played in the example OpenEnv server (examples/openenv/arithmetic), which asks and grades: held-out "
-          "accuracy every 5 steps, and seconds a training step took. docs/environments.md reads them.",
+          "accuracy before training and every 5 steps, and seconds a training step took. docs/environments.md "
+          "reads them.",
           LEAD + [("in-process curve", lambda r: curve_cell(r, "inprocess_curve")),
                   ("OpenEnv curve", lambda r: curve_cell(r, "openenv_curve")),
                   ("OpenEnv rise", fig("openenv_rise")),
