@@ -97,6 +97,7 @@ def main() -> None:
                   "group_size": section(base, "worker")["group_size"],
                   "max_in_flight": section(base, "worker")["max_in_flight"]}
         worker["env"] = {**worker["env"], "url": url}
+        worker.pop("instruction", None)  # the math worker's; the environment asks the questions
         played = run_job(base, work, "openenv", args.steps, args.val_interval, {"worker": worker}, drop=("reward",))
     finally:
         server.terminate()

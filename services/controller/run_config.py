@@ -476,7 +476,7 @@ class RunConfig(StrictModel):
         if (self.worker.type == "openenv") != (self.worker.env is not None):
             raise ValueError("worker.env: the openenv worker needs its environment server (worker.env.url), and only "
                              "it takes one")
-        if self.worker.type == "openenv" and (self.worker.instruction is not None or not self.worker.chat
+        if self.worker.type == "openenv" and (self.worker.instruction or not self.worker.chat
                                               or self.worker.tools or self.worker.tool_result_template):
             raise ValueError("worker: the openenv worker shows the model the environment's observations as chat "
                              "messages; instruction, chat false, tools and tool_result_template are not used by it")
