@@ -238,6 +238,12 @@ def assert_only_the_pricing_file_was_refused(deployment: Deployment, output: str
     assert f"Could not fetch model pricing from https://{PRICING_HOST}" in output
 
 
+def assert_nothing_off_loopback_but_the_pricing_file(deployment: Deployment) -> None:
+    """For a program that does not fetch the pricing file itself (the other recipes' refusals are in the
+    same log): every destination off loopback any program tried is that file."""
+    assert {r["host"] for r in deployment.refused()} <= {PRICING_HOST}, deployment.refused()
+
+
 def test_math_rl_of_two_tenants_at_once_samples_and_trains_each_on_its_own(deployment: Deployment) -> None:
     log_paths = {tenant: deployment.work / f"math_rl-{tenant}" for tenant in ("alice", "bob")}
     outputs = deployment.run_recipes(
@@ -340,35 +346,18 @@ def test_the_cookbooks_dpo_trainer_runs_on_a_local_comparisons_file(deployment: 
     trained = [row for row in jsonl(log_path / "metrics.jsonl") if "dpo_loss" in row or "loss" in row]
     assert len(trained) == steps, trained
     assert all(math.isfinite(row.get("dpo_loss", row.get("loss"))) for row in trained), trained
-    assert_only_the_pricing_file_was_refused(deployment, output)
-
-
-def teacher_checkpoint(deployment: Deployment) -> str:
-    """A `tinker://` path of weights saved for the sampler: the teacher (a few supervised steps of its own)."""
-    import tinker
-    from tinker import types
-
-    service = tinker.ServiceClient(base_url=deployment.url, api_key=deployment.keys["alice"])
-    training = service.create_lora_training_client(base_model=deployment.base_model, rank=32).result(120)
-    data = [types.Datum(model_input=types.ModelInput.from_ints([11, 42, 77, 23]),
-                        loss_fn_inputs={"target_tokens": [42, 77, 23, 5], "weights": [0.0, 1.0, 1.0, 1.0]})]
-    for _ in range(2):
-        training.forward_backward(data, "cross_entropy").result(120)
-        training.optim_step(types.AdamParams(learning_rate=1e-2)).result(120)
-    path = training.save_weights_for_sampler("teacher").result(120).path
-    service.close("success").result(60)
-    return path
+    assert "DPO training completed successfully" in output
+    assert_nothing_off_loopback_but_the_pricing_file(deployment)
 
 
 def test_the_cookbooks_on_policy_distillation_learns_from_a_teacher_checkpoint(deployment: Deployment) -> None:
     log_path = deployment.work / "distillation"
     prompts = deployment.work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"What is {i} + {i + 1}?"}) + "\n" for i in range(8)))
-    teacher = teacher_checkpoint(deployment)
     steps = 2
     process, output_file = deployment.recipe("distillation", log_path, command=[
         str(Path(__file__).resolve().parent / "tinker_distillation.py"), deployment.url, deployment.base_model,
-        str(log_path), str(prompts), teacher, str(steps)])
+        str(log_path), str(prompts), str(steps)])
     try:
         code = process.wait(300)
     except subprocess.TimeoutExpired:
@@ -381,4 +370,5 @@ def test_the_cookbooks_on_policy_distillation_learns_from_a_teacher_checkpoint(d
     assert len(trained) == steps, jsonl(log_path / "metrics.jsonl")
     kls = [v for row in trained for k, v in row.items() if "teacher_kl" in k or k.endswith("/kl")]
     assert kls and all(math.isfinite(v) for v in kls), trained
-    assert_only_the_pricing_file_was_refused(deployment, output)
+    assert "teacher checkpoint: tinker://" in output
+    assert_nothing_off_loopback_but_the_pricing_file(deployment)
