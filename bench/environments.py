@@ -23,23 +23,18 @@ In --smoke the tiny random model learns nothing: only that the machinery runs is
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.quickstart_job import QUICKSTART, QUICKSTART_TINY, curve, run_job, section, step_seconds  # noqa: E402
+from flywheel.testing.environments import example_environment  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 
 RUN_FILE = ROOT / "examples" / "openenv" / "arithmetic.yaml"
-EXAMPLE = ROOT / "examples" / "openenv" / "arithmetic"
-ENV_PYTHON = ROOT / ".venv-openenv" / "bin" / "python"
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,41 +51,13 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def environment_server(work: Path) -> tuple[subprocess.Popen, str]:
-    if not ENV_PYTHON.exists():
-        raise SystemExit(f"{ENV_PYTHON} is missing: `make setup` makes it (requirements/openenv.txt)")
-    port = free_port()
-    log = open(work / "environment.log", "w")  # noqa: SIM115 - closed with the process
-    server = subprocess.Popen([str(ENV_PYTHON), "-m", "uvicorn", "server.app:app", "--app-dir", str(EXAMPLE),
-                               "--host", "127.0.0.1", "--port", str(port)], cwd=EXAMPLE, env=dict(os.environ),
-                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the environment server exited:\n{(work / 'environment.log').read_text()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.2)
-    server.kill()
-    raise SystemExit("the environment server did not listen in 60 s")
-
-
 def main() -> None:
     args = parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="flywheel-environments-"))
     work.mkdir(parents=True, exist_ok=True)
     base = QUICKSTART_TINY if args.smoke else QUICKSTART
     baseline = args.baseline_run or run_job(base, work, "inprocess", args.steps, args.val_interval)
-    server, url = environment_server(work)
-    try:
+    with example_environment(work / "environment.log") as url:
         # The environment's run file is the quickstart's with the worker swapped; on --smoke the tiny job's,
         # swapped the same way.
         worker = {**section(base, "worker"), **section(RUN_FILE, "worker"),
@@ -99,9 +66,6 @@ def main() -> None:
         worker["env"] = {**worker["env"], "url": url}
         worker.pop("instruction", None)  # the math worker's; the environment asks the questions
         played = run_job(base, work, "openenv", args.steps, args.val_interval, {"worker": worker}, drop=("reward",))
-    finally:
-        server.terminate()
-        server.wait(30)
     inprocess, openenv = curve(baseline), curve(played)
     inprocess = {step: value for step, value in inprocess.items() if step <= args.steps}
     figures = {

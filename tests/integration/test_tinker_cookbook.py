@@ -121,13 +121,16 @@ class Deployment:
                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return process, output
 
-    def run_recipe(self, name: str, log_path: Path, *args: str, timeout: float = 240) -> str:
-        """Runs a recipe to its end; its output, once it exited 0."""
-        return self.run_recipes(name, {"alice": log_path}, *args, timeout=timeout)["alice"]
+    def run_recipe(self, name: str, log_path: Path, *args: str, timeout: float = 240,
+                   command: list[str] | None = None) -> str:
+        """Runs a recipe (or `command`) to its end; its output, once it exited 0."""
+        return self.run_recipes(name, {"alice": log_path}, *args, timeout=timeout, command=command)["alice"]
 
-    def run_recipes(self, name: str, log_paths: dict[str, Path], *args: str, timeout: float = 240) -> dict[str, str]:
+    def run_recipes(self, name: str, log_paths: dict[str, Path], *args: str, timeout: float = 240,
+                    command: list[str] | None = None) -> dict[str, str]:
         """Runs the recipe for each tenant at once, each on its own key; their outputs, once all exited 0."""
-        started = {tenant: self.recipe(name, path, *args, tenant=tenant) for tenant, path in log_paths.items()}
+        started = {tenant: self.recipe(name, path, *args, tenant=tenant, command=command)
+                   for tenant, path in log_paths.items()}
         deadline = time.monotonic() + timeout
         for tenant, (process, output) in started.items():
             try:
@@ -332,17 +335,9 @@ def test_the_cookbooks_dpo_trainer_runs_on_a_local_comparisons_file(deployment: 
     log_path = deployment.work / "dpo"
     comparisons = comparisons_file(deployment.work / "comparisons.jsonl")
     steps = 3
-    process, output_file = deployment.recipe("dpo", log_path, command=[
+    output = deployment.run_recipe("dpo", log_path, timeout=300, command=[
         str(Path(__file__).resolve().parent / "tinker_dpo.py"), deployment.url, deployment.base_model,
         str(log_path), str(comparisons), str(steps)])
-    try:
-        code = process.wait(300)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        raise AssertionError(f"DPO did not finish in 300 s{log_tail(output_file)}") from None
-    output = output_file.read_text(errors="replace")
-    assert code == 0, f"DPO exited {code}{log_tail(output_file, 60)}"
     trained = [row for row in jsonl(log_path / "metrics.jsonl") if "dpo_loss" in row or "loss" in row]
     assert len(trained) == steps, trained
     assert all(math.isfinite(row.get("dpo_loss", row.get("loss"))) for row in trained), trained
@@ -355,17 +350,9 @@ def test_the_cookbooks_on_policy_distillation_learns_from_a_teacher_checkpoint(d
     prompts = deployment.work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"What is {i} + {i + 1}?"}) + "\n" for i in range(8)))
     steps = 2
-    process, output_file = deployment.recipe("distillation", log_path, command=[
+    output = deployment.run_recipe("distillation", log_path, timeout=300, command=[
         str(Path(__file__).resolve().parent / "tinker_distillation.py"), deployment.url, deployment.base_model,
         str(log_path), str(prompts), str(steps)])
-    try:
-        code = process.wait(300)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        raise AssertionError(f"distillation did not finish in 300 s{log_tail(output_file)}") from None
-    output = output_file.read_text(errors="replace")
-    assert code == 0, f"distillation exited {code}{log_tail(output_file, 60)}"
     trained = [row for row in jsonl(log_path / "metrics.jsonl") if "step" in row and any("kl" in k for k in row)]
     assert len(trained) == steps, jsonl(log_path / "metrics.jsonl")
     kls = [v for row in trained for k, v in row.items() if "teacher_kl" in k or k.endswith("/kl")]
