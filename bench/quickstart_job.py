@@ -17,14 +17,16 @@ QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 QUICKSTART_TINY = ROOT / "examples" / "quickstart-tiny.yaml"
 
 
-def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int,
-            edit: dict[str, Any] | None = None, drop: tuple[str, ...] = ()) -> Path:
-    """Runs the job of run file `base` for `steps` steps, validating every `val_interval`, its sections
-    merged with `edit` and those in `drop` left out; returns its run directory."""
+def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int | None,
+            edit: dict[str, Any] | None = None, drop: tuple[str, ...] = (), checkpoint: bool = True) -> Path:
+    """Runs the job of run file `base` for `steps` steps, validating before training and every
+    `val_interval` (None: never), its sections merged with `edit` and those in `drop` left out, with a
+    checkpoint at the end unless `checkpoint` is False; returns its run directory."""
     config = yaml.safe_load(base.read_text())
     config["run"]["max_steps"] = steps
-    config["validation"] = {**config.get("validation", {}), "before_training": True, "interval": val_interval}
-    config["checkpoint"] = {"interval": 0, "at_end": True}
+    config["validation"] = ({**config.get("validation", {}), "before_training": True, "interval": val_interval}
+                            if val_interval is not None else {"before_training": False, "interval": 0})
+    config["checkpoint"] = {"interval": 0, "at_end": checkpoint}
     for section, values in (edit or {}).items():
         config[section] = {**config.get(section, {}), **values}
     for section in drop:

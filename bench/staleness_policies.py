@@ -21,19 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.quickstart_job import QUICKSTART_TINY, run_job, section  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
-
-QUICKSTART_TINY = ROOT / "examples" / "quickstart-tiny.yaml"
 POLICIES = ("pace", "drop")
 #: pace's trainer idle fraction may exceed drop's by this much of the wall time (docs/architecture.md).
 MARGIN = 0.05
@@ -52,20 +48,13 @@ def parse_args() -> argparse.Namespace:
 
 
 def one_run(work: Path, policy: str, seed: int, steps: int) -> dict:
-    config = yaml.safe_load(QUICKSTART_TINY.read_text())
-    config["run"].update(max_steps=steps, seed=seed)
-    config["launch"]["dataset"]["train_size"] = 4 * steps  # one epoch: 4 questions a step
-    config["staleness"] = {**config.get("staleness", {}), "policy": policy}
-    config["validation"] = {"before_training": False, "interval": 0}
-    config["checkpoint"] = {"interval": 0, "at_end": False}
-    run_dir = work / f"{policy}-{seed}"
-    path = work / f"{policy}-{seed}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "services.controller", "run", str(path), "--run-dir", str(run_dir),
-               "--resume", "disable"]
-    proc = subprocess.run(command, cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{policy} seed {seed} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    base = QUICKSTART_TINY
+    run_dir = run_job(base, work, f"{policy}-{seed}", steps, None, checkpoint=False, edit={
+        "run": {"seed": seed},
+        "launch": {**section(base, "launch"),
+                   "dataset": {**section(base, "launch")["dataset"], "train_size": 4 * steps}},  # one epoch
+        "staleness": {**section(base, "staleness"), "policy": policy},
+    })
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     staleness = [r["staleness/mean"] for r in rows if "staleness/mean" in r]

@@ -112,6 +112,18 @@ class Cluster:
             "updates": {"checkpoint_root": str(self.root), **(updates or {})},
         }, port)
 
+    def tiny_fleet(self, *replicas: str, **rollout: Any) -> tuple[Path, str, ServiceProcess]:
+        """The tiny model, a synchronizer, a trainer and the replicas named (each `rollout(name, ...)` with
+        `rollout`), all ready: (the model, the synchronizer's address, the trainer)."""
+        model = prepare_tiny_model()
+        sync = self.synchronizer()
+        trainer = self.trainer(model, sync)
+        for name in replicas:
+            self.rollout(name, model, sync, **rollout)
+        for name in ("trainer", *replicas):
+            self[name].wait_ready(300)
+        return model, sync, trainer
+
     def teacher(self, name: str, model: Path) -> ServiceProcess:
         """A replica serving `model` as a distillation teacher: standalone (no synchronizer), so the run
         scores on it and never samples from it."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run, wait_for
+from tests.integration.service_processes import Cluster, jsonl, tiny_run, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,6 @@ SCORED_STEPS = 3
 
 @pytest.mark.timeout(600)
 def test_a_student_trains_on_a_teacher_replicas_scores_and_a_lost_teacher_stops_the_run(tmp_path: Path) -> None:
-    model = prepare_tiny_model()
     cluster = Cluster(tmp_path)
     run_dir = tmp_path / "run"
 
@@ -32,12 +31,9 @@ def test_a_student_trains_on_a_teacher_replicas_scores_and_a_lost_teacher_stops_
         return [m for m in jsonl(run_dir / "metrics.jsonl") if "teacher/scored_total" in m]
 
     try:
-        sync = cluster.synchronizer()
-        trainer = cluster.trainer(model, sync)
-        cluster.rollout("student", model, sync)
-        teacher = cluster.teacher("teacher", model)
-        for name in ("trainer", "student", "teacher"):
-            cluster[name].wait_ready(300)
+        model, sync, trainer = cluster.tiny_fleet("student")
+        teacher = cluster.teacher("teacher", model)  # the student's starting weights
+        teacher.wait_ready(300)
         run = tiny_run("distill", STEPS, sync, trainer.grpc_address, mode="sync")
         run["algorithm"] = {**run["algorithm"], "teacher": {
             "addresses": [teacher.grpc_address], "timeout_seconds": 20.0, "max_attempts": 2,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.testing.environments import example_environment
-from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run
+from tests.integration.service_processes import Cluster, jsonl, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -21,16 +21,11 @@ STEPS = 3
 
 @pytest.mark.timeout(600)
 def test_a_run_plays_an_openenv_environment_server_and_trains_on_its_rewards(tmp_path: Path) -> None:
-    model = prepare_tiny_model()
     cluster = Cluster(tmp_path)
     run_dir = tmp_path / "run"
     with example_environment(tmp_path / "environment.log", ARITHMETIC_ATTEMPTS="2") as url:
         try:
-            sync = cluster.synchronizer()
-            trainer = cluster.trainer(model, sync)
-            cluster.rollout("rollout-0", model, sync)
-            for name in ("trainer", "rollout-0"):
-                cluster[name].wait_ready(300)
+            _, sync, trainer = cluster.tiny_fleet("rollout-0")
             run = tiny_run("openenv", STEPS, sync, trainer.grpc_address, mode="sync")
             del run["reward"]  # the environment's reward is the reward
             run["worker"] = {**run["worker"], "type": "openenv", "max_turns": 2,
