@@ -11,7 +11,7 @@ What runs, in order, all real services started by the local launcher (`services.
    teacher's accuracy; its validation curve is the baseline.
 2. Distillation: the same job from the base model again, with `algorithm.teacher` naming a rollout
    replica this bench starts on the teacher's checkpoint (the transformers engine, standalone), the
-   reward's advantage left out (reward_coef 0: the teacher's per-token log-probs alone), sampled at
+   reward's advantage left out by default (`--reward-coef` 0: the teacher's per-token log-probs alone), sampled at
    `--temperature` (1.0: the reverse KL is to the student's own distribution), validated on the same
    held-out questions at the same interval.
 
@@ -49,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--val-interval", type=int, default=5, help="validation every N steps, on both sides")
     ap.add_argument("--temperature", type=float, default=1.0, help="the student's sampling temperature")
     ap.add_argument("--kl-coef", type=float, default=1.0, help="algorithm.teacher.kl_coef")
+    ap.add_argument("--reward-coef", type=float, default=0.0,
+                    help="algorithm.teacher.reward_coef: the task reward's group advantage mixed in (0: none)")
     ap.add_argument("--within", type=float, default=0.05, help="how close to the teacher's accuracy counts")
     ap.add_argument("--teacher-run", type=Path, default=None,
                     help="a finished quickstart run directory to take the teacher and GRPO's curve from "
@@ -90,7 +92,8 @@ def main() -> None:
         worker = section(base, "worker")
         distill_dir = run_job(base, work, "distill", args.steps, args.val_interval, {
             "algorithm": {**section(base, "algorithm"),
-                          "teacher": {"addresses": [teacher.grpc_address], "kl_coef": args.kl_coef}},
+                          "teacher": {"addresses": [teacher.grpc_address], "kl_coef": args.kl_coef,
+                                      "reward_coef": args.reward_coef}},
             "worker": {**worker, "sampling": {**worker["sampling"], "temperature": args.temperature}},
         })
         distill_seconds = time.monotonic() - started
@@ -110,7 +113,8 @@ def main() -> None:
         "reverse_kl_first": round(kls[0], 4) if kls else None, "reverse_kl_last": round(kls[-1], 4) if kls else None,
         "grpo_minutes": round(grpo_seconds / 60, 1) if args.teacher_run is None else None,
         "distill_minutes": round(distill_seconds / 60, 1),
-        "temperature": args.temperature, "teacher_from": "this run" if args.teacher_run is None else str(args.teacher_run),
+        "temperature": args.temperature, "reward_coef": args.reward_coef,
+        "teacher_from": "this run" if args.teacher_run is None else str(args.teacher_run),
         # Steps on the validation grid; a side that never got there counts its last step + one interval.
         "distill_steps_vs_grpo_steps": round(
             max(1, distill_steps if distill_steps is not None else max(distilled) + args.val_interval)

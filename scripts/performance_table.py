@@ -259,11 +259,11 @@ TABLES = [
     Table("distill", "On-policy distillation against GRPO (`bench/distill.py`)",
           "The quickstart's GRPO run trains the teacher (its final checkpoint; its held-out accuracy at the end "
           "is the teacher's); the base model is then distilled from it on the same job (the teacher's per-token "
-          "log-probs alone, reward_coef 0). Curves: held-out accuracy (greedy, 200 questions) before training and "
+          "log-probs alone where reward_coef is 0). Curves: held-out accuracy (greedy, 200 questions) before training and "
           "every 5 steps. Steps: the first validation "
           "within 5 points of the teacher; -: not in the run. docs/distillation.md reads them.",
           LEAD + [("teacher", lambda r: accuracy(r["figures"].get("teacher_accuracy"))),
-                  ("temperature", fig("temperature")),
+                  ("temperature", fig("temperature")), ("reward_coef", lambda r: number(r["figures"].get("reward_coef", 0))),
                   ("GRPO curve", lambda r: curve_cell(r, "grpo_curve")),
                   ("distilled curve", lambda r: curve_cell(r, "distill_curve")),
                   ("GRPO steps", fig("grpo_steps")), ("distilled steps", fig("distill_steps")),
