@@ -27,6 +27,8 @@ def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int | N
     config["validation"] = ({**config.get("validation", {}), "before_training": True, "interval": val_interval}
                             if val_interval is not None else {"before_training": False, "interval": 0})
     config["checkpoint"] = {"interval": 0, "at_end": checkpoint}
+    # A free port for the status page: 8080 (the default) may be another run's, or a test's beside a smoke.
+    config.setdefault("launch", {}).setdefault("controller", {})["status_port"] = 0
     for section, values in (edit or {}).items():
         config[section] = {**config.get(section, {}), **values}
     for section in drop:

@@ -124,6 +124,9 @@ def run_service(
         root_flag = {"synchronizer": "--checkpoint-root", "rollout": "--updates.checkpoint-root"}.get(name)
         if root_flag and root_flag not in args:
             model_args = (*model_args, root_flag, str(tmp_path))
+        if name == "controller" and "--status-port" not in args:
+            # Its status page's default port (8080) is what a launcher beside it on the other worker takes.
+            model_args = (*model_args, "--status-port", "0")
         child = start_service(name, tmp_path / "run", (*model_args, *args), env or service_env)
         started.append(child)
         child.wait_ready(timeout)
