@@ -37,13 +37,14 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from bench.quickstart_job import QUICKSTART, QUICKSTART_TINY, curve, first_step, run_job, section  # noqa: E402
 from flywheel.launcher.processes import start_service  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     ap.add_argument("--grpo-steps", type=int, default=30, help="steps of the GRPO quickstart that trains the teacher")
     ap.add_argument("--steps", type=int, default=20, help="steps of distillation")
     ap.add_argument("--val-interval", type=int, default=5, help="validation every N steps, on both sides")
@@ -56,11 +57,7 @@ def parse_args() -> argparse.Namespace:
                     help="a finished quickstart run directory to take the teacher and GRPO's curve from "
                          "instead of running it here")
     ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
-    ap.add_argument("--smoke", action="store_true", help="the tiny job, 2 steps a side")
-    args = ap.parse_args()
-    if args.smoke:
-        args.grpo_steps, args.steps, args.val_interval = 2, 2, 1
-    return args
+    return parse_with_smoke(ap, "the tiny job, 2 steps a side", grpo_steps=2, steps=2, val_interval=1)
 
 
 def teacher_replica(model: Path, work: Path, max_model_len: int):

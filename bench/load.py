@@ -70,6 +70,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from bench.rollout import TOKEN, engine_args, http_port_of, prepare_model, start_rollout  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 
@@ -307,7 +308,7 @@ def failures(figures: dict) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     parser.add_argument("--clients", type=int, default=256, help="concurrent clients under load")
     parser.add_argument("--seconds", type=float, default=60.0, help="the load's window")
@@ -316,11 +317,9 @@ def main() -> None:
     parser.add_argument("--baseline-clients", type=int, default=16, help="concurrent clients of the unloaded runs")
     parser.add_argument("--baseline-seconds", type=float, default=15.0, help="window of each unloaded run")
     parser.add_argument("--deadline", type=float, default=120.0, help="every attempt's deadline, in seconds")
-    parser.add_argument("--smoke", action="store_true", help="16 clients for 3 s: checks the bench runs (CI)")
-    opts = parser.parse_args()
-    if opts.smoke:
-        opts.clients, opts.seconds, opts.max_pending_requests = 16, 3.0, 8
-        opts.baseline_clients, opts.baseline_seconds, opts.max_tokens = 4, 2.0, 8
+    opts = parse_with_smoke(parser, "16 clients for 3 s: checks the bench runs (CI)",
+                            clients=16, seconds=3.0, max_pending_requests=8,
+                            baseline_clients=4, baseline_seconds=2.0, max_tokens=8)
 
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-load-"))
     figures: dict = {"model": opts.model, "clients": opts.clients, "seconds": opts.seconds, "max_tokens": opts.max_tokens,

@@ -50,6 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from bench.rollout import TOKEN, engine_args, prepare_model, service_env  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 
@@ -249,15 +250,13 @@ def bench_engine(kind: str, model_dir: Path, work: Path, prompts: list[list[int]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--engine", choices=["vllm", "transformers", "both"], default="both")
     parser.add_argument("--generations", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=384)
     parser.add_argument("--updates", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="8 generations x 128 tokens: checks the bench runs (CI)")
-    opts = parser.parse_args()
-    if opts.smoke:
-        opts.generations, opts.max_tokens = 8, 128
+    opts = parse_with_smoke(parser, "8 generations x 128 tokens: checks the bench runs (CI)",
+                            generations=8, max_tokens=128)
 
     from transformers import AutoTokenizer
 

@@ -38,6 +38,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from services.controller.launcher.prepare import prepare_model  # noqa: E402
 from flywheel.launcher.processes import ServiceProcess, start_service  # noqa: E402
 from services.controller.launcher.spec import ModelSource  # noqa: E402
@@ -46,14 +47,10 @@ from flywheel.testing.records import record  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     ap.add_argument("--steps", type=int, default=20, help="trainer steps per mode")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the trainer and the rollout to cores")
-    ap.add_argument("--smoke", action="store_true", help="3 steps per mode: checks the bench runs (CI)")
-    args = ap.parse_args()
-    if args.smoke:
-        args.steps = 3
-    return args
+    return parse_with_smoke(ap, "3 steps per mode: checks the bench runs (CI)", steps=3)
 
 
 def cores() -> list[int]:

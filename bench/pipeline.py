@@ -36,13 +36,19 @@ import asyncio
 import logging
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from services.controller.assemble import Services, build_pipeline
-from services.controller.loop import run
-from services.controller.run_config import parse_run_config
-from flywheel.testing.records import record
-from services.controller.testing.simulated import (
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.arguments import parse_with_smoke  # noqa: E402
+from bench.simulated_job import job_config, job_parser  # noqa: E402
+from services.controller.assemble import Services, build_pipeline  # noqa: E402
+from services.controller.loop import run  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
+from services.controller.testing.simulated import (  # noqa: E402
     SimulatedRolloutEngine,
     SimulatedTrainer,
     constant,
@@ -55,38 +61,18 @@ MODES = [("sync", "sync", 0), ("batch_async_1", "batch-async", 1), ("batch_async
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40, help="trainer steps per mode")
-    ap.add_argument("--batch", type=int, default=32, help="samples per train batch")
-    ap.add_argument("--group", type=int, default=4, help="samples per task (GRPO group)")
-    ap.add_argument("--in-flight", type=int, default=16, help="tasks rolled out concurrently")
+    ap = job_parser(__doc__, steps=40, in_flight=16)
     ap.add_argument("--mean-ms", type=float, default=40.0, help="mean Generate time = mean TrainStep time, ms")
     ap.add_argument("--sigma", type=float, default=1.0, help="log-std of the Generate time (tail weight)")
     ap.add_argument("--train-cv", type=float, default=0.1, help="coefficient of variation of TrainStep time")
     ap.add_argument("--sync-ms", type=float, default=1.0, help="weight export and per-replica load time, ms")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--smoke", action="store_true", help="6 steps of 8 samples: checks the bench runs (CI)")
-    args = ap.parse_args()
-    if args.smoke:
-        args.steps, args.batch, args.in_flight = 6, 8, 4
-    return args
+    return parse_with_smoke(ap, "6 steps of 8 samples: checks the bench runs (CI)", steps=6, batch=8, in_flight=4)
 
 
 async def one_mode(args: argparse.Namespace, mode: str, threshold: int) -> dict:
     rng = random.Random(args.seed)
     mean = args.mean_ms / 1000
-    items = [{"prompt": f"question {i}", "answer": str(i % 4)} for i in range(args.steps * args.batch * 4)]
-    cfg = parse_run_config({
-        "run": {"max_steps": args.steps, "seed": args.seed},
-        "data": {"train": {"items": items}},
-        "worker": {"type": "math", "group_size": args.group, "max_in_flight": args.in_flight},
-        # Every group counts (no dynamic sampling), so modes train the same number of samples.
-        "algorithm": {"name": "grpo", "train_batch_size": args.batch},
-        "mode": mode,
-        "staleness": {"threshold": threshold},
-        "checkpoint": {"at_end": False},
-        "metrics": {"jsonl": False},
-    })
+    cfg = job_config(args, mode=mode, staleness={"threshold": threshold})
     trainer = SimulatedTrainer(train_time=normal(mean, args.train_cv, rng), export_time=constant(args.sync_ms / 1000))
     engine = SimulatedRolloutEngine(
         gen_time=lognormal(mean, args.sigma, rng), update_time=constant(args.sync_ms / 1000), rng=rng

@@ -33,23 +33,25 @@ import argparse
 import asyncio
 import logging
 import random
+import sys
+from pathlib import Path
 
-from flywheel.testing.judge import FlakyJudge, GenerationClock, judge_server, reward_of
-from flywheel.testing.records import record
-from services.controller.assemble import Services, build_pipeline
-from services.controller.loop import run
-from services.controller.run_config import parse_run_config
-from services.controller.testing.simulated import (
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.arguments import parse_with_smoke  # noqa: E402
+from bench.simulated_job import job_config, job_parser  # noqa: E402
+from flywheel.testing.judge import FlakyJudge, GenerationClock, judge_server, reward_of  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
+from services.controller.assemble import Services, build_pipeline  # noqa: E402
+from services.controller.loop import run  # noqa: E402
+from services.controller.testing.simulated import (  # noqa: E402
     SimulatedRolloutEngine, SimulatedTrainer, constant, lognormal, normal, run_virtual, simulated_services,
 )
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=30, help="trainer steps per way")
-    ap.add_argument("--batch", type=int, default=32, help="samples per train batch")
-    ap.add_argument("--group", type=int, default=4, help="samples per task (GRPO group)")
-    ap.add_argument("--in-flight", type=int, default=8, help="tasks generating at once (worker.max_in_flight)")
+    ap = job_parser(__doc__, steps=30, in_flight=8)
     ap.add_argument("--gen-ms", type=float, default=200.0, help="mean Generate time of a group, ms")
     ap.add_argument("--judge-ms", type=float, default=200.0, help="mean time of a judge call that answers, ms")
     ap.add_argument("--timeout-ms", type=float, default=1000.0, help="deadline of one judge call, ms")
@@ -58,30 +60,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--groups-in-flight", type=int, default=None,
                     help="reward.judge.groups_in_flight of the async way; default the product's")
     ap.add_argument("--http", action="store_true", help="a real HTTP judge in real time (default: virtual time)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--smoke", action="store_true", help="4 steps of 16 samples, 50 ms times: checks the bench runs")
-    args = ap.parse_args()
-    if args.smoke:
-        args.steps, args.batch, args.gen_ms, args.judge_ms, args.timeout_ms = 4, 16, 50.0, 50.0, 300.0
-    return args
+    return parse_with_smoke(ap, "4 steps of 16 samples, 50 ms times: checks the bench runs",
+                            steps=4, batch=16, gen_ms=50.0, judge_ms=50.0, timeout_ms=300.0)
 
 
 async def one_way(args: argparse.Namespace, url: str, judge: FlakyJudge | None, groups_in_flight: int | None) -> dict:
     rng = random.Random(args.seed)
-    items = [{"prompt": f"question {i}", "answer": str(i % 4)} for i in range(args.steps * args.batch * 4)]
     judge_cfg = {"url": url, "timeout_seconds": args.timeout_ms / 1000, "retry_backoff_seconds": 0.01}
     if groups_in_flight is not None:
         judge_cfg["groups_in_flight"] = groups_in_flight
-    cfg = parse_run_config({
-        "run": {"max_steps": args.steps, "seed": args.seed},
-        "data": {"train": {"items": items}},
-        "worker": {"type": "math", "group_size": args.group, "max_in_flight": args.in_flight, "max_retries": 50},
-        "reward": {"judge": judge_cfg},
-        "algorithm": {"name": "grpo", "train_batch_size": args.batch},
-        "mode": "fully-async",
-        "checkpoint": {"at_end": False},
-        "metrics": {"jsonl": False},
-    })
+    cfg = job_config(args, worker={"max_retries": 50}, reward={"judge": judge_cfg}, mode="fully-async")
     gen = args.gen_ms / 1000
     trainer = SimulatedTrainer(train_time=normal(gen / 10, 0.1, rng), export_time=constant(0.001))
     clock = GenerationClock()

@@ -28,7 +28,6 @@ Ends with one JSON line of the figures; ratios are named `<ours>_vs_<baseline>`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing as mp
@@ -43,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository: its tests' helper writes a version as a trainer does
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -274,17 +274,15 @@ async def throughput(child, baseline: InProcess, prompts: list, max_tokens: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--skip-throughput", action="store_true", help="only measure weight updates")
-    parser.add_argument("--smoke", action="store_true", help="4 prompts x 8 tokens, one round: checks the bench runs (CI)")
-    opts = parser.parse_args()
-    if opts.smoke:
-        opts.prompts, opts.max_tokens, opts.reps, opts.warmup = 4, 8, 1, 0
+    opts = parse_with_smoke(parser, "4 prompts x 8 tokens, one round: checks the bench runs (CI)",
+                            prompts=4, max_tokens=8, reps=1, warmup=0)
 
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-rollout-"))
     model_dir = prepare_model(opts.model, work)

@@ -28,19 +28,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from flywheel.common.types import SamplingSpec
-from flywheel.models.tiny import build_tiny_model
-from flywheel.testing.records import record
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
+from flywheel.common.types import SamplingSpec  # noqa: E402
+from flywheel.models.tiny import build_tiny_model  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     ap.add_argument("--prompts", type=int, default=16, help="prompts sampled")
     ap.add_argument("--samples", type=int, default=4, help="samples per prompt")
     ap.add_argument("--tokens", type=int, default=64, help="completion tokens per sample")
@@ -48,11 +53,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--init-std", type=float, default=0.05, help="the tiny MoE's weight init std")
     ap.add_argument("--experts", type=int, default=8, help="experts per MoE layer")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--smoke", action="store_true", help="4 prompts x 2 samples x 16 tokens: checks the bench runs")
-    args = ap.parse_args()
-    if args.smoke:
-        args.prompts, args.samples, args.tokens = 4, 2, 16
-    return args
+    return parse_with_smoke(ap, "4 prompts x 2 samples x 16 tokens: checks the bench runs",
+                            prompts=4, samples=2, tokens=16)
 
 
 async def sample(model: Path, args: argparse.Namespace) -> list:

@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from bench.quickstart_job import QUICKSTART_TINY, run_job, section  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 POLICIES = ("pace", "drop")
@@ -36,15 +37,11 @@ MARGIN = 0.05
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     ap.add_argument("--steps", type=int, default=30, help="trainer steps a run")
     ap.add_argument("--runs", type=int, default=3, help="runs a policy (seeds 0, 1, ...)")
     ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
-    ap.add_argument("--smoke", action="store_true", help="one run a policy of 3 steps")
-    args = ap.parse_args()
-    if args.smoke:
-        args.steps, args.runs = 3, 1
-    return args
+    return parse_with_smoke(ap, "one run a policy of 3 steps", steps=3, runs=1)
 
 
 def one_run(work: Path, policy: str, seed: int, steps: int) -> dict:

@@ -22,7 +22,6 @@ is better (the issue's goal: 1.1 or less). Ends with one JSON line of the figure
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -39,6 +38,7 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from flywheel.launcher.processes import start_service  # noqa: E402
 from flywheel.models.tiny import HEAD_DIM, build_tiny_model  # noqa: E402
 from flywheel.runtime.http_server import http_ready_file  # noqa: E402
@@ -77,7 +77,7 @@ class Loop:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128, help="a multiple of 64")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -85,10 +85,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, 2 rounds: checks it runs")
-    args = parser.parse_args()
-    if args.smoke:
-        args.layers, args.hidden, args.seq_len, args.batch_size, args.rounds, args.warmup = 1, 64, 32, 2, 2, 1
+    args = parse_with_smoke(parser, "tiny sizes, 2 rounds: checks it runs",
+                            layers=1, hidden=64, seq_len=32, batch_size=2, rounds=2, warmup=1)
 
     with tempfile.TemporaryDirectory(prefix="bench-tinker-") as tmp:
         root = Path(tmp)
