@@ -91,6 +91,24 @@ _STOP_REASON = {"anyOf": [_STR, _INT, {"type": "null"}]}
 #: One server-sent event: `data` is a JSON chunk (or `[DONE]`); the Responses API names its events.
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"event": _STR, "data": _STR, "id": _STR}}
 
+def _completion(kind: str, content: str, choice: dict[str, Any], **properties: Any) -> dict[str, Any]:
+    """A completions answer (legacy or chat): the envelope, usage and per-choice fields both share, with
+    `object` = `kind`, each choice's `content` field required and described in `choice`, and the answer's
+    own top-level `properties`."""
+    return {
+        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": _STR, "object": {"const": kind}, "created": _INT, "model": _STR,
+            "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", content, "finish_reason"],
+                "properties": {"index": _INT, "finish_reason": _FINISH, "stop_reason": _STOP_REASON,
+                               "logprobs": _nullable(_OBJECT), "token_ids": _IDS,
+                               "weight_version": _WEIGHT_VERSION, **choice}}},
+            "usage": _USAGE, "weight_version": _WEIGHT_VERSION, **properties,
+        },
+    }
+
+
 _ANSWERS: dict[str, dict[str, Any]] = {
     "Error": {
         "type": "object", "required": ["error"],
@@ -108,42 +126,25 @@ _ANSWERS: dict[str, dict[str, Any]] = {
             "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
                            "max_model_len": _INT, "weight_version": _INT}}}},
     },
-    "Completion": {
-        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-        "properties": {
-            "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR,
-            "choices": {"type": "array", "items": {
-                "type": "object", "required": ["index", "text", "finish_reason"],
-                "properties": {"index": _INT, "text": _STR, "logprobs": _nullable(_OBJECT), "finish_reason": _FINISH,
-                               "stop_reason": _STOP_REASON, "prompt_token_ids": _IDS, "token_ids": _IDS,
-                               "weight_version": _WEIGHT_VERSION}}},
-            "usage": _USAGE,
-            "prompt_token_ids": {"anyOf": [_IDS, {"type": "array", "items": _IDS}],
-                                 "description": "Flywheel: the prompt's ids (a list of them for several prompts)"},
-            "weight_version": _WEIGHT_VERSION,
+    "Completion": _completion(
+        "text_completion", "text", {"text": _STR, "prompt_token_ids": _IDS},
+        prompt_token_ids={"anyOf": [_IDS, {"type": "array", "items": _IDS}],
+                          "description": "Flywheel: the prompt's ids (a list of them for several prompts)"},
+    ),
+    "ChatCompletion": _completion(
+        "chat.completion", "message", {
+            "message": {"type": "object", "required": ["role", "content"],
+                        "properties": {"role": {"const": "assistant"}, "content": _nullable(_STR),
+                                       "tool_calls": {"type": "array", "items": {
+                                           "type": "object", "required": ["id", "type", "function"],
+                                           "properties": {"id": _STR, "type": {"const": "function"},
+                                                          "function": {"type": "object",
+                                                                       "required": ["name", "arguments"],
+                                                                       "properties": {"name": _STR,
+                                                                                      "arguments": _STR}}}}}}},
         },
-    },
-    "ChatCompletion": {
-        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-        "properties": {
-            "id": _STR, "object": {"const": "chat.completion"}, "created": _INT, "model": _STR,
-            "choices": {"type": "array", "items": {
-                "type": "object", "required": ["index", "message", "finish_reason"],
-                "properties": {
-                    "index": _INT, "finish_reason": _FINISH, "stop_reason": _STOP_REASON,
-                    "message": {"type": "object", "required": ["role", "content"],
-                                "properties": {"role": {"const": "assistant"}, "content": _nullable(_STR),
-                                               "tool_calls": {"type": "array", "items": {
-                                                   "type": "object", "required": ["id", "type", "function"],
-                                                   "properties": {"id": _STR, "type": {"const": "function"},
-                                                                  "function": {"type": "object",
-                                                                               "required": ["name", "arguments"],
-                                                                               "properties": {"name": _STR,
-                                                                                              "arguments": _STR}}}}}}},
-                    "logprobs": _nullable(_OBJECT), "token_ids": _IDS, "weight_version": _WEIGHT_VERSION}}},
-            "usage": _USAGE, "prompt_token_ids": _IDS, "weight_version": _WEIGHT_VERSION,
-        },
-    },
+        prompt_token_ids=_IDS,
+    ),
     "Response": {
         "type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],
         "properties": {
