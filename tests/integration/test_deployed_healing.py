@@ -137,6 +137,14 @@ def synchronizer_status(deployment: Deployment):
     return asyncio.run(ask())
 
 
+def run_output(deployment: Deployment, controller: subprocess.Popen) -> str:
+    """The controller's output once it has ended the run, which it must do with exit code 0."""
+    code = controller.wait(600)
+    output = deployment.cluster.controller_output()
+    assert code == 0, output
+    return output
+
+
 def trained_steps(run_dir: Path) -> int:
     return max((r["step"] for r in jsonl(run_dir / "trained_tasks.jsonl")), default=0)
 
@@ -152,9 +160,7 @@ def trainer_killed_after_step_3(tmp_path: Path, checkpoint_interval: int = 2) ->
         if checkpoint_interval > STEPS:
             assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
         deployment.kill_and_restart("trainer")
-        code = controller.wait(600)
-        output = deployment.cluster.controller_output()
-        assert code == 0, output
+        output = run_output(deployment, controller)
         status = synchronizer_status(deployment)
     finally:
         if controller.poll() is None:
@@ -177,9 +183,7 @@ def test_a_synchronizer_restarted_by_the_kubelet_is_caught_up_and_the_run_goes_o
         wait_for(lambda: trained_steps(run_dir) >= 3, 600, "step 3", controller)
         killed_at = trained_steps(run_dir)
         deployment.kill_and_restart("synchronizer")
-        code = controller.wait(600)
-        output = deployment.cluster.controller_output()
-        assert code == 0, output
+        output = run_output(deployment, controller)
     finally:
         if controller.poll() is None:
             controller.kill()
@@ -281,9 +285,7 @@ def test_with_restarts_off_the_jobs_next_pod_resumes_the_run_once_nothing_holds_
             assert controller.wait(300) == 1, deployment.cluster.controller_output()
             assert "healing" not in deployment.cluster.controller_output()
             controller = deployment.cluster.controller(run, run_dir)  # the Job's next pod
-            code = controller.wait(600)
-            output = deployment.cluster.controller_output()
-            assert code == 0, output
+            output = run_output(deployment, controller)
         finally:
             if controller.poll() is None:
                 controller.kill()
