@@ -179,6 +179,31 @@ def check_run_as_the_pod_user(kube: Kube) -> None:
             assert {p.stat().st_gid for p in written} == {10001}, (pod.name, written)
 
 
+def start_the_job_until_it_trains(kube: Kube, deadline: float, viewer_token: str, tls: ssl.SSLContext | None = None
+                                  ) -> tuple[Pod, list[Pod], str, dict]:
+    """Starts the job (apply_then_start_the_job), then polls its status page through the controller's Service
+    (what `kubectl port-forward svc/...` reaches; https with the client context `tls`) until it shows the
+    trainer and every rollout live. Fails at once when a pod restarts or the controller pod ends first, and
+    at `deadline` (time.monotonic()). Returns the Job's pod, the rollout pods, the page and its status."""
+    job_pod, rollouts = apply_then_start_the_job(kube, deadline)
+    page = f"{'https' if tls else 'http'}://{kube.service_address('flywheel-controller', 'http')}/"
+    body, seen = {}, "the page never answered"
+    while not body:
+        kube.check()
+        crashed = {p.name: p.why_restarted() for p in kube.pods if p.restarts}
+        assert not crashed, f"restarted while the job ran: {crashed}"
+        assert job_pod.phase in ("Pending", "Running"), \
+            f"controller pod {job_pod.phase} before the status page showed it training ({seen}):\n{job_pod.tail()}"
+        assert time.monotonic() < deadline, "the job never showed every component training:\n" + "\n".join(
+            f"{p.name} {p.phase} ready={p.ready}\n{p.tail(1500)}" for p in kube.pods)
+        try:
+            body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], viewer_token, context=tls)
+        except OSError as exc:
+            seen = f"the page: {exc!r}"
+        time.sleep(0.5)
+    return job_pod, rollouts, page, body
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
 def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
@@ -190,23 +215,7 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
         kube = Kube(cluster, objects, tmp_path)
         deadline = time.monotonic() + JOB_TIMEOUT
         try:
-            job_pod, rollouts = apply_then_start_the_job(kube, deadline)
-            # The status page through the controller's Service (what `kubectl port-forward svc/...` reaches).
-            page = f"http://{kube.service_address('flywheel-controller', 'http')}/"
-            body, seen = {}, "the page never answered"
-            while not body:
-                kube.check()
-                crashed = {p.name: p.why_restarted() for p in kube.pods if p.restarts}
-                assert not crashed, f"restarted while the job ran: {crashed}"
-                assert job_pod.phase in ("Pending", "Running"), \
-                    f"controller pod {job_pod.phase} before the status page showed it training ({seen}):\n{job_pod.tail()}"
-                assert time.monotonic() < deadline, "the job never showed every component training:\n" + "\n".join(
-                    f"{p.name} {p.phase} ready={p.ready}" for p in kube.pods)
-                try:
-                    body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], tokens["viewer"])
-                except OSError as exc:
-                    seen = f"the page: {exc!r}"
-                time.sleep(0.5)
+            job_pod, rollouts, page, body = start_the_job_until_it_trains(kube, deadline, tokens["viewer"])
             replica_ids = sorted(c["id"] for c in body["components"] if c["role"] == "rollout")
             check_run_as_the_pod_user(kube)
             # Each rollout pod registered under its own pod IP (the Deployment's POD_IP advertise address).
@@ -277,21 +286,7 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
         kube = Kube(cluster, objects, tmp_path)
         deadline = time.monotonic() + JOB_TIMEOUT
         try:
-            job_pod, rollouts = apply_then_start_the_job(kube, deadline)
-            page = f"https://{kube.service_address('flywheel-controller', 'http')}/"
-            body = {}
-            while not body:
-                kube.check()
-                crashed = {p.name: p.why_restarted() for p in kube.pods if p.restarts}
-                assert not crashed, f"restarted while the job ran: {crashed}"
-                assert job_pod.phase in ("Pending", "Running"), f"controller pod {job_pod.phase}:\n{job_pod.tail()}"
-                assert time.monotonic() < deadline, "the job never trained a step with every component:\n" + \
-                    "\n".join(f"{p.name} {p.phase} ready={p.ready}\n{p.tail(1500)}" for p in kube.pods)
-                try:
-                    body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], tokens["viewer"], context=client)
-                except OSError:
-                    pass
-                time.sleep(0.5)
+            job_pod, rollouts, page, body = start_the_job_until_it_trains(kube, deadline, tokens["viewer"], tls=client)
             # Each rollout registered at its pod's DNS record, which the controller dialled over TLS.
             assert sorted(c["address"] for c in body["components"] if c["role"] == "rollout") == sorted(
                 f"{p.ip.replace('.', '-')}.{namespace}.pod:50053" for p in rollouts), body["components"]
