@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run, wait_for
+from tests.integration.run_records import RunRecords, samples_of
+from tests.integration.service_processes import Cluster, prepare_tiny_model, tiny_run, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -32,23 +33,15 @@ pytestmark = pytest.mark.slow
 STEPS = 200
 
 
-def samples_of(rows: list[dict], replica: str) -> list[tuple[int, int]]:
-    """(step, version_start) of every trained sample the replica generated."""
-    return [(row["step"], start) for row in rows
-            for (start, _), engine in zip(row["sample_versions"], row["sample_engines"]) if engine == replica]
-
-
 @pytest.mark.timeout(900)
 def test_replicas_join_die_and_rejoin_without_losing_a_task(tmp_path: Path) -> None:
     model = prepare_tiny_model()
     cluster = Cluster(tmp_path)
     run_dir = tmp_path / "run"
-
-    def ledger() -> list[dict]:
-        return jsonl(run_dir / "trained_tasks.jsonl")
+    records = RunRecords(run_dir)
 
     def latest_version() -> int:
-        return max((e["latest_version"] for e in jsonl(run_dir / "synchronizer_events.jsonl")), default=0)
+        return max((e["latest_version"] for e in records.events()), default=0)
 
     try:
         # Short leases: a killed replica is dropped within seconds.
@@ -64,35 +57,35 @@ def test_replicas_join_die_and_rejoin_without_losing_a_task(tmp_path: Path) -> N
         controller = cluster.controller(run, run_dir)
         try:
             # 2. A third replica joins mid-run: it catches up before its first generation, then gets work.
-            wait_for(lambda: len(ledger()) >= 3, 300, "3 steps", controller)
+            wait_for(lambda: len(records.ledger()) >= 3, 300, "3 steps", controller)
             joined_at = latest_version()  # r2 catches up to this version or a newer one
             cluster.rollout("r2", model, sync).wait_ready(300)
-            first = wait_for(lambda: samples_of(ledger(), "r2"), 300, "work on r2", controller)
+            first = wait_for(lambda: samples_of(records.ledger(), "r2"), 300, "work on r2", controller)
             assert first[0][1] >= joined_at, "r2 generated before it caught up"
 
             # 3. r0 dies mid-run; the others carry on.
             cluster["r0"].process.send_signal(signal.SIGKILL)
-            killed_at = len(ledger())
-            wait_for(lambda: len(ledger()) >= killed_at + 2, 300, "2 steps after the kill", controller)
+            killed_at = len(records.ledger())
+            wait_for(lambda: len(records.ledger()) >= killed_at + 2, 300, "2 steps after the kill", controller)
 
             # 4. r0 restarts on the same address and id: it catches up, then gets work again.
             restarted_at = latest_version()
             again = cluster.rollout("r0@again", model, sync, port=r0_port)
             again.wait_ready(300)
             assert again.grpc_address.endswith(f":{r0_port}")
-            back = wait_for(lambda: [s for s in samples_of(ledger(), "r0") if s[0] > killed_at + 2], 300,
+            back = wait_for(lambda: [s for s in samples_of(records.ledger(), "r0") if s[0] > killed_at + 2], 300,
                             "work on r0 after its restart", controller)
-            assert min(v for _, v in back) >= restarted_at, "the restarted r0 served its base weights"
+            assert min(v for _, v, _ in back) >= restarted_at, "the restarted r0 served its base weights"
             cluster.stop_the_run(controller)
         finally:
             if controller.poll() is None:
                 controller.kill()
-        rows = ledger()
+        rows = records.ledger()
         assert len(rows) < STEPS and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
         trained = [task for row in rows for task in row["tasks"]]
         assert len(trained) == len(set(trained)) == 4 * len(rows), "a task was lost or trained twice"
         # The synchronizer saw r0 leave and come back.
-        r0 = [e["state"] for e in jsonl(run_dir / "synchronizer_events.jsonl") if e.get("id") == "r0"]
+        r0 = [e["state"] for e in records.events() if e.get("id") == "r0"]
         assert "STOPPED" in r0 and r0.index("STOPPED") < len(r0) - 1
     finally:
         cluster.stop()
@@ -109,12 +102,7 @@ def test_a_replica_that_joins_an_nccl_run_is_sent_the_newest_version_before_it_s
     model = prepare_tiny_model()
     cluster = Cluster(tmp_path)
     run_dir = tmp_path / "run"
-
-    def ledger() -> list[dict]:
-        return jsonl(run_dir / "trained_tasks.jsonl")
-
-    def events() -> list[dict]:
-        return jsonl(run_dir / "synchronizer_events.jsonl")
+    records = RunRecords(run_dir)
 
     try:
         sync = cluster.synchronizer()
@@ -126,22 +114,24 @@ def test_a_replica_that_joins_an_nccl_run_is_sent_the_newest_version_before_it_s
                        sync={"method": "nccl", "interval": 4})
         controller = cluster.controller(run, run_dir)
         try:
-            wait_for(lambda: any(e["kind"] == "VERSION_COMMITTED" for e in events()), 300, "a broadcast", controller)
-            joined_at = max(e["latest_version"] for e in events())
+            wait_for(lambda: any(e["kind"] == "VERSION_COMMITTED" for e in records.events()), 300, "a broadcast",
+                     controller)
+            joined_at = max(e["latest_version"] for e in records.events())
             assert joined_at >= 4
             cluster.rollout("r1", model, sync).wait_ready(300)
-            first = wait_for(lambda: samples_of(ledger(), "r1"), 300, "work on r1", controller)
-            assert min(v for _, v in first) >= joined_at, "r1 generated on its base weights"
+            first = wait_for(lambda: samples_of(records.ledger(), "r1"), 300, "work on r1", controller)
+            assert min(v for _, v, _ in first) >= joined_at, "r1 generated on its base weights"
             cluster.stop_the_run(controller)
         finally:
             if controller.poll() is None:
                 controller.kill()
-        r1 = [e for e in events() if e.get("id") == "r1"]
+        r1 = [e for e in records.events() if e.get("id") == "r1"]
         assert r1[0]["kind"] == "COMPONENT_REGISTERED" and r1[0]["weight_version"] == 0
         # The version that was newest when r1 registered (the trainer may have moved on since joined_at).
         behind = r1[0]["latest_version"]
         assert any(e["kind"] == "SYNC_REQUESTED" and e["version"] == behind for e in r1), r1
-        assert min(v for _, v in samples_of(ledger(), "r1")) >= behind, "r1 generated before it was sent the newest"
+        assert min(v for _, v, _ in samples_of(records.ledger(), "r1")) >= behind, \
+            "r1 generated before it was sent the newest"
         assert any(e["weight_version"] >= behind for e in r1 if e["kind"] != "COMPONENT_REGISTERED")
     finally:
         cluster.stop()

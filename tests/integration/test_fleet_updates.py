@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.run_records import RunRecords, samples_of, updates_of
 from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run, wait_for
 
 pytestmark = pytest.mark.slow
@@ -47,10 +48,6 @@ FAULTS = {
 }
 
 
-def updates_of(events: list[dict], replica: str) -> list[dict]:
-    return [e["update"] for e in events if e["kind"] == "UPDATE_REPORTED" and e["update"]["id"] == replica]
-
-
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_every_load_fault_is_caught_quarantined_and_the_replica_rejoins_once_an_update_verifies(
@@ -63,11 +60,7 @@ def test_every_load_fault_is_caught_quarantined_and_the_replica_rejoins_once_an_
     run_dir = tmp_path / "run"
     faults = tmp_path / "r1-faults.json"
 
-    def ledger() -> list[dict]:
-        return jsonl(run_dir / "trained_tasks.jsonl")
-
-    def events() -> list[dict]:
-        return jsonl(run_dir / "synchronizer_events.jsonl")
+    records = RunRecords(run_dir)
 
     try:
         sync = cluster.synchronizer(lease_seconds=5.0, sweep_interval_seconds=0.2)
@@ -82,35 +75,36 @@ def test_every_load_fault_is_caught_quarantined_and_the_replica_rejoins_once_an_
         controller = cluster.controller(run, run_dir)
         windows: list[tuple[str, int, int]] = []  # (fault, failed version, version r1 rejoined with)
         try:
-            wait_for(lambda: [u for u in updates_of(events(), "r1") if u["outcome"] == "VERIFIED"], 300,
+            wait_for(lambda: [u for u in updates_of(records.events(), "r1") if u["outcome"] == "VERIFIED"], 300,
                      "r1's first verified update", controller)
             for name, (keys, caught_by_transformers, caught_by_vllm) in FAULTS.items():
-                since = len(updates_of(events(), "r1"))
+                since = len(updates_of(records.events(), "r1"))
                 faults.write_text(json.dumps(keys))
-                failed = wait_for(lambda: [u for u in updates_of(events(), "r1")[since:] if u["outcome"] == "FAILED"],
-                                  300, f"r1's update failing on fault {name}", controller)[0]
+                failed = wait_for(
+                    lambda: [u for u in updates_of(records.events(), "r1")[since:] if u["outcome"] == "FAILED"],
+                    300, f"r1's update failing on fault {name}", controller)[0]
                 phase = caught_by_vllm if engine == "vllm" else caught_by_transformers
                 assert failed["failed_phase"] == phase, (name, failed)
-                assert wait_for(lambda: [e for e in events() if e.get("id") == "r1" and e.get("quarantined")], 60,
-                                "r1 quarantined", controller)
-                quarantined_at = len(ledger())
-                wait_for(lambda: len(ledger()) >= quarantined_at + 2, 300, "2 steps on r0 alone", controller)
+                assert wait_for(lambda: [e for e in records.events() if e.get("id") == "r1" and e.get("quarantined")],
+                                60, "r1 quarantined", controller)
+                quarantined_at = len(records.ledger())
+                wait_for(lambda: len(records.ledger()) >= quarantined_at + 2, 300, "2 steps on r0 alone", controller)
                 faults.unlink()  # the fault is cleared: r1's next update verifies
                 rejoined = wait_for(
-                    lambda: [u for u in updates_of(events(), "r1")[since:] if u["outcome"] == "VERIFIED"
+                    lambda: [u for u in updates_of(records.events(), "r1")[since:] if u["outcome"] == "VERIFIED"
                              and u["version"] >= failed["version"]], 300, "r1's update verifying", controller)[0]
                 coverage = rejoined["coverage"]
                 assert coverage["resident_tensors"] + coverage["received_tensors"] == coverage["tensors"] > 0
                 if engine == "vllm":  # its repacked layers are covered by RECEIVED and the probe
                     assert coverage["received_tensors"] > 0 and coverage["probe"]["passed"], coverage
-                wait_for(lambda: [s for s in samples_of(ledger(), "r1") if s[1] >= rejoined["version"]], 300,
+                wait_for(lambda: [s for s in samples_of(records.ledger(), "r1") if s[1] >= rejoined["version"]], 300,
                          "work on r1 after it rejoined", controller)
                 windows.append((name, failed["version"], rejoined["version"]))
             cluster.stop_the_run(controller)
         finally:
             if controller.poll() is None:
                 controller.kill()
-        rows = ledger()
+        rows = records.ledger()
         assert len(rows) < STEPS, "the run was to be stopped, not finish"
         assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
         for name, failed_version, rejoined_version in windows:
@@ -118,7 +112,7 @@ def test_every_load_fault_is_caught_quarantined_and_the_replica_rejoins_once_an_
             bad = [s for s in samples_of(rows, "r1") if failed_version <= s[2] < rejoined_version]
             assert not bad, f"fault {name}: r1 generated while quarantined: {bad[:5]}"
         assert samples_of(rows, "r0"), "r0 carried the run"
-        timed = [u for u in updates_of(events(), "r0") if u["outcome"] == "VERIFIED"]
+        timed = [u for u in updates_of(records.events(), "r0") if u["outcome"] == "VERIFIED"]
         assert timed and all(u["verify_seconds"] > 0 and u["pause_seconds"] > 0 for u in timed)
         # The run's metrics carry the fleet: the quarantined replica counted while it was out.
         metrics = jsonl(run_dir / "metrics.jsonl")
