@@ -204,6 +204,21 @@ def start_the_job_until_it_trains(kube: Kube, deadline: float, viewer_token: str
     return job_pod, rollouts, page, body
 
 
+def wait_for_the_job_to_end(kube: Kube, job_pod: Pod, deadline: float) -> None:
+    while job_pod.phase in ("Pending", "Running"):
+        kube.check()
+        assert time.monotonic() < deadline, f"the Job did not complete:\n{job_pod.tail()}"
+        time.sleep(0.5)
+
+
+def stop_keeping_the_logs(kube: Kube, cluster: NamespaceCluster) -> dict[str, str]:
+    """Stops every pod and the cluster; returns each pod's last 1500 log lines, for the failures after."""
+    logs = {p.name: p.tail(1500) for p in kube.pods}
+    kube.stop()
+    cluster.stop()
+    return logs
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
 def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
@@ -241,16 +256,11 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
                 http_get(models_url)
             assert refused.value.code == 401
 
-            while job_pod.phase in ("Pending", "Running"):
-                kube.check()
-                assert time.monotonic() < deadline, f"the Job did not complete:\n{job_pod.tail()}"
-                time.sleep(0.5)
+            wait_for_the_job_to_end(kube, job_pod, deadline)
             # The replicas, still up, say themselves that they generated and moved to new weights.
             work = replica_work([f"{p.ip}:{p.annotations['prometheus.io/port']}" for p in rollouts])
         finally:
-            logs = {p.name: p.tail(1500) for p in kube.pods}
-            kube.stop()
-            cluster.stop()
+            logs = stop_keeping_the_logs(kube, cluster)
         assert job_pod.phase == "Succeeded", logs[job_pod.name]
         # Probes passed for the right reasons: nothing was restarted by a probe or a crash.
         assert {p.name: p.restarts for p in kube.pods if p.restarts} == {}, logs
@@ -321,14 +331,9 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
             models = json.loads(http_get(models_url, headers={"Authorization": f"Bearer {tokens['agent']}"}, context=client))
             assert models["data"], models
 
-            while job_pod.phase in ("Pending", "Running"):
-                kube.check()
-                assert time.monotonic() < deadline, f"the Job did not complete:\n{job_pod.tail()}"
-                time.sleep(0.5)
+            wait_for_the_job_to_end(kube, job_pod, deadline)
         finally:
-            logs = {p.name: p.tail(1500) for p in kube.pods}
-            kube.stop()
-            cluster.stop()
+            logs = stop_keeping_the_logs(kube, cluster)
         assert job_pod.phase == "Succeeded", logs[job_pod.name]
         assert {p.name: p.restarts for p in kube.pods if p.restarts} == {}, logs
         claim = tmp_path / "claims" / "flywheel-checkpoints"
