@@ -35,16 +35,17 @@ class FakeTrainer:
         self.held.remove(model_id)
 
 
-def make_models(futures: Futures, trainer: FakeTrainer | None = None) -> TrainingModels:
-    trainer = trainer or FakeTrainer()
+def models_with_m() -> tuple[Futures, TrainingModels]:
+    """Fresh futures and models, with the tenant's model "m" (session "s", LoRA rank 4) held on the trainer."""
+    futures, trainer = Futures(), FakeTrainer()
     trainer.held |= {"m"}
-    return TrainingModels(futures, trainer.select, trainer.drop)
+    models = TrainingModels(futures, trainer.select, trainer.drop)
+    models.add(TrainingModel("m", "s", T, "base", 4))
+    return futures, models
 
 
 async def test_requests_run_in_seq_order_whatever_order_they_arrive_in_and_a_resend_runs_once() -> None:
-    futures = Futures()
-    models = make_models(futures)
-    models.add(TrainingModel("m", "s", T, "base", 4))
+    futures, models = models_with_m()
     ran: list[int] = []
 
     def work(seq: int):
@@ -73,9 +74,7 @@ async def test_requests_run_in_seq_order_whatever_order_they_arrive_in_and_a_res
 
 
 async def test_a_request_refused_before_it_was_queued_does_not_hold_up_the_next_ones() -> None:
-    futures = Futures()
-    models = make_models(futures)
-    models.add(TrainingModel("m", "s", T, "base", 4))
+    futures, models = models_with_m()
 
     async def done() -> Outcome:
         return Outcome(json={})
@@ -94,9 +93,7 @@ async def test_a_request_refused_before_it_was_queued_does_not_hold_up_the_next_
 
 
 async def test_a_failed_request_answers_its_error_and_the_next_one_still_runs() -> None:
-    futures = Futures()
-    models = make_models(futures)
-    models.add(TrainingModel("m", "s", T, "base", 4))
+    futures, models = models_with_m()
 
     async def refused() -> Outcome:
         raise InvalidArgument("loss_fn 'ppo' is not served")
@@ -163,9 +160,7 @@ async def test_two_models_take_turns_each_with_itself_selected_and_a_retired_one
 
 
 async def test_a_model_is_its_tenants_and_another_tenant_does_not_find_it() -> None:
-    futures = Futures()
-    models = make_models(futures)
-    models.add(TrainingModel("m", "s", T, "base", 4))
+    futures, models = models_with_m()
 
     async def fine() -> Outcome:
         return Outcome(json={"ok": True})
