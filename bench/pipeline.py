@@ -62,10 +62,11 @@ MODES = [("sync", "sync", 0), ("batch_async_1", "batch-async", 1), ("batch_async
 
 def parse_args() -> argparse.Namespace:
     ap = job_parser(__doc__, steps=40, in_flight=16)
-    ap.add_argument("--mean-ms", type=float, default=40.0, help="mean Generate time = mean TrainStep time, ms")
-    ap.add_argument("--sigma", type=float, default=1.0, help="log-std of the Generate time (tail weight)")
-    ap.add_argument("--train-cv", type=float, default=0.1, help="coefficient of variation of TrainStep time")
-    ap.add_argument("--sync-ms", type=float, default=1.0, help="weight export and per-replica load time, ms")
+    times = ap.add_argument_group("simulated times")
+    times.add_argument("--mean-ms", type=float, default=40.0, help="mean Generate time = mean TrainStep time, ms")
+    times.add_argument("--sigma", type=float, default=1.0, help="log-std of the Generate time (tail weight)")
+    times.add_argument("--train-cv", type=float, default=0.1, help="coefficient of variation of TrainStep time")
+    times.add_argument("--sync-ms", type=float, default=1.0, help="weight export and per-replica load time, ms")
     return parse_with_smoke(ap, "6 steps of 8 samples: checks the bench runs (CI)", steps=6, batch=8, in_flight=4)
 
 

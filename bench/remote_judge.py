@@ -53,13 +53,14 @@ from services.controller.testing.simulated import (  # noqa: E402
 def parse_args() -> argparse.Namespace:
     ap = job_parser(__doc__, steps=30, in_flight=8)
     ap.add_argument("--gen-ms", type=float, default=200.0, help="mean Generate time of a group, ms")
-    ap.add_argument("--judge-ms", type=float, default=200.0, help="mean time of a judge call that answers, ms")
-    ap.add_argument("--timeout-ms", type=float, default=1000.0, help="deadline of one judge call, ms")
-    ap.add_argument("--fail", type=float, default=0.2, help="share of judge calls that fail")
-    ap.add_argument("--late", type=float, default=0.1, help="share of judge calls answered past any deadline")
-    ap.add_argument("--groups-in-flight", type=int, default=None,
-                    help="reward.judge.groups_in_flight of the async way; default the product's")
-    ap.add_argument("--http", action="store_true", help="a real HTTP judge in real time (default: virtual time)")
+    judge = ap.add_argument_group("the judge")
+    judge.add_argument("--judge-ms", type=float, default=200.0, help="mean time of a call that answers, ms")
+    judge.add_argument("--timeout-ms", type=float, default=1000.0, help="deadline of one call, ms")
+    judge.add_argument("--fail", type=float, default=0.2, help="share of calls that fail")
+    judge.add_argument("--late", type=float, default=0.1, help="share of calls answered past any deadline")
+    judge.add_argument("--groups-in-flight", type=int, default=None,
+                       help="reward.judge.groups_in_flight of the async way; default the product's")
+    judge.add_argument("--http", action="store_true", help="a real HTTP judge in real time (default: virtual time)")
     return parse_with_smoke(ap, "4 steps of 16 samples, 50 ms times: checks the bench runs",
                             steps=4, batch=16, gen_ms=50.0, judge_ms=50.0, timeout_ms=300.0)
 

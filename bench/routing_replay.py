@@ -46,12 +46,14 @@ from flywheel.testing.records import record  # noqa: E402
 
 def parse_args() -> argparse.Namespace:
     ap = bench_parser(__doc__)
-    ap.add_argument("--prompts", type=int, default=16, help="prompts sampled")
-    ap.add_argument("--samples", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--tokens", type=int, default=64, help="completion tokens per sample")
-    ap.add_argument("--prompt-tokens", type=int, default=16, help="tokens per prompt (random ids)")
-    ap.add_argument("--init-std", type=float, default=0.05, help="the tiny MoE's weight init std")
-    ap.add_argument("--experts", type=int, default=8, help="experts per MoE layer")
+    sampling = ap.add_argument_group("sampling")
+    sampling.add_argument("--prompts", type=int, default=16, help="prompts sampled")
+    sampling.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    sampling.add_argument("--tokens", type=int, default=64, help="completion tokens per sample")
+    sampling.add_argument("--prompt-tokens", type=int, default=16, help="tokens per prompt (random ids)")
+    model = ap.add_argument_group("the tiny MoE")
+    model.add_argument("--init-std", type=float, default=0.05, help="its weight init std")
+    model.add_argument("--experts", type=int, default=8, help="experts per MoE layer")
     ap.add_argument("--seed", type=int, default=0)
     return parse_with_smoke(ap, "4 prompts x 2 samples x 16 tokens: checks the bench runs",
                             prompts=4, samples=2, tokens=16)
