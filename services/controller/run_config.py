@@ -153,10 +153,35 @@ class EnvironmentConfig(StrictModel):
     max_concurrency: int = Field(64, ge=1, description="sessions open at once")
 
 
+class VerifiersConfig(StrictModel):
+    """A verifiers environment (worker.type verifiers, services/controller/workers/verifiers.py): its
+    episodes are played by the verifiers host (services/controller/adapters/verifiers_host.py), which the
+    controller starts in verifiers' own virtual environment unless `url` names one you run."""
+
+    taskset: str | None = Field(
+        None, description="id of the verifiers taskset (an installed package, or one in `path`) the host plays; "
+        "each task is the run's data row validated into its TaskData (the row's `prompt`, else data's prompt_key)"
+    )
+    taskset_args: dict[str, Any] = Field(default_factory=dict, description="the taskset's config fields")
+    harness: str = Field("null", description="the verifiers harness the model runs in (null: verifiers' plain chat "
+                         "loop, which needs no container); the runtime is verifiers' subprocess runtime")
+    path: list[str] = Field(default_factory=list, description="directories put on the host's import path (a "
+                            "taskset package that is not installed)")
+    url: str | None = Field(None, description="http(s) URL of a verifiers host you started yourself; then the "
+                            "controller starts none (taskset, when given, must be the one it serves)")
+    python: str | None = Field(
+        None, description="interpreter of the virtual environment verifiers is installed in; default: "
+        ".venv-verifiers beside the controller's (.venv), which make setup makes"
+    )
+    max_concurrency: int = Field(32, ge=1, description="episodes the host plays at once")
+    startup_timeout_seconds: float = Field(120.0, gt=0, description="how long the host may take to serve")
+
+
 class WorkerConfig(StrictModel):
     type: str = Field(
         "simple", description="simple | math | agent | external (your own openai-SDK agent, see worker.agent) | "
-        "openenv (an OpenEnv environment server, see worker.env) | 'module:Class' of your own worker"
+        "openenv (an OpenEnv environment server, see worker.env) | verifiers (a verifiers environment, see "
+        "worker.verifiers) | 'module:Class' of your own worker"
     )
     group_size: int = Field(4, ge=1, description="completions per task (the GRPO group)")
     max_in_flight: int = Field(32, ge=1, description="tasks rolled out concurrently")
@@ -170,6 +195,8 @@ class WorkerConfig(StrictModel):
     )
     max_turns: int = Field(4, ge=1, description="agent, openenv: assistant turns per episode")
     env: EnvironmentConfig | None = Field(None, description="openenv: the environment server the episodes run in")
+    verifiers: VerifiersConfig | None = Field(None, description="verifiers: the verifiers environment the episodes "
+                                              "are played in")
     tools: list[ToolConfig] = Field(default_factory=list, description="agent: tools the model may call")
     tool_result_template: str | None = Field(
         None, description="agent: text a tool result is rendered as, with {result}; default ChatML tool turn"
@@ -181,11 +208,11 @@ class WorkerConfig(StrictModel):
         "http(s) URL of your agent service, POSTed {task, base_url, api_key, session_id} and answering {reward}"
     )
     agent_timeout_seconds: float = Field(
-        300.0, gt=0, description="external: limit of one agent episode, in seconds (past it the task is retried)"
+        300.0, gt=0, description="external, verifiers: limit of one episode, in seconds (past it the task is retried)"
     )
     session_ttl_seconds: float | None = Field(
-        None, gt=0, description="external: how long a replica keeps an episode's session and its records, in "
-        "seconds; default agent_timeout_seconds + 60"
+        None, gt=0, description="external, verifiers: how long a replica keeps an episode's session and its "
+        "records, in seconds; default agent_timeout_seconds + 60"
     )
     max_retries: int = Field(3, ge=0, description="re-rollouts of one task before it is recorded as failed")
     timeout_seconds: float = Field(600.0, gt=0, description="limit of one rollout step, in seconds")
@@ -484,10 +511,36 @@ class RunConfig(StrictModel):
             raise ValueError("reward: the openenv worker trains on the environment's reward; leave reward out")
         if self.worker.env is not None and not self.worker.env.url.startswith(("http://", "https://", "ws://", "wss://")):
             raise ValueError(f"worker.env.url: must be an http(s) or ws(s) URL, got {self.worker.env.url!r}")
+        self._check_verifiers()
         if self.worker.type == "agent" and not self.worker.tools:
             raise ValueError("worker.tools: the agent worker needs at least one tool")
         self._check_external_agent()
         return self
+
+    def _check_verifiers(self) -> None:
+        w = self.worker
+        if w.type == "verifiers" and w.verifiers is None:
+            raise ValueError("worker.verifiers: the verifiers worker needs its environment (worker.verifiers)")
+        if w.verifiers is not None and ":" not in w.type and w.type != "verifiers":
+            # (A worker of your own, 'module:Class', may be a VerifiersWorker: the assembly checks that.)
+            raise ValueError(f"worker.verifiers: only the verifiers worker plays a verifiers environment (worker.type "
+                             f"is {w.type!r})")
+        if w.verifiers is None:
+            return
+        if not w.verifiers.taskset and not w.verifiers.url:
+            raise ValueError("worker.verifiers: name the taskset the controller's host plays (taskset), or the url "
+                             "of a host you run")
+        if w.verifiers.url and not w.verifiers.url.startswith(("http://", "https://")):
+            raise ValueError(f"worker.verifiers.url: must be an http(s) URL, got {w.verifiers.url!r}")
+        if w.instruction or not w.chat or w.system_prompt or w.tools or w.tool_result_template or w.agent:
+            raise ValueError("worker: the verifiers worker's prompts, system prompt and tools are the taskset's; "
+                             "instruction, chat false, system_prompt, tools, tool_result_template and agent are "
+                             "not used by it")
+        if "reward" in self.model_fields_set:
+            raise ValueError("reward: the verifiers worker trains on the environment's reward; leave reward out")
+        if w.agent_timeout_seconds >= w.timeout_seconds:
+            raise ValueError(f"worker.agent_timeout_seconds ({w.agent_timeout_seconds:g}), the limit of one episode, "
+                             f"must be below worker.timeout_seconds ({w.timeout_seconds:g})")
 
     def _check_external_agent(self) -> None:
         w = self.worker

@@ -21,6 +21,7 @@ from dataclasses import asdict
 from openai import AsyncOpenAI
 
 from services.controller.workers.external import ExternalAgentWorker
+from services.controller.workers.verifiers import VerifiersWorker
 
 
 def raises(task: dict) -> bool:
@@ -44,9 +45,11 @@ async def run(task: dict, base_url: str, api_key: str) -> float:
     return float(len(message.content or "") % 2)
 
 
-class RecordingWorker(ExternalAgentWorker):
-    async def _run(self, task, index, sessions, session, replica):
-        outcome = await super()._run(task, index, sessions, session, replica)
+class Recording:
+    """Writes each episode's session records beside the trajectory trained from them (EXTERNAL_AGENT_RECORDS)."""
+
+    async def _run(self, task, index, sessions, session, replica, sampling=None):
+        outcome = await super()._run(task, index, sessions, session, replica, sampling)
         try:
             calls = [asdict(c) for c in (await sessions.read(session.id)).calls]
         except Exception as exc:  # a lost session: nothing to compare
@@ -57,7 +60,15 @@ class RecordingWorker(ExternalAgentWorker):
             t = outcome.trajectories[0]
             row["trajectory"] = {"prompt_ids": t.prompt_ids, "response_ids": t.response_ids,
                                  "response_logprobs": t.response_logprobs, "response_mask": t.response_mask,
-                                 "turn_versions": t.turn_versions}
+                                 "turn_versions": t.turn_versions, "reward": t.reward, "scores": t.scores}
         with open(os.environ["EXTERNAL_AGENT_RECORDS"], "a") as out:
             out.write(json.dumps(row, default=list) + "\n")
         return outcome
+
+
+class RecordingWorker(Recording, ExternalAgentWorker):
+    pass
+
+
+class RecordingVerifiersWorker(Recording, VerifiersWorker):
+    pass

@@ -72,7 +72,7 @@ def error_of(response: httpx.Response, what: str) -> FlywheelError:
     return InvalidArgument(message)
 
 
-async def _request(client: httpx.AsyncClient, method: str, url: str, what: str, **kwargs: Any) -> httpx.Response:
+async def http_request(client: httpx.AsyncClient, method: str, url: str, what: str, **kwargs: Any) -> httpx.Response:
     try:
         response = await client.request(method, url, **kwargs)
     except httpx.TimeoutException as exc:
@@ -84,7 +84,7 @@ async def _request(client: httpx.AsyncClient, method: str, url: str, what: str, 
     return response
 
 
-def _json(response: httpx.Response, what: str) -> dict[str, Any]:
+def json_object(response: httpx.Response, what: str) -> dict[str, Any]:
     try:
         body = response.json()
     except ValueError:
@@ -151,7 +151,7 @@ class SessionClient:
         body: dict[str, Any] = {"metadata": {str(k): str(v) for k, v in (metadata or {}).items()}}
         if ttl_seconds is not None:
             body["ttl_seconds"] = float(ttl_seconds)
-        data = _json(await _request(self._http, "POST", "/v1/sessions", what, json=body), what)
+        data = json_object(await http_request(self._http, "POST", "/v1/sessions", what, json=body), what)
         try:
             return OpenedSession(
                 id=str(data["id"]), key=str(data["key"]), base_url=f"{self.http_url}{data['base_path']}",
@@ -163,7 +163,7 @@ class SessionClient:
     async def read(self, session_id: str) -> SessionRecord:
         """The session's state, posted reward and calls, in call order."""
         what = f"rollout {self.http_url} session {session_id}"
-        data = _json(await _request(self._http, "GET", f"/v1/sessions/{session_id}", what), what)
+        data = json_object(await http_request(self._http, "GET", f"/v1/sessions/{session_id}", what), what)
         try:
             reward = data.get("reward")
             return SessionRecord(
@@ -176,7 +176,7 @@ class SessionClient:
 
     async def delete(self, session_id: str) -> None:
         what = f"rollout {self.http_url} delete session {session_id}"
-        await _request(self._http, "DELETE", f"/v1/sessions/{session_id}", what)
+        await http_request(self._http, "DELETE", f"/v1/sessions/{session_id}", what)
 
 
 class AgentService:
@@ -195,9 +195,9 @@ class AgentService:
         # default=str: dataset rows may hold values JSON has no type for (dates, decimals).
         payload = json.dumps({"task": task, "base_url": base_url, "api_key": api_key, "session_id": session_id},
                              default=str)
-        response = await _request(self._http, "POST", self.url, what, content=payload,
+        response = await http_request(self._http, "POST", self.url, what, content=payload,
                                   headers={"Content-Type": "application/json"})
-        reward = _json(response, what).get("reward")
+        reward = json_object(response, what).get("reward")
         if reward is not None and not isinstance(reward, (int, float)):
             raise InvalidArgument(f"{what}: reward must be a number or null, got {reward!r}")
         return None if reward is None else float(reward)

@@ -9,6 +9,7 @@ from services.controller.workers.environment import EnvironmentWorker
 from services.controller.workers.external import ExternalAgentWorker
 from services.controller.workers.math import SingleTurnMathWorker
 from services.controller.workers.simple import SimpleRolloutWorker
+from services.controller.workers.verifiers import VerifiersWorker
 
 BUILTIN_WORKERS: dict[str, type[RolloutWorker]] = {
     "simple": SimpleRolloutWorker,
@@ -16,6 +17,7 @@ BUILTIN_WORKERS: dict[str, type[RolloutWorker]] = {
     "agent": AgentRolloutWorker,
     "external": ExternalAgentWorker,
     "openenv": EnvironmentWorker,
+    "verifiers": VerifiersWorker,
 }
 
 
@@ -38,6 +40,7 @@ __all__ = [
     "RolloutWorker",
     "SimpleRolloutWorker",
     "SingleTurnMathWorker",
+    "VerifiersWorker",
     "WorkerContext",
     "worker_class",
 ]

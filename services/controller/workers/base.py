@@ -70,6 +70,9 @@ class WorkerContext:
     #: OpenSession), and the server's settings (worker.env).
     environment: Any = None
     environment_config: Any = None
+    #: Verifiers worker: the verifiers environment its episodes are played in (workers/verifiers.py's
+    #: VerifiersEnvironment; adapters/verifiers_env.py's host, or a simulated one in tests).
+    verifiers: Any = None
 
 
 class RolloutWorker(ABC):
@@ -81,6 +84,12 @@ class RolloutWorker(ABC):
     @abstractmethod
     async def rollout(self, task: Task, n: int, sampling: SamplingSpec) -> RolloutOutcome:
         """n trajectories of `task`, scored, with a status."""
+
+    async def start(self) -> None:
+        """Called once as the run starts, before any rollout: starts what the worker's episodes need."""
+
+    async def close(self) -> None:
+        """Called once as the run ends: stops what `start` started."""
 
     # -- helpers shared by the built-in workers ----------------------------
     def messages_for(self, task: Task) -> list[dict[str, Any]]:

@@ -53,6 +53,7 @@ import math
 import traceback
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,19 @@ def python_agent(fn: Callable[..., Any]) -> Agent:
     return agent
 
 
+class AgentFailed(Exception):
+    """The agent (or the environment it stands for) ended the episode without a reward: the message says why."""
+
+
+@dataclass
+class Played:
+    """What an episode's agent answered: its reward (None: the session's, else the reward function's), and
+    scores of its own beside it."""
+
+    reward: float | None
+    scores: dict[str, float]
+
+
 def task_dict(task: Task) -> dict[str, Any]:
     """What the agent is given of a task."""
     prompt = [dict(m) for m in task.prompt] if isinstance(task.prompt, list) else task.prompt
@@ -146,9 +160,7 @@ def _fail(error: str, trace: str | None = None) -> RolloutOutcome:
 class ExternalAgentWorker(RolloutWorker):
     def __init__(self, ctx: WorkerContext) -> None:
         super().__init__(ctx)
-        if ctx.agent is None:
-            raise ValueError("the external worker needs an agent (worker.agent: 'package.module:function', "
-                             "'path/to/file.py:function' or an http(s) URL)")
+        self._require(ctx)
         self.ttl_seconds = ctx.session_ttl_seconds or ctx.agent_timeout_seconds + SESSION_GRACE_SECONDS
         # httpx logs every request at INFO: the session calls, three per episode, would bury the
         # run's log. Left alone if someone set its level.
@@ -156,8 +168,13 @@ class ExternalAgentWorker(RolloutWorker):
         if httpx_log.level == logging.NOTSET:
             httpx_log.setLevel(logging.WARNING)
 
+    def _require(self, ctx: WorkerContext) -> None:
+        if ctx.agent is None:
+            raise ValueError("the external worker needs an agent (worker.agent: 'package.module:function', "
+                             "'path/to/file.py:function' or an http(s) URL)")
+
     async def rollout(self, task: Task, n: int, sampling: SamplingSpec) -> RolloutOutcome:
-        outcomes = await asyncio.gather(*(self.episode(task, i) for i in range(n)))
+        outcomes = await asyncio.gather(*(self.episode(task, i, sampling) for i in range(n)))
         for status in (RolloutStatus.FAIL, RolloutStatus.RE_ROLLOUT):
             bad = [(i, o) for i, o in enumerate(outcomes) if o.status == status]
             if bad:
@@ -166,7 +183,7 @@ class ExternalAgentWorker(RolloutWorker):
                 return RolloutOutcome(status, error=error, traceback=trace)
         return RolloutOutcome(RolloutStatus.SUCCESS, [o.trajectories[0] for o in outcomes])
 
-    async def episode(self, task: Task, index: int) -> RolloutOutcome:
+    async def episode(self, task: Task, index: int, sampling: SamplingSpec | None = None) -> RolloutOutcome:
         """One episode on one session; an outcome with its one trajectory when clean."""
         metadata = {
             "task_id": task.id, "sample_index": str(index),
@@ -181,7 +198,7 @@ class ExternalAgentWorker(RolloutWorker):
         self.stats["episodes"] += 1
         with self.ctx.engines.occupied(replica):
             try:
-                return await self._run(task, index, sessions, session, replica)
+                return await self._run(task, index, sessions, session, replica, sampling)
             finally:
                 await self._delete(sessions, session)
 
@@ -197,22 +214,33 @@ class ExternalAgentWorker(RolloutWorker):
         except Exception as exc:  # the replica forgets it at its TTL anyway
             log.warning("session %s not deleted: %s: %s", session.id, type(exc).__name__, exc)
 
+    async def play(self, task: Task, session: OpenedSession, sampling: SamplingSpec | None) -> Played:
+        """Runs the agent on the episode's session: its reward (None: the session's, else the reward
+        function's) and scores of its own. Raises `AgentFailed` when the agent's answer is no reward."""
+        returned = await self.ctx.agent(task_dict(task), session.base_url, session.key, session.id)
+        if returned is not None and (isinstance(returned, bool) or not isinstance(returned, (int, float))):
+            raise AgentFailed(f"the agent returned a {type(returned).__name__}; return a number (the reward) or None")
+        return Played(returned, {})
+
     async def _run(
-        self, task: Task, index: int, sessions: AgentSessions, session: OpenedSession, replica: Replica
+        self, task: Task, index: int, sessions: AgentSessions, session: OpenedSession, replica: Replica,
+        sampling: SamplingSpec | None = None,
     ) -> RolloutOutcome:
         limit = self.ctx.agent_timeout_seconds
         try:
             async with asyncio.timeout(limit) as deadline:
-                returned = await self.ctx.agent(task_dict(task), session.base_url, session.key, session.id)
+                played = await self.play(task, session, sampling)
         except Exception as exc:
             if isinstance(exc, TimeoutError) and deadline.expired():
                 self._count("agent_timeouts", f"the agent ran past its limit of {limit:g}s", task, index)
                 return _retry(f"the agent ran past its limit of {limit:g}s")
+            if await self._aborted(sessions, session):
+                # The engine aborted a call (a weight update), and the agent gave up on that: worth a retry.
+                return _retry(f"a model call of the episode was aborted, and then {type(exc).__name__}: {exc}")
             self.stats["agent_errors"] += 1
+            if isinstance(exc, AgentFailed):
+                return _fail(str(exc))
             return _fail(f"the agent raised {type(exc).__name__}: {exc}", traceback.format_exc())
-        if returned is not None and (isinstance(returned, bool) or not isinstance(returned, (int, float))):
-            self.stats["agent_errors"] += 1
-            return _fail(f"the agent returned a {type(returned).__name__}; return a number (the reward) or None")
 
         try:
             record = await sessions.read(session.id)
@@ -242,10 +270,18 @@ class ExternalAgentWorker(RolloutWorker):
             )
         assert episode.trained is not None  # there were calls
         t = trajectory(episode.trained, task, sample_index=index, model_tag=self.ctx.model_tag, engine=replica.name)
-        reward = returned if returned is not None else record.reward
-        return await self._scored(t, reward)
+        reward = played.reward if played.reward is not None else record.reward
+        return await self._scored(t, reward, played.scores)
 
-    async def _scored(self, t: Trajectory, reward: float | None) -> RolloutOutcome:
+    async def _aborted(self, sessions: AgentSessions, session: OpenedSession) -> bool:
+        """Whether the engine aborted one of the session's calls (False when the records cannot be read)."""
+        try:
+            record = await sessions.read(session.id)
+            return bool(record.calls) and rebuild(record.calls).aborted
+        except Exception:  # noqa: BLE001 - the agent's own error is the one reported then
+            return False
+
+    async def _scored(self, t: Trajectory, reward: float | None, scores: dict[str, float]) -> RolloutOutcome:
         if reward is None:
             try:
                 t.reward, t.scores = await score(self.ctx.reward, t.task, t.text, **self.ctx.reward_kwargs)
@@ -254,7 +290,7 @@ class ExternalAgentWorker(RolloutWorker):
         elif not math.isfinite(reward):  # it would poison the group's advantages
             return _fail(f"the agent's reward is {reward}")
         else:
-            t.reward, t.scores = float(reward), {"reward": float(reward)}
+            t.reward, t.scores = float(reward), {"reward": float(reward), **scores}
         return RolloutOutcome(RolloutStatus.SUCCESS, [t])
 
     def _count(self, what: str, message: str, task: Task, index: int) -> None:
