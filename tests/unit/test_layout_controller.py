@@ -28,10 +28,11 @@ CONTROLLER = ROOT / "services" / "controller"
 TOP_LEVEL = {
     "__init__.py", "__main__.py", "app.py", "config.py", "servicer.py",  # the service frame
     "loop.py", "pipeline.py", "assemble.py",  # the recipe: the loop, its verbs, its wiring
-    "domain.py", "protocols.py", "run_config.py",  # what every wing speaks
+    "domain.py", "protocols.py",  # what every wing speaks (and run_config/, the run file by section)
 }
 SUBPACKAGES = {
-    "tasks", "rollouts", "workers", "batches", "weights", "adapters", "telemetry", "ops", "launcher", "testing",
+    "run_config", "tasks", "rollouts", "workers", "batches", "weights", "adapters", "telemetry", "ops", "launcher",
+    "testing",
 }
 #: Where code that could patch a pipeline lives.
 SEARCHED = ("services", "tests", "bench", "scripts")

@@ -12,7 +12,7 @@
     resume: auto                          # auto | disable | {from_path: DIR}
 
 Everything else is the controller's `RunConfig` (services/controller/
-run_config.py). `resume` also accepts the run config's own `{from: latest}`
+run_config/). `resume` also accepts the run config's own `{from: latest}`
 form; the shorthands are translated here so one file reads naturally. When
 the file names `services.trainer` (etc.) the launcher connects to those
 addresses and starts nothing; otherwise it starts the three services as
