@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -37,6 +37,16 @@ class StrictModel(BaseModel):
     """Base for config sections: unknown fields are errors, assignments validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+def checkpoint_root_field(paths: str, refused: str) -> Any:
+    """The `checkpoint_root` setting of a service that reads CHECKPOINT versions (the rollout, the
+    synchronizer): every path it is given is confined to that directory (flywheel.runtime.paths.confine).
+    `paths` names the paths it is given, `refused` what it refuses without a root."""
+    return Field(
+        None, description=f"the shared directory CHECKPOINT versions are published in: {paths} must lie inside it "
+        f"(PERMISSION_DENIED otherwise; a relative one is taken there); none: CHECKPOINT {refused} are refused"
+    )
 
 
 def submodel(annotation: Any) -> type[BaseModel] | None:

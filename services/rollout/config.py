@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from flywheel.common.types import LogprobsMode, PauseMode
-from flywheel.runtime.config import StrictModel
+from flywheel.runtime.config import StrictModel, checkpoint_root_field
 from flywheel.runtime.server_config import ServerConfig
 from flywheel.synchronizer.presence_config import PresenceConfig
 
@@ -112,11 +112,7 @@ class UpdatesConfig(StrictModel):
     timeout_seconds: float = Field(
         300.0, gt=0, description="default deadline of fetching and staging one weight update, in seconds"
     )
-    checkpoint_root: Path | None = Field(
-        None, description="the shared directory CHECKPOINT versions are published in: a checkpoint path this "
-        "replica is sent must lie inside it (PERMISSION_DENIED otherwise; a relative one is taken there); none: "
-        "CHECKPOINT updates are refused"
-    )
+    checkpoint_root: Path | None = checkpoint_root_field("a checkpoint path this replica is sent", "updates")
     reuse_staging: bool = Field(
         True, description="keep the CPU tensors a MEMORY update was staged in and stage the next one into them "
         "(no page faults per update; holds one model's worth of memory between updates)"

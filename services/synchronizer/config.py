@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from flywheel.runtime.config import StrictModel
+from flywheel.runtime.config import StrictModel, checkpoint_root_field
 from flywheel.synchronizer.presence_config import PresenceConfig
 from flywheel.synchronizer.types import SyncMethodName, SyncStyleName
 from flywheel.runtime.server_config import ServerConfig
@@ -89,11 +89,7 @@ class SynchronizerConfig(StrictModel):
     sweep_interval_seconds: float = Field(
         0.2, gt=0, description="how often leases, sync-request timeouts and transfer deadlines are checked, in seconds"
     )
-    checkpoint_root: Path | None = Field(
-        None, description="the shared directory CHECKPOINT versions are published in: a registered path must lie "
-        "inside it (PERMISSION_DENIED otherwise; a relative one is taken there); none: CHECKPOINT registrations "
-        "are refused"
-    )
+    checkpoint_root: Path | None = checkpoint_root_field("a registered path", "registrations")
     checkpoint_require_manifest: bool = Field(
         False, description="reject checkpoint directories without weight_manifest.pb"
     )
