@@ -217,7 +217,7 @@ class Gateway:
     async def _create(self, model: TrainingModel, load: str | None) -> None:
         """Creates `model` on the trainer from the adapters' initialisation, or from checkpoint `load`."""
         await asyncio.gather(*self.prune())  # a finished or silent session's models make room first
-        async with self.models.turn(model.model_id, new=True):
+        async with self.models.turn(model.model_id, model.tenant, new=True):
             if load is not None:
                 try:
                     with translated("trainer LoadCheckpoint"):

@@ -49,3 +49,8 @@ BODIES_REFUSED = Counter(
     "Request bodies refused with 413 before they were read or decompressed whole, by which side was too large.",
     ["side"],
 )
+TRAINER_TURNS = Counter(
+    "flywheel_tinker_trainer_turns_total",
+    "Turns of the trainer (one request of one model each), by tenant: they go round the tenants that wait.",
+    ["tenant"],
+)

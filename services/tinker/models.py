@@ -10,7 +10,9 @@ retries do) gets the first one's request id and is never run twice.
 One trainer holds several LoRA models on its base (the trainer's
 SelectModel: each model its own adapters, gradients, optimizer state and
 step). Models' requests take turns on the trainer, one request at a time,
-and each turn first selects its model there, so two clients training at once
+the turns going round the tenants that wait (services/tinker/turns.py: a
+tenant with many models or a long queue does not hold up another), and each
+turn first selects its model there, so two clients training at once
 never touch each other's weights. Selecting on every turn (a call of about a
 millisecond) rather than remembering the selection means a trainer that
 restarted and lost a model is found at that model's next request instead of
@@ -38,6 +40,8 @@ from dataclasses import dataclass, field
 
 from flywheel.errors import AlreadyExists, FailedPrecondition, FlywheelError, InvalidArgument, NotFound
 from services.tinker.futures import Futures, Outcome, failure
+from services.tinker.metrics import TRAINER_TURNS
+from services.tinker.turns import FairTurns
 
 log = logging.getLogger(__name__)
 
@@ -179,14 +183,16 @@ class TrainingModels:
         self.futures = futures
         self._select, self._drop = select, drop
         self._models: dict[str, TrainingModel] = {}
-        self._turns = asyncio.Lock()
+        #: The trainer's turns, going round the tenants that wait (services/tinker/turns.py).
+        self.turns = FairTurns()
 
     @contextlib.asynccontextmanager
-    async def turn(self, model_id: str, *, new: bool = False) -> AsyncIterator[None]:
-        """The trainer, with `model_id` selected on it, until the block ends. `new`: the model is being
-        created (the trainer must not hold it yet); otherwise the trainer must hold it already: one it
+    async def turn(self, model_id: str, tenant: str, *, new: bool = False) -> AsyncIterator[None]:
+        """The trainer, with `tenant`'s `model_id` selected on it, until the block ends. `new`: the model is
+        being created (the trainer must not hold it yet); otherwise the trainer must hold it already: one it
         lost is lost for good (see the module doc)."""
-        async with self._turns:
+        async with self.turns.turn(tenant):
+            TRAINER_TURNS.labels(tenant).inc()
             created = await self._select(model_id)
             if created != new:
                 if new:
@@ -260,7 +266,7 @@ class TrainingModels:
             return
         self._stop(model, reason)
         try:
-            async with self._turns:
+            async with self.turns.turn(model.tenant):
                 await self._select("")  # the trainer's own model: a model is dropped while parked
                 await self._drop(model.model_id)
         except FlywheelError as exc:  # a trainer that restarted has lost it already
@@ -308,10 +314,10 @@ class TrainingModels:
                 await model.wakeup.wait()
                 continue
             model.next_seq += 1
-            await self.futures.run(request.request_id, functools.partial(self._in_turn, model.model_id, request.work))
+            await self.futures.run(request.request_id, functools.partial(self._in_turn, model, request.work))
 
-    async def _in_turn(self, model_id: str, work: Callable[[], Awaitable[Outcome]]) -> Outcome:
-        async with self.turn(model_id):
+    async def _in_turn(self, model: TrainingModel, work: Callable[[], Awaitable[Outcome]]) -> Outcome:
+        async with self.turn(model.model_id, model.tenant):
             return await work()
 
     async def close(self) -> None:

@@ -117,7 +117,7 @@ async def test_two_models_take_turns_each_with_itself_selected_and_a_retired_one
     futures, trainer = Futures(), FakeTrainer()
     models = TrainingModels(futures, trainer.select, trainer.drop)
     for name in ("a", "b"):
-        async with models.turn(name, new=True):
+        async with models.turn(name, T, new=True):
             models.add(TrainingModel(name, f"session-{name}", T, "base", 4))
     seen: list[tuple[str, str]] = []
 
@@ -154,7 +154,7 @@ async def test_two_models_take_turns_each_with_itself_selected_and_a_retired_one
         models.submit("b", T, 5, "optim_step", never)
     trainer.held.add("c")
     with pytest.raises(AlreadyExists):
-        async with models.turn("c", new=True):
+        async with models.turn("c", T, new=True):
             pass
     await models.close()
 
