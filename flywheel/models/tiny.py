@@ -51,7 +51,7 @@ _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.b
 _CONFIGS: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
 
 
-def tiny_config(
+def _tiny_config(
     *,
     arch: Arch,
     vocab_size: int,
@@ -69,14 +69,7 @@ def tiny_config(
     num_experts_per_tok: int = 2,
     moe_intermediate_size: int = 64,
 ) -> PretrainedConfig:
-    """The transformers config for a tiny model; validates the shape arguments."""
-    _check_args(
-        arch=arch,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        dtype=dtype,
-    )
+    """The transformers config for a tiny model, whose shape arguments `build_tiny_model` has checked."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -172,7 +165,7 @@ def build_tiny_model(
     tokenizer = save_tokenizer(out, max_length=max_position_embeddings)
     eos_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
-    config = tiny_config(
+    config = _tiny_config(
         arch=arch,
         vocab_size=len(tokenizer),
         num_layers=num_layers,
