@@ -51,47 +51,6 @@ _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.b
 _CONFIGS: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
 
 
-def _tiny_config(
-    *,
-    arch: Arch,
-    vocab_size: int,
-    num_layers: int,
-    hidden_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    eos_token_id: int,
-    pad_token_id: int,
-    dtype: str,
-    tie_word_embeddings: bool,
-    num_experts: int = 8,
-    num_experts_per_tok: int = 2,
-    moe_intermediate_size: int = 64,
-) -> PretrainedConfig:
-    """The transformers config for a tiny model, whose shape arguments `build_tiny_model` has checked."""
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=None,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        tie_word_embeddings=tie_word_embeddings,
-        dtype=dtype,
-    )
-    if arch == "qwen3_moe":
-        common.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
-                      moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1,
-                      mlp_only_layers=[])
-    return _CONFIGS[arch](**common)
-
-
 def _check_args(
     *, arch: str, hidden_size: int, num_heads: int, num_kv_heads: int, dtype: str
 ) -> None:
@@ -165,23 +124,26 @@ def build_tiny_model(
     tokenizer = save_tokenizer(out, max_length=max_position_embeddings)
     eos_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
-    config = _tiny_config(
-        arch=arch,
+    config_args = dict(
         vocab_size=len(tokenizer),
-        num_layers=num_layers,
         hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=HEAD_DIM,
         max_position_embeddings=max_position_embeddings,
+        bos_token_id=None,
         eos_token_id=eos_id,
         pad_token_id=eos_id,
-        dtype=dtype,
         tie_word_embeddings=tie_word_embeddings,
-        num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok,
-        moe_intermediate_size=moe_intermediate_size,
+        dtype=dtype,
     )
+    if arch == "qwen3_moe":
+        config_args.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                           moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1,
+                           mlp_only_layers=[])
+    config = _CONFIGS[arch](**config_args)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Drawn in float32 and then cast, so a bfloat16 model is the rounded
     # float32 one with the same seed.
