@@ -22,7 +22,8 @@ Each of a task's n episodes, concurrently:
 
 The reward is the number the agent returned; else the one it posted with the
 session's `finish`; else the run's reward function on the final assistant
-text. Sampling is the agent's own (the arguments it passes the SDK):
+text. (`play` is what runs the agent: the verifiers worker, workers/verifiers.py,
+plays a verifiers environment there instead, with its reward and scores.) Sampling is the agent's own (the arguments it passes the SDK):
 `worker.sampling` and validation's sampling do not apply.
 
 A task is trained only when all of its episodes are clean. Otherwise:
@@ -32,7 +33,8 @@ A task is trained only when all of its episodes are clean. Otherwise:
   the records are malformed, the reward function raised. Running the same
   agent code again would most likely meet the same bug.
 - RE_ROLLOUT (the task is retried, up to worker.max_retries): the agent ran
-  out of time, a call was aborted, the session was lost (the replica
+  out of time, a call was aborted (even if the agent then raised or returned
+  no reward: it gave up on the abort), the session was lost (the replica
   restarted or the session expired), no replica answered. These are
   transient: a replica waiting for the weights its step needs can hold an
   agent past its limit. A sync agent that timed out keeps running in its
