@@ -8,7 +8,7 @@ Run manual:
 What runs: the real controller pipeline (loader, rollout manager, staleness
 gate, trajectory pool, GRPO processor, tensor batches, train worker,
 weight-sync controller, main loop), in real time on one asyncio loop, against
-the *simulated* engines of services/controller/testing/simulated.py:
+the *simulated* engines of services/controller/testing/simulated/:
   - one rollout engine; each Generate call (one task, group_size samples)
     takes a time drawn from a lognormal with mean --mean-ms and log-std
     --sigma (a long tail: the slowest of a batch's calls is typically 2-3x

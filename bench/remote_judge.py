@@ -7,7 +7,7 @@ Run manual:
 
 What runs: the real controller pipeline (fully-async, so that only scores can hold generation back,
 and a trainer faster than generation) against the *simulated* services of
-services/controller/testing/simulated.py, with the reward from a simulated judge
+services/controller/testing/simulated/, with the reward from a simulated judge
 (flywheel/testing/judge.py): each call fails with probability --fail, hangs past the deadline with
 probability --late, and otherwise answers after a lognormal time of mean --judge-ms. reward.judge
 retries a call up to 3 times, each with a deadline of --timeout-ms. By default on a virtual clock

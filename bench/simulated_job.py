@@ -1,7 +1,7 @@
 """The simulated GRPO job that bench/pipeline.py and bench/remote_judge.py time under different loads.
 
 Arithmetic questions, a math worker, GRPO, nothing written to disk, run on the simulated services of
-services/controller/testing/simulated.py: its command-line options and its run config live here once,
+services/controller/testing/simulated/: its command-line options and its run config live here once,
 and each bench adds only what it varies (timings, modes, a judge).
 """
 

@@ -2,7 +2,7 @@
 
 The controller's domain code talks to these interfaces only. Two families
 implement them: the gRPC adapters (`services/controller/adapters/`, the
-product path) and the simulated engines (`services/controller/testing/simulated.py`,
+product path) and the simulated engines (`services/controller/testing/simulated/`,
 for tests and the pipeline benchmark). A user can plug in their own (e.g. an
 in-process engine) without touching the pipeline.
 

@@ -1,6 +1,6 @@
 """Staleness accounting: the gate, and properties of whole simulated runs.
 
-Runs use simulated engines on a virtual clock (services/controller/testing/simulated.py):
+Runs use simulated engines on a virtual clock (services/controller/testing/simulated/):
 minutes of pipeline time take milliseconds, and a deadlock raises.
 """
 
