@@ -147,6 +147,7 @@ def build_pipeline(
             "data.validation", lambda: loader_from_config(cfg.data.validation, seed=cfg.run.seed, epochs=1, split="val")
         )
 
+    openenv, verifiers = _environments(cfg, services)
     engines = EnginePool(services.rollouts, dynamic=services.connect_rollout is not None)
     group, batch = cfg.worker.group_size, cfg.algorithm.train_batch_size
     pool = TrajectoryPool(cfg.pool_store, cfg.pool.keys, group, cfg.buffer_size_limit, cfg.pool.count_in_flight)
@@ -159,8 +160,7 @@ def build_pipeline(
         tools=tools, tool_result_template=cfg.worker.tool_result_template,
         agent=agent, agent_timeout_seconds=cfg.worker.agent_timeout_seconds,
         session_ttl_seconds=cfg.worker.session_ttl_seconds, errors=errors,
-        environment=_environment(cfg, services), environment_config=cfg.worker.env,
-        verifiers=_verifiers(cfg, services),
+        environment=openenv, environment_config=cfg.worker.env, verifiers=verifiers,
     )
     worker = worker_cls(ctx)
 
@@ -246,26 +246,21 @@ def build_pipeline(
     )
 
 
-def _environment(cfg: RunConfig, services: Services) -> OpenSession | None:
-    """How the openenv worker opens a session on its environment server (None without one)."""
-    if cfg.worker.env is None:
-        return None
-    if services.environment is not None:
-        return services.environment
-    from services.controller.adapters.environment_ws import websocket_sessions
+def _environments(cfg: RunConfig, services: Services) -> tuple[OpenSession | None, VerifiersEnvironment | None]:
+    """What an environment worker plays in, a test's simulated one (in `services`) first: the OpenEnv
+    server's sessions (worker.env, over its WebSocket path: adapters.environment_ws), and the verifiers
+    host (worker.verifiers: adapters.verifiers_env). None for what the run file does not name."""
+    openenv: OpenSession | None = None
+    verifiers: VerifiersEnvironment | None = None
+    if cfg.worker.env is not None:
+        from services.controller.adapters.environment_ws import websocket_sessions
 
-    return websocket_sessions(cfg.worker.env)
+        openenv = services.environment or websocket_sessions(cfg.worker.env)
+    if cfg.worker.verifiers is not None:
+        from services.controller.adapters.verifiers_env import VerifiersHost
 
-
-def _verifiers(cfg: RunConfig, services: Services) -> VerifiersEnvironment | None:
-    """The verifiers environment the verifiers worker plays in (None without one)."""
-    if cfg.worker.verifiers is None:
-        return None
-    if services.verifiers is not None:
-        return services.verifiers
-    from services.controller.adapters.verifiers_env import VerifiersHost
-
-    return VerifiersHost(cfg.worker.verifiers)
+        verifiers = services.verifiers or VerifiersHost(cfg.worker.verifiers)
+    return openenv, verifiers
 
 
 def _scoring_slots(cfg: RunConfig) -> int:
