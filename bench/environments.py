@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from bench.quickstart_job import QUICKSTART, QUICKSTART_TINY, curve, run_job, section, step_seconds  # noqa: E402
 from flywheel.testing.environments import example_environment  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
@@ -44,18 +45,14 @@ RUN_FILES = {"openenv": ROOT / "examples" / "openenv" / "arithmetic.yaml",
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     ap.add_argument("--environment", choices=sorted(RUN_FILES), default="openenv", help="the environment played")
     ap.add_argument("--steps", type=int, default=20, help="steps of each job")
     ap.add_argument("--val-interval", type=int, default=5, help="validation every N steps, on both sides")
     ap.add_argument("--baseline-run", type=Path, default=None,
                     help="a finished quickstart run directory to take the baseline from instead of running it")
     ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
-    ap.add_argument("--smoke", action="store_true", help="the tiny job, 2 steps a side")
-    args = ap.parse_args()
-    if args.smoke:
-        args.steps, args.val_interval = 2, 1
-    return args
+    return parse_with_smoke(ap, "the tiny job, 2 steps a side", steps=2, val_interval=1)
 
 
 def main() -> None:
