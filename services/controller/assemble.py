@@ -33,7 +33,7 @@ from services.controller.batches.processor import AlgorithmProcessor, TrainBatch
 from services.controller.protocols import HealthProbe, RolloutEngine, Synchronizer, Trainer
 from services.controller.tasks.judge import Post, RemoteJudge
 from services.controller.tasks.teacher import Score, Teacher
-from services.controller.workers.environment import OpenSession
+from services.controller.workers.environment import EnvironmentWorker, OpenSession
 from services.controller.tasks.rewards import get_reward, import_object
 from services.controller.rollouts.manager import RolloutManager
 from services.controller.run_config import RunConfig, SamplingConfig
@@ -118,6 +118,8 @@ def build_pipeline(
     worker_cls = _resolve("worker.type", lambda: worker_class(cfg.worker.type))
     if cfg.worker.verifiers is not None and not issubclass(worker_cls, VerifiersWorker):
         raise ConfigError(f"worker.verifiers: {cfg.worker.type} is not a verifiers worker (a VerifiersWorker)")
+    if cfg.worker.env is not None and not issubclass(worker_cls, EnvironmentWorker):
+        raise ConfigError(f"worker.env: {cfg.worker.type} is not an openenv worker (an EnvironmentWorker)")
     tracker, errors = ActivityTracker(), ErrorReporter(cfg.errors.policy, cfg.errors.max_recorded)
     judge, close_judge = None, None
     if cfg.reward.judge is not None:

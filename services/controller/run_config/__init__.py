@@ -86,14 +86,17 @@ class RunConfig(StrictModel):
             raise ValueError("algorithm.teacher: dynamic sampling drops groups whose rewards are all equal, and under "
                              "distillation they still teach (the teacher's log-probs); set algorithm.dynamic_sampling "
                              "false")
-        if (self.worker.type == "openenv") != (self.worker.env is not None):
-            raise ValueError("worker.env: the openenv worker needs its environment server (worker.env.url), and only "
-                             "it takes one")
-        if self.worker.type == "openenv" and (self.worker.instruction or not self.worker.chat
-                                              or self.worker.tools or self.worker.tool_result_template):
+        if self.worker.type == "openenv" and self.worker.env is None:
+            raise ValueError("worker.env: the openenv worker needs its environment server (worker.env.url)")
+        if self.worker.env is not None and ":" not in self.worker.type and self.worker.type != "openenv":
+            # (A worker of your own, 'module:Class', may be an EnvironmentWorker: the assembly checks that.)
+            raise ValueError(f"worker.env: only the openenv worker plays an environment server (worker.type is "
+                             f"{self.worker.type!r})")
+        if self.worker.env is not None and (self.worker.instruction or not self.worker.chat
+                                            or self.worker.tools or self.worker.tool_result_template):
             raise ValueError("worker: the openenv worker shows the model the environment's observations as chat "
                              "messages; instruction, chat false, tools and tool_result_template are not used by it")
-        if self.worker.type == "openenv" and "reward" in self.model_fields_set:
+        if self.worker.env is not None and "reward" in self.model_fields_set:
             raise ValueError("reward: the openenv worker trains on the environment's reward; leave reward out")
         if self.worker.env is not None and not self.worker.env.url.startswith(("http://", "https://", "ws://", "wss://")):
             raise ValueError(f"worker.env.url: must be an http(s) or ws(s) URL, got {self.worker.env.url!r}")
