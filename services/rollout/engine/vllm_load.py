@@ -335,6 +335,13 @@ def commit(prepared: PreparedLoad, faults: LoadFaults) -> None:
                  if key not in _MODULE_INTERNALS and live.__dict__.get(key) is not value}
         _bind_to(moved, twin, live)
         live.__dict__.update(moved)
+    # The twins are spent. Each twin and its tensors' loader methods (bound to it) point at one another: a
+    # cycle only Python's cyclic collector frees, and that runs when enough Python objects were made, not
+    # bytes. Until it ran, each twin kept the storage its live module had just let go: a whole version per
+    # update, the worker's growth with the twin on (docs/verification.md). Emptied, they go at once.
+    for _, twin in prepared.pairs:
+        twin.__dict__.clear()
+    prepared.pairs.clear()
 
 
 def _bind_to(attributes: dict[str, Any], twin: torch.nn.Module, live: torch.nn.Module) -> None:

@@ -54,3 +54,27 @@ def test_a_committed_twin_is_freed_and_the_live_layer_serves_its_version() -> No
         assert live.kernel.__self__ is live and live.extra.weight_loader.__self__ is live
     # Nothing keeps a committed twin: not the live layer, not the twins after it.
     assert [ref() for ref in twins] == [None, None, None]
+
+
+def test_a_committed_twin_goes_at_once_without_the_cyclic_collector() -> None:
+    """A twin and its methods point at one another; Python's cyclic collector runs rarely (it counts objects,
+    not bytes), and until it did each twin kept the storage its live layer had just let go: the vLLM worker
+    grew by a version per update. The commit empties the twins, so reference counting frees them."""
+    live = Layer()
+    gc.collect()
+    gc.disable()
+    try:
+        twin = twin_of(live, 1.0)
+        twin_ref, old_weight = weakref.ref(twin), weakref.ref(live.weight)
+        before = live.weight.data
+        commit(PreparedLoad([(live, twin)]), LoadFaults())
+        del twin
+        assert twin_ref() is None
+        twin = twin_of(live, 2.0)
+        held_by_twin = weakref.ref(twin._parameters["weight"])
+        commit(PreparedLoad([(live, twin)]), LoadFaults())
+        del twin
+        assert held_by_twin() is None  # the version before this one is held by nothing now
+        assert old_weight() is live.weight and before.data_ptr() != live.weight.data_ptr()
+    finally:
+        gc.enable()
