@@ -37,13 +37,13 @@ pytestmark = pytest.mark.slow
 STEPS = 2000
 
 #: fault -> (its faults-file keys, the phase that catches it on the transformers engine, on vLLM). A partial
-#: load (d): vLLM's loader finds the layer short of its weights as it loads, in the apply (in place, its
-#: default; with updates.prepare_outside_pause it loads before the pause, in the transfer).
+#: load (d): vLLM's loader finds the layer short of its weights as it loads, which with
+#: updates.prepare_outside_pause (the default) is before the pause, in the transfer.
 FAULTS = {
     "a": ({"corrupt_readable": True}, "VERIFY", "VERIFY"),
     "b": ({"scale_linear": 1.01}, "VERIFY", "VERIFY"),
     "c": ({"swap_same_shaped": True}, "VERIFY", "VERIFY"),
-    "d": ({"skip_one": True}, "VERIFY", "APPLY"),
+    "d": ({"skip_one": True}, "VERIFY", "TRANSFER"),
     "e": ({"raise_halfway": True}, "APPLY", "APPLY"),
 }
 

@@ -183,7 +183,7 @@ class VllmEngine(Engine):
 
     def __init__(
         self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0,
-        reuse_staging: bool = True, logprobs_mode: str = "processed", prepare_outside_pause: bool = False,
+        reuse_staging: bool = True, logprobs_mode: str = "processed", prepare_outside_pause: bool = True,
     ) -> None:
         for name in ("worker_extension_cls", "weight_transfer_config", "logprobs_mode"):
             if name in args:
