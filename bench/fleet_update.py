@@ -32,7 +32,7 @@ Qwen2.5-0.5B body (24 layers, hidden 896, 14 query and 2 key-value heads of
 ~360M parameters (the real one's 136M embedding parameters are left out).
 
 vLLM loads each version into a copy of the model's weights before the pause
-(`updates.prepare_outside_pause`, on by default; docs/verification.md): `prepare` is that part of
+(`updates.prepare_outside_pause`, on by default on the CPU; docs/verification.md): `prepare` is that part of
 the transfer phase, and the bytes' own transfer is what remains of it.
 
 The baseline, measured in the same rounds: the pause a replica would impose

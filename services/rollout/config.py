@@ -138,12 +138,14 @@ class UpdatesConfig(StrictModel):
         120.0, gt=0, description="deadline of loading a staged version into the engine (generation is paused "
         "meanwhile); past it the update fails and the replica is quarantined, in seconds"
     )
-    prepare_outside_pause: bool = Field(
-        True, description="vLLM: load (and on CPU repack for its kernels) each MEMORY or NCCL version into a "
+    prepare_outside_pause: bool | None = Field(
+        None, description="vLLM: load (and on CPU repack for its kernels) each MEMORY or NCCL version into a "
         "second copy of the model's weights while generation goes on, so that generation's pause only swaps "
         "the copies (pointers); costs one more model's worth of memory while an update is prepared. Off: vLLM "
-        "reloads in place inside the pause (CHECKPOINT versions always do), a pause about 3x the transfer on "
-        "the 0.5B shape on CPU (docs/verification.md)"
+        "reloads in place inside the pause (CHECKPOINT versions always do). Default (null): on where vLLM runs "
+        "on the CPU, whose in-place reload repacks every linear layer inside the pause (about 3x the transfer "
+        "on the 0.5B shape, docs/verification.md); off on a GPU, where the in-place reload is short and the "
+        "second copy would take GPU memory"
     )
     probe: bool = Field(
         True, description="score the version's probe batch (flywheel.probe: the trainer's float32 log-probs of "

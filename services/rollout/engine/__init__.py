@@ -39,7 +39,7 @@ def create_engine(config: RolloutConfig, codec: TextCodec) -> Engine:
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         made: Engine = VllmEngine(Path(engine.model_path), engine.args, codec, engine.initial_version,
                                   config.updates.reuse_staging, logprobs_mode=engine.logprobs,
-                                  prepare_outside_pause=config.updates.prepare_outside_pause)
+                                  prepare_outside_pause=_prepares_outside_pause(config))
         made.max_kept_ids = engine.max_kept_ids
         return made
     from services.rollout.engine.transformers_engine import TransformersEngine
@@ -52,3 +52,13 @@ def create_engine(config: RolloutConfig, codec: TextCodec) -> Engine:
     made.logprobs_mode = engine.logprobs
     made.max_kept_ids = engine.max_kept_ids
     return made
+
+
+def _prepares_outside_pause(config: RolloutConfig) -> bool:
+    """updates.prepare_outside_pause, its default resolved: on for vLLM on the CPU (where the in-place reload's
+    repacking is the pause), off on a GPU."""
+    if config.updates.prepare_outside_pause is not None:
+        return config.updates.prepare_outside_pause
+    import torch
+
+    return not torch.cuda.is_available()
