@@ -311,11 +311,13 @@ def _retie_head(twin_model: torch.nn.Module,
     return [(live, head)]
 
 
-def commit(prepared: PreparedLoad, faults: LoadFaults) -> None:
+def commit(prepared: PreparedLoad, faults: LoadFaults) -> list[torch.Tensor]:
     """Moves the prepared tensors and kernel handles into the live modules (generation paused): each
     live parameter and buffer takes its twin's storage (the objects stay, so whatever holds them sees
     the version), and whatever processing set on the twin (kernel handles such as `cpu_linear`) is set
-    on the live module."""
+    on the live module. Returns what the live modules let go (the version before): freeing a version is
+    most of a commit's time, so the caller drops it once generation is back."""
+    released: list[torch.Tensor] = []
     for i, (live, twin) in enumerate(prepared.pairs):
         if faults.raise_halfway and i == len(prepared.pairs) // 2:
             log.warning("FAULT INJECTION: the load raises halfway", extra={"committed": i})
@@ -330,6 +332,7 @@ def commit(prepared: PreparedLoad, faults: LoadFaults) -> None:
                     _bind_to(tensor.__dict__, twin, live)
                     mine[name] = tensor
                 else:
+                    released.append(held.data)
                     held.data = tensor.data
         moved = {key: value for key, value in twin.__dict__.items()
                  if key not in _MODULE_INTERNALS and live.__dict__.get(key) is not value}
@@ -342,6 +345,7 @@ def commit(prepared: PreparedLoad, faults: LoadFaults) -> None:
     for _, twin in prepared.pairs:
         twin.__dict__.clear()
     prepared.pairs.clear()
+    return released
 
 
 def _bind_to(attributes: dict[str, Any], twin: torch.nn.Module, live: torch.nn.Module) -> None:

@@ -70,11 +70,14 @@ def test_a_committed_twin_goes_at_once_without_the_cyclic_collector() -> None:
         commit(PreparedLoad([(live, twin)]), LoadFaults())
         del twin
         assert twin_ref() is None
+        first = live.weight.data.data_ptr()  # version 1's storage, which the next commit lets go
         twin = twin_of(live, 2.0)
         held_by_twin = weakref.ref(twin._parameters["weight"])
-        commit(PreparedLoad([(live, twin)]), LoadFaults())
+        released = commit(PreparedLoad([(live, twin)]), LoadFaults())
         del twin
-        assert held_by_twin() is None  # the version before this one is held by nothing now
+        assert held_by_twin() is None  # the twin went: only the live layer and `released` hold tensors now
         assert old_weight() is live.weight and before.data_ptr() != live.weight.data_ptr()
+        # What the live layer let go is handed back, to be freed outside generation's pause.
+        assert [t.data_ptr() for t in released][0] == first and len(released) == 2  # its weight and extra
     finally:
         gc.enable()
