@@ -24,9 +24,11 @@ def _numbers(value):
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("bench", ["codec", "weight_plane", "pipeline", "trainer", "modes", "rollout", "load", "gpu",
                                    "remote_judge", "tinker_gateway", "tinker_recipe", "long_generations",
-                                   "routing_replay", "distill", "staleness_policies", "environments"])
+                                   "routing_replay", "distill", "staleness_policies", "environments",
+                                   "environments --environment verifiers"])
 def test_a_bench_smoke_ends_with_its_ratios(bench: str) -> None:
-    result = run_smoke(f"{bench}", 400)
+    bench, *args = bench.split()
+    result = run_smoke(bench, 400, *args)
     ratios = {k: v for k, v in result.items() if "_vs_" in k}
     assert ratios, f"{bench}: no <ours>_vs_<baseline> ratio in {sorted(result)}"
     assert all(math.isfinite(x) for x in _numbers(result))
