@@ -20,13 +20,13 @@ import httpx
 
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from services.controller.adapters.sessions import http_request, json_object
+from services.controller.adapters.verifiers_host import READY_LINE
 from services.controller.run_config import VerifiersConfig
 from services.controller.workers.verifiers import EpisodePlayed
 
 log = logging.getLogger(__name__)
 
 HOST_PROGRAM = Path(__file__).with_name("verifiers_host.py")
-READY_LINE = "flywheel-verifiers-host listening on"
 #: Deadline of a health check and of reading the host's answer beyond the episode's own limit.
 CALL_SECONDS = 30.0
 
