@@ -138,6 +138,8 @@ class SamplingSpec:
     logprobs_mode: str | None = None
     #: Also score the prompt: each sample's log-probs of its prompt tokens, of the model's raw distribution.
     prompt_logprobs: bool = False
+    #: The resident LoRA adapter to sample with, by name (services.rollout.serving.adapters); None: the base weights.
+    adapter: str | None = None
 
     def distribution(self, mode: str) -> SampledDistribution:
         """What log-probs in `mode` of a sample drawn with this spec are of. Greedy samples

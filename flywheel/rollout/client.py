@@ -68,17 +68,18 @@ class RolloutClient(ChannelClient):
 
     async def generate(self, prompts: Sequence[PromptLike], *, request_ids: Sequence[str] = (),
                        timeout: float | None = None, run_step: int = 0, min_weight_version: int = 0,
-                       **sampling: Any) -> list[list[common_pb2.Sample]]:
+                       adapter: pb.Adapter | None = None, **sampling: Any) -> list[list[common_pb2.Sample]]:
         """Samples per prompt, in order; `sampling` takes `SamplingParams` fields (max_tokens, n, ...).
 
         `run_step`: the train batch these are for (a replica counts its steps by it); `min_weight_version`:
-        the least weight version to generate with (GenerateRequest's fields)."""
+        the least weight version to generate with; `adapter`: the LoRA adapter to sample with (GenerateRequest's
+        fields)."""
         ids = list(request_ids) or [""] * len(prompts)
         if len(ids) != len(prompts):
             raise errors.InvalidArgument(f"request_ids: {len(ids)} ids for {len(prompts)} prompts")
         request = pb.GenerateRequest(prompts=[to_prompt(p, r) for p, r in zip(prompts, ids)],
                                      sampling=common_pb2.SamplingParams(**sampling), run_step=run_step,
-                                     min_weight_version=min_weight_version)
+                                     min_weight_version=min_weight_version, adapter=adapter)
         response = await self._call("Generate", self._stub.Generate, request, timeout)
         if len(response.results) != len(prompts):
             raise errors.InvalidArgument(f"rollout {self.address}: {len(response.results)} results for {len(prompts)} prompts")

@@ -169,6 +169,16 @@ class UpdatesConfig(StrictModel):
     )
 
 
+class AdaptersConfig(StrictModel):
+    max_resident: int = Field(
+        0, ge=0, description="LoRA adapters kept loaded at once beside the base weights, each served to the "
+        "requests that name it (Generate's adapter; the Tinker gateway's saves for the sampler); past it the least "
+        "recently used one not in use is unloaded, and loaded again from its files when asked for. 0: no adapters "
+        "(vLLM: also sizes enable_lora, max_loras and max_cpu_loras)"
+    )
+    max_rank: int = Field(64, ge=1, description="largest LoRA rank an adapter may have (vLLM: max_lora_rank)")
+
+
 class SessionsConfig(StrictModel):
     ttl_seconds: float = Field(
         1800.0, gt=0, description="an agent session's records are freed this long after its last use, in seconds "
@@ -207,6 +217,10 @@ class RolloutConfig(StrictModel):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="the inference engine")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="backpressure and request limits")
     updates: UpdatesConfig = Field(default_factory=UpdatesConfig, description="weight updates")
+    adapters: AdaptersConfig = Field(
+        default_factory=AdaptersConfig, description="LoRA adapters served beside one another on the base weights; "
+        "their paths must lie inside updates.checkpoint_root"
+    )
     sessions: SessionsConfig = Field(
         default_factory=SessionsConfig, description="external agents' sessions (token-exact records per episode)"
     )

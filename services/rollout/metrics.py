@@ -55,3 +55,17 @@ REJECTED_REQUESTS = Counter(
     "Generation requests refused before reaching the engine, by reason (queue_full).",
     ["reason"],
 )
+ADAPTER_LOADS = Counter(
+    "flywheel_rollout_adapter_loads_total",
+    "LoRA adapters loaded onto the engine (adapters.max_resident): first, the first time this replica served it; "
+    "reload, again after it was evicted.",
+    ["kind"],
+)
+ADAPTER_EVICTIONS = Counter(
+    "flywheel_rollout_adapter_evictions_total",
+    "LoRA adapters unloaded to make room for another (least recently used first).",
+)
+ADAPTERS_RESIDENT = Gauge(
+    "flywheel_rollout_adapters_resident",
+    "LoRA adapters loaded on the engine now.",
+)

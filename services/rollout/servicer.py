@@ -20,6 +20,7 @@ from flywheel.synchronizer.types import Method
 from services.rollout.config import RolloutConfig
 from services.rollout.engine.base import PauseMode, SampleOutput
 from services.rollout.serving import sampling as sampling_mod
+from services.rollout.serving.adapters import AdapterRef
 from services.rollout.serving.core import QueueFull, RolloutCore
 from services.rollout.serving.prompts import (
     ChatPrompt, PromptInput, TextPrompt, TokenPrompt, check_token_ids, validate_messages, validate_tools,
@@ -89,6 +90,7 @@ def sample_to_proto(sample: SampleOutput, prompt_ids: list[int]) -> common_pb2.S
         kept_sets=[common_pb2.KeptSet(position=k.position, size=k.size, token_ids=k.token_ids,
                                       constrained=k.constrained) for k in sample.kept_sets],
         routed_experts=None if sample.routed_experts is None else tensor_to_proto(sample.routed_experts),
+        adapter_identity=sample.adapter_identity,
     )
 
 
@@ -112,8 +114,9 @@ class RolloutServicer:
         spec = self._spec(request)
         prompts = [self.core.resolve(prompt_from_proto(p, f"prompts[{i}]"), f"prompts[{i}]", p.request_id)
                    for i, p in enumerate(request.prompts)]
+        adapter = AdapterRef(request.adapter.path, request.adapter.identity) if request.HasField("adapter") else None
         outputs = await _with_retry_hint(context, self.core.generate(
-            prompts, spec, run_step=request.run_step, min_version=request.min_weight_version))
+            prompts, spec, run_step=request.run_step, min_version=request.min_weight_version, adapter=adapter))
         return pb.GenerateResponse(results=[
             pb.PromptResult(request_id=o.request_id, samples=[sample_to_proto(s, o.prompt_ids) for s in o.samples])
             for o in outputs
@@ -167,6 +170,7 @@ class RolloutServicer:
             model_name=s.model_name, weight_version=s.version, running_requests=s.running, waiting_requests=s.waiting,
             kv_cache_usage_ratio=s.kv_cache_usage, paused=s.paused, engine=s.engine, updating=s.updating,
             http_port=self._http_port(), max_model_len=s.max_model_len,
+            max_resident_adapters=self.config.adapters.max_resident if self.core.adapters_served() else 0,
         )
 
     def _mode(self, mode: int, field: str) -> PauseMode:

@@ -314,7 +314,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "finish_reason", "stop_reason", "weight_version_start", "weight_version_end", "text", "top_logprobs", "index", "logprobs_distribution", "prompt_logprobs", "weight_version_spans", "kept_sets", "routed_experts")
+    __slots__ = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "finish_reason", "stop_reason", "weight_version_start", "weight_version_end", "text", "top_logprobs", "index", "logprobs_distribution", "prompt_logprobs", "weight_version_spans", "kept_sets", "routed_experts", "adapter_identity")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +330,7 @@ class Sample(_message.Message):
     WEIGHT_VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
     KEPT_SETS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -345,7 +346,8 @@ class Sample(_message.Message):
     weight_version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
     kept_sets: _containers.RepeatedCompositeFieldContainer[KeptSet]
     routed_experts: Tensor
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., weight_version_start: _Optional[int] = ..., weight_version_end: _Optional[int] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., logprobs_distribution: _Optional[_Union[SampledDistribution, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., weight_version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., kept_sets: _Optional[_Iterable[_Union[KeptSet, _Mapping]]] = ..., routed_experts: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    adapter_identity: bytes
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., weight_version_start: _Optional[int] = ..., weight_version_end: _Optional[int] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., logprobs_distribution: _Optional[_Union[SampledDistribution, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., weight_version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., kept_sets: _Optional[_Iterable[_Union[KeptSet, _Mapping]]] = ..., routed_experts: _Optional[_Union[Tensor, _Mapping]] = ..., adapter_identity: _Optional[bytes] = ...) -> None: ...
 
 class KeptSet(_message.Message):
     __slots__ = ("position", "size", "token_ids", "constrained")

@@ -36,16 +36,26 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tools_json: _Optional[_Iterable[str]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "sampling", "run_step", "min_weight_version")
+    __slots__ = ("prompts", "sampling", "run_step", "min_weight_version", "adapter")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RUN_STEP_FIELD_NUMBER: _ClassVar[int]
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: _common_pb2.SamplingParams
     run_step: int
     min_weight_version: int
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., run_step: _Optional[int] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
+    adapter: Adapter
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., run_step: _Optional[int] = ..., min_weight_version: _Optional[int] = ..., adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class Adapter(_message.Message):
+    __slots__ = ("path", "identity")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    identity: bytes
+    def __init__(self, path: _Optional[str] = ..., identity: _Optional[bytes] = ...) -> None: ...
 
 class PromptResult(_message.Message):
     __slots__ = ("request_id", "samples")
@@ -122,7 +132,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("model_name", "weight_version", "running_requests", "waiting_requests", "kv_cache_usage_ratio", "paused", "engine", "updating", "http_port", "max_model_len")
+    __slots__ = ("model_name", "weight_version", "running_requests", "waiting_requests", "kv_cache_usage_ratio", "paused", "engine", "updating", "http_port", "max_model_len", "max_resident_adapters")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +143,7 @@ class GetStatusResponse(_message.Message):
     UPDATING_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESIDENT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     weight_version: int
     running_requests: int
@@ -143,7 +154,8 @@ class GetStatusResponse(_message.Message):
     updating: bool
     http_port: int
     max_model_len: int
-    def __init__(self, model_name: _Optional[str] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., paused: _Optional[bool] = ..., engine: _Optional[str] = ..., updating: _Optional[bool] = ..., http_port: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    max_resident_adapters: int
+    def __init__(self, model_name: _Optional[str] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., paused: _Optional[bool] = ..., engine: _Optional[str] = ..., updating: _Optional[bool] = ..., http_port: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_resident_adapters: _Optional[int] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ("mode",)

@@ -60,6 +60,9 @@ class SampleOutput:
     #: Mixture-of-experts models: the experts each router chose for every token fed to the model,
     #: [len(prompt) + len(tokens) - 1, L, K] in flywheel.models.moe's compact dtype; None: dense, or not recorded.
     routed_experts: torch.Tensor | None = None
+    #: The identity of the LoRA adapter it was drawn with, as the service measured it (serving.adapters);
+    #: b"": the base weights alone.
+    adapter_identity: bytes = b""
 
 
 @dataclass
@@ -156,6 +159,24 @@ class StagedWeights:
 
 
 @dataclass(frozen=True)
+class AdapterWeights:
+    """A LoRA adapter an engine serves beside others on its one base (`Engine.add_adapter`): immutable,
+    named by its identity. Read and verified by the service (services.rollout.serving.adapters)."""
+
+    #: What requests name it by (`SamplingSpec.adapter`): its identity in hex.
+    name: str
+    #: flywheel.codec.identity of its tensors, computed over the bytes read from its files.
+    identity: bytes
+    #: Its peft directory (an engine that loads adapters itself, vLLM, reads the same files).
+    path: str
+    rank: int
+    #: Per adapted module (its name in the model, e.g. "model.layers.0.self_attn.q_proj"): A [rank, in],
+    #: B [out, rank] and the scale, so that the module computes base(x) + scale * x A^T B^T.
+    layers: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]] = field(repr=False)
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
 class LoadFaults:
     """FAULT INJECTION (`updates.faults_file`): what an engine's load does wrong on purpose, so that
     tests can prove an update's verification catches each class of loading bug. All off by default;
@@ -222,12 +243,16 @@ class Engine(abc.ABC):
     logprobs_mode_per_request: bool = False
     #: Whether it scores prompts (`SamplingSpec.prompt_logprobs`, `SampleOutput.prompt_logprobs`).
     supports_prompt_logprobs: bool = False
+    #: Whether it serves LoRA adapters beside one another (`add_adapter`, `SamplingSpec.adapter`).
+    supports_adapters: bool = False
 
     def resolve(self, spec: SamplingSpec) -> SamplingSpec:
         """`spec` as this engine serves it (its log-probs named, `resolve_logprobs_mode`), or InvalidArgument
         for what it asks that this engine cannot honour."""
         if spec.prompt_logprobs and not self.supports_prompt_logprobs:
             raise InvalidArgument(f"sampling.prompt_logprobs: this {self.kind} engine does not score prompts")
+        if spec.adapter is not None and not self.supports_adapters:
+            raise FailedPrecondition(f"adapter: this {self.kind} engine serves no LoRA adapters")
         return self.resolve_logprobs_mode(spec)
 
     def resolve_logprobs_mode(self, spec: SamplingSpec) -> SamplingSpec:
@@ -365,6 +390,15 @@ class Engine(abc.ABC):
 
         # Together: an engine that batches (vLLM) scores them in one prefill.
         return list(await asyncio.gather(*(one(ids) for ids in sequences)))
+
+    async def add_adapter(self, adapter: AdapterWeights) -> None:
+        """Makes `adapter` servable (requests whose spec names it sample with it), without pausing the
+        requests running on the base or on other adapters."""
+        raise FailedPrecondition(f"the {self.kind} engine serves no LoRA adapters")
+
+    async def remove_adapter(self, name: str) -> None:
+        """Unloads an adapter no request uses any more."""
+        raise FailedPrecondition(f"the {self.kind} engine serves no LoRA adapters")
 
     async def discard_weights(self, staged: StagedWeights) -> None:
         """Releases what prepare_weights made, whether or not it was swapped in."""

@@ -37,13 +37,14 @@ from flywheel.common.kept import DEFAULT_MAX_IDS
 from flywheel.models.moe import Recorder, RoutingShape, compact, routing_shape
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from services.rollout.engine.base import (
-    NO_FAULTS, Delta, Engine, EngineLoad, LoadFaults, Measured, PauseMode, SamplingSpec, SequenceScores, StagedWeights,
+    NO_FAULTS, AdapterWeights, Delta, Engine, EngineLoad, LoadFaults, Measured, PauseMode, SamplingSpec, SequenceScores, StagedWeights,
     TensorSpec,
 )
 from services.rollout.engine.checkpoint import checkpoint_specs
 from services.rollout.engine.faults import fault_targets
 from services.rollout.engine.hf_scoring import score_sequence
 from services.rollout.engine.hf_grammar import GrammarCompiler
+from services.rollout.engine.hf_lora import AdapterHooks
 from services.rollout.engine.hf_sequence import Sequence
 from services.rollout.engine.text import TextCodec
 
@@ -72,6 +73,8 @@ class TransformersEngine(Engine):
     logprobs_mode_per_request = True
     #: A sample's prefill computes the logits at every prompt position.
     supports_prompt_logprobs = True
+    #: LoRA adapters applied by hooks, per sequence (hf_lora).
+    supports_adapters = True
 
     def __init__(self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0) -> None:
         ignored = sorted(set(args) - _KNOWN_ARGS)
@@ -108,6 +111,8 @@ class TransformersEngine(Engine):
         self._routing_shape: RoutingShape | None = None
         #: Compiles structured-output constraints (made at the first constrained request).
         self._grammars: GrammarCompiler | None = None
+        #: The LoRA adapters resident beside the base weights (made at start).
+        self._adapters: AdapterHooks | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -131,6 +136,7 @@ class TransformersEngine(Engine):
         missing = [n for n in self._specs if n not in state]
         if missing:
             raise FailedPrecondition(f"checkpoint tensors not in the model: {missing[:5]}")
+        self._adapters = AdapterHooks(self.model)
         self._loop_task = asyncio.create_task(self._run(), name="hf-engine-loop")
 
     def _load_model(self) -> Any:
@@ -226,20 +232,28 @@ class TransformersEngine(Engine):
                 self._dispatch(batch, version)
 
     def _step(self, batch: list[Sequence], version: int) -> None:
+        assert self._adapters is not None
         with torch.inference_mode():
-            for seq in batch:
-                if seq.finish is not None:
-                    continue
-                prefill = seq.cache is None and not seq.out_ids  # the first; not a recompute after a swap
-                recomputed = seq.cache is None
-                ids = torch.tensor([seq.next_input()], dtype=torch.long, device=self._device)
-                out = self.model(input_ids=ids, past_key_values=seq.cache, use_cache=True)
-                seq.cache = out.past_key_values
-                if self._routing is not None:
-                    seq.record_routing(compact(self._routing.take(), self._routing_shape), recomputed)
-                if prefill and seq.spec.prompt_logprobs:
-                    seq.score_prompt(out.logits[0, :-1])
-                seq.step(out.logits[0, -1].cpu(), self._codec, version)
+            try:
+                for seq in batch:
+                    if seq.finish is not None:
+                        continue
+                    self._adapters.active = seq.spec.adapter
+                    self._step_one(seq, version)
+            finally:
+                self._adapters.active = None  # scoring and probes run on the base weights
+
+    def _step_one(self, seq: Sequence, version: int) -> None:
+        prefill = seq.cache is None and not seq.out_ids  # the first; not a recompute after a swap
+        recomputed = seq.cache is None
+        ids = torch.tensor([seq.next_input()], dtype=torch.long, device=self._device)
+        out = self.model(input_ids=ids, past_key_values=seq.cache, use_cache=True)
+        seq.cache = out.past_key_values
+        if self._routing is not None:
+            seq.record_routing(compact(self._routing.take(), self._routing_shape), recomputed)
+        if prefill and seq.spec.prompt_logprobs:
+            seq.score_prompt(out.logits[0, :-1])
+        seq.step(out.logits[0, -1].cpu(), self._codec, version)
 
     def _dispatch(self, batch: list[Sequence], version: int) -> None:
         per_request: dict[str, list[Delta]] = {}
@@ -268,6 +282,15 @@ class TransformersEngine(Engine):
         with torch.inference_mode():
             return [SequenceScores(*score_sequence(self.model, ids, self._device, top_logprobs), self._version)
                     for ids in sequences]
+
+    async def add_adapter(self, adapter: AdapterWeights) -> None:
+        # On the model's thread, between two decode steps: no sequence pauses beyond that one slot.
+        assert self._adapters is not None
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._adapters.add, adapter)
+
+    async def remove_adapter(self, name: str) -> None:
+        assert self._adapters is not None
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._adapters.remove, name)
 
     # -- pause and weights -----------------------------------------------------
 

@@ -32,6 +32,7 @@ from services.rollout import metrics
 from services.rollout.config import RolloutConfig
 from services.rollout.engine.base import Delta, Engine, PauseMode, SampleOutput, SamplingSpec, SequenceScores
 from services.rollout.engine.text import TextCodec
+from services.rollout.serving.adapters import AdapterCache, AdapterRef
 from services.rollout.serving.prompts import PromptInput, ResolvedPrompt, resolve
 from services.rollout.serving.scoring import check_score_request
 
@@ -108,6 +109,8 @@ class RolloutCore:
         self.engine = engine
         self.codec = codec
         self.model_name = model_name
+        #: LoRA adapters resident beside the base weights (adapters.max_resident of them at most).
+        self.adapters = AdapterCache(config.adapters, config.updates.checkpoint_root)
         self._pending = 0
         self._at_gate = 0
         self._open = asyncio.Event()
@@ -136,6 +139,10 @@ class RolloutCore:
         self.engine, self.codec = engine, codec
 
     # -- prompts ---------------------------------------------------------------
+
+    def adapters_served(self) -> bool:
+        """Whether generation may name LoRA adapters (the config allows them and the engine serves them)."""
+        return bool(self.config.adapters.max_resident) and self.engine is not None and self.engine.supports_adapters
 
     def require_engine(self) -> tuple[Engine, TextCodec]:
         if self.engine is None or self.codec is None:
@@ -224,20 +231,27 @@ class RolloutCore:
 
     async def generate(
         self, prompts: list[ResolvedPrompt], spec: SamplingSpec, reservation: Reservation | None = None,
-        *, run_step: int = 0, min_version: int = 0,
+        *, run_step: int = 0, min_version: int = 0, adapter: AdapterRef | None = None,
     ) -> list[PromptOutput]:
         """All prompts' samples, in order; aborted samples come back with finish reason "abort".
 
-        `run_step`/`min_version`: the weights the generation must wait for (see follower.py)."""
-        spec = self.require_engine()[0].resolve(spec)
+        `run_step`/`min_version`: the weights the generation must wait for (see follower.py).
+        `adapter`: the LoRA adapter to sample with on top of them (serving.adapters)."""
+        engine = self.require_engine()[0]
+        if adapter is not None:
+            self.adapters.check(adapter)
+            spec = replace(spec, adapter=adapter.name)
+        spec = engine.resolve(spec)
         await self._weights_ready(run_step, min_version)
         prompts = [p if p.request_id else ResolvedPrompt(p.ids, f"gen-{uuid.uuid4().hex[:16]}", p.tools) for p in prompts]
-        async with self._admitted(len(prompts) * spec.n, reservation):
+        async with self._admitted(len(prompts) * spec.n, reservation), self._adapter_held(engine, adapter):
+
+            stamp = adapter.identity if adapter is not None else b""
 
             async def one(prompt: ResolvedPrompt) -> PromptOutput:
                 finals: list[SampleOutput] = []
                 async for deltas in self._run_one(prompt, spec, stream=False):
-                    finals += [d.final for d in deltas if d.final is not None]
+                    finals += [replace(d.final, adapter_identity=stamp) for d in deltas if d.final is not None]
                 return PromptOutput(prompt.request_id, prompt.ids, sorted(finals, key=lambda s: s.index))
 
             tasks = [asyncio.ensure_future(one(p)) for p in prompts]
@@ -249,6 +263,15 @@ class RolloutCore:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
+
+    @asynccontextmanager
+    async def _adapter_held(self, engine: Engine, adapter: AdapterRef | None) -> AsyncIterator[None]:
+        """Keeps `adapter` resident (loaded and verified first) for as long as the generation runs."""
+        if adapter is None:
+            yield
+            return
+        async with self.adapters.use(engine, adapter):
+            yield
 
     async def generate_stream(
         self, prompt: ResolvedPrompt, spec: SamplingSpec, reservation: Reservation | None = None,
