@@ -107,9 +107,9 @@ async def test_each_request_samples_with_its_own_adapter_beside_the_others(serve
         a, b = files["adapters"]["a"], files["adapters"]["b"]
         base, with_a, with_b = await asyncio.gather(sample(rollout, None), sample(rollout, a), sample(rollout, b))
         tol = 2e-4 if server.engine_kind == "transformers" else 2e-3
-        for got, adapter in ((base, None), (with_a, a), (with_b, b)):
+        for which, got, adapter in (("base", base, None), ("a", with_a, a), ("b", with_b, b)):
             expected = peft_logprobs(files["model"], adapter[0] if adapter else None, list(got.completion_token_ids))
-            assert list(got.completion_logprobs) == pytest.approx(expected, abs=tol)
+            assert list(got.completion_logprobs) == pytest.approx(expected, abs=tol), which
             assert got.adapter_identity == (adapter[1] if adapter else b"")
             assert (got.weight_version_start, got.weight_version_end) == (0, 0)
         # The adapters change what is sampled (else the checks above would prove nothing).

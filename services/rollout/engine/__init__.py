@@ -39,7 +39,8 @@ def create_engine(config: RolloutConfig, codec: TextCodec) -> Engine:
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         made: Engine = VllmEngine(Path(engine.model_path), engine.args, codec, engine.initial_version,
                                   config.updates.reuse_staging, logprobs_mode=engine.logprobs,
-                                  prepare_outside_pause=_prepares_outside_pause(config))
+                                  prepare_outside_pause=_prepares_outside_pause(config),
+                                  max_adapters=config.adapters.max_resident, max_adapter_rank=config.adapters.max_rank)
         made.max_kept_ids = engine.max_kept_ids
         return made
     from services.rollout.engine.transformers_engine import TransformersEngine

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import mmap
@@ -44,8 +45,8 @@ from flywheel.errors import Aborted, FailedPrecondition, InvalidArgument
 from flywheel.runtime.tls import process_tls
 from flywheel.transfer.broadcast import GroupSpec
 from services.rollout.engine.base import (
-    NO_FAULTS, Delta, Engine, EngineLoad, GroupSource, LoadFaults, Measured, MemorySource, PauseMode, SampleOutput,
-    SamplingSpec, StagedWeights, TensorSpec,
+    NO_FAULTS, AdapterWeights, Delta, Engine, EngineLoad, GroupSource, LoadFaults, Measured, MemorySource, PauseMode,
+    SampleOutput, SamplingSpec, StagedWeights, TensorSpec,
 )
 from services.rollout.engine.checkpoint import checkpoint_specs
 from services.rollout.engine.text import TextCodec
@@ -184,8 +185,10 @@ class VllmEngine(Engine):
     def __init__(
         self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0,
         reuse_staging: bool = True, logprobs_mode: str = "processed", prepare_outside_pause: bool = True,
+        max_adapters: int = 0, max_adapter_rank: int = 64,
     ) -> None:
-        for name in ("worker_extension_cls", "weight_transfer_config", "logprobs_mode"):
+        for name in ("worker_extension_cls", "weight_transfer_config", "logprobs_mode", "enable_lora", "max_loras",
+                     "max_lora_rank", "max_cpu_loras"):
             if name in args:
                 raise InvalidArgument(f"engine.args.{name}: set by the rollout service; remove it")
         self._path = Path(model_path)
@@ -206,6 +209,12 @@ class VllmEngine(Engine):
         #: processed top log-probs: asked for one more than that, a set is whole when fewer are finite.
         self.max_kept_ids = DEFAULT_MAX_IDS
         self._kept_probe = 0
+        #: LoRA adapters (rollout config `adapters`): vLLM's own multi-LoRA, sized to what the service keeps
+        #: resident; each resident adapter's LoRARequest by name.
+        self._max_adapters, self._max_adapter_rank = max_adapters, max_adapter_rank
+        self.supports_adapters = max_adapters > 0
+        self._lora_requests: dict[str, Any] = {}
+        self._lora_ids = itertools.count(1)
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -232,6 +241,15 @@ class VllmEngine(Engine):
         # log-probs then disagree with the trainer's: serve the checkpoint's dtype
         # unless engine.args names one.
         args.setdefault("dtype", _checkpoint_dtype(self._path))
+        if self._max_adapters:
+            # The service decides what is resident (serving.adapters), and vLLM has room for all of them, on its
+            # device and in its CPU cache alike, so it never evicts one on its own. One slot more than that stays
+            # empty (slots fill lowest first): vLLM's CPU LoRA kernels pick a request's slot by indexing with its
+            # LoRA index, -1 for a request without one, which selects the last slot. Empty, it adds nothing;
+            # with every slot used, base requests batched beside adapters were measured sampling with the last
+            # adapter (tests/integration/test_rollout_adapters.py).
+            slots = self._max_adapters + 1
+            args.update(enable_lora=True, max_loras=slots, max_cpu_loras=slots, max_lora_rank=self._max_adapter_rank)
         if self.logprobs_mode == "processed" and self.max_kept_ids:
             args.setdefault("max_logprobs", max(20, self.max_kept_ids + 1))
             self._kept_probe = min(self.max_kept_ids + 1, int(args["max_logprobs"]))
@@ -329,7 +347,7 @@ class VllmEngine(Engine):
             distribution = sampling.distribution(self.logprobs_mode)
             kept = (self._probe(sampling), sampling.constraint is not None)
             async with contextlib.aclosing(self._outputs(request_id, prompt_ids, params, sampling.top_logprobs,
-                                                         distribution, kept)) as outputs:
+                                                         distribution, kept, sampling.adapter)) as outputs:
                 async for deltas in outputs:
                     yield deltas
         finally:
@@ -337,10 +355,12 @@ class VllmEngine(Engine):
             self._seeded.discard(request_id)
 
     async def _outputs(self, request_id: str, prompt_ids: list[int], params: Any, top_k: int,
-                       distribution: SampledDistribution, kept: tuple[int, bool] = (0, False)
-                       ) -> AsyncIterator[list[Delta]]:
+                       distribution: SampledDistribution, kept: tuple[int, bool] = (0, False),
+                       adapter: str | None = None) -> AsyncIterator[list[Delta]]:
         samples: dict[int, _Sample] = {}
-        async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+        lora = self._lora_requests[adapter] if adapter is not None else None
+        async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id,
+                                               lora_request=lora):
             deltas = []
             for completion in output.outputs:
                 sample = samples.setdefault(completion.index, _Sample(completion.index))
@@ -403,6 +423,24 @@ class VllmEngine(Engine):
         return delta
 
     # -- pause and weights -----------------------------------------------------
+
+    async def add_adapter(self, adapter: AdapterWeights) -> None:
+        # vLLM reads the adapter's files itself: the same files the service verified against its identity.
+        from vllm.lora.request import LoRARequest
+
+        if self._llm is None:
+            raise FailedPrecondition("the vLLM engine is not running")
+        request = LoRARequest(adapter.name, next(self._lora_ids), adapter.path)
+        try:
+            await self._llm.add_lora(request)
+        except ValueError as exc:  # what vLLM cannot serve (a module it does not adapt, a rank past max_lora_rank)
+            raise FailedPrecondition(f"adapter {adapter.name[:16]}: vLLM refuses it: {exc}") from None
+        self._lora_requests[adapter.name] = request
+
+    async def remove_adapter(self, name: str) -> None:
+        request = self._lora_requests.pop(name, None)
+        if request is not None and self._llm is not None:
+            await self._llm.remove_lora(request.lora_int_id)
 
     async def pause(self, mode: PauseMode) -> None:
         # Frozen (keep) requests hold KV blocks; the caches are reset after a swap instead.
