@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from flywheel.codec.identity import identify
 from flywheel.common.v1 import common_pb2
 from flywheel.models.tiny import build_tiny_model
+from flywheel.models.untie import untie_embeddings
 from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
@@ -30,19 +31,19 @@ GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=T
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(model: Path, out: Path, seed: int, rank: int = 4) -> bytes:
+def make_adapter(model: Path, out: Path, seed: int, rank: int = 4, head: bool = False) -> bytes:
     """A peft adapter of `model` with random A and B (a visible change), saved to `out`; its identity."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-    peft = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=MODULES))
+    peft = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=MODULES + ["lm_head"] * head))
     with torch.no_grad():
         for name, param in peft.named_parameters():
             if "lora_" in name:
                 param.normal_(0, 0.3)
-    peft.save_pretrained(str(out))
+    peft.save_pretrained(str(out), save_embedding_layers=False)  # the adapter alone, as the trainer exports it
     return identify(load_file(str(out / "adapter_model.safetensors"))).digest
 
 
@@ -63,8 +64,10 @@ def peft_logprobs(model: Path, adapter: Path | None, tokens: list[int]) -> list[
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("adapters")
-    model = build_tiny_model(root / "model")
+    # Untied, as the Tinker gateway serves it: an adapter on the output head changes the head alone.
+    model = untie_embeddings(build_tiny_model(root / "tied"), root / "model")
     adapters = {name: (root / name, make_adapter(model, root / name, seed)) for seed, name in enumerate(["a", "b", "c"])}
+    adapters["head"] = (root / "head", make_adapter(model, root / "head", seed=3, head=True))
     return {"root": root, "model": model, "adapters": adapters}
 
 
@@ -149,3 +152,19 @@ async def test_the_least_recently_used_adapter_is_evicted_and_reloaded_on_demand
         assert metric(server, 'flywheel_rollout_adapter_loads_total{kind="reload"}') == reloads + 1
         assert list(again.completion_token_ids) == list(first.completion_token_ids)
         assert again.adapter_identity == a[1]
+
+
+async def test_an_adapter_of_the_output_head_is_served_where_the_engine_can(server, files) -> None:
+    """The transformers engine adapts any linear layer, the output head too (the Tinker SDK's default,
+    train_unembed); vLLM adapts none of its output head, and says so."""
+    channel, rollout = stub(server)
+    async with channel:
+        head = files["adapters"]["head"]
+        if server.engine_kind == "vllm":
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await sample(rollout, head)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "output head" in refused.value.details()
+            return
+        got = await sample(rollout, head)
+        expected = peft_logprobs(files["model"], head[0], list(got.completion_token_ids))
+        assert list(got.completion_logprobs) == pytest.approx(expected, abs=2e-4)

@@ -430,10 +430,14 @@ class VllmEngine(Engine):
 
         if self._llm is None:
             raise FailedPrecondition("the vLLM engine is not running")
+        if head := [name for name in adapter.layers if name.split(".")[-1] == "lm_head"]:
+            raise FailedPrecondition(f"adapter {adapter.name[:16]}: vLLM serves no LoRA on the output head ({head[0]}); "
+                                     "train without one (the Tinker SDK's train_unembed=False) or serve it with the "
+                                     "transformers engine")
         request = LoRARequest(adapter.name, next(self._lora_ids), adapter.path)
         try:
             await self._llm.add_lora(request)
-        except ValueError as exc:  # what vLLM cannot serve (a module it does not adapt, a rank past max_lora_rank)
+        except Exception as exc:  # noqa: BLE001 - what vLLM cannot serve (a module it does not adapt, a rank)
             raise FailedPrecondition(f"adapter {adapter.name[:16]}: vLLM refuses it: {exc}") from None
         self._lora_requests[adapter.name] = request
 
