@@ -63,7 +63,8 @@ def _up(args: argparse.Namespace) -> int:
     if tinker:  # the gateway's trainer trains LoRA adapters; its rollout loads the versions saved for sampling
         model_args["trainer"] += ("--model.lora.enabled", "true", "--model.lora.rank", str(args.lora_rank),
                                   "--model.lora.target-modules", TINKER_LORA_MODULES)
-        model_args["rollout"] += ("--updates.checkpoint-root", str(checkpoints))
+        model_args["rollout"] += ("--updates.checkpoint-root", str(checkpoints),
+                                  "--adapters.max-resident", str(args.tinker_adapters))
     children = [start_service(name, run_dir, model_args.get(name, ())) for name in SERVICES]
     try:
         for child in children:
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--with", dest="with_", action="append", choices=["tinker"],
                     help="also start the Tinker API gateway (docs/tinker.md): the trainer then trains LoRA adapters")
     up.add_argument("--lora-rank", type=int, default=32, help="with tinker: the adapters' rank (the cookbook's default)")
+    up.add_argument("--tinker-adapters", type=int, default=16,
+                    help="with tinker: LoRA adapters the rollout serves side by side, each save for the sampler one "
+                    "(the least recently used unloaded past it); 0: merged weights, one version at a time")
     up.add_argument("--tinker-port", type=int, default=8096, help="with tinker: the Tinker API's HTTP port (0: a free one)")
     up.set_defaults(func=_up)
     health = sub.add_parser("health", help="gRPC health of one service")

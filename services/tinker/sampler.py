@@ -13,14 +13,21 @@ differ); a sample is answered only if it came from the version its session is
 pinned to: the replica served that (model, version, identity) throughout,
 and every sample says it was made by that version number.
 
-A save for the sampler exports the trainer's merged weights to a directory of
-its own, `sampler_dir/<tenant>/<model id>/save-<id>/version_N` (two saves
-never share one, whatever their numbers), and installs them at once. The
-replica holds one version at a time: a sample of another version waits for
-the samples running to finish, then the replica loads that version from its
-directory (going back to the base model first when the number is not above
-the one it serves). Serving several adapters at once (vLLM's multi-LoRA) is
-not built here.
+A save for the sampler exports the trainer's weights to a directory of its
+own, `sampler_dir/<tenant>/<model id>/save-<id>/version_N` (two saves never
+share one, whatever their numbers), in one of two ways:
+
+* **Adapters**, when the replica serves LoRA adapters (its
+  `adapters.max_resident`, stated in GetStatus): the model's adapter alone (a
+  few MB), an immutable adapter the replica serves beside every other one on
+  its unchanged base. A sample names its adapter (directory and identity); the
+  replica loads it on first use, checks the identity of what it read, and
+  stamps every sample with it; nothing pauses, nothing reloads the base, and
+  tenants sample their own versions side by side.
+* **Merged weights** otherwise: the replica holds one version at a time; a
+  sample of another version waits for the samples running to finish, then
+  the replica loads that version from its directory (going back to the base
+  model first when the number is not above the one it serves).
 
 Bounded: a model keeps its last `keep_unnamed` unnamed versions (what
 save_weights_and_get_sampling_client makes at every RL step); older ones are
@@ -41,6 +48,7 @@ from pathlib import Path
 from flywheel.common.v1 import common_pb2
 from flywheel.errors import DataLoss, FailedPrecondition
 from flywheel.rollout.client import RolloutClient
+from flywheel.rollout.v1 import rollout_pb2
 from services.tinker import metrics
 from services.tinker.sampling import SamplePlan
 
@@ -60,6 +68,8 @@ class SamplerVersion:
     identity: bytes  # 16 bytes (flywheel.codec.identity); empty for the base model
     checkpoint: str | None  # None: the base model
     name: str | None = None
+    #: The checkpoint is the model's LoRA adapter, served on the base beside others (not merged weights).
+    adapter: bool = False
 
     def describe(self) -> str:
         if self.model_id is None:
@@ -88,6 +98,8 @@ class Sampler:
         self.keep_unnamed = keep_unnamed
         #: What the replica serves; None until known (a gateway that restarted does not know what it loaded).
         self.serving: SamplerVersion | None = None
+        #: Whether the replica serves adapters beside one another (then saves export adapters).
+        self.adapters = False
         self._saved: set[SamplerVersion] = {BASE}
         self._running = 0  # samples in flight
         self._loading: SamplerVersion | None = None
@@ -95,8 +107,10 @@ class Sampler:
 
     async def start(self) -> int:
         """The version the replica serves (a replica that answers is loaded: it serves after loading)."""
-        version = int((await self.rollout.status()).weight_version)
+        status = await self.rollout.status()
+        version = int(status.weight_version)
         self.serving = BASE if version == 0 else None
+        self.adapters = status.max_resident_adapters > 0
         metrics.SAMPLER_VERSION.set(version)
         return version
 
@@ -126,8 +140,9 @@ class Sampler:
             raise DataLoss(f"{weights.checkpoint}: the manifest states identity {stated.hex()}, the trainer "
                            f"exported {weights.identity.hex()}")
         self._saved.add(weights)
-        async with self._turns:
-            await self._serve(weights)
+        if not weights.adapter:  # an adapter is loaded by the replica when first sampled, beside the others
+            async with self._turns:
+                await self._serve(weights)
         unnamed = sorted((w for w in self._saved if w.model_id == weights.model_id and w.name is None),
                          key=lambda w: w.version)
         old = unnamed[:max(0, len(unnamed) - self.keep_unnamed)]
@@ -192,12 +207,30 @@ class Sampler:
         if weights not in self._saved:
             raise FailedPrecondition(f"{weights.describe()} is not saved for sampling here (removed, or the gateway "
                                      "restarted since): save the weights for the sampler again")
+        if weights.adapter:
+            return await self._sample_adapter(plan, weights)
         async with self._serving(weights):
             [samples] = await self.rollout.generate([plan.prompt], timeout=self.timeout, **plan.params)
             served = self.serving  # nothing loads while a sample runs: what served it throughout
         made_by = {(s.weight_version_start, s.weight_version_end) for s in samples}
-        if served != weights or made_by != {(weights.version, weights.version)}:
+        if served != weights or made_by != {(weights.version, weights.version)} or any(s.adapter_identity
+                                                                                       for s in samples):
             raise FailedPrecondition(f"the sampler answered with weight versions {sorted(made_by)} of "
                                      f"{served.describe() if served else 'unknown weights'}, not "
                                      f"{weights.describe()} throughout")
+        return list(samples)
+
+    async def _sample_adapter(self, plan: SamplePlan, weights: SamplerVersion) -> list[common_pb2.Sample]:
+        """Samples `weights`, an adapter, on the base model beside every other adapter (no turns: nothing
+        is loaded in place). Answered only if every sample says it was drawn with that adapter, as the
+        replica measured it, on the base model (version 0) throughout."""
+        adapter = rollout_pb2.Adapter(path=weights.checkpoint or "", identity=weights.identity)
+        async with self._serving(BASE):  # the base, which an adapter sits on, stays loaded meanwhile
+            [samples] = await self.rollout.generate([plan.prompt], timeout=self.timeout, adapter=adapter,
+                                                    **plan.params)
+        drawn = {(bytes(s.adapter_identity), s.weight_version_start, s.weight_version_end) for s in samples}
+        if drawn != {(weights.identity, 0, 0)}:
+            raise FailedPrecondition(
+                f"the sampler answered with adapters and base versions {sorted((i.hex()[:16], a, b) for i, a, b in drawn)}, "
+                f"not {weights.describe()} on the base model throughout")
         return list(samples)

@@ -65,7 +65,8 @@ class SamplingSessions:
         for tenant, model_id, directory, record in list(self.gateway.checkpoints.sampler_saves()):
             if record.get("name") and sampler is not None and record.get("identity"):
                 sampler.adopt(SamplerVersion(tenant, model_id, int(record["version"]),
-                                             bytes.fromhex(record["identity"]), str(directory), record["name"]))
+                                             bytes.fromhex(record["identity"]), str(directory), record["name"],
+                                             adapter=bool(record.get("adapter"))))
             else:
                 shutil.rmtree(directory.parent, ignore_errors=True)
 
@@ -112,14 +113,15 @@ class SamplingSessions:
                 parent = gateway.checkpoints.sampler_model_dir(tenant, model.model_id) / f"save-{uuid.uuid4().hex[:12]}"
                 with translated("trainer ExportWeights"):
                     exported = await gateway.trainer.export_weights("checkpoint", directory=str(parent),
-                                                                    timeout=timeout)
+                                                                    merge_lora=not sampler.adapters, timeout=timeout)
                 if not exported.identity:
                     raise FailedPrecondition("the trainer exported weights without an identity (no weight manifest)")
                 weights = SamplerVersion(tenant, model.model_id, int(exported.weight_version), exported.identity,
-                                         exported.path, name)
+                                         exported.path, name, adapter=sampler.adapters)
                 now = time.time()
                 write_json(Path(exported.path) / RECORD, {
-                    "name": name, "version": weights.version, "identity": weights.identity.hex(), "created": now,
+                    "name": name, "version": weights.version, "identity": weights.identity.hex(),
+                    "adapter": weights.adapter, "created": now,
                     "expires": None if ttl is None else now + ttl, "user_metadata": metadata})
                 try:
                     await sampler.install(weights)

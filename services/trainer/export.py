@@ -114,7 +114,9 @@ def export_state(policy: Policy, merge_lora: bool) -> dict[str, Tensor]:
     if policy.lora and not merge_lora:
         from peft import get_peft_model_state_dict
 
-        return {k: v.detach() for k, v in get_peft_model_state_dict(policy.model).items()}
+        # The adapters alone: an adapted output head tied to the embeddings would otherwise bring the whole
+        # embedding matrix along (peft's "auto"), and an adapter is what rollouts serve beside others.
+        return {k: v.detach() for k, v in get_peft_model_state_dict(policy.model, save_embedding_layers=False).items()}
     with torch.no_grad():
         state = policy.hf_state_dict() if policy.lora else policy.model.state_dict()
     return drop_tied(policy.hf_model, {k: v.detach() for k, v in state.items()})
@@ -324,7 +326,8 @@ def write_version(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=parent))
     try:
         if policy.lora and not merge_lora:
-            policy.model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
+            # adapter_config.json + adapter_model.safetensors: the tensors of `state`, nothing more
+            policy.model.save_pretrained(tmp, save_embedding_layers=False)
         else:
             if policy.sharded:
                 save_hf(policy.hf_model, tmp, state)

@@ -24,7 +24,7 @@ from tinker import types
 from flywheel.runtime.tokens import add_tenant_key
 from tests.integration.tinker_gateway_helpers import (  # noqa: F401 - the fixtures among them
     ADAPTED, AGENT_KEY, BOB_KEY, KEY, PROMPT, SERVICE_KEY, fixed_data, gateway_on, lora_trainer,
-    lora_trainer_for_sampling, rollout, untied_model,
+    lora_trainer_for_sampling, merged_rollout, rollout, untied_model,
 )
 
 pytestmark = pytest.mark.slow
@@ -218,10 +218,14 @@ def sample_with_the_sdk(url: str, base_model: str) -> dict:
 
 
 
+@pytest.mark.parametrize("served", ["adapters", "merged"])
 async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
-    lora_trainer_for_sampling, rollout, untied_model: Path
+    lora_trainer_for_sampling, request: pytest.FixtureRequest, served: str, untied_model: Path
 ) -> None:
+    """Both ways a sampler serves saves: each an adapter beside the others on the unchanged base (what
+    `flywheel up --with tinker` starts), or merged weights loaded one version at a time."""
     address, checkpoints = lora_trainer_for_sampling
+    rollout = request.getfixturevalue("rollout" if served == "adapters" else "merged_rollout")
     async with gateway_on(address, checkpoints / "tinker", rollout, sampler_dir=checkpoints / "sampler") as (
         gateway, url
     ):
@@ -242,6 +246,10 @@ async def test_the_sdk_samples_the_saved_weights_on_an_exact_version(
         (record,) = [json.loads(p.read_text()) for p in (checkpoints / "sampler").glob("*/*/save-*/version_*/tinker.json")
                      if json.loads(p.read_text())["name"] == "named"]
         assert record["version"] == 2 and record["user_metadata"] == {"step": "2"}
+        # An adapter travels as the adapter alone (no base weights); merged weights as a whole model.
+        files = {p.name for p in (checkpoints / "sampler").glob("*/*/save-*/version_2/*")}
+        assert record["adapter"] == (served == "adapters")
+        assert ("adapter_model.safetensors" in files) == (served == "adapters") != ("model.safetensors" in files)
         assert record["expires"] - record["created"] == 3600  # removed at a save after that
         stopped = out["stopped"].sequences[0]
         assert stopped.stop_reason == "stop" and len(stopped.tokens) <= 1  # the stop token itself ends it

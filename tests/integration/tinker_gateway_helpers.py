@@ -91,7 +91,18 @@ def fixed_data() -> list[types.Datum]:
 PROMPT = [11, 42, 77, 23]
 
 
+#: The gateway's sampler as `flywheel up --with tinker` starts it: LoRA adapters side by side.
+ADAPTERS = ("--adapters.max-resident", "4")
+
+
 @pytest.fixture
 def rollout(run_service, untied_model: Path):
+    return run_service("rollout", "--engine.model-path", str(untied_model), "--engine.kind", "transformers",
+                       "--http-port", "0", *ADAPTERS).grpc_address
+
+
+@pytest.fixture
+def merged_rollout(run_service, untied_model: Path):
+    """A sampler that serves no adapters: the gateway installs merged weights on it, one version at a time."""
     return run_service("rollout", "--engine.model-path", str(untied_model), "--engine.kind", "transformers",
                        "--http-port", "0").grpc_address
