@@ -20,7 +20,7 @@ from flywheel.codec.dtypes import tensor_from_proto, tensor_to_proto
 from flywheel.runtime.client import ChannelClient, open_channel
 from flywheel.runtime.server_config import MIB
 from flywheel.synchronizer.types import Method
-from flywheel.trainer.types import AGGREGATIONS, LOSS_KINDS, AdamStep, aggregation_to_pb, loss_kind_to_pb
+from flywheel.trainer.types import AGGREGATIONS, LOSS_KINDS, AdamStep, LoraShape, aggregation_to_pb, loss_kind_to_pb
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
 
@@ -189,9 +189,12 @@ class TrainerClient(ChannelClient):
         response = await self.stub.LoadCheckpoint(pb.LoadCheckpointRequest(path=path, latest=latest), timeout=timeout)
         return LoadedCheckpoint(response.path, response.step, response.weight_version, response.client_state)
 
-    async def select_model(self, model_id: str, *, timeout: float | None = None) -> bool:
-        """Makes `model_id` the trainer's live model (LoRA: several on one base); True when it was created."""
-        response = await self.stub.SelectModel(pb.SelectModelRequest(model_id=model_id), timeout=timeout)
+    async def select_model(self, model_id: str, *, shape: LoraShape = LoraShape(),
+                           timeout: float | None = None) -> bool:
+        """Makes `model_id` the trainer's live model (LoRA: several on one base); True when it was created
+        (with `shape`: its own rank and modules)."""
+        response = await self.stub.SelectModel(pb.SelectModelRequest(
+            model_id=model_id, lora_rank=shape.rank, lora_modules=list(shape.modules)), timeout=timeout)
         return response.created
 
     async def drop_model(self, model_id: str, *, timeout: float | None = None) -> None:

@@ -95,3 +95,13 @@ class AdamStep:
     @classmethod
     def from_pb(cls, message: pb.AdamStep) -> AdamStep:
         return cls(**{f.name: getattr(message, f.name) for f in fields(cls) if message.HasField(f.name)})
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """One model's own LoRA adapters on a trainer that holds several (SelectModel): its rank and the modules
+    with adapters (short names, e.g. "q_proj"), each within the trainer's model.lora; rank 0 and no modules:
+    the trainer's own."""
+
+    rank: int = 0
+    modules: tuple[str, ...] = ()

@@ -28,11 +28,12 @@ from flywheel.errors import AlreadyExists, FailedPrecondition, InvalidArgument, 
 from flywheel.rollout.client import RolloutClient
 from flywheel.runtime.client import translated
 from flywheel.trainer.client import TrainerClient
+from flywheel.trainer.types import LoraShape
 from services.tinker.bodies import refuse_unknown, seq_number
 from services.tinker.checkpoints import RECORD, Checkpoints, ttl_and_metadata, write_json
 from services.tinker.config import TinkerConfig
 from services.tinker.futures import Futures, Outcome
-from services.tinker.models import LORA_MODULES, Sessions, TrainingModel, TrainingModels, check_lora
+from services.tinker.models import LORA_MODULES, Sessions, TrainingModel, TrainingModels, lora_shape
 from services.tinker.paths import TinkerPath, check_name
 from services.tinker.sampler import Sampler
 from services.tinker.sampler_sessions import SamplingSessions
@@ -84,9 +85,10 @@ class Gateway:
         self.checkpoints.measure_all()
         self._pruner = asyncio.create_task(self._prune_every(), name="tinker prune")
 
-    async def _select(self, model_id: str) -> bool:
+    async def _select(self, model_id: str, shape: LoraShape = LoraShape()) -> bool:
         with translated("trainer SelectModel"):
-            return await self.trainer.select_model(model_id, timeout=self.config.trainer_timeout_seconds)
+            return await self.trainer.select_model(model_id, shape=shape,
+                                                   timeout=self.config.trainer_timeout_seconds)
 
     async def _drop(self, model_id: str) -> None:
         with translated("trainer DropModel"):
@@ -196,20 +198,20 @@ class Gateway:
                 if self.lora_rank:
                     raise InvalidArgument(f"lora_config: the trainer trains LoRA adapters of rank {self.lora_rank}; "
                                           "a full fine-tuning model is not served by it")
-                rank = 0
+                rank, shape = 0, LoraShape()
             else:
                 refuse_unknown(lora, {"rank", "seed", *LORA_MODULES}, "lora_config")
                 if lora.get("seed") is not None:
                     raise InvalidArgument("lora_config.seed: the adapters are initialised when the trainer starts "
                                           "(its model.seed); a per-model seed is not served")
                 rank = int(lora.get("rank", 0))
-                check_lora(rank, {k: bool(lora.get(k, True)) for k in LORA_MODULES}, self.lora_rank,
-                           self.lora_modules)
+                shape = lora_shape(rank, {k: bool(lora.get(k, True)) for k in LORA_MODULES}, self.lora_rank,
+                                   self.lora_modules)
             metadata = body.get("user_metadata") or {}
             if not isinstance(metadata, dict):
                 raise InvalidArgument("create_model: user_metadata must be an object")
-            await self._create(TrainingModel(model_id, session.session_id, tenant, self.base_model, rank, metadata),
-                               None)
+            await self._create(TrainingModel(model_id, session.session_id, tenant, self.base_model, rank, metadata,
+                                             shape), None)
             return Outcome(json={"type": "create_model", "model_id": model_id})
 
         return self._new_model(tenant, body, "create_model", create)
@@ -217,7 +219,7 @@ class Gateway:
     async def _create(self, model: TrainingModel, load: str | None) -> None:
         """Creates `model` on the trainer from the adapters' initialisation, or from checkpoint `load`."""
         await asyncio.gather(*self.prune())  # a finished or silent session's models make room first
-        async with self.models.turn(model.model_id, model.tenant, new=True):
+        async with self.models.turn(model.model_id, model.tenant, new=True, shape=model.shape):
             if load is not None:
                 try:
                     with translated("trainer LoadCheckpoint"):

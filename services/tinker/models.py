@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from flywheel.errors import AlreadyExists, FailedPrecondition, FlywheelError, InvalidArgument, NotFound
+from flywheel.trainer.types import LoraShape
 from services.tinker.futures import Futures, Outcome, failure
 from services.tinker.metrics import TRAINER_TURNS
 from services.tinker.turns import FairTurns
@@ -157,6 +158,8 @@ class TrainingModel:
     base_model: str
     lora_rank: int
     user_metadata: dict = field(default_factory=dict)
+    #: Its adapters' rank and modules, made when the trainer creates it (a load brings the save's own).
+    shape: LoraShape = LoraShape()
     #: The next seq_id to run (create_model was 0).
     next_seq: int = 1
     #: Every seq_id seen -> its request id (a retried request gets the same).
@@ -170,8 +173,8 @@ class TrainingModel:
     retired: str | None = None
 
 
-#: Makes a model the trainer's live one; returns whether the trainer created it.
-Select = Callable[[str], Awaitable[bool]]
+#: Makes a model the trainer's live one (of this shape if it creates it); returns whether the trainer created it.
+Select = Callable[[str, LoraShape], Awaitable[bool]]
 #: Forgets a model on the trainer.
 Drop = Callable[[str], Awaitable[None]]
 
@@ -187,13 +190,14 @@ class TrainingModels:
         self.turns = FairTurns()
 
     @contextlib.asynccontextmanager
-    async def turn(self, model_id: str, tenant: str, *, new: bool = False) -> AsyncIterator[None]:
+    async def turn(self, model_id: str, tenant: str, *, new: bool = False,
+                   shape: LoraShape = LoraShape()) -> AsyncIterator[None]:
         """The trainer, with `tenant`'s `model_id` selected on it, until the block ends. `new`: the model is
-        being created (the trainer must not hold it yet); otherwise the trainer must hold it already: one it
-        lost is lost for good (see the module doc)."""
+        being created (the trainer must not hold it yet), of `shape`; otherwise the trainer must hold it
+        already: one it lost is lost for good (see the module doc)."""
         async with self.turns.turn(tenant):
             TRAINER_TURNS.labels(tenant).inc()
-            created = await self._select(model_id)
+            created = await self._select(model_id, shape)
             if created != new:
                 if new:
                     raise AlreadyExists(f"the trainer holds a model {model_id!r} already")
@@ -207,7 +211,7 @@ class TrainingModels:
                   "are gone; load a saved checkpoint into a new model (create_training_client_from_state_with_"
                   "optimizer)")
         try:
-            await self._select("")
+            await self._select("", LoraShape())
             await self._drop(model_id)
         except FlywheelError as exc:
             log.warning("the lost model's empty stand-in was not dropped", extra={"model_id": model_id,
@@ -267,7 +271,7 @@ class TrainingModels:
         self._stop(model, reason)
         try:
             async with self.turns.turn(model.tenant):
-                await self._select("")  # the trainer's own model: a model is dropped while parked
+                await self._select("", LoraShape())  # the trainer's own model: a model is dropped while parked
                 await self._drop(model.model_id)
         except FlywheelError as exc:  # a trainer that restarted has lost it already
             log.warning("model not dropped from the trainer", extra={"model_id": model.model_id, "error": str(exc)})
@@ -327,20 +331,27 @@ class TrainingModels:
         await asyncio.gather(*(m.runner for m in self._models.values() if m.runner), return_exceptions=True)
 
 
-def check_lora(rank: int, flags: dict[str, bool], trainer_rank: int, trainer_modules: tuple[str, ...]) -> None:
-    """Refuses LoRA settings the trainer does not train (rank, and which modules have adapters)."""
+def lora_shape(rank: int, flags: dict[str, bool], trainer_rank: int, trainer_modules: tuple[str, ...]) -> LoraShape:
+    """The model's own adapters, as a client asks for them (rank, and which modules: the SDK's train_attn,
+    train_mlp, train_unembed), within the trainer's: each model trains a LoRA of its own rank on its own
+    modules (the trainer's Policy.set_shape)."""
     if trainer_rank == 0:
         raise FailedPrecondition("lora_config: this gateway's trainer trains every parameter, not LoRA adapters; "
                                  "start the trainer with model.lora.enabled")
-    if rank != trainer_rank:
-        raise InvalidArgument(f"lora_config.rank: the trainer's adapters have rank {trainer_rank}, not {rank}")
+    if not 1 <= rank <= trainer_rank:
+        raise InvalidArgument(f"lora_config.rank: from 1 to {trainer_rank} (the trainer's model.lora.rank, the "
+                              f"largest a model may have), got {rank}")
     modules = set(trainer_modules)
     if "all-linear" in modules:  # peft: every linear layer but the output head
         modules = (modules - {"all-linear"}) | LORA_MODULES["train_attn"] | LORA_MODULES["train_mlp"]
+    wanted: set[str] = set()
     for flag, names in LORA_MODULES.items():
-        wanted, covered = flags.get(flag, True), names & modules
-        if (wanted and covered != names) or (not wanted and covered):
-            raise InvalidArgument(
-                f"lora_config.{flag}={wanted}: the trainer has adapters on {', '.join(sorted(covered)) or 'none'} "
-                f"of {', '.join(sorted(names))} (its target modules: {', '.join(trainer_modules)})"
-            )
+        if flags.get(flag, True):
+            if missing := names - modules:
+                raise InvalidArgument(
+                    f"lora_config.{flag}: the trainer has no adapters on {', '.join(sorted(missing))} (its target "
+                    f"modules: {', '.join(trainer_modules)}); set {flag}=False")
+            wanted |= names
+    if not wanted:
+        raise InvalidArgument("lora_config: train_attn, train_mlp and train_unembed are all False: nothing to train")
+    return LoraShape(rank, tuple(sorted(wanted)))

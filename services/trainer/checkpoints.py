@@ -44,6 +44,7 @@ from torch import Tensor
 
 from flywheel.codec.checkpoint_dir import read_tensors, safetensors_files
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from flywheel.trainer.types import LoraShape
 from services.trainer.distributed import Ranks, gather_state
 from services.trainer.files import replace_directory
 from services.trainer.hf_save import save_hf
@@ -92,6 +93,8 @@ def _write(policy: Policy, out: Path, client_state: bytes) -> None:
     (out / "client_state.bin").write_bytes(client_state)
     state = {"format_version": FORMAT_VERSION, "step": policy.step, "weight_version": policy.weight_version,
              "model": policy.name, "lora": policy.lora}
+    if policy.lora:  # the model's own rank and modules (its adapters past them are zero)
+        state["lora_shape"] = {"rank": policy.shape.rank, "modules": list(policy.shape.modules)}
     (out / STATE_FILE).write_text(json.dumps(state))
 
 
@@ -231,6 +234,8 @@ def load(policy: Policy, path: Path) -> tuple[int, int, bytes]:
         )
     _check_optimizer(policy, optimizer)
     if policy.lora:
+        saved_shape = state.get("lora_shape") or {}
+        shape = policy.resolve_shape(LoraShape(int(saved_shape.get("rank", 0)), tuple(saved_shape.get("modules", ()))))
         weights = _read_weights(path / "adapter")
     else:
         weights = _read_weights(path / "model")
@@ -239,6 +244,7 @@ def load(policy: Policy, path: Path) -> tuple[int, int, bytes]:
     # Everything is read and checked: apply.
     if policy.lora:
         _load_adapter(policy, weights, path)
+        policy.set_shape(shape)  # its zeros are zero already: this scales the model as its rank
     else:
         with torch.no_grad():
             policy.model.load_state_dict(weights, strict=False)

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -116,7 +117,9 @@ def export_state(policy: Policy, merge_lora: bool) -> dict[str, Tensor]:
 
         # The adapters alone: an adapted output head tied to the embeddings would otherwise bring the whole
         # embedding matrix along (peft's "auto"), and an adapter is what rollouts serve beside others.
-        return {k: v.detach() for k, v in get_peft_model_state_dict(policy.model, save_embedding_layers=False).items()}
+        # As a LoRA of the selected model's own rank and modules (Policy.set_shape).
+        adapters = get_peft_model_state_dict(policy.model, save_embedding_layers=False)
+        return policy.trim_to_shape({k: v.detach() for k, v in adapters.items()})
     with torch.no_grad():
         state = policy.hf_state_dict() if policy.lora else policy.model.state_dict()
     return drop_tied(policy.hf_model, {k: v.detach() for k, v in state.items()})
@@ -312,6 +315,17 @@ def _safetensors_names(directory: Path) -> list[str]:
     return names
 
 
+def write_adapter(policy: Policy, state: dict[str, Tensor], directory: Path) -> None:
+    """The selected model's adapters `state` (`export_state`) as peft writes an adapter: adapter_config.json
+    (the trainer's LoRA settings with the model's own rank and modules) and adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    config = dataclasses.replace(policy.model.peft_config["default"], r=policy.shape.rank,
+                                 target_modules=set(policy.shape.modules))
+    config.save_pretrained(str(directory))
+    save_file(state, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
 def write_version(
     policy: Policy, state: dict[str, Tensor], version: int, parent: Path, merge_lora: bool,
     probe: ProbeBatch | None = None,
@@ -326,8 +340,7 @@ def write_version(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=parent))
     try:
         if policy.lora and not merge_lora:
-            # adapter_config.json + adapter_model.safetensors: the tensors of `state`, nothing more
-            policy.model.save_pretrained(tmp, save_embedding_layers=False)
+            write_adapter(policy, state, tmp)
         else:
             if policy.sharded:
                 save_hf(policy.hf_model, tmp, state)

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from flywheel.errors import FailedPrecondition, NotFound, ResourceExhausted
-from flywheel.trainer.types import AdamStep
+from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from flywheel.trainer.types import AdamStep, LoraShape
 from services.trainer.config import OptimizerConfig, TrainerConfig
 from services.trainer.distributed import is_sharded, shard_model
 
@@ -149,6 +149,9 @@ class Policy:
         self._held: tuple[str, ...] = ("",)
         #: The adapters as initialised, which every new model starts from (LoRA only: nothing to keep else).
         self._initial_adapters = self._adapter_values() if self.lora else {}
+        #: The trainer's own adapters' rank and modules, and the selected model's (`select`, `set_shape`).
+        self.full_shape = self._full_shape() if self.lora else LoraShape()
+        self.shape = self.full_shape
 
     # ------------------------------------------------------------ loading
 
@@ -297,31 +300,35 @@ class Policy:
     def _adapter_values(self) -> dict[str, Tensor]:
         return {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
 
-    def select(self, model_id: str, max_models: int) -> bool:
+    def select(self, model_id: str, max_models: int, shape: LoraShape = LoraShape()) -> bool:
         """Makes `model_id` the live model, parking the selected one; True when it is new (created
-        from the adapters' initialisation). At most `max_models` are held."""
+        from the adapters' initialisation, of `shape`: see `set_shape`). At most `max_models` are held."""
         if model_id == self.model_id:
             return False
         if not self.lora:
             raise FailedPrecondition("several models on one trainer need LoRA adapters (model.lora.enabled): with "
                                      "every parameter trained there is one model")
         created = model_id not in self._parked
+        if created:
+            shape = self.resolve_shape(shape)
         if created and len(self._parked) + 1 >= max_models:
             raise ResourceExhausted(f"the trainer holds {max_models} models (limits.max_models); drop one first")
         # A checkpoint loaded into the model being parked may carry a version past every step taken here.
         self._newest_version = max(self._newest_version, self.weight_version)
         params = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
         parked = ParkedModel(self._adapter_values(), {n: p.grad for n, p in params.items()},
-                             self.optimizer, self.scheduler, self.step, self.weight_version)
+                             self.optimizer, self.scheduler, self.step, self.weight_version, self.shape)
         incoming = self._parked.pop(model_id, None)
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(incoming.adapters[name] if incoming else self._initial_adapters[name])
                 p.grad = incoming.grads[name] if incoming else None
         if incoming is None:
+            self.set_shape(shape)
             self.optimizer, self.scheduler = build_optimizer(self.model, self.config.optimizer)
             self.step = self.weight_version = 0
         else:
+            self._scale(incoming.shape)
             self.optimizer, self.scheduler = incoming.optimizer, incoming.scheduler
             self.step, self.weight_version = incoming.step, incoming.weight_version
         self._parked[self.model_id] = parked
@@ -336,6 +343,69 @@ class Policy:
         if self._parked.pop(model_id, None) is None:
             raise NotFound(f"model {model_id!r} is not held by this trainer")
         self._held = (self.model_id, *self._parked)
+
+    # ------------------------------------------------------------ each model's rank and modules
+
+    def _lora_layers(self) -> list[tuple[str, nn.Module]]:
+        from peft.tuners.lora import LoraLayer
+
+        return [(name.rsplit(".", 1)[-1], module) for name, module in self.model.named_modules()
+                if isinstance(module, LoraLayer)]
+
+    def _full_shape(self) -> LoraShape:
+        return LoraShape(self.config.model.lora.rank, tuple(sorted({short for short, _ in self._lora_layers()})))
+
+    def resolve_shape(self, shape: LoraShape) -> LoraShape:
+        """`shape` with the trainer's own rank or modules where it names none; InvalidArgument past them."""
+        rank = shape.rank or self.full_shape.rank
+        modules = tuple(sorted(set(shape.modules))) or self.full_shape.modules
+        if not 1 <= rank <= self.full_shape.rank:
+            raise InvalidArgument(f"lora rank {rank}: this trainer's adapters have rank {self.full_shape.rank}, "
+                                  f"the most a model may have")
+        if unknown := sorted(set(modules) - set(self.full_shape.modules)):
+            raise InvalidArgument(f"lora modules {', '.join(unknown)}: this trainer has adapters on "
+                                  f"{', '.join(self.full_shape.modules)} only")
+        return LoraShape(rank, modules)
+
+    def set_shape(self, shape: LoraShape) -> None:
+        """Gives the live model `shape` (resolved): the adapters' rows and columns past its rank, and those of
+        modules it does not adapt, are set to zero, and every adapted module scaled by alpha / its rank. A
+        zero row of A and the matching zero column of B get zero gradients (each one's gradient goes through
+        the other), so Adam and weight decay leave them at zero: the model trains exactly a LoRA of that rank
+        on those modules. Its adapters are its own from there on (it must be selected)."""
+        with torch.no_grad():
+            for short, module in self._lora_layers():
+                for adapter in module.active_adapters:
+                    a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+                    if short in shape.modules:
+                        a[shape.rank:] = 0
+                        b[:, shape.rank:] = 0
+                    else:
+                        a.zero_()
+                        b.zero_()
+        self._scale(shape)
+
+    def _scale(self, shape: LoraShape) -> None:
+        alpha = self.config.model.lora.alpha
+        for _, module in self._lora_layers():
+            for adapter in module.active_adapters:
+                module.scaling[adapter] = alpha / shape.rank
+        self.shape = shape
+
+    def trim_to_shape(self, adapters: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The live model's adapters (peft names) as a LoRA of its own shape: its modules only, A's first
+        rank rows and B's first rank columns."""
+        out = {}
+        for name, tensor in adapters.items():
+            module = name.split(".lora_")[0].rsplit(".", 1)[-1]
+            if module not in self.shape.modules:
+                continue
+            if ".lora_A." in name:
+                tensor = tensor[: self.shape.rank]
+            elif ".lora_B." in name:
+                tensor = tensor[:, : self.shape.rank]
+            out[name] = tensor.contiguous()
+        return out
 
     # ------------------------------------------------------------ weights
 
@@ -369,6 +439,7 @@ class ParkedModel:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     step: int
     weight_version: int
+    shape: LoraShape
 
 
 def _wrap_lora(model: nn.Module, config: TrainerConfig) -> nn.Module:

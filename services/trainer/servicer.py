@@ -19,7 +19,7 @@ from flywheel.common.v1 import common_pb2
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.runtime.auth import own_token
 from flywheel.synchronizer.types import Method, method_name
-from flywheel.trainer.types import AdamStep, aggregation_from_pb, loss_kind_from_pb
+from flywheel.trainer.types import AdamStep, LoraShape, aggregation_from_pb, loss_kind_from_pb
 from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
 from services.trainer import metrics as prom
@@ -185,7 +185,8 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             # on the compute thread, behind a step. Only SelectModel changes the selection, and its caller
             # (one gateway) waits for each before it sends the next.
             return pb.SelectModelResponse(created=False, step=policy.step)
-        created, step = await self.engine.run(self.engine.select_model, request.model_id)
+        shape = LoraShape(request.lora_rank, tuple(request.lora_modules))
+        created, step = await self.engine.run(self.engine.select_model, request.model_id, shape)
         prom.STEP.set(step)
         return pb.SelectModelResponse(created=created, step=step)
 

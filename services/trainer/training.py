@@ -52,7 +52,7 @@ from services.trainer.files import request_roots
 from flywheel.models.moe import RoutingStats
 from services.trainer.forward import token_logprobs
 from flywheel.trainer.types import UNCLIPPED_KINDS, AGGREGATIONS, AdamStep, default_aggregation, default_clip_high
-from flywheel.trainer.types import CISPO_CLIP_LOW
+from flywheel.trainer.types import CISPO_CLIP_LOW, LoraShape
 from flywheel.trainer.types import LOSS_KINDS as KINDS
 from services.trainer.losses import LossOutput, LossSettings, loss_denominators, policy_loss
 from services.trainer.policy import Policy, autocast_dtype
@@ -284,13 +284,13 @@ class TrainingEngine:
 
     # ------------------------------------------------------------ models
 
-    def select_model(self, model_id: str) -> tuple[bool, int]:
+    def select_model(self, model_id: str, shape: LoraShape = LoraShape()) -> tuple[bool, int]:
         """Makes `model_id` the model every later call trains, saves and exports (a new one starts
-        from the adapters' initialisation); returns (created, its step)."""
+        from the adapters' initialisation, of `shape`); returns (created, its step)."""
         with self._lock:
             policy = self._ready(None)
             switched = model_id != policy.model_id
-            created = policy.select(model_id, self.config.limits.max_models)
+            created = policy.select(model_id, self.config.limits.max_models, shape)
             if switched:
                 log.debug("model selected", extra={"model_id": model_id, "new_model": created, "step": policy.step,
                                                    "models": len(policy.model_ids)})

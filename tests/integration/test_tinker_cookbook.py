@@ -3,9 +3,10 @@ requirements/tinker-cookbook.txt) runs its recipes against `flywheel up --with t
 model, as a user runs them (docs/tinker.md, "The cookbook"):
 
 - math_rl (env=arithmetic, importance_sampling, role_colon) runs for two tenants at once, each on its own
-  key (made with `python -m flywheel.runtime.tokens tenant add`): each samples and trains a few steps and
-  exits 0, its runs and saves under its own tenant, and each model leaves at most K unnamed saves for the
-  sampler on disk (the gateway's sampler_keep_unnamed, 2 here);
+  key (made with `python -m flywheel.runtime.tokens tenant add`): each samples and trains its steps (one
+  30, the other 3 beside it) and exits 0, its runs and saves under its own tenant, its saves for the
+  sampler served as adapters side by side, and each model leaves at most K unnamed saves for the sampler
+  on disk (the gateway's sampler_keep_unnamed, 2 here);
 - chat_sl on the cookbook's example conversations, saving every 2 steps, is cut (SIGKILL) once its
   first periodic save is on record; run again with behavior_if_log_dir_exists=resume it goes on from
   that save with the optimizer state, while the cut run's session is still live (nothing finished
@@ -127,9 +128,12 @@ class Deployment:
         return self.run_recipes(name, {"alice": log_path}, *args, timeout=timeout, command=command)["alice"]
 
     def run_recipes(self, name: str, log_paths: dict[str, Path], *args: str, timeout: float = 240,
-                    command: list[str] | None = None) -> dict[str, str]:
-        """Runs the recipe for each tenant at once, each on its own key; their outputs, once all exited 0."""
-        started = {tenant: self.recipe(name, path, *args, tenant=tenant, command=command)
+                    command: list[str] | None = None, own_args: dict[str, tuple[str, ...]] | None = None
+                    ) -> dict[str, str]:
+        """Runs the recipe for each tenant at once, each on its own key (with `own_args` of its own); their
+        outputs, once all exited 0."""
+        started = {tenant: self.recipe(name, path, *args, *(own_args or {}).get(tenant, ()), tenant=tenant,
+                                       command=command)
                    for tenant, path in log_paths.items()}
         deadline = time.monotonic() + timeout
         for tenant, (process, output) in started.items():
@@ -249,18 +253,21 @@ def assert_nothing_off_loopback_but_the_pricing_file(deployment: Deployment) -> 
 
 def test_math_rl_of_two_tenants_at_once_samples_and_trains_each_on_its_own(deployment: Deployment) -> None:
     log_paths = {tenant: deployment.work / f"math_rl-{tenant}" for tenant in ("alice", "bob")}
+    # Alice runs 30 steps (30 saves for the sampler, of which at most KEEP_UNNAMED stay), bob 3 beside her.
+    max_steps = {"alice": 30, "bob": 3}
     outputs = deployment.run_recipes(
         "math_rl", log_paths, "env=arithmetic", "loss_fn=importance_sampling", "groups_per_batch=2",
-        "group_size=2", "max_tokens=4", "max_steps=3", "eval_every=0", "save_every=0")
+        "group_size=2", "max_tokens=4", "eval_every=0", "save_every=0",
+        own_args={tenant: (f"max_steps={steps}",) for tenant, steps in max_steps.items()})
     models = {}
     for tenant, log_path in log_paths.items():
         assert "Training completed successfully" in outputs[tenant]
         trained = [row for row in jsonl(log_path / "metrics.jsonl") if "step:max" in row]
         # Each step sampled its groups on the gateway's sampler (2 groups of 2) and took one optimizer step.
-        assert [row["step"] for row in trained] == [0, 1, 2]
+        assert [row["step"] for row in trained] == list(range(max_steps[tenant]))
         assert all(row["env/all/total_episodes"] == 4 for row in trained), trained
         steps = [row["step:max"] for row in trained]
-        assert steps == [steps[0], steps[0] + 1, steps[0] + 2], steps
+        assert steps == [steps[0] + i for i in range(max_steps[tenant])], steps
         (final,) = jsonl(log_path / "checkpoints.jsonl")
         assert final["name"] == "final"
         models[tenant] = model_of(final["state_path"])
@@ -271,7 +278,7 @@ def test_math_rl_of_two_tenants_at_once_samples_and_trains_each_on_its_own(deplo
         other = next(t for t in models if t != tenant)
         assert (deployment.tinker_dir(tenant) / model / "run.json").is_file()
         assert not (deployment.tinker_dir(other) / model).exists()
-        # One unnamed save for the sampler a step (3), at most KEEP_UNNAMED of them left on disk.
+        # One unnamed save for the sampler a step, at most KEEP_UNNAMED of them left on disk.
         sampler = deployment.run_dir / "checkpoints" / "sampler" / tenant / model
         unnamed = [p for p in sampler.glob("save-*/version_*/tinker.json") if json.loads(p.read_text())["name"] is None]
         assert 1 <= len(unnamed) <= KEEP_UNNAMED, unnamed

@@ -331,10 +331,11 @@ async def test_a_new_session_resumes_from_a_save_with_its_optimizer_state(lora_t
     assert out["weights_only"] is not None and "without their optimizer state" in str(out["weights_only"])
 
 
-def train_and_sample(url: str, base_model: str, data: list, learning_rate: float, both_created, key: str = KEY) -> dict:
+def train_and_sample(url: str, base_model: str, data: list, learning_rate: float, both_created, key: str = KEY,
+                     rank: int = 4, train_mlp: bool = True) -> dict:
     """One client's run: three steps on its own data, then samples of its weights scored by its forward()."""
     service = tinker.ServiceClient(base_url=url, api_key=key)
-    training = service.create_lora_training_client(base_model=base_model, rank=4).result()
+    training = service.create_lora_training_client(base_model=base_model, rank=rank, train_mlp=train_mlp).result()
     if both_created is not None:
         both_created.wait(timeout=60)  # the two clients train at once from here
     losses = []
@@ -368,11 +369,19 @@ async def test_two_tenants_train_and_sample_at_once_without_touching_each_others
         gateway, url
     ):
         barrier = threading.Barrier(2)
-        together = await asyncio.gather(  # two tenants, each on its own key
+        # Two tenants, each on its own key; bob's model is a LoRA of its own: rank 2 (the trainer's is 4),
+        # without the MLP's adapters.
+        together = await asyncio.gather(
             asyncio.to_thread(train_and_sample, url, str(untied_model), data_a, 2e-2, barrier, KEY),
-            asyncio.to_thread(train_and_sample, url, str(untied_model), data_b, 5e-2, barrier, BOB_KEY))
-        alone = [await asyncio.to_thread(train_and_sample, url, str(untied_model), data, lr, None)
-                 for data, lr in ((data_a, 2e-2), (data_b, 5e-2))]
+            asyncio.to_thread(train_and_sample, url, str(untied_model), data_b, 5e-2, barrier, BOB_KEY, 2, False))
+        alone = [await asyncio.to_thread(train_and_sample, url, str(untied_model), data, lr, None, KEY, *shape)
+                 for data, lr, shape in ((data_a, 2e-2, (4, True)), (data_b, 5e-2, (2, False)))]
+        # Bob's saves for the sampler are adapters of his model's own shape.
+        bob = json.loads((checkpoints / "tinker" / "bob" / together[1]["model_id"] / "run.json").read_text())
+        assert bob["lora_rank"] == 2
+        configs = [json.loads(p.read_text()) for p in
+                   (checkpoints / "sampler" / "bob").glob("*/save-*/version_*/adapter_config.json")]
+        assert configs and all(c["r"] == 2 and "gate_proj" not in c["target_modules"] for c in configs)
         for run in together:
             assert gateway.models.known(run["model_id"]).retired.startswith("its session finished")
         for _ in range(50):  # a finished session's models are dropped in the background

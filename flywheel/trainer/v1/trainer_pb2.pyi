@@ -320,10 +320,14 @@ class ExportWeightsResponse(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., path: _Optional[str] = ..., identity: _Optional[bytes] = ...) -> None: ...
 
 class SelectModelRequest(_message.Message):
-    __slots__ = ("model_id",)
+    __slots__ = ("model_id", "lora_rank", "lora_modules")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_MODULES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
-    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+    lora_rank: int
+    lora_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SelectModelResponse(_message.Message):
     __slots__ = ("created", "step")

@@ -10,7 +10,8 @@ import pytest
 
 from flywheel.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.tinker.futures import Futures, Outcome
-from services.tinker.models import Sessions, TrainingModel, TrainingModels, check_lora
+from flywheel.trainer.types import LoraShape
+from services.tinker.models import Sessions, TrainingModel, TrainingModels, lora_shape
 
 T = "alice"  # the tenant of every session and model here, unless a test says otherwise
 
@@ -22,7 +23,7 @@ class FakeTrainer:
         self.held, self.selected = {""}, ""
         self.calls: list[tuple[str, str]] = []
 
-    async def select(self, model_id: str) -> bool:
+    async def select(self, model_id: str, shape: LoraShape = LoraShape()) -> bool:
         self.calls.append(("select", model_id))
         created = model_id not in self.held
         self.held.add(model_id)
@@ -210,19 +211,25 @@ def test_a_session_ends_once_a_silent_one_expires_and_ended_ones_are_forgotten_l
         sessions.get(session.session_id, T)
 
 
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
 @pytest.mark.parametrize("rank, flags, modules, message", [
-    (8, {}, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"), "rank 4, not 8"),
-    (4, {}, ("q_proj", "k_proj", "v_proj", "o_proj"), "train_mlp=True: the trainer has adapters on none"),
-    (4, {"train_mlp": False, "train_unembed": False}, ("all-linear",), "train_mlp=False: the trainer has adapters on"),
-    (4, {"train_mlp": False}, ("q_proj", "lm_head"), "train_attn=True: the trainer has adapters on q_proj of"),
+    (8, {}, ALL, "from 1 to 4 .* got 8"),
+    (0, {}, ALL, "from 1 to 4 .* got 0"),
+    (4, {}, ("q_proj", "k_proj", "v_proj", "o_proj"), "train_mlp: the trainer has no adapters on down_proj"),
+    (4, {"train_mlp": False}, ("q_proj", "lm_head"), "train_attn: the trainer has no adapters on k_proj"),
+    (4, {"train_attn": False, "train_mlp": False, "train_unembed": False}, ALL, "nothing to train"),
 ])
-def test_lora_settings_the_trainer_does_not_train_are_refused(rank, flags, modules, message) -> None:
+def test_lora_settings_past_the_trainers_are_refused(rank, flags, modules, message) -> None:
     with pytest.raises(InvalidArgument, match=message):
-        check_lora(rank, flags, 4, modules)
+        lora_shape(rank, flags, 4, modules)
 
 
-def test_lora_settings_the_trainer_trains_are_accepted() -> None:
-    check_lora(4, {}, 4, ("all-linear", "lm_head"))
-    check_lora(4, {"train_mlp": False, "train_unembed": False}, 4, ("q_proj", "k_proj", "v_proj", "o_proj"))
+def test_each_model_gets_its_own_rank_and_modules_within_the_trainers() -> None:
+    assert lora_shape(4, {}, 4, ALL) == LoraShape(4, tuple(sorted(ALL)))
+    # A smaller rank, and fewer modules than the trainer adapts: the model's own.
+    assert lora_shape(2, {"train_mlp": False, "train_unembed": False}, 4, ("all-linear", "lm_head")) == \
+        LoraShape(2, ("k_proj", "o_proj", "q_proj", "v_proj"))
     with pytest.raises(FailedPrecondition, match="trains every parameter"):
-        check_lora(4, {}, 0, ())
+        lora_shape(4, {}, 0, ())

@@ -47,7 +47,7 @@ def no_waiting(monkeypatch):
 
 async def test_the_gateway_waits_for_a_trainer_that_is_down_then_loading(no_waiting, tmp_path) -> None:
     trainer = SimpleNamespace(get_info=Answers(unavailable(), info(False), info(True)))
-    rollout = SimpleNamespace(status=Answers(unavailable(), SimpleNamespace(weight_version=0)))
+    rollout = SimpleNamespace(status=Answers(unavailable(), SimpleNamespace(weight_version=0, max_resident_adapters=0)))
     gateway = Gateway(TinkerConfig(checkpoint_dir=tmp_path, rollout_address="r:1"), trainer, rollout)
     await gateway.start()
     assert trainer.get_info.calls == 3 and rollout.status.calls == 2

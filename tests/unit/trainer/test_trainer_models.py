@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from flywheel.errors import FailedPrecondition, NotFound, ResourceExhausted
+from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.trainer.training import LossRequest
 from tests.unit.trainer.trainer_helpers import make_batch, optimizer_state, same_tensors
 
@@ -134,3 +134,59 @@ async def test_a_trainer_that_publishes_to_a_synchronizer_trains_its_own_model_o
     await servicer.SelectModel(pb.SelectModelRequest(model_id=""), None)  # its own: allowed
     await servicer.DropModel(pb.DropModelRequest(model_id="a"), None)
     assert list((await servicer.GetInfo(pb.GetInfoRequest(), None)).model_ids) == [""]
+
+
+def test_a_model_of_its_own_rank_and_modules_trains_exactly_a_lora_of_that_shape(make_engine, tiny_model,
+                                                                                  tmp_path) -> None:
+    """A rank-2 model on q_proj and v_proj, on a trainer of rank 4 on the attention's four projections: its
+    adapters past its rank and modules stay zero through training (weight decay on), it is scaled as a
+    rank-2 LoRA, and the adapter it exports, loaded into peft as a rank-2 LoRA of those modules, computes
+    exactly what the trainer trains. A save of it, loaded into a new model, brings its shape along."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from flywheel.trainer.types import LoraShape
+    from services.trainer.export import export_state
+
+    engine = make_engine(model=LORA)
+    shape = LoraShape(2, ("q_proj", "v_proj"))
+    assert engine.select_model("small", shape) == (True, 0)
+    for seed in range(3):
+        engine.forward_backward(make_batch(seed=seed), GRPO)
+        engine.optim_step()
+    layers = engine.policy._lora_layers()
+    for short, module in layers:
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        assert module.scaling["default"] == 8.0 / 2
+        if short in shape.modules:
+            assert not a[2:].any() and not b[:, 2:].any()
+            assert a[:2].any() and b[:, :2].any()  # trained, not left at zero
+        else:
+            assert not a.any() and not b.any()
+    exported = export_state(engine.policy, merge_lora=False)
+    assert exported and all(t.shape[0] == 2 for n, t in exported.items() if ".lora_A." in n)
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in exported} == set(shape.modules)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32),
+                          LoraConfig(r=2, lora_alpha=8.0, target_modules=list(shape.modules)))
+    set_peft_model_state_dict(peft, exported)
+    ids = torch.randint(3, 200, (2, 12))
+    with torch.no_grad():
+        ours = engine.policy.model(input_ids=ids).logits
+        theirs = peft(input_ids=ids).logits
+    assert torch.allclose(ours, theirs, atol=1e-6), (ours - theirs).abs().max()
+    # Another model keeps the trainer's own scale; back to "small", its own again.
+    engine.select_model("")
+    assert all(module.scaling["default"] == 8.0 / 4 for _, module in layers)
+    engine.select_model("small")
+    assert all(module.scaling["default"] == 8.0 / 2 for _, module in layers)
+    path, _, _ = engine.save_checkpoint(tmp_path / "ckpt" / "small")
+    engine.select_model("again")
+    assert engine.policy.shape == engine.policy.full_shape
+    engine.load_checkpoint(path)
+    assert engine.policy.shape == shape and all(module.scaling["default"] == 8.0 / 2 for _, module in layers)
+    with torch.no_grad():
+        assert torch.equal(engine.policy.model(input_ids=ids).logits, ours)
+    with pytest.raises(InvalidArgument, match="rank 4, the most"):
+        engine.select_model("big", LoraShape(8, ()))
+    with pytest.raises(InvalidArgument, match="gate_proj"):
+        engine.select_model("mlp", LoraShape(2, ("gate_proj",)))
