@@ -12,6 +12,10 @@ the sampler as an adapter beside the others: adapters.max_resident = the tenants
 SDK: forward_backward (cross_entropy, its own fixed batch), optim_step, save_weights_and_get_sampling_client,
 then sample (num_samples, temperature 1) on the weights just saved.
 
+By default the trainer and the rollout each use every core (torch's default), so on a small machine
+they slow each other down whenever they run at once; --one-thread-each gives each one thread, as two
+devices would (the same for every phase).
+
   tenants   --tenants clients at once, each on its own thread, model and key, --batch datums and
             --samples samples a round.
   one       one client, the tenants' batches together (--tenants x --batch datums) and --tenants x
@@ -96,15 +100,17 @@ def scrape(service: ServiceProcess) -> dict[str, float]:
 class Fleet:
     """Trainer, rollout and gateway, as `flywheel up --with tinker` starts them."""
 
-    def __init__(self, root: Path, model: Path, rank: int, adapters: int) -> None:
+    def __init__(self, root: Path, model: Path, rank: int, adapters: int, one_thread_each: bool) -> None:
         checkpoints = root / "checkpoints"
         run = root / f"run-{adapters}"
+        # One thread each: the trainer's torch threads and the rollout's, which otherwise both take every core.
+        threads = (("--model.cpu-threads", "1"), ("--engine.cpu-cores", "1")) if one_thread_each else ((), ())
         self.trainer = start_service("trainer", run, (
             "--model.path", str(model), "--checkpoint.dir", str(checkpoints), "--model.lora.enabled", "true",
-            "--model.lora.rank", str(rank), "--model.lora.target-modules", LORA_MODULES))
+            "--model.lora.rank", str(rank), "--model.lora.target-modules", LORA_MODULES, *threads[0]))
         self.rollout = start_service("rollout", run, (
             "--engine.model-path", str(model), "--engine.kind", "transformers", "--http-port", "0",
-            "--updates.checkpoint-root", str(checkpoints), "--adapters.max-resident", str(adapters)))
+            "--updates.checkpoint-root", str(checkpoints), "--adapters.max-resident", str(adapters), *threads[1]))
         self.gateway: ServiceProcess | None = None
         try:
             self.trainer.wait_ready(600)
@@ -198,6 +204,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--check-alone", type=int, default=-1, help="tenants run alone again (-1: all)")
     parser.add_argument("--no-merged", action="store_true", help="skip the run on merged weights")
+    parser.add_argument("--one-thread-each", action="store_true",
+                        help="the trainer and the rollout one torch thread each (a core each on a 2-core machine, as "
+                        "on their own devices), rather than both every core")
     args = parse_with_smoke(parser, "4 tenants, 2 rounds, one checked alone, no merged run",
                             tenants=4, rounds=2, batch=2, seq_len=16, samples=2, max_tokens=4, check_alone=1,
                             no_merged=True)
@@ -211,7 +220,7 @@ def main() -> None:
 
         vocab = min(int(AutoConfig.from_pretrained(str(model)).vocab_size), 4000)
 
-        fleet = Fleet(root, model, args.rank, adapters=args.tenants)
+        fleet = Fleet(root, model, args.rank, adapters=args.tenants, one_thread_each=args.one_thread_each)
         try:
             tenants, wall, counters = tenants_at_once(fleet, args, str(model), vocab)
             one_data = [d for t in range(args.tenants) for d in batch(t, args.batch, args.seq_len, vocab)]
@@ -224,7 +233,7 @@ def main() -> None:
             fleet.stop()
         merged = None
         if not args.no_merged:
-            fleet = Fleet(root / "merged", model, args.rank, adapters=0)
+            fleet = Fleet(root / "merged", model, args.rank, adapters=0, one_thread_each=args.one_thread_each)
             try:
                 merged = tenants_at_once(fleet, args, str(model), vocab)
             finally:
@@ -247,6 +256,7 @@ def main() -> None:
         **cpu(), "commit": commit(), "model": args.model if args.model in ("tiny", "smollm2") else Path(args.model).name,
         "tenants": args.tenants, "rounds": args.rounds, "batch": args.batch, "seq_len": args.seq_len,
         "samples": args.samples, "max_tokens": args.max_tokens, "lora_rank": args.rank,
+        "one_thread_each": args.one_thread_each,
         "tenants_seconds": round(wall, 2), "one_seconds": round(one["seconds"], 2),
         "tenants_samples_per_second": round(tenants_rate, 3), "one_samples_per_second": round(one_rate, 3),
         "tenants_vs_one": round(tenants_rate / one_rate, 4),

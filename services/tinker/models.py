@@ -9,7 +9,8 @@ retries do) gets the first one's request id and is never run twice.
 
 One trainer holds several LoRA models on its base (the trainer's
 SelectModel: each model its own adapters, gradients, optimizer state and
-step). Models' requests take turns on the trainer, one request at a time,
+step, and its own LoRA rank and modules within the trainer's, `lora_shape`).
+Models' requests take turns on the trainer, one request at a time,
 the turns going round the tenants that wait (services/tinker/turns.py: a
 tenant with many models or a long queue does not hold up another), and each
 turn first selects its model there, so two clients training at once

@@ -1,5 +1,5 @@
 """The gateway's sampler: one rollout replica that serves the weights models
-saved for sampling, one version at a time.
+saved for sampling, side by side as adapters, or merged one version at a time.
 
 A saved version is an identity, not a number: `SamplerVersion` is (model,
 version, identity), where the identity is the one the trainer computed when it
