@@ -84,17 +84,24 @@ def model_source(name: str, work: Path) -> Path:
     return Path(name)
 
 
-def scrape(service: ServiceProcess) -> dict[str, float]:
-    """The rollout's counters this bench reads, summed over labels."""
+ROLLOUT_COUNTERS = ("flywheel_rollout_weight_updates_total", "flywheel_rollout_update_pause_seconds_sum",
+                    "flywheel_rollout_adapter_loads_total")
+TRAINER_COUNTERS = ("flywheel_trainer_compute_seconds_total",)
+
+
+def scrape(service: ServiceProcess, wanted: tuple[str, ...]) -> dict[str, float]:
+    """A service's counters among `wanted`, each summed over its labels."""
     text = urllib.request.urlopen(service.metrics_url, timeout=30).read().decode()
-    wanted = ("flywheel_rollout_weight_updates_total", "flywheel_rollout_update_pause_seconds_sum",
-              "flywheel_rollout_adapter_loads_total")
     out = dict.fromkeys(wanted, 0.0)
     for line in text.splitlines():
         name = line.split("{")[0].split(" ")[0]
         if name in out:
             out[name] += float(line.rsplit(" ", 1)[1])
     return out
+
+
+def counters(fleet: Fleet) -> dict[str, float]:
+    return {**scrape(fleet.rollout, ROLLOUT_COUNTERS), **scrape(fleet.trainer, TRAINER_COUNTERS)}
 
 
 class Fleet:
@@ -166,7 +173,7 @@ def spent(results: list[dict]) -> dict[str, float]:
 
 def tenants_at_once(fleet: Fleet, args, model: str, vocab: int) -> tuple[list[dict], float, dict[str, float]]:
     """Every tenant's rounds at once: their results, the wall time, and the rollout's counters' change."""
-    before = scrape(fleet.rollout)
+    before = counters(fleet)
     results: list[dict | BaseException | None] = [None] * args.tenants
 
     def run(tenant: int) -> None:
@@ -187,7 +194,7 @@ def tenants_at_once(fleet: Fleet, args, model: str, vocab: int) -> tuple[list[di
     failed = [r for r in results if not isinstance(r, dict)]
     if failed:
         raise RuntimeError(f"a tenant failed: {failed[0]!r}")
-    after = scrape(fleet.rollout)
+    after = counters(fleet)
     return results, wall, {k: after[k] - before[k] for k in after}  # type: ignore[return-value]
 
 
@@ -222,10 +229,13 @@ def main() -> None:
 
         fleet = Fleet(root, model, args.rank, adapters=args.tenants, one_thread_each=args.one_thread_each)
         try:
-            tenants, wall, counters = tenants_at_once(fleet, args, str(model), vocab)
+            tenants, wall, changed = tenants_at_once(fleet, args, str(model), vocab)
             one_data = [d for t in range(args.tenants) for d in batch(t, args.batch, args.seq_len, vocab)]
+            before = counters(fleet)
             one = client_rounds(fleet.url, str(model), args.rank, one_data, [11, 42, 77, 23],
                                 args.samples * args.tenants, args.rounds, args.max_tokens, "tml-one")
+            one_trainer = counters(fleet)["flywheel_trainer_compute_seconds_total"] - \
+                before["flywheel_trainer_compute_seconds_total"]
             alone = [client_rounds(fleet.url, str(model), args.rank, batch(t, args.batch, args.seq_len, vocab),
                                    [11 + t, 42, 77, 23], args.samples, args.rounds, args.max_tokens, f"tml-alone-{t}")
                      for t in range(alone_count)]
@@ -245,12 +255,14 @@ def main() -> None:
     print(f"{args.tenants} tenants x {args.rounds} rounds ({args.batch} datums x {args.seq_len} tokens, "
           f"{args.samples} samples of {args.max_tokens} tokens a round), LoRA rank {args.rank}; model {model.name}")
     print(f"  tenants at once: {wall:.1f} s, {tenants_rate:.2f} samples/s; the rollout reloaded the base "
-          f"{counters['flywheel_rollout_weight_updates_total']:.0f} times, paused "
-          f"{counters['flywheel_rollout_update_pause_seconds_sum']:.3f} s, loaded "
-          f"{counters['flywheel_rollout_adapter_loads_total']:.0f} adapters")
-    print(f"    their calls, summed over the tenants (they overlap): {spent(tenants)}")
+          f"{changed['flywheel_rollout_weight_updates_total']:.0f} times, paused "
+          f"{changed['flywheel_rollout_update_pause_seconds_sum']:.3f} s, loaded "
+          f"{changed['flywheel_rollout_adapter_loads_total']:.0f} adapters")
+    tenants_trainer = changed["flywheel_trainer_compute_seconds_total"]
+    print(f"    their calls, summed over the tenants (they overlap): {spent(tenants)}; the trainer computed "
+          f"{tenants_trainer:.1f} s (forward_backward, optim_step, select_model)")
     print(f"  one client, {args.tenants}x the batch: {one['seconds']:.1f} s, {one_rate:.2f} samples/s; its calls: "
-          f"{spent([one])}")
+          f"{spent([one])}; the trainer computed {one_trainer:.1f} s")
     print(f"  {alone_count} tenant(s) alone: losses {'identical' if identical else 'DIFFERENT'} to theirs among the others")
     figures = {
         **cpu(), "commit": commit(), "model": args.model if args.model in ("tiny", "smollm2") else Path(args.model).name,
@@ -260,11 +272,15 @@ def main() -> None:
         "tenants_seconds": round(wall, 2), "one_seconds": round(one["seconds"], 2),
         "tenants_samples_per_second": round(tenants_rate, 3), "one_samples_per_second": round(one_rate, 3),
         "tenants_vs_one": round(tenants_rate / one_rate, 4),
-        "base_reloads": int(counters["flywheel_rollout_weight_updates_total"]),
-        "foreign_pause_seconds": round(counters["flywheel_rollout_update_pause_seconds_sum"], 4),
-        "adapter_loads": int(counters["flywheel_rollout_adapter_loads_total"]),
+        "base_reloads": int(changed["flywheel_rollout_weight_updates_total"]),
+        "foreign_pause_seconds": round(changed["flywheel_rollout_update_pause_seconds_sum"], 4),
+        "adapter_loads": int(changed["flywheel_rollout_adapter_loads_total"]),
         "tenants_checked_alone": alone_count, "losses_identical_alone": identical,
         "tenants_call_seconds": spent(tenants), "one_call_seconds": spent([one]),
+        "tenants_trainer_seconds": round(tenants_trainer, 2), "one_trainer_seconds": round(one_trainer, 2),
+        # What interleaving the tenants' requests costs the trainer against one batch of them all: the most a
+        # mixed-adapter batch could save.
+        "interleaved_vs_batched_trainer": round(tenants_trainer / one_trainer, 4),
     }
     if merged is not None:
         results, merged_wall, merged_counters = merged

@@ -25,3 +25,9 @@ STEP_DURATION = Histogram(
     "Wall time of one optimizer step including its forward/backward passes, in seconds.",
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
+COMPUTE_SECONDS = Counter(
+    "flywheel_trainer_compute_seconds_total",
+    "Time the trainer's compute thread spent on each kind of call (forward_backward, optim_step, select_model), "
+    "waiting for it included: what several models' interleaved calls cost against one batch of them all.",
+    ["call"],
+)

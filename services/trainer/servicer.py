@@ -108,17 +108,21 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
 
     async def ForwardBackward(self, request: pb.ForwardBackwardRequest, context) -> pb.ForwardBackwardResponse:
         loss = loss_request(request.loss)
+        started = time.perf_counter()
         result = await self.engine.run(
             lambda: self.engine.forward_backward(batch_tensors(request.batch), loss, _expected(request),
                                                  request.forward_only)
         )
+        prom.COMPUTE_SECONDS.labels("forward_backward").inc(time.perf_counter() - started)
         prom.TOKENS.inc(result.tokens)
         return pb.ForwardBackwardResponse(metrics=_metrics(result.metrics), loss_tokens=result.loss_tokens,
                                           logprobs=tensor_to_proto(result.logprobs))
 
     async def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
         adam = AdamStep.from_pb(request.adam) if request.HasField("adam") else None
+        started = time.perf_counter()
         result = await self.engine.run(self.engine.optim_step, _expected(request), adam)
+        prom.COMPUTE_SECONDS.labels("optim_step").inc(time.perf_counter() - started)
         prom.STEP.set(result.step)
         await self._stepped()
         return pb.OptimStepResponse(
@@ -186,7 +190,9 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             # (one gateway) waits for each before it sends the next.
             return pb.SelectModelResponse(created=False, step=policy.step)
         shape = LoraShape(request.lora_rank, tuple(request.lora_modules))
+        started = time.perf_counter()
         created, step = await self.engine.run(self.engine.select_model, request.model_id, shape)
+        prom.COMPUTE_SECONDS.labels("select_model").inc(time.perf_counter() - started)
         prom.STEP.set(step)
         return pb.SelectModelResponse(created=created, step=step)
 
