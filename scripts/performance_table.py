@@ -254,6 +254,16 @@ TABLES = [
           LEAD + [("model, batch", shape), ("direct (ms)", fig("direct_round_ms")),
                   ("gateway (ms)", fig("gateway_round_ms")), ("`gateway_vs_direct`", fig("gateway_vs_direct", bold=True)),
                   ("notes", notes)]),
+    Table("tinker_tenants", "Many tenants on one Tinker gateway (`bench/tinker_tenants.py`)",
+          "8 SDK clients at once, each its own model and key, training and sampling in a loop, against one client "
+          "with a batch 8 times larger; adapters served side by side. Each tenant's losses are compared with its "
+          "losses alone. docs/tinker.md reads them.",
+          LEAD + [("model", fig("model")), ("one thread each", fig("one_thread_each")),
+                  ("`tenants_vs_one`", fig("tenants_vs_one", bold=True)), ("base reloads", fig("base_reloads")),
+                  ("`foreign_pause_seconds`", fig("foreign_pause_seconds")),
+                  ("losses identical alone", fig("losses_identical_alone")),
+                  ("`interleaved_vs_batched_trainer`", fig("interleaved_vs_batched_trainer")),
+                  ("`adapters_vs_merged`", fig("adapters_vs_merged")), ("notes", notes)]),
     Table("tinker_recipe", "The cookbook's math_rl recipe through the gateway (`bench/tinker_recipe.py`)",
           "The recipe's step through the Tinker gateway against the same batch on our own controller "
           "(medians, the first step left out). Lower is better.",
@@ -330,6 +340,7 @@ COMMANDS = [
     "sudo .venv/bin/python bench/far_sync.py # a version reaching a far replica over an emulated slow, lossy link",
     ".venv/bin/python bench/tinker_gateway.py  # forward_backward + optim_step through the Tinker gateway vs direct",
     ".venv/bin/python bench/tinker_recipe.py   # the cookbook's math_rl recipe through the gateway vs our controller",
+    ".venv/bin/python bench/tinker_tenants.py --model smollm2 --rounds 3  # 8 SDK tenants at once vs one client, 8x batch",
     ".venv/bin/python bench/distill.py       # on-policy distillation from the quickstart's GRPO checkpoint vs GRPO",
     ".venv/bin/python bench/environments.py  # the quickstart's job in the example OpenEnv server vs the in-process reward",
     ".venv/bin/python bench/environments.py --environment verifiers  # ... and in the example verifiers taskset",
