@@ -36,7 +36,7 @@ from flywheel.runtime.config import ConfigError, StrictModel, read_config_file
 from flywheel.trainer.types import default_clip_high
 # The sections, one module a group (what other modules import from here too).
 from services.controller.run_config.algorithm import (
-    AlgorithmConfig, JudgeConfig, LossConfig, OverlongConfig, RewardConfig, TeacherConfig,
+    DEFAULT_IS_CAP, AlgorithmConfig, JudgeConfig, LossConfig, OverlongConfig, RewardConfig, TeacherConfig,
 )
 from services.controller.run_config.pacing import PoolConfig, StalenessConfig, SyncConfig
 from services.controller.run_config.records import (
@@ -208,7 +208,7 @@ class RunConfig(StrictModel):
         loss = self.algorithm.loss
         kind = loss.kind or ("dapo" if self.algorithm.name == "dapo" else "grpo")
         clip_high = loss.clip_high if loss.clip_high is not None else default_clip_high(kind, loss.clip_low)
-        is_cap = loss.is_cap or (2.0 if self.mode != "sync" and self.staleness.policy == "correct" else 0.0)
+        is_cap = DEFAULT_IS_CAP if loss.is_cap is None else loss.is_cap
         return loss.model_copy(update={"kind": kind, "clip_high": clip_high, "is_cap": is_cap})
 
     @property
