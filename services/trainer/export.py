@@ -318,12 +318,13 @@ def _safetensors_names(directory: Path) -> list[str]:
 def write_adapter(policy: Policy, state: dict[str, Tensor], directory: Path) -> None:
     """The selected model's adapters `state` (`export_state`) as peft writes an adapter: adapter_config.json
     (the trainer's LoRA settings with the model's own rank and modules) and adapter_model.safetensors."""
+    from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
     from safetensors.torch import save_file
 
     config = dataclasses.replace(policy.model.peft_config["default"], r=policy.shape.rank,
                                  target_modules=set(policy.shape.modules))
     config.save_pretrained(str(directory))
-    save_file(state, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(directory / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
 
 
 def write_version(

@@ -94,7 +94,7 @@ async def sample(rollout, adapter: tuple[Path, bytes] | None, sampling=GREEDY) -
     return response.results[0].samples[0]
 
 
-def metric(server, text: str) -> float:
+def metric(text: str) -> float:
     from prometheus_client import REGISTRY
 
     name, _, label = text.partition("{")
@@ -144,12 +144,12 @@ async def test_the_least_recently_used_adapter_is_evicted_and_reloaded_on_demand
         a, b, c = (files["adapters"][n] for n in "abc")
         first = await sample(rollout, a)
         await sample(rollout, b)
-        evictions, reloads = metric(server, "flywheel_rollout_adapter_evictions_total"), \
-            metric(server, 'flywheel_rollout_adapter_loads_total{kind="reload"}')
+        evictions, reloads = metric("flywheel_rollout_adapter_evictions_total"), \
+            metric('flywheel_rollout_adapter_loads_total{kind="reload"}')
         await sample(rollout, c)  # two resident at most: a, the least recently used, goes
-        assert metric(server, "flywheel_rollout_adapter_evictions_total") == evictions + 1
+        assert metric("flywheel_rollout_adapter_evictions_total") == evictions + 1
         again = await sample(rollout, a)
-        assert metric(server, 'flywheel_rollout_adapter_loads_total{kind="reload"}') == reloads + 1
+        assert metric('flywheel_rollout_adapter_loads_total{kind="reload"}') == reloads + 1
         assert list(again.completion_token_ids) == list(first.completion_token_ids)
         assert again.adapter_identity == a[1]
 

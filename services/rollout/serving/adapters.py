@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flywheel.codec.checkpoint_dir import read_tensors
-from flywheel.codec.identity import identify
+from flywheel.codec.identity import IDENTITY_BYTES, identify
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument
 from flywheel.runtime.paths import confine
 from services.rollout import metrics
@@ -41,7 +41,6 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 #: peft's names: <prefix><module>.lora_A.weight, <prefix><module>.lora_B.weight.
 _PREFIX = "base_model.model."
-IDENTITY_BYTES = 16
 
 
 @dataclass(frozen=True)
