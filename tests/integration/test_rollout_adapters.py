@@ -22,7 +22,12 @@ from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
 from tests.conftest import TEST_TOKEN
-from tests.unit.rollout.rollout_helpers import ServerThread, engine_args, need_engine, rollout_config
+from tests.unit.rollout.rollout_helpers import (
+    ServerThread,
+    engine_args,
+    need_engine,
+    rollout_config,
+)
 
 ENGINES = ["transformers", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])]
 PROMPT = [318, 268, 223, 20, 284, 223, 21, 33]
