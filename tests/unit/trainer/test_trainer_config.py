@@ -67,20 +67,37 @@ def test_warmup_then_schedule(schedule: str, expected: list[float]) -> None:
         assert lr_factor(4, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + 0.7071067811865476))
 
 
-def test_adamw_kernels_follow_the_parameters_device_also_after_a_checkpoint_from_elsewhere() -> None:
+def test_adamw_is_fused_also_after_a_checkpoint_written_with_the_loop_and_the_same_on_any_thread_count() -> None:
     import torch
 
     from services.trainer.policy import build_optimizer, restore_optimizer_kernels
 
-    model = torch.nn.Linear(4, 4)
-    optimizer, _ = build_optimizer(model, OptimizerConfig())
-    assert all(g["fused"] is False and g["foreach"] is False for g in optimizer.param_groups)  # CPU: the loop
-    saved = optimizer.state_dict()
-    for group in saved["param_groups"]:
-        group["fused"] = True  # as written by a trainer on a GPU
-    optimizer.load_state_dict(saved)
-    assert any(g["fused"] for g in optimizer.param_groups)  # what loading alone leaves
-    restore_optimizer_kernels(optimizer)
-    assert all(g["fused"] is False for g in optimizer.param_groups)
-    model(torch.ones(1, 4)).sum().backward()
-    optimizer.step()  # and it steps
+    def trained(threads: int, loop_checkpoint: bool) -> list[torch.Tensor]:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            gen = torch.Generator().manual_seed(0)
+            model = torch.nn.Linear(577, 300)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen))
+            optimizer, _ = build_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.1))
+            assert all(g["fused"] is True and g["foreach"] is False for g in optimizer.param_groups)
+            if loop_checkpoint:
+                saved = optimizer.state_dict()
+                for group in saved["param_groups"]:
+                    group["fused"] = False  # as an older trainer wrote it: the per-parameter loop
+                optimizer.load_state_dict(saved)
+                assert not any(g["fused"] for g in optimizer.param_groups)  # what loading alone leaves
+                restore_optimizer_kernels(optimizer)
+                assert all(g["fused"] is True for g in optimizer.param_groups)
+            for _ in range(3):
+                for p in model.parameters():
+                    p.grad = torch.randn(p.shape, generator=gen)
+                optimizer.step()
+            return [p.detach().clone() for p in model.parameters()]
+        finally:
+            torch.set_num_threads(previous)
+
+    one, two = trained(1, loop_checkpoint=False), trained(2, loop_checkpoint=True)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))  # elementwise: no thread count changes a bit

@@ -11,6 +11,8 @@ from services.trainer.losses import (
     LossSettings,
     aggregate,
     clipped_surrogate,
+    entropy_from_logits,
+    entropy_metric,
     group_advantages,
     kl_penalty,
     loss_denominators,
@@ -353,3 +355,13 @@ def test_cispo_takes_no_truncated_importance_weights() -> None:
     t = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="cispo takes no truncated importance weights"):
         policy_loss(LossSettings(kind="cispo", is_cap=2.0), logprobs=t, mask=t, advantages=t, behaviour_logprobs=t)
+
+
+def test_the_entropy_metric_is_the_entropy_also_where_a_sampler_cut_tokens() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    logits[:3, :40] = float("-inf")  # a kept set of 10: the cut tokens count 0
+    probs = torch.softmax(logits, dim=-1).double()
+    by_definition = -(probs * torch.where(probs > 0, probs.log(), 0.0)).sum(-1).float()
+    assert torch.allclose(entropy_metric(logits), by_definition, atol=1e-5)
+    assert torch.allclose(entropy_metric(logits), entropy_from_logits(logits), atol=1e-5)
+    assert entropy_metric(torch.zeros(1, 8)).item() == pytest.approx(math.log(8), abs=1e-6)
