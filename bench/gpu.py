@@ -363,7 +363,8 @@ def main() -> int:
 
     from services.trainer.config import TrainerConfig
     from services.trainer.distributed import gather_buckets
-    from services.trainer.training import LossRequest, TrainingEngine
+    from services.trainer.loss_request import LossRequest
+    from services.trainer.training import TrainingEngine
 
     loss = LossRequest(kind="dapo", is_cap=2.0)
     lr = 1e-6

@@ -81,7 +81,8 @@ def bench_trainer(model_dir: Path, run: dict, spec: object, steps: int) -> dict:
 
     from services.trainer.config import TrainerConfig
     from services.trainer.policy import autocast_dtype
-    from services.trainer.training import LossRequest, TrainingEngine
+    from services.trainer.loss_request import LossRequest
+    from services.trainer.training import TrainingEngine
 
     trainer_spec = dict(getattr(spec, "trainer", {}) or {})
     model_spec = dict(trainer_spec.get("model") or {})

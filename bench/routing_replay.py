@@ -108,7 +108,8 @@ def batch_of(samples: list) -> dict[str, torch.Tensor]:
 def trainer_pass(model: Path, tensors: dict[str, torch.Tensor], *, autocast: str, replay: bool, work: Path) -> dict:
     """One forward-only pass of the trainer's engine: its log-probs of the sampled tokens and its metrics."""
     from services.trainer.config import TrainerConfig
-    from services.trainer.training import LossRequest, TrainingEngine
+    from services.trainer.loss_request import LossRequest
+    from services.trainer.training import TrainingEngine
 
     config = TrainerConfig.model_validate({
         "model": {"path": str(model), "autocast": autocast, "routing_replay": replay},

@@ -47,7 +47,8 @@ from flywheel.launcher.processes import start_service
 from flywheel.models.tiny import build_tiny_model
 from flywheel.trainer.client import TrainerClient, make_loss_spec, make_train_batch
 from services.trainer.config import TrainerConfig
-from services.trainer.training import LossRequest, TrainingEngine
+from services.trainer.loss_request import LossRequest
+from services.trainer.training import TrainingEngine
 from flywheel.testing.records import record
 
 LOSS_KIND, IS_CAP = "grpo", 2.0

@@ -24,7 +24,8 @@ from flywheel.trainer.v1 import trainer_pb2 as pb
 from flywheel.trainer.v1 import trainer_pb2_grpc as pb_grpc
 from services.trainer import metrics as prom
 from services.trainer.export import ExportResult, WeightExporter
-from services.trainer.training import LossRequest, TrainingEngine
+from services.trainer.loss_request import LossRequest
+from services.trainer.training import TrainingEngine
 
 DTYPES = {
     "float32": common_pb2.DTYPE_FLOAT32,

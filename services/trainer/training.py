@@ -34,10 +34,12 @@ import torch
 from torch import Tensor
 
 from flywheel.errors import FailedPrecondition, FlywheelError, InvalidArgument
+from flywheel.models.moe import RoutingStats
 from flywheel.runtime.paths import confine
+from flywheel.trainer.types import AdamStep, LoraShape
 from services.trainer import checkpoints
 from services.trainer.batch import Batch, BatchLimits, input_batch, training_batch
-from services.trainer.config import LossConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
 from services.trainer.distributed import (
     ENV_RANK,
     RANK_SECTIONS,
@@ -49,30 +51,18 @@ from services.trainer.distributed import (
 )
 from services.trainer.distributed import full as full_tensor
 from services.trainer.files import request_roots
-from flywheel.models.moe import RoutingStats
 from services.trainer.forward import token_logprobs
-from flywheel.trainer.types import UNCLIPPED_KINDS, AGGREGATIONS, AdamStep, default_aggregation, default_clip_high
-from flywheel.trainer.types import CISPO_CLIP_LOW, LoraShape
-from flywheel.trainer.types import LOSS_KINDS as KINDS
-from services.trainer.losses import LossOutput, LossSettings, loss_denominators, policy_loss
+from services.trainer.loss_request import LossRequest, resolve_loss
+from services.trainer.losses import (
+    LossOutput,
+    LossSettings,
+    loss_denominators,
+    policy_loss,
+)
 from services.trainer.policy import Policy, autocast_dtype
 from services.trainer.probe import probe_logprobs
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LossRequest:
-    """A loss as a caller specified it: None / 0 where it left a field unset."""
-
-    kind: str | None = None
-    clip_low: float = 0.0
-    clip_high: float = 0.0
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    aggregation: str | None = None
-    is_cap: float = 0.0
-    max_response_length: int = 0
 
 
 def _sampling(batch: Batch) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -105,46 +95,6 @@ def _unplanned(planned: Tensor, order: Tensor) -> Tensor:
     out = torch.empty_like(planned)
     out[order] = planned
     return out
-
-
-def resolve_loss(request: LossRequest, defaults: LossConfig) -> LossSettings:
-    """Fills unset fields from the config and checks ranges, naming the field."""
-    for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "is_cap"):
-        value = getattr(request, name)
-        if not math.isfinite(value) or value < 0:
-            raise InvalidArgument(f"loss.{name}: must be a finite number >= 0, got {value}")
-    kind = request.kind or defaults.kind
-    if kind not in KINDS:
-        raise InvalidArgument(f"loss.kind: unknown {kind!r}")
-    if kind in UNCLIPPED_KINDS:
-        for name in ("clip_low", "clip_high", "is_cap"):  # refused, not ignored
-            if getattr(request, name):
-                raise InvalidArgument(f"loss.{name}: {kind} has no clip and no truncated importance weights")
-    if kind == "cispo":  # the configured clip is PPO's; cispo's own is Tinker's one-sided default
-        if request.is_cap:
-            raise InvalidArgument("loss.is_cap: cispo takes no truncated importance weights; its clipped ratio is one")
-        clip_low = request.clip_low or CISPO_CLIP_LOW
-        clip_high = request.clip_high or default_clip_high(kind, clip_low)
-    else:
-        clip_low = request.clip_low or defaults.clip_low
-        clip_high = request.clip_high or defaults.clip_high or default_clip_high(kind, clip_low)
-    if clip_low > 1:  # 1: the ratio's lower bound is 0, no bound at all (Tinker's clip_low_threshold 0)
-        raise InvalidArgument(f"loss.clip_low: must be <= 1 (a lower bound 1 - clip_low >= 0 on the ratio), "
-                              f"got {clip_low}")
-    aggregation = request.aggregation or defaults.aggregation or default_aggregation(kind)
-    if aggregation not in AGGREGATIONS:
-        raise InvalidArgument(f"loss.aggregation: unknown {aggregation!r}")
-    max_response_length = request.max_response_length or defaults.max_response_length
-    if aggregation == "seq_mean_token_sum_norm" and max_response_length < 1:
-        raise InvalidArgument(
-            "loss.max_response_length: seq_mean_token_sum_norm divides by the maximum completion length; "
-            "set it in the request or the trainer's loss.max_response_length"
-        )
-    return LossSettings(
-        kind=kind, clip_low=clip_low, clip_high=clip_high, kl_coef=request.kl_coef,
-        entropy_coef=request.entropy_coef, aggregation=aggregation, is_cap=request.is_cap,
-        kl_estimator=defaults.kl_estimator, max_response_length=max_response_length,
-    )
 
 
 @dataclass

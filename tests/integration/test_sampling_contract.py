@@ -26,7 +26,8 @@ from flywheel.rollout.v1 import rollout_pb2 as pb
 from flywheel.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from flywheel.runtime.client import open_channel
 from services.trainer.config import TrainerConfig
-from services.trainer.training import LossRequest, TrainingEngine
+from services.trainer.loss_request import LossRequest
+from services.trainer.training import TrainingEngine
 from tests.conftest import TEST_TOKEN
 from tests.unit.rollout.rollout_helpers import ServerThread, engine_args, need_engine, rollout_config
 

@@ -24,7 +24,8 @@ from flywheel.models.tiny import build_tiny_model
 from flywheel.trainer.client import TrainerClient, make_loss_spec, make_train_batch
 from services.trainer.config import TrainerConfig
 from services.trainer.forward import token_logprobs
-from services.trainer.training import LossRequest, TrainingEngine
+from services.trainer.loss_request import LossRequest
+from services.trainer.training import TrainingEngine
 from tests.conftest import TEST_TOKEN
 from tests.integration.test_trainer_service import fixed_batch
 

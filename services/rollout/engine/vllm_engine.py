@@ -39,7 +39,6 @@ import torch
 
 from flywheel import errors
 from flywheel.common.kept import DEFAULT_MAX_IDS, KeptSet
-from flywheel.common.provenance import VersionSpan, check_spans
 from flywheel.common.types import SampledDistribution
 from flywheel.errors import Aborted, FailedPrecondition, InvalidArgument
 from flywheel.runtime.tls import process_tls
@@ -50,6 +49,7 @@ from services.rollout.engine.base import (
 )
 from services.rollout.engine.checkpoint import checkpoint_specs
 from services.rollout.engine.text import TextCodec
+from services.rollout.engine.vllm_outputs import SampleDeltas, prompt_logprobs, routed_experts, version_spans
 from services.rollout.engine.vllm_transfer import BACKEND, decode_error, error_of
 
 log = logging.getLogger(__name__)
@@ -104,65 +104,6 @@ def _worker_error(exc: BaseException) -> errors.FlywheelError | None:
     """The worker's FlywheelError behind a failed vLLM RPC (its status code kept), if it was one."""
     found = decode_error(str(exc))
     return error_of(*found) if found else None
-
-
-class _Sample:
-    """Accumulates one sample's deltas (vLLM sends only what is new)."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top: list[list[tuple[int, float]]] = []
-        self.text = ""
-        self.done = False
-        #: The sampler's kept set where a cut applied and vLLM's top log-probs showed all of it.
-        self.kept: list[KeptSet] = []
-        #: vLLM's prompt log-probs as they come (a long prompt's prefill chunks each add theirs when streamed):
-        #: None first (the first token's), then {token id: Logprob} per prompt position.
-        self.prompt: list[Any] = []
-
-
-def _version_spans(spans: list[Any], length: int) -> list[VersionSpan]:
-    """vLLM's weight-version spans of a finished completion (the engine core stamps each step with the
-    version we set after a swap) as ours. Spans that do not cover the completion exactly are not
-    passed on as if they did: none are, and consumers attribute every token to the sample's start."""
-    ours = [VersionSpan(int(s.version), int(s.start), int(s.end)) for s in spans]
-    try:
-        check_spans(ours, length)
-    except ValueError as exc:
-        log.warning("vLLM's weight-version spans left out: %s", exc)
-        return []
-    return ours
-
-
-def _routed_experts(routed: Any, tokens: int) -> torch.Tensor | None:
-    """vLLM's routed experts of a finished sample (numpy [positions, layers, k], uint8 or uint16), which it
-    returns only from its Model Runner V2 with the engine arg enable_return_routed_experts (a GPU build:
-    the CPU build's V1 runner cannot), as ours: the positions fed, prompt + completion - 1 (a last row for
-    the final token, never fed, dropped). Anything else is left out, with a warning: None."""
-    if routed is None:
-        return None
-    ids = torch.from_numpy(routed.astype("int16") if routed.dtype.itemsize > 1 else routed)
-    if ids.dim() != 3 or ids.shape[0] not in (tokens - 1, tokens):
-        log.warning("vLLM's routed experts left out: shape %s for %d tokens", list(ids.shape), tokens)
-        return None
-    return ids[: tokens - 1].contiguous()
-
-
-def _prompt_logprobs(entries: list[Any], prompt_ids: list[int], finished: bool) -> list[float]:
-    """log p(prompt[i + 1] | prompt[:i + 1]) from vLLM's prompt log-probs (None for the first token, then
-    each position's {token id: Logprob}, the prompt's own token among them); [] when none came (not asked).
-    A sample that did not finish (aborted, failed) may have stopped part way through its prefill: it gets
-    [] unless it has them all."""
-    if not entries:
-        return []
-    if entries[0] is not None or len(entries) != len(prompt_ids):
-        if not finished:
-            return []
-        raise FailedPrecondition(f"vLLM returned {len(entries)} prompt log-probs for a prompt of {len(prompt_ids)} "
-                                 "tokens")
-    return [float(entry[token].logprob) for entry, token in zip(entries[1:], prompt_ids[1:])]
 
 
 def _checkpoint_dtype(path: Path) -> str:
@@ -357,13 +298,13 @@ class VllmEngine(Engine):
     async def _outputs(self, request_id: str, prompt_ids: list[int], params: Any, top_k: int,
                        distribution: SampledDistribution, kept: tuple[int, bool] = (0, False),
                        adapter: str | None = None) -> AsyncIterator[list[Delta]]:
-        samples: dict[int, _Sample] = {}
+        samples: dict[int, SampleDeltas] = {}
         lora = self._lora_requests[adapter] if adapter is not None else None
         async for output in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id,
                                                lora_request=lora):
             deltas = []
             for completion in output.outputs:
-                sample = samples.setdefault(completion.index, _Sample(completion.index))
+                sample = samples.setdefault(completion.index, SampleDeltas(completion.index))
                 if sample.done:
                     continue
                 # Streamed, an output carries one sample's and only what is new; otherwise the one final output
@@ -375,7 +316,7 @@ class VllmEngine(Engine):
             if deltas:
                 yield deltas
 
-    def _delta(self, sample: _Sample, completion: Any, top_k: int, distribution: SampledDistribution,
+    def _delta(self, sample: SampleDeltas, completion: Any, top_k: int, distribution: SampledDistribution,
                prompt_ids: list[int], kept: tuple[int, bool] = (0, False)) -> Delta:
         ids = list(completion.token_ids)
         logprobs: list[float] = []
@@ -408,16 +349,16 @@ class VllmEngine(Engine):
             marked = completion.weight_versions or []
             start = int(marked[0].version) if marked else self._version
             end = int(marked[-1].version) if marked else self._version
-            spans = _version_spans(marked, len(sample.ids))
+            spans = version_spans(marked, len(sample.ids))
             reason = completion.finish_reason if completion.finish_reason in ("stop", "length", "abort") else "error"
             stop = completion.stop_reason
             delta.final = SampleOutput(
                 index=sample.index, token_ids=sample.ids, logprobs=sample.logprobs, top_logprobs=sample.top,
                 text=sample.text, finish_reason=reason, stop_reason="" if stop is None else str(stop),
                 version_start=start, version_end=end, version_spans=spans, distribution=distribution,
-                prompt_logprobs=_prompt_logprobs(sample.prompt, prompt_ids, reason in ("stop", "length")),
+                prompt_logprobs=prompt_logprobs(sample.prompt, prompt_ids, reason in ("stop", "length")),
                 kept_sets=list(sample.kept),
-                routed_experts=_routed_experts(getattr(completion, "routed_experts", None),
+                routed_experts=routed_experts(getattr(completion, "routed_experts", None),
                                                len(prompt_ids) + len(sample.ids)),
             )
         return delta

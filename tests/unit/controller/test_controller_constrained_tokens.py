@@ -31,7 +31,8 @@ from services.rollout.openai_api.http_api import create_app
 from services.rollout.openai_api.sessions import SessionStore
 from services.rollout.serving.core import RolloutCore
 from services.trainer.config import TrainerConfig
-from services.trainer.training import LossRequest, TrainingEngine
+from services.trainer.loss_request import LossRequest
+from services.trainer.training import TrainingEngine
 
 TOKEN = "secret"
 ADD = {"type": "function", "function": {

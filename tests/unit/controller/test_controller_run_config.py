@@ -126,7 +126,7 @@ def test_help_stays_instant_and_imports_no_torch() -> None:
 def test_the_run_and_the_trainer_default_clip_high_alike(algorithm: str, kind: str | None) -> None:
     # The controller sends clip_high resolved; a trainer asked for the same kind without one must pick the same.
     from services.trainer.config import LossConfig as TrainerLossConfig
-    from services.trainer.training import LossRequest, resolve_loss
+    from services.trainer.loss_request import LossRequest, resolve_loss
 
     loss = {"clip_low": 0.15, **({"kind": kind} if kind else {})}
     run = config(algorithm={"name": algorithm, "train_batch_size": 8, "loss": loss}).loss

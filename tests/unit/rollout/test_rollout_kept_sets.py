@@ -81,11 +81,11 @@ def test_vllms_routed_experts_become_the_positions_fed() -> None:
     # the CPU build cannot return any, so only the conversion is checked here.
     import numpy as np
 
-    from services.rollout.engine.vllm_engine import _routed_experts
+    from services.rollout.engine.vllm_outputs import routed_experts
 
     routed = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2) % 8
-    assert _routed_experts(routed, 6).tolist() == routed.tolist()  # prompt + completion - 1 rows
-    assert _routed_experts(routed, 5).tolist() == routed[:4].tolist()  # a row for the last token: dropped
-    assert _routed_experts(routed, 9) is None  # does not cover the sample: left out
-    assert _routed_experts(routed.astype(np.uint16), 6).dtype == torch.int16
-    assert _routed_experts(None, 6) is None
+    assert routed_experts(routed, 6).tolist() == routed.tolist()  # prompt + completion - 1 rows
+    assert routed_experts(routed, 5).tolist() == routed[:4].tolist()  # a row for the last token: dropped
+    assert routed_experts(routed, 9) is None  # does not cover the sample: left out
+    assert routed_experts(routed.astype(np.uint16), 6).dtype == torch.int16
+    assert routed_experts(None, 6) is None

@@ -22,7 +22,8 @@ from flywheel.common.v1 import common_pb2
 from flywheel.probe import ProbeBatch
 from services.trainer.export import MANIFEST_FILE, WeightExporter, export_state
 from services.trainer.probe import published_probe
-from services.trainer.training import LossRequest, TrainingEngine
+from services.trainer.loss_request import LossRequest
+from services.trainer.training import TrainingEngine
 from tests.unit.trainer.trainer_helpers import loaded_engine, make_batch
 
 LOSS = LossRequest(kind="dapo", is_cap=2.0, entropy_coef=0.001)

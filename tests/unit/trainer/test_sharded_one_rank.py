@@ -16,7 +16,8 @@ from flywheel.models.tiny import build_tiny_model
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import gather_buckets
 from services.trainer.export import export_state
-from services.trainer.training import LossRequest, TrainingEngine
+from services.trainer.loss_request import LossRequest
+from services.trainer.training import TrainingEngine
 from tests.unit.trainer.trainer_helpers import loaded_engine, make_batch
 
 LOSS = LossRequest(kind="dapo", is_cap=2.0, entropy_coef=0.001)

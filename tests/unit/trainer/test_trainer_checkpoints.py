@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from services.trainer import checkpoints
 from services.trainer.forward import token_logprobs
-from services.trainer.training import LossRequest
+from services.trainer.loss_request import LossRequest
 from tests.unit.trainer.trainer_helpers import (
     make_batch,
     optimizer_state,

@@ -9,7 +9,7 @@ import torch
 
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from services.trainer.forward import token_logprobs
-from services.trainer.training import LossRequest
+from services.trainer.loss_request import LossRequest
 from tests.unit.trainer.trainer_helpers import (
     make_batch,
     optimizer_state,

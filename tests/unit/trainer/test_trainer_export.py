@@ -23,7 +23,8 @@ from services.synchronizer.embedded import embedded_synchronizer
 from services.trainer.config import SyncConfig
 from services.trainer.export import MANIFEST_FILE, WeightExporter, export_state
 from services.trainer.servicer import TrainerServicer, export_weights
-from services.trainer.training import LossRequest, TrainingEngine
+from services.trainer.loss_request import LossRequest
+from services.trainer.training import TrainingEngine
 from tests.unit.trainer.trainer_helpers import make_batch
 
 

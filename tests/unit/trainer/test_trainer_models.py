@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from services.trainer.training import LossRequest
+from services.trainer.loss_request import LossRequest
 from tests.unit.trainer.trainer_helpers import make_batch, optimizer_state, same_tensors
 
 GRPO = LossRequest(kind="grpo")

@@ -20,7 +20,7 @@ from flywheel.synchronizer.types import Method, Role, State
 from services.trainer.app import build
 from services.trainer.config import TrainerConfig
 from services.trainer.link import TrainerLink
-from services.trainer.training import LossRequest
+from services.trainer.loss_request import LossRequest
 from tests.net import free_port
 from tests.unit.trainer.trainer_helpers import make_batch
 

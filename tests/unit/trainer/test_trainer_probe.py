@@ -17,7 +17,8 @@ from services.synchronizer.embedded import embedded_synchronizer
 from services.trainer.config import SyncConfig
 from services.trainer.export import MANIFEST_FILE, WeightExporter, export_state
 from services.trainer.probe import probe_logprobs, probe_token_ids, published_probe
-from services.trainer.training import LossRequest, TrainingEngine
+from services.trainer.loss_request import LossRequest
+from services.trainer.training import TrainingEngine
 from tests.unit.trainer.trainer_helpers import make_batch
 
 

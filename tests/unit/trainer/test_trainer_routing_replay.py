@@ -15,7 +15,8 @@ from flywheel.models.moe import NO_EXPERT, Recorder, RoutingStats, compact, rout
 from flywheel.models.tiny import build_tiny_model
 from services.trainer.config import TrainerConfig
 from services.trainer.forward import token_logprobs
-from services.trainer.training import LossRequest, TrainingEngine
+from services.trainer.loss_request import LossRequest
+from services.trainer.training import TrainingEngine
 
 
 @pytest.fixture(scope="module")

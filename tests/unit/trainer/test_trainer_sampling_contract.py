@@ -17,7 +17,7 @@ from flywheel.errors import InvalidArgument
 from services.rollout.engine.hf_sequence import process_logits
 from services.trainer import forward
 from services.trainer.forward import Sampling, _TargetLogprob
-from services.trainer.training import LossRequest
+from services.trainer.loss_request import LossRequest
 from tests.unit.trainer.trainer_helpers import make_batch
 
 

@@ -43,7 +43,7 @@ def test_loss_spec_translation() -> None:
 
 def test_dr_grpo_needs_its_constant_length() -> None:
     from services.trainer.config import LossConfig
-    from services.trainer.training import resolve_loss
+    from services.trainer.loss_request import resolve_loss
 
     spec = pb.LossSpec(aggregation=pb.LOSS_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM, max_response_length=512)
     settings = resolve_loss(loss_request(spec), LossConfig())
@@ -57,7 +57,7 @@ def test_dr_grpo_needs_its_constant_length() -> None:
 
 def test_tinker_losses_resolve_to_a_sum_and_refuse_clip_settings_they_do_not_have() -> None:
     from services.trainer.config import LossConfig
-    from services.trainer.training import resolve_loss
+    from services.trainer.loss_request import resolve_loss
 
     for kind in ("cross_entropy", "importance_sampling"):
         settings = resolve_loss(loss_request(make_loss_spec(kind)), LossConfig())
@@ -71,7 +71,7 @@ def test_tinker_losses_resolve_to_a_sum_and_refuse_clip_settings_they_do_not_hav
 
 def test_cispo_resolves_to_tinkers_sum_and_one_sided_clip_and_refuses_is_cap() -> None:
     from services.trainer.config import LossConfig
-    from services.trainer.training import resolve_loss
+    from services.trainer.loss_request import resolve_loss
 
     request = loss_request(make_loss_spec("cispo"))
     assert request.kind == "cispo"
@@ -88,7 +88,7 @@ def test_clip_low_may_take_the_lower_bound_to_zero_and_no_further() -> None:
     """Tinker's clip_low_threshold 0 is clip_low 1 (no lower bound on the ratio); beyond 1 the bound
     would be negative."""
     from services.trainer.config import LossConfig
-    from services.trainer.training import resolve_loss
+    from services.trainer.loss_request import resolve_loss
 
     for kind in ("ppo_clip", "cispo"):
         assert resolve_loss(loss_request(make_loss_spec(kind, clip_low=1.0)), LossConfig()).clip_low == 1.0
