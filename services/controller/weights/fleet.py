@@ -68,6 +68,10 @@ ROLLOUT_WAIT = {"sync": "due_version", "batch-async": "staleness", "fully-async"
 
 #: How many versions trained on the status page shows the verdict of (the newest).
 JUDGED_SHOWN = 20
+#: While a verdict waits, how often the synchronizer is asked for the reports (`until_usable`): a
+#: report its Watch stream did not bring (a synchronizer restarted, its stream not yet back) is then
+#: found within this, not at the end of sync.verify_timeout_seconds (120 s by default).
+REASK_REPORTS_SECONDS = 2.0
 
 
 class VersionNotPublished(RuntimeError):
@@ -208,20 +212,24 @@ class Fleet:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self.verify_timeout_seconds
-        asked: set[int] = set()
+        next_ask = started
         while True:
             waiting = [v for v in wanted if not self.verdict(v).usable]
-            left = deadline - loop.time()
-            for version in waiting if left <= 0 else [v for v in waiting if v not in asked]:
-                # Not heard (a Watch stream that reconnected, or a run that started after the report):
-                # the synchronizer keeps the last versions' reports; ask once now, and once at the end.
-                asked.add(version)
-                await self._ask_reports(version)
+            now = loop.time()
+            left = deadline - now
+            if waiting and (now >= next_ask or left <= 0):
+                # Not heard (a Watch stream that reconnected, a synchronizer restarted since, or a run that
+                # started after the report): the synchronizer keeps the last versions' reports. Asked now,
+                # again every REASK_REPORTS_SECONDS while the wait lasts, and at its end.
+                next_ask = now + REASK_REPORTS_SECONDS
+                for version in waiting:
+                    await self._ask_reports(version)
             waiting = [v for v in wanted if not self.verdict(v).usable]
+            left = deadline - loop.time()
             if not waiting or left <= 0:
                 break
             try:
-                await asyncio.wait_for(self._reported.wait(), left)
+                await asyncio.wait_for(self._reported.wait(), max(0.0, min(left, next_ask - loop.time())))
             except TimeoutError:
                 pass
         waited = loop.time() - started

@@ -125,6 +125,44 @@ def test_a_report_the_stream_missed_is_asked_for_before_anything_waits() -> None
     assert [(v.version, v.verified) for v in verdicts] == [(2, ["sim-0"])] and waited == 0.0
 
 
+def test_a_report_a_restarted_synchronizer_holds_unheard_is_found_long_before_the_verify_timeout() -> None:
+    """Before, the reports were asked for once at the start and once at the end: a verdict whose report
+    reached a restarted synchronizer while the controller's stream was down waited out the whole
+    sync.verify_timeout_seconds (120 s by default), then trained."""
+    import asyncio
+
+    from services.controller.weights.fleet import REASK_REPORTS_SECONDS
+
+    cfg = config(mode="sync")
+    p, _, _ = simulated_pipeline(cfg)
+    sync = p.fleet.synchronizer
+    calls = {"n": 0}
+    original = sync.updates
+
+    async def restarted(version: int) -> list[UpdateRecord]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ConnectionError("synchronizer unavailable")
+        return await original(version)
+
+    sync.updates = restarted
+
+    async def report_arrives_later() -> None:
+        await asyncio.sleep(5.0)  # at the restarted synchronizer, not on the controller's stream
+        sync.results.append(UpdateRecord("sim-0", 2, UpdateOutcome.VERIFIED, coverage=FULL, served_version=2))
+
+    async def both():
+        arrival = asyncio.ensure_future(report_arrives_later())
+        verdicts, waited = await p.fleet.until_usable({2})
+        await arrival
+        return verdicts, waited
+
+    assert p.fleet.verify_timeout_seconds == 120.0
+    verdicts, waited = run_virtual(both())
+    assert [(v.version, v.verified) for v in verdicts] == [(2, ["sim-0"])]
+    assert 5.0 <= waited <= 5.0 + REASK_REPORTS_SECONDS, waited
+
+
 def replica(name: str, *, quarantined: str = "", healthy: bool = True):
     pool = EnginePool([SimulatedRolloutEngine(name=name)])
     r = pool.replicas[0]
