@@ -258,6 +258,24 @@ def test_auto_autocast_is_bfloat16_only_where_the_device_has_it_natively(monkeyp
     assert policy.autocast_dtype("float16", "cpu") is torch.float16
 
 
+def test_onednn_capped_below_avx512_has_no_native_bfloat16(monkeypatch) -> None:
+    from services.trainer import policy
+
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    for cap in ("AVX2", "avx2", "SSE41"):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert policy.native_bfloat16("cpu") is False and policy.autocast_dtype("auto", "cpu") is None
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")  # oneDNN's older name
+    assert policy.native_bfloat16("cpu") is False
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA")
+    # Uncapped, or capped at AVX-512 or above: what the CPU has.
+    for cap in (None, "AVX512_CORE_AMX"):
+        if cap:
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert policy.native_bfloat16("cpu") is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def test_micro_batches_are_ordered_by_length_and_cut_to_their_longest_row(make_engine, monkeypatch) -> None:
     """The trainer orders rows longest first and trims each micro-batch's padding: the model sees
     narrower micro-batches, and the step is the one the padded batch gives."""
