@@ -182,7 +182,8 @@ def services(tmp_path_factory: pytest.TempPathFactory, service_model: Path) -> I
         "synchronizer": ("--checkpoint-root", str(root)),
         "trainer": (*MODEL_FLAGS["trainer"](service_model), "--checkpoint.dir", str(root / "checkpoints")),
         "rollout": (*MODEL_FLAGS["rollout"](service_model), "--updates.checkpoint-root", str(root)),
-        "controller": ("--runs-dir", str(root / "runs")),
+        # A free port for its status page: its default (8080) may be a launcher's on the other worker.
+        "controller": ("--runs-dir", str(root / "runs"), "--status-port", "0"),
     }
     started = {name: start_service(name, root / "logs", args, env) for name, args in flags.items()}
     try:

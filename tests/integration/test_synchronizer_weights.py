@@ -24,6 +24,10 @@ from flywheel.synchronizer.types import Role, State, TransferState
 from tests.unit.synchronizer.sync_helpers import corrupt, small_state
 
 
+#: The details of every failed raw_push, by status code (what an unexpected code said).
+PUSH_DETAILS: dict[grpc.StatusCode, str] = {}
+
+
 async def raw_push(address: str, frames: list[bytes]) -> grpc.StatusCode:
     async with open_channel(address, max_attempts=1) as channel:
         push = channel.stream_unary(
@@ -33,6 +37,7 @@ async def raw_push(address: str, frames: list[bytes]) -> grpc.StatusCode:
         try:
             await client_streaming_call(push, lambda: iter(frames), timeout=10)
         except grpc.aio.AioRpcError as exc:
+            PUSH_DETAILS[exc.code()] = exc.details() or ""
             return exc.code()
     return grpc.StatusCode.OK
 
@@ -345,7 +350,7 @@ async def test_every_early_refusal_of_a_push_reaches_the_pusher_with_the_servers
     assert len(frames) > 50  # still writing when the refusal comes
     async with embedded_synchronizer(shared_memory_dir=str(push_segments.directory)) as server:
         codes = [await raw_push(server.address, frames) for _ in range(300)]
-    assert set(codes) == {grpc.StatusCode.FAILED_PRECONDITION}, {c: codes.count(c) for c in set(codes)}
+    assert set(codes) == {grpc.StatusCode.FAILED_PRECONDITION}, {c: (codes.count(c), PUSH_DETAILS.get(c)) for c in set(codes)}
 
 
 async def test_a_synchronizer_that_cannot_map_the_pushers_segment_gets_the_payloads_in_the_stream(
