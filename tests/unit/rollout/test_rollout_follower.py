@@ -221,7 +221,10 @@ async def _at_version(client: SynchronizerClient, version: int):
 
 async def generate(core: RolloutCore, run_step: int = 0, min_version: int = 0) -> SampleOutput:
     prompt = ResolvedPrompt(ids=[1, 2, 3], request_id="")
-    (out,) = await core.generate([prompt], SamplingSpec(max_tokens=2), run_step=run_step, min_version=min_version)
+    # Bounded: a generation once waited here until the suite's 600 s timeout, under load (a loop idle,
+    # nothing left to wake it); this fails at once, at the call that waits.
+    (out,) = await asyncio.wait_for(
+        core.generate([prompt], SamplingSpec(max_tokens=2), run_step=run_step, min_version=min_version), 60.0)
     return out.samples[0]
 
 
