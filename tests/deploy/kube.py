@@ -74,87 +74,21 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from tests.deploy.cluster import DnsServer, Host, NamespaceCluster, connect_from
+from tests.deploy.cluster import DnsServer, NamespaceCluster, connect_from
 from tests.deploy.fields import check_pod, check_workload
 from tests.deploy.image import Identity, image_directories, image_home, image_target, image_user, image_workdir
 from tests.deploy.manifests import ROOT, WORKLOAD_KINDS, image_files, k8s_env, k8s_expand, selects, workloads
 from tests.deploy.netpol import Member, apply_ruleset, check_policy, ingress_rulesets
+from tests.deploy.pods import PROBE_DEFAULTS, Container, Pod, container_port, probe_once
 from tests.deploy.volumes import EMPTY_DIR, ROOT_DIRECTORY, apply_fs_group, make_directory, write_key_files
 
 CLUSTER_DOMAIN = "cluster.local"
-PROBE_DEFAULTS = {"initialDelaySeconds": 0, "periodSeconds": 10, "timeoutSeconds": 1,
-                  "successThreshold": 1, "failureThreshold": 3}
 #: The image's ENV and WORKDIR (Dockerfile), with the virtualenv standing in for /opt/venv.
 IMAGE_PATH = f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-@dataclass
-class Container:
-    spec: dict[str, Any]
-    proc: subprocess.Popen | None = None
-    started: bool = False  # the startup probe passed (or there is none)
-    ready: bool = False
-    restarts: int = 0
-    exit_code: int | None = None
-    counts: dict[str, list[int]] = field(default_factory=dict)  # probe -> [successes, failures] in a row
-    due: dict[str, float] = field(default_factory=dict)  # probe -> next run (monotonic)
-
-    @property
-    def name(self) -> str:
-        return self.spec["name"]
-
-
-@dataclass
-class Pod:
-    name: str
-    owner: dict[str, Any]  # the workload
-    spec: dict[str, Any]  # the pod template's spec
-    labels: dict[str, str]
-    annotations: dict[str, str]
-    host: Host
-    home: Path
-    subdomain: str = ""
-    containers: list[Container] = field(default_factory=list)
-    envs: dict[str, dict[str, str]] = field(default_factory=dict)  # container name -> its environment
-    users: dict[str, Identity] = field(default_factory=dict)  # container name -> who it runs as
-    phase: str = "Pending"  # Pending, Running, Succeeded, Failed
-    log: Path = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.log = self.home / "log"
-
-    @property
-    def ip(self) -> str:
-        return self.host.address
-
-    @property
-    def ready(self) -> bool:
-        return self.phase == "Running" and all(c.ready for c in self.containers)
-
-    @property
-    def restarts(self) -> int:
-        return sum(c.restarts for c in self.containers)
-
-    def tail(self, n: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
-
-    def why_restarted(self, n: int = 3000) -> str:
-        """What `kubectl describe pod` and `kubectl logs --previous` show: every start, restart and failed
-        probe of its containers, then the end of the log before the first restart."""
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        events = [line for line in text.splitlines() if line.startswith("--- ")]
-        first = text.find(": restart 1 (")
-        before = text[:text.rfind("\n", 0, first) + 1] if first >= 0 else text
-        return "\n".join(events) + "\n... before the first restart:\n" + before[-n:]
 
 
 class Kube:
@@ -423,7 +357,7 @@ class Kube:
             if now < c.due[kind]:
                 continue
             c.due[kind] = now + probe["periodSeconds"]
-            ok = self._check(pod, c, probe)
+            ok = probe_once(self.cluster, pod, c, probe)
             counts = c.counts.setdefault(kind, [0, 0])
             counts[:] = [counts[0] + 1, 0] if ok else [0, counts[1] + 1]
             if kind == "startupProbe":
@@ -439,48 +373,6 @@ class Kube:
             elif not ok and counts[1] >= probe["failureThreshold"]:
                 self._restart(pod, c, volumes, kill=True)
                 return
-
-    def container_port(self, pod: Pod, port: int | str) -> int:
-        """A container port of the pod, by number or by name."""
-        if isinstance(port, int) or str(port).isdigit():
-            return int(port)
-        for c in pod.spec["containers"]:
-            for p in c.get("ports", []):
-                if p.get("name") == port:
-                    return p["containerPort"]
-        raise AssertionError(f"{pod.name}: no container port named {port}")
-
-    def _check(self, pod: Pod, c: Container, probe: dict[str, Any]) -> bool:
-        timeout = probe["timeoutSeconds"]
-        try:
-            if "grpc" in probe:
-                target = f"{pod.ip}:{self.container_port(pod, probe['grpc']['port'])}"
-                with grpc.insecure_channel(target) as channel:
-                    reply = health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", "")), timeout=timeout)
-                return reply.status == health_pb2.HealthCheckResponse.SERVING
-            if "httpGet" in probe:
-                get = probe["httpGet"]
-                url = f"http://{pod.ip}:{self.container_port(pod, get['port'])}{get.get('path', '/')}"
-                with urllib.request.urlopen(url, timeout=timeout) as reply:
-                    return 200 <= reply.status < 400
-            if "tcpSocket" in probe:
-                port = self.container_port(pod, probe["tcpSocket"]["port"])
-                with socket.create_connection((pod.ip, port), timeout=timeout):
-                    return True
-            if "exec" in probe:
-                assert c.proc is not None
-                done = self.cluster.exec(c.proc, probe["exec"]["command"], env=pod.envs[c.name], timeout=timeout,
-                                         user=pod.users[c.name])
-                if done.returncode != 0:  # what `kubectl describe pod` shows for a failed exec probe
-                    output = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o or ""
-                                     for o in (done.stdout, done.stderr))
-                    with pod.log.open("a") as out:
-                        out.write(f"--- {c.name}: probe failed ({done.returncode}): {output.strip()[-300:]}\n")
-                return done.returncode == 0
-        except (grpc.RpcError, OSError):
-            return False
-        raise AssertionError(f"{pod.name}/{c.name}: a probe of a kind this emulation does not run: {probe}")
 
     # -- Services -----------------------------------------------------------------
     def endpoints(self, service: str) -> list[Pod]:
@@ -535,7 +427,7 @@ class Kube:
                 continue
             pod = ready[turn % len(ready)]
             turn += 1
-            target = self.container_port(pod, port.get("targetPort", port["port"]))
+            target = container_port(pod, port.get("targetPort", port["port"]))
             self._spawn(self._forward, client, source, pod, target)
 
     def _forward(self, client: socket.socket, source: str, pod: Pod, port: int) -> None:

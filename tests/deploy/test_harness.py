@@ -19,7 +19,8 @@ from tests.deploy.cluster import Host, NamespaceCluster, available, process_iden
 from tests.deploy.compose import ComposeProject
 from tests.deploy.fields import IMPLEMENTED, NO_OPS, check_compose_service, check_compose_volume, check_workload
 from tests.deploy.image import Identity, image_directories, image_user
-from tests.deploy.kube import Kube, Pod
+from tests.deploy.kube import Kube
+from tests.deploy.pods import Pod
 from tests.deploy.manifests import (ROOT, WORKLOAD_KINDS, KUSTOMIZE_ROOT, load_compose, read_env_file, render,
                                     render_overlay, user_overlay, workloads)
 

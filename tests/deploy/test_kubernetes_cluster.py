@@ -53,7 +53,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from flywheel.runtime.auth import read_tokens_file
 from flywheel.runtime.tokens import init as init_tokens
 from tests.deploy.cluster import NamespaceCluster, available, process_identity, process_privileges
-from tests.deploy.kube import Kube, Pod
+from tests.deploy.kube import Kube
+from tests.deploy.pods import Pod
 from tests.deploy.manifests import ROOT, readme_cert_hosts, user_overlay
 from tests.deploy.manifests import render as render_dir
 from tests.deploy.netpol import http_get_from, reach_all

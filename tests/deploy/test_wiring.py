@@ -19,7 +19,6 @@ import pytest
 from flywheel.runtime.config import leaf_fields
 from tests.deploy.manifests import (
     JOB_OVERLAYS,
-    OVERLAYS,
     ROOT,
     Container,
     compose_mounts,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import json
 import logging
 import os
 import signal
@@ -45,11 +44,12 @@ from pathlib import Path
 from typing import Any
 
 from services.controller.launcher.deployed import Deployment
-from services.controller.launcher.healing import REWIND_ON_DEATH, Healer, Restart, latest_checkpoint
+from services.controller.launcher.healing import Healer, Restart, latest_checkpoint
 from services.controller.launcher.ledger import keep_ledger
 from services.controller.launcher.prepare import prepare_data, prepare_model
 from flywheel.launcher.processes import ServiceDied
 from services.controller.launcher.progress import Progress
+from services.controller.launcher.replicas import ReplicaRestarts
 from services.controller.launcher.report import write_report
 from services.controller.launcher.spec import LaunchSpec, resume_section, run_env_overrides, split_run_file
 from services.controller.launcher.supervisor import Supervisor
@@ -138,10 +138,8 @@ class LocalRun:
     supervisor: Supervisor | None = None
     progress: Progress | None = None
     interrupted: int = 0
-    #: Rollout replicas that exited during the run and are not restarted (reported once; the run goes on).
-    lost_replicas: set[str] = field(default_factory=set)
-    #: Rollout replicas that exited, and when (monotonic) each is started again.
-    pending_restarts: dict[str, float] = field(default_factory=dict)
+    #: This session's replicas that exited: started again after a backoff, or given up (launcher/replicas.py).
+    replicas: ReplicaRestarts | None = None
     healer: Healer | None = None
     #: The pipeline of the current session (the run's state when a service dies).
     pipeline: Any = None
@@ -356,6 +354,7 @@ class LocalRun:
             self.deployment.wait_until_serving()
             return cfg
         self.supervisor = Supervisor(self.run_dir, stop_grace_seconds=self.spec.stop_grace_seconds)
+        self.replicas = ReplicaRestarts(self.supervisor, self.healer, self.say)
         self.say(f"starting synchronizer, then trainer and rollout (logs: {self.run_dir}/<service>.log)")
         t = time.monotonic()
         deadline = t + self.spec.ready_timeout_seconds
@@ -396,7 +395,7 @@ class LocalRun:
                     meanwhile()
                 codes = stopping.result()
         finally:
-            self.supervisor = None
+            self.supervisor, self.replicas = None, None
         log.info("services stopped: %s", codes)
         self.say("stopped " + ", ".join(f"{n} (exit {c})" for n, c in codes.items()))
 
@@ -503,7 +502,8 @@ class LocalRun:
             while not run_task.done():
                 await asyncio.wait([run_task], timeout=0.5)
                 self._check_children()
-                await self._restart_due_replicas()
+                if self.replicas is not None:
+                    await self.replicas.restart_due()
                 if self.deployment is not None:
                     await self.deployment.look(pipeline)
                 self._draw(pipeline)
@@ -555,49 +555,16 @@ class LocalRun:
         return pipeline.state.resumed_at_step
 
     def _check_children(self) -> None:
-        """A dead trainer or synchronizer raises ServiceDied (the run rewinds, see execute); a
-        dead rollout replica does not: the synchronizer drops it, its requests go to the others,
-        and it is started again after the backoff (or, out of restarts, left dead)."""
-        if self.supervisor is None:
-            return
-        for name in self.supervisor.dead():
-            if name in REWIND_ON_DEATH or name in self.pending_restarts or name in self.lost_replicas:
-                continue  # the first raises ServiceDied below
-            log_path = self.supervisor.child(name).log_path
-            if self.healer is None or not self.healer.may_restart():
-                self.lost_replicas.add(name)
-                self.say(f"warning: {name} exited (see {log_path}); the run goes on with the other replicas")
-                continue
-            step = self.pipeline.train_worker.step if self.pipeline is not None else 0
-            delay = self.healer.backoff()
-            restart = self.healer.record(Restart(
-                name, self.supervisor.child(name).process.returncode, step, "restarted", redo_from_step=step + 1))
-            if self.pipeline is not None:
-                self.pipeline.errors.report("launcher", restart.describe(), severity="warning")
-            self.say(f"healing: {restart.describe()} (restart {len(self.healer.history)} of at most "
-                     f"{self.healer.policy.max_restarts}, in {delay:.0f}s; log: {log_path})")
-            self.pending_restarts[name] = time.monotonic() + delay
-        self.supervisor.check(expendable=self.lost_replicas | set(self.pending_restarts))
+        """A dead trainer or synchronizer raises ServiceDied (the run rewinds, see execute); a dead
+        rollout replica does not: the synchronizer drops it, its requests go to the others, and it is
+        started again after the backoff (or, out of restarts, left dead)."""
+        if self.supervisor is not None and self.replicas is not None:
+            self.replicas.check(self.pipeline)
 
     async def _diagnose(self, pipeline: Any) -> None:
         """The run failed: a dead service is the better explanation (ServiceDied)."""
         if self.deployment is not None:
             await self.deployment.diagnose(pipeline)
-
-    async def _restart_due_replicas(self) -> None:
-        """Starts again, on their old ports, the replicas whose backoff is over. The new one
-        registers with the synchronizer, catches up to the newest version before it reports
-        SERVING, and the controller's pool (rollouts/membership.py) gives it work again."""
-        if self.supervisor is None:
-            return
-        for name, due in list(self.pending_restarts.items()):
-            if time.monotonic() < due:
-                continue
-            http = self.run_dir / f"{name}.ready.http.json"  # the HTTP port the dead one served on
-            overrides = {"http_port": json.loads(http.read_text())["http_port"]} if http.is_file() else None
-            await asyncio.to_thread(self.supervisor.restart, name, overrides)
-            del self.pending_restarts[name]
-            log.info("%s started again", name)
 
     def _draw(self, pipeline: Any, status: str = "") -> None:
         assert self.progress is not None
