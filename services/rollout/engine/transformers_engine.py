@@ -61,6 +61,7 @@ class _Request:
     request_id: str
     stream: bool
     seqs: list[Sequence]
+    #: Its deltas as steps make them, or the exception its step failed with.
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     left: int = 0
 
@@ -192,6 +193,8 @@ class TransformersEngine(Engine):
         try:
             while request.left:
                 deltas = await request.queue.get()
+                if isinstance(deltas, Exception):  # its step failed (_fail_requests)
+                    raise RuntimeError(f"generation failed in the engine: {deltas!r}") from deltas
                 request.left -= sum(1 for d in deltas if d.final is not None)
                 yield deltas
         finally:
@@ -228,8 +231,27 @@ class TransformersEngine(Engine):
                     continue
                 batch = list(self._running)
                 version = self._version
-                await loop.run_in_executor(self._executor, self._step, batch, version)
+                try:
+                    await loop.run_in_executor(self._executor, self._step, batch, version)
+                except Exception as exc:  # noqa: BLE001 - fails the step's requests, not the loop
+                    # A loop that died here would leave these requests, and every later one, waiting
+                    # for tokens forever, with nothing left to wake them.
+                    log.exception("a generation step failed; its requests end with the error")
+                    self._fail_requests({seq.request_id for seq in batch}, exc)
+                    continue
                 self._dispatch(batch, version)
+
+    def _fail_requests(self, request_ids: set[str], error: Exception) -> None:
+        """Ends these requests' sequences and raises `error` in their callers (`generate`)."""
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                seq.end("abort")
+            request.queue.put_nowait(error)
+        self._running = [s for s in self._running if s.request_id not in request_ids]
+        self._waiting = deque(s for s in self._waiting if s.request_id not in request_ids)
 
     def _step(self, batch: list[Sequence], version: int) -> None:
         assert self._adapters is not None

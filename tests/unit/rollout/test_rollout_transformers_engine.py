@@ -93,6 +93,26 @@ async def test_pause_abort_ends_in_flight_samples(engine) -> None:
     assert after.finish_reason == "length"
 
 
+async def test_a_step_that_fails_fails_its_requests_and_the_engine_serves_on(
+    engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its requests end with the error at once; before, the loop died and every request, these and the
+    later ones, waited for tokens forever."""
+    step_one = engine._step_one
+
+    def fails_once(seq, version):
+        monkeypatch.setattr(engine, "_step_one", step_one)
+        raise RuntimeError("out of memory (injected)")
+
+    monkeypatch.setattr(engine, "_step_one", fails_once)
+    spec = SamplingSpec(n=2, temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        await asyncio.wait_for(run(engine, spec, "failed"), 30)
+    assert engine.load().running == engine.load().waiting == 0
+    (after,), _ = await asyncio.wait_for(run(engine, SamplingSpec(temperature=0, max_tokens=2, ignore_eos=True)), 30)
+    assert after.finish_reason == "length" and len(after.token_ids) == 2
+
+
 async def test_pause_wait_drains_first(engine) -> None:
     task = asyncio.create_task(run(engine, SamplingSpec(temperature=0, max_tokens=12, ignore_eos=True)))
     while engine.load().running == 0:
