@@ -16,8 +16,9 @@ from flywheel.runtime.triton_gate import keep_triton_out
 # otherwise end the session with triton's nanobind leak report.
 keep_triton_out()
 
-#: FLYWHEEL_TEST_CPU_REPORT=cpu.tsv: each module's wall and CPU time (tests/cpu_share.py).
-pytest_plugins = ["tests.cpu_share"]
+#: FLYWHEEL_TEST_CPU_REPORT=cpu.tsv: each module's wall and CPU time (tests/cpu_share.py); a test about to
+#: time out writes what its event loop's tasks wait for (tests/hang_report.py).
+pytest_plugins = ["tests.cpu_share", "tests.hang_report"]
 
 #: `make test` runs the suite on two pytest-xdist workers (`-n 2`): a vLLM replica starting, a launcher
 #: waiting on its services or a test waiting out a deadline leaves a core idle that a test beside it
