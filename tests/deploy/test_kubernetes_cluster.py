@@ -54,7 +54,7 @@ from flywheel.runtime.auth import read_tokens_file
 from flywheel.runtime.tokens import init as init_tokens
 from tests.deploy.cluster import NamespaceCluster, available, process_identity, process_privileges
 from tests.deploy.kube import Kube
-from tests.deploy.pods import Pod
+from tests.deploy.pods import Pod, container_port
 from tests.deploy.manifests import ROOT, readme_cert_hosts, user_overlay
 from tests.deploy.manifests import render as render_dir
 from tests.deploy.netpol import http_get_from, reach_all
@@ -143,7 +143,7 @@ def check_network_policy(kube: Kube, token: str) -> None:
     pods = {p.name: p for p in kube.pods}
     outsider, bystander = pods["outsider"], pods["bystander"]
     (controller,) = [p for p in kube.pods if p.owner["kind"] == "Job"]
-    targets = {f"{p.name}:{name}": (p.ip, kube.container_port(p, name)) for p in flywheel_pods(kube) if p is not controller
+    targets = {f"{p.name}:{name}": (p.ip, container_port(p, name)) for p in flywheel_pods(kube) if p is not controller
                for c in p.spec["containers"] for name in [port["name"] for port in c.get("ports", [])]}
     assert len(targets) == 2 + 2 + 3 * ROLLOUTS, targets  # synchronizer, trainer: grpc, metrics; rollouts: grpc, http, metrics
     seen = reach_all({**{("inside", target): (controller.host.netns, *address) for target, address in targets.items()},
