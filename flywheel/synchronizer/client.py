@@ -84,16 +84,19 @@ class SynchronizerClient(ChannelClient):
         shared_memory: bool = True,
         tls: TlsFiles | None = None,
         compress: bool | None = None,
+        retry_unavailable: bool = True,
     ) -> None:
         """`tls`: default this process's (flywheel.runtime.tls). `compress`: ask for compressed chunks
-        on pulls (None: once a pull measured the link slow; flywheel.synchronizer.pull)."""
+        on pulls (None: once a pull measured the link slow; flywheel.synchronizer.pull).
+        `retry_unavailable` False: a call the server cannot take (UNAVAILABLE) is not retried by the
+        channel (a nearby source, passed over for the next one at once)."""
         self.address = address
         #: Read pulled versions in place, and write pushed ones to shared memory, when the synchronizer is on this host.
         self.shared_memory = shared_memory
         self.compress = compress
         self.timeout, self.transfer_timeout, self.watch_timeout = timeout, transfer_timeout, watch_timeout
         self.channel = open_channel(address, token=token, default_timeout=timeout, max_message_bytes=max_message_bytes,
-                                    tls=tls)
+                                    tls=tls, **({} if retry_unavailable else {"max_attempts": 1}))
         self.stub = pb_grpc.SynchronizerServiceStub(self.channel)
         self._push = self.channel.stream_unary(
             _SERVICE + "PushWeights", request_serializer=None, response_deserializer=pb.PushWeightsResponse.FromString
@@ -287,6 +290,7 @@ class SynchronizerClient(ChannelClient):
         check_manifest: Callable[[cpb.WeightManifest], None] | None = None,
         timeout: float | None = None,
         base: DeltaBase | None = None,
+        retry_unreached: bool = True,
     ) -> PulledWeights:
         """Streams a version (0: the newest) and assembles it, all or nothing.
 
@@ -302,7 +306,9 @@ class SynchronizerClient(ChannelClient):
         their domain errors, status kept (NOT_FOUND: not held, e.g. evicted
         by a newer push). `base`: a verified version this reader holds, to be
         sent the version as a delta from (see `flywheel.synchronizer.pull`). A
-        stream that breaks is resumed where it broke, each call within `timeout`.
+        stream that breaks is resumed where it broke, each call within `timeout`;
+        `retry_unreached` False: a synchronizer (or peer) that cannot be reached
+        at all fails at once (UNAVAILABLE), instead of being asked again.
         """
         request = pb.PullWeightsRequest(version=version, wait_seconds=wait_seconds, at_least=at_least)
         stats = PullStats()
@@ -311,7 +317,7 @@ class SynchronizerClient(ChannelClient):
             manifest, tensors = await pull_version(
                 lambda r: self._pull(r, timeout=deadline), request, synchronizer=self.address,
                 shared_memory=self.shared_memory, check_manifest=check_manifest, into=into, staging=staging,
-                base=base, stats=stats, compress=self.compress,
+                base=base, stats=stats, compress=self.compress, retry_unreached=retry_unreached,
             )
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc, f"synchronizer PullWeights from {self.address}") from None

@@ -105,6 +105,7 @@ async def pull_version(
     base: DeltaBase | None = None,
     stats: PullStats | None = None,
     compress: bool | None = None,
+    retry_unreached: bool = True,
 ) -> tuple[cpb.WeightManifest, dict[str, torch.Tensor]]:
     """Pulls `request`'s version from `synchronizer` (its address) and assembles it.
 
@@ -116,8 +117,12 @@ async def pull_version(
     WeightAssembler). `base`: a version this reader holds, to be sent a delta
     from. `stats` is filled in with what the pull cost. `compress`: ask for
     compressed chunks (None: when the link to `synchronizer` proved slow,
-    `wants_compression`). Every call is cancelled on return, on error and on
-    cancellation.
+    `wants_compression`). `retry_unreached` False: a source that cannot be
+    reached at all (UNAVAILABLE before its manifest) fails at once, for the
+    caller to try another (a nearby relay or peer, the synchronizer after them);
+    True: asked again, up to MAX_RESUMES times (a synchronizer restarting). A
+    stream that broke once it began is resumed either way. Every call is
+    cancelled on return, on error and on cancellation.
     """
     stats = stats if stats is not None else PullStats()
     shared = shared_memory and synchronizer not in _UNMAPPABLE
@@ -146,7 +151,7 @@ async def pull_version(
                 ask.compress = stats.compressed
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or receiver.segment is not None \
-                        or stats.resumes >= MAX_RESUMES:
+                        or stats.resumes >= MAX_RESUMES or (receiver.manifest is None and not retry_unreached):
                     raise
                 stats.resumes += 1
                 await asyncio.sleep(resume_delay(stats.resumes))

@@ -118,6 +118,8 @@ class MemorySource:
     max_message_bytes: int
     #: Names this pull among the engine's staged versions (unique per update).
     ticket: str
+    #: False: a source that cannot be reached fails at once (a nearby one, with the synchronizer after it).
+    retry_unreached: bool = True
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ async def pull_tensors(
     tls: TlsFiles | None = None,
     base: DeltaBase | None = None,
     compress: bool | None = None,
+    retry_unreached: bool = True,
 ) -> PulledWeights:
     """Version `version` from the synchronizer at `address`, every chunk checksum
     and the version's digest verified, in CPU tensors: `staging` (tensors of
@@ -37,12 +38,15 @@ async def pull_tensors(
     `tls`: the TLS to call with (default: this process's). The synchronizer's
     refusals raise their domain errors, status kept (NOT_FOUND: evicted by a
     newer push). `base`: a verified version held here, to be sent a delta from.
-    `compress`: ask for compressed chunks (None: when the link proved slow)."""
+    `compress`: ask for compressed chunks (None: when the link proved slow).
+    `retry_unreached` False: a source that cannot be reached fails at once (a
+    nearby one, with the synchronizer to fall back on)."""
     # A client (and channel) per pull: the address is the request's, and the
     # vLLM worker pulls from its own process.
     async with SynchronizerClient(address, token, timeout=timeout, transfer_timeout=timeout,
-                                  max_message_bytes=max_message_bytes, tls=tls, compress=compress) as client:
+                                  max_message_bytes=max_message_bytes, tls=tls, compress=compress,
+                                  retry_unavailable=retry_unreached) as client:
         return await client.pull_weights(
-            version, staging=staging, timeout=timeout, base=base,
+            version, staging=staging, timeout=timeout, base=base, retry_unreached=retry_unreached,
             check_manifest=lambda m: check_stream_manifest(version, m, want),
         )

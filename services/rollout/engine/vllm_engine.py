@@ -428,7 +428,7 @@ class VllmEngine(Engine):
         info = {
             "synchronizer": source.address, "version": source.version, "token": source.token,
             "timeout_seconds": source.timeout, "max_message_bytes": source.max_message_bytes,
-            "reuse_staging": self._reuse_staging,
+            "reuse_staging": self._reuse_staging, "retry_unreached": source.retry_unreached,
             "tls": {name: str(getattr(tls, name)) if getattr(tls, name) else None
                     for name in ("cert_file", "key_file", "client_ca_file", "ca_file")},
         }

@@ -122,6 +122,8 @@ class FlywheelUpdateInfo(WeightTransferUpdateInfo):
     #: Deadline of the whole pull, in seconds.
     timeout_seconds: float = 300.0
     max_message_bytes: int = 64 * 2**20
+    #: False: a source that cannot be reached fails at once (a nearby one; MemorySource.retry_unreached).
+    retry_unreached: bool = True
     #: Keep the tensors this version is staged in, once loaded, and stage the next one into them
     #: (no page faults per update; holds a model's worth of memory in the worker between updates).
     reuse_staging: bool = False
@@ -342,7 +344,7 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
             pulled = await asyncio.wait_for(
                 pull_tensors(info.synchronizer, info.version, self._served_specs(), token=info.token,
                              timeout=info.timeout_seconds, max_message_bytes=info.max_message_bytes, tls=tls,
-                             staging=staging),
+                             staging=staging, retry_unreached=info.retry_unreached),
                 info.timeout_seconds,
             )
         except asyncio.TimeoutError:

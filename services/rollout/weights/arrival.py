@@ -123,17 +123,17 @@ class WeightArrival:
         updates, server = self.config.updates, self.config.server
         deltas, identity = self.updates.deltas, known.identity if known is not None else None
 
-        def stage_from(address: str) -> Stage:
+        def stage_from(address: str, nearby: bool = False) -> Stage:
             return memory_stage(address, version, engine.weight_specs(), token=self.token, timeout=timeout,
                                 max_message_bytes=server.max_message_bytes, buffers=self.updates.staging,
                                 identity=identity, base=deltas.base(address, engine, self.updates.identity),
                                 on_pulled=lambda stats: deltas.observe(address, stats),
-                                compress=COMPRESS[updates.compress_pulls])
+                                compress=COMPRESS[updates.compress_pulls], retry_unreached=not nearby)
 
         nearby = await self._nearby(client, version, known)
         if not nearby:
             return stage_from(client.address)
-        return fallback_stage([*((kind, address, stage_from(address)) for kind, address in nearby),
+        return fallback_stage([*((kind, address, stage_from(address, nearby=True)) for kind, address in nearby),
                                ("synchronizer", client.address, lambda: stage_from(client.address)())])
 
     async def _nearby(self, client: SynchronizerClient, version: int,

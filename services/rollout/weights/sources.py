@@ -76,6 +76,7 @@ def memory_stage(
     base: DeltaBase | None = None,
     on_pulled: Callable[[PullStats | None], None] | None = None,
     compress: bool | None = None,
+    retry_unreached: bool = True,
 ) -> Stage:
     """`buffers`: staged into the set they hold, if any, and given back on
     release; after a failed pull the set is dropped (fresh tensors next time).
@@ -85,16 +86,20 @@ def memory_stage(
     `base`: the served weights, offered as the base of a delta
     (`services.rollout.weights.deltas`); a delta that does not rebuild the
     version is pulled again in full. `on_pulled` is told what a pull cost.
-    `compress`: ask for compressed chunks (None: when the link proved slow)."""
+    `compress`: ask for compressed chunks (None: when the link proved slow).
+    `retry_unreached` False: a source that cannot be reached fails at once, for
+    `fallback_stage` to ask the next (a gone peer cost a joining replica 36 s of
+    retries before it asked the synchronizer)."""
 
     async def pulled(staging: dict[str, torch.Tensor] | None, delta_base: DeltaBase | None) -> StagedWeights:
         if engine_pulls_memory.get():
             # The engine pulls it itself, in its own process (vLLM's worker): only where it is goes there.
-            source = MemorySource(address, version, token, timeout, max_message_bytes, ticket=uuid.uuid4().hex)
+            source = MemorySource(address, version, token, timeout, max_message_bytes, ticket=uuid.uuid4().hex,
+                                  retry_unreached=retry_unreached)
             return StagedWeights(version=version, source=source)
         got = await pull_tensors(address, version, specs, token=token, timeout=timeout,
                                  max_message_bytes=max_message_bytes, staging=staging, base=delta_base,
-                                 compress=compress)
+                                 compress=compress, retry_unreached=retry_unreached)
         if on_pulled is not None:
             on_pulled(got.stats)
         return StagedWeights(version=version, tensors=got.tensors, nbytes=got.nbytes, identity=got.identity)

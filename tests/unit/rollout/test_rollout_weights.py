@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -16,7 +17,8 @@ from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.transfer.frames import encoded_frames
 from services.rollout.engine.checkpoint import check_stream_manifest, checkpoint_specs
 from services.rollout.weights.verify import MANIFEST_FILE, stage_checkpoint
-from flywheel.synchronizer.pull import pull_version
+from flywheel.synchronizer import pull as pull_module
+from flywheel.synchronizer.pull import MAX_RESUMES, pull_version
 from tests.unit.synchronizer.sync_helpers import corrupt
 
 
@@ -133,6 +135,38 @@ async def test_stream_stages_intact_versions_only(rollout_model: Path, base_stat
         await pull_frames(2, frames[:-1], specs)
     with pytest.raises(FailedPrecondition, match="asked for 5"):
         await pull_frames(5, frames, specs)
+
+
+class UnreachedCall(FrameCall):
+    """A call to a source that cannot be reached: UNAVAILABLE before anything arrives."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+    async def _frames(self):
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   details="failed to connect to all addresses")
+        yield b""  # pragma: no cover - an async generator
+
+
+@pytest.mark.parametrize("retry_unreached", [True, False])
+async def test_a_source_that_cannot_be_reached_is_asked_again_only_when_there_is_no_other(
+    retry_unreached: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The synchronizer may be restarting: it is asked again. A nearby relay or peer is not: the
+    replica asks the next source at once (a gone peer cost a joining replica 36 s of retries)."""
+    monkeypatch.setattr(pull_module, "resume_delay", lambda attempt: 0.0)
+    calls: list[UnreachedCall] = []
+
+    def open_call(request):
+        calls.append(UnreachedCall())
+        return calls[-1]
+
+    with pytest.raises(grpc.aio.AioRpcError):
+        await pull_version(open_call, pb.PullWeightsRequest(version=1), synchronizer="gone",
+                           retry_unreached=retry_unreached)
+    assert len(calls) == (1 + MAX_RESUMES if retry_unreached else 1)
+    assert all(call.cancelled for call in calls)
 
 
 async def test_stream_with_a_wrong_shape_is_refused_before_any_chunk(rollout_model: Path, base_state) -> None:
