@@ -77,7 +77,8 @@ def main() -> None:
     base = QUICKSTART_TINY if args.smoke else QUICKSTART
     work = args.work or Path(tempfile.mkdtemp(prefix="flywheel-distill-"))
     started = time.monotonic()
-    teacher_run = args.teacher_run or run_job(base, work, "grpo", args.grpo_steps, args.val_interval)
+    teacher_run = args.teacher_run or run_job(base, work, "grpo", args.grpo_steps, args.val_interval,
+                                                  smoke=args.smoke)
     grpo_seconds = time.monotonic() - started
     grpo = curve(teacher_run)
     teacher_model = Path(json.loads((teacher_run / "summary.json").read_text())["model"])
@@ -92,7 +93,7 @@ def main() -> None:
                           "teacher": {"addresses": [teacher.grpc_address], "kl_coef": args.kl_coef,
                                       "reward_coef": args.reward_coef}},
             "worker": {**worker, "sampling": {**worker["sampling"], "temperature": args.temperature}},
-        })
+        }, smoke=args.smoke)
         distill_seconds = time.monotonic() - started
     finally:
         teacher.stop()

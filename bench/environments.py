@@ -60,7 +60,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="flywheel-environments-"))
     work.mkdir(parents=True, exist_ok=True)
     base = QUICKSTART_TINY if args.smoke else QUICKSTART
-    baseline = args.baseline_run or run_job(base, work, "inprocess", args.steps, args.val_interval)
+    baseline = args.baseline_run or run_job(base, work, "inprocess", args.steps, args.val_interval, smoke=args.smoke)
     name = args.environment
     # The environment's run file is the quickstart's with the worker swapped; on --smoke the tiny job's,
     # swapped the same way.
@@ -73,11 +73,13 @@ def main() -> None:
         # worker over the base's: None clears what the verifiers worker refuses).
         worker.update(instruction=None, system_prompt=None)
         worker["verifiers"] = {**worker["verifiers"], "path": [str(ROOT / p) for p in worker["verifiers"]["path"]]}
-        played = run_job(base, work, name, args.steps, args.val_interval, {"worker": worker}, drop=("reward",))
+        played = run_job(base, work, name, args.steps, args.val_interval, {"worker": worker}, drop=("reward",),
+                             smoke=args.smoke)
     else:
         with example_environment(work / "environment.log") as url:
             worker["env"] = {**worker["env"], "url": url}
-            played = run_job(base, work, name, args.steps, args.val_interval, {"worker": worker}, drop=("reward",))
+            played = run_job(base, work, name, args.steps, args.val_interval, {"worker": worker}, drop=("reward",),
+                             smoke=args.smoke)
     inprocess, environment = curve(baseline), curve(played)
     inprocess = {step: value for step, value in inprocess.items() if step <= args.steps}
     figures = {

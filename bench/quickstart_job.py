@@ -12,16 +12,21 @@ from typing import Any
 
 import yaml
 
+from flywheel.testing.engines import with_transformers_engine
+
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 QUICKSTART_TINY = ROOT / "examples" / "quickstart-tiny.yaml"
 
 
 def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int | None,
-            edit: dict[str, Any] | None = None, drop: tuple[str, ...] = (), checkpoint: bool = True) -> Path:
+            edit: dict[str, Any] | None = None, drop: tuple[str, ...] = (), checkpoint: bool = True,
+            smoke: bool = False) -> Path:
     """Runs the job of run file `base` for `steps` steps, validating before training and every
     `val_interval` (None: never), its sections merged with `edit` and those in `drop` left out, with a
-    checkpoint at the end unless `checkpoint` is False; returns its run directory."""
+    checkpoint at the end unless `checkpoint` is False; returns its run directory. `smoke`: a bench's
+    --smoke, which checks that the bench runs: the rollout then uses the transformers engine, as the
+    tests do where the engine is not their subject (vLLM's start would be most of a smoke's time)."""
     config = yaml.safe_load(base.read_text())
     config["run"]["max_steps"] = steps
     config["validation"] = ({**config.get("validation", {}), "before_training": True, "interval": val_interval}
@@ -33,6 +38,8 @@ def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int | N
         config[section] = {**config.get(section, {}), **values}
     for section in drop:
         config.pop(section, None)
+    if smoke:
+        with_transformers_engine(config)
     run_dir = work / name
     run_dir.mkdir(parents=True, exist_ok=True)
     path = work / f"{name}.yaml"

@@ -44,9 +44,9 @@ def parse_args() -> argparse.Namespace:
     return parse_with_smoke(ap, "one run a policy of 3 steps", steps=3, runs=1)
 
 
-def one_run(work: Path, policy: str, seed: int, steps: int) -> dict:
+def one_run(work: Path, policy: str, seed: int, steps: int, smoke: bool) -> dict:
     base = QUICKSTART_TINY
-    run_dir = run_job(base, work, f"{policy}-{seed}", steps, None, checkpoint=False, edit={
+    run_dir = run_job(base, work, f"{policy}-{seed}", steps, None, checkpoint=False, smoke=smoke, edit={
         "run": {"seed": seed},
         "launch": {**section(base, "launch"),
                    "dataset": {**section(base, "launch")["dataset"], "train_size": 4 * steps}},  # one epoch
@@ -71,7 +71,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
     for seed in range(args.runs):
         for policy in POLICIES:
-            runs[policy].append(one_run(work, policy, seed, args.steps))
+            runs[policy].append(one_run(work, policy, seed, args.steps, args.smoke))
             print(f"{policy} seed {seed}: {runs[policy][-1]}", file=sys.stderr, flush=True)
     means = {policy: {key: round(statistics.fmean(r[key] for r in rs), 4) for key in rs[0]}
              for policy, rs in runs.items()}
