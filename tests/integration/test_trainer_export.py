@@ -56,7 +56,10 @@ async def rejected(call, field: str) -> None:
 
 async def test_export_memory_and_checkpoint_bit_identical(run_service, tiny_model: Path, tmp_path: Path) -> None:
     async with embedded_synchronizer(checkpoint_root=tmp_path) as sync:
-        trainer_proc = run_service(
+        # In a thread: the synchronizer answers on this loop, and the trainer registers with it before it
+        # reports SERVING (a blocked loop cost it a 10 s registration deadline).
+        trainer_proc = await asyncio.to_thread(
+            run_service,
             # The checkpoint directory holds what this test saves and exports (request paths stay inside it).
             "trainer", "--model.path", str(tiny_model), "--checkpoint.dir", str(tmp_path),
             "--optimizer.lr", "1e-3", "--model.cpu-threads", "1", "--sync.synchronizer-address", sync.address,
