@@ -56,6 +56,9 @@ class ServiceSpec:
     startup: Callable[[], Awaitable[None]] | None = None
     #: Runs after the server stopped.
     shutdown: Callable[[], Awaitable[None]] | None = None
+    #: Called as the server starts to stop, before its grace period: ends the streams that never end by
+    #: themselves (the synchronizer's Watch), which would otherwise hold the whole grace period open.
+    draining: Callable[[], None] | None = None
     #: Extra coroutines run while serving (background loops); cancelled on stop.
     background: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     #: The least token scope each method of `proto_services` may be called with, by method
@@ -180,6 +183,8 @@ async def serve(
         await health_servicer.enter_graceful_shutdown()
         for task in background:
             task.cancel()
+        if spec.draining is not None:
+            spec.draining()
         await server.stop(config.shutdown_grace_seconds)
         if spec.shutdown is not None:
             await spec.shutdown()

@@ -139,5 +139,6 @@ def build(config: SynchronizerConfig) -> ServiceSpec:
         on_bound=lambda port: grpc_port.__setitem__(0, port),
         startup=startup,
         shutdown=shutdown,
+        draining=sync.events.close,
         background=[sweep_loop],
     )

@@ -48,7 +48,8 @@ class Event:
 
 
 class Subscription:
-    """One watcher's queue; `get` raises ResourceExhausted once it overflowed."""
+    """One watcher's queue; `get` raises ResourceExhausted once it overflowed, and returns None once
+    it was closed (the service stops) and its queued events were taken."""
 
     def __init__(self, ids: frozenset[str], maxsize: int) -> None:
         self.ids = ids
@@ -56,6 +57,7 @@ class Subscription:
         self._queue: deque[Event] = deque()
         self._ready = asyncio.Event()
         self._overflowed = False
+        self._closed = False
 
     def wants(self, event: Event) -> bool:
         """Everything without an id filter; with one, events about those ids
@@ -81,12 +83,18 @@ class Subscription:
         self._ready.set()
         return True
 
-    async def get(self) -> Event:
+    def close(self) -> None:
+        self._closed = True
+        self._ready.set()
+
+    async def get(self) -> Event | None:
         while not self._queue:
             if self._overflowed:
                 raise ResourceExhausted(
                     f"watcher fell {self._maxsize} events behind and was dropped; watch again with send_initial"
                 )
+            if self._closed:
+                return None
             self._ready.clear()
             await self._ready.wait()
         return self._queue.popleft()
@@ -101,6 +109,7 @@ class EventBus:
         #: The lineage every event carries (see `Synchronizer.rewind`).
         self.epoch = 0
         self.rewound_to = 0
+        self._closed = False
 
     @property
     def sequence(self) -> int:
@@ -137,7 +146,16 @@ class EventBus:
     def subscribe(self, ids: Iterable[str] = ()) -> Subscription:
         sub = Subscription(frozenset(ids), self.queue_size)
         self._subscribers.add(sub)
+        if self._closed:
+            sub.close()
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
         self._subscribers.discard(sub)
+
+    def close(self) -> None:
+        """Ends every subscription (the service stops): each watcher's stream ends once it has what was
+        queued for it, instead of holding the server's shutdown grace period open."""
+        self._closed = True
+        for sub in self._subscribers:
+            sub.close()

@@ -146,6 +146,8 @@ class SynchronizerServicer(pb_grpc.SynchronizerServiceServicer):
                         event = await asyncio.wait_for(sub.get(), max(0.0, end - time.monotonic()))
                     except asyncio.TimeoutError:
                         return
+                if event is None:  # the synchronizer stops: the stream ends cleanly, and the watcher watches again
+                    return
                 yield event_to_pb(event)
         finally:
             events.unsubscribe(sub)

@@ -115,6 +115,44 @@ async def test_slow_watcher_is_dropped_without_blocking_others() -> None:
     assert bus.subscriber_count == 1
 
 
+async def test_closing_the_bus_ends_each_watcher_after_what_was_queued_for_it() -> None:
+    bus = EventBus()
+    queued, waiting = bus.subscribe(), bus.subscribe(["r9"])
+    bus.publish(EventKind.STATE_CHANGED, R1)  # queued for the first only (the other watches r9)
+    pending = asyncio.ensure_future(waiting.get())
+    await asyncio.sleep(0)
+    assert not pending.done()
+    bus.close()
+    assert await asyncio.wait_for(pending, 1) is None
+    assert (await asyncio.wait_for(queued.get(), 1)).component.id == "r1"
+    assert await asyncio.wait_for(queued.get(), 1) is None
+    assert await asyncio.wait_for(bus.subscribe().get(), 1) is None  # a watcher that comes while it stops
+
+
+async def test_a_stopping_synchronizer_ends_its_watch_streams_instead_of_waiting_out_its_grace() -> None:
+    """A Watch never ends by itself: the server's shutdown waited for it through its whole grace period
+    (10 s by default, each time a synchronizer stopped with a trainer or replica watching it)."""
+    from flywheel.synchronizer.client import SynchronizerClient
+    from services.synchronizer.embedded import embedded_synchronizer
+
+    events: list[object] = []
+    synchronizer = embedded_synchronizer(server={"shutdown_grace_seconds": 300.0})
+    sync = await synchronizer.__aenter__()
+    async with SynchronizerClient(sync.address) as client:
+        async def watch() -> None:
+            async for event in client.watch([], send_initial=True):
+                events.append(event)
+
+        watcher = asyncio.ensure_future(watch())
+        await client.register("rollout", "r1", address="127.0.0.1:1")
+        while not events:
+            await asyncio.sleep(0.01)
+        # Stopped within the test's bound, not the grace: the stream ended cleanly (no error), so the
+        # watcher returned where it would have watched again.
+        await asyncio.wait_for(synchronizer.__aexit__(None, None, None), 60)
+        await asyncio.wait_for(watcher, 60)
+
+
 def test_event_filters() -> None:
     bus = EventBus()
     sub = bus.subscribe(["r2"])
