@@ -134,5 +134,5 @@ def run_service(
         return child
 
     yield run
-    for child in started:
+    for child in reversed(started):  # the last first: a service that registered with one before it deregisters
         child.stop()
