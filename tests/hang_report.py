@@ -3,10 +3,10 @@
 pytest-timeout ends a test that outlives its limit and prints every thread's
 stack; for an asyncio test those all end in the loop's `select`, idle, and say
 nothing of the coroutine that waits. Here one watchdog thread per process
-notes when each test started (its setup, as pytest-timeout counts it) and, `LEAD_SECONDS` before its timeout, writes
-the stack of every pending task of every running event loop to stderr, once:
-pytest shows it with the test's failure (captured output), where the await
-that never returned is named.
+notes when each test started (its setup, as pytest-timeout counts it) and,
+`LEAD_SECONDS` before its timeout, writes the stack of every pending task of
+every running event loop to stderr, once: pytest shows it with the test's
+failure (captured output), where the await that never returned is named.
 """
 
 from __future__ import annotations

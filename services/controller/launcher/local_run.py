@@ -558,7 +558,7 @@ class LocalRun:
         """A dead trainer or synchronizer raises ServiceDied (the run rewinds, see execute); a dead
         rollout replica does not: the synchronizer drops it, its requests go to the others, and it is
         started again after the backoff (or, out of restarts, left dead)."""
-        if self.supervisor is not None and self.replicas is not None:
+        if self.replicas is not None:  # set with the supervisor of the services started here
             self.replicas.check(self.pipeline)
 
     async def _diagnose(self, pipeline: Any) -> None:
