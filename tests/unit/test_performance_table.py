@@ -1,5 +1,5 @@
 """Published figures are recorded figures: every bench keeps its closing JSON line as a record in
-bench/results/, docs/performance.md and the README's quickstart table are generated from those
+bench/results/, docs/performance.md and the README's tables (the quickstart, the suite) are generated from those
 records (scripts/performance_table.py), and a figure either file shows must come from a record."""
 
 from __future__ import annotations
@@ -96,21 +96,23 @@ def test_every_figure_docs_performance_publishes_is_in_a_record() -> None:
         assert not missing, f"docs/performance.md row {cells[:2]}: {missing} in no record of that commit"
 
 
-def test_the_readme_publishes_figures_only_in_its_generated_table() -> None:
+def test_the_readme_publishes_figures_only_in_its_generated_tables() -> None:
     text = (ROOT / "README.md").read_text()
-    start, end = text.index(table.BEGIN), text.index(table.END)
-    generated, rest = text[start:end], text[:start] + text[end:]
+    spans = table.generated_spans(text)
+    assert len(spans) == 2, "the README has a quickstart table and a suite table"
     by_commit = _by_commit()
-    rows = _rows(generated)
-    assert rows, "the README's quickstart table shows no recorded run"
-    for cells in rows:
-        known = _recorded(cells[1], by_commit)  # CPU, commit, then the figures
-        missing = _unrecorded(" ".join(cells[2:]), known)
-        assert not missing, f"README quickstart row {cells[:2]}: {missing} in no record of that commit"
+    for start, end in spans:
+        rows = _rows(text[start:end])
+        assert rows, f"a generated README table shows no recorded run: {text[start:end][:80]}"
+        for cells in rows:
+            known = _recorded(cells[1], by_commit)  # CPU, commit, then the figures
+            missing = _unrecorded(" ".join(cells[2:]), known)
+            assert not missing, f"README row {cells[:2]}: {missing} in no record of that commit"
+    rest = "".join(text[a:b] for a, b in zip([0] + [e for _, e in spans], [s for s, _ in spans] + [len(text)]))
     prose = re.sub(r"```.*?```|`[^`\n]*`", "", rest, flags=re.S)  # commands and sample output are not figures
     for line in prose.splitlines():
         if line.startswith("|"):
-            assert not NUMBER.search(line), f"a README table outside the generated one shows numbers: {line}"
+            assert not NUMBER.search(line), f"a README table outside the generated ones shows numbers: {line}"
         assert not FIGURE.search(line), f"a figure in the README without a record (put it in a record): {line}"
 
 
@@ -201,3 +203,29 @@ def test_a_quickstart_run_directory_becomes_a_record(tmp_path: Path) -> None:
     assert rec["figures"] == {"seed": 2, "steps": 30, "validation": {"0": 0.295, "10": 0.64, "30": 0.72},
                               "val_before": 0.295, "val_after": 0.72, "after_step": 30, "run_minutes": 10.0,
                               "median_step_seconds": 22.0}
+
+
+def test_a_suite_run_junit_becomes_a_record_the_tables_show(tmp_path: Path) -> None:
+    junit = tmp_path / "suite.xml"
+    junit.write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests">'
+        '<testsuite name="pytest" errors="1" failures="1" skipped="2" tests="10" time="1260.5">'
+        '<testcase classname="tests.unit.test_a" name="test_ok" time="1.0" />'
+        '<testcase classname="tests.unit.test_a" name="test_broken" time="2.0"><failure message="x">x</failure></testcase>'
+        '<testcase classname="tests.unit.test_b" name="test_setup" time="0.1"><error message="y">y</error></testcase>'
+        '</testsuite></testsuites>')
+    env = {**os.environ, records.ENV_DIR: str(tmp_path / "results")}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "record_suite.py"), str(junit),
+                           "--with-setup-seconds", "1400", "--conditions", "a CPU quota of 1.38 cores"],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (rec,) = [json.loads(line) for line in (tmp_path / "results" / "suite.jsonl").read_text().splitlines()]
+    assert rec["bench"] == "suite" and rec["cpu_model"] and re.fullmatch(r"[0-9a-f]{40}(-dirty)?", rec["commit"])
+    figs = rec["figures"]
+    assert (figs["tests"], figs["passed"], figs["failed"], figs["errors"], figs["skipped"]) == (10, 6, 1, 1, 2)
+    assert (figs["pytest_minutes"], figs["with_setup_minutes"]) == (21.0, 23.3)
+    assert figs["failed_tests"] == ["tests.unit.test_a::test_broken", "tests.unit.test_b::test_setup"]
+    row = dict(zip([h for h, _ in table.README_SUITE_COLUMNS], [cell(rec) for _, cell in table.README_SUITE_COLUMNS]))
+    assert row["CPU"].endswith("; a CPU quota of 1.38 cores")
+    assert row["tests"] == "6 passed, 1 failed, 1 errors, 2 skipped"
+    assert row["time"] == "**21.0 min** (23.3 with setup)"
