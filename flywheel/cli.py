@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ def _served_model(model: str, untied: Path, tinker: bool) -> str:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from flywheel.launcher.processes import SERVICES, ServiceDied, start_service
+    from flywheel.launcher.processes import SERVICES, ServiceDied, interrupt_on, start_service
     from flywheel.runtime.health import check_health
     from flywheel.runtime.http_server import http_ready_file
 
@@ -65,6 +66,7 @@ def _up(args: argparse.Namespace) -> int:
                                   "--model.lora.target-modules", TINKER_LORA_MODULES)
         model_args["rollout"] += ("--updates.checkpoint-root", str(checkpoints),
                                   "--adapters.max-resident", str(args.tinker_adapters))
+    interrupt_on(signal.SIGINT, signal.SIGTERM)  # Ctrl-C, `kill` and a supervisor's stop all stop the services
     children = [start_service(name, run_dir, model_args.get(name, ())) for name in SERVICES]
     try:
         for child in children:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 SERVICES = ("synchronizer", "trainer", "rollout", "controller")
 #: Services started only when asked for (`flywheel up --with tinker`).
@@ -53,6 +54,22 @@ def die_with_launcher() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != int(launcher):
         sys.exit(f"the launcher (pid {launcher}) exited before this service started")
+
+
+def interrupt_on(*signals: int) -> dict[int, Any]:
+    """In a launcher's main thread: each of `signals` raises KeyboardInterrupt, as Ctrl-C does, so its
+    `finally` stops the children and says so. Set whatever the process inherited: a shell starts a
+    background job with SIGINT ignored (and Python then leaves it ignored), and a supervisor stops with
+    SIGTERM, whose default would end the launcher at once, its children told only by their death signal.
+    Returns the handlers it replaced, to put back."""
+    previous = {s: signal.getsignal(s) for s in signals}
+    for s in signals:
+        signal.signal(s, _raise_interrupt)
+    return previous
+
+
+def _raise_interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def tail(path: Path, lines: int = 20) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import grpc
@@ -198,6 +199,35 @@ def test_flywheel_up_check_starts_all_four(tmp_path, service_env) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("SERVING") == len(SERVICES)
     assert "stopped: synchronizer (exit 0), trainer (exit 0), rollout (exit 0), controller (exit 0)" in result.stdout
+
+
+#: Starts `flywheel up` as a shell starts a background job: with SIGINT ignored (an exec keeps that).
+_SIGINT_IGNORED = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                   "os.execv(sys.executable, [sys.executable, '-m', 'flywheel.cli', *sys.argv[1:]])")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_flywheel_up_stops_its_services_on_a_signal_whatever_it_inherited(tmp_path, service_env, stop) -> None:
+    """Ctrl-C (or `kill -INT`) and a supervisor's SIGTERM both stop the services and report their exits,
+    also when `up` started as a background job with SIGINT ignored: it once waited that SIGINT out."""
+    out = tmp_path / "up.out"
+    with open(out, "wb") as sink:
+        up = subprocess.Popen([sys.executable, "-c", _SIGINT_IGNORED, "up", "--status-port", "0", "--run-dir",
+                               str(tmp_path)], env=service_env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while "all services up" not in out.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.1)
+        up.send_signal(stop)
+        code = up.wait(60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    output = out.read_text()
+    assert code == 0, output
+    assert "stopped: synchronizer (exit 0), trainer (exit 0), rollout (exit 0), controller (exit 0)" in output
 
 
 def test_flywheel_up_with_tinker_serves_the_tinker_api(tmp_path, service_env) -> None:

@@ -47,7 +47,7 @@ from services.controller.launcher.deployed import Deployment
 from services.controller.launcher.healing import Healer, Restart, latest_checkpoint
 from services.controller.launcher.ledger import keep_ledger
 from services.controller.launcher.prepare import prepare_data, prepare_model
-from flywheel.launcher.processes import ServiceDied
+from flywheel.launcher.processes import ServiceDied, interrupt_on
 from services.controller.launcher.progress import Progress
 from services.controller.launcher.replicas import ReplicaRestarts
 from services.controller.launcher.report import write_report
@@ -109,10 +109,6 @@ def _import_in_background(modules: tuple[str, ...]) -> None:
                 return
 
     threading.Thread(target=load, daemon=True, name="import-ahead").start()
-
-
-def _raise_interrupt(*_: Any) -> None:
-    raise KeyboardInterrupt
 
 
 async def _count_resumed_steps(pipeline: Any) -> None:
@@ -192,9 +188,8 @@ class LocalRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _configure_file_logging(self.run_dir / "controller.log")
         (self.run_dir / "launcher.pid").write_text(f"{os.getpid()}\n")
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         # Until the pipeline's own handlers are installed, a signal ends the launch.
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+        previous = interrupt_on(signal.SIGINT, signal.SIGTERM)
         self.healer = Healer(self.spec.restarts)
         try:
             self.prepare()
