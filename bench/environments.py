@@ -52,7 +52,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--baseline-run", type=Path, default=None,
                     help="a finished quickstart run directory to take the baseline from instead of running it")
     ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
-    return parse_with_smoke(ap, "the tiny job, 2 steps a side", steps=2, val_interval=1)
+    # The smoke validates before training and at its end: a curve's two ends are all its figures read, and
+    # every validation episode of the verifiers side is a chat program started for it (docs/environments.md).
+    return parse_with_smoke(ap, "the tiny job, 2 steps a side", steps=2, val_interval=2)
 
 
 def main() -> None:
