@@ -24,7 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flywheel.testing.records import append, destination, make_record  # noqa: E402
+from flywheel.testing.records import keep, make_record  # noqa: E402
 
 
 def figures(run_dir: Path, seed: int, run_minutes: float | None, setup_seconds: float | None) -> dict[str, Any]:
@@ -78,8 +78,7 @@ def main() -> int:
     figs = figures(args.run_dir, seed, args.run_minutes, args.setup_seconds)
     rec = make_record("quickstart", figs, args={"run_dir": str(args.run_dir), "seed": seed}, note=args.note)
     print(json.dumps(figs))
-    path = append(rec, destination(smoke=False))  # type: ignore[arg-type]
-    print(f"record: {path}", file=sys.stderr)
+    keep(rec)
     return 0
 
 

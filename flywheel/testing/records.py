@@ -109,6 +109,14 @@ def append(rec: dict[str, Any], directory: Path) -> Path:
     return path
 
 
+def keep(rec: dict[str, Any]) -> Path:
+    """Keeps the record of a run measured outside a bench (a `make quickstart` run, a suite run) where a
+    real run's record goes, and says where on stderr."""
+    path = append(rec, destination(smoke=False) or RESULTS)
+    print(f"record: {path}", file=sys.stderr, flush=True)
+    return path
+
+
 def record(
     bench: str, figures: dict[str, Any], *, args: argparse.Namespace | dict[str, Any] | None = None,
     smoke: bool = False, note: str | None = None,
