@@ -1,7 +1,7 @@
 """The `flywheel` command.
 
     flywheel run CONFIG         # a whole RL job locally (= python -m services.controller run CONFIG)
-    flywheel up                 # start the four services locally; Ctrl-C stops them
+    flywheel up                 # start the four services locally; Ctrl-C or SIGTERM stops them
     flywheel up --check         # start them, check each is SERVING, stop, exit 0/1
     flywheel up --with tinker   # and the Tinker API over them (TINKER_BASE_URL=http://127.0.0.1:8096)
     flywheel health HOST:PORT   # ask one service for its gRPC health
@@ -94,7 +94,7 @@ def _up(args: argparse.Namespace) -> int:
             print(f"Tinker API: TINKER_BASE_URL=http://127.0.0.1:{port} (base_model {model}); {keys}")
         if args.check:
             return 1 if failures else 0
-        print("all services up; Ctrl-C stops them")
+        print("all services up; Ctrl-C (or SIGTERM) stops them")
         while True:
             for child in children:
                 child.check_alive()
