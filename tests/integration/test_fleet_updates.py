@@ -120,9 +120,3 @@ def test_every_load_fault_is_caught_quarantined_and_the_replica_rejoins_once_an_
         assert any("update/pause_seconds_max" in m for m in metrics)
     finally:
         cluster.stop()
-
-
-def samples_of(rows: list[dict], replica: str) -> list[tuple[int, int, int]]:
-    """(step, version_start, version_end) of every trained sample the replica generated."""
-    return [(row["step"], start, end) for row in rows
-            for (start, end), engine in zip(row["sample_versions"], row["sample_engines"]) if engine == replica]

@@ -180,9 +180,6 @@ class RolloutCore:
                     await self._open.wait()
                 finally:
                     self._at_gate -= 1
-                # The update it waited for may have failed: the engine then holds weights that are
-                # not any version, and the replica is quarantined.
-                self._refuse_if_quarantined()
             yield
         finally:
             reservation.release()
@@ -190,8 +187,7 @@ class RolloutCore:
     async def _run_one(self, prompt: ResolvedPrompt, spec: SamplingSpec, stream: bool) -> AsyncIterator[list[Delta]]:
         engine = self.engine
         assert engine is not None
-        flight = _Flight(prompt.request_id, held=not self._deliveries.is_set())
-        self._flights.add(flight)
+        flight = self._take_off(prompt.request_id)
         metrics.PROMPT_TOKENS.inc(len(prompt.ids))
         try:
             engine_id = f"{prompt.request_id}#{uuid.uuid4().hex[:12]}"
@@ -213,6 +209,17 @@ class RolloutCore:
         finally:
             self._flights.discard(flight)
             flight.done.set()
+
+    def _take_off(self, request_id: str) -> _Flight:
+        """Registers a request about to run on the engine, or refuses it (UNAVAILABLE) if the replica is
+        quarantined. Checked here, with no await between the check and the registration: a request
+        admitted earlier may have waited (for NeedSync, a version, the gate) while an update failed, and
+        must not then run on the weights that failed. Once registered, a quarantine that follows reaches
+        it through the swap's abort or the probe's verdict (`release_deliveries`)."""
+        self._refuse_if_quarantined()
+        flight = _Flight(request_id, held=not self._deliveries.is_set())
+        self._flights.add(flight)
+        return flight
 
     def _refuse_if_quarantined(self) -> None:
         if self.quarantine_reason:
@@ -296,8 +303,7 @@ class RolloutCore:
                                       max_model_len=engine.max_model_len)
         await self._weights_ready(0, min_version)
         async with self._admitted(len(checked), None):
-            flight = _Flight(f"score-{uuid.uuid4().hex[:12]}", held=not self._deliveries.is_set())
-            self._flights.add(flight)
+            flight = self._take_off(f"score-{uuid.uuid4().hex[:12]}")
             try:
                 scores = await engine.score_tokens(checked, top_logprobs)
                 # Scored while an update verifies the weights: they count only once they are proven.

@@ -104,6 +104,31 @@ async def test_a_tensor_loaded_wrong_is_caught_and_quarantines_until_an_update_v
         await updates.run(1, stage, "wait", 10)  # once it verified, versions only go up again
 
 
+async def test_a_generation_that_waited_for_its_weights_while_an_update_failed_is_refused(tmp_path: Path) -> None:
+    # A generation checks the quarantine, then waits (NeedSync, the version it needs); the update fails
+    # meanwhile and leaves the engine stamped with its number on weights that are no version. The request
+    # must be refused once it is past that wait, not run on them (CI saw samples of a failed version trained).
+    updates, engine, faults, _ = make(tmp_path)
+    core = updates.core
+    waiting, go = asyncio.Event(), asyncio.Event()
+
+    async def weights_gate(run_step: int, min_version: int) -> None:
+        waiting.set()
+        await go.wait()
+
+    core.weights_gate = weights_gate
+    request = asyncio.ensure_future(core.generate([prompt("a")], SamplingSpec(max_tokens=2), run_step=2, min_version=1))
+    await waiting.wait()
+    faults.write_text(json.dumps({"corrupt_readable": True}))
+    stage, _ = version(1, 1.5)
+    with pytest.raises(UpdateFailed):
+        await updates.run(1, stage, "wait", 10)
+    assert engine.version == 1 and core.status().quarantine_reason
+    go.set()
+    with pytest.raises(Unavailable, match="quarantined"):
+        await request
+
+
 async def test_an_apply_past_its_deadline_quarantines_and_the_next_update_waits_for_it(tmp_path: Path) -> None:
     # The hung apply outlives its 1 s deadline by 0.2 s, so the next update's wait for it (also up to
     # 1 s) has 0.8 s of margin for a loaded machine.
