@@ -187,7 +187,7 @@ class RolloutCore:
     async def _run_one(self, prompt: ResolvedPrompt, spec: SamplingSpec, stream: bool) -> AsyncIterator[list[Delta]]:
         engine = self.engine
         assert engine is not None
-        flight = self._take_off(prompt.request_id)
+        flight = self._start_flight(prompt.request_id)
         metrics.PROMPT_TOKENS.inc(len(prompt.ids))
         try:
             engine_id = f"{prompt.request_id}#{uuid.uuid4().hex[:12]}"
@@ -210,7 +210,7 @@ class RolloutCore:
             self._flights.discard(flight)
             flight.done.set()
 
-    def _take_off(self, request_id: str) -> _Flight:
+    def _start_flight(self, request_id: str) -> _Flight:
         """Registers a request about to run on the engine, or refuses it (UNAVAILABLE) if the replica is
         quarantined. Checked here, with no await between the check and the registration: a request
         admitted earlier may have waited (for NeedSync, a version, the gate) while an update failed, and
@@ -303,7 +303,7 @@ class RolloutCore:
                                       max_model_len=engine.max_model_len)
         await self._weights_ready(0, min_version)
         async with self._admitted(len(checked), None):
-            flight = self._take_off(f"score-{uuid.uuid4().hex[:12]}")
+            flight = self._start_flight(f"score-{uuid.uuid4().hex[:12]}")
             try:
                 scores = await engine.score_tokens(checked, top_logprobs)
                 # Scored while an update verifies the weights: they count only once they are proven.
