@@ -17,6 +17,8 @@ from flywheel.testing.engines import with_transformers_engine
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 QUICKSTART_TINY = ROOT / "examples" / "quickstart-tiny.yaml"
+#: Questions in a smoke's validation (`run_job`).
+SMOKE_VALIDATION = 4
 
 
 def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int | None,
@@ -26,7 +28,8 @@ def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int | N
     `val_interval` (None: never), its sections merged with `edit` and those in `drop` left out, with a
     checkpoint at the end unless `checkpoint` is False; returns its run directory. `smoke`: a bench's
     --smoke, which checks that the bench runs: the rollout then uses the transformers engine, as the
-    tests do where the engine is not their subject (vLLM's start would be most of a smoke's time)."""
+    tests do where the engine is not their subject (vLLM's start would be most of a smoke's time), and
+    validation asks `SMOKE_VALIDATION` questions."""
     config = yaml.safe_load(base.read_text())
     config["run"]["max_steps"] = steps
     config["validation"] = ({**config.get("validation", {}), "before_training": True, "interval": val_interval}
@@ -40,6 +43,11 @@ def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int | N
         config.pop(section, None)
     if smoke:
         with_transformers_engine(config)
+        # A validation of 4 questions: a smoke's curves are read only for being there (the tiny random
+        # model learns nothing), and each question is an episode, on an environment's side a program started.
+        dataset = config.get("launch", {}).get("dataset")
+        if dataset is not None:
+            dataset["validation_size"] = min(dataset.get("validation_size", SMOKE_VALIDATION), SMOKE_VALIDATION)
     run_dir = work / name
     run_dir.mkdir(parents=True, exist_ok=True)
     path = work / f"{name}.yaml"
