@@ -29,8 +29,8 @@ the project's pods are served there and `outsider` itself is served by
 
 The TLS variant adds components/tls and components/tls-mutual to that overlay and
 creates Secret flywheel-tls from the certificate deploy/README.md's command makes,
-and runs its own job file (quickstart-tiny with sync.method: checkpoint, in the
-flywheel-run ConfigMap) to completion: a plaintext client and one without a
+and runs its own job file (quickstart-tiny with sync.method: checkpoint and its
+rollouts on the transformers engine, in the flywheel-run ConfigMap) to completion: a plaintext client and one without a
 certificate are refused meanwhile, and every version travels as a checkpoint on
 the claim the trainer, synchronizer and rollouts mount.
 """
@@ -52,6 +52,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from flywheel.runtime.auth import read_tokens_file
 from flywheel.runtime.tokens import init as init_tokens
+from flywheel.testing.engines import with_transformers_engine
 from tests.deploy.cluster import NamespaceCluster, available, process_identity, process_privileges
 from tests.deploy.kube import Kube
 from tests.deploy.pods import Pod, container_port
@@ -284,6 +285,9 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
 
     run = yaml.safe_load((ROOT / "examples" / "quickstart-tiny.yaml").read_text())
     run["sync"] = {**run.get("sync", {}), "method": "checkpoint"}
+    # The engine is not this test's subject (the cpu overlay's test and the compose runs keep vLLM): its
+    # run file puts the rollouts on the transformers engine, as a user's would, sparing two vLLM starts.
+    with_transformers_engine(run)
     objects = render(tmp_path, ("tls", "tls-mutual"), run_file=run)
     (namespace,) = [o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"]
     made, tokens = tokens_secret(namespace, tmp_path)
