@@ -30,9 +30,10 @@ the project's pods are served there and `outsider` itself is served by
 The TLS variant adds components/tls and components/tls-mutual to that overlay and
 creates Secret flywheel-tls from the certificate deploy/README.md's command makes,
 and runs its own job file (quickstart-tiny with sync.method: checkpoint and its
-rollouts on the transformers engine, in the flywheel-run ConfigMap) to completion: a plaintext client and one without a
-certificate are refused meanwhile, and every version travels as a checkpoint on
-the claim the trainer, synchronizer and rollouts mount.
+rollouts on the transformers engine, in the flywheel-run ConfigMap) to completion:
+a plaintext client and one without a certificate are refused meanwhile, and every
+version travels as a checkpoint on the claim the trainer, synchronizer and
+rollouts mount.
 """
 
 from __future__ import annotations
