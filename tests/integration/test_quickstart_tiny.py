@@ -26,6 +26,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -194,6 +195,11 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
     return found
 
 
+def socket_dirs(pid: int) -> list[Path]:
+    """The directories a vLLM replica's process `pid` holds its engine's sockets in (engine/vllm_sockets.py)."""
+    return list(Path(tempfile.gettempdir()).glob(f"flywheel-vllm-{pid}-*"))
+
+
 #: Chaos trials: CI runs 3 (one per service); `FLYWHEEL_CHAOS_TRIALS=20` for the full run.
 CHAOS_TRIALS = int(os.environ.get("FLYWHEEL_CHAOS_TRIALS", "3"))
 CHAOS_SEED = int(os.environ.get("FLYWHEEL_CHAOS_SEED", "0"))
@@ -226,6 +232,9 @@ def test_chaos_a_service_sigkilled_at_a_random_step_heals_without_a_second_comma
         try:
             wait_for(f"step {kill_after}", lambda: any(r["step"] >= kill_after for r in ledger(run_dir)), 900, proc)
             pid = json.loads((run_dir / f"{victim}.ready.json").read_text())["pid"]
+            if config == CONFIG:  # vLLM binds its sockets in the replica's own directory, not the temp dir's top
+                sockets = [s for d in socket_dirs(pid) for s in d.iterdir() if s.is_socket()]
+                assert sockets, f"no socket directory of process {pid}"
             os.kill(pid, signal.SIGKILL)
             killed_at = row["killed_at"] = max(r["step"] for r in ledger(run_dir))
             code = row["exit"] = proc.wait(600)
@@ -246,6 +255,12 @@ def test_chaos_a_service_sigkilled_at_a_random_step_heals_without_a_second_comma
         assert restart["service"] == victim and restart["exit_code"] == -9
         assert restart["action"] == ("restarted" if victim == "rollout" else "rewound")
         wait_all_gone(processes_of(run_dir), 30)
+        if config == CONFIG:
+            # vLLM's socket files (engine/vllm_sockets.py): the killed replica's directory is removed by the
+            # one that replaced it, and that one's as it exits. Nothing of either is left in the temp dir.
+            replaced = json.loads((run_dir / f"{victim}.ready.json").read_text())["pid"]
+            assert replaced != pid
+            assert not socket_dirs(pid) and not socket_dirs(replaced)
         row["healed"] = True
     except BaseException as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
