@@ -28,6 +28,7 @@ from pathlib import Path
 
 VARIABLE = "VLLM_RPC_BASE_PATH"
 PREFIX = "flywheel-vllm-"
+_SUN_PATH = 108
 
 #: This process's directory, once made.
 _made: Path | None = None
@@ -41,6 +42,13 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process: alive, and not ours to judge
         return True
     return True
+
+
+def room_for_sockets(parent: Path, pid: int) -> bool:
+    """Whether vLLM's socket paths fit in sun_path (108 bytes with its NUL) inside a directory of process
+    `pid` under `parent`: the temp dir, the directory's name (the prefix, the pid, mkdtemp's 8 characters)
+    and vLLM's 36-character uuid. A long temp dir can leave no room."""
+    return len(f"{parent}/{PREFIX}{pid}-12345678/") + 36 <= _SUN_PATH - 1
 
 
 def remove_orphans(parent: Path) -> list[Path]:
@@ -66,7 +74,8 @@ def use_private_socket_dir() -> Path | None:
         return None
     parent = Path(tempfile.gettempdir())
     remove_orphans(parent)
-    # A socket's path must fit in 108 bytes (sun_path): the temp dir, this name, and a 36-character uuid.
+    if not room_for_sockets(parent, os.getpid()):  # vLLM keeps its own default, as it would without us
+        return None
     _made = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
     os.environ[VARIABLE] = str(_made)
     atexit.register(_remove, _made, os.getpid())

@@ -4,9 +4,11 @@ socket files behind, so they go in a directory of the process's own that does no
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,19 @@ from services.rollout.engine.vllm_sockets import PREFIX, VARIABLE, remove_orphan
 
 
 @pytest.fixture
-def temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+def short_dir() -> Iterator[Path]:
+    """A temp dir with a path as short as /tmp's: pytest's own tmp_path leaves no room for a socket path."""
+    made = Path(tempfile.mkdtemp(prefix="vs-", dir="/tmp"))
+    yield made
+    shutil.rmtree(made, ignore_errors=True)
+
+
+@pytest.fixture
+def temp_dir(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(tempfile, "tempdir", str(short_dir))
     monkeypatch.setattr(vllm_sockets, "_made", None)
     monkeypatch.delenv(VARIABLE, raising=False)
-    return tmp_path
+    return short_dir
 
 
 def dead_pid() -> int:
@@ -57,9 +67,9 @@ def test_the_directory_of_a_killed_process_is_removed_by_the_next_one_and_a_live
     assert remove_orphans(temp_dir) == []  # nothing more to remove, and never this process's own
 
 
-def test_the_directory_is_removed_when_its_process_exits(tmp_path: Path) -> None:
+def test_the_directory_is_removed_when_its_process_exits(short_dir: Path) -> None:
     program = (
-        "import tempfile; tempfile.tempdir = " + repr(str(tmp_path)) + "\n"
+        "import tempfile; tempfile.tempdir = " + repr(str(short_dir)) + "\n"
         "from services.rollout.engine.vllm_sockets import use_private_socket_dir\n"
         "made = use_private_socket_dir(); (made / 'a-socket').write_text(''); print(made)\n"
     )
@@ -67,4 +77,15 @@ def test_the_directory_is_removed_when_its_process_exits(tmp_path: Path) -> None
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=60,
                           cwd=Path(__file__).resolve().parents[3])
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().startswith(str(tmp_path / PREFIX)) and not list(tmp_path.iterdir())
+    assert done.stdout.strip().startswith(str(short_dir / PREFIX)) and not list(short_dir.iterdir())
+
+
+def test_a_temp_dir_too_long_for_a_socket_path_leaves_vllm_its_default(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    deep = tmp_path / ("d" * (100 - len(str(tmp_path))))
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    monkeypatch.setattr(vllm_sockets, "_made", None)
+    monkeypatch.delenv(VARIABLE, raising=False)
+    assert use_private_socket_dir() is None
+    assert VARIABLE not in os.environ and not list(deep.iterdir())
