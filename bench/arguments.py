@@ -19,13 +19,14 @@ def bench_parser(doc: str | None) -> argparse.ArgumentParser:
 
 def parse_with_smoke(parser: argparse.ArgumentParser, smoke_help: str, **smoke_sizes: Any) -> argparse.Namespace:
     """Adds --smoke (`smoke_help` says what it runs) and parses the command line; under --smoke each of
-    `smoke_sizes` (keyed by the option's dest: `in_flight` for --in-flight) replaces its option's value."""
+    `smoke_sizes` (keyed by the option's dest: `in_flight` for --in-flight) is its option's default, and an
+    option given on the command line still wins (`--smoke --steps 5`)."""
     parser.add_argument("--smoke", action="store_true", help=smoke_help)
     args = parser.parse_args()
     unknown = sorted(set(smoke_sizes) - set(vars(args)))
     if unknown:
         raise ValueError(f"smoke sizes for options the bench does not have: {unknown}")
     if args.smoke:
-        for dest, value in smoke_sizes.items():
-            setattr(args, dest, value)
+        parser.set_defaults(**smoke_sizes)
+        args = parser.parse_args()
     return args
