@@ -76,8 +76,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Every service the tests start imports torch, many import vLLM too: without cached bytecode each one
 # compiles them (and our own modules) from source again. Where PYTHONDONTWRITEBYTECODE is set (this
-# kind of machine sets it, CI included) nothing is ever cached: every module was compiled anew by each of
-# the suite's hundreds of processes. Here the first process that imports a module caches it. Measured on
+# kind of machine sets it, CI included) nothing is ever cached: .ci/run compiles the installed packages
+# once, but this repository's modules, or everything on a machine where nobody ran compileall, were
+# compiled anew by each of the suite's hundreds of processes. Here the first one caches them. Measured on
 # 2 cores, back to back: the tiny quickstart (vLLM) 54 s with nothing cached, 26 s cached; `import
 # vllm.v1.engine.core`, which each of a vLLM replica's three processes pays, 12.4 s of CPU uncached, 6.0 s.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
