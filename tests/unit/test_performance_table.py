@@ -229,3 +229,16 @@ def test_a_suite_run_junit_becomes_a_record_the_tables_show(tmp_path: Path) -> N
     assert row["CPU"].endswith("; a CPU quota of 1.38 cores")
     assert row["tests"] == "6 passed, 1 failed, 1 errors, 2 skipped"
     assert row["time"] == "**21.0 min** (23.3 with setup)"
+
+
+def test_the_readme_shows_the_newest_quickstart_runs_of_each_cpu_and_no_more() -> None:
+    def run(cpu: str, day: int) -> dict:
+        return {"bench": "quickstart", "commit": f"{day:040x}", "date": f"2026-11-{day:02d}T00:00:00Z",
+                "cpu_model": cpu, "cpu_isa": "avx2", "cpu_cores": 2, "figures": {"seed": 0}}
+
+    runs = [run("AMD EPYC", d) for d in range(1, 6)] + [run("Intel Xeon", d) for d in (2, 9)]
+    kept = table.newest_per_cpu(runs, 3)
+    assert [(r["cpu_model"], r["date"][8:10]) for r in kept] == [
+        ("Intel Xeon", "09"), ("Intel Xeon", "02"), ("AMD EPYC", "05"), ("AMD EPYC", "04"), ("AMD EPYC", "03")]
+    shown = table.readme_tables({"quickstart": runs})[table.BEGIN]
+    assert shown.count("| AMD EPYC, ") == 3 and shown.count("| Intel Xeon, ") == 2
