@@ -37,7 +37,7 @@ import yaml
 import psutil  # noqa: E402  (a dev dependency)
 
 from flywheel.testing.engines import with_transformers_engine
-from services.rollout.engine.vllm_sockets import room_for_sockets
+from services.rollout.engine.vllm_sockets import PREFIX, room_for_sockets
 
 pytestmark = pytest.mark.slow
 
@@ -198,7 +198,7 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
 
 def socket_dirs(pid: int) -> list[Path]:
     """The directories a vLLM replica's process `pid` holds its engine's sockets in (engine/vllm_sockets.py)."""
-    return list(Path(tempfile.gettempdir()).glob(f"flywheel-vllm-{pid}-*"))
+    return list(Path(tempfile.gettempdir()).glob(f"{PREFIX}{pid}-*"))
 
 
 #: Chaos trials: CI runs 3 (one per service); `FLYWHEEL_CHAOS_TRIALS=20` for the full run.

@@ -66,7 +66,7 @@ def remove_orphans(parent: Path) -> list[Path]:
 
 def use_private_socket_dir() -> Path | None:
     """Point VLLM_RPC_BASE_PATH at this process's own directory (made on the first call); None where
-    the user set the variable themselves."""
+    the user set the variable themselves, or where the temp dir's path leaves no room for a socket's."""
     global _made
     if _made is not None:
         return _made
