@@ -125,6 +125,11 @@ async def generate_across_updates(address: str, prompts: list[list[int]], max_to
     received = 0
     asked = 0  # updates asked for so far
     due = asyncio.Event()
+
+    def due_at(k: int) -> float:
+        """The tokens received by the time the k-th update is due: k/(updates + 1) of them all."""
+        return k * total / (len(versions) + 1)
+
     # No per-request seed: vLLM 0.32 on CPU crashes its engine when a seeded request is frozen by a keep pause
     # ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync).
     sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
@@ -140,7 +145,7 @@ async def generate_across_updates(address: str, prompts: list[list[int]], max_to
             async for chunk in stub.GenerateStream(request):
                 arrivals += [asked] * len(chunk.token_ids)
                 received += len(chunk.token_ids)
-                if asked < len(versions) and received >= (asked + 1) * total / (len(versions) + 1):
+                if asked < len(versions) and received >= due_at(asked + 1):
                     due.set()
                 if chunk.HasField("final"):
                     final = chunk.final
@@ -168,7 +173,7 @@ async def generate_across_updates(address: str, prompts: list[list[int]], max_to
         print(f"generations done ({received} tokens; finish reasons {dict(reasons)})", file=sys.stderr)
         if asked < len(versions):  # the generations ended before every update was asked: the bench is mis-sized
             updater.cancel()
-            due_count = sum(received >= k * total / (len(versions) + 1) for k in range(1, len(versions) + 1))
+            due_count = sum(received >= due_at(k) for k in range(1, len(versions) + 1))
             raise SystemExit(f"only {asked} of {len(versions)} updates were asked during the generations "
                              f"({due_count} were due: an update still going holds back the next)")
         replies = await updater
