@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
-from bench.quickstart_job import QUICKSTART, QUICKSTART_TINY, curve, first_step, run_job, section  # noqa: E402
+from bench.quickstart_job import QUICKSTART, QUICKSTART_TINY, curve, first_step, run_job, section, work_dir  # noqa: E402
 from flywheel.launcher.processes import start_service  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 
@@ -56,7 +55,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--teacher-run", type=Path, default=None,
                     help="a finished quickstart run directory to take the teacher and GRPO's curve from "
                          "instead of running it here")
-    ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="where the runs go, kept (default: a temporary directory, removed at the end)")
     return parse_with_smoke(ap, "the tiny job, 2 steps a side", grpo_steps=2, steps=2, val_interval=1)
 
 
@@ -75,50 +75,50 @@ def teacher_replica(model: Path, work: Path, max_model_len: int):
 def main() -> None:
     args = parse_args()
     base = QUICKSTART_TINY if args.smoke else QUICKSTART
-    work = args.work or Path(tempfile.mkdtemp(prefix="flywheel-distill-"))
-    started = time.monotonic()
-    teacher_run = args.teacher_run or run_job(base, work, "grpo", args.grpo_steps, args.val_interval,
-                                                  smoke=args.smoke)
-    grpo_seconds = time.monotonic() - started
-    grpo = curve(teacher_run)
-    teacher_model = Path(json.loads((teacher_run / "summary.json").read_text())["model"])
-    teacher_accuracy = grpo[max(grpo)]  # validated on the final checkpoint's weights: the teacher's
-    max_model_len = yaml.safe_load(base.read_text())["launch"]["rollout"]["engine"]["args"]["max_model_len"]
-    teacher = teacher_replica(teacher_model, work, max_model_len)
-    try:
+    with work_dir(args.work, "flywheel-distill-") as work:
         started = time.monotonic()
-        worker = section(base, "worker")
-        distill_dir = run_job(base, work, "distill", args.steps, args.val_interval, {
-            "algorithm": {**section(base, "algorithm"),
-                          "teacher": {"addresses": [teacher.grpc_address], "kl_coef": args.kl_coef,
-                                      "reward_coef": args.reward_coef}},
-            "worker": {**worker, "sampling": {**worker["sampling"], "temperature": args.temperature}},
-        }, smoke=args.smoke)
-        distill_seconds = time.monotonic() - started
-    finally:
-        teacher.stop()
-    distilled = curve(distill_dir)
-    goal = teacher_accuracy - args.within
-    distill_steps = first_step(distilled, goal)
-    grpo_steps = first_step(grpo, goal)
-    metrics = [json.loads(line) for line in (distill_dir / "metrics.jsonl").read_text().splitlines()]
-    kls = [m["teacher/reverse_kl"] for m in metrics if "teacher/reverse_kl" in m]
-    figures = {
-        "teacher_accuracy": teacher_accuracy, "within": args.within,
-        "grpo_curve": {str(k): v for k, v in sorted(grpo.items())},
-        "distill_curve": {str(k): v for k, v in sorted(distilled.items())},
-        "distill_steps": distill_steps, "grpo_steps": grpo_steps,
-        "reverse_kl_first": round(kls[0], 4) if kls else None, "reverse_kl_last": round(kls[-1], 4) if kls else None,
-        "grpo_minutes": round(grpo_seconds / 60, 1) if args.teacher_run is None else None,
-        "distill_minutes": round(distill_seconds / 60, 1),
-        "temperature": args.temperature, "reward_coef": args.reward_coef,
-        "teacher_from": "this run" if args.teacher_run is None else str(args.teacher_run),
-        # Steps on the validation grid; a side that never got there counts its last step + one interval.
-        "distill_steps_vs_grpo_steps": round(
-            max(1, distill_steps if distill_steps is not None else max(distilled) + args.val_interval)
-            / max(1, grpo_steps if grpo_steps is not None else max(grpo) + args.val_interval), 3),
-    }
-    record("distill", figures, args=vars(args), smoke=args.smoke)
+        teacher_run = args.teacher_run or run_job(base, work, "grpo", args.grpo_steps, args.val_interval,
+                                                  smoke=args.smoke)
+        grpo_seconds = time.monotonic() - started
+        grpo = curve(teacher_run)
+        teacher_model = Path(json.loads((teacher_run / "summary.json").read_text())["model"])
+        teacher_accuracy = grpo[max(grpo)]  # validated on the final checkpoint's weights: the teacher's
+        max_model_len = yaml.safe_load(base.read_text())["launch"]["rollout"]["engine"]["args"]["max_model_len"]
+        teacher = teacher_replica(teacher_model, work, max_model_len)
+        try:
+            started = time.monotonic()
+            worker = section(base, "worker")
+            distill_dir = run_job(base, work, "distill", args.steps, args.val_interval, {
+                "algorithm": {**section(base, "algorithm"),
+                              "teacher": {"addresses": [teacher.grpc_address], "kl_coef": args.kl_coef,
+                                          "reward_coef": args.reward_coef}},
+                "worker": {**worker, "sampling": {**worker["sampling"], "temperature": args.temperature}},
+            }, smoke=args.smoke)
+            distill_seconds = time.monotonic() - started
+        finally:
+            teacher.stop()
+        distilled = curve(distill_dir)
+        goal = teacher_accuracy - args.within
+        distill_steps = first_step(distilled, goal)
+        grpo_steps = first_step(grpo, goal)
+        metrics = [json.loads(line) for line in (distill_dir / "metrics.jsonl").read_text().splitlines()]
+        kls = [m["teacher/reverse_kl"] for m in metrics if "teacher/reverse_kl" in m]
+        figures = {
+            "teacher_accuracy": teacher_accuracy, "within": args.within,
+            "grpo_curve": {str(k): v for k, v in sorted(grpo.items())},
+            "distill_curve": {str(k): v for k, v in sorted(distilled.items())},
+            "distill_steps": distill_steps, "grpo_steps": grpo_steps,
+            "reverse_kl_first": round(kls[0], 4) if kls else None, "reverse_kl_last": round(kls[-1], 4) if kls else None,
+            "grpo_minutes": round(grpo_seconds / 60, 1) if args.teacher_run is None else None,
+            "distill_minutes": round(distill_seconds / 60, 1),
+            "temperature": args.temperature, "reward_coef": args.reward_coef,
+            "teacher_from": "this run" if args.teacher_run is None else str(args.teacher_run),
+            # Steps on the validation grid; a side that never got there counts its last step + one interval.
+            "distill_steps_vs_grpo_steps": round(
+                max(1, distill_steps if distill_steps is not None else max(distilled) + args.val_interval)
+                / max(1, grpo_steps if grpo_steps is not None else max(grpo) + args.val_interval), 3),
+        }
+        record("distill", figures, args=vars(args), smoke=args.smoke)
 
 
 if __name__ == "__main__":

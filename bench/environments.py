@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
-from bench.quickstart_job import QUICKSTART, QUICKSTART_TINY, curve, run_job, section, step_seconds  # noqa: E402
+from bench.quickstart_job import QUICKSTART, QUICKSTART_TINY, curve, run_job, section, step_seconds, work_dir  # noqa: E402
 from flywheel.testing.environments import example_environment  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 
@@ -51,7 +50,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--val-interval", type=int, default=5, help="validation every N steps, on both sides")
     ap.add_argument("--baseline-run", type=Path, default=None,
                     help="a finished quickstart run directory to take the baseline from instead of running it")
-    ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="where the runs go, kept (default: a temporary directory, removed at the end)")
     # The smoke validates before training and at its end: a curve's two ends are all its figures read, and
     # every validation episode of the verifiers side is a chat program started for it (docs/environments.md).
     return parse_with_smoke(ap, "the tiny job, 2 steps a side", steps=2, val_interval=2)
@@ -59,44 +59,43 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="flywheel-environments-"))
-    work.mkdir(parents=True, exist_ok=True)
-    base = QUICKSTART_TINY if args.smoke else QUICKSTART
-    baseline = args.baseline_run or run_job(base, work, "inprocess", args.steps, args.val_interval, smoke=args.smoke)
-    name = args.environment
-    # The environment's run file is the quickstart's with the worker swapped; on --smoke the tiny job's,
-    # swapped the same way.
-    worker = {**section(base, "worker"), **section(RUN_FILES[name], "worker"),
-              "group_size": section(base, "worker")["group_size"],
-              "max_in_flight": section(base, "worker")["max_in_flight"]}
-    worker.pop("instruction", None)  # the math worker's; the environment asks the questions
-    if name == "verifiers":
-        # The taskset's prompts are the questions, its system prompt the quickstart's (run_job merges this
-        # worker over the base's: None clears what the verifiers worker refuses).
-        worker.update(instruction=None, system_prompt=None)
-        worker["verifiers"] = {**worker["verifiers"], "path": [str(ROOT / p) for p in worker["verifiers"]["path"]]}
-        played = run_job(base, work, name, args.steps, args.val_interval, {"worker": worker}, drop=("reward",),
-                             smoke=args.smoke)
-    else:
-        with example_environment(work / "environment.log") as url:
-            worker["env"] = {**worker["env"], "url": url}
+    with work_dir(args.work, "flywheel-environments-") as work:
+        base = QUICKSTART_TINY if args.smoke else QUICKSTART
+        baseline = args.baseline_run or run_job(base, work, "inprocess", args.steps, args.val_interval, smoke=args.smoke)
+        name = args.environment
+        # The environment's run file is the quickstart's with the worker swapped; on --smoke the tiny job's,
+        # swapped the same way.
+        worker = {**section(base, "worker"), **section(RUN_FILES[name], "worker"),
+                  "group_size": section(base, "worker")["group_size"],
+                  "max_in_flight": section(base, "worker")["max_in_flight"]}
+        worker.pop("instruction", None)  # the math worker's; the environment asks the questions
+        if name == "verifiers":
+            # The taskset's prompts are the questions, its system prompt the quickstart's (run_job merges this
+            # worker over the base's: None clears what the verifiers worker refuses).
+            worker.update(instruction=None, system_prompt=None)
+            worker["verifiers"] = {**worker["verifiers"], "path": [str(ROOT / p) for p in worker["verifiers"]["path"]]}
             played = run_job(base, work, name, args.steps, args.val_interval, {"worker": worker}, drop=("reward",),
                              smoke=args.smoke)
-    inprocess, environment = curve(baseline), curve(played)
-    inprocess = {step: value for step, value in inprocess.items() if step <= args.steps}
-    figures = {
-        "environment": name,
-        "steps": args.steps,
-        "inprocess_curve": {str(k): v for k, v in sorted(inprocess.items())},
-        f"{name}_curve": {str(k): v for k, v in sorted(environment.items())},
-        f"{name}_rise": round(environment[max(environment)] - environment[0], 4),
-        "inprocess_rise": round(inprocess[max(inprocess)] - inprocess[0], 4),
-        "inprocess_step_seconds": round(step_seconds(baseline), 2),
-        f"{name}_step_seconds": round(step_seconds(played), 2),
-        "baseline_from": "this run" if args.baseline_run is None else str(args.baseline_run),
-        f"{name}_step_vs_inprocess": round(step_seconds(played) / step_seconds(baseline), 3),
-    }
-    record("environments", figures, args=vars(args), smoke=args.smoke)
+        else:
+            with example_environment(work / "environment.log") as url:
+                worker["env"] = {**worker["env"], "url": url}
+                played = run_job(base, work, name, args.steps, args.val_interval, {"worker": worker}, drop=("reward",),
+                                 smoke=args.smoke)
+        inprocess, environment = curve(baseline), curve(played)
+        inprocess = {step: value for step, value in inprocess.items() if step <= args.steps}
+        figures = {
+            "environment": name,
+            "steps": args.steps,
+            "inprocess_curve": {str(k): v for k, v in sorted(inprocess.items())},
+            f"{name}_curve": {str(k): v for k, v in sorted(environment.items())},
+            f"{name}_rise": round(environment[max(environment)] - environment[0], 4),
+            "inprocess_rise": round(inprocess[max(inprocess)] - inprocess[0], 4),
+            "inprocess_step_seconds": round(step_seconds(baseline), 2),
+            f"{name}_step_seconds": round(step_seconds(played), 2),
+            "baseline_from": "this run" if args.baseline_run is None else str(args.baseline_run),
+            f"{name}_step_vs_inprocess": round(step_seconds(played) / step_seconds(baseline), 3),
+        }
+        record("environments", figures, args=vars(args), smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def _vocab_size(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
 
-def bench_trainer(model_dir: Path, run: dict, spec: object, steps: int) -> dict:
+def bench_trainer(model_dir: Path, run: dict, spec: object, steps: int, work: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from services.trainer.config import TrainerConfig
@@ -112,7 +112,7 @@ def bench_trainer(model_dir: Path, run: dict, spec: object, steps: int) -> dict:
     lr = 1e-7  # the weights barely move: every step sees the same model
     config = TrainerConfig.model_validate({
         "model": {"path": str(model_dir), "dtype": "float32", "autocast": autocast_name, "cpu_threads": threads},
-        "optimizer": {"lr": lr}, "checkpoint": {"dir": tempfile.mkdtemp(prefix="bench-learning-")},
+        "optimizer": {"lr": lr}, "checkpoint": {"dir": str(work / "checkpoints")},
     })
     ours = TrainingEngine(config)
     ours.load()
@@ -320,7 +320,7 @@ def main() -> None:
         else:
             model_dir = prepare_model(spec.model)  # type: ignore[attr-defined]
         if "trainer" in parts:
-            figures.update(bench_trainer(model_dir, run, spec, args.trainer_steps))
+            figures.update(bench_trainer(model_dir, run, spec, args.trainer_steps, work))
             print({k: v for k, v in figures.items() if "trainer" in k or "floor" in k}, flush=True)
         if "validation" in parts:
             figures.update(bench_validation(model_dir, run, spec, work, args.validation_rounds))

@@ -57,11 +57,12 @@ def cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def pinned(core: int | None) -> str:
-    """A Python that runs on `core` only (a tiny wrapper script: start_service takes an interpreter)."""
+def pinned(core: int | None, directory: Path) -> str:
+    """A Python that runs on `core` only (a tiny wrapper script in `directory`: start_service takes an
+    interpreter)."""
     if core is None or shutil.which("taskset") is None:
         return sys.executable
-    wrapper = Path(tempfile.mkdtemp()) / "python"
+    wrapper = directory / "python"
     wrapper.write_text(f'#!/bin/sh\nexec taskset -c {core} {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
@@ -70,7 +71,7 @@ def pinned(core: int | None) -> str:
 def start(kind: str, directory: Path, config: dict, core: int | None) -> ServiceProcess:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.yaml").write_text(yaml.safe_dump(config))
-    return start_service(kind, directory, ["--config", str(directory / "config.yaml")], python=pinned(core))
+    return start_service(kind, directory, ["--config", str(directory / "config.yaml")], python=pinned(core, directory))
 
 
 def run_mode(mode: str, steps: int, model: Path, work: Path, pin: bool, smoke: bool) -> dict:

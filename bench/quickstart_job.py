@@ -4,9 +4,12 @@ validation curve read back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +20,21 @@ from flywheel.testing.engines import with_transformers_engine
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 QUICKSTART_TINY = ROOT / "examples" / "quickstart-tiny.yaml"
-#: Questions in a smoke's validation (`run_job`).
+#: Questions in a smoke's validation, and groups (questions) in a smoke's training step (`run_job`).
 SMOKE_VALIDATION = 4
+SMOKE_GROUPS = 2
+
+
+@contextlib.contextmanager
+def work_dir(given: Path | None, prefix: str) -> Iterator[Path]:
+    """Where a bench's runs go: `given` (`--work`), kept for reading afterwards, else a temporary
+    directory that is removed when the bench ends."""
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield Path(tmp)
 
 
 def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int | None,
@@ -29,7 +45,7 @@ def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int | N
     checkpoint at the end unless `checkpoint` is False; returns its run directory. `smoke`: a bench's
     --smoke, which checks that the bench runs: the rollout then uses the transformers engine, as the
     tests do where the engine is not their subject (vLLM's start would be most of a smoke's time), and
-    validation asks `SMOKE_VALIDATION` questions."""
+    validation asks `SMOKE_VALIDATION` questions and a step trains `SMOKE_GROUPS` groups."""
     config = yaml.safe_load(base.read_text())
     config["run"]["max_steps"] = steps
     config["validation"] = ({**config.get("validation", {}), "before_training": True, "interval": val_interval}
@@ -48,6 +64,10 @@ def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int | N
         dataset = config.get("launch", {}).get("dataset")
         if dataset is not None:
             dataset["validation_size"] = min(dataset.get("validation_size", SMOKE_VALIDATION), SMOKE_VALIDATION)
+        # Two groups a step, for the same reason: on an environment's side every sample is an episode too.
+        algorithm = config.setdefault("algorithm", {})
+        smoke_batch = SMOKE_GROUPS * int(config.get("worker", {}).get("group_size", 1))
+        algorithm["train_batch_size"] = min(int(algorithm.get("train_batch_size", smoke_batch)), smoke_batch)
     run_dir = work / name
     run_dir.mkdir(parents=True, exist_ok=True)
     path = work / f"{name}.yaml"

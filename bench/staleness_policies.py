@@ -22,14 +22,13 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
-from bench.quickstart_job import QUICKSTART_TINY, run_job, section  # noqa: E402
+from bench.quickstart_job import QUICKSTART_TINY, run_job, section, work_dir  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 POLICIES = ("pace", "drop")
 #: pace's trainer idle fraction may exceed drop's by this much of the wall time (docs/architecture.md).
@@ -40,7 +39,8 @@ def parse_args() -> argparse.Namespace:
     ap = bench_parser(__doc__)
     ap.add_argument("--steps", type=int, default=30, help="trainer steps a run")
     ap.add_argument("--runs", type=int, default=3, help="runs a policy (seeds 0, 1, ...)")
-    ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="where the runs go, kept (default: a temporary directory, removed at the end)")
     return parse_with_smoke(ap, "one run a policy of 3 steps", steps=3, runs=1)
 
 
@@ -66,24 +66,23 @@ def one_run(work: Path, policy: str, seed: int, steps: int, smoke: bool) -> dict
 
 def main() -> None:
     args = parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="flywheel-policies-"))
-    work.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
-    for seed in range(args.runs):
-        for policy in POLICIES:
-            runs[policy].append(one_run(work, policy, seed, args.steps, args.smoke))
-            print(f"{policy} seed {seed}: {runs[policy][-1]}", file=sys.stderr, flush=True)
-    means = {policy: {key: round(statistics.fmean(r[key] for r in rs), 4) for key in rs[0]}
-             for policy, rs in runs.items()}
-    pace, drop = means["pace"], means["drop"]
-    figures = {
-        "steps": args.steps, "runs": args.runs, **{policy: means[policy] for policy in POLICIES},
-        "pace_dropped_total": sum(r["dropped"] for r in runs["pace"]),
-        "pace_idle_within_margin": pace["trainer_idle_fraction"] <= drop["trainer_idle_fraction"] + MARGIN,
-        "pace_vs_drop": round(pace["job_seconds"] / drop["job_seconds"], 3),
-        "pace_idle_vs_drop": round(pace["trainer_idle_fraction"] / max(drop["trainer_idle_fraction"], 1e-9), 3),
-    }
-    record("staleness_policies", figures, args=vars(args), smoke=args.smoke)
+    with work_dir(args.work, "flywheel-policies-") as work:
+        runs: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
+        for seed in range(args.runs):
+            for policy in POLICIES:
+                runs[policy].append(one_run(work, policy, seed, args.steps, args.smoke))
+                print(f"{policy} seed {seed}: {runs[policy][-1]}", file=sys.stderr, flush=True)
+        means = {policy: {key: round(statistics.fmean(r[key] for r in rs), 4) for key in rs[0]}
+                 for policy, rs in runs.items()}
+        pace, drop = means["pace"], means["drop"]
+        figures = {
+            "steps": args.steps, "runs": args.runs, **{policy: means[policy] for policy in POLICIES},
+            "pace_dropped_total": sum(r["dropped"] for r in runs["pace"]),
+            "pace_idle_within_margin": pace["trainer_idle_fraction"] <= drop["trainer_idle_fraction"] + MARGIN,
+            "pace_vs_drop": round(pace["job_seconds"] / drop["job_seconds"], 3),
+            "pace_idle_vs_drop": round(pace["trainer_idle_fraction"] / max(drop["trainer_idle_fraction"], 1e-9), 3),
+        }
+        record("staleness_policies", figures, args=vars(args), smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from flywheel.cli import TINKER_LORA_MODULES  # noqa: E402
 from flywheel.testing.machine import cpu  # noqa: E402
 from flywheel.testing.records import commit, record  # noqa: E402
@@ -58,7 +59,7 @@ _READY = re.compile(r"TINKER_BASE_URL=(?P<url>\S+) \(base_model (?P<model>[^)]+)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
     parser.add_argument("--steps", type=int, default=20, help="recipe steps")
     parser.add_argument("--controller-steps", type=int, default=6, help="controller steps (for its step time)")
@@ -70,11 +71,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--renderer", default="role_colon",
                         help="the recipe's renderer_name; SmolLM2 speaks ChatML, which qwen3_instruct renders")
     parser.add_argument("--lora-rank", type=int, default=32)
-    parser.add_argument("--smoke", action="store_true", help="the tiny model, 2 steps each (CI)")
-    args = parser.parse_args()
-    if args.smoke:
-        args.model, args.steps, args.controller_steps, args.groups, args.group_size = "tiny", 2, 2, 2, 2
-    return args
+    return parse_with_smoke(parser, "the tiny model, 2 steps each (CI)",
+                            model="tiny", steps=2, controller_steps=2, groups=2, group_size=2)
 
 
 def model_dir(kind: str, work: Path) -> Path:

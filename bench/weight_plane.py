@@ -58,6 +58,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import secrets
+import shutil
 import socket
 import statistics
 import sys
@@ -271,6 +272,7 @@ def run(size: int, reps: int, chunk_bytes: int) -> tuple[dict[str, float], dict[
         for w in workers:
             w.join(timeout=30)
         sync.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
     median = lambda v: statistics.median(v[1:] if len(v) > 1 else v)  # noqa: E731
     return {k: median(v) for k, v in times.items()}, {k: median(v) for k, v in cpu.items()}
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import re
 import stat
 import subprocess
@@ -148,11 +147,9 @@ def test_the_healthcheck_script_finds_the_port_from_the_containers_variables(wit
         assert healthcheck.default_address(c.env) == f"127.0.0.1:{port}", c.source
 
 
-def advertised(c: Container, pod_ip: str, namespace: str) -> tuple[str, list[str]]:
+def advertised(c: Container, pod_ip: str, namespace: str, home: Path) -> tuple[str, list[str]]:
     """What the rollout container's command ends up running: the advertise address it exports
-    and the arguments the service gets, from a `python` that reports them."""
-    home = Path(os.environ.get("TMPDIR", "/tmp")) / f"fw-advertise-{os.getpid()}"
-    home.mkdir(exist_ok=True)
+    and the arguments the service gets, from a `python` (written in `home`) that reports them."""
     fake = home / "python"
     fake.write_text('#!/bin/sh\necho "$FLYWHEEL_ROLLOUT__SYNCHRONIZER__ADVERTISE_ADDRESS"\nfor a in "$@"; do echo "$a"; '
                     'done\n')
@@ -165,13 +162,13 @@ def advertised(c: Container, pod_ip: str, namespace: str) -> tuple[str, list[str
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_rollouts_advertise_their_pod_dns_name_under_tls(with_components, rendered, overlay):
+def test_rollouts_advertise_their_pod_dns_name_under_tls(with_components, rendered, overlay, tmp_path):
     """A rollout pod's IP cannot be in a certificate made in advance: under TLS it registers
     as <IP with dashes>.<namespace>.pod, the pod's own DNS record, and runs the same service with
     the same arguments as without TLS."""
     (c,) = [c for c in _containers(with_components[overlay, ("tls",)], overlay) if c.service == "rollout"]
     (plain,) = [c for c in k8s_containers(overlay, rendered[overlay]) if c.service == "rollout"]
-    address, argv = advertised(c, "10.244.3.17", "flywheel")
+    address, argv = advertised(c, "10.244.3.17", "flywheel", tmp_path)
     assert address == f"10-244-3-17.flywheel.pod:{c.env['FLYWHEEL_ROLLOUT__SERVER__PORT']}"
     assert argv == ["-m", "services.rollout", *plain.args]
 
@@ -195,9 +192,10 @@ def _host(address: str) -> str:
     return host.strip("[]")
 
 
-def dialled_in_kubernetes(containers: list[Container], objects: list[dict[str, Any]]) -> set[str]:
+def dialled_in_kubernetes(containers: list[Container], objects: list[dict[str, Any]], scratch: Path) -> set[str]:
     """Every host a service or an agent dials: synchronizer and advertise addresses, the run's
-    services, the rollouts' pod names, and each Service (short and namespaced)."""
+    services, the rollouts' pod names, and each Service (short and namespaced). `scratch`: a
+    directory for `advertised`'s reporting `python`."""
     hosts = set()
     (namespace,) = [o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"]
     for c in containers:
@@ -209,19 +207,19 @@ def dialled_in_kubernetes(containers: list[Container], objects: list[dict[str, A
             services = yaml.safe_load(c.env["FLYWHEEL_RUN__SERVICES"])
             hosts |= {_host(s["address"]) for s in services.values() if isinstance(s, dict) and "address" in s}
         if c.service == "rollout":
-            hosts.add(_host(advertised(c, "10.1.2.3", namespace)[0]))
+            hosts.add(_host(advertised(c, "10.1.2.3", namespace, scratch)[0]))
     for svc in (o for o in objects if o["kind"] == "Service"):
         name, namespace = svc["metadata"]["name"], svc["metadata"]["namespace"]
         hosts |= {name, f"{name}.{namespace}.svc"}
     return hosts
 
 
-def test_the_readme_certificate_names_every_kubernetes_address(with_components):
+def test_the_readme_certificate_names_every_kubernetes_address(with_components, tmp_path):
     names = readme_cert_hosts("kubernetes")
     for (overlay, components), objects in with_components.items():
         if "tls" not in components:
             continue
-        dialled = dialled_in_kubernetes(_containers(objects, overlay), objects)
+        dialled = dialled_in_kubernetes(_containers(objects, overlay), objects, tmp_path)
         dialled.add("127.0.0.1")  # kubectl port-forward
         missing = {h for h in dialled if not any(_matches(n, h) for n in names)}
         assert not missing, f"{overlay}+{components}: the certificate does not name {sorted(missing)}"
