@@ -20,7 +20,7 @@ The admission limit is --max-pending-requests 128 (the service's default is
 exercised; it equals the engine's batch (max_num_seqs), so what is admitted runs.
 
 Phases, in turn, on the same service:
-  warm-up   --baseline-clients clients for 5 s, untimed.
+  warm-up   --baseline-clients clients for --warmup-seconds (5), untimed.
   unloaded  --baseline-clients (16) clients for --baseline-seconds: the baseline.
             16 is well under the engine's batch and the admission limit, so
             nothing queues or is refused, while the engine still batches; one
@@ -77,7 +77,6 @@ from flywheel.testing.records import record  # noqa: E402
 #: (path, stream) of client i is KINDS[i % 4].
 KINDS = (("/v1/completions", False), ("/v1/completions", True), ("/v1/chat/completions", False),
          ("/v1/chat/completions", True))
-WARMUP_SECONDS = 5.0
 #: A client's pause after an error, so a dead server is not hammered in a tight loop.
 ERROR_BACKOFF_SECONDS = 1.0
 MIN_RATIO = 0.5
@@ -259,7 +258,7 @@ def report(name: str, tally: Tally) -> None:
 
 async def bench(url: str, rss: RssSampler, opts: argparse.Namespace) -> dict:
     base = (opts.baseline_clients, opts.baseline_seconds, opts.max_tokens, opts.deadline)
-    report("warm-up", await phase(url, opts.baseline_clients, WARMUP_SECONDS, opts.max_tokens, opts.deadline))
+    report("warm-up", await phase(url, opts.baseline_clients, opts.warmup_seconds, opts.max_tokens, opts.deadline))
     before = await phase(url, *base)
     report("unloaded (before)", before)
     rss_before = rss.now()
@@ -317,9 +316,10 @@ def main() -> None:
     parser.add_argument("--baseline-clients", type=int, default=16, help="concurrent clients of the unloaded runs")
     parser.add_argument("--baseline-seconds", type=float, default=15.0, help="window of each unloaded run")
     parser.add_argument("--deadline", type=float, default=120.0, help="every attempt's deadline, in seconds")
+    parser.add_argument("--warmup-seconds", type=float, default=5.0, help="the untimed warm-up's window")
     opts = parse_with_smoke(parser, "16 clients for 3 s: checks the bench runs (CI)",
                             clients=16, seconds=3.0, max_pending_requests=8,
-                            baseline_clients=4, baseline_seconds=2.0, max_tokens=8)
+                            baseline_clients=4, baseline_seconds=2.0, warmup_seconds=1.0, max_tokens=8)
 
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-load-"))
     figures: dict = {"model": opts.model, "clients": opts.clients, "seconds": opts.seconds, "max_tokens": opts.max_tokens,

