@@ -27,7 +27,6 @@ JSON line, with the CPU named.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from flywheel.testing.machine import cpu  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 from flywheel.testing.run_versions import load, make_run, versions  # noqa: E402
@@ -105,14 +105,13 @@ def measure(run_dir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="the tiny quickstart, 3 steps")
-    parser.add_argument("--steps", type=int, default=0, help="steps to run (default 6; smoke 3)")
+    parser = bench_parser(__doc__)
+    parser.add_argument("--steps", type=int, default=6, help="steps to run (default 6; smoke 3)")
     parser.add_argument("--run-dir", type=Path, help="use this run's checkpoints instead of making a run")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, "the tiny quickstart, 3 steps (CI)", steps=3)
     with tempfile.TemporaryDirectory(prefix="flywheel-deltas-") as tmp:
         started = time.monotonic()
-        run_dir = args.run_dir or make_run(args.smoke, args.steps or (3 if args.smoke else 6), Path(tmp))
+        run_dir = args.run_dir or make_run(args.smoke, args.steps, Path(tmp))
         run_seconds = time.monotonic() - started
         report = measure(run_dir)
     for label in ("fp32", "bf16"):

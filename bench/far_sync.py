@@ -38,7 +38,6 @@ Every pulled version is checked bit-exact outside the timings. Ends with one JSO
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -52,6 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from flywheel.testing.machine import cpu  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 
@@ -359,12 +359,11 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
         COMMANDS[sys.argv[1]](sys.argv[2:])
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="the tiny quickstart's first 2 versions")
+    parser = bench_parser(__doc__)
     parser.add_argument("--run-dir", type=Path, help="take versions from this run's checkpoints instead of making a run")
     parser.add_argument("--from-step", type=int, default=1, help="version M, the far replica's (0: the base model)")
     parser.add_argument("--to-step", type=int, default=2, help="version N, the new one")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, "the tiny quickstart's first 2 versions, and bench/weight_plane.py's smoke (CI)")
     with tempfile.TemporaryDirectory(prefix="flywheel-far-sync-") as tmp:
         r = measure(args, Path(tmp))
     full = r["full_bytes"]

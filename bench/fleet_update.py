@@ -59,6 +59,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from flywheel.launcher.processes import ServiceProcess, start_service  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 
@@ -69,14 +70,14 @@ SHAPE_05B = dict(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, i
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="tiny,0.5b", help="comma-separated: tiny, 0.5b")
-    ap.add_argument("--reps", type=int, default=3, help="measured updates per shape (after one warm-up)")
-    ap.add_argument("--smoke", action="store_true", help="the tiny shape only, 2 updates: a quick check")
+    ap = bench_parser(__doc__)
+    ap.add_argument("--shapes", default="tiny,0.5b", help="comma-separated: tiny, 0.5b (default tiny,0.5b; smoke tiny)")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="measured updates per shape, after one warm-up (default 3; smoke 2)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the trainer and the rollout to cores")
     ap.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
                     help="the rollout's inference engine")
-    return ap.parse_args()
+    return parse_with_smoke(ap, "the tiny shape only, 2 updates: a quick check (CI)", shapes="tiny", reps=2)
 
 
 def cores() -> list[int]:
@@ -206,8 +207,8 @@ async def measure(shape: str, reps: int, work: Path, pin: bool, engine: str) -> 
 
 def main() -> None:
     args = parse_args()
-    shapes = ["tiny"] if args.smoke else [s.strip() for s in args.shapes.split(",") if s.strip()]
-    reps = 2 if args.smoke else args.reps
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    reps = args.reps
     pin = not args.no_pin
     print(f"{args.engine} engine; shapes {shapes}; {reps} updates each; cores {cores()}; "
           f"{'trainer and rollout pinned to one core each' if pin else 'shared cores'}")

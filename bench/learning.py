@@ -37,7 +37,6 @@ model and ISA (flywheel/testing/machine.py) beside them.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import json
@@ -54,6 +53,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from flywheel.testing.machine import cpu  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 from flywheel.launcher.processes import start_service  # noqa: E402
@@ -297,16 +297,20 @@ def _sync_seconds(events_path: Path) -> float | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="trainer,validation,job", help="comma-separated: trainer, validation, job")
-    parser.add_argument("--trainer-steps", type=int, default=4, help="timed steps per side")
+    parser = bench_parser(__doc__)
+    parser.add_argument("--parts", default="trainer,validation,job",
+                        help="comma-separated: trainer, validation, job (default all three; smoke trainer)")
+    parser.add_argument("--trainer-steps", type=int, default=4, help="timed steps per side (default 4; smoke 1)")
     parser.add_argument("--validation-rounds", type=int, default=2, help="timed passes per side")
     parser.add_argument("--seed", type=int, default=None, help="the job's --seed")
     parser.add_argument("--max-steps", type=int, default=None, help="the job's --max-steps")
     parser.add_argument("--target", type=float, default=None, help="validation accuracy to reach; default first + 0.15")
-    parser.add_argument("--smoke", action="store_true", help="the trainer part only, a tiny model, one step (CI)")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, "the trainer part only, a tiny model (batch 4, 8 completion tokens), one step (CI)",
+                            parts="trainer", trainer_steps=1)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if args.smoke and "job" in parts:
+        parser.error("--smoke sizes the trainer and validation parts (a tiny model): the job part is the "
+                     "quickstart job itself, with no smoke size; run it without --smoke")
     spec, run = quickstart()
     figures: dict[str, object] = dict(cpu())
     with tempfile.TemporaryDirectory(prefix="bench-learning-") as tmp:
@@ -314,7 +318,6 @@ def main() -> None:
         if args.smoke:
             from flywheel.models.tiny import build_tiny_model
 
-            parts, args.trainer_steps = {"trainer"}, 1
             run["algorithm"]["train_batch_size"], run["worker"]["sampling"]["max_tokens"] = 4, 8
             model_dir = build_tiny_model(work / "tiny")
         else:

@@ -43,13 +43,17 @@ from pathlib import Path
 
 import torch
 
-from flywheel.launcher.processes import start_service
-from flywheel.models.tiny import build_tiny_model
-from flywheel.trainer.client import TrainerClient, make_loss_spec, make_train_batch
-from services.trainer.config import TrainerConfig
-from services.trainer.loss_request import LossRequest
-from services.trainer.training import TrainingEngine
-from flywheel.testing.records import record
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
+from flywheel.launcher.processes import start_service  # noqa: E402
+from flywheel.models.tiny import build_tiny_model  # noqa: E402
+from flywheel.trainer.client import TrainerClient, make_loss_spec, make_train_batch  # noqa: E402
+from services.trainer.config import TrainerConfig  # noqa: E402
+from services.trainer.loss_request import LossRequest  # noqa: E402
+from services.trainer.training import TrainingEngine  # noqa: E402
+from flywheel.testing.records import record  # noqa: E402
 
 LOSS_KIND, IS_CAP = "grpo", 2.0
 
@@ -160,22 +164,20 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", type=Path, help="HF model directory; default: build a tiny Qwen2 in a temp dir")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256, help="multiple of 64 (head_dim 64)")
+    parser.add_argument("--layers", type=int, default=4, help="(default 4; smoke 2)")
+    parser.add_argument("--hidden", type=int, default=256, help="multiple of 64 (head_dim 64) (default 256; smoke 128)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=256, help="(default 256; smoke 64)")
     parser.add_argument("--micro-batch-size", type=int, default=0, help="0: the whole batch in one pass")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=2, help="(default 2; smoke 1)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per side (default 20; smoke 2)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads on both sides (model.cpu_threads); 0: torch's default")
-    parser.add_argument("--smoke", action="store_true", help="2 layers, 2 timed steps: checks the bench runs (CI)")
-    args = parser.parse_args()
-    if args.smoke:
-        args.layers, args.hidden, args.seq_len, args.warmup, args.steps = 2, 128, 64, 1, 2
+    args = parse_with_smoke(parser, "2 layers, hidden 128, 64 tokens, 2 timed steps: checks the bench runs (CI)",
+                            layers=2, hidden=128, seq_len=64, warmup=1, steps=2)
 
     from transformers.utils import logging as hf_logging
 

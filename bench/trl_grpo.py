@@ -38,7 +38,6 @@ not. One JSON line at the end.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -53,6 +52,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from flywheel.testing.engines import with_transformers_engine  # noqa: E402
 from flywheel.testing.machine import cpu  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
@@ -290,10 +290,9 @@ def side_figures(name: str, side: dict) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10)
+    parser = bench_parser(__doc__)
+    parser.add_argument("--steps", type=int, default=10, help="training steps each side (default 10; smoke 2)")
     parser.add_argument("--seed", type=int, default=0, help="run.seed on our side, GRPOConfig.seed on TRL's")
-    parser.add_argument("--smoke", action="store_true", help="2 steps each on the tiny model")
     parser.add_argument("--side", choices=("both", "flywheel", "trl"), default="both",
                         help="run one side only (experiments; TRL's side still needs our run's data: ours runs "
                         "first, untimed)")
@@ -304,8 +303,8 @@ def main() -> None:
     parser.add_argument("--note", default=None, help="what a reader needs to read the record right")
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
                         help="work in DIR and keep it (our run directory, TRL's output), instead of a temporary one")
-    args = parser.parse_args()
-    steps = 2 if args.smoke else args.steps
+    args = parse_with_smoke(parser, "2 steps each on the tiny model, our side on the transformers engine (CI)", steps=2)
+    steps = args.steps
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     figures: dict[str, Any] = {"bench": "trl_grpo", **cpu(), "steps": steps, "seed": args.seed,
                                "model": "tiny" if args.smoke else "smollm2"}

@@ -53,7 +53,6 @@ seconds (the goal: <= 1.3).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import multiprocessing as mp
 import os
@@ -71,6 +70,7 @@ import xxhash
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
 from flywheel.codec import MAX_CHUNK_BYTES  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
 
@@ -278,16 +278,14 @@ def run(size: int, reps: int, chunk_bytes: int) -> tuple[dict[str, float], dict[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-mib", type=int, default=1024, help="state dict size, MiB")
-    parser.add_argument("--reps", type=int, default=3, help="timed rounds (median), after one warm-up round")
+    parser = bench_parser(__doc__)
+    parser.add_argument("--size-mib", type=int, default=1024, help="state dict size, MiB (default 1024; smoke 32)")
+    parser.add_argument("--reps", type=int, default=3,
+                        help="timed rounds (median), after one warm-up round (default 3; smoke 1)")
     parser.add_argument(
         "--chunk-mib", type=float, default=MAX_CHUNK_BYTES / MiB, help="payload per chunk, MiB (default: push_weights')"
     )
-    parser.add_argument("--smoke", action="store_true", help="32 MiB, one round: checks the bench runs (CI)")
-    args = parser.parse_args()
-    if args.smoke:
-        args.size_mib, args.reps = 32, 1
+    args = parse_with_smoke(parser, "32 MiB, one round: checks the bench runs (CI)", size_mib=32, reps=1)
     size = args.size_mib * MiB
     nbytes = sum(t.numel() * 2 for t in make_state(size).values())
     seconds, cpu = run(size, args.reps, int(args.chunk_mib * MiB))
