@@ -106,8 +106,10 @@ def measure(run_dir: Path) -> dict:
 
 def main() -> None:
     parser = bench_parser(__doc__)
-    parser.add_argument("--steps", type=int, default=6, help="steps to run (default 6; smoke 3)")
-    parser.add_argument("--run-dir", type=Path, help="use this run's checkpoints instead of making a run")
+    # One or the other: --steps sizes the run this bench makes, --run-dir takes a finished one.
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--steps", type=int, default=6, help="steps to run (default 6; smoke 3)")
+    source.add_argument("--run-dir", type=Path, help="use this run's checkpoints instead of making a run")
     args = parse_with_smoke(parser, "the tiny quickstart, 3 steps (CI)", steps=3)
     with tempfile.TemporaryDirectory(prefix="flywheel-deltas-") as tmp:
         started = time.monotonic()

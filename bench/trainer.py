@@ -178,6 +178,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads on both sides (model.cpu_threads); 0: torch's default")
     args = parse_with_smoke(parser, "2 layers, hidden 128, 64 tokens, 2 timed steps: checks the bench runs (CI)",
                             layers=2, hidden=128, seq_len=64, warmup=1, steps=2)
+    if args.model is not None and (args.layers, args.hidden) != (parser.get_default("layers"), parser.get_default("hidden")):
+        parser.error("--layers and --hidden size the tiny model this bench builds; --model takes yours as it is")
 
     from transformers.utils import logging as hf_logging
 

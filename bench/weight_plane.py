@@ -279,13 +279,15 @@ def run(size: int, reps: int, chunk_bytes: int) -> tuple[dict[str, float], dict[
 
 def main() -> None:
     parser = bench_parser(__doc__)
-    parser.add_argument("--size-mib", type=int, default=1024, help="state dict size, MiB (default 1024; smoke 32)")
+    parser.add_argument("--size-mib", type=int, default=1024, help="state dict size, MiB, a multiple of 32 (default 1024; smoke 32)")
     parser.add_argument("--reps", type=int, default=3,
                         help="timed rounds (median), after one warm-up round (default 3; smoke 1)")
     parser.add_argument(
         "--chunk-mib", type=float, default=MAX_CHUNK_BYTES / MiB, help="payload per chunk, MiB (default: push_weights')"
     )
     args = parse_with_smoke(parser, "32 MiB, one round: checks the bench runs (CI)", size_mib=32, reps=1)
+    if args.size_mib <= 0 or args.size_mib % 32:
+        parser.error(f"--size-mib {args.size_mib}: the state is built of 32 MiB matrices; give a multiple of 32")
     size = args.size_mib * MiB
     nbytes = sum(t.numel() * 2 for t in make_state(size).values())
     seconds, cpu = run(size, args.reps, int(args.chunk_mib * MiB))
