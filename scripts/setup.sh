@@ -32,7 +32,7 @@ pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-
 # background while $VENV does, on the other core (pip is mostly one core's work); waited for at the end.
 side_pids=() side_logs=()
 # On the way out (a failed step ends the script under set -e), nothing is left running or lying in /tmp.
-trap 'for p in "${side_pids[@]}"; do pkill -P "$p"; kill "$p"; done 2>/dev/null; rm -f "${side_logs[@]}"' EXIT
+trap 'set +e; for p in "${side_pids[@]}"; do pkill -P "$p"; kill "$p"; done 2>/dev/null; rm -f "${side_logs[@]}"' EXIT
 side_venv() {  # directory requirements-file
   local log
   log=$(mktemp)
