@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,13 +29,19 @@ SMOKE_GROUPS = 2
 @contextlib.contextmanager
 def work_dir(given: Path | None, prefix: str) -> Iterator[Path]:
     """Where a bench's runs go: `given` (`--work`), kept for reading afterwards, else a temporary
-    directory that is removed when the bench ends."""
+    directory that is removed when the bench ends, unless it failed: then its services' logs are
+    what tells why, and the directory is kept and named."""
     if given is not None:
         given.mkdir(parents=True, exist_ok=True)
         yield given
         return
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        yield Path(tmp)
+    made = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield made
+    except BaseException:
+        print(f"the bench failed; its runs are kept in {made}", file=sys.stderr)
+        raise
+    shutil.rmtree(made, ignore_errors=True)
 
 
 def run_job(base: Path, work: Path, name: str, steps: int, val_interval: int | None,
