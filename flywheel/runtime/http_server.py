@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -51,26 +52,44 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, name: str = "http", tls: TlsFiles | None = None) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, name: str = "http", tls: TlsFiles | None = None,
+                 free_port_if_taken: bool = False) -> None:
         """`tls`: default this process's when started (flywheel.runtime.tls; the bootstrap adopts the
-        service's before startup runs): TLS only when it has a certificate."""
+        service's before startup runs): TLS only when it has a certificate. `free_port_if_taken`: when
+        `port` is another process's, listen on a free one (`start` returns it) instead of failing."""
         self._tls = tls
         self._app = app
         self._name = name
         self._host = host
         self._port = port
+        self._free_port_if_taken = free_port_if_taken
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
         self.port = 0
 
-    async def start(self) -> int:
+    def _bound(self, port: int) -> socket.socket:
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # Accepted connections inherit it (Linux): without it a response written in two parts (headers,
-        # then body) waits for the client's delayed ACK, 40 ms per request on a kept-alive connection.
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((self._host, self._port))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # Accepted connections inherit it (Linux): without it a response written in two parts (headers,
+            # then body) waits for the client's delayed ACK, 40 ms per request on a kept-alive connection.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.bind((self._host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def start(self) -> int:
+        try:
+            sock = self._bound(self._port)
+        except OSError as exc:
+            # Decided when binding, not by a check before it: another process may take the port in between.
+            if not (self._free_port_if_taken and self._port and exc.errno == errno.EADDRINUSE):
+                raise
+            log.info("%s: port %d is taken; listening on a free one", self._name, self._port)
+            sock = self._bound(0)
         sock.listen(2048)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]

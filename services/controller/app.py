@@ -29,12 +29,15 @@ log = logging.getLogger(__name__)
 
 
 def service_spec(
-    config: ControllerConfig, runs: RunManager, on_status_page: Callable[[int], None] | None = None
+    config: ControllerConfig, runs: RunManager, on_status_page: Callable[[int], None] | None = None,
+    free_status_port_if_taken: bool = False,
 ) -> ServiceSpec:
     """The controller's servicer, plus its status page started before SERVING
-    (`on_status_page` is told the bound port) and stopped at shutdown."""
+    (`on_status_page` is told the bound port) and stopped at shutdown. `free_status_port_if_taken`:
+    a status page port another process holds gives way to a free one (the local launcher's runs)."""
     servicer = ControllerServicer(runs)
-    page = HttpServer(create_app(runs, accepted_tokens(config.server)), config.server.host, config.status_port, name="status page")
+    page = HttpServer(create_app(runs, accepted_tokens(config.server)), config.server.host, config.status_port,
+                      name="status page", free_port_if_taken=free_status_port_if_taken)
 
     async def startup() -> None:
         port = await page.start()

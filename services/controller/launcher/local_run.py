@@ -74,20 +74,6 @@ def _configure_file_logging(path: Path) -> None:
     route_root_logging(handler, logging.INFO)
 
 
-def _port_free(host: str, port: int) -> bool:
-    import socket
-
-    if port == 0:
-        return True
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 async def _nothing() -> None:
     return None
 
@@ -400,9 +386,9 @@ class LocalRun:
 
         Started here, the services are this run's alone, so the controller's
         gRPC and /metrics ports default to free ones, and a busy status page
-        port falls back to a free one (the URL is printed). With `services:`
-        (containers) the configured ports are used as they are: probes and
-        Prometheus look for them there.
+        port falls back to a free one when the page binds it (`drive`; the URL
+        is printed). With `services:` (containers) the configured ports are
+        used as they are: probes and Prometheus look for them there.
         """
         from flywheel.runtime.config import resolve
         from flywheel.runtime.entry import env_prefix
@@ -411,11 +397,7 @@ class LocalRun:
         local = self.supervisor is not None
         base = deep_merge(deep_merge({"server": {"port": 0, "metrics_port": 0}}, self._tls_section()) if local else {},
                           self.spec.controller)
-        config = resolve(ControllerConfig, env_prefix=env_prefix("controller"), base=base)
-        if local and not _port_free(config.server.host, config.status_port):
-            log.info("status page port %d is taken; using a free one", config.status_port)
-            config.status_port = 0
-        return config
+        return resolve(ControllerConfig, env_prefix=env_prefix("controller"), base=base)
 
     async def drive(self, cfg: RunConfig) -> tuple[int, dict[str, Any]]:
         from flywheel.runtime.server import serve
@@ -459,7 +441,10 @@ class LocalRun:
                 served.set_result(running)
 
         server = asyncio.ensure_future(serve(
-            service_spec(controller, runs, on_status_page=page_ready), controller.server,
+            # Started here, a run's status page takes a free port when its own is another run's: two
+            # runs started at once both check 8080 free and find it taken when they bind it.
+            service_spec(controller, runs, on_status_page=page_ready,
+                         free_status_port_if_taken=self.supervisor is not None), controller.server,
             stop=stop_serving, on_ready=on_ready, handle_signals=False,
         ))
         try:
