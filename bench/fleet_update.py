@@ -208,18 +208,17 @@ async def measure(shape: str, reps: int, work: Path, pin: bool, engine: str) -> 
 def main() -> None:
     args = parse_args()
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    reps = args.reps
     pin = not args.no_pin
-    print(f"{args.engine} engine; shapes {shapes}; {reps} updates each; cores {cores()}; "
+    print(f"{args.engine} engine; shapes {shapes}; {args.reps} updates each; cores {cores()}; "
           f"{'trainer and rollout pinned to one core each' if pin else 'shared cores'}")
     results: dict[str, dict] = {}
     for shape in shapes:
         with tempfile.TemporaryDirectory() as tmp:
-            results[shape] = asyncio.run(measure(shape, reps, Path(tmp), pin, args.engine))
+            results[shape] = asyncio.run(measure(shape, args.reps, Path(tmp), pin, args.engine))
     print(f"{'shape':<6} {'params':>8} " + " ".join(f"{p + ' ms':>12}" for p in PHASES))
     for shape, m in results.items():
         print(f"{shape:<6} {m['parameters'] / 1e6:>7.1f}M " + " ".join(f"{m[p] * 1000:>12.1f}" for p in PHASES))
-    out: dict[str, object] = {"bench": "fleet_update", "engine": args.engine, "reps": reps, "pinned": pin}
+    out: dict[str, object] = {"bench": "fleet_update", "engine": args.engine, "reps": args.reps, "pinned": pin}
     for shape, m in results.items():
         key = shape.replace(".", "_")
         out.update({f"{key}_{p}_seconds": round(m[p], 5) for p in PHASES})
