@@ -31,9 +31,10 @@ The TLS variant adds components/tls and components/tls-mutual to that overlay an
 creates Secret flywheel-tls from the certificate deploy/README.md's command makes,
 and runs its own job file (quickstart-tiny with sync.method: checkpoint and its
 rollouts on the transformers engine, in the flywheel-run ConfigMap) to completion:
-a plaintext client and one without a certificate are refused meanwhile, and every
-version travels as a checkpoint on the claim the trainer, synchronizer and
-rollouts mount.
+a plaintext client and one without a certificate are refused, and every version
+travels as a checkpoint on the claim the trainer, synchronizer and rollouts mount.
+Its rollout pods start once the controller's pod has been checked, while its run
+waits for them: that run ends in seconds, sooner than the Job's probes first pass.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ import grpc
 import yaml
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from flywheel.common.v1 import common_pb2
+from flywheel.synchronizer.v1 import synchronizer_pb2, synchronizer_pb2_grpc
 
 from flywheel.runtime.auth import read_tokens_file
 from flywheel.runtime.tokens import init as init_tokens
@@ -182,14 +186,13 @@ def check_run_as_the_pod_user(kube: Kube) -> None:
             assert {p.stat().st_gid for p in written} == {10001}, (pod.name, written)
 
 
-def start_the_job_until_it_trains(kube: Kube, deadline: float, viewer_token: str, tls: ssl.SSLContext | None = None
-                                  ) -> tuple[Pod, list[Pod], str, dict]:
+def start_the_job_until_it_trains(kube: Kube, deadline: float, viewer_token: str) -> tuple[Pod, list[Pod], str, dict]:
     """Starts the job (apply_then_start_the_job), then polls its status page through the controller's Service
-    (what `kubectl port-forward svc/...` reaches; https with the client context `tls`) until it shows the
-    trainer and every rollout live. Fails at once when a pod restarts or the controller pod ends first, and
-    at `deadline` (time.monotonic()). Returns the Job's pod, the rollout pods, the page and its status."""
+    (what `kubectl port-forward svc/...` reaches) until it shows the trainer and every rollout live. Fails at
+    once when a pod restarts or the controller pod ends first, and at `deadline` (time.monotonic()). Returns
+    the Job's pod, the rollout pods, the page and its status."""
     job_pod, rollouts = apply_then_start_the_job(kube, deadline)
-    page = f"{'https' if tls else 'http'}://{kube.service_address('flywheel-controller', 'http')}/"
+    page = f"http://{kube.service_address('flywheel-controller', 'http')}/"
     body, seen = {}, "the page never answered"
     while not body:
         kube.check()
@@ -200,11 +203,57 @@ def start_the_job_until_it_trains(kube: Kube, deadline: float, viewer_token: str
         assert time.monotonic() < deadline, "the job never showed every component training:\n" + "\n".join(
             f"{p.name} {p.phase} ready={p.ready}\n{p.tail(1500)}" for p in kube.pods)
         try:
-            body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], viewer_token, context=tls)
+            body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], viewer_token)
         except OSError as exc:
             seen = f"the page: {exc!r}"
         time.sleep(0.5)
     return job_pod, rollouts, page, body
+
+
+def start_the_job_before_its_rollouts(kube: Kube, deadline: float, viewer_token: str, tls: ssl.SSLContext
+                                      ) -> tuple[Pod, list[Pod], str]:
+    """Every object, the rollout replicas held: the controller's run waits for a replica to register
+    (services.wait_for_rollout_seconds), so its pod is checked while it waits, however fast the machine.
+    (A run of the tiny model on the transformers engine can end within 10 s, before the Job's startup
+    probe first passes and its Service routes to it.) Polls the status page through the controller's
+    Service (https with the client context `tls`) until it shows the trainer and no replica yet. Returns
+    the Job's pod, the held rollout pods and the page."""
+    kube.apply(held=lambda pod: pod.labels.get("app.kubernetes.io/component") == "rollout")
+    (job_pod,) = [p for p in kube.pods if p.owner["kind"] == "Job"]
+    rollouts = [p for p in kube.pods if p.labels.get("app.kubernetes.io/component") == "rollout"]
+    assert len(rollouts) == ROLLOUTS
+    page = f"https://{kube.service_address('flywheel-controller', 'http')}/"
+    running, seen = [], "the page never answered"
+    while running != ["trainer"]:
+        kube.check()
+        assert job_pod.phase in ("Pending", "Running"), f"controller pod {job_pod.phase} ({seen}):\n{job_pod.tail()}"
+        assert time.monotonic() < deadline, f"the status page never showed the trainer ({seen}):\n" + "\n".join(
+            f"{p.name} {p.phase} ready={p.ready}\n{p.tail(1500)}" for p in kube.pods)
+        try:
+            body = json.loads(http_get(page + "api/status", headers={"Authorization": f"Bearer {viewer_token}"},
+                                       context=tls))
+            running = sorted(c["role"] for c in body["components"] if c["state"] != "stopped")
+            seen = f"the page lists {running}"
+        except OSError as exc:
+            seen = f"the page: {exc!r}"
+        time.sleep(0.5)
+    return job_pod, rollouts, page
+
+
+def wait_until_started_and_ready(kube: Kube, pods: list[Pod], job_pod: Pod, deadline: float) -> None:
+    """Until every container of `pods` passed its startup probe and, but for the Job's, its readiness
+    probe; fails at once when a pod restarts."""
+    def up(pod: Pod) -> bool:
+        return pod.phase == "Running" and bool(pod.containers) and all(
+            c.started and (c.ready or pod is job_pod) for c in pod.containers)
+
+    while not all(up(p) for p in pods):
+        kube.check()
+        crashed = {p.name: p.why_restarted() for p in kube.pods if p.restarts}
+        assert not crashed, f"restarted: {crashed}"
+        assert time.monotonic() < deadline, [f"{p.name}/{c.name} started={c.started} ready={c.ready}"
+                                             for p in pods for c in p.containers]
+        time.sleep(0.5)
 
 
 def wait_for_the_job_to_end(kube: Kube, job_pod: Pod, deadline: float) -> None:
@@ -302,17 +351,10 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
         kube = Kube(cluster, objects, tmp_path)
         deadline = time.monotonic() + JOB_TIMEOUT
         try:
-            job_pod, rollouts, page, body = start_the_job_until_it_trains(kube, deadline, tokens["viewer"], tls=client)
-            # Each rollout registered at its pod's DNS record, which the controller dialled over TLS.
-            assert sorted(c["address"] for c in body["components"] if c["role"] == "rollout") == sorted(
-                f"{p.ip.replace('.', '-')}.{namespace}.pod:50053" for p in rollouts), body["components"]
-            # Every container passed its startup probe, and every service pod became ready: exec probes
-            # running the healthcheck script, which asks over mutual TLS.
-            while not all(c.started and (c.ready or p is job_pod) for p in kube.pods for c in p.containers):
-                kube.check()
-                assert time.monotonic() < deadline, [f"{p.name}/{c.name} started={c.started} ready={c.ready}"
-                                                     for p in kube.pods for c in p.containers]
-                time.sleep(0.5)
+            job_pod, rollouts, page = start_the_job_before_its_rollouts(kube, deadline, tokens["viewer"], client)
+            # Every container passed its startup probe, and every running service pod became ready: exec
+            # probes running the healthcheck script, which asks over mutual TLS.
+            wait_until_started_and_ready(kube, [p for p in kube.pods if p not in rollouts], job_pod, deadline)
             assert job_pod.phase == "Running"
 
             (synchronizer,) = [p for p in kube.pods if p.name == "flywheel-synchronizer-0"]
@@ -333,11 +375,27 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
                                "no client certificate": grpc.StatusCode.UNAVAILABLE}, refused
             with pytest.raises((OSError, http.client.HTTPException)):
                 http_get(page.replace("https://", "http://") + "api/status")
+
+            # Now the replicas: the run trains on them once one registers.
+            for pod in rollouts:
+                kube.release(pod)
+            wait_until_started_and_ready(kube, rollouts, job_pod, deadline)
             models_url = f"https://{kube.service_address('flywheel-rollout', 'http')}/v1/models"
             models = json.loads(http_get(models_url, headers={"Authorization": f"Bearer {tokens['agent']}"}, context=client))
             assert models["data"], models
 
             wait_for_the_job_to_end(kube, job_pod, deadline)
+            # Each rollout registered at its pod's DNS record (which the controller dialled over TLS: both
+            # replicas' samples were trained, below), as the synchronizer still lists them.
+            with grpc.secure_channel(f"{synchronizer.ip}:50051", grpc.ssl_channel_credentials(
+                    pki.ca_file.read_bytes(), pki.key_file.read_bytes(), pki.cert_file.read_bytes()),
+                    options=[("grpc.ssl_target_name_override", "flywheel-synchronizer-0.flywheel-synchronizer")]
+                    ) as channel:
+                registry = synchronizer_pb2_grpc.SynchronizerServiceStub(channel).Status(
+                    synchronizer_pb2.StatusRequest(), timeout=10,
+                    metadata=[("authorization", f"Bearer {tokens['service']}")])
+            registered = {c.identity.id: c.identity.address for c in registry.components
+                          if c.identity.role == common_pb2.COMPONENT_ROLE_ROLLOUT}
         finally:
             logs = stop_keeping_the_logs(kube, cluster)
         assert job_pod.phase == "Succeeded", logs[job_pod.name]
@@ -349,5 +407,7 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
         events = [json.loads(line) for line in (run_dir / "synchronizer_events.jsonl").read_text().splitlines() if line]
         assert {e.get("method") for e in events if e["kind"] == "VERSION_COMMITTED"} == {"CHECKPOINT"}, logs
         assert any((claim / "published").iterdir()), "no version was published to /data/published"
+        assert sorted(registered.values()) == sorted(
+            f"{p.ip.replace('.', '-')}.{namespace}.pod:50053" for p in rollouts), registered
         newest = replica_versions((run_dir / "trained_tasks.jsonl").read_text())
-        assert len(newest) == ROLLOUTS and all(version >= 5 for version in newest.values()), newest
+        assert set(newest) == set(registered) and all(version >= 5 for version in newest.values()), newest

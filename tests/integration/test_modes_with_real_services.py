@@ -196,7 +196,11 @@ def test_a_dynamic_request_that_lapses_is_asked_again_and_then_served(tmp_path: 
     the replica goes back to RUNNING, asks again at its next step, and the weights still move."""
     # vLLM: its slower generation keeps the trainer mid-step when a request comes, so one lapses (on the
     # transformers engine the trainer waited for samples and answered every request within the 50 ms).
-    rows, events = run_case(tmp_path, model_cache, "fully-async", {**DYNAMIC_2, "timeout_seconds": 0.05}, vllm=True)
+    # The 50 ms is the request's only. A train step waits up to 120 s for a replica's proof of the versions
+    # its batch came from (sync.verify_timeout_seconds, which else takes sync.timeout_seconds): that proof
+    # reaches the controller through the synchronizer's event stream, and 50 ms was sometimes too short.
+    sync = {**DYNAMIC_2, "timeout_seconds": 0.05, "verify_timeout_seconds": 120}
+    rows, events = run_case(tmp_path, model_cache, "fully-async", sync, vllm=True)
     rollout = [e for e in events if e.get("role") == "ROLLOUT"]
     lapsed = [i for i, e in enumerate(rollout) if "timed out" in e.get("message", "")]
     assert lapsed, "no request lapsed: the case did not happen"
