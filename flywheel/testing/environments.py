@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from flywheel.testing.net import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV_PYTHON = ROOT / ".venv-openenv" / "bin" / "python"
 EXAMPLE = ROOT / "examples" / "openenv" / "arithmetic"
@@ -24,9 +26,7 @@ def example_environment(log: Path, ready_seconds: float = 60.0, **env: str) -> I
     yields its URL. Its output goes to `log`."""
     if not ENV_PYTHON.exists():
         raise RuntimeError(f"{ENV_PYTHON} is missing: `make setup` makes it (requirements/openenv.txt)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with open(log, "w") as out:
         server = subprocess.Popen(
             [str(ENV_PYTHON), "-m", "uvicorn", "server.app:app", "--app-dir", str(EXAMPLE), "--host", "127.0.0.1",

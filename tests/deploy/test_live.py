@@ -35,7 +35,7 @@ from flywheel.runtime.config import resolve
 from flywheel.runtime.tokens import init as init_tokens
 from tests.conftest import MODEL_FLAGS
 from tests.deploy.manifests import ROOT, SERVICES, Container, clean_env, config_class
-from tests.net import free_port
+from flywheel.testing.net import free_port
 
 START_TIMEOUT = 60.0
 DASHBOARD = ROOT / "deploy/grafana/dashboards/flywheel.json"

@@ -37,7 +37,7 @@ import pytest
 from flywheel.synchronizer.client import SynchronizerClient
 from tests.conftest import TEST_TOKEN
 from tests.integration.service_processes import Cluster, jsonl, prepare_tiny_model, tiny_run, wait_for
-from tests.net import free_port
+from flywheel.testing.net import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -44,7 +44,7 @@ from flywheel.synchronizer import participant
 from flywheel.synchronizer.participant import send_in_group, spec_for
 from flywheel.synchronizer.types import GroupInfo, State, TransferState
 from tests.conftest import TEST_TOKEN
-from tests.net import free_port_range
+from flywheel.testing.net import free_port_range
 from tests.unit.rollout.rollout_helpers import (
     ServerThread, need_engine, probe_of, reference_greedy, rollout_config, synchronizer_thread,
 )

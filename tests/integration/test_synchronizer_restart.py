@@ -13,7 +13,7 @@ from flywheel.errors import FlywheelError
 from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.types import State
 from tests.conftest import TEST_TOKEN
-from tests.net import free_port
+from flywheel.testing.net import free_port
 
 
 async def until_up(client: SynchronizerClient, timeout: float = 60.0):

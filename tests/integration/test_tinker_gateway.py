@@ -490,7 +490,7 @@ async def test_a_tenant_opens_only_the_tinker_api_sees_only_its_own_and_a_lost_m
     from flywheel.synchronizer.v1 import synchronizer_pb2
     from flywheel.trainer.v1 import trainer_pb2
     from services.tinker import metrics
-    from tests.net import free_port
+    from flywheel.testing.net import free_port
 
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text(f"service: {SERVICE_KEY}\ntenants: {{alice: [{KEY}], bob: [{BOB_KEY}]}}\n")

@@ -33,7 +33,7 @@ from flywheel.synchronizer.client import SynchronizerClient
 from flywheel.synchronizer.client_types import WatchEvent
 from services.synchronizer.embedded import embedded_synchronizer
 from flywheel.synchronizer.types import EventKind, Method, Role, State
-from tests.net import free_port
+from flywheel.testing.net import free_port
 from tests.unit.rollout.rollout_helpers import rollout_config
 
 CID = "rollout-under-test"

@@ -22,7 +22,7 @@ from services.rollout.weights.peers import PEER_LABEL
 from services.rollout.weights.sources import memory_stage
 from services.synchronizer.embedded import embedded_synchronizer
 from tests.integration.test_synchronizer_weights import metric
-from tests.net import free_port
+from flywheel.testing.net import free_port
 from tests.unit.rollout.test_rollout_follower import base_state, eventually, link_config, shifted  # noqa: F401
 
 SITE = "site-a"

@@ -22,7 +22,7 @@ from services.rollout.weights.transaction import UpdateReport, WeightUpdates
 from services.rollout.engine.transformers_engine import TransformersEngine
 from services.rollout.weights.sources import checkpoint_stage
 from services.synchronizer.embedded import embedded_synchronizer
-from tests.net import free_port
+from flywheel.testing.net import free_port
 from tests.unit.rollout.rollout_helpers import rollout_config
 from tests.unit.rollout.test_rollout_follower import (
     CID, _at_version, component, eventually, generate, linked_rollout, shifted,

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.net import free_port
+from flywheel.testing.net import free_port
 from tests.unit.rollout.fake_synchronizer import FakeSynchronizer
 
 pytest.importorskip("vllm")

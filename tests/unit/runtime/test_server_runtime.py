@@ -17,7 +17,7 @@ from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, Resou
 from flywheel.runtime.client import open_channel
 from flywheel.runtime.server import RunningServer, ServiceSpec, serve
 from flywheel.runtime.server_config import ServerConfig
-from tests.net import free_port
+from flywheel.testing.net import free_port
 
 
 class CodecStyleError(Exception):

@@ -14,7 +14,7 @@ import torch
 from flywheel.errors import FailedPrecondition, InvalidArgument
 from flywheel.transfer import cuda_ipc
 from flywheel.transfer.broadcast import GroupSpec, receive, send
-from tests.net import free_port
+from flywheel.testing.net import free_port
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -21,7 +21,7 @@ from services.trainer.app import build
 from services.trainer.config import TrainerConfig
 from services.trainer.link import TrainerLink
 from services.trainer.loss_request import LossRequest
-from tests.net import free_port
+from flywheel.testing.net import free_port
 from tests.unit.trainer.trainer_helpers import make_batch
 
 TID = "trainer-under-test"
