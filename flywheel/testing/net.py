@@ -17,9 +17,10 @@ def free_port() -> int:
 
 def free_port_range(count: int, low: int = 20000, high: int = 29000, attempts: int = 500) -> range:
     """`count` consecutive ports on 127.0.0.1 that were all free just now (another process drawing
-    from the same range may take one before the caller binds it). Drawn from [low, high): below the OS's ephemeral ports, which it hands to
-    any process's outgoing connections, and below the synchronizer's default rendezvous ports
-    (29600-29999), which other synchronizers on the machine use."""
+    from the same range may take one before the caller binds it). Drawn from [low, high): below the
+    OS's ephemeral ports, which it hands to any process's outgoing connections and port-0 servers,
+    and below the synchronizer's default rendezvous ports (29600-29999), which other synchronizers on
+    the machine use."""
     import random
 
     for _ in range(attempts):
