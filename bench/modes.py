@@ -99,8 +99,8 @@ def run_mode(mode: str, steps: int, model: Path, work: Path, pin: bool, smoke: b
         for child in children[1:]:
             child.wait_ready(600)
         run = {k: v for k, v in quick.items() if k != "launch"}
-        # With `services:` the controller keeps its configured ports (8080, 50054, 9094), as a container
-        # does; here they are free ones, so that a run of another bench or test on this machine cannot hold them.
+        # With `services:` the controller keeps its configured ports, as a container does; here they are
+        # free ones, so that a run of another bench or test on this machine cannot hold them.
         run["launch"] = {"dataset": {**quick["launch"]["dataset"], "train_size": 4 * steps},
                          "controller": {"status_port": 0, "server": {"port": 0, "metrics_port": 0}}}
         run["run"].update(name=f"bench-{mode}", max_steps=steps)

@@ -358,13 +358,13 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
             assert job_pod.phase == "Running"
 
             (synchronizer,) = [p for p in kube.pods if p.name == "flywheel-synchronizer-0"]
+            target = f"{synchronizer.ip}:50051"
+            options = [("grpc.ssl_target_name_override", "flywheel-synchronizer-0.flywheel-synchronizer")]
             refused = {}
             for name, credentials in [
                 ("plaintext", None),
                 ("no client certificate", grpc.ssl_channel_credentials(root_certificates=pki.ca_file.read_bytes())),
             ]:
-                target = f"{synchronizer.ip}:50051"
-                options = [("grpc.ssl_target_name_override", "flywheel-synchronizer-0.flywheel-synchronizer")]
                 with (grpc.insecure_channel(target) if credentials is None
                       else grpc.secure_channel(target, credentials, options=options)) as channel:
                     try:
@@ -387,10 +387,9 @@ def test_kubernetes_mutual_tls_components_run_the_job_with_checkpoint_weight_syn
             wait_for_the_job_to_end(kube, job_pod, deadline)
             # Each rollout registered at its pod's DNS record (which the controller dialled over TLS: both
             # replicas' samples were trained, below), as the synchronizer still lists them.
-            with grpc.secure_channel(f"{synchronizer.ip}:50051", grpc.ssl_channel_credentials(
+            with grpc.secure_channel(target, grpc.ssl_channel_credentials(
                     pki.ca_file.read_bytes(), pki.key_file.read_bytes(), pki.cert_file.read_bytes()),
-                    options=[("grpc.ssl_target_name_override", "flywheel-synchronizer-0.flywheel-synchronizer")]
-                    ) as channel:
+                    options=options) as channel:
                 registry = synchronizer_pb2_grpc.SynchronizerServiceStub(channel).Status(
                     synchronizer_pb2.StatusRequest(), timeout=10,
                     metadata=[("authorization", f"Bearer {tokens['service']}")])
