@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from flywheel.launcher.preloaded import PRELOADED_ENV
 from flywheel.launcher.processes import ServiceProcess, start_service
 from flywheel.runtime.triton_gate import keep_triton_out
 
@@ -16,9 +17,10 @@ from flywheel.runtime.triton_gate import keep_triton_out
 # otherwise end the session with triton's nanobind leak report.
 keep_triton_out()
 
+#: Services start as forks of a preloaded interpreter (tests/preloaded.py);
 #: FLYWHEEL_TEST_CPU_REPORT=cpu.tsv: each module's wall and CPU time (tests/cpu_share.py); a test about to
 #: time out writes what its event loop's tasks wait for (tests/hang_report.py).
-pytest_plugins = ["tests.cpu_share", "tests.hang_report"]
+pytest_plugins = ["tests.preloaded", "tests.cpu_share", "tests.hang_report"]
 
 #: `make test` runs the suite on two pytest-xdist workers (`-n 2`): a vLLM replica starting, a launcher
 #: waiting on its services or a test waiting out a deadline leaves a core idle that a test beside it
@@ -87,8 +89,9 @@ sys.dont_write_bytecode = False
 
 @pytest.fixture
 def service_env() -> dict[str, str]:
-    """The environment children get: ours, minus any Flywheel settings, plus a known token."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    """The environment children get: ours, minus any Flywheel settings, plus a known token. The preloaded
+    interpreter stays named (tests/preloaded.py): a launcher started with it forks its services from it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") or k == PRELOADED_ENV}
     env["FLYWHEEL_AUTH_TOKEN"] = TEST_TOKEN
     return env
 

@@ -4,7 +4,8 @@ A child is started as `python -m services.<name>` on free ports (port 0) with
 a ready file; it is ready when that file appears (the service writes it only
 after reporting SERVING). Its output goes to `<run_dir>/<name>.log`. Children
 get their own process group so a stop reaches anything they spawned, and the
-parent's death is noticed by `PR_SET_PDEATHSIG` on Linux so none is orphaned.
+parent's death is noticed by `PR_SET_PDEATHSIG` on Linux so none is orphaned. Where a preloaded
+interpreter is set up (preloaded.py: the test suite's), the child is a fork of it instead, started alike.
 
 No Python code runs between fork and exec (no `preexec_fn`): the parent holds
 live gRPC channels, and gRPC's fork handlers running in a half-made child
@@ -26,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from flywheel.launcher.preloaded import PreloadedChild, spawn
 
 SERVICES = ("synchronizer", "trainer", "rollout", "controller")
 #: Services started only when asked for (`flywheel up --with tinker`).
@@ -84,7 +87,7 @@ def tail(path: Path, lines: int = 20) -> str:
 @dataclass
 class ServiceProcess:
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen | PreloadedChild
     log_path: Path
     ready_path: Path
     info: dict = field(default_factory=dict)
@@ -206,13 +209,18 @@ def start_service(
         "--server.port", str(port), "--server.metrics-port", str(metrics_port), "--server.ready-file", str(ready_path),
         *args,
     ]  # fmt: skip
+    env = os.environ if env is None else env
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**(os.environ if env is None else env), LAUNCHER_PID_ENV: str(os.getpid())},
-            process_group=0,  # its own group, set without running Python in the child
-        )
+        process: subprocess.Popen | PreloadedChild | None = None
+        if python == sys.executable:  # a fork of the preloaded interpreter, where one is set up (preloaded.py)
+            process = spawn(f"services.{name}", command[3:], env, stdout=log.fileno(), stderr=log.fileno())
+        if process is None:
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**env, LAUNCHER_PID_ENV: str(os.getpid())},
+                process_group=0,  # its own group, set without running Python in the child
+            )
     return ServiceProcess(name=name, process=process, log_path=log_path, ready_path=ready_path)

@@ -36,6 +36,7 @@ import yaml
 
 import psutil  # noqa: E402  (a dev dependency)
 
+from flywheel.launcher.preloaded import PRELOADED_ENV
 from flywheel.testing.engines import with_transformers_engine
 from services.rollout.engine.vllm_sockets import PREFIX, room_for_sockets
 
@@ -51,8 +52,13 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")
 
 
-def launch(run_dir: Path, cache: Path, log_name: str, *extra: str, config: Path = CONFIG) -> subprocess.Popen:
+def launch(run_dir: Path, cache: Path, log_name: str, *extra: str, config: Path = CONFIG,
+           fresh_interpreters: bool = False) -> subprocess.Popen:
+    """`fresh_interpreters`: the services are started as a user's are, as the launcher's children (the
+    suite's preloaded interpreter would start them: tests/preloaded.py), for the tests of that tree."""
     env = {**os.environ, "FLYWHEEL_MODEL_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    if fresh_interpreters:
+        env.pop(PRELOADED_ENV, None)
     out = open(run_dir.parent / log_name, "w")  # noqa: SIM115 (the child owns it)
     return subprocess.Popen(
         [sys.executable, "-m", "services.controller", "run", str(config), "--run-dir", str(run_dir), *extra],
@@ -111,7 +117,7 @@ def wait_all_gone(procs: list[psutil.Process], timeout: float) -> None:
 def test_sigkill_mid_run_then_the_same_command_resumes_and_finishes(tmp_path: Path, model_cache: Path) -> None:
     run_dir = tmp_path / "run"
     run_file = transformers_run_file(tmp_path)  # the subject is the launcher; chaos trial 2 runs vLLM
-    first = launch(run_dir, model_cache, "first.out", config=run_file)
+    first = launch(run_dir, model_cache, "first.out", config=run_file, fresh_interpreters=True)
     try:
         # Step 3 trained means the step-2 checkpoint is written (checkpoints follow the step's record).
         wait_for("step 3", lambda: any(r["step"] >= 3 for r in ledger(run_dir)), 900, first)
@@ -282,7 +288,7 @@ def test_with_restarts_off_a_dead_trainer_stops_the_run_named_and_no_process_is_
     (the same command again resumes: the test above), and nothing the launcher started is left."""
     run_file = transformers_run_file(tmp_path, restarts={"max_restarts": 0})
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, model_cache, "launcher.out", config=run_file)
+    proc = launch(run_dir, model_cache, "launcher.out", config=run_file, fresh_interpreters=True)
     try:
         wait_for("step 1", lambda: any(r["step"] >= 1 for r in ledger(run_dir)), 900, proc)
         everything = descendants(proc.pid)
