@@ -53,16 +53,18 @@ PRELOAD = (
 #: Environment variables read while those modules import (threads, kernels, caches, library settings):
 #: a child that asks for other values than this process imported with gets a fresh interpreter.
 IMPORT_SETTINGS = ("OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "ATEN_", "ONEDNN_", "DNNL_", "TORCH", "PYTORCH_",
-                   "CUDA", "NVIDIA_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "SAFETENSORS_", "TRITON",
+                   "CUDA", "NVIDIA_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "SAFETENSORS_", "TRITON",
                    "PYTHON", "LD_", "MALLOC_", "NUMEXPR_", "XDG_CACHE_HOME")
 #: Read by the interpreter at start, which a child sets up again as a fresh one would (`_become`).
 REDONE_IN_CHILD = ("PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
-#: Set by vLLM in its own process when it is imported, so a launcher that imported vLLM (a test that
-#: runs an engine in-process) passes them on. A child that needs vLLM imports it and sets them again;
-#: what they steer (CUDA checks, triton, torch.compile's worker count, OpenCV's bundled libraries) is
-#: nothing the preload loaded or used.
-SET_BY_VLLM_IMPORT = ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_COMPILE_THREADS", "TRITON_CACHE_AUTOTUNING",
-                      "TILELANG_CLEANUP_TEMP_FILES", "LD_LIBRARY_PATH")
+#: Set by vLLM in its own process when it is imported or configures an engine on the CPU (its
+#: platforms/cpu.py), so a launcher that did (a test that runs an engine in-process) passes them on. A
+#: child that runs vLLM sets them again, before vLLM starts the processes they are for (LD_PRELOAD's
+#: allocator and OpenMP, for its engine core); what they steer otherwise (CUDA checks, triton,
+#: torch.compile's threads, numexpr, OpenCV's bundled libraries) is nothing the preload loaded or used.
+SET_BY_VLLM = ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS",
+               "TRITON_CACHE_AUTOTUNING", "TILELANG_CLEANUP_TEMP_FILES", "LD_LIBRARY_PATH", "LD_PRELOAD",
+               "NUMEXPR_MAX_THREADS")
 
 #: How long children have to stop after this process is told to stop, before they are killed.
 STOP_GRACE_SECONDS = 15.0
@@ -79,7 +81,7 @@ def differing_import_settings(env: Mapping[str, str], imported_with: Mapping[str
     imports set themselves (torch's inductor names its cache directory) may be absent, or the same."""
     set_by_imports = set_by_imports or {}
     names = {k for k in (*env, *imported_with)
-             if k.startswith(IMPORT_SETTINGS) and k not in REDONE_IN_CHILD and k not in SET_BY_VLLM_IMPORT}
+             if k.startswith(IMPORT_SETTINGS) and k not in REDONE_IN_CHILD and k not in SET_BY_VLLM}
     return sorted(k for k in names if env.get(k) != imported_with.get(k)
                   and not (k in set_by_imports and env.get(k) in (None, set_by_imports[k])))
 

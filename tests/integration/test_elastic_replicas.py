@@ -67,6 +67,10 @@ def test_replicas_join_die_and_rejoin_without_losing_a_task(tmp_path: Path) -> N
             cluster["r0"].process.send_signal(signal.SIGKILL)
             killed_at = len(records.ledger())
             wait_for(lambda: len(records.ledger()) >= killed_at + 2, 300, "2 steps after the kill", controller)
+            # Its lease lapses (3 s) before it comes back: a restart quicker than that (a fork of the tests'
+            # preloaded interpreter is ready in under a second) would re-register a replica never seen gone.
+            wait_for(lambda: "STOPPED" in [e["state"] for e in records.events() if e.get("id") == "r0"], 60,
+                     "r0's lease to lapse", controller)
 
             # 4. r0 restarts on the same address and id: it catches up, then gets work again.
             restarted_at = latest_version()
