@@ -134,8 +134,10 @@ class PreloadedChild:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return None
+            readable = select.poll()  # not select(): a launcher may hold descriptors past its 1024
             try:
-                select.select([self._connection], [], [], remaining)
+                readable.register(self._connection, select.POLLIN)
+                readable.poll(None if remaining is None else max(1, int(remaining * 1000)))
             except (OSError, ValueError):  # closed by another thread, which took the report
                 pass
 
