@@ -280,6 +280,7 @@ def _accept(connection: socket.socket, imported_with: Mapping[str, str],
             set_by_imports: Mapping[str, str]) -> dict | None:
     """The request on `connection`, with its descriptors; None where it was refused (said on it)."""
     connection.settimeout(10.0)
+    fds: list[int] = []
     try:
         message, fds, _, _ = socket.recv_fds(connection, _MESSAGE, 3)
         request = json.loads(message)
@@ -289,12 +290,15 @@ def _accept(connection: socket.socket, imported_with: Mapping[str, str],
         if len(fds) != 3 or differing:
             for fd in fds:
                 os.close(fd)
+            fds = []
             reason = f"refused {request['module']}: set differently from the preload: {' '.join(differing)}"
             print(reason, flush=True)
             connection.sendall(reason.encode()[:250])
             connection.close()
             return None
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError):  # not a request: what came with it is not kept open
+        for fd in fds:
+            os.close(fd)
         connection.close()
         return None
     connection.setblocking(False)

@@ -204,8 +204,8 @@ def start_service(
     ready_path = run_dir / f"{name}.ready.json"
     ready_path.unlink(missing_ok=True)
     log_path = run_dir / f"{name}.log"
-    command = [
-        python, "-m", f"services.{name}",
+    module = f"services.{name}"
+    service_args = [
         "--server.port", str(port), "--server.metrics-port", str(metrics_port), "--server.ready-file", str(ready_path),
         *args,
     ]  # fmt: skip
@@ -213,10 +213,10 @@ def start_service(
     with open(log_path, "ab") as log:
         process: subprocess.Popen | PreloadedChild | None = None
         if python == sys.executable:  # a fork of the preloaded interpreter, where one is set up (preloaded.py)
-            process = spawn(f"services.{name}", command[3:], env, stdout=log.fileno(), stderr=log.fileno())
+            process = spawn(module, service_args, env, stdout=log.fileno(), stderr=log.fileno())
         if process is None:
             process = subprocess.Popen(
-                command,
+                [python, "-m", module, *service_args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
