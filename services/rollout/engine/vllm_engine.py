@@ -50,7 +50,7 @@ from services.rollout.engine.base import (
 from services.rollout.engine.checkpoint import checkpoint_specs
 from services.rollout.engine.text import TextCodec
 from services.rollout.engine.vllm_outputs import SampleDeltas, prompt_logprobs, routed_experts, version_spans
-from services.rollout.engine.vllm_files import engine_files
+from services.rollout.engine.vllm_sockets import use_private_socket_dir
 from services.rollout.engine.vllm_transfer import BACKEND, decode_error, error_of
 
 log = logging.getLogger(__name__)
@@ -203,10 +203,10 @@ class VllmEngine(Engine):
                                           logprobs_mode=f"{self.logprobs_mode}_logprobs", **args)
         except TypeError as exc:
             raise InvalidArgument(f"engine.args: {exc}") from None
+        use_private_socket_dir()
         # Built off the event loop: it blocks until the engine core is up
         # (tens of seconds) and health must keep answering meanwhile.
-        with engine_files():
-            self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=[StatsTap])
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=[StatsTap])
         from vllm.platforms import current_platform
 
         self._on_cpu = current_platform.is_cpu()
