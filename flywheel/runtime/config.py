@@ -283,21 +283,64 @@ def run_file_section(path: Path, section: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"run file {path}: launch.{section}: must be a mapping")
     run = data.get("run") or {}
-    return with_run_defaults(section, dict(value), run if isinstance(run, Mapping) else {})
+    model = launch.get("model") or {}
+    return with_run_defaults(section, dict(value), run if isinstance(run, Mapping) else {},
+                             model if isinstance(model, Mapping) else {})
 
 
-def with_run_defaults(section: str, values: dict[str, Any], run: Mapping[str, Any]) -> dict[str, Any]:
-    """A service's `launch.<section>` with what the run file's `run:` implies for it, so the run's
-    length is named once. The trainer: a decaying learning rate (optimizer.schedule linear or
-    cosine) with no total_steps decays over run.max_steps, as TRL's does over its max_steps, and a
-    longer run does not train its last steps at a rate already at the floor. The local launcher
-    and a deployed service's --run-file both take the section through here."""
+def with_run_defaults(section: str, values: dict[str, Any], run: Mapping[str, Any],
+                      model: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A service's `launch.<section>` with what the run file's `run:` and `launch.model` imply for it,
+    so each is named once. The local launcher and a deployed service's --run-file both take the
+    section through here.
+    - The trainer: a decaying learning rate (optimizer.schedule linear or cosine) with no total_steps
+      decays over run.max_steps, as TRL's does over its max_steps, and a longer run does not train
+      its last steps at a rate already at the floor.
+    - The trainer and the rollout: `launch.model.serve_dtype` (`served_dtype`)."""
     optimizer = values.get("optimizer")
     max_steps = run.get("max_steps")
     if (section == "trainer" and isinstance(optimizer, Mapping) and max_steps
             and optimizer.get("schedule", "constant") != "constant" and not optimizer.get("total_steps")):
-        return {**values, "optimizer": {**optimizer, "total_steps": int(max_steps)}}
-    return values
+        values = {**values, "optimizer": {**optimizer, "total_steps": int(max_steps)}}
+    return with_served_dtype(section, values, (model or {}).get("serve_dtype", "same"))
+
+
+#: Where each service takes the dtype the rollout computes in: the trainer publishes its versions cast
+#: to it (it trains in its own model.dtype), the rollout's engine holds the weights in it.
+_SERVED_DTYPE_FIELDS = {"trainer": ("model", "publish_dtype"), "rollout": ("engine", "args", "dtype")}
+
+
+def served_dtype(serve: str) -> str | None:
+    """`launch.model.serve_dtype` on this machine: bfloat16, or None where the stored dtype is served
+    (same; auto where the machine has no native bfloat16: flywheel.models.precision)."""
+    if serve not in ("same", "auto", "bfloat16"):
+        raise ConfigError(f"launch.model.serve_dtype: same, auto or bfloat16, not {serve!r}")
+    if serve == "auto":
+        import torch
+
+        from flywheel.models.precision import native_bfloat16
+
+        return "bfloat16" if native_bfloat16("cuda" if torch.cuda.is_available() else "cpu") else None
+    return None if serve == "same" else serve
+
+
+def with_served_dtype(section: str, values: dict[str, Any], serve: str) -> dict[str, Any]:
+    """The trainer's or the rollout's section with the served dtype in its field; a field that says
+    otherwise is refused (the rollout would refuse every version)."""
+    served = served_dtype(serve)
+    path = _SERVED_DTYPE_FIELDS.get(section)
+    if served is None or path is None:
+        return values
+    said: Any = values
+    for key in path:
+        said = said.get(key) if isinstance(said, Mapping) else None
+    if said is not None and said != served:
+        raise ConfigError(f"launch.{section}.{'.'.join(path)} {said} disagrees with launch.model.serve_dtype "
+                          f"{serve} ({served} on this machine): set the one, launch.model.serve_dtype")
+    setting: dict[str, Any] = {path[-1]: served}
+    for key in reversed(path[:-1]):
+        setting = {key: setting}
+    return deep_merge(values, setting)
 
 
 def redacted(config: BaseModel) -> dict[str, Any]:

@@ -32,6 +32,11 @@ class LoraConfig(StrictModel):
 class ModelConfig(StrictModel):
     path: Path | None = Field(None, description="HF model directory to train; none serves GetInfo only")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="parameter dtype")
+    publish_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="the dtype of the versions this trainer publishes, for rollouts that serve it: each "
+        "export casts the floating tensors to it (the trainer keeps training in `dtype`), and the version's "
+        "digests and probe are those of the cast tensors; none: `dtype`, as trained"
+    )
     device: str = Field("cpu", description='torch device, e.g. "cpu" or "cuda:0"')
     autocast: Literal["none", "auto", "bfloat16", "float16"] = Field(
         "none", description="mixed precision: forward matmuls in this dtype, parameters, gradients and optimizer "
@@ -197,4 +202,14 @@ class TrainerConfig(StrictModel):
     def _parallel_without_lora(self) -> TrainerConfig:
         if self.parallel.enabled and self.model.lora.enabled:
             raise ValueError("parallel: a sharded policy (world_size > 1 or shard) does not train LoRA adapters yet")
+        return self
+
+    @model_validator(mode="after")
+    def _publish_dtype_of_full_weights(self) -> TrainerConfig:
+        # The probe of a cast version is the forward of the cast tensors swapped into the model: written for an
+        # unsharded model's full weights, not yet for adapters (served over a base) or shards.
+        cast = self.model.publish_dtype not in (None, self.model.dtype)
+        if cast and (self.parallel.enabled or self.model.lora.enabled):
+            raise ValueError(f"model.publish_dtype {self.model.publish_dtype}: a version cast from "
+                             f"{self.model.dtype} is published for an unsharded policy without LoRA only")
         return self

@@ -18,7 +18,10 @@ duplicates such as `lm_head.weight` = `embed_tokens.weight` dropped, as
 `merge_lora` exports those full weights with the adapters merged in (only
 the adapted layers are computed as new tensors; the rest are the live
 storage); without it, only the adapter weights (peft names). Without LoRA,
-`merge_lora` changes nothing: the full weights are what there is.
+`merge_lora` changes nothing: the full weights are what there is. With
+`model.publish_dtype` (float32 master weights served in bfloat16, say), the
+floating tensors are cast to it: a new copy, in that dtype, is what goes out,
+and its digests and probe are of the cast tensors.
 
 Consistency without a second copy of the model: the codec hashes every chunk
 up front and then streams the bytes straight from each tensor's own memory,
@@ -82,7 +85,7 @@ from flywheel.synchronizer.client import SynchronizerClient
 from services.trainer.config import SyncConfig
 from services.trainer.files import publish_dir, replace_directory, request_roots
 from services.trainer.hf_save import save_hf
-from services.trainer.policy import Policy
+from services.trainer.policy import DTYPES, Policy
 from services.trainer.probe import probe_token_ids, published_probe
 from services.trainer.tied import drop_tied
 from services.trainer.training import TrainingEngine
@@ -109,9 +112,17 @@ class ExportResult:
 # ---------------------------------------------------------------- what is exported
 
 
-def export_state(policy: Policy, merge_lora: bool) -> dict[str, Tensor]:
+def export_state(policy: Policy, merge_lora: bool, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
     """The detached tensors an export sends (see the module docstring); call it
-    holding the engine's lock, and keep holding it while the result is used."""
+    holding the engine's lock, and keep holding it while the result is used.
+    `dtype` (model.publish_dtype): floating tensors cast to it, new tensors."""
+    state = _live_state(policy, merge_lora)
+    if dtype is None:
+        return state
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _live_state(policy: Policy, merge_lora: bool) -> dict[str, Tensor]:
     if policy.lora and not merge_lora:
         from peft import get_peft_model_state_dict
 
@@ -175,6 +186,11 @@ class WeightExporter:
         self.sync = sync
         self.token = token  # the deployment's bearer token: the synchronizer checks it like any service
 
+    @property
+    def _publish_dtype(self) -> torch.dtype | None:
+        model = self.engine.config.model
+        return None if model.publish_dtype in (None, model.dtype) else DTYPES[model.publish_dtype]
+
     def _client(self, address: str) -> SynchronizerClient:
         return SynchronizerClient(address, self.token, shared_memory=self.sync.shared_memory_push)
 
@@ -203,7 +219,7 @@ class WeightExporter:
                     yield version, state, probing
                 return
             with _eval_mode(policy):
-                state = await asyncio.to_thread(export_state, policy, merge_lora)
+                state = await asyncio.to_thread(export_state, policy, merge_lora, self._publish_dtype)
                 probing = asyncio.ensure_future(asyncio.to_thread(published_probe, policy, state, merge_lora))
                 async with _finished(probing):
                     yield version, state, probing

@@ -66,15 +66,41 @@ def launch(run_dir: Path, cache: Path, log_name: str, *extra: str, config: Path 
     )
 
 
-def transformers_run_file(tmp_path: Path, **launch: object) -> Path:
+def transformers_run_file(tmp_path: Path, serve_dtype: str = "same", **launch: object) -> Path:
     """The quickstart's run file with its rollout on the transformers engine (flywheel/testing/engines.py)
     and `launch` merged in: for the tests whose subject is the launcher, not the engine (vLLM takes most
     of a run's time here to start)."""
     config = with_transformers_engine(yaml.safe_load(CONFIG.read_text()))
     config["launch"].update(launch)
+    config["launch"]["model"]["serve_dtype"] = serve_dtype
     path = tmp_path / "quickstart-transformers.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def vllm_run_file(tmp_path: Path) -> Path:
+    """The quickstart's run file (vLLM) served as the SmolLM2 quickstart is: in bfloat16 where this machine
+    has it natively (launch.model.serve_dtype auto), the trainer still training in float32."""
+    config = yaml.safe_load(CONFIG.read_text())
+    config["launch"]["model"]["serve_dtype"] = "auto"
+    path = tmp_path / "quickstart-vllm.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def assert_served_as_asked(run_dir: Path) -> None:
+    """serve_dtype auto: the rollout held bfloat16 where the CPU has it natively (and the trainer published
+    it), float32 elsewhere; every version it committed passed its verification (the probe included)."""
+    from flywheel.models.precision import native_bfloat16
+
+    rollout = yaml.safe_load((run_dir / "rollout.yaml").read_text())
+    trainer = yaml.safe_load((run_dir / "trainer.yaml").read_text())
+    served = "bfloat16" if native_bfloat16("cpu") else None
+    assert rollout["engine"].get("args", {}).get("dtype") == trainer["model"].get("publish_dtype") == served
+    events = [json.loads(line) for line in (run_dir / "rollout.log").read_text().splitlines()
+              if line.startswith("{") and '"services.rollout.weights.transaction"' in line]
+    assert not [e for e in events if e["msg"] == "weight update failed" and e.get("phase") == "verify"]
+    assert max(e["version"] for e in events if e["msg"] == "weights committed") == STEPS
 
 
 def wait_for(what: str, ready: Callable[[], bool], timeout: float, proc: subprocess.Popen | None = None) -> None:
@@ -116,7 +142,8 @@ def wait_all_gone(procs: list[psutil.Process], timeout: float) -> None:
 @pytest.mark.timeout(1800)
 def test_sigkill_mid_run_then_the_same_command_resumes_and_finishes(tmp_path: Path, model_cache: Path) -> None:
     run_dir = tmp_path / "run"
-    run_file = transformers_run_file(tmp_path)  # the subject is the launcher; chaos trial 2 runs vLLM
+    # The subject is the launcher (chaos trial 2 runs vLLM); served as the quickstart is (serve_dtype auto).
+    run_file = transformers_run_file(tmp_path, serve_dtype="auto")
     first = launch(run_dir, model_cache, "first.out", config=run_file, fresh_interpreters=True)
     try:
         # Step 3 trained means the step-2 checkpoint is written (checkpoints follow the step's record).
@@ -159,10 +186,13 @@ def test_sigkill_mid_run_then_the_same_command_resumes_and_finishes(tmp_path: Pa
                       if line.startswith("{") and '"services.rollout.weights.transaction"' in line]
     assert not [e for e in rollout_events if e["msg"] == "weight update failed"]
     assert max(e["version"] for e in rollout_events if e["msg"] == "weights committed") == STEPS
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(summary["model"])
     assert Path(summary["checkpoint"]).name == f"global_step_{STEPS}"
+    assert next(model.parameters()).dtype == torch.float32, "the checkpoint is the trainer's float32 weights"
+    assert_served_as_asked(run_dir)
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
@@ -234,12 +264,13 @@ def test_chaos_a_service_sigkilled_at_a_random_step_heals_without_a_second_comma
     try:
         # The rollout's death is healed by restarting its engine: vLLM, as the quickstart runs it. The
         # others are healed by the launcher rewinding every service; the engine plays no part there.
-        config = CONFIG if victim == "rollout" else transformers_run_file(tmp_path)
+        vllm = victim == "rollout"
+        config = vllm_run_file(tmp_path) if vllm else transformers_run_file(tmp_path)
         proc = launch(run_dir, model_cache, "launcher.out", config=config)
         try:
             wait_for(f"step {kill_after}", lambda: any(r["step"] >= kill_after for r in ledger(run_dir)), 900, proc)
             pid = json.loads((run_dir / f"{victim}.ready.json").read_text())["pid"]
-            if config == CONFIG and room_for_sockets(Path(tempfile.gettempdir()), pid):
+            if vllm and room_for_sockets(Path(tempfile.gettempdir()), pid):
                 # vLLM binds its sockets in the replica's own directory, not at the temp dir's top
                 sockets = [s for d in socket_dirs(pid) for s in d.iterdir() if s.is_socket()]
                 assert sockets, f"no socket directory of process {pid}"
@@ -256,14 +287,15 @@ def test_chaos_a_service_sigkilled_at_a_random_step_heals_without_a_second_comma
         assert code == 0, output[-3000:]
         assert f"healing: {victim} died (exit -9)" in output, output[-3000:]
         assert_each_task_trained_once(ledger(run_dir))
-        assert_quiet_end(output, run_dir, vllm=config == CONFIG)
+        assert_quiet_end(output, run_dir, vllm=vllm)
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["last_step"] == STEPS
         [restart] = summary["restarts"]
         assert restart["service"] == victim and restart["exit_code"] == -9
         assert restart["action"] == ("restarted" if victim == "rollout" else "rewound")
         wait_all_gone(processes_of(run_dir), 30)
-        if config == CONFIG:
+        if vllm:
+            assert_served_as_asked(run_dir)
             # vLLM's socket files (engine/vllm_sockets.py): the killed replica's directory is removed by the
             # one that replaced it, and that one's as it exits. Nothing of either is left in the temp dir.
             replaced = json.loads((run_dir / f"{victim}.ready.json").read_text())["pid"]

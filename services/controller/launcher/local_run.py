@@ -316,9 +316,10 @@ class LocalRun:
         # the paths they are sent only from there.
         rollout["updates"] = {"checkpoint_root": str(self.run_dir)}
         tls = self._tls_section()
-        trainer = with_run_defaults("trainer", deep_merge(deep_merge(trainer, tls), spec.trainer),
-                                    self.data.get("run") or {})
-        return {"trainer": trainer, "rollout": deep_merge(deep_merge(rollout, tls), spec.rollout)}
+        run, model = self.data.get("run") or {}, {"serve_dtype": spec.model.serve_dtype}
+        configs = {"trainer": deep_merge(deep_merge(trainer, tls), spec.trainer),
+                   "rollout": deep_merge(deep_merge(rollout, tls), spec.rollout)}
+        return {name: with_run_defaults(name, config, run, model) for name, config in configs.items()}
 
     def _tls_section(self) -> dict[str, Any]:
         """The services' `server.tls` under launch.tls (one CA for the whole launch), else {}."""

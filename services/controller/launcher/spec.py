@@ -41,6 +41,13 @@ class ModelSource(StrictModel):
         None, description="path: the HF model directory; smollm2/tiny: where to build it (default: model cache)"
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="stored weight dtype (trainer and rollout use it)")
+    serve_dtype: Literal["same", "auto", "bfloat16"] = Field(
+        "same", description="the dtype the rollout computes in: same: `dtype`; bfloat16: the rollout serves "
+        "bfloat16 and the trainer, still training in `dtype`, publishes each version cast to it "
+        "(trainer model.publish_dtype, rollout engine.args.dtype: flywheel/runtime/config.py); auto: "
+        "bfloat16 where the machine computes it natively (AVX-512 or AMX, a GPU with bfloat16), else `dtype`. "
+        "Services deployed with --run-file take it too"
+    )
     tiny: dict[str, Any] = Field(default_factory=dict, description="tiny: build_tiny_model keyword arguments")
 
 

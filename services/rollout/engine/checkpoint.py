@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
+
 from flywheel.codec import dtype_from_proto
 from flywheel.codec.checkpoint_dir import header_specs, safetensors_files
 from flywheel.common.v1 import common_pb2
@@ -19,9 +21,13 @@ def file_specs(files: list[Path]) -> dict[str, TensorSpec]:
     return {name: TensorSpec(dtype, shape) for name, (dtype, shape) in header_specs(files).items()}
 
 
-def checkpoint_specs(path: Path) -> dict[str, TensorSpec]:
-    """Names, dtypes and shapes of every tensor of a safetensors directory."""
-    return file_specs(safetensors_files(Path(path)))
+def checkpoint_specs(path: Path, served: torch.dtype | None = None) -> dict[str, TensorSpec]:
+    """Names, dtypes and shapes of every tensor of a safetensors directory; `served`: the dtype the engine
+    was told to hold its floating tensors in (engine.args.dtype), which a version must then bring."""
+    specs = file_specs(safetensors_files(Path(path)))
+    if served is None:
+        return specs
+    return {n: TensorSpec(served, s.shape) if s.dtype.is_floating_point else s for n, s in specs.items()}
 
 
 def _short(dtype: object) -> str:

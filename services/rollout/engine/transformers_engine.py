@@ -129,7 +129,8 @@ class TransformersEngine(Engine):
         if codec_eos := self._codec.eos_token_id:
             eos_ids.add(codec_eos)
         self._eos_ids = eos_ids
-        self._specs = checkpoint_specs(self._path)
+        named = self._args.get("dtype")
+        self._specs = checkpoint_specs(self._path, next(self.model.parameters()).dtype if named else None)
         self._routing_shape = routing_shape(self.model)
         if self._routing_shape is not None:
             self._routing = Recorder(self.model).__enter__()

@@ -365,11 +365,12 @@ class FlywheelWeightTransferEngine(WeightTransferEngine[FlywheelInitInfo, Flywhe
                 "unreadable": why}
 
     def _served_specs(self) -> dict:
-        """Names, dtypes and shapes of the checkpoint the model was loaded from: what an update must provide."""
+        """Names, dtypes and shapes of the checkpoint the model was loaded from, in the dtype it is served in:
+        what an update must provide."""
         if self._specs is None:
             from services.rollout.engine.checkpoint import checkpoint_specs
 
-            self._specs = checkpoint_specs(Path(self.model_config.model))
+            self._specs = checkpoint_specs(Path(self.model_config.model), self.model_config.dtype)
         return self._specs
 
     def _commit(self, prepared: PreparedLoad, faults: LoadFaults) -> None:

@@ -227,3 +227,47 @@ def test_a_lora_on_the_output_head_of_a_tied_model_trains_an_untied_copy(tmp_pat
     # would be refused), so the services load an untied copy, made once beside the model.
     assert run.model_dir == (tmp_path / "tiny-untied" if "lm_head" in modules else tied)
     assert not ties_embeddings(run.model_dir) or "lm_head" not in modules
+
+
+@pytest.mark.parametrize(("serve", "native", "served"), [("same", True, "float32"), ("bfloat16", False, "bfloat16"),
+                                                         ("auto", True, "bfloat16"), ("auto", False, "float32")])
+def test_the_rollout_serves_the_dtype_the_trainer_publishes(tmp_path, monkeypatch, serve, native, served):
+    import flywheel.models.precision as precision
+    from services.controller.launcher.local_run import LocalRun
+    from services.rollout.config import RolloutConfig
+    from services.trainer.config import TrainerConfig
+
+    monkeypatch.setattr(precision, "native_bfloat16", lambda device: native)
+    spec, data = split_run_file({"launch": {"model": {"source": "tiny", "serve_dtype": serve}}}, "test")
+    run = LocalRun(spec=spec, data=data, run_dir=tmp_path)
+    run.model_dir = tmp_path / "model"
+    configs = run.service_configs("127.0.0.1:4242")
+    trainer = TrainerConfig.model_validate(configs["trainer"]).model
+    rollout = RolloutConfig.model_validate(configs["rollout"]).engine
+    assert trainer.dtype == "float32"  # trains in the stored dtype whatever it serves
+    assert (trainer.publish_dtype or trainer.dtype) == rollout.args.get("dtype", "float32") == served
+
+
+def test_a_dtype_said_twice_and_differently_is_refused(tmp_path):
+    from services.controller.launcher.local_run import LocalRun
+
+    for section in ({"rollout": {"engine": {"args": {"dtype": "float32"}}}},
+                    {"trainer": {"model": {"publish_dtype": "float32"}}}):
+        spec, data = split_run_file({"launch": {"model": {"serve_dtype": "bfloat16"}, **section}}, "test")
+        run = LocalRun(spec=spec, data=data, run_dir=tmp_path)
+        run.model_dir = tmp_path / "model"
+        with pytest.raises(ConfigError, match="serve_dtype"):
+            run.service_configs("127.0.0.1:4242")
+
+
+def test_a_service_deployed_with_the_run_file_serves_its_dtype(tmp_path):
+    from flywheel.runtime.config import run_file_section
+
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text("launch: {model: {serve_dtype: bfloat16}, rollout: {engine: {kind: vllm}}}\n")
+    assert run_file_section(run_file, "trainer") == {"model": {"publish_dtype": "bfloat16"}}
+    assert run_file_section(run_file, "rollout") == {"engine": {"kind": "vllm", "args": {"dtype": "bfloat16"}}}
+    assert run_file_section(run_file, "synchronizer") == {}
+    run_file.write_text("launch: {model: {serve_dtype: float16}}\n")
+    with pytest.raises(ConfigError, match="serve_dtype"):
+        run_file_section(run_file, "rollout")

@@ -47,7 +47,8 @@ class Recorder(FlywheelWeightTransferEngine):
     """The engine with vLLM's reload replaced by a record of what it was given."""
 
     def __init__(self, model_dir: Path) -> None:
-        config = SimpleNamespace(parallel_config=None, model_config=SimpleNamespace(model=str(model_dir)))
+        model_config = SimpleNamespace(model=str(model_dir), dtype=torch.float32)
+        config = SimpleNamespace(parallel_config=None, model_config=model_config)
         super().__init__(SimpleNamespace(backend=BACKEND), config, torch.device("cpu"), torch.nn.Module())
         self.loads: list[dict[str, torch.Tensor]] = []
 

@@ -109,3 +109,52 @@ async def test_every_method_sends_the_probe_and_the_digests_with_the_version(mak
         await asyncio.gather(exporter.nccl(group.group_id), receive_version(client, "rollout-0", group, receiver))
         nccl = await client.get_version(3)
         assert nccl.probe == probe_now(engine) and nccl.identity == identify(receiver)
+
+
+async def test_a_version_published_in_bfloat16_is_the_cast_weights_and_their_probe(make_engine, tiny_model: Path,
+                                                                                   tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    engine = make_engine(model={"publish_dtype": "bfloat16"})
+    step(engine)
+    published = export_state(engine.policy, False, torch.bfloat16)
+    live = export_state(engine.policy, False)
+    assert {t.dtype for t in published.values()} == {torch.bfloat16} and published.keys() == live.keys()
+    assert all(t.dtype == torch.float32 for t in engine.policy.model.parameters()), "training stays in float32"
+    probe = probe_now_cast(engine)
+    # What a replica serving the version holds: the model in bfloat16 with exactly those tensors.
+    served = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.bfloat16)
+    served.load_state_dict(published, strict=False)
+    served.eval()
+    ids = [list(s) for s in probe.token_ids]
+    assert torch.equal(torch.tensor(probe.logprobs), torch.tensor(probe_logprobs(served, ids, torch.device("cpu"))))
+    assert probe != probe_now(engine), "the float32 weights' probe is another"
+    async with embedded_synchronizer(checkpoint_root=tmp_path) as server, SynchronizerClient(server.address) as client:
+        await WeightExporter(engine, SyncConfig(synchronizer_address=server.address, trainer_id="trainer-0")).memory()
+        version = await client.get_version(1)
+    assert version.identity == identify(published) and version.probe == probe
+    assert version.identity != identify(live)
+
+
+def probe_now_cast(engine: TrainingEngine) -> ProbeBatch:
+    policy = engine.policy
+    policy.model.eval()
+    try:
+        return published_probe(policy, export_state(policy, False, torch.bfloat16), False)
+    finally:
+        policy.model.train()
+
+
+def test_publish_dtype_is_refused_where_it_is_not_done() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from services.trainer.config import TrainerConfig
+
+    for refused in ({"lora": {"enabled": True}}, {}):
+        data = {"model": {"publish_dtype": "bfloat16", **refused}}
+        if not refused:
+            data["parallel"] = {"shard": True}
+        with pytest.raises(ValidationError, match="publish_dtype"):
+            TrainerConfig.model_validate(data)
+    assert TrainerConfig.model_validate({"model": {"publish_dtype": "float32"}, "parallel": {"shard": True}})
