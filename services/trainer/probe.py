@@ -12,6 +12,8 @@ How it is computed, so that it describes the published bytes and nothing else:
   * no autocast: the matmuls run in the weights' own dtype, the output head
     and the log-softmax in float32 (`forward.token_logprobs`, the same
     log-probs the trainer trains on);
+  * published in another dtype than trained (`model.publish_dtype`): the
+    forward runs on the cast tensors, swapped in for the call, in that dtype;
   * LoRA published merged: the forward runs on the merged tensors themselves
     (the adapters switched off, each adapted layer's weight swapped for its
     merged tensor for the call), not on base + adapters, which differ from
