@@ -46,7 +46,8 @@ class ModelSource(StrictModel):
         "bfloat16 and the trainer, still training in `dtype`, publishes each version cast to it "
         "(trainer model.publish_dtype, rollout engine.args.dtype: flywheel/runtime/config.py); auto: "
         "bfloat16 where the machine computes it natively (AVX-512 or AMX, a GPU with bfloat16), else `dtype`. "
-        "Services deployed with --run-file take it too"
+        "Services deployed with --run-file take it too. In bfloat16 the weight probe's bound can fail on correct "
+        "weights (docs/verification.md)"
     )
     tiny: dict[str, Any] = Field(default_factory=dict, description="tiny: build_tiny_model keyword arguments")
 
