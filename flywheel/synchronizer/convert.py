@@ -9,7 +9,7 @@ from flywheel.common.types import pause_mode_from_pb, pause_mode_to_pb
 from flywheel.common.v1 import common_pb2 as cpb
 from flywheel.codec.identity import IDENTITY_BYTES
 from flywheel.errors import InvalidArgument
-from flywheel.probe import ProbeBatch, ProbeCheck
+from flywheel.probe import ProbeBatch, ProbeCheck, ProbeStatistic
 from flywheel.runtime.addresses import check_address
 from flywheel.synchronizer.v1 import synchronizer_pb2 as pb
 from flywheel.synchronizer.types import (
@@ -165,21 +165,33 @@ def timings_from_pb(msg: pb.UpdateTimings) -> UpdateTimings:
 
 def probe_check_to_pb(c: ProbeCheck) -> pb.ProbeCheck:
     return pb.ProbeCheck(ran=c.ran, tokens=c.tokens, max_abs_diff=c.max_abs_diff, mean_abs_diff=c.mean_abs_diff,
-                         tolerance=c.tolerance, passed=c.passed)
+                         tolerance=c.tolerance, passed=c.passed, median_abs_diff=c.median_abs_diff,
+                         statistic=c.statistic.value)
 
 
 def probe_check_from_pb(msg: pb.ProbeCheck) -> ProbeCheck:
     """A replica's probe check; INVALID_ARGUMENT when its numbers contradict each other (a pass
-    must have run over some tokens and stayed within its tolerance)."""
-    diffs = (msg.max_abs_diff, msg.mean_abs_diff)
+    must have run over some tokens and held its statistic within its tolerance). An unset statistic
+    is the largest difference, what every check held before the median existed."""
+    diffs = (msg.max_abs_diff, msg.mean_abs_diff, msg.median_abs_diff)
     if any(math.isnan(d) or d < 0 for d in diffs) or not (math.isfinite(msg.tolerance) and msg.tolerance >= 0):
         raise InvalidArgument(f"coverage.probe: differences must be >= 0 nats and the tolerance finite and >= 0, got "
-                              f"max {msg.max_abs_diff}, mean {msg.mean_abs_diff}, tolerance {msg.tolerance}")
-    if msg.passed and not (msg.ran and msg.tokens > 0 and msg.max_abs_diff <= msg.tolerance):
-        raise InvalidArgument(f"coverage.probe: a pass needs a probe that ran over some tokens within its tolerance; "
-                              f"got ran={msg.ran}, tokens={msg.tokens}, max |diff| {msg.max_abs_diff} against "
+                              f"max {msg.max_abs_diff}, mean {msg.mean_abs_diff}, median {msg.median_abs_diff}, "
                               f"tolerance {msg.tolerance}")
-    return ProbeCheck(msg.ran, msg.tokens, msg.max_abs_diff, msg.mean_abs_diff, msg.tolerance, msg.passed)
+    if msg.max_abs_diff < msg.median_abs_diff:
+        raise InvalidArgument(f"coverage.probe: the median difference {msg.median_abs_diff} exceeds the largest "
+                              f"{msg.max_abs_diff}")
+    try:
+        statistic = ProbeStatistic(msg.statistic or pb.PROBE_STATISTIC_MAX)
+    except ValueError:
+        raise InvalidArgument(f"coverage.probe: unknown statistic {msg.statistic}") from None
+    check = ProbeCheck(msg.ran, msg.tokens, msg.max_abs_diff, msg.mean_abs_diff, msg.tolerance, msg.passed,
+                       median_abs_diff=msg.median_abs_diff, statistic=statistic)
+    if check.passed and not (check.ran and check.tokens > 0 and check.held <= check.tolerance):
+        raise InvalidArgument(f"coverage.probe: a pass needs a probe that ran over some tokens within its tolerance; "
+                              f"got ran={check.ran}, tokens={check.tokens}, {statistic.name.lower()} |diff| "
+                              f"{check.held} against tolerance {check.tolerance}")
+    return check
 
 
 def coverage_to_pb(c: UpdateCoverage) -> pb.UpdateCoverage:

@@ -148,16 +148,16 @@ class UpdatesConfig(StrictModel):
         "second copy would take GPU memory"
     )
     probe: bool = Field(
-        True, description="score the version's probe batch (flywheel.probe: the trainer's float32 log-probs of "
-        "fixed token sequences, 30 tokens) on the resident weights before generation reopens: the behavioural "
-        "check for the tensors an engine cannot read back (vLLM's repacked linear layers) and a second line "
-        "everywhere; it costs about a forward of 32 tokens inside the pause. Off: an engine that cannot read "
-        "every tensor back reports its updates UNVERIFIED"
+        True, description="score the version's probe batch (flywheel.probe: the trainer's log-probs of fixed "
+        "token sequences, 60 tokens) on the resident weights before generation reopens: the behavioural check for "
+        "the tensors an engine cannot read back (vLLM's repacked linear layers) and a second line everywhere; it "
+        "costs about a forward of 64 tokens inside the pause. Off: an engine that cannot read every tensor back "
+        "reports its updates UNVERIFIED"
     )
     probe_tolerance: float | None = Field(
-        None, gt=0, description="the largest per-token difference, in nats, between the replica's probe "
-        "log-probs and the trainer's that still passes; none: the engine's own, measured per engine and dtype "
-        "(docs/verification.md)"
+        None, gt=0, description="the bound, in nats, on the engine's statistic of the per-token differences between "
+        "the replica's probe log-probs and the trainer's (the largest difference; the median where the engine "
+        "rounds, as vLLM in bfloat16); none: the engine's own, measured per engine and dtype (docs/verification.md)"
     )
     faults_file: Path | None = Field(
         None, description="FAULT INJECTION, for tests and drills: a JSON file read at every update; while it "

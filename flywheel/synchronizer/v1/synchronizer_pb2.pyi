@@ -45,6 +45,12 @@ class UpdateOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UPDATE_OUTCOME_FAILED: _ClassVar[UpdateOutcome]
     UPDATE_OUTCOME_UNVERIFIED: _ClassVar[UpdateOutcome]
 
+class ProbeStatistic(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROBE_STATISTIC_UNSPECIFIED: _ClassVar[ProbeStatistic]
+    PROBE_STATISTIC_MAX: _ClassVar[ProbeStatistic]
+    PROBE_STATISTIC_MEDIAN: _ClassVar[ProbeStatistic]
+
 class UpdatePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     UPDATE_PHASE_UNSPECIFIED: _ClassVar[UpdatePhase]
@@ -78,6 +84,9 @@ UPDATE_OUTCOME_UNSPECIFIED: UpdateOutcome
 UPDATE_OUTCOME_VERIFIED: UpdateOutcome
 UPDATE_OUTCOME_FAILED: UpdateOutcome
 UPDATE_OUTCOME_UNVERIFIED: UpdateOutcome
+PROBE_STATISTIC_UNSPECIFIED: ProbeStatistic
+PROBE_STATISTIC_MAX: ProbeStatistic
+PROBE_STATISTIC_MEDIAN: ProbeStatistic
 UPDATE_PHASE_UNSPECIFIED: UpdatePhase
 UPDATE_PHASE_ADMIT: UpdatePhase
 UPDATE_PHASE_TRANSFER: UpdatePhase
@@ -552,20 +561,24 @@ class UpdateCoverage(_message.Message):
     def __init__(self, tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., resident_tensors: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., received_tensors: _Optional[int] = ..., received_bytes: _Optional[int] = ..., probe: _Optional[_Union[ProbeCheck, _Mapping]] = ...) -> None: ...
 
 class ProbeCheck(_message.Message):
-    __slots__ = ("ran", "tokens", "max_abs_diff", "mean_abs_diff", "tolerance", "passed")
+    __slots__ = ("ran", "tokens", "max_abs_diff", "mean_abs_diff", "tolerance", "passed", "median_abs_diff", "statistic")
     RAN_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_ABS_DIFF_FIELD_NUMBER: _ClassVar[int]
     MEAN_ABS_DIFF_FIELD_NUMBER: _ClassVar[int]
     TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     PASSED_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_ABS_DIFF_FIELD_NUMBER: _ClassVar[int]
+    STATISTIC_FIELD_NUMBER: _ClassVar[int]
     ran: bool
     tokens: int
     max_abs_diff: float
     mean_abs_diff: float
     tolerance: float
     passed: bool
-    def __init__(self, ran: _Optional[bool] = ..., tokens: _Optional[int] = ..., max_abs_diff: _Optional[float] = ..., mean_abs_diff: _Optional[float] = ..., tolerance: _Optional[float] = ..., passed: _Optional[bool] = ...) -> None: ...
+    median_abs_diff: float
+    statistic: ProbeStatistic
+    def __init__(self, ran: _Optional[bool] = ..., tokens: _Optional[int] = ..., max_abs_diff: _Optional[float] = ..., mean_abs_diff: _Optional[float] = ..., tolerance: _Optional[float] = ..., passed: _Optional[bool] = ..., median_abs_diff: _Optional[float] = ..., statistic: _Optional[_Union[ProbeStatistic, str]] = ...) -> None: ...
 
 class UpdateTimings(_message.Message):
     __slots__ = ("admit_seconds", "transfer_seconds", "apply_seconds", "verify_seconds", "reopen_seconds", "pause_seconds", "prepare_seconds")

@@ -98,7 +98,7 @@ def judge(version: int, replicas: Iterable[Replica], results: Mapping[int, Mappi
 def verdict_metrics(verdict: FleetVerdict) -> dict[str, float]:
     """The verdict as step metrics: counts (verdict/*) and each reporting replica's coverage
     (coverage/<replica>/*: tensors of the version, those measured and how, the probe's largest
-    difference in nats when a probe ran, the outcome as UpdateOutcome's number)."""
+    and median differences in nats when a probe ran, the outcome as UpdateOutcome's number)."""
     m = {
         "verdict/version": float(verdict.version),
         "verdict/verified_replicas": float(len(verdict.verified)),
@@ -116,6 +116,7 @@ def verdict_metrics(verdict: FleetVerdict) -> dict[str, float]:
         m[f"{prefix}/received_tensors"] = float(c.received_tensors)
         if c.probe.ran:
             m[f"{prefix}/probe_max_abs_diff"] = c.probe.max_abs_diff
+            m[f"{prefix}/probe_median_abs_diff"] = c.probe.median_abs_diff
     return m
 
 
@@ -125,8 +126,9 @@ def coverage_json(record: UpdateRecord) -> dict[str, Any]:
         "version": record.version, "outcome": record.outcome.name, "methods": c.methods, "complete": c.complete,
         "tensors": c.tensors, "covered_tensors": c.resident_tensors + c.received_tensors,
         "resident_tensors": c.resident_tensors, "received_tensors": c.received_tensors,
-        "probe": ({"tokens": c.probe.tokens, "max_abs_diff": c.probe.max_abs_diff, "tolerance": c.probe.tolerance,
-                   "passed": c.probe.passed} if c.probe.ran else None),
+        "probe": ({"tokens": c.probe.tokens, "max_abs_diff": c.probe.max_abs_diff,
+                   "median_abs_diff": c.probe.median_abs_diff, "statistic": c.probe.statistic.name.lower(),
+                   "tolerance": c.probe.tolerance, "passed": c.probe.passed} if c.probe.ran else None),
         "describe": c.describe(),
     }
 

@@ -24,7 +24,7 @@ from flywheel.common.kept import KeptSet
 from flywheel.common.provenance import VersionSpan
 from flywheel.common.types import RAW, FinishReason, PauseMode, SampledDistribution, SamplingSpec
 from flywheel.errors import FailedPrecondition, InvalidArgument
-from flywheel.probe import ProbeBatch
+from flywheel.probe import ProbeBatch, ProbeTolerance
 from flywheel.transfer.broadcast import GroupSpec
 
 
@@ -353,11 +353,12 @@ class Engine(abc.ABC):
         return Measured(unreadable=f"the {self.kind} engine cannot read its weights back")
 
     @property
-    def probe_tolerance(self) -> float:
-        """The largest per-token log-prob difference (nats) between this engine's scores of the
-        probe batch and the trainer's float32 ones that still counts as the same weights: engine
-        numerics, measured per engine and dtype (docs/verification.md)."""
-        return 1e-3
+    def probe_tolerance(self) -> ProbeTolerance:
+        """The bound on the per-token log-prob differences (nats) between this engine's scores of the
+        probe batch and the trainer's that still counts as the same weights, and the statistic it bounds
+        (the largest, unless the engine rounds): engine numerics, measured per engine and dtype
+        (docs/verification.md)."""
+        return ProbeTolerance(1e-3)
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """log p(ids[i + 1] | ids[:i + 1]) of each sequence under the resident weights, from the

@@ -36,6 +36,7 @@ from flywheel.codec.identity import identify
 from flywheel.common.kept import DEFAULT_MAX_IDS
 from flywheel.models.moe import Recorder, RoutingShape, compact, routing_shape
 from flywheel.errors import FailedPrecondition, InvalidArgument
+from flywheel.probe import ProbeTolerance
 from services.rollout.engine.base import (
     NO_FAULTS, AdapterWeights, Delta, Engine, EngineLoad, LoadFaults, Measured, PauseMode, SamplingSpec, SequenceScores, StagedWeights,
     TensorSpec,
@@ -442,7 +443,7 @@ class TransformersEngine(Engine):
         return await asyncio.get_running_loop().run_in_executor(self._executor, run)
 
     @property
-    def probe_tolerance(self) -> float:
+    def probe_tolerance(self) -> ProbeTolerance:
         # The trainer's own model code and kernels: float32 scores agree to about 1e-6 nats, bfloat16 to 2e-3 (measured,
-        # docs/verification.md); reduced precision moves every logit by its rounding.
-        return 2e-4 if self.model.dtype == torch.float32 else 0.02
+        # docs/verification.md); reduced precision moves every logit by its rounding, alike on both sides here.
+        return ProbeTolerance(2e-4 if self.model.dtype == torch.float32 else 0.02)

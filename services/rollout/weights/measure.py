@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from flywheel.codec.identity import VersionIdentity, version_digest
-from flywheel.probe import ProbeBatch, ProbeCheck, check
+from flywheel.probe import ProbeBatch, ProbeCheck, ProbeTolerance, check
 from flywheel.synchronizer.types import UpdateCoverage
 from services.rollout.engine.base import Engine, Measured, TensorSpec
 
@@ -86,7 +86,7 @@ def judge(specs: Mapping[str, TensorSpec], expected: VersionIdentity | None, mea
     return Verdict(coverage, sorted(wrong), identity, measured)
 
 
-async def run_probe(engine: Engine, probe: ProbeBatch | None, tolerance: float) -> ProbeCheck:
+async def run_probe(engine: Engine, probe: ProbeBatch | None, tolerance: ProbeTolerance) -> ProbeCheck:
     """Scores the probe batch on the engine's resident weights and compares with the trainer's. Not run
     (ran=False) without a probe, or on an engine that cannot score."""
     if probe is None or not engine.supports_prompt_logprobs:

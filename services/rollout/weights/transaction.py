@@ -38,7 +38,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from flywheel.codec.identity import VersionIdentity, version_digest
@@ -298,8 +298,10 @@ class WeightUpdates:
             if core.paused:  # an operator's Pause: the probe alone runs, and the engine pauses again after
                 await engine.resume()
             try:
-                probe = await run_probe(engine, staged.probe,
-                                        self.config.updates.probe_tolerance or engine.probe_tolerance)
+                tolerance = engine.probe_tolerance
+                if self.config.updates.probe_tolerance is not None:  # the operator's bound, on the engine's statistic
+                    tolerance = replace(tolerance, nats=self.config.updates.probe_tolerance)
+                probe = await run_probe(engine, staged.probe, tolerance)
             finally:
                 if core.paused:
                     await engine.pause("keep")

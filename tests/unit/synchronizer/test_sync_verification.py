@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 
 from flywheel.codec import identify
 from flywheel.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
-from flywheel.probe import ProbeBatch, ProbeCheck
+from flywheel.probe import ProbeBatch, ProbeCheck, ProbeStatistic
 from flywheel.synchronizer.convert import update_from_pb, update_report_from_pb, update_to_pb
 from flywheel.synchronizer.types import (
     EventKind, Identity, Method, Role, TransferState, UpdateCoverage, UpdateOutcome, UpdatePhase, UpdateRecord,
@@ -261,3 +261,28 @@ def test_coverage_travels_and_bad_numbers_are_refused() -> None:
             probe=pb.ProbeCheck(ran=True, tokens=6, max_abs_diff=0.5, tolerance=0.01, passed=True))))
     with pytest.raises(InvalidArgument, match="outcome: must be VERIFIED, UNVERIFIED or FAILED"):
         update_report_from_pb(pb.ReportUpdateRequest(id="r", version=1))
+
+
+def test_a_median_check_travels_and_a_pass_must_hold_its_own_statistic() -> None:
+    median = ProbeCheck(True, 60, 6.9, 0.3, 0.25, True, median_abs_diff=0.08, statistic=ProbeStatistic.MEDIAN)
+    record = UpdateRecord("r", 1, UpdateOutcome.VERIFIED, coverage=UpdateCoverage(TENSORS, 100, 2, 40, 3, 60, median))
+    assert update_from_pb(update_to_pb(record)) == record
+    assert "median |diff| 0.08 nats (max 6.9" in median.describe()
+
+    def probe(**kw) -> pb.ReportUpdateRequest:
+        return pb.ReportUpdateRequest(id="r", version=1, outcome=pb.UPDATE_OUTCOME_UNVERIFIED,
+                                      coverage=pb.UpdateCoverage(probe=pb.ProbeCheck(ran=True, tokens=60, **kw)))
+
+    # An unset statistic is the largest difference: a pass on a median within bound but a max past it is refused.
+    with pytest.raises(InvalidArgument, match="max \\|diff\\| 0.5 against tolerance 0.25"):
+        update_report_from_pb(probe(max_abs_diff=0.5, median_abs_diff=0.1, tolerance=0.25, passed=True))
+    with pytest.raises(InvalidArgument, match="median \\|diff\\| 0.3 against tolerance 0.25"):
+        update_report_from_pb(probe(max_abs_diff=0.5, median_abs_diff=0.3, tolerance=0.25, passed=True,
+                                    statistic=pb.PROBE_STATISTIC_MEDIAN))
+    with pytest.raises(InvalidArgument, match="the median difference 0.6 exceeds the largest 0.5"):
+        update_report_from_pb(probe(max_abs_diff=0.5, median_abs_diff=0.6, tolerance=1.0))
+    with pytest.raises(InvalidArgument, match="unknown statistic 9"):
+        update_report_from_pb(probe(max_abs_diff=0.5, statistic=9))
+    held = update_report_from_pb(probe(max_abs_diff=0.5, median_abs_diff=0.1, tolerance=0.25, passed=True,
+                                       statistic=pb.PROBE_STATISTIC_MEDIAN))
+    assert held.coverage.probe.passed and held.coverage.probe.held == 0.1
