@@ -19,14 +19,14 @@ How it is computed, so that it describes the published bytes and nothing else:
     merged tensor for the call), not on base + adapters, which differ from
     the merge by its rounding.
 
-Cost: one forward of PROBE_SEQUENCES x PROBE_LENGTH tokens (1 x 16) per
+Cost: one forward of PROBE_SEQUENCES x PROBE_LENGTH tokens (4 x 16) per
 published version, no backward; a step trains on far more tokens, forward and
 backward. Measured 1.4 s on one (shared) core of the 2-core EPYC for a
 SmolLM2-135M-shaped model in float32 with an earlier 4 x 64 batch (about 2 %
-of a quickstart step), and it costs less now; the
-export runs it beside the encoding or the broadcast (`export._snapshot`), so
-with a core or a GPU to spare it hides behind them. Its logits are
-[1, 16, vocab] float32 (3 MB for a 49k vocabulary), freed when it ends.
+of a quickstart step), and 4 x 16 costs less; the export runs it beside the
+encoding or the broadcast (`export._snapshot`), so with a core or a GPU to
+spare it hides behind them. Its logits are [4, 16, vocab] float32 (13 MB for
+a 49k vocabulary), freed when it ends.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _merged_logprobs(policy: Policy, merged: Mapping[str, Tensor], token_ids: Se
     swapped = {key: merged[key.replace(".base_layer.", ".")] for key in base.state_dict()
                if "lora_" not in key and key.replace(".base_layer.", ".") in merged}
     with policy.model.disable_adapter():
-        return _swapped_logprobs(base, swapped, token_ids, policy.device)
+        return swapped_logprobs(base, swapped, token_ids, policy.device)
 
 
 def published_probe(policy: Policy, state: Mapping[str, Tensor], merge_lora: bool) -> ProbeBatch:
@@ -90,7 +90,7 @@ def published_probe(policy: Policy, state: Mapping[str, Tensor], merge_lora: boo
         # Published in another dtype than trained (model.publish_dtype): the forward of the cast tensors, in
         # that dtype, as a replica serving them computes. SmolLM2 under vLLM in bfloat16 on a CPU: 0.15-0.34
         # nats from this, 0.43 from the float32 forward of the same values (vLLM rounds as torch does here).
-        return ProbeBatch.of(ids, _swapped_logprobs(policy.model, state, ids, policy.device))
+        return ProbeBatch.of(ids, swapped_logprobs(policy.model, state, ids, policy.device))
     # Without LoRA the state is the live parameters; LoRA unmerged publishes adapters that are served on top
     # of the base, as the live model computes.
     return ProbeBatch.of(ids, probe_logprobs(policy.model, ids, policy.device))
@@ -101,7 +101,7 @@ def _cast(model: nn.Module, state: Mapping[str, Tensor]) -> bool:
     return any(name in state and state[name].dtype != tensor.dtype for name, tensor in model.state_dict().items())
 
 
-def _swapped_logprobs(model: nn.Module, state: Mapping[str, Tensor], token_ids: Sequence[Sequence[int]],
+def swapped_logprobs(model: nn.Module, state: Mapping[str, Tensor], token_ids: Sequence[Sequence[int]],
                       device: torch.device) -> list[list[float]]:
     """The log-probs of `model` with its tensors replaced by `state`'s for the call (a tied duplicate left
     out of `state` follows the tensor it is tied to)."""

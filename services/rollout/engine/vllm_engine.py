@@ -117,6 +117,17 @@ def _checkpoint_dtype(path: Path) -> str:
     return str(config.get("dtype") or config.get("torch_dtype") or "auto")
 
 
+def probe_tolerance(dtype: str) -> ProbeTolerance:
+    """vLLM's scores of the probe against the trainer's transformers forward, measured per dtype
+    (docs/verification.md, scripts/measure_probe_noise.py): float32 agrees to about 1e-4 nats, so the largest
+    difference is held. bfloat16 rounds every activation and the logits (a logit near 20 is held to 0.125): on
+    SmolLM2's correct weights single tokens differed by up to 6.9 nats while the median of 60 stayed within
+    0.09, and two swapped layers moved it to 0.56 and more."""
+    if dtype.endswith("float32"):
+        return ProbeTolerance(4e-4)
+    return ProbeTolerance(0.25, ProbeStatistic.MEDIAN)
+
+
 class VllmEngine(Engine):
     kind = "vllm"
     supports_constraints = True
@@ -539,14 +550,7 @@ class VllmEngine(Engine):
 
     @property
     def probe_tolerance(self) -> ProbeTolerance:
-        # vLLM's kernels against the trainer's transformers forward, measured per dtype (docs/verification.md):
-        # float32 agrees to about 1e-4 nats, so the largest difference is held. bfloat16 rounds every activation
-        # and the logits (a logit near 20 is held to 0.125): on SmolLM2's correct weights single tokens differed by
-        # up to 6.9 nats while the median of 60 stayed within 0.09, and two swapped layers moved it past 0.56.
-        dtype = str(self._llm.vllm_config.model_config.dtype) if self._llm is not None else ""
-        if dtype.endswith("float32"):
-            return ProbeTolerance(4e-4)
-        return ProbeTolerance(0.25, ProbeStatistic.MEDIAN)
+        return probe_tolerance(str(self._llm.vllm_config.model_config.dtype) if self._llm is not None else "")
 
     async def discard_weights(self, staged: StagedWeights) -> None:
         if staged.source is not None and self._llm is not None:
