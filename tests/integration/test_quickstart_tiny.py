@@ -90,7 +90,8 @@ def vllm_run_file(tmp_path: Path) -> Path:
 
 def assert_served_as_asked(run_dir: Path) -> None:
     """serve_dtype auto: the rollout held bfloat16 where the CPU has it natively (and the trainer published
-    it), float32 elsewhere; every version it committed passed its verification (the probe included)."""
+    it), float32 elsewhere; every version it committed passed its verification (the probe included, held
+    by the statistic that engine and dtype call for)."""
     from flywheel.models.precision import native_bfloat16
 
     rollout = yaml.safe_load((run_dir / "rollout.yaml").read_text())
@@ -100,7 +101,13 @@ def assert_served_as_asked(run_dir: Path) -> None:
     events = [json.loads(line) for line in (run_dir / "rollout.log").read_text().splitlines()
               if line.startswith("{") and '"services.rollout.weights.transaction"' in line]
     assert not [e for e in events if e["msg"] == "weight update failed" and e.get("phase") == "verify"]
-    assert max(e["version"] for e in events if e["msg"] == "weights committed") == STEPS
+    committed = [e for e in events if e["msg"] == "weights committed"]
+    assert max(e["version"] for e in committed) == STEPS
+    # vLLM in bfloat16 holds its probe's median (its largest difference is heavy-tailed there); the
+    # transformers engine, and float32 anywhere, the largest difference.
+    held = "median" if served and rollout["engine"].get("kind", "auto") in ("vllm", "auto") else "max"
+    probed = [e["coverage"] for e in committed if "probe of" in e["coverage"]]
+    assert probed and all(f"probe of 60 tokens: {held} |diff|" in c and "passed" in c for c in probed), probed
 
 
 def wait_for(what: str, ready: Callable[[], bool], timeout: float, proc: subprocess.Popen | None = None) -> None:

@@ -120,6 +120,11 @@ PROBE_DIFF = Gauge(
     "The largest per-token log-prob difference between a replica's probe of that version and the trainer's, in nats "
     "(0 when no probe ran).",
 )
+PROBE_HELD = Gauge(
+    "flywheel_controller_probe_held_vs_tolerance_ratio",
+    "The largest, over the replicas that reported that version, of the difference their probe check held (the "
+    "largest per-token one, or the median where the engine rounds) divided by its tolerance: at most 1 passed.",
+)
 VERIFY_WAIT = Counter(
     "flywheel_controller_verify_wait_seconds_total",
     "Seconds train steps waited for a replica's report that it verified the versions their tokens came from.",
@@ -178,6 +183,8 @@ def _update_verdict(metrics: dict[str, float]) -> None:
     COVERAGE.set(min(shares, default=0.0))
     PROBE_DIFF.set(max((v for k, v in metrics.items()
                         if k.startswith("coverage/") and k.endswith("/probe_max_abs_diff")), default=0.0))
+    PROBE_HELD.set(max((v for k, v in metrics.items()
+                        if k.startswith("coverage/") and k.endswith("/probe_held_vs_tolerance")), default=0.0))
 
 
 def observe_staleness(values: list[int]) -> None:

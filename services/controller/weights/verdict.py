@@ -98,7 +98,7 @@ def judge(version: int, replicas: Iterable[Replica], results: Mapping[int, Mappi
 def verdict_metrics(verdict: FleetVerdict) -> dict[str, float]:
     """The verdict as step metrics: counts (verdict/*) and each reporting replica's coverage
     (coverage/<replica>/*: tensors of the version, those measured and how, the probe's largest
-    and median differences in nats when a probe ran, the outcome as UpdateOutcome's number)."""
+    and median differences in nats and the held one as a share of its tolerance when a probe ran, the outcome as UpdateOutcome's number)."""
     m = {
         "verdict/version": float(verdict.version),
         "verdict/verified_replicas": float(len(verdict.verified)),
@@ -117,6 +117,10 @@ def verdict_metrics(verdict: FleetVerdict) -> dict[str, float]:
         if c.probe.ran:
             m[f"{prefix}/probe_max_abs_diff"] = c.probe.max_abs_diff
             m[f"{prefix}/probe_median_abs_diff"] = c.probe.median_abs_diff
+            # The statistic the check held, as a share of its bound (<= 1 passed): comparable across engines and
+            # dtypes, whose checks hold different statistics to tolerances four decades apart.
+            if c.probe.tolerance > 0:
+                m[f"{prefix}/probe_held_vs_tolerance"] = c.probe.held / c.probe.tolerance
     return m
 
 

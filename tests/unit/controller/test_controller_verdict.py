@@ -76,6 +76,7 @@ def test_the_verdict_and_each_replicas_coverage_are_in_metrics_jsonl(tmp_path: P
         assert m["verdict/wait_seconds"] == 0.0  # the reports were in before the tokens
         assert (m["coverage/sim-0/covered_tensors"], m["coverage/sim-0/tensors"]) == (8, 8)
         assert m["coverage/sim-0/resident_tensors"] == 8 and m["coverage/sim-0/probe_max_abs_diff"] == 0.004
+        assert m["coverage/sim-0/probe_held_vs_tolerance"] == pytest.approx(0.004 / 0.05)
         assert m["coverage/sim-0/outcome"] == UpdateOutcome.VERIFIED
     failed = [m for m in steps if m.get("coverage/sim-1/outcome") == UpdateOutcome.FAILED]
     assert failed and all(m["verdict/quarantined_replicas"] == 1 for m in failed)
@@ -235,6 +236,7 @@ def test_the_verdict_goes_to_prometheus_with_no_per_replica_label() -> None:
         "verdict/version": 7.0, "verdict/verified_replicas": 2.0, "verdict/quarantined_replicas": 1.0,
         "verdict/unverified_replicas": 0.0, "verdict/pending_replicas": 0.0,
         "coverage/r0/tensors": 8.0, "coverage/r0/covered_tensors": 8.0, "coverage/r0/probe_max_abs_diff": 0.002,
+        "coverage/r0/probe_held_vs_tolerance": 0.3, "coverage/r1/probe_held_vs_tolerance": 0.6,
         "coverage/r1/tensors": 8.0, "coverage/r1/covered_tensors": 6.0,
     })
     assert sample("flywheel_controller_weight_updates_total", outcome="unverified") == before + 1
@@ -244,9 +246,11 @@ def test_the_verdict_goes_to_prometheus_with_no_per_replica_label() -> None:
     assert sample("flywheel_controller_verdict_replicas", verdict="quarantined") == 1
     assert sample("flywheel_controller_update_coverage_ratio") == 0.75
     assert sample("flywheel_controller_probe_max_abs_diff_nats") == 0.002
+    assert sample("flywheel_controller_probe_held_vs_tolerance_ratio") == 0.6
     verdict_families = {"flywheel_controller_weight_updates", "flywheel_controller_verify_wait_seconds",
                         "flywheel_controller_verdict_weight_version", "flywheel_controller_verdict_replicas",
-                        "flywheel_controller_update_coverage_ratio", "flywheel_controller_probe_max_abs_diff_nats"}
+                        "flywheel_controller_update_coverage_ratio", "flywheel_controller_probe_max_abs_diff_nats",
+                        "flywheel_controller_probe_held_vs_tolerance_ratio"}
     labels = {k for m in REGISTRY.collect() if m.name in verdict_families for s in m.samples for k in s.labels}
     assert labels == {"outcome", "verdict"}  # bounded label values; a replica's own figures are in metrics.jsonl
 
