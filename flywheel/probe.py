@@ -21,6 +21,7 @@ position, so a layer loaded wrong moves them.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -151,7 +152,7 @@ def check(expected: ProbeBatch, measured: Sequence[Sequence[float]], tolerance: 
             raise ValueError(f"probe sequence {s}: the replica scored {len(got)} tokens, the probe has {len(want)}")
         for i, (a, b) in enumerate(zip(want, got)):
             diff = abs(float(a) - float(b))
-            if diff != diff:  # NaN: a broken model, never within tolerance
+            if diff != diff:  # NaN: a broken model, never within tolerance (whatever the statistic: below)
                 diff = float("inf")
             if diff > worst:
                 worst, worst_at = diff, (s, i)
@@ -161,4 +162,4 @@ def check(expected: ProbeBatch, measured: Sequence[Sequence[float]], tolerance: 
     result = ProbeCheck(ran=True, tokens=len(diffs), max_abs_diff=worst, mean_abs_diff=sum(diffs) / len(diffs),
                         tolerance=tolerance.nats, worst=worst_at, median_abs_diff=median(diffs),
                         statistic=tolerance.statistic)
-    return replace(result, passed=result.held <= tolerance.nats)
+    return replace(result, passed=result.held <= tolerance.nats and math.isfinite(worst))

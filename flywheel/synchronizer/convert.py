@@ -171,7 +171,8 @@ def probe_check_to_pb(c: ProbeCheck) -> pb.ProbeCheck:
 
 def probe_check_from_pb(msg: pb.ProbeCheck) -> ProbeCheck:
     """A replica's probe check; INVALID_ARGUMENT when its numbers contradict each other (a pass
-    must have run over some tokens and held its statistic within its tolerance). An unset statistic
+    must have run over some tokens, held its statistic within its tolerance, and seen no token
+    without a finite difference). An unset statistic
     is the largest difference, what every check held before the median existed."""
     diffs = (msg.max_abs_diff, msg.mean_abs_diff, msg.median_abs_diff)
     if any(math.isnan(d) or d < 0 for d in diffs) or not (math.isfinite(msg.tolerance) and msg.tolerance >= 0):
@@ -187,7 +188,8 @@ def probe_check_from_pb(msg: pb.ProbeCheck) -> ProbeCheck:
         raise InvalidArgument(f"coverage.probe: unknown statistic {msg.statistic}") from None
     check = ProbeCheck(msg.ran, msg.tokens, msg.max_abs_diff, msg.mean_abs_diff, msg.tolerance, msg.passed,
                        median_abs_diff=msg.median_abs_diff, statistic=statistic)
-    if check.passed and not (check.ran and check.tokens > 0 and check.held <= check.tolerance):
+    if check.passed and not (check.ran and check.tokens > 0 and check.held <= check.tolerance
+                             and math.isfinite(check.max_abs_diff)):
         raise InvalidArgument(f"coverage.probe: a pass needs a probe that ran over some tokens within its tolerance; "
                               f"got ran={check.ran}, tokens={check.tokens}, {statistic.name.lower()} |diff| "
                               f"{check.held} against tolerance {check.tolerance}")

@@ -5,6 +5,7 @@ quarantine that holds across registrations and restarts."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -281,6 +282,9 @@ def test_a_median_check_travels_and_a_pass_must_hold_its_own_statistic() -> None
                                     statistic=pb.PROBE_STATISTIC_MEDIAN))
     with pytest.raises(InvalidArgument, match="the median difference 0.6 exceeds the largest 0.5"):
         update_report_from_pb(probe(max_abs_diff=0.5, median_abs_diff=0.6, tolerance=1.0))
+    with pytest.raises(InvalidArgument, match="a pass needs"):  # a NaN scored at one token is never a pass
+        update_report_from_pb(probe(max_abs_diff=math.inf, median_abs_diff=0.1, tolerance=0.25, passed=True,
+                                    statistic=pb.PROBE_STATISTIC_MEDIAN))
     with pytest.raises(InvalidArgument, match="unknown statistic 9"):
         update_report_from_pb(probe(max_abs_diff=0.5, statistic=9))
     held = update_report_from_pb(probe(max_abs_diff=0.5, median_abs_diff=0.1, tolerance=0.25, passed=True,
