@@ -34,8 +34,9 @@ from flywheel.common.v1 import common_pb2
 #: its update's pause (one forward of 64 tokens), and that is enough to see every fault class the tests
 #: inject: a linear layer scaled by 1.01 moves the tiny test model's log-probs by about 1e-3 nats and
 #: SmolLM2's by 0.1, against 1e-6 and 6e-5 between a correct replica and the trainer (float32, vLLM on
-#: CPU). In bfloat16 the 60 tokens are what holds the median: over 15 tokens a correct replica's median
-#: reached 0.15 nats and a swapped layer's fell to 0.12; over 60, 0.09 against 0.56 (docs/verification.md).
+#: CPU). In bfloat16 the 60 tokens are what holds the median (the fewer the tokens, the wider its spread):
+#: over 60, at most 0.092 nats on SmolLM2's correct weights against 1.10 and more with two layers swapped
+#: (50 probes each; docs/verification.md, bench/results/experiments/probe_noise.jsonl).
 PROBE_SEQUENCES = 4
 PROBE_LENGTH = 16
 #: The seed the token ids are drawn with (fixed: every version of a model gets the same batch).
