@@ -17,6 +17,10 @@ they share the machine's load of the moment; figures are medians:
              `python -m services.rollout` (vLLM engine, same engine args).
   http       our OpenAI `/v1/completions`, one request per prompt, all
              prompts from concurrent clients (aiohttp, which vLLM installs) at once.
+Start-up, first (--starts times, alternating, nothing else running): vLLM's
+own `LLM(...)` in a process of its own, from the process's start to the engine
+ready, against `python -m services.rollout` from its start to its ready file
+(the engine up, the gRPC server answering) -> service_start_vs_vllm_llm.
 Then weight updates on the idle service: `pause_seconds` (gate closed to
 gate open: pause, in-place swap, resume) and the whole call, for CHECKPOINT
 (a safetensors directory inside the rollout's `updates.checkpoint_root`) and
@@ -99,7 +103,8 @@ def _inprocess(model_dir: str, args: dict, prompts: list, max_tokens: int, comma
 
 class InProcess:
     """vLLM's `LLM.generate` in a process of its own, run on demand so its
-    repetitions interleave with ours under the same machine load."""
+    repetitions interleave with ours under the same machine load. Constructed,
+    it is ready: the constructor returns once the engine is up."""
 
     def __init__(self, model_dir: Path, args: dict, prompts: list, max_tokens: int) -> None:
         ctx = mp.get_context("spawn")
@@ -119,6 +124,18 @@ class InProcess:
         if self.child.is_alive():
             self.child.kill()
             self.child.join()
+
+
+def start_seconds(model_dir: Path, args: dict, run_dir: Path, prompts: list, max_tokens: int) -> dict[str, float]:
+    """Seconds until vLLM's own LLM is ready in a new process, then until our rollout service is."""
+    began = time.perf_counter()
+    InProcess(model_dir, args, prompts, max_tokens).stop()  # timed up to its "ready"; the stop is not
+    vllm_seconds = time.perf_counter() - began
+    began = time.perf_counter()
+    child = start_rollout(model_dir, args, run_dir)
+    ours = time.perf_counter() - began
+    child.stop()
+    return {"vllm_llm": vllm_seconds, "service": ours}
 
 
 # -- (b) gRPC and (c) HTTP against the service ---------------------------------------
@@ -281,14 +298,21 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--skip-throughput", action="store_true", help="only measure weight updates")
-    opts = parse_with_smoke(parser, "4 prompts x 8 tokens, one round: checks the bench runs (CI)",
-                            prompts=4, max_tokens=8, reps=1, warmup=0)
+    parser.add_argument("--starts", type=int, default=3, help="start-ups timed each side (0: none)")
+    opts = parse_with_smoke(parser, "4 prompts x 8 tokens, one round, one start each: checks the bench runs (CI)",
+                            prompts=4, max_tokens=8, reps=1, warmup=0, starts=1)
 
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-rollout-"))
     model_dir = prepare_model(opts.model, work)
     args = engine_args(opts.model)
     prompts = make_prompts(model_dir, opts.prompts)
     figures: dict = {"model": opts.model, "prompts": opts.prompts, "max_tokens": opts.max_tokens, "reps": opts.reps}
+    if opts.starts:
+        starts = [start_seconds(model_dir, args, work / "starts", prompts, opts.max_tokens) for _ in range(opts.starts)]
+        for key in ("vllm_llm", "service"):
+            figures[f"{key}_start_seconds"] = round(statistics.median(s[key] for s in starts), 2)
+        figures["service_start_vs_vllm_llm"] = round(figures["service_start_seconds"] / figures["vllm_llm_start_seconds"], 3)
+        print(f"start-up: {starts}", file=sys.stderr)
     baseline = None if opts.skip_throughput else InProcess(model_dir, args, prompts, opts.max_tokens)
     child = sync = None
     try:

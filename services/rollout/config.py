@@ -45,9 +45,12 @@ class EngineConfig(StrictModel):
     )
     cpu_cores: str = Field(
         "", description="on a CPU, the cores the engine computes on: all, or a list of cores and ranges "
-        "(0-3,6); vLLM binds one OpenMP thread to each (VLLM_CPU_OMP_THREADS_BIND, none reserved), the "
-        "transformers engine runs that many torch threads. Empty: the engine's default (vLLM binds every core "
-        "of its NUMA node but one, which it leaves to its front end; transformers, one thread per core)"
+        "(0-3,6); vLLM runs one OpenMP thread bound to each (its engine core spawned with OMP_NUM_THREADS, "
+        "OMP_PLACES and OMP_PROC_BIND where one worker serves the model, inside the engine core's process; "
+        "with tensor or pipeline parallelism its workers bound by VLLM_CPU_OMP_THREADS_BIND, none reserved), "
+        "the transformers engine runs that many torch threads. Empty: the engine's default (vLLM with one "
+        "worker, OpenMP's: one thread per core, unbound; with several, every core of a NUMA node but one, "
+        "which it leaves to its engine core; transformers, one thread per core)"
     )
     tool_parser: Literal["hermes"] = Field(
         "hermes", description="how the served model writes tool calls (parsed into OpenAI tool_calls, and the "

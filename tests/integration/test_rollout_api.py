@@ -55,6 +55,7 @@ def server(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: py
     child = start_service("rollout", tmp_path_factory.mktemp(f"rollout-{kind}"), [
         "--engine.model-path", str(model_dir), "--engine.kind", kind, "--engine.args", json.dumps(engine_args(kind)),
         "--http-port", "0", "--limits.max-pending-requests", "64", "--server.shutdown-grace-seconds", "2",
+        "--engine.cpu-cores", "all",
     ], env)
     try:
         child.wait_ready(300)
@@ -101,6 +102,29 @@ async def test_generate_is_consistent_with_tokenize_and_the_policy(server, model
             detok = await rollout.Detokenize(pb.DetokenizeRequest(token_ids=completion, skip_special_tokens=True))
             assert detok.text == sample.text
         assert list(tokens.completion_token_ids) == list(text.completion_token_ids)
+
+
+def test_vllm_serves_the_model_in_its_engine_core_bound_to_the_named_cores(server) -> None:
+    """On a CPU, vLLM's one worker runs inside its engine core (no third process: services/rollout/engine/
+    vllm_cpu.py), spawned with an OpenMP thread bound to each core engine.cpu_cores names ("all": those this
+    process may use); the transformers engine runs in the service's own process."""
+    psutil = pytest.importorskip("psutil")
+
+    def spawned(process) -> list:  # multiprocessing's spawned children (not its resource tracker)
+        return [child for child in process.children() if any("spawn_main" in part for part in child.cmdline())]
+
+    engines = spawned(psutil.Process(server.child.process.pid))
+    if server.kind == "transformers":
+        assert engines == []
+        return
+    assert len(engines) == 1, [child.cmdline() for child in engines]
+    assert spawned(engines[0]) == [], "vLLM's worker runs in a process of its own"
+    cores = sorted(os.sched_getaffinity(0))
+    environ = engines[0].environ()
+    assert (environ["OMP_NUM_THREADS"], environ["OMP_PLACES"], environ["OMP_PROC_BIND"]) == (
+        str(len(cores)), "{" + ",".join(map(str, cores)) + "}", "true")
+    for thread in engines[0].threads():
+        assert sorted(os.sched_getaffinity(thread.id)) == cores
 
 
 async def test_sampling_n_seed_and_stream(server) -> None:

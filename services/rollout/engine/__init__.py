@@ -8,7 +8,6 @@ only when an engine is created.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 from flywheel.errors import FailedPrecondition
@@ -33,14 +32,11 @@ def create_engine(config: RolloutConfig, codec: TextCodec) -> Engine:
             raise FailedPrecondition("engine.kind is vllm but the vllm package is not installed")
         from services.rollout.engine.vllm_engine import VllmEngine
 
-        if (cores := engine.cores()) is not None:
-            # Read by vLLM's CPU worker when it starts (a child process, which inherits them).
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         made: Engine = VllmEngine(Path(engine.model_path), engine.args, codec, engine.initial_version,
                                   config.updates.reuse_staging, logprobs_mode=engine.logprobs,
                                   prepare_outside_pause=_prepares_outside_pause(config),
-                                  max_adapters=config.adapters.max_resident, max_adapter_rank=config.adapters.max_rank)
+                                  max_adapters=config.adapters.max_resident, max_adapter_rank=config.adapters.max_rank,
+                                  cores=engine.cores())
         made.max_kept_ids = engine.max_kept_ids
         return made
     from services.rollout.engine.transformers_engine import TransformersEngine

@@ -1,5 +1,6 @@
 """The default engine: vLLM's AsyncLLM in this process (its engine core in a
-child process, as vLLM always runs it), with weight updates through vLLM's
+child process, as vLLM always runs it; on a CPU the model's worker inside that
+child where one worker serves it: `vllm_cpu`), with weight updates through vLLM's
 weight-transfer API and Flywheel's engine in its worker (`vllm_transfer`).
 
 Versions come from vLLM itself: the engine core stamps every step's output
@@ -50,6 +51,7 @@ from services.rollout.engine.base import (
 )
 from services.rollout.engine.checkpoint import checkpoint_specs
 from services.rollout.engine.text import TextCodec
+from services.rollout.engine.vllm_cpu import engine_core_environment, one_worker, spawned_with
 from services.rollout.engine.vllm_outputs import SampleDeltas, prompt_logprobs, routed_experts, version_spans
 from services.rollout.engine.vllm_sockets import use_private_socket_dir
 from services.rollout.engine.vllm_transfer import BACKEND, decode_error, error_of
@@ -139,13 +141,15 @@ class VllmEngine(Engine):
     def __init__(
         self, model_path: Path, args: Mapping[str, Any], codec: TextCodec, initial_version: int = 0,
         reuse_staging: bool = True, logprobs_mode: str = "processed", prepare_outside_pause: bool = True,
-        max_adapters: int = 0, max_adapter_rank: int = 64,
+        max_adapters: int = 0, max_adapter_rank: int = 64, cores: list[int] | None = None,
     ) -> None:
         for name in ("worker_extension_cls", "weight_transfer_config", "logprobs_mode", "enable_lora", "max_loras",
                      "max_lora_rank", "max_cpu_loras"):
             if name in args:
                 raise InvalidArgument(f"engine.args.{name}: set by the rollout service; remove it")
         self._path = Path(model_path)
+        #: engine.cpu_cores (None: not named), honoured on a CPU where the engine core is spawned (vllm_cpu).
+        self._cores = cores
         self.logprobs_mode = logprobs_mode
         self._args = dict(args)
         self._codec = codec
@@ -216,12 +220,18 @@ class VllmEngine(Engine):
         except TypeError as exc:
             raise InvalidArgument(f"engine.args: {exc}") from None
         use_private_socket_dir()
-        # Built off the event loop: it blocks until the engine core is up
-        # (tens of seconds) and health must keep answering meanwhile.
-        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=[StatsTap])
         from vllm.platforms import current_platform
 
         self._on_cpu = current_platform.is_cpu()
+        spawn_variables = engine_core_environment(self._cores, args) if self._on_cpu else {}
+
+        def build() -> Any:
+            with spawned_with(spawn_variables):
+                return AsyncLLM.from_engine_args(engine_args, stat_loggers=[StatsTap])
+
+        # Built off the event loop: it blocks until the engine core is up
+        # (tens of seconds) and health must keep answering meanwhile.
+        self._llm = await asyncio.to_thread(build)
         model_config = self._llm.vllm_config.model_config
         self.max_model_len = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
@@ -412,7 +422,7 @@ class VllmEngine(Engine):
     @property
     def joins_groups(self) -> bool:
         # One rank per replica in the synchronizer's groups: one worker can take it.
-        return all(int(self._args.get(name) or 1) == 1 for name in ("tensor_parallel_size", "pipeline_parallel_size"))
+        return one_worker(self._args)
 
     async def receive_in_group(self, spec: GroupSpec, should_abort: Callable[[], bool]) -> StagedWeights:
         """The worker joins the group and receives while generation goes on; returns once it holds

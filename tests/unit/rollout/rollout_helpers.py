@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
@@ -45,9 +44,8 @@ def rollout_config(model: Path, kind: str, **overrides: Any) -> RolloutConfig:
 
 
 def need_engine(kind: str) -> None:
-    """Skips when the engine's package is missing; keeps vLLM's core in-process friendly."""
+    """Skips when the engine's package is missing."""
     if kind == "vllm":
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import pytest
 
         pytest.importorskip("vllm")
