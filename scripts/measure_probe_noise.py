@@ -4,6 +4,7 @@ dtype judges each batch (the figures behind `vllm_engine.probe_tolerance`; docs/
 
     .venv/bin/python scripts/measure_probe_noise.py                    # SmolLM2, bfloat16, 200 sequences
     .venv/bin/python scripts/measure_probe_noise.py --dtype float32 --sequences 40
+    .venv/bin/python scripts/measure_probe_noise.py --dtype float32 --scale 1.01   # as bench/rollout.py's versions
 
 The trainer's side is its own probe of a version published cast to `--dtype` (services/trainer/probe.py:
 the forward of the cast tensors); vLLM's is an offline engine on the same checkpoint in `--dtype`, with
@@ -21,7 +22,9 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from statistics import median
 
@@ -48,6 +51,17 @@ def faults(state: dict[str, torch.Tensor], layers: int) -> dict[str, dict[str, t
                  (f"model.layers.{last - 1}.mlp.up_proj.weight", f"model.layers.{last}.mlp.up_proj.weight")):
         out[f"swap_{a}_{b}"] = {**state, a: state[b], b: state[a]}
     return out
+
+
+def scaled_copy(model_dir: Path, scale: float, into: Path) -> Path:
+    """`model_dir` copied into `into` with every tensor of its safetensors files multiplied by `scale`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, into, dirs_exist_ok=True)
+    for file in into.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        save_file({k: (v * scale).contiguous() for k, v in tensors.items()}, str(file), metadata={"format": "pt"})
+    return into
 
 
 def summary(trainer: list[list[float]], served: list[list[float]], ids: list[list[int]],
@@ -80,6 +94,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--sequences", type=int, default=200, help=f"random sequences (a multiple of {PROBE_SEQUENCES})")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--scale", type=float, default=1.0, help="serve (and probe) every weight of the checkpoint "
+                        "multiplied by this: other correct weights than the model's own, as bench/rollout.py's versions")
     parser.add_argument("--keep", action="store_true", help="append the record to bench/results/experiments/")
     args = parser.parse_args()
     if args.sequences <= 0 or args.sequences % PROBE_SEQUENCES:
@@ -99,6 +115,9 @@ def main() -> int:
     model_dir = args.model_dir or default_smollm2_dir()
     if args.model_dir is None and not is_converted(model_dir, "float32"):
         convert_smollm2(model_dir)
+    name = model_dir.name if args.scale == 1.0 else f"{model_dir.name} x{args.scale:g}"
+    if args.scale != 1.0:
+        model_dir = scaled_copy(model_dir, args.scale, Path(tempfile.mkdtemp(prefix="probe-noise-")))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     dtype = getattr(torch, args.dtype)
@@ -118,11 +137,13 @@ def main() -> int:
     outputs = llm.generate([{"prompt_token_ids": q} for q in ids], SamplingParams(max_tokens=1, prompt_logprobs=0))
     served = [[out.prompt_logprobs[i][q[i]].logprob for i in range(1, len(q))] for q, out in zip(ids, outputs)]
     tolerance = probe_tolerance(args.dtype)
-    figures = {"model": model_dir.name, "dtype": args.dtype, "sequences": args.sequences,
+    figures = {"model": name, "dtype": args.dtype, "sequences": args.sequences,
                "tokens_per_probe": PROBE_SEQUENCES * (PROBE_LENGTH - 1),
                "tolerance": {"nats": tolerance.nats, "statistic": tolerance.statistic.name.lower()},
                **{name: summary(side, served, ids, tolerance) for name, side in sides.items()}}
     print(json.dumps(figures), flush=True)
+    if args.scale != 1.0:
+        shutil.rmtree(model_dir, ignore_errors=True)
     if args.keep:
         path = append(make_record("probe_noise", figures, args=vars(args) | {"model_dir": str(model_dir)}),
                       RESULTS / "experiments")

@@ -159,8 +159,9 @@ class UpdatesConfig(StrictModel):
     )
     probe_tolerance: float | None = Field(
         None, gt=0, description="the bound, in nats, on the engine's statistic of the per-token differences between "
-        "the replica's probe log-probs and the trainer's (the largest difference; the median where the engine "
-        "rounds, as vLLM in bfloat16); none: the engine's own, measured per engine and dtype (docs/verification.md)"
+        "the replica's probe log-probs and the trainer's (the median on vLLM, whose kernels are not the trainer's; "
+        "the largest difference on the transformers engine); none: the engine's own, measured per engine and dtype "
+        "(docs/verification.md)"
     )
     faults_file: Path | None = Field(
         None, description="FAULT INJECTION, for tests and drills: a JSON file read at every update; while it "

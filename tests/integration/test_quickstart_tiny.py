@@ -103,9 +103,9 @@ def assert_served_as_asked(run_dir: Path) -> None:
     assert not [e for e in events if e["msg"] == "weight update failed" and e.get("phase") == "verify"]
     committed = [e for e in events if e["msg"] == "weights committed"]
     assert max(e["version"] for e in committed) == STEPS
-    # vLLM in bfloat16 holds its probe's median (its largest difference is heavy-tailed there); the
-    # transformers engine, and float32 anywhere, the largest difference.
-    held = "median" if served and rollout["engine"].get("kind", "auto") in ("vllm", "auto") else "max"
+    # vLLM holds its probe's median in either dtype (its kernels are not the trainer's: single tokens
+    # stray); the transformers engine, whose kernels are, the largest difference.
+    held = "median" if rollout["engine"].get("kind", "auto") in ("vllm", "auto") else "max"
     probed = [e["coverage"] for e in committed if "probe of" in e["coverage"]]
     assert probed and all(f"probe of 60 tokens: {held} |diff|" in c and "passed" in c for c in probed), probed
 

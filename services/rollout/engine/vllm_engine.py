@@ -121,12 +121,16 @@ def _checkpoint_dtype(path: Path) -> str:
 
 def probe_tolerance(dtype: str) -> ProbeTolerance:
     """vLLM's scores of the probe against the trainer's transformers forward, measured per dtype
-    (docs/verification.md, scripts/measure_probe_noise.py): float32 agrees to about 1e-4 nats, so the largest
-    difference is held. bfloat16 rounds every activation and the logits (a logit near 20 is held to 0.125): on
-    SmolLM2's correct weights single tokens differed by up to 6.9 nats while the median of 60 stayed within
-    0.092, and two swapped layers moved it to 1.10 and more (50 probes each, at a6fdb56)."""
+    (docs/verification.md, scripts/measure_probe_noise.py; 50 probes of 60 tokens on SmolLM2 each). Its
+    kernels are not the trainer's, so single tokens stray where most agree, and the median of the 60 is held
+    in both dtypes. float32: on correct weights the median stayed within 1.3e-5 nats while single tokens
+    differed by up to 1.9e-3 (weights x1.01; 4e-4 on the largest, held until then, failed 4 correct probes
+    in 50); one layer's weight x1.01 moved the median to 2.3e-3 and more. bfloat16 rounds
+    every activation and the logits (a logit near 20 is held to 0.125): single tokens differed by up to 6.9
+    nats while the median stayed within 0.092, and two swapped layers moved it to 1.10 and more. The
+    records: bench/results/experiments/probe_noise.jsonl."""
     if dtype.endswith("float32"):
-        return ProbeTolerance(4e-4)
+        return ProbeTolerance(2e-4, ProbeStatistic.MEDIAN)
     return ProbeTolerance(0.25, ProbeStatistic.MEDIAN)
 
 
