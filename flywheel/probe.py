@@ -9,10 +9,10 @@ the version's identity. After loading the version, before generation's gate
 reopens, a replica scores the same sequences on its resident weights and
 compares: a statistic of the per-token differences must stay within the
 engine's tolerance (`ProbeTolerance`, measured per engine and dtype;
-docs/verification.md): the largest difference where the engine computes as
-the trainer does, the median where it rounds (bfloat16), since there the
-largest of correct weights' differences is heavy-tailed and a run would stop
-on a correct version.
+docs/verification.md): the largest difference where the engine's kernels are
+the trainer's, the median where they are not (vLLM, in float32 as in
+bfloat16), since there the largest of correct weights' differences is
+heavy-tailed and a run would stop on a correct version.
 
 Random token sequences are out of any task's distribution, which does not
 matter here: every weight of every layer reaches the log-probs of every
@@ -91,9 +91,9 @@ class ProbeBatch:
 class ProbeStatistic(Enum):
     """The difference a check holds to its tolerance (values: the protobuf enum's)."""
 
-    #: The largest per-token difference: where the engine computes as the trainer does (float32).
+    #: The largest per-token difference: where the engine's kernels are the trainer's (transformers).
     MAX = 1
-    #: The median: where the engine rounds (bfloat16), robust to the heavy tail of its rounding.
+    #: The median: where they are not (vLLM), robust to the heavy tail of single tokens that stray.
     MEDIAN = 2
 
 

@@ -123,7 +123,7 @@ PROBE_DIFF = Gauge(
 PROBE_HELD = Gauge(
     "flywheel_controller_probe_held_vs_tolerance_ratio",
     "The largest, over the replicas that reported that version, of the difference their probe check held (the "
-    "largest per-token one, or the median where the engine rounds) divided by its tolerance: at most 1 passed.",
+    "largest per-token one, or the median where the engine's kernels are not the trainer's) divided by its tolerance: at most 1 passed.",
 )
 VERIFY_WAIT = Counter(
     "flywheel_controller_verify_wait_seconds_total",

@@ -356,7 +356,7 @@ class Engine(abc.ABC):
     def probe_tolerance(self) -> ProbeTolerance:
         """The bound on the per-token log-prob differences (nats) between this engine's scores of the
         probe batch and the trainer's that still counts as the same weights, and the statistic it bounds
-        (the largest, unless the engine rounds): engine numerics, measured per engine and dtype
+        (the largest, unless the engine's kernels are not the trainer's): engine numerics, measured per engine and dtype
         (docs/verification.md)."""
         return ProbeTolerance(1e-3)
 
