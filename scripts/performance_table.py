@@ -263,9 +263,14 @@ TABLES = [
           "The trainer service's TrainStep against the same step in-process.",
           LEAD + [("`service_vs_inprocess`", fig("service_vs_inprocess", bold=True)),
                   ("RPC overhead (ms)", fig("rpc_overhead_ms")), ("notes", notes)]),
-    Table("rollout", "Generate over gRPC and HTTP (`bench/rollout.py`)",
-          "The rollout service's Generate (gRPC) and OpenAI HTTP API against vLLM in-process.",
-          LEAD + [("in-process (tokens/s)", fig("inprocess_tokens_per_s")), ("`grpc_vs_inprocess`", fig("grpc_vs_inprocess")),
+    Table("rollout", "The rollout's start-up, and Generate over gRPC and HTTP (`bench/rollout.py`)",
+          "The rollout service's start-up, Generate (gRPC) and OpenAI HTTP API against vLLM's own `LLM` in a "
+          "process of its own, in vLLM's default layout (on a CPU a worker process of its own, one core left to "
+          "the engine core); lower is better for the start, higher for the rates.",
+          LEAD + [("model", fig("model")), ("start (s): vLLM's LLM", fig("vllm_llm_start_seconds")),
+                  ("ours", fig("service_start_seconds")),
+                  ("`service_start_vs_vllm_llm`", fig("service_start_vs_vllm_llm", bold=True)),
+                  ("in-process (tokens/s)", fig("inprocess_tokens_per_s")), ("`grpc_vs_inprocess`", fig("grpc_vs_inprocess")),
                   ("`http_vs_inprocess`", fig("http_vs_inprocess")), ("notes", notes)]),
     Table("load", "The HTTP API under load (`bench/load.py`)",
           "Many concurrent clients against one rollout replica: tokens/s under load against unloaded, errors, p99.",
