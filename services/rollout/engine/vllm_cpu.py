@@ -8,9 +8,9 @@ torch and vLLM in turn. Where one worker serves the model (no tensor,
 pipeline or data parallelism) the rollout runs it inside the engine core's
 process instead, vLLM's `uni` executor, which its CPU platform keeps only
 with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the front end still starts the engine
-core in a child: AsyncLLM has no other way). One import fewer: the SmolLM2
-engine started in 8.5-9.3 s against 13.9-14.4 s, and generated as fast
-(docs/testing.md, "vLLM's worker").
+core in a child: AsyncLLM has no other way). One import of torch and vLLM
+fewer: the rollout service on SmolLM2 was ready in 14.4 s against 20.2 s
+(`bench/rollout.py`, bench/results/rollout.jsonl).
 
 vLLM's executor then binds no OpenMP threads, so engine.cpu_cores is
 honoured here: the engine core is spawned with one OpenMP thread per named
