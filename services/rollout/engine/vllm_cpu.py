@@ -51,8 +51,8 @@ def engine_core_environment(cores: list[int] | None, args: Mapping[str, Any],
         # vLLM's executor starts the workers and binds each to a list of cores.
         return {} if named is None else {"VLLM_CPU_OMP_THREADS_BIND": named, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     variables = {MULTIPROCESSING: "0"}
-    if named is not None:
-        variables.update(OMP_NUM_THREADS=str(len(cores or ())), OMP_PLACES="{" + named + "}", OMP_PROC_BIND="true")
+    if cores is not None:
+        variables.update(OMP_NUM_THREADS=str(len(cores)), OMP_PLACES=f"{{{named}}}", OMP_PROC_BIND="true")
     return variables
 
 
