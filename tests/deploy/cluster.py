@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 from tests.deploy.image import Identity
 
 NETNS_ETC = Path("/etc/netns")
@@ -104,6 +106,44 @@ def process_privileges(pid: int) -> dict:
     """no_new_privs and the capability bounding set (hex) of a running process."""
     status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
     return {"no_new_privs": status["NoNewPrivs"].strip() == "1", "bounding_set": int(status["CapBnd"].strip(), 16)}
+
+
+class GenerationHold:
+    """Holds the rollout replicas' generation while a test looks at a live job, and nothing else of them.
+
+    A job of the tiny model ran its 20 steps in 8 s on a fast 2-core machine, before the status page had
+    answered (CI at 5887148), so a test that polled for a job in progress raced its end. `hold(pids)` stops
+    (SIGSTOP) every process below each replica's main process: vLLM's engine core, which does the
+    generation, and multiprocessing's resource tracker. The main process keeps serving its gRPC and HTTP
+    APIs, health, metrics and registration, so the replica is up and ready but no token comes out: the
+    job's first rollouts wait (within worker.timeout_seconds) and its step stays at 0 until `release()`.
+    A replica whose engine runs in its own process only (the transformers engine) has nothing to hold:
+    `hold` refuses it, so the test cannot pass unheld."""
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+
+    def hold(self, pids: list[int]) -> None:
+        for pid in pids:
+            below = psutil.Process(pid).children(recursive=True)
+            assert below, f"process {pid} has no child process to hold (its engine runs in process)"
+            for child in below:
+                child.send_signal(signal.SIGSTOP)
+                self.held.append(child.pid)
+
+    def release(self) -> None:
+        for pid in self.held:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self.held.clear()
+
+    def __enter__(self) -> "GenerationHold":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def _setns(fd: int) -> None:

@@ -38,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tests.deploy.cluster import Host, NamespaceCluster
 from tests.deploy.fields import check_compose_service, check_compose_volume
@@ -215,8 +215,9 @@ class ComposeProject:
                     return False
         return True
 
-    def up(self, until: float) -> None:
-        """Starts everything in depends_on order; returns once every long-running service is healthy."""
+    def up(self, until: float, before_start: Callable[[Container], None] = lambda c: None) -> None:
+        """Starts everything in depends_on order, calling `before_start` with each container just before
+        it starts; returns once every long-running service is healthy."""
         pending = [c for cs in self.containers.values() for c in cs]
         while True:
             now = time.monotonic()
@@ -226,6 +227,7 @@ class ComposeProject:
                 deps = c.spec.get("depends_on") or {}
                 if all(self.condition_met(s, d.get("condition", "service_started"), d.get("required", True))
                        for s, d in deps.items()):
+                    before_start(c)
                     self.start(c)
                     pending.remove(c)
             for cs in self.containers.values():

@@ -25,11 +25,10 @@ NO_CHROMIUM = ("headless Chromium is not installed (Debian package `chromium`, w
                "the status page's browser check cannot run")
 
 
-#: Steps of the job the cluster tests watch live, over the run file's 10: long enough to be seen through
-#: the status page while the checks run, where 10 steps of the tiny model took 4-8 s with one replica
-#: serving. With both replicas serving from the start (the tests hold the Job until they do) a step takes
-#: 2-3 s on two cores, and 40 steps cost the tests 55-85 s each beyond what the checks need. A multiple of
-#: 10: the run file's data is one epoch of 10 steps.
+#: Steps of the job the cluster tests run, over the run file's 10: enough for every replica to generate on
+#: version 5 or later, which the tests check. They look at the job live with its replicas held at its first
+#: rollouts (tests.deploy.cluster.GenerationHold), so the steps' speed does not decide what they see. A
+#: multiple of 10: the run file's data is one epoch of 10 steps.
 LIVE_STEPS = 20
 #: The variables that set it (`FLYWHEEL_RUN__*`, as a user's overlay or override file sets them); the
 #: run file's 40 tasks are one epoch of 10 steps.
@@ -43,12 +42,12 @@ def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = No
         return reply.read()
 
 
-def live_status(page: str, roles: list[str], token: str) -> dict:
+def live_status(page: str, roles: list[str], token: str, steps_done: int) -> dict:
     """The status page's JSON (asked with `token`, a viewer's) once it lists exactly these running roles
-    and a trained step, else {}."""
+    at `steps_done` trained steps (0: a job whose replicas' generation is held, GenerationHold), else {}."""
     body = json.loads(http_get(page + "api/status", headers={"Authorization": f"Bearer {token}"}))
     running = sorted(c["role"] for c in body["components"] if c["state"] != "stopped")
-    return body if running == sorted(roles) and body["step"] >= 1 else {}
+    return body if running == sorted(roles) and body["step"] == steps_done else {}
 
 
 def check_secure_defaults(page: str, trainer: str, synchronizer: str, tokens: dict[str, str]) -> None:

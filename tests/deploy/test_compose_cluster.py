@@ -11,7 +11,9 @@ FLYWHEEL_RUN_FILE=/etc/flywheel/examples/quickstart-tiny.yaml,
 FLYWHEEL_MODEL_SOURCE=tiny (unset, a user gets the quickstart on SmolLM2).
 Prometheus and Grafana (images) do not run: the test scrapes every target
 prometheus.yml names, resolving its DNS names as Prometheus would, and checks
-the dashboard's queries against what those scrapes export.
+the dashboard's queries against what those scrapes export. All of that looks at
+the job live: the replicas' generation is held at its first rollouts while it
+runs (cluster.GenerationHold), then released, and the job runs to its end.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import yaml
 
 from flywheel.runtime.auth import read_tokens_file
 from flywheel.testing.engines import with_transformers_engine
-from tests.deploy.cluster import NamespaceCluster, available, process_identity
+from tests.deploy.cluster import GenerationHold, NamespaceCluster, available, process_identity
 from tests.deploy.compose import ComposeProject
 from tests.deploy.image import image_user
 from tests.deploy.manifests import ROOT, load_compose, read_env_file
@@ -77,9 +79,15 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
     with NamespaceCluster(tmp_path) as cluster:
         project = ComposeProject(cluster, tmp_path, VARIABLES, scale=SCALE, compose=long_job())
         assert set(project.containers) == {"tokens-init", "model-init", "synchronizer", "trainer", "rollout", "controller"}
-        deadline = time.monotonic() + JOB_TIMEOUT
+        deadline, hold = time.monotonic() + JOB_TIMEOUT, GenerationHold()
+
+        def hold_the_replicas(container) -> None:  # the controller starts once they are healthy (depends_on)
+            if container.service == "controller":
+                hold.hold([c.proc.pid for c in project.containers["rollout"]])
+
         try:
-            project.up(deadline)
+            # Everything below until the release looks at the job live: its replicas are held at its first rollouts.
+            project.up(deadline, before_start=hold_the_replicas)
             (controller,) = project.containers["controller"]
             ip = controller.host.address
             status_env = {k: v for k, v in controller.env.items() if k.startswith("FLYWHEEL_CONTROLLER__")}
@@ -94,7 +102,7 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
                 assert controller.proc.poll() is None, f"controller exited early:\n{controller.tail()}"
                 assert time.monotonic() < deadline
                 try:
-                    body = live_status(page, ["rollout"] * SCALE["rollout"] + ["trainer"], tokens["viewer"])
+                    body = live_status(page, ["rollout"] * SCALE["rollout"] + ["trainer"], tokens["viewer"], steps_done=0)
                 except OSError:
                     pass
                 time.sleep(0.3)
@@ -119,11 +127,15 @@ def test_compose_runs_the_job_with_two_replicas(tmp_path: Path) -> None:
             (trainer,), (synchronizer,) = project.containers["trainer"], project.containers["synchronizer"]
             check_secure_defaults(page, f"{trainer.host.address}:50052", f"{synchronizer.host.address}:50051", tokens)
 
+            assert live_status(page, ["rollout"] * SCALE["rollout"] + ["trainer"], tokens["viewer"], steps_done=0), \
+                "the job trained while its replicas were held: the checks above did not see it at a known step"
+            hold.release()
             code = controller.proc.wait(max(1.0, deadline - time.monotonic()))
             assert code == 0, controller.tail()
             # The replicas, still up, say themselves that they generated and moved to new weights.
             work = replica_work(prometheus_targets(cluster)["rollout"])
         finally:
+            hold.release()
             logs = {c.name: c.tail(1500) for cs in project.containers.values() for c in cs}
             cluster.stop()
         # model-init ran as the image's user: everything it wrote to the models volume is that user's.
@@ -175,10 +187,19 @@ def test_compose_trains_with_checkpoint_weight_sync(tmp_path: Path) -> None:
                               else v for v in service.get("volumes", [])]
     with NamespaceCluster(tmp_path) as cluster:
         project = ComposeProject(cluster, tmp_path, VARIABLES, compose=compose)
-        deadline = time.monotonic() + JOB_TIMEOUT
+        deadline, hold = time.monotonic() + JOB_TIMEOUT, GenerationHold()
+
+        def hold_the_replicas(container) -> None:  # the controller starts once they are healthy (depends_on)
+            if container.service == "controller":
+                hold.hold([c.proc.pid for c in project.containers["rollout"]])
+
         try:
-            project.up(deadline)
+            # Everything below until the release looks at the job live: its replicas are held at its first rollouts.
+            project.up(deadline, before_start=hold_the_replicas)
             (controller,) = project.containers["controller"]
+            assert live_status(page, ["rollout"] * SCALE["rollout"] + ["trainer"], tokens["viewer"], steps_done=0), \
+                "the job trained while its replicas were held: the checks above did not see it at a known step"
+            hold.release()
             code = controller.proc.wait(max(1.0, deadline - time.monotonic()))
             assert code == 0, controller.tail()
         finally:

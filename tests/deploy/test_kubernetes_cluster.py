@@ -25,7 +25,10 @@ namespace). Beside the overlay the cpu test runs two pods of its own, as
 `kubectl run` would, labelled outside the policies: `outsider` is refused on
 every Flywheel pod's service ports, directly and through a Service, while
 the project's pods are served there and `outsider` itself is served by
-`bystander` (no policy selects it), so the refusal is the policy's.
+`bystander` (no policy selects it), so the refusal is the policy's. Those checks
+look at the job live: its rollout replicas' generation is held at its first
+rollouts while they run (cluster.GenerationHold), then released, and the job runs
+to its end; a run of the tiny model can otherwise end in seconds.
 
 The TLS variant adds components/tls and components/tls-mutual to that overlay and
 creates Secret flywheel-tls from the certificate deploy/README.md's command makes,
@@ -58,7 +61,7 @@ from flywheel.synchronizer.v1 import synchronizer_pb2, synchronizer_pb2_grpc
 from flywheel.runtime.auth import read_tokens_file
 from flywheel.runtime.tokens import init as init_tokens
 from flywheel.testing.engines import with_transformers_engine
-from tests.deploy.cluster import NamespaceCluster, available, process_identity, process_privileges
+from tests.deploy.cluster import GenerationHold, NamespaceCluster, available, process_identity, process_privileges
 from tests.deploy.kube import Kube
 from tests.deploy.pods import Pod, container_port
 from tests.deploy.manifests import ROOT, readme_cert_hosts, user_overlay
@@ -100,10 +103,12 @@ def render(tmp_path: Path, components: tuple[str, ...] = (), run_file: dict | No
     return objects
 
 
-def apply_then_start_the_job(kube: Kube, deadline: float) -> tuple[Pod, list[Pod]]:
+def apply_then_start_the_job(kube: Kube, deadline: float, hold: GenerationHold) -> tuple[Pod, list[Pod]]:
     """Every object, the Job held until each rollout replica is ready: on a real cluster the replicas
     start at once on nodes of their own, here their vLLM start-ups share two cores, and a run of the
-    tiny model can end before the second one is up. The Job's pod and the rollout pods."""
+    tiny model can end before the second one is up. Then the replicas' generation is held (`hold`) and
+    the Job starts: its run waits at its first rollouts until the test releases them. The Job's pod and
+    the rollout pods."""
     kube.apply(held=lambda pod: pod.owner["kind"] == "Job")
     (job_pod,) = [p for p in kube.pods if p.owner["kind"] == "Job"]
     rollouts = [p for p in kube.pods if p.labels.get("app.kubernetes.io/component") == "rollout"]
@@ -113,6 +118,7 @@ def apply_then_start_the_job(kube: Kube, deadline: float) -> tuple[Pod, list[Pod
         assert time.monotonic() < deadline, "the rollout replicas never became ready:\n" + "\n".join(
             f"{p.name} {p.phase} ready={p.ready}\n{p.tail(1500)}" for p in rollouts)
         time.sleep(0.5)
+    hold.hold([c.proc.pid for p in rollouts for c in p.containers if c.proc is not None])
     kube.release(job_pod)
     return job_pod, rollouts
 
@@ -186,12 +192,14 @@ def check_run_as_the_pod_user(kube: Kube) -> None:
             assert {p.stat().st_gid for p in written} == {10001}, (pod.name, written)
 
 
-def start_the_job_until_it_trains(kube: Kube, deadline: float, viewer_token: str) -> tuple[Pod, list[Pod], str, dict]:
-    """Starts the job (apply_then_start_the_job), then polls its status page through the controller's Service
-    (what `kubectl port-forward svc/...` reaches) until it shows the trainer and every rollout live. Fails at
-    once when a pod restarts or the controller pod ends first, and at `deadline` (time.monotonic()). Returns
-    the Job's pod, the rollout pods, the page and its status."""
-    job_pod, rollouts = apply_then_start_the_job(kube, deadline)
+def start_the_job_held(kube: Kube, deadline: float, viewer_token: str, hold: GenerationHold
+                       ) -> tuple[Pod, list[Pod], str, dict]:
+    """Starts the job with its replicas' generation held (apply_then_start_the_job), then polls its status
+    page through the controller's Service (what `kubectl port-forward svc/...` reaches) until it shows the
+    trainer and every rollout live, at step 0: the job cannot end while the test looks at it, however fast
+    the machine. Fails at once when a pod restarts or the controller pod ends, and at `deadline`
+    (time.monotonic()). Returns the Job's pod, the rollout pods, the page and its status."""
+    job_pod, rollouts = apply_then_start_the_job(kube, deadline, hold)
     page = f"http://{kube.service_address('flywheel-controller', 'http')}/"
     body, seen = {}, "the page never answered"
     while not body:
@@ -199,11 +207,11 @@ def start_the_job_until_it_trains(kube: Kube, deadline: float, viewer_token: str
         crashed = {p.name: p.why_restarted() for p in kube.pods if p.restarts}
         assert not crashed, f"restarted while the job ran: {crashed}"
         assert job_pod.phase in ("Pending", "Running"), \
-            f"controller pod {job_pod.phase} before the status page showed it training ({seen}):\n{job_pod.tail()}"
-        assert time.monotonic() < deadline, "the job never showed every component training:\n" + "\n".join(
+            f"controller pod {job_pod.phase} while its rollouts were held ({seen}):\n{job_pod.tail()}"
+        assert time.monotonic() < deadline, "the job never showed every component live:\n" + "\n".join(
             f"{p.name} {p.phase} ready={p.ready}\n{p.tail(1500)}" for p in kube.pods)
         try:
-            body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], viewer_token)
+            body = live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], viewer_token, steps_done=0)
         except OSError as exc:
             seen = f"the page: {exc!r}"
         time.sleep(0.5)
@@ -280,9 +288,10 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
     objects += [made, bare_pod(namespace, "outsider"), bare_pod(namespace, "bystander")]
     with NamespaceCluster(tmp_path) as cluster:
         kube = Kube(cluster, objects, tmp_path)
-        deadline = time.monotonic() + JOB_TIMEOUT
+        deadline, hold = time.monotonic() + JOB_TIMEOUT, GenerationHold()
         try:
-            job_pod, rollouts, page, body = start_the_job_until_it_trains(kube, deadline, tokens["viewer"])
+            # Everything below until the release looks at the job live: its replicas are held at its first rollouts.
+            job_pod, rollouts, page, body = start_the_job_held(kube, deadline, tokens["viewer"], hold)
             replica_ids = sorted(c["id"] for c in body["components"] if c["role"] == "rollout")
             check_run_as_the_pod_user(kube)
             # Each rollout pod registered under its own pod IP (the Deployment's POD_IP advertise address).
@@ -308,10 +317,14 @@ def test_kubernetes_cpu_overlay_runs_the_job_with_two_replicas(tmp_path: Path) -
                 http_get(models_url)
             assert refused.value.code == 401
 
+            assert live_status(page, ["rollout"] * ROLLOUTS + ["trainer"], tokens["viewer"], steps_done=0), \
+                "the job trained while its replicas were held: the checks above did not see it at a known step"
+            hold.release()
             wait_for_the_job_to_end(kube, job_pod, deadline)
             # The replicas, still up, say themselves that they generated and moved to new weights.
             work = replica_work([f"{p.ip}:{p.annotations['prometheus.io/port']}" for p in rollouts])
         finally:
+            hold.release()
             logs = stop_keeping_the_logs(kube, cluster)
         assert job_pod.phase == "Succeeded", logs[job_pod.name]
         # Probes passed for the right reasons: nothing was restarted by a probe or a crash.
