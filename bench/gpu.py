@@ -23,6 +23,10 @@ Measured in the same run, on the same model directory and the same batch:
   unsharded      the same TrainingEngine.train_step without parallel.shard
   trainer step   (the default at world_size 1: the model as loaded, no FSDP
                  wrapping): what separates FSDP2's cost from our loss path's.
+  compiled       the unsharded trainer step with model.compile (each decoder
+  trainer step   layer's forward compiled by inductor); its first step, which
+                 compiles, timed apart. CUDA only: on a CPU (--smoke) the
+                 compilation alone takes minutes.
   plain step     the same model loaded with from_pretrained onto the GPU,
                  unsharded: full logits, log-softmax, the policy-gradient
                  term -mean(logp * advantage) over the loss mask, backward,
@@ -63,6 +67,7 @@ alternate round by round so anything else on the machine hits both alike;
 figures are medians. Ratios are throughput ratios, ours over the baseline
 (baseline seconds / our seconds: 1.0 is parity, above 1 is faster):
   fsdp_step_vs_plain_step, trainer_step_vs_plain_step (unsharded),
+  compiled_step_vs_plain_step,
   export_buckets_vs_d2h_copy,
   rollout_generate_vs_inprocess_generate, ipc_handoff_vs_d2d_copy.
 Also printed: the GPU memory peaks of both steps and the export's GPU peak
@@ -386,8 +391,14 @@ def main() -> int:
         })
         engine = TrainingEngine(config)
         engine.load()
-        unsharded = TrainingEngine(config.model_copy(update={"parallel": config.parallel.model_copy(update={"shard": False})}))
+        unsharded_config = config.model_copy(update={"parallel": config.parallel.model_copy(update={"shard": False})})
+        unsharded = TrainingEngine(unsharded_config)
         unsharded.load()
+        compiled = None
+        if device.startswith("cuda"):
+            compiled = TrainingEngine(unsharded_config.model_copy(
+                update={"model": unsharded_config.model.model_copy(update={"compile": True})}))
+            compiled.load()
         plain = PlainStep(path, device, lr, torch.bfloat16 if autocast == "bfloat16" else None)
         params = sum(p.numel() for p in plain.model.parameters())
         print(f"model: Qwen2 architecture, {params / 1e6:.0f}M parameters, random weights; device {device}; "
@@ -396,15 +407,24 @@ def main() -> int:
         ours: list[float] = []
         whole: list[float] = []
         base: list[float] = []
+        fused: list[float] = []
+        compile_figures: dict[str, float] = {}
+        if compiled is not None:
+            compile_figures["compiled_first_step_seconds"] = timed(lambda: compiled.train_step(batch, loss), device)
         for i in range(args.warmup + args.steps):
             t_ours = timed(lambda: engine.train_step(batch, loss), device)
             t_whole = timed(lambda: unsharded.train_step(batch, loss), device)
+            t_fused = timed(lambda: compiled.train_step(batch, loss), device) if compiled is not None else 0.0
             t_base = timed(lambda: plain.step(batch), device)
             if i >= args.warmup:
                 ours.append(t_ours)
                 whole.append(t_whole)
+                fused.append(t_fused)
                 base.append(t_base)
         step_ours, step_whole, step_base = statistics.median(ours), statistics.median(whole), statistics.median(base)
+        if compiled is not None:
+            step_fused = statistics.median(fused)
+            compile_figures.update(compiled_step_seconds=step_fused, compiled_step_vs_plain_step=step_base / step_fused)
         peaks = {}
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
@@ -413,13 +433,20 @@ def main() -> int:
             torch.cuda.reset_peak_memory_stats()
             unsharded.train_step(batch, loss)
             peaks["unsharded_step_peak_bytes"] = torch.cuda.max_memory_allocated()
+            if compiled is not None:
+                torch.cuda.reset_peak_memory_stats()
+                compiled.train_step(batch, loss)
+                peaks["compiled_step_peak_bytes"] = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             plain.step(batch)
             peaks["plain_step_peak_bytes"] = torch.cuda.max_memory_allocated()
 
         if args.profile:
-            profile_steps({"sharded": lambda: engine.train_step(batch, loss),
-                           "unsharded": lambda: unsharded.train_step(batch, loss)}, device)
+            profiled = {"sharded": lambda: engine.train_step(batch, loss),
+                        "unsharded": lambda: unsharded.train_step(batch, loss)}
+            if compiled is not None:
+                profiled["compiled"] = lambda: compiled.train_step(batch, loss)
+            profile_steps(profiled, device)
 
         bucket_bytes = args.bucket_mib << 20
         exported = {"bytes": 0}
@@ -448,6 +475,8 @@ def main() -> int:
             peaks["export_peak_above_resident_bytes"] = torch.cuda.max_memory_allocated() - resident
         engine.close()
         unsharded.close()
+        if compiled is not None:
+            compiled.close()
         plain.model = plain.optimizer = None  # the GPU memory goes to the generation figure's models
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -458,6 +487,12 @@ def main() -> int:
               f"{tokens / step_base:,.0f} tokens/s")
         print(f"{'unsharded step (s)':22}{step_whole:>14.4f}{step_base:>14.4f}{step_base / step_whole:>8.2f}   "
               f"trainer step (no FSDP) vs plain torch step; {tokens / step_whole:,.0f} tokens/s")
+        if compiled is not None:
+            print(f"{'compiled step (s)':22}{step_fused:>14.4f}{step_base:>14.4f}{step_base / step_fused:>8.2f}   "
+                  f"trainer step (no FSDP, model.compile) vs plain torch step; {tokens / step_fused:,.0f} tokens/s; "
+                  f"its first step, compiling: {compile_figures['compiled_first_step_seconds']:.1f} s")
+        else:
+            print("compiled step: not measured on a CPU (inductor's compilation alone takes minutes there)")
         print(f"{'export (s)':22}{export_ours:>14.4f}{export_base:>14.4f}{export_base / export_ours:>8.2f}   "
               f"buckets gathered to host vs raw D2H copy of the same {gib:.2f} GiB; "
               f"{gib / export_ours:.2f} vs {gib / export_base:.2f} GiB/s")
@@ -472,6 +507,7 @@ def main() -> int:
         "fsdp_step_seconds": step_ours, "plain_step_seconds": step_base,
         "fsdp_step_vs_plain_step": step_base / step_ours,
         "unsharded_step_seconds": step_whole, "trainer_step_vs_plain_step": step_base / step_whole,
+        **compile_figures,
         "export_bytes": exported["bytes"], "export_buckets_seconds": export_ours, "d2h_copy_seconds": export_base,
         "export_buckets_vs_d2h_copy": export_base / export_ours,
         **generation,

@@ -359,11 +359,12 @@ TABLES = [
            ("time", suite_time), ("notes", notes)]),
     Table("gpu", "On a GPU (`bench/gpu.py`)",
           "The Qwen2.5-0.5B architecture with random weights, batch 8 x 512 tokens: the trainer's step (one-rank "
-          "FSDP2, and without FSDP) against a plain torch step, the export against a raw device-to-host copy, "
+          "FSDP2, without FSDP, and without FSDP with `model.compile`) against a plain torch step, the export against a raw device-to-host copy, "
           "generation against `model.generate`, a co-located CUDA IPC handoff against a device copy. Above 1 is "
           "faster than the baseline. docs/gpu.md tells what each run found.",
           LEAD + [("`fsdp_step_vs_plain_step`", fig("fsdp_step_vs_plain_step")),
                   ("`trainer_step_vs_plain_step`", fig("trainer_step_vs_plain_step")),
+                  ("`compiled_step_vs_plain_step`", fig("compiled_step_vs_plain_step")),
                   ("`export_buckets_vs_d2h_copy`", fig("export_buckets_vs_d2h_copy")),
                   ("`rollout_generate_vs_inprocess_generate`", fig("rollout_generate_vs_inprocess_generate")),
                   ("`ipc_handoff_vs_d2d_copy`", fig("ipc_handoff_vs_d2d_copy")),

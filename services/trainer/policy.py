@@ -41,6 +41,7 @@ from flywheel.errors import FailedPrecondition, InvalidArgument, NotFound, Resou
 from flywheel.models.precision import native_bfloat16
 from flywheel.trainer.types import AdamStep, LoraShape
 from services.trainer.config import OptimizerConfig, TrainerConfig
+from services.trainer.compiled import compile_layers
 from services.trainer.distributed import is_sharded, shard_model
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,8 @@ class Policy:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if mcfg.lora.enabled:
             model = _wrap_lora(model, config)
+        if mcfg.compile:
+            compile_layers(model)
         if shard:
             model = shard_model(model, mcfg.device)
         model.train()
