@@ -47,8 +47,8 @@ class ModelConfig(StrictModel):
     compile: bool = Field(
         False, description="compile each decoder layer's forward with torch.compile (inductor): fewer, fused "
         "kernels, for GPUs, where a step of a small model is bound by Python's kernel launches. The first steps "
-        "(and a batch of a new shape, until shapes are compiled as dynamic) pay the compilation; not for "
-        "mixture-of-experts models (routing replay hooks their routers at every forward)")
+        "(and a batch of a new shape, until shapes are compiled as dynamic) pay the compilation; refused for "
+        "mixture-of-experts models (routing replay hooks their routers at every forward, untried with compiled layers)")
     routing_replay: bool = Field(
         True, description="mixture-of-experts models: replay the experts the rollout's routers chose (TrainBatch "
         "routed_experts) in the policy's and the reference's forward, the gate weights still from the trainer's own "
