@@ -32,17 +32,15 @@ from services.trainer.distributed import decoder_layers
 BACKEND = "inductor"
 
 
-def compile_layers(model: nn.Module) -> int:
-    """Compiles every decoder layer's forward of `model` in place (lazily: at its first call);
-    the number of layers. Refuses a mixture-of-experts model: routing replay adds hooks to its
+def compile_layers(model: nn.Module) -> None:
+    """Compiles every decoder layer's forward of `model` in place (lazily: at its first call).
+    Refuses a mixture-of-experts model: routing replay adds hooks to its
     routers and removes them at every forward, which compiled layers have not been tried with."""
     if routers(model):
         raise FailedPrecondition(
             "model.compile: not supported for mixture-of-experts models (routing replay hooks their routers "
             "at every forward, untried with compiled layers); turn it off")
-    layers = decoder_layers(model)
-    for layer in layers:
+    for layer in decoder_layers(model):
         # dynamic=None: the first shape compiles static, a second recompiles with dynamic sizes once
         # (sequence length and rows change from batch to batch).
         layer.forward = torch.compile(layer.forward, backend=BACKEND, dynamic=None)
-    return len(layers)

@@ -139,12 +139,6 @@ class GenerationHold:
                 pass
         self.held.clear()
 
-    def __enter__(self) -> "GenerationHold":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
 
 def _setns(fd: int) -> None:
     if _libc.setns(fd, CLONE_NEWNET) != 0:
