@@ -16,7 +16,9 @@ schedule decaying over the N steps as TRL's does, greedy validation of the 200 h
 questions before training and at the end). Baseline: TRL 1.16's GRPOTrainer on the same job, as
 a single-machine TRL user without a GPU runs it (generation through transformers' `generate`,
 `use_cpu`, TRL's defaults otherwise: loss_type "dapo", beta 0, scale_rewards "group", bf16
-autocast): the same model file, system prompt and chat template, the same questions in the same
+autocast where the CPU computes bfloat16 natively; on one that emulates it (AVX2 only), `bf16`
+False, as our `autocast: auto` does there: emulated, a step takes many times as long, and no user
+would keep it; `trl_bf16` says which ran): the same model file, system prompt and chat template, the same questions in the same
 order (the ones our run trained, step by step, from its trained_tasks.jsonl; TRL's shuffling off),
 8 questions x 8 samples per step (per-device batch 16 x 4 accumulation steps = one generation
 of 64), learning rate 1e-5 decaying linearly over the N steps, temperature 0.7, the run file's
@@ -53,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.arguments import bench_parser, parse_with_smoke  # noqa: E402
+from flywheel.models.precision import native_bfloat16  # noqa: E402
 from flywheel.testing.engines import with_transformers_engine  # noqa: E402
 from flywheel.testing.machine import cpu  # noqa: E402
 from flywheel.testing.records import record  # noqa: E402
@@ -244,6 +247,7 @@ def run_trl(config_path: Path, run_dir: Path, steps: int, seed: int, work: Path,
         learning_rate=float(spec.trainer["optimizer"]["lr"]),  # type: ignore[attr-defined]
         use_cpu=True, logging_steps=1, save_strategy="no", report_to="none", seed=seed,
         shuffle_dataset=False,  # the questions in our run's order
+        bf16=native_bfloat16("cpu"),  # TRL's default (True) only where the CPU has it: see the docstring
     )
     for assignment in trl_sets:
         override(settings, assignment)
@@ -269,7 +273,7 @@ def run_trl(config_path: Path, run_dir: Path, steps: int, seed: int, work: Path,
     wall = time.monotonic() - started
     return {"wall_seconds": wall, "train_seconds": train_seconds, "validation_seconds": validation,
             "setup_seconds": setup, "steps": steps, "val_before": before, "val_after": after,
-            "rewards": Logs.rewards, "lengths": Logs.lengths}
+            "rewards": Logs.rewards, "lengths": Logs.lengths, "bf16": bool(args.bf16)}
 
 
 def side_figures(name: str, side: dict) -> dict[str, Any]:
@@ -324,7 +328,7 @@ def main() -> None:
         if args.side in ("both", "trl"):
             trl = run_trl(config, work / "ours", steps, args.seed, work, args.trl_sets)
             print({"trl": trl}, flush=True)
-            figures.update(side_figures("trl", trl))
+            figures.update(side_figures("trl", trl), trl_bf16=trl["bf16"])
     figures["load_average"] = load + [round(os.getloadavg()[0], 2)]
     if args.side == "both":
         figures["flywheel_step_vs_trl_step"] = round(figures["trl_seconds_per_step"] /

@@ -169,6 +169,15 @@ def suite_time(r: Record) -> str:
     return f"**{f['pytest_minutes']:.1f} min**" + (f" ({whole:.1f} with setup)" if whole else "")
 
 
+def trl_precision(r: Record) -> str:
+    """Whether TRL's side ran under bf16 autocast (TRL's default) or in float32 ("off"); the records
+    before the `trl_bf16` figure ran TRL's default unless an override (--trl bf16=...) says otherwise."""
+    chosen = r["figures"].get("trl_bf16")
+    if chosen is None:
+        chosen = not any(s.replace(" ", "").lower() == "bf16=false" for s in r["args"].get("trl_sets") or [])
+    return "on" if chosen else "off"
+
+
 def environment(r: Record) -> str:
     """The environment an environments record played (the first records, before verifiers, are OpenEnv's)."""
     return str(r["figures"].get("environment", "openenv"))
@@ -214,7 +223,7 @@ TABLES = [
                   ("ours: held-out before -> after", before_after("flywheel_val_before", "flywheel_val_after")),
                   ("ours after, TRL's evaluator", lambda r: accuracy(r["figures"].get("flywheel_val_after_hf"))),
                   ("TRL: held-out before -> after", before_after("trl_val_before", "trl_val_after")),
-                  ("notes", notes)]),
+                  ("TRL's bf16 autocast", trl_precision), ("notes", notes)]),
     Table("learning", "The trainer's step against plain torch (`bench/learning.py`)",
           "Our trainer's step on a quickstart-shaped batch (in-process: GRPO loss, log-probs at the completion, "
           "AdamW) against a transformers forward with labels + backward + AdamW on the same batch, same autocast "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from flywheel.models.precision import native_bfloat16
 from tests.integration.bench_smoke import run_smoke
 
 pytestmark = pytest.mark.slow
@@ -32,3 +33,5 @@ def test_the_trl_bench_smoke_reports_both_sides() -> None:
         <= (trl + 0.05) / (ours - 0.05) + 0.001
     assert 0 <= result["flywheel_val_after_hf"] <= 1  # our final weights through TRL's side's evaluator
     assert result["cpu_model"] and result["cpu_isa"]
+    # TRL's bf16 autocast only where the CPU computes bfloat16 natively, as our side's autocast: auto.
+    assert result["trl_bf16"] is native_bfloat16("cpu")
