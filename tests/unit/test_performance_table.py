@@ -205,6 +205,34 @@ def test_a_quickstart_run_directory_becomes_a_record(tmp_path: Path) -> None:
                               "median_step_seconds": 22.0}
 
 
+def test_the_quickstart_job_in_another_mode_is_recorded_with_its_mode_and_kept_out_of_the_readme(
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "fully-async"
+    run_dir.mkdir()
+    history = [{"step": 0, "value": 0.295}, {"step": 30, "value": 0.7}]
+    (run_dir / "summary.json").write_text(json.dumps({
+        "last_step": 30, "job_seconds_this_session": 900.0,
+        "validation": {"metric": "val/accuracy", "before": history[0], "after": history[-1], "history": history},
+    }))
+    (run_dir / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "time/step_seconds": 30.0, "staleness/mean": m}) + "\n"
+        for s, m in ((1, 0.0), (2, 3.0), (3, 4.5))))
+    config = tmp_path / "fully-async.yaml"
+    config.write_text("mode: fully-async\nstaleness: {policy: correct}\n")
+    env = {**os.environ, records.ENV_DIR: str(tmp_path / "results")}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "record_quickstart.py"), str(run_dir),
+                           "--config", str(config)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (rec,) = [json.loads(line) for line in (tmp_path / "results" / "quickstart.jsonl").read_text().splitlines()]
+    figs = rec["figures"]
+    assert (figs["mode"], figs["staleness"], figs["mean_staleness"]) == ("fully-async", {"policy": "correct"}, 2.5)
+    assert table.mode(rec) == "fully-async (policy correct)" and not table.ships_as_is(rec)
+    shipped = {**rec, "figures": {k: v for k, v in figs.items() if k not in ("mode", "staleness")}}
+    assert table.mode(shipped) == "sync" and table.ships_as_is(shipped)
+    readme = table.readme_tables({"quickstart": [rec, shipped]})[table.BEGIN]
+    assert readme.count(rec["commit"][:7]) == 1  # the shipped run's row alone
+
+
 def test_a_suite_run_junit_becomes_a_record_the_tables_show(tmp_path: Path) -> None:
     junit = tmp_path / "suite.xml"
     junit.write_text(
