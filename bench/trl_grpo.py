@@ -18,9 +18,9 @@ a single-machine TRL user without a GPU runs it (generation through transformers
 `use_cpu`, TRL's defaults otherwise: loss_type "dapo", beta 0, scale_rewards "group", bf16
 autocast where the CPU computes bfloat16 natively; on one that emulates it (AVX2 only), `bf16`
 False, as our `autocast: auto` does there: emulated, a step takes many times as long, and no user
-would keep it; `trl_bf16` says which ran): the same model file, system prompt and chat template, the same questions in the same
-order (the ones our run trained, step by step, from its trained_tasks.jsonl; TRL's shuffling off),
-8 questions x 8 samples per step (per-device batch 16 x 4 accumulation steps = one generation
+would keep it; `trl_bf16` says which ran): the same model file, system prompt and chat template,
+the same questions in the same order (the ones our run trained, step by step, from its
+trained_tasks.jsonl; TRL's shuffling off), 8 questions x 8 samples per step (per-device batch 16 x 4 accumulation steps = one generation
 of 64), learning rate 1e-5 decaying linearly over the N steps, temperature 0.7, the run file's
 completion length (48 tokens), the same reward (our math scorer), seed S. TRL's held-out accuracy
 is measured with our scorer before training and at the end (greedy, 64 tokens) through

@@ -213,7 +213,8 @@ TABLES = [
           "Run time from the services being ready to the summary (setup and the model's one-time conversion "
           "excluded). Recorded from a run directory by `scripts/record_quickstart.py`; the job in another mode "
           "names it (the mode column), with the mean staleness of its trained samples.",
-          LEAD + [("seed", fig("seed")), ("mode", mode), ("before", validation_at(0)), ("step 5", validation_at(5, when=True)),
+          LEAD + [("seed", fig("seed")), ("mode", mode), ("before", validation_at(0)),
+                  ("step 5", validation_at(5, when=True)),
                   ("step 10", validation_at(10, when=True)), ("step 20", validation_at(20)), ("final", final),
                   ("run time", run_time), ("step (s)", step_time), ("mean staleness", fig("mean_staleness")),
                   ("setup (s)", fig("setup_seconds")), ("notes", notes)]),
